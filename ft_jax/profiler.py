@@ -568,7 +568,8 @@ def _expert_size(args: argparse.Namespace) -> tuple[int, int, str]:
         cfg = load_config(args.model)
         H = H or cfg.hidden_size
         I = I or cfg.moe_intermediate_size
-        dtype = dtype or str(cfg.dtype)
+        # Host banks hold bfloat16 or float32; a float16 checkpoint's experts have bfloat16's size and bandwidth.
+        dtype = dtype or {"float16": "bfloat16"}.get(str(cfg.dtype), str(cfg.dtype))
     if not H or not I:
         raise ValueError("give --model PATH, or both --hidden-size and --intermediate-size")
     return int(H), int(I), profile_store.dtype_name(dtype or "bfloat16")

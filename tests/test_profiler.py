@@ -1,0 +1,274 @@
+"""Tests of ft_jax.profile_store (storage, keys, schema) and ft_jax.profiler (measurement, fraction, CLI).
+
+Every test writes only under tmp_path (XDG_CACHE_HOME is pointed there): the real user cache is never touched.
+Measurements use small experts (H=64, I=128) so each quick profile takes a few seconds on 2 cores; no timing asserts.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+from ft_jax import profile_store, profiler
+from ft_jax.profile_store import Profile, ProfileKey
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf_tiny"
+H, I = 64, 128  # small expert: 3 * 64 * 128 * 4 = 98304 bytes in float32
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+
+def make_profile(bp=2.0, bh=8.0, bpc=None, bhc=None, key=None, **kw) -> Profile:
+    key = key or profile_store.current_key("float32", profile_store.expert_nbytes(H, I, "float32"))
+    spreads = {"bp": (bp * 0.9, bp * 1.1), "bh": (bh * 0.9, bh * 1.1)}
+    if bpc is not None:
+        spreads.update(bp_contended=(bpc, bpc), bh_contended=(bhc, bhc))
+    return Profile(key=key, bp=bp, bh=bh, bp_contended=bpc, bh_contended=bhc, spreads=spreads, repeats=3,
+                   quick=True, measured_at="2026-01-01T00:00:00+00:00", hidden_size=H, intermediate_size=I,
+                   details={"llc_bytes": 1 << 25}, **kw)
+
+
+def other_machine(key: ProfileKey) -> ProfileKey:
+    return dataclasses.replace(key, cpu_model=key.cpu_model + " (another host)", cpu_count=key.cpu_count + 62)
+
+
+def assert_valid_measurement(p: Profile):
+    for name in ("bp", "bh", "bp_contended", "bh_contended"):
+        value = getattr(p, name)
+        assert value is not None and math.isfinite(value) and value > 0, (name, value)
+        lo, hi = p.spreads[name]
+        assert 0 < lo <= value <= hi, (name, lo, value, hi)
+    assert 0.0 <= p.fraction() <= 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fraction rules, q* table and recommendation (hand-worked values, DESIGN.md section 1)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_fraction_standalone_pair():
+    p = make_profile(bp=2.0, bh=8.0)
+    assert p.fraction() == pytest.approx(0.25)  # min(1, BP / BH) = 2 / 8
+    # q* = fetch_count_np(m, 0.25), Q16 f = 16384, cost(F) = max(F * 49152, (m - F) * 16384):
+    # m=3: lo=0, cost(0)=49152 <= cost(1)=49152 -> 0; m=4: lo=1 -> 1; m=7: cost(1)=98304 <= cost(2)=98304 -> 1;
+    # m=8: lo=2, cost(2)=98304 <= cost(3)=147456 -> 2
+    assert profiler.q_star_table(p.fraction()) == {1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1, 7: 1, 8: 2}
+    assert "4.0x faster than the fill" in profiler.recommendation(p)
+    assert "compute about 3 of every 4 misses on the CPU" in profiler.recommendation(p)
+
+
+def test_fraction_contended_pair_takes_precedence():
+    p = make_profile(bp=2.0, bh=8.0, bpc=1.0, bhc=3.1)
+    assert p.fraction() == pytest.approx(1.0 / 4.1)  # BPc / (BPc + BHc), not BP / BH = 0.25
+    text = profiler.recommendation(p)
+    assert text.startswith("the host path is 3.1x faster than the fill (while both run)")
+    assert "compute about 3 of every 4 misses on the CPU (fetch the other 1 into device slots)" in text
+    # 1/4.1 = 0.2439 -> f = round(0.2439 * 65536) = 15984; m=4: lo=0, cost(0)=63936 > cost(1)=49552 -> 1
+    assert profiler.q_star_table(p.fraction())[4] == 1
+
+
+def test_fraction_bh_not_above_bp_fetches_everything():
+    for bh in (4.0, 8.0):  # BH < BP and BH == BP
+        p = make_profile(bp=8.0, bh=bh)
+        assert p.fraction() == 1.0
+        assert profiler.q_star_table(p.fraction()) == {m: m for m in range(1, 9)}
+        assert "fetch every miss into device slots" in profiler.recommendation(p)
+
+
+def test_format_report_lists_everything():
+    text = profiler.format_report(make_profile(bp=2.0, bh=8.0, bpc=1.0, bhc=3.0), "/x/profiles.json")
+    for needle in ("BP  slot fill", "BH  host expert GEMV", "BPc slot fill, contended", "BHc host GEMV, contended",
+                   "fetch fraction q*/m = 0.250", "q* for m = 1..8:", "m=8:2", "recommendation:",
+                   "saved to /x/profiles.json"):
+        assert needle in text, needle
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Storage
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_default_path_follows_xdg_cache_home(tmp_path, monkeypatch):
+    assert profile_store.default_profile_path() == tmp_path / "xdg" / "ft_jax" / "profiles.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert profile_store.default_profile_path() == tmp_path / "home" / ".cache" / "ft_jax" / "profiles.json"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # the XDG spec says relative paths are ignored
+    assert profile_store.default_profile_path() == tmp_path / "home" / ".cache" / "ft_jax" / "profiles.json"
+
+
+def test_round_trip_in_default_location(tmp_path):
+    p = make_profile(bp=2.5, bh=7.5, bpc=1.5, bhc=4.5)
+    written = profile_store.save_profile(p)
+    assert written == tmp_path / "xdg" / "ft_jax" / "profiles.json"
+    doc = json.loads(written.read_text())
+    assert doc["schema_version"] == profile_store.SCHEMA_VERSION and len(doc["profiles"]) == 1
+    loaded, msg = profile_store.load_profile(p.key)
+    assert loaded == p
+    assert "using the bandwidth profile stored in" in msg
+
+
+def test_save_replaces_same_key_and_keeps_others(tmp_path):
+    path = tmp_path / "p.json"
+    a = make_profile(bp=1.0, bh=2.0)
+    other = make_profile(bp=9.0, bh=9.5, key=other_machine(a.key))
+    profile_store.save_profile(a, path)
+    profile_store.save_profile(other, path)
+    profile_store.save_profile(make_profile(bp=3.0, bh=4.0), path)  # same key as a: replaces it
+    profiles, msg = profile_store.read_profiles(path)
+    assert msg == ""
+    assert sorted((p.bp, p.bh) for p in profiles) == [(3.0, 4.0), (9.0, 9.5)]
+
+
+def test_another_machines_profile_is_rejected(tmp_path):
+    path = tmp_path / "p.json"
+    here = make_profile().key
+    profile_store.save_profile(make_profile(key=other_machine(here)), path)
+    loaded, msg = profile_store.load_profile(here, path)
+    assert loaded is None
+    assert "another machine" in msg and "(another host)" in msg
+
+
+def test_another_expert_size_is_not_used(tmp_path):
+    path = tmp_path / "p.json"
+    here = make_profile().key
+    profile_store.save_profile(make_profile(key=dataclasses.replace(here, expert_bytes=here.expert_bytes * 2)), path)
+    loaded, msg = profile_store.load_profile(here, path)
+    assert loaded is None and "other expert sizes" in msg
+
+
+def test_another_schema_is_rejected(tmp_path):
+    path = tmp_path / "p.json"
+    p = make_profile()
+    profile_store.save_profile(p, path)
+    doc = json.loads(path.read_text())
+    doc["schema_version"] = profile_store.SCHEMA_VERSION + 1
+    path.write_text(json.dumps(doc))
+    loaded, msg = profile_store.load_profile(p.key, path)
+    assert loaded is None
+    assert f"schema version {profile_store.SCHEMA_VERSION + 1}" in msg
+    # Saving replaces the file with the current schema.
+    profile_store.save_profile(p, path)
+    assert profile_store.load_profile(p.key, path)[0] == p
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"schema_version": 1}', "[1, 2]",
+                                     '{"schema_version": 1, "profiles": [{"key": {}}]}', b"\xff\xfe\x00"])
+def test_corrupted_file_warns_and_is_replaced(tmp_path, content):
+    path = tmp_path / "ft_jax" / "profiles.json"
+    path.parent.mkdir()
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    p = make_profile()
+    with pytest.warns(UserWarning, match="profiles.json"):
+        loaded, msg = profile_store.load_profile(p.key, path)
+    assert loaded is None and msg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        profile_store.save_profile(p, path)  # a fresh profile replaces it without warning again
+        assert profile_store.load_profile(p.key, path)[0] == p
+
+
+def test_bad_bandwidth_entry_rejected():
+    d = make_profile().to_dict()
+    for bad in (0.0, -1.0, float("nan"), float("inf"), "3", None, True):
+        with pytest.raises(profile_store.ProfileFormatError, match="'bh'"):
+            Profile.from_dict({**d, "bh": bad})
+    with pytest.raises(profile_store.ProfileFormatError, match="key.cpu_count"):
+        Profile.from_dict({**d, "key": {**d["key"], "cpu_count": "2"}})
+
+
+def test_atomic_write_leaves_no_temp_files(tmp_path, monkeypatch):
+    path = tmp_path / "d" / "p.json"
+    first = make_profile(bp=1.0, bh=2.0)
+    profile_store.save_profile(first, path)
+    profile_store.save_profile(make_profile(bp=1.0, bh=3.0, key=other_machine(first.key)), path)
+    assert os.listdir(path.parent) == ["p.json"]
+    before = path.read_bytes()
+
+    def failing_replace(src, dst):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(profile_store.os, "replace", failing_replace)
+    with pytest.raises(OSError, match="simulated"):
+        profile_store.save_profile(make_profile(bp=5.0, bh=6.0), path)
+    assert os.listdir(path.parent) == ["p.json"]  # the temporary file was removed
+    assert path.read_bytes() == before  # and the old file is intact
+
+
+def test_get_or_measure_without_measuring_falls_back_with_warning(tmp_path):
+    path = tmp_path / "p.json"
+    profile_store.save_profile(make_profile(key=other_machine(make_profile().key)), path)
+    with pytest.warns(UserWarning, match="fixed-cap 1"):
+        profile, msg = profiler.get_or_measure_profile(H, I, "float32", allow_measure=False, path=path)
+    assert profile is None and "another machine" in msg
+    path.write_text("garbage")
+    with pytest.warns(UserWarning):
+        profile, msg = profiler.get_or_measure_profile(H, I, "float32", allow_measure=False, path=path)
+    assert profile is None and "corrupted" in msg
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sizing
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_llc_size_read_from_sys():
+    llc = profiler.last_level_cache_bytes()
+    assert llc >= 256 * 1024 and llc % 1024 == 0
+
+
+def test_working_set_exceeds_cache_and_respects_budget():
+    llc, mb = 32 << 20, 1 << 20
+    ws = profiler.plan_working_set(88 * mb, llc, 64 * mb, 4 << 30)  # Mixtral-like 88 MB experts
+    assert (ws.region_rows, ws.slot_rows, ws.per_call) == (2, 1, 1)
+    ws = profiler.plan_working_set(96 * 1024, llc, 16 * mb, 4 << 30)  # H=64, I=128 f32
+    assert ws.region_rows == math.ceil(2 * llc / (96 * 1024)) == ws.slot_rows == 683
+    assert ws.per_call == math.ceil(16 * mb / (96 * 1024)) == 171
+    small = profiler.plan_working_set(96 * 1024, llc, 16 * mb, 100 * mb)  # budget below 3 x 2 x LLC: shrinks
+    assert small.total_bytes <= 100 * mb and small.per_call <= min(small.region_rows, small.slot_rows)
+    with pytest.raises(ValueError, match="at least 5 experts"):
+        profiler.plan_working_set(100 * mb, llc, 16 * mb, 400 * mb)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Real measurements with the production FFI handlers (small experts)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_quick_profile_measures_saves_and_is_reused(tmp_path):
+    path = tmp_path / "p.json"
+    profile, msg = profiler.get_or_measure_profile(H, I, "float32", path=path)
+    assert "ran a quick bandwidth profile" in msg and str(path) in msg
+    assert profile.quick and profile.key == profile_store.current_key("float32", 3 * H * I * 4)
+    assert_valid_measurement(profile)
+    assert profile.details["region_exceeds_2x_llc"]
+    again, msg = profiler.get_or_measure_profile(H, I, "float32", path=path)
+    assert again == profile and "using the bandwidth profile stored" in msg
+
+
+def test_cli_json_with_model_config(tmp_path, capsys):
+    model = FIXTURES / "mixtral"
+    status = profiler.main(["--model", str(model), "--quick", "--json", "--repeats", "2", "--no-save"])
+    out = capsys.readouterr().out
+    assert status == 0
+    doc = json.loads(out)  # exactly one JSON object on stdout
+    p = Profile.from_dict(doc["profile"])
+    assert (p.hidden_size, p.intermediate_size, p.key.dtype) == (64, 128, "float32")  # from config.json
+    assert p.repeats == 2
+    assert_valid_measurement(p)
+    assert doc["fraction"] == pytest.approx(p.fraction())
+    assert doc["q_star"] == {str(m): q for m, q in profiler.q_star_table(p.fraction()).items()}
+    assert doc["saved_to"] is None and isinstance(doc["recommendation"], str)
+    assert not (tmp_path / "xdg").exists()  # --no-save wrote nothing
+
+
+def test_cli_errors_without_expert_size(capsys):
+    assert profiler.main(["--quick", "--json"]) == 2
+    assert "--hidden-size" in capsys.readouterr().err
