@@ -1,0 +1,285 @@
+"""The `ft-jax` command line: `generate` (the main job) and `profile` (bandwidth profile for the q* policy).
+
+    ft-jax generate --prompt "ROMEO:"                  # the bundled tiny Shakespeare MoE
+    ft-jax generate --model ~/models/Mixtral-8x7B --prompt "def fib(n):" --cache-fraction 0.25
+    ft-jax profile --model ~/models/Mixtral-8x7B
+
+Errors in what the user gave (paths, configs, prompts, budgets) print one line and exit with status 2; --verbose
+adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import json
+import os
+import re
+import sys
+import traceback
+import warnings
+from typing import Sequence
+
+BUNDLED_MODEL = "tiny_shakespeare"
+POLICY_HELP = ("qstar (split misses by the measured bandwidths: default), fetch-all (classic LRU offload: every miss "
+               "is copied into a slot), host-all (every miss computed on the CPU; the cache never changes), "
+               "fixed-cap:K (fetch at most K misses per layer), resident (every expert on the device)")
+DEFAULT_CACHE_FRACTION = 0.5
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for: reported in one line, exit status 2."""
+
+
+def bundled_model_path() -> str:
+    """Folder of the small Mixtral-architecture model shipped in the package (ft_jax/bundled/tiny_shakespeare)."""
+    return str(importlib.resources.files("ft_jax") / "bundled" / BUNDLED_MODEL)
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a byte count with an optional unit: "512MiB", "2GB", "1.5g", "4096".
+
+    KB/MB/GB/TB are powers of 1000; KiB/MiB/GiB/TiB (and K/M/G) powers of 1024.
+    Raises:
+        argparse.ArgumentTypeError: not a number with a known unit.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (examples: 4096, 512MiB, 2GB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in re.split(r"[,\s]+", text.strip()) if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty")
+    return ids
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"--cache-fraction must be in (0, 1], got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `ft-jax` argument parser with its `generate` and `profile` subcommands."""
+    from ft_jax import profiler
+
+    parser = argparse.ArgumentParser(
+        prog="ft-jax", description="Mixture-of-Experts decoding in JAX with the experts in host memory: a device "
+        "slot cache plus host expert GEMVs, split by the bandwidth-balanced q* policy.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text (default model: the bundled tiny Shakespeare MoE)",
+                         description="Generate text from a Hugging Face MoE checkpoint folder (config.json + "
+                         "safetensors) or the bundled model, streaming tokens, then print offload statistics.")
+    gen.add_argument("--model", metavar="PATH", help="Hugging Face model folder (default: the bundled model)")
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", metavar="TEXT",
+                     help="prompt text; repeat for several prompts decoded together as one batch")
+    src.add_argument("--prompt-ids", action="append", type=_prompt_ids, metavar="IDS",
+                     help="prompt as comma-separated token ids (no tokenizer needed); repeatable")
+    gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt (default 200)")
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                     help="dense weights and activations dtype (default: float32 for float32 checkpoints, "
+                          "else bfloat16); experts stay in the checkpoint's precision (bfloat16 or float32)")
+    budget = gen.add_mutually_exclusive_group()
+    budget.add_argument("--cache-slots", type=int, metavar="S", help="device expert slots shared by all layers")
+    budget.add_argument("--cache-fraction", type=_fraction, metavar="F",
+                        help=f"slots as a fraction of all experts (default {DEFAULT_CACHE_FRACTION})")
+    budget.add_argument("--device-memory", type=parse_bytes, metavar="BYTES",
+                        help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert)")
+    gen.add_argument("--policy", default="qstar", metavar="POLICY", help=POLICY_HELP)
+    gen.add_argument("--profile", metavar="PATH",
+                     help="bandwidth profile file for qstar (default: the user cache directory; see `ft-jax profile`)")
+    gen.add_argument("--no-measure", action="store_true",
+                     help="qstar without a stored profile: do not run a quick profile, fall back to fixed-cap:1")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (ids, text, statistics) instead")
+    gen.add_argument("--verbose", action="store_true", help="show tracebacks")
+
+    prof = sub.add_parser("profile", help="measure slot-fill (BP) and host GEMV (BH) bandwidths for q*",
+                          description=profiler.__doc__.split("\n\n")[0])
+    profiler.build_parser(prof)
+    return parser
+
+
+def _load(args: argparse.Namespace):
+    """Config, checkpoint and tokenizer for args.model (or the bundled model). Raises UsageError for bad paths."""
+    import jax.numpy as jnp
+
+    from ft_jax.checkpoint import load_checkpoint
+    from ft_jax.config import load_config
+
+    path = args.model or bundled_model_path()
+    if not os.path.exists(path):
+        raise UsageError(f"model path does not exist: {path}")
+    if not os.path.isdir(path):
+        raise UsageError(f"--model must be a folder with config.json and safetensors files, got the file {path}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"no config.json in {path}: not a Hugging Face model folder")
+    cfg = load_config(path)
+    dtype = args.dtype or ("float32" if str(cfg.dtype) == "float32" else "bfloat16")
+    checkpoint = load_checkpoint(path, dtype=jnp.dtype(dtype))
+    return path, checkpoint
+
+
+def _num_slots(args: argparse.Namespace, checkpoint) -> int:
+    cfg = checkpoint.config
+    total = checkpoint.gate_up_bank.num_rows
+    expert_bytes = checkpoint.gate_up_bank.row_bytes + checkpoint.down_bank.row_bytes
+    if args.cache_slots is not None:
+        slots = args.cache_slots
+        if slots < 1:
+            raise UsageError(f"--cache-slots must be >= 1, got {slots}")
+    elif args.device_memory is not None:
+        slots = args.device_memory // expert_bytes
+        if slots < 1:
+            raise UsageError(f"--device-memory {args.device_memory} bytes is smaller than one expert slot "
+                             f"({expert_bytes} bytes: gate/up/down of one expert of {cfg.architecture})")
+    else:
+        fraction = args.cache_fraction if args.cache_fraction is not None else DEFAULT_CACHE_FRACTION
+        slots = max(1, round(fraction * total))
+    return min(slots, total)
+
+
+def _policy(args: argparse.Namespace, checkpoint):
+    """The decode Policy; for qstar, its fraction from the stored (or a quick) bandwidth profile."""
+    from ft_jax import profiler
+    from ft_jax.policy import Policy, parse_policy
+
+    try:
+        policy = parse_policy(args.policy)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if policy.kind != "qstar" or policy.frac is not None:
+        return policy, None
+    cfg, bank = checkpoint.config, checkpoint.gate_up_bank
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the message is printed below
+        profile, message = profiler.get_or_measure_profile(
+            cfg.hidden_size, cfg.moe_intermediate_size, bank.dtype, allow_measure=not args.no_measure,
+            path=args.profile, progress=not args.json)
+    if profile is None:
+        return Policy("fixed-cap", cap=1), message
+    return policy.with_frac(profile.fraction()), message
+
+
+def _stats_table(stats: dict) -> str:
+    def num(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
+    rows = [
+        ("policy", stats["policy"] + (f" (fraction {stats['fraction']:.3f})" if stats.get("fraction") is not None
+                                      else "")),
+        ("expert slots", f"{stats['num_slots']} x {stats['expert_bytes'] / 2**20:.2f} MiB"),
+        ("time to first token", f"{stats['ttft_s'] * 1e3:.1f} ms"),
+        ("prefill", f"{stats['prompt_tokens']} tokens, {num(stats['prefill_tokens_per_s'], '{:.1f}')} tokens/s"),
+        ("decode", f"{stats['generated_tokens']} tokens, {num(stats['decode_tokens_per_s'], '{:.1f}')} tokens/s"),
+        ("compile time", f"{stats['compile_s']:.2f} s (decode step compiled {stats['decode_compiles']}x)"),
+        ("hit rate", num(stats["hit_rate"] and 100 * stats["hit_rate"], "{:.1f} %")),
+        ("experts per step", f"active {stats['active_per_step']:.2f}, hits {stats['hits_per_step']:.2f}, "
+                             f"fetched {stats['fetched_per_step']:.2f}, host-computed {stats['host_per_step']:.2f}"),
+        ("bytes per step", f"H2D slot fills {stats['h2d_bytes_per_step'] / 2**20:.2f} MiB, "
+                           f"host GEMV reads {stats['host_bytes_per_step'] / 2**20:.2f} MiB"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """`ft-jax generate`: returns the exit status."""
+    from ft_jax.engine import Engine, Sampling
+    from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
+
+    path, checkpoint = _load(args)
+    cfg = checkpoint.config
+    tokenizer = None
+    try:
+        tokenizer = load_tokenizer(path)
+    except TokenizerNotFoundError:
+        if args.prompt_ids is None:
+            raise
+    if args.prompt_ids is not None:
+        prompts = args.prompt_ids
+    else:
+        texts = args.prompt or ["\n"]
+        prompts = [tokenizer.encode(t) for t in texts]
+    try:
+        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    num_slots = _num_slots(args, checkpoint)
+    policy, message = _policy(args, checkpoint)
+    if message and not args.json:
+        print(f"ft-jax: {message}", file=sys.stderr)
+    engine = Engine(checkpoint, policy=policy, num_slots=num_slots)
+    eos = tokenizer.eos_token_id if tokenizer is not None else cfg.eos_token_id
+
+    stream = None
+    if not args.json and len(prompts) == 1:
+        stream = tokenizer.stream_decoder() if tokenizer is not None else None
+        if tokenizer is not None:
+            sys.stdout.write(tokenizer.decode(prompts[0]))
+        sys.stdout.flush()
+
+    def on_tokens(step: int, new: list[int | None]) -> None:
+        if args.json or len(prompts) != 1 or new[0] is None:
+            return
+        sys.stdout.write(stream.push(new[0]) if stream is not None else f" {new[0]}")
+        sys.stdout.flush()
+
+    result = engine.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                             eos_token_id=eos, on_tokens=on_tokens)
+    texts = [tokenizer.decode(t) for t in result.tokens] if tokenizer is not None else None
+    if args.json:
+        print(json.dumps({"model": path, "prompt_ids": prompts, "generated_ids": result.tokens, "text": texts,
+                          "stats": result.stats}))
+        return 0
+    if stream is not None:
+        sys.stdout.write(stream.flush())
+    if len(prompts) > 1:
+        for i, (p, t) in enumerate(zip(prompts, result.tokens)):
+            shown = tokenizer.decode(p) + tokenizer.decode(t) if tokenizer is not None else f"{p} -> {t}"
+            print(f"--- [{i}] ---\n{shown}")
+    print(file=sys.stdout)
+    print(_stats_table(result.stats), file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `ft-jax` console script (and `python -m ft_jax`)."""
+    from ft_jax import profiler
+    from ft_jax.checkpoint import CheckpointError
+    from ft_jax.config import ConfigError
+    from ft_jax.tokenizer import TokenizerNotFoundError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command == "profile":
+        return profiler.run(args)
+    try:
+        return run_generate(args)
+    except (UsageError, ConfigError, CheckpointError, TokenizerNotFoundError, ValueError, OSError) as e:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"ft-jax generate: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nft-jax generate: interrupted", file=sys.stderr)
+        return 130
