@@ -1,0 +1,294 @@
+"""Model configuration: parse a Hugging Face MoE ``config.json`` into one flat :class:`MoEConfig`.
+
+Supported architectures (``config.json["architectures"][0]``):
+
+=========================  ==========  ===============================================================
+architecture               family      notes (see DESIGN.md section 6)
+=========================  ==========  ===============================================================
+MixtralForCausalLM         mixtral     experts use ``intermediate_size``; top-k always renormalised
+Qwen2MoeForCausalLM        qwen2_moe   ``moe_intermediate_size``; shared expert with sigmoid gate;
+                                       q/k/v bias (``qkv_bias``, default true); dense layers from
+                                       ``mlp_only_layers`` / ``decoder_sparse_step``
+Qwen3MoeForCausalLM        qwen3_moe   ``moe_intermediate_size``; per-head q/k RMSNorm;
+                                       ``attention_bias``; ``mlp_only_layers`` / ``decoder_sparse_step``
+OlmoeForCausalLM           olmoe       experts use ``intermediate_size``; full-width q/k RMSNorm;
+                                       ``clip_qkv``; ``attention_bias``
+=========================  ==========  ===============================================================
+
+Both key styles are accepted: the ones recent transformers (5.x) writes (``rope_parameters{rope_theta,
+rope_type}``, ``dtype``) and the ones Hub checkpoints use (``rope_theta`` + ``rope_scaling``,
+``torch_dtype``); the expert count may be ``num_local_experts`` or ``num_experts``; ``head_dim`` null or absent
+means ``hidden_size // num_attention_heads``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+}
+
+# Hugging Face ``hidden_act`` -> activation name used by the expert kernels (ft_jax.ffi_ops).
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot be used: unsupported architecture, missing or invalid field.
+
+    The message names the file and the field (or the supported architectures)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Everything the model, loader and decode engine need, in one flat, hashable record.
+
+    Attributes:
+        family: "mixtral" | "qwen2_moe" | "qwen3_moe" | "olmoe".
+        architecture: the ``architectures[0]`` string of config.json.
+        vocab_size, hidden_size (H), num_layers (decoder layers), num_heads, num_kv_heads, head_dim (D).
+        num_experts (E): routed experts per MoE layer. top_k (k): experts per token.
+        moe_intermediate_size (I): routed expert width (gate/up rows: I, down: [H, I]).
+        intermediate_size: width of the dense MLP in non-MoE layers (0 when every layer is MoE).
+        moe_layers: decoder layer indices that are MoE layers, ascending; the MoE layer index used for
+            flat expert ids (flat = moe_layer_index * E + e) is the position in this tuple.
+        shared_expert_intermediate_size: Qwen2-MoE shared expert width (0 = no shared expert).
+        norm_topk_prob: renormalise the top-k softmax probabilities to sum to 1 (always true for Mixtral).
+        rope_theta: RoPE base (default rope type only). rms_norm_eps: RMSNorm epsilon.
+        qkv_bias: q/k/v projections have a bias. o_bias: o projection has a bias.
+        qk_norm: "none" | "per_head" (RMSNorm over D per head, Qwen3-MoE) | "full" (RMSNorm over NH*D / KVH*D
+            before the head split, OLMoE).
+        clip_qkv: clamp q, k, v to [-clip_qkv, clip_qkv] after projection/norm (OLMoE), or None.
+        sliding_window: attention window (a query at p sees keys at positions > p - window), or None.
+        tie_word_embeddings: lm_head shares the embedding matrix.
+        max_position_embeddings: maximum sequence length of the checkpoint.
+        bos_token_id: int or None. eos_token_ids: tuple of end-of-sequence ids (may be empty).
+        hidden_act: Hugging Face activation name (e.g. "silu").
+        dtype: checkpoint dtype name ("float32", "bfloat16", "float16").
+        initializer_range: std of the normal init used for random (untrained) models.
+    """
+
+    family: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    intermediate_size: int
+    moe_layers: tuple[int, ...]
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    rope_theta: float
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: str
+    clip_qkv: float | None
+    sliding_window: int | None
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    hidden_act: str
+    dtype: str
+    initializer_range: float = 0.02
+
+    def __post_init__(self):
+        if self.hidden_act not in _ACTIVATIONS:
+            raise NotImplementedError(
+                f"hidden_act {self.hidden_act!r} is not implemented (supported: {sorted(_ACTIVATIONS)})")
+        if self.qk_norm not in ("none", "per_head", "full"):
+            raise ValueError(f"qk_norm must be 'none', 'per_head' or 'full', got {self.qk_norm!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if any(not 0 <= l < self.num_layers for l in self.moe_layers):
+            raise ValueError(f"moe_layers {self.moe_layers} out of range for {self.num_layers} layers")
+        if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
+            raise ValueError("dense (non-MoE) layers need intermediate_size > 0")
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Number of MoE layers (L_moe); the host banks hold num_moe_layers * num_experts rows."""
+        return len(self.moe_layers)
+
+    @property
+    def activation(self) -> str:
+        """Activation name for the expert kernels: "silu" (SwiGLU) or "gelu_tanh"."""
+        return _ACTIVATIONS[self.hidden_act]
+
+    def moe_layer_index(self, layer: int) -> int | None:
+        """MoE layer index (0..num_moe_layers-1) of decoder layer ``layer``, or None for a dense layer."""
+        try:
+            return self.moe_layers.index(layer)
+        except ValueError:
+            return None
+
+
+def load_config(model_dir: str | os.PathLike) -> MoEConfig:
+    """Read ``<model_dir>/config.json`` and return its :class:`MoEConfig`.
+
+    Raises:
+        FileNotFoundError: no config.json in model_dir.
+        ConfigError: invalid JSON, unsupported architecture (message lists the supported ones), a missing
+            required field (message names it) or a field of the wrong type.
+        NotImplementedError: a RoPE scaling type other than "default", partial rotary embeddings,
+            Qwen sliding-window attention, or an activation other than silu / gelu_pytorch_tanh.
+    """
+    path = os.path.join(os.fspath(model_dir), "config.json")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return config_from_dict(raw, source=path)
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoEConfig:
+    """Build a :class:`MoEConfig` from an already-parsed config.json dict (see :func:`load_config`).
+
+    ``source`` is only used in error messages."""
+
+    def req(key: str, kind: type = int):
+        if key not in raw or raw[key] is None:
+            raise ConfigError(f"{source}: required field {key!r} is missing")
+        return _typed(raw[key], key, kind)
+
+    def opt(key: str, default, kind: type = int):
+        if raw.get(key) is None:
+            return default
+        return _typed(raw[key], key, kind)
+
+    def _typed(value, key, kind):
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is list and isinstance(value, list):
+            return value
+        if kind is str and isinstance(value, str):
+            return value
+        raise ConfigError(f"{source}: field {key!r} should be {kind.__name__}, got {value!r}")
+
+    archs = raw.get("architectures")
+    if not archs or not isinstance(archs, list):
+        raise ConfigError(f"{source}: required field 'architectures' is missing "
+                          f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"{source}: unsupported architecture {arch!r}; supported architectures: "
+                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    family = SUPPORTED_ARCHITECTURES[arch]
+
+    hidden = req("hidden_size")
+    num_layers = req("num_hidden_layers")
+    num_heads = req("num_attention_heads")
+    num_kv_heads = opt("num_key_value_heads", num_heads)
+    head_dim = opt("head_dim", hidden // num_heads)
+
+    if raw.get("num_local_experts") is not None:
+        num_experts = _typed(raw["num_local_experts"], "num_local_experts", int)
+    elif raw.get("num_experts") is not None:
+        num_experts = _typed(raw["num_experts"], "num_experts", int)
+    else:
+        raise ConfigError(f"{source}: required field 'num_local_experts' (or 'num_experts') is missing")
+
+    rope_theta = _rope_theta(raw, source)
+    dtype_name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
+    if dtype_name not in _DTYPES:
+        raise ConfigError(f"{source}: dtype {dtype_name!r} not supported (supported: {sorted(_DTYPES)})")
+
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+
+    common = dict(
+        family=family, architecture=arch, vocab_size=req("vocab_size"), hidden_size=hidden,
+        num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        num_experts=num_experts, top_k=req("num_experts_per_tok"), rope_theta=rope_theta,
+        rms_norm_eps=req("rms_norm_eps", float), clip_qkv=None, sliding_window=None,
+        tie_word_embeddings=opt("tie_word_embeddings", False, bool),
+        max_position_embeddings=req("max_position_embeddings"), bos_token_id=opt("bos_token_id", None),
+        eos_token_ids=eos_ids, hidden_act=opt("hidden_act", "silu", str), dtype=_DTYPES[dtype_name],
+        initializer_range=opt("initializer_range", 0.02, float),
+    )
+
+    if family == "mixtral":
+        common["sliding_window"] = opt("sliding_window", None)
+        return MoEConfig(
+            **common, moe_intermediate_size=req("intermediate_size"), intermediate_size=0,
+            moe_layers=tuple(range(num_layers)), shared_expert_intermediate_size=0, norm_topk_prob=True,
+            qkv_bias=False, o_bias=False, qk_norm="none")
+    if family == "olmoe":
+        bias = opt("attention_bias", False, bool)
+        common["clip_qkv"] = opt("clip_qkv", None, float)
+        return MoEConfig(
+            **common, moe_intermediate_size=req("intermediate_size"), intermediate_size=0,
+            moe_layers=tuple(range(num_layers)), shared_expert_intermediate_size=0,
+            norm_topk_prob=opt("norm_topk_prob", False, bool), qkv_bias=bias, o_bias=bias, qk_norm="full")
+
+    # Qwen2-MoE / Qwen3-MoE: which layers are sparse, as in transformers' Qwen2MoeDecoderLayer:
+    # MoE iff layer not in mlp_only_layers and num_experts > 0 and (layer + 1) % decoder_sparse_step == 0.
+    if opt("use_sliding_window", False, bool):
+        raise NotImplementedError(f"{source}: use_sliding_window=true (Qwen sliding-window attention) is not "
+                                  "implemented")
+    step = opt("decoder_sparse_step", 1)
+    mlp_only = set(opt("mlp_only_layers", [], list))
+    moe_layers = tuple(l for l in range(num_layers)
+                       if l not in mlp_only and num_experts > 0 and step > 0 and (l + 1) % step == 0)
+    dense_width = req("intermediate_size") if len(moe_layers) < num_layers else opt("intermediate_size", 0)
+    if family == "qwen2_moe":
+        return MoEConfig(
+            **common, moe_intermediate_size=req("moe_intermediate_size"), intermediate_size=dense_width,
+            moe_layers=moe_layers, shared_expert_intermediate_size=req("shared_expert_intermediate_size"),
+            norm_topk_prob=opt("norm_topk_prob", False, bool), qkv_bias=opt("qkv_bias", True, bool),
+            o_bias=False, qk_norm="none")
+    bias = opt("attention_bias", False, bool)
+    return MoEConfig(
+        **common, moe_intermediate_size=req("moe_intermediate_size"), intermediate_size=dense_width,
+        moe_layers=moe_layers, shared_expert_intermediate_size=0,
+        norm_topk_prob=opt("norm_topk_prob", False, bool), qkv_bias=bias, o_bias=bias, qk_norm="per_head")
+
+
+def _rope_theta(raw: dict[str, Any], source: str) -> float:
+    """RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (Hub)."""
+    params = raw.get("rope_parameters")
+    scaling = raw.get("rope_scaling")
+    if isinstance(params, dict):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        theta = params.get("rope_theta", raw.get("rope_theta"))
+        partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    else:
+        rope_type = "default"
+        if isinstance(scaling, dict):
+            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        theta = raw.get("rope_theta")
+        partial = raw.get("partial_rotary_factor", 1.0)
+    if rope_type != "default":
+        raise NotImplementedError(f"{source}: RoPE scaling type {rope_type!r} is not implemented "
+                                  "(only the default rope type is)")
+    if partial not in (None, 1, 1.0):
+        raise NotImplementedError(f"{source}: partial_rotary_factor={partial} is not implemented")
+    if theta is None:
+        raise ConfigError(f"{source}: required field 'rope_theta' (or 'rope_parameters.rope_theta') is missing")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConfigError(f"{source}: field 'rope_theta' should be a number, got {theta!r}")
+    return float(theta)
