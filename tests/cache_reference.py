@@ -1,0 +1,175 @@
+"""Plain Python reference of the expert slot cache rules (DESIGN.md sec. 1-3), used by tests only.
+
+Written independently of ft_jax/expert_cache.py and ft_jax/policy.py: Python lists and loops, one fetch and one
+victim at a time, its own Q16 integer rule. It reads only the attributes kind / frac / cap of a policy object.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def q16_fetch_count(m: int, frac: float) -> int:
+    """F for m misses at fraction frac (DESIGN.md sec. 1 integer rule, round half up for the Q16 fraction)."""
+    f = math.floor(frac * 65536 + 0.5)
+    f = max(0, min(65536, f))
+    lo = (m * f) // 65536
+    cost_lo = max(lo * (65536 - f), (m - lo) * f)
+    cost_hi = max((lo + 1) * (65536 - f), (m - lo - 1) * f)
+    if cost_lo <= cost_hi:
+        count = lo
+    else:
+        count = lo + 1
+    if count > m:
+        count = m
+    return count
+
+
+def policy_budget(policy, m: int) -> int:
+    """F(m) before the eligible-slot cap, for a policy with attributes kind / frac / cap."""
+    if policy.kind == "qstar":
+        return q16_fetch_count(m, policy.frac)
+    if policy.kind == "fetch-all":
+        return m
+    if policy.kind == "fixed-cap":
+        return min(m, policy.cap)
+    if policy.kind in ("host-all", "resident"):
+        return 0
+    raise ValueError(f"cache_reference: unknown policy kind {policy.kind!r}")
+
+
+class ReferenceCache:
+    """The cache tables as Python lists; `plan` applies one MoE-layer call.
+
+    resident=True builds the fully resident cache (S = L*E, slot s holds flat id s).
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int | None = None, resident: bool = False):
+        self.L = num_layers
+        self.E = num_experts
+        if resident:
+            self.S = num_layers * num_experts
+        else:
+            self.S = num_slots
+        self.slot_of_expert = [[-1] * self.E for _ in range(self.L)]
+        self.expert_of_slot = [-1] * self.S
+        self.usage = [-1] * self.S
+        self.recency = [[-1] * self.E for _ in range(self.L)]
+        self.step = 0
+        self.stats = [[0] * 6 for _ in range(self.L)]
+        if resident:
+            for layer in range(self.L):
+                for e in range(self.E):
+                    flat = layer * self.E + e
+                    self.slot_of_expert[layer][e] = flat
+                    self.expert_of_slot[flat] = flat
+
+    def _slot_blocked(self, slot: int, layer: int, active: list[bool]) -> bool:
+        """True if the slot holds an expert of `layer` that is active now."""
+        flat = self.expert_of_slot[slot]
+        if flat < 0:
+            return False
+        owner_layer = flat // self.E
+        owner_expert = flat % self.E
+        return owner_layer == layer and active[owner_expert]
+
+    def _pick_victim(self, layer: int, active: list[bool]) -> int:
+        """Eligible slot with the smallest usage, lowest slot on ties; -1 if none is eligible."""
+        best = -1
+        for slot in range(self.S):
+            if self._slot_blocked(slot, layer, active):
+                continue
+            if best == -1 or self.usage[slot] < self.usage[best]:
+                best = slot
+        return best
+
+    def plan(self, layer: int, active, policy) -> dict:
+        """One MoE-layer call. active: sequence of E bools. Returns the plan as numpy arrays (P = min(E, S))."""
+        active = [bool(a) for a in active]
+        E = self.E
+        step = self.step
+        hits = []
+        misses = []
+        for e in range(E):
+            if not active[e]:
+                continue
+            if self.slot_of_expert[layer][e] >= 0:
+                hits.append(e)
+            else:
+                misses.append(e)
+        m = len(misses)
+        budget = policy_budget(policy, m)
+
+        # Rank the misses: seen before (most recent first) ahead of never-seen; lower id on ties.
+        def miss_key(e):
+            rec = self.recency[layer][e]
+            never = 1 if rec < 0 else 0
+            return (never, -rec, e)
+
+        ranked = sorted(misses, key=miss_key)
+
+        fills = []  # (flat id, slot)
+        fetched = set()
+        for e in ranked:
+            if len(fills) == budget:
+                break
+            slot = self._pick_victim(layer, active)
+            if slot == -1:
+                break  # no evictable slot left: the remaining misses go to the host
+            old = self.expert_of_slot[slot]
+            if old >= 0:
+                self.slot_of_expert[old // E][old % E] = -1
+            flat = layer * E + e
+            self.expert_of_slot[slot] = flat
+            self.slot_of_expert[layer][e] = slot
+            self.usage[slot] = step
+            fills.append((flat, slot))
+            fetched.add(e)
+
+        for e in hits:
+            self.usage[self.slot_of_expert[layer][e]] = step
+        for e in range(E):
+            if active[e]:
+                self.recency[layer][e] = step
+
+        P = min(E, self.S)
+        fill_flat_ids = [-1] * P
+        fill_slot_ids = [-1] * P
+        for i, (flat, slot) in enumerate(fills):
+            fill_flat_ids[i] = flat
+            fill_slot_ids[i] = slot
+        device_slot = [-1] * E
+        host_mask = [False] * E
+        for e in hits:
+            device_slot[e] = self.slot_of_expert[layer][e]
+        for e in fetched:
+            device_slot[e] = self.slot_of_expert[layer][e]
+        for e in misses:
+            if e not in fetched:
+                host_mask[e] = True
+        n_active = sum(1 for a in active if a)
+        call_stats = [n_active, len(hits), m, len(fills), m - len(fills)]
+        for i in range(5):
+            self.stats[layer][i] += call_stats[i]
+        self.stats[layer][5] += 1
+        self.step += 1
+        return {
+            "fill_flat_ids": np.array(fill_flat_ids, np.int32),
+            "fill_slot_ids": np.array(fill_slot_ids, np.int32),
+            "device_slot_of_expert": np.array(device_slot, np.int32),
+            "host_mask": np.array(host_mask, bool),
+            "stats": np.array(call_stats, np.int32),
+        }
+
+    def arrays(self) -> dict:
+        """The tables as numpy arrays named like the CacheState fields."""
+        return {
+            "slot_of_expert": np.array(self.slot_of_expert, np.int32).reshape(self.L, self.E),
+            "expert_of_slot": np.array(self.expert_of_slot, np.int32),
+            "usage": np.array(self.usage, np.int32),
+            "recency": np.array(self.recency, np.int32).reshape(self.L, self.E),
+            "step": np.array(self.step, np.int32),
+            "stats": np.array(self.stats, np.int32).reshape(self.L, 6),
+        }

@@ -1,0 +1,221 @@
+"""Tests of ft_jax/expert_cache.py against the plain Python reference (tests/cache_reference.py) and hand-worked
+cases (DESIGN.md sec. 1-3)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ft_jax.expert_cache import (STAT_FIELDS, CacheState, active_from_topk, init_cache_state,
+                                 init_cache_state_resident, plan_layer)
+from ft_jax.policy import parse_policy
+from cache_reference import ReferenceCache
+
+POLICIES = ("qstar:0.415", "fetch-all", "host-all", "fixed-cap:2")
+PLAN_FIELDS = ("fill_flat_ids", "fill_slot_ids", "device_slot_of_expert", "host_mask", "stats")
+# plan_layer with a Python int layer (static) and a static policy; jit only to keep the tests fast.
+plan_static = jax.jit(plan_layer, static_argnums=(1, 3))
+
+
+def assert_state_equal(state: CacheState, want: dict, where: str):
+    for name in CacheState._fields:
+        got = np.asarray(getattr(state, name))
+        assert got.dtype == np.int32, (where, name, got.dtype)
+        np.testing.assert_array_equal(got, want[name], err_msg=f"{where}: CacheState.{name}")
+
+
+def assert_plan_equal(plan, want: dict, where: str):
+    for name in PLAN_FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(plan, name)), want[name], err_msg=f"{where}: plan.{name}")
+
+
+def random_active(rng, E, k, popularity):
+    """Union of the top-k sets of 1-3 tokens, experts drawn from a skewed popularity (so hits happen)."""
+    active = np.zeros(E, bool)
+    for _ in range(rng.integers(1, 4)):
+        active[rng.choice(E, size=k, replace=False, p=popularity)] = True
+    return active
+
+
+@pytest.mark.parametrize("num_layers,num_slots", [(1, 40), (3, 40), (4, 5)])
+@pytest.mark.parametrize("policy_name", POLICIES + ("resident",))
+def test_matches_reference_200_steps(policy_name, num_layers, num_slots):
+    E, k, steps = 32, 8, 200
+    policy = parse_policy(policy_name)
+    if policy.kind == "resident":
+        if num_slots != 40:
+            pytest.skip("resident uses S = L*E: one run per L is enough")
+        state = init_cache_state_resident(num_layers, E)
+        ref = ReferenceCache(num_layers, E, resident=True)
+    else:
+        state = init_cache_state(num_layers, E, num_slots)  # cold start
+        ref = ReferenceCache(num_layers, E, num_slots)
+    rng = np.random.default_rng(1234 + 17 * num_layers + num_slots)
+    popularity = rng.dirichlet(np.full(E, 0.5))
+    step_fn = jax.jit(lambda s, l, a: plan_layer(s, l, a, policy))  # own jit cache (jit caches are per function)
+    assert_state_equal(state, ref.arrays(), "initial")
+    for t in range(steps):
+        layer = t % num_layers if rng.random() < 0.8 else int(rng.integers(num_layers))
+        active = random_active(rng, E, k, popularity)
+        state, plan = step_fn(state, jnp.int32(layer), jnp.asarray(active))
+        want_plan = ref.plan(layer, active, policy)
+        where = f"{policy_name} L={num_layers} S={num_slots} step {t} layer {layer}"
+        assert_plan_equal(plan, want_plan, where)
+        assert_state_equal(state, ref.arrays(), where)
+        if policy.kind == "resident":
+            assert int(plan.stats[1]) == int(active.sum())  # every active expert is a hit
+    assert step_fn._cache_size() == 1  # one compilation for all routings and layers
+    stats = np.asarray(state.stats)
+    assert stats[:, STAT_FIELDS.index("steps")].sum() == steps
+    np.testing.assert_array_equal(stats[:, 1] + stats[:, 2], stats[:, 0])  # hits + misses = active
+    np.testing.assert_array_equal(stats[:, 3] + stats[:, 4], stats[:, 2])  # fetched + host = misses
+
+
+def test_cold_fixed_cap_1_eight_misses():
+    state = init_cache_state(2, 32, 40)
+    active = np.zeros(32, bool)
+    active[[3, 5, 8, 13, 21, 22, 30, 31]] = True
+    state, plan = plan_static(state, 1, jnp.asarray(active), parse_policy("fixed-cap:1"))
+    np.testing.assert_array_equal(np.asarray(plan.stats), [8, 0, 8, 1, 7])
+    # all never seen: the lowest id is fetched, into slot 0 (all slots usage -1, lowest slot wins)
+    assert int(plan.fill_flat_ids[0]) == 1 * 32 + 3 and int(plan.fill_slot_ids[0]) == 0
+    assert (np.asarray(plan.fill_flat_ids[1:]) == -1).all() and (np.asarray(plan.fill_slot_ids[1:]) == -1).all()
+    assert int(np.asarray(plan.host_mask).sum()) == 7
+    assert not bool(plan.host_mask[3]) and bool(plan.host_mask[31])
+    dev = np.asarray(plan.device_slot_of_expert)
+    assert dev[3] == 0 and (np.delete(dev, 3) == -1).all()
+
+
+def test_no_stale_hit_after_overwrite():
+    fetch_all = parse_policy("fetch-all")
+    state = init_cache_state(2, 4, 1)
+    only = lambda e: jnp.asarray(np.arange(4) == e)
+    state, plan = plan_static(state, 0, only(2), fetch_all)  # expert (0, 2) -> slot 0
+    assert int(state.slot_of_expert[0, 2]) == 0
+    state, plan = plan_static(state, 1, only(1), fetch_all)  # (1, 1) overwrites slot 0
+    assert int(state.slot_of_expert[0, 2]) == -1 and int(state.expert_of_slot[0]) == 1 * 4 + 1
+    state, plan = plan_static(state, 0, only(2), parse_policy("host-all"))
+    np.testing.assert_array_equal(np.asarray(plan.stats), [1, 0, 1, 0, 1])  # a miss, not a stale hit
+    assert bool(plan.host_mask[2]) and int(plan.device_slot_of_expert[2]) == -1
+
+
+def test_never_evicts_active_expert_of_current_layer():
+    # L=1, E=4, S=2: both slots hold experts active again, so the two new misses cannot be fetched.
+    fetch_all = parse_policy("fetch-all")
+    state = init_cache_state(1, 4, 2)
+    state, _ = plan_static(state, 0, jnp.array([True, True, False, False]), fetch_all)
+    state, plan = plan_static(state, 0, jnp.array([True, True, True, True]), fetch_all)
+    np.testing.assert_array_equal(np.asarray(plan.stats), [4, 2, 2, 0, 2])  # F capped to 0 eligible slots
+    np.testing.assert_array_equal(np.asarray(plan.fill_slot_ids), [-1, -1])
+    np.testing.assert_array_equal(np.asarray(plan.device_slot_of_expert), [0, 1, -1, -1])
+    np.testing.assert_array_equal(np.asarray(plan.host_mask), [False, False, True, True])
+
+
+def _mask(E, ids):
+    return jnp.asarray(np.isin(np.arange(E), ids))
+
+
+# Hand-worked scenario: L=2 MoE layers, E=4 experts, S=2 slots, P = min(E, S) = 2. Each entry: (layer, active
+# experts, policy) -> expected plan (fill_flat_ids, fill_slot_ids, device_slot_of_expert, host_mask, stats) and
+# expected tables after the call (slot_of_expert, expert_of_slot, usage, recency, step).
+HAND_STEPS = [
+    # step 0: cold. misses 1, 3 (never seen, lower id first) -> slots 0, 1 (usage -1, lowest slot first).
+    ((0, [1, 3], "fetch-all"),
+     ([1, 3], [0, 1], [-1, 0, -1, 1], [0, 0, 0, 0], [2, 0, 2, 2, 0]),
+     ([[-1, 0, -1, 1], [-1, -1, -1, -1]], [1, 3], [0, 0], [[-1, 0, -1, 0], [-1, -1, -1, -1]], 1)),
+    # step 1: layer 1 misses 0, 2 (flat 4, 6) evict layer 0's experts (global pool, usage 0 tie -> slot 0 first).
+    ((1, [0, 2], "fetch-all"),
+     ([4, 6], [0, 1], [0, -1, 1, -1], [0, 0, 0, 0], [2, 0, 2, 2, 0]),
+     ([[-1, -1, -1, -1], [0, -1, 1, -1]], [4, 6], [1, 1], [[-1, 0, -1, 0], [1, -1, 1, -1]], 2)),
+    # step 2: hit 2 (slot 1); miss 3 may not evict slot 1 (expert 2 active) -> slot 0, evicting flat 4.
+    ((1, [2, 3], "fetch-all"),
+     ([7, -1], [0, -1], [-1, -1, 1, 0], [0, 0, 0, 0], [2, 1, 1, 1, 0]),
+     ([[-1, -1, -1, -1], [-1, -1, 1, 0]], [7, 6], [2, 2], [[-1, 0, -1, 0], [1, -1, 2, 2]], 3)),
+    # step 3: misses 0 (never), 1 (rec 0), 3 (rec 0) rank 1, 3, 0; only 2 slots -> F = 2, expert 0 on the host.
+    ((0, [0, 1, 3], "fetch-all"),
+     ([1, 3], [0, 1], [-1, 0, -1, 1], [1, 0, 0, 0], [3, 0, 3, 2, 1]),
+     ([[-1, 0, -1, 1], [-1, -1, -1, -1]], [1, 3], [3, 3], [[3, 3, -1, 3], [1, -1, 2, 2]], 4)),
+    # step 4: qstar 0.415, m = 2 -> F = 1 (f = 27197: cost(0) = 54394 > cost(1) = 38339). Expert 0 (rec 3)
+    # ranks above never-seen 2; victim slot 0 (usage tie 3, lowest slot), evicting flat 1.
+    ((0, [0, 2], "qstar:0.415"),
+     ([0, -1], [0, -1], [0, -1, -1, -1], [0, 0, 1, 0], [2, 0, 2, 1, 1]),
+     ([[0, -1, -1, 1], [-1, -1, -1, -1]], [0, 3], [4, 3], [[4, 3, 4, 3], [1, -1, 2, 2]], 5)),
+    # step 5: host-all: hit 3 (slot 1, usage -> 5), miss 2 on the host, tables otherwise unchanged.
+    ((0, [2, 3], "host-all"),
+     ([-1, -1], [-1, -1], [-1, -1, -1, 1], [0, 0, 1, 0], [2, 1, 1, 0, 1]),
+     ([[0, -1, -1, 1], [-1, -1, -1, -1]], [0, 3], [4, 5], [[4, 3, 5, 5], [1, -1, 2, 2]], 6)),
+    # step 6: fixed-cap 1, miss (1, 1) = flat 5 -> LRU slot 0 (usage 4 < 5), evicting flat 0.
+    ((1, [1], "fixed-cap:1"),
+     ([5, -1], [0, -1], [-1, 0, -1, -1], [0, 0, 0, 0], [1, 0, 1, 1, 0]),
+     ([[-1, -1, -1, 1], [-1, 0, -1, -1]], [5, 3], [6, 5], [[4, 3, 5, 5], [1, 6, 2, 2]], 7)),
+]
+# Per layer: (active, hits, misses, fetched, host, steps) summed over the calls above.
+HAND_FINAL_STATS = [[9, 1, 8, 5, 3, 4], [5, 1, 4, 4, 0, 3]]
+
+
+@pytest.mark.parametrize("use_reference", [False, True])
+def test_hand_worked_two_layers(use_reference):
+    E = 4
+    state = init_cache_state(2, E, 2)
+    ref = ReferenceCache(2, E, 2)
+    for t, ((layer, ids, name), plan_want, tables_want) in enumerate(HAND_STEPS):
+        policy = parse_policy(name)
+        if use_reference:  # the reference must agree with the hand-worked values too
+            got_plan = ref.plan(layer, np.asarray(_mask(E, ids)), policy)
+            got_tables = ref.arrays()
+        else:
+            state, plan = plan_static(state, layer, _mask(E, ids), policy)
+            got_plan = {name: np.asarray(getattr(plan, name)) for name in PLAN_FIELDS}
+            got_tables = {name: np.asarray(getattr(state, name)) for name in CacheState._fields}
+        for name, want in zip(PLAN_FIELDS, plan_want):
+            np.testing.assert_array_equal(got_plan[name], np.array(want).astype(got_plan[name].dtype),
+                                          err_msg=f"step {t}: plan.{name}")
+        for name, want in zip(("slot_of_expert", "expert_of_slot", "usage", "recency", "step"), tables_want):
+            np.testing.assert_array_equal(got_tables[name], np.array(want, np.int32), err_msg=f"step {t}: {name}")
+    np.testing.assert_array_equal(got_tables["stats"], np.array(HAND_FINAL_STATS, np.int32))
+
+
+def test_resident_state_and_policy():
+    state = init_cache_state_resident(2, 3)
+    np.testing.assert_array_equal(np.asarray(state.slot_of_expert), [[0, 1, 2], [3, 4, 5]])
+    np.testing.assert_array_equal(np.asarray(state.expert_of_slot), np.arange(6))
+    state, plan = plan_static(state, 1, jnp.array([False, True, True]), parse_policy("resident"))
+    np.testing.assert_array_equal(np.asarray(plan.device_slot_of_expert), [-1, 4, 5])
+    np.testing.assert_array_equal(np.asarray(plan.stats), [2, 2, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(plan.fill_flat_ids), [-1, -1, -1])
+    np.testing.assert_array_equal(np.asarray(state.usage), [-1, -1, -1, -1, 0, 0])
+    with pytest.raises(ValueError, match="S = L\\*E"):
+        plan_layer(init_cache_state(2, 3, 4), 0, jnp.zeros(3, bool), parse_policy("resident"))
+
+
+def test_python_int_and_traced_layer_agree():
+    policy = parse_policy("qstar:0.454")
+    rng = np.random.default_rng(7)
+    s_int = s_traced = init_cache_state(3, 8, 5)
+    traced = jax.jit(plan_layer, static_argnums=3)  # layer traced
+    for t in range(12):
+        active = jnp.asarray(rng.random(8) < 0.4)
+        s_int, p_int = plan_static(s_int, t % 3, active, policy)
+        s_traced, p_traced = traced(s_traced, jnp.int32(t % 3), active, policy)
+        for a, b in zip(jax.tree_util.tree_leaves((s_int, p_int)), jax.tree_util.tree_leaves((s_traced, p_traced))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_active_from_topk():
+    ids = jnp.array([[1, 5], [5, 2], [-1, 7]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(active_from_topk(ids, 8)),
+                                  [False, True, True, False, False, True, False, True])
+
+
+def test_input_errors():
+    state = init_cache_state(2, 4, 3)
+    with pytest.raises(ValueError, match=r"bool\[4\]"):
+        plan_layer(state, 0, jnp.zeros(5, bool), parse_policy("fetch-all"))
+    with pytest.raises(ValueError, match=r"bool\[4\]"):
+        plan_layer(state, 0, jnp.zeros(4, jnp.int32), parse_policy("fetch-all"))
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        plan_layer(state, 2, jnp.zeros(4, bool), parse_policy("fetch-all"))
+    with pytest.raises(ValueError, match="no fraction"):
+        plan_layer(state, 0, jnp.zeros(4, bool), parse_policy("qstar"))
+    with pytest.raises(ValueError, match="num_slots"):
+        init_cache_state(2, 4, 0)
