@@ -1,0 +1,191 @@
+"""Host expert banks: page-aligned host memory owned by the C++ extension, one row per expert.
+
+A bank holds one weight kind for all L x E experts (flat id = moe_layer_index * E + expert_index), e.g.
+  gate_up bank: rows [2I, H] (rows 0..I-1 = gate_proj.weight [I, H], rows I..2I-1 = up_proj.weight [I, H];
+                Mixtral w1 = gate, w3 = up; the transformers ``experts.gate_up_proj`` [E, 2I, H] layout),
+  down bank:    rows [H, I] (down_proj.weight, Mixtral w2).
+The FFI handlers (ft_jax.ffi_ops) receive the bank's integer ``id`` as a compile-time attribute.
+
+Lifetime: ``release()`` (or garbage collection of the HostBank) drops the bank from the C++ registry. A handler
+that is running keeps the memory alive until it returns, numpy views returned by ``numpy()`` keep it alive while
+they exist, and compiled steps that run after the release get an FFI error naming the bank instead of crashing.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Sequence
+
+import ml_dtypes
+import numpy as np
+
+from ft_jax import _ffi
+
+_DTYPE_CODES: dict[str, int] = dict(_ffi.dtype_codes())
+
+# Rows copied per chunk by from_numpy: bounds the temporary memory when the source is a memory map or needs a cast.
+_COPY_CHUNK_BYTES = 64 << 20
+
+
+def _bank_dtype(dtype) -> np.dtype:
+    """np.dtype for a supported bank dtype (float32, bfloat16, float16, int8, uint8, float8_e4m3fn, float8_e5m2)."""
+    if isinstance(dtype, str) and hasattr(ml_dtypes, dtype):  # "bfloat16", "float8_e4m3fn"
+        dtype = getattr(ml_dtypes, dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"HostBank: {dtype!r} is not a dtype") from e
+    if dt.name not in _DTYPE_CODES:
+        raise TypeError(f"HostBank: unsupported dtype {dt.name}; supported: {', '.join(sorted(_DTYPE_CODES))}")
+    return dt
+
+
+def _release_if_live(bank_id: int) -> None:
+    if _ffi.bank_is_live(bank_id):
+        _ffi.bank_release(bank_id)
+
+
+class HostBank:
+    """A C++-owned host bank of ``num_rows`` rows of shape ``row_shape`` and dtype ``dtype``, zero-filled.
+
+    Args:
+      num_rows: number of rows (experts), >= 1.
+      row_shape: shape of one row, every dimension >= 1 (e.g. (2 * I, H) for gate_up, (H, I) for down).
+      dtype: np.float32 or jnp.bfloat16 / ml_dtypes.bfloat16 for expert weights; float16, int8, uint8,
+        float8_e4m3fn and float8_e5m2 banks can be created and slot-filled but the expert kernels reject them.
+
+    Memory is an anonymous mmap (4096-byte aligned, committed on first write).
+
+    Raises:
+      TypeError: unsupported dtype. ValueError: non-positive num_rows or row dimension. MemoryError.
+    """
+
+    def __init__(self, num_rows: int, row_shape: Sequence[int], dtype):
+        self._dtype = _bank_dtype(dtype)
+        num_rows = int(num_rows)
+        row_shape = tuple(int(d) for d in row_shape)
+        self._id = int(_ffi.bank_create(num_rows, list(row_shape), _DTYPE_CODES[self._dtype.name]))
+        self._num_rows = num_rows
+        self._row_shape = row_shape
+        self._finalizer = weakref.finalize(self, _release_if_live, self._id)
+
+    @classmethod
+    def from_numpy(cls, array, dtype=None) -> "HostBank":
+        """New bank holding a copy of ``array`` [R, *row_shape] (numpy array or np.memmap).
+
+        Copies in chunks of rows, so a memory-mapped source is never materialised in full. ``dtype`` (default:
+        the array's dtype) may differ from the array's, e.g. float32 data into a bfloat16 bank (round to nearest
+        even, as ml_dtypes casts).
+
+        Raises:
+          ValueError: array rank < 1 or an empty dimension. TypeError: unsupported dtype.
+        """
+        src = np.asarray(array) if not isinstance(array, np.ndarray) else array
+        if src.ndim < 1:
+            raise ValueError(f"HostBank.from_numpy: array must be [R, *row_shape], got a scalar of shape {src.shape}")
+        bank = cls(src.shape[0], src.shape[1:], src.dtype if dtype is None else dtype)
+        dst = bank.numpy()
+        rows_per_chunk = max(1, _COPY_CHUNK_BYTES // max(1, bank.row_bytes))
+        for start in range(0, bank.num_rows, rows_per_chunk):
+            stop = min(bank.num_rows, start + rows_per_chunk)
+            dst[start:stop] = src[start:stop]
+        return bank
+
+    @property
+    def id(self) -> int:
+        """Integer id of the bank in the C++ registry (the FFI attribute)."""
+        return self._id
+
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self._row_shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(num_rows, *row_shape)."""
+        return (self._num_rows, *self._row_shape)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row."""
+        return math.prod(self._row_shape) * self._dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole bank (num_rows * row_bytes)."""
+        return self._num_rows * self.row_bytes
+
+    @property
+    def alive(self) -> bool:
+        """False once the bank has been released."""
+        return bool(_ffi.bank_is_live(self._id))
+
+    def _check_alive(self, what: str) -> None:
+        if not self.alive:
+            raise ValueError(f"HostBank.{what}: bank {self._id} {self._describe_shape()} was released")
+
+    def _describe_shape(self) -> str:
+        return f"[{', '.join(str(d) for d in self.shape)}] {self._dtype.name}"
+
+    def numpy(self) -> np.ndarray:
+        """Zero-copy writable numpy view [num_rows, *row_shape] of the bank memory.
+
+        The view keeps the memory alive even if the bank is released afterwards. Raises ValueError if released.
+        """
+        self._check_alive("numpy")
+        return _ffi.bank_buffer(self._id).view(self._dtype).reshape(self.shape)
+
+    def write_row(self, i: int, array) -> None:
+        """Copies ``array`` (shape row_shape) into row ``i``; float data is cast to the bank dtype (f32 -> bf16).
+
+        Raises:
+          IndexError: i outside [0, num_rows). ValueError: wrong shape or released bank.
+          TypeError: a non-float array into a float bank, or a dtype mismatch for an integer/fp8 bank.
+        """
+        self._check_alive("write_row")
+        i = int(i)
+        if not 0 <= i < self._num_rows:
+            raise IndexError(f"HostBank.write_row: row {i} out of range for bank {self._id} with {self._num_rows} rows")
+        src = np.asarray(array)
+        if src.shape != self._row_shape:
+            raise ValueError(
+                f"HostBank.write_row: bank {self._id} rows have shape {self._row_shape}, got array of shape {src.shape}"
+            )
+        float_bank = self._dtype.kind == "f" or self._dtype.name == "bfloat16"
+        float_src = src.dtype.kind == "f" or src.dtype.name == "bfloat16"
+        if src.dtype != self._dtype and not (float_bank and float_src and self._dtype.itemsize >= 2):
+            raise TypeError(
+                f"HostBank.write_row: bank {self._id} is {self._dtype.name}, got a {src.dtype.name} array "
+                "(only float data is cast, and only into float32/bfloat16/float16 banks)"
+            )
+        self.numpy()[i] = src
+
+    def release(self) -> None:
+        """Drops the bank from the registry; later FFI calls with its id fail with an error naming it.
+
+        Raises ValueError if the bank was already released.
+        """
+        if not self._finalizer.alive or not self.alive:
+            raise ValueError(f"HostBank.release: bank {self._id} {self._describe_shape()} was already released")
+        self._finalizer.detach()
+        _ffi.bank_release(self._id)
+
+    def __enter__(self) -> "HostBank":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.alive:
+            self.release()
+
+    def __repr__(self) -> str:
+        state = "" if self.alive else ", released"
+        return f"HostBank(id={self._id}, shape={self.shape}, dtype={self._dtype.name}{state})"

@@ -1,0 +1,333 @@
+#include "xla_ffi/expert_kernel.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "xla_ffi/host_bank.h"
+#include "xla_ffi/thread_pool.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define FT_JAX_HAVE_AVX2_PATH 1
+#define FT_JAX_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define FT_JAX_HAVE_AVX2_PATH 0
+#endif
+
+namespace ft_jax {
+
+namespace {
+
+// Below this many weight bytes per call the kernel runs on the calling thread (waking workers costs more).
+constexpr size_t kParallelMinBytes = size_t{1} << 20;
+// Target weight bytes per task: large enough to amortise the task hand-out, small enough to balance the threads.
+constexpr size_t kTaskBytes = size_t{256} << 10;
+
+std::atomic<bool> force_generic{false};
+
+bool UseAvx2() {
+#if FT_JAX_HAVE_AVX2_PATH
+  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return supported && !force_generic.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+inline float ToF32(float v) { return v; }
+inline float ToF32(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// out[r * NT + n] = dot(rows[r][0:len], xs[n][0:len]), eight interleaved partial sums per pair.
+template <typename W, int R, int NT>
+void DotGeneric(const W* const* rows, const float* const* xs, int64_t len, float* out) {
+  float acc[R][NT][8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    for (int r = 0; r < R; ++r) {
+      float w[8];
+      for (int l = 0; l < 8; ++l) w[l] = ToF32(rows[r][i + l]);
+      for (int n = 0; n < NT; ++n) {
+        for (int l = 0; l < 8; ++l) acc[r][n][l] += w[l] * xs[n][i + l];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int n = 0; n < NT; ++n) {
+      const float* a = acc[r][n];
+      float s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+      for (int64_t j = i; j < len; ++j) s += ToF32(rows[r][j]) * xs[n][j];
+      out[r * NT + n] = s;
+    }
+  }
+}
+
+#if FT_JAX_HAVE_AVX2_PATH
+FT_JAX_AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+FT_JAX_AVX2 inline __m256 Load8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+FT_JAX_AVX2 inline float HSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // lanes l + l+4
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Same contract as DotGeneric; AVX2 + FMA, weights converted to f32 in registers.
+template <typename W, int R, int NT>
+FT_JAX_AVX2 void DotAvx2(const W* const* rows, const float* const* xs, int64_t len, float* out) {
+  __m256 acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NT; ++n) acc[r][n] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    __m256 xv[NT];
+    for (int n = 0; n < NT; ++n) xv[n] = _mm256_loadu_ps(xs[n] + i);
+    for (int r = 0; r < R; ++r) {
+      __m256 w = Load8(rows[r] + i);
+      for (int n = 0; n < NT; ++n) acc[r][n] = _mm256_fmadd_ps(w, xv[n], acc[r][n]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int n = 0; n < NT; ++n) {
+      float s = HSum(acc[r][n]);
+      for (int64_t j = i; j < len; ++j) s += ToF32(rows[r][j]) * xs[n][j];
+      out[r * NT + n] = s;
+    }
+  }
+}
+#endif
+
+template <typename W, int R, int NT>
+inline void Dot(bool avx2, const W* const* rows, const float* const* xs, int64_t len, float* out) {
+#if FT_JAX_HAVE_AVX2_PATH
+  if (avx2) return DotAvx2<W, R, NT>(rows, xs, len, out);
+#endif
+  (void)avx2;
+  DotGeneric<W, R, NT>(rows, xs, len, out);
+}
+
+inline float Activate(Activation act, float g) {
+  if (act == Activation::kSilu) return g / (1.0f + std::exp(-g));
+  // gelu_tanh: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  return 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+}
+
+// Routes grouped by expert: routes of group g are order[begin[g] .. begin[g+1]) (route = t * k + j).
+struct Groups {
+  std::vector<int32_t> expert;   // [G] ascending
+  std::vector<int64_t> begin;    // [G + 1]
+  std::vector<int64_t> token;    // [routes] token index per grouped route
+  std::vector<float> weight;     // [routes]
+};
+
+void GroupRoutes(const int32_t* ids, const float* weights, int64_t T, int64_t k, Groups* g) {
+  std::vector<int64_t> order;
+  order.reserve(T * k);
+  for (int64_t r = 0; r < T * k; ++r)
+    if (ids[r] >= 0) order.push_back(r);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+  g->expert.clear();
+  g->begin.clear();
+  g->token.resize(order.size());
+  g->weight.resize(order.size());
+  for (size_t n = 0; n < order.size(); ++n) {
+    int32_t e = ids[order[n]];
+    if (g->expert.empty() || g->expert.back() != e) {
+      g->expert.push_back(e);
+      g->begin.push_back(static_cast<int64_t>(n));
+    }
+    g->token[n] = order[n] / k;
+    g->weight[n] = weights[order[n]];
+  }
+  g->begin.push_back(static_cast<int64_t>(order.size()));
+}
+
+int64_t RowsPerTask(size_t row_bytes, int64_t rows, int64_t multiple, int threads) {
+  int64_t r = static_cast<int64_t>(kTaskBytes / std::max<size_t>(row_bytes, 1));
+  // At least 4 tasks per thread for balance.
+  int64_t cap = (rows + 4 * threads - 1) / (4 * threads);
+  r = std::max<int64_t>(1, std::min(r, cap));
+  return (r + multiple - 1) / multiple * multiple;
+}
+
+// Phase 1 for one expert and gate rows [i0, i1): a[route][i] = act(gate_i . x) * (up_i . x).
+template <typename WG>
+void GateUpRows(bool avx2, const WG* gu, const Groups& g, int64_t grp, const float* x, int64_t H, int64_t I,
+                Activation act, int64_t i0, int64_t i1, float* a) {
+  const int64_t b = g.begin[grp], e = g.begin[grp + 1];
+  float out[8];
+  for (int64_t i = i0; i < i1;) {
+    const bool pair = i + 1 < i1;
+    const WG* rows[4] = {gu + i * H, gu + (i + 1) * H, gu + (I + i) * H, gu + (I + i + 1) * H};
+    const WG* rows1[2] = {gu + i * H, gu + (I + i) * H};
+    for (int64_t n = b; n < e;) {
+      const bool two = n + 1 < e;
+      const float* xs[2] = {x + g.token[n] * H, x + g.token[two ? n + 1 : n] * H};
+      if (pair) {
+        // out = [gate_i, gate_i+1, up_i, up_i+1] x tokens
+        if (two) {
+          Dot<WG, 4, 2>(avx2, rows, xs, H, out);
+          for (int tn = 0; tn < 2; ++tn)
+            for (int q = 0; q < 2; ++q)
+              a[(n + tn) * I + i + q] = Activate(act, out[q * 2 + tn]) * out[(2 + q) * 2 + tn];
+        } else {
+          Dot<WG, 4, 1>(avx2, rows, xs, H, out);
+          for (int q = 0; q < 2; ++q) a[n * I + i + q] = Activate(act, out[q]) * out[2 + q];
+        }
+      } else {
+        Dot<WG, 2, 1>(avx2, rows1, xs, H, out);
+        a[n * I + i] = Activate(act, out[0]) * out[1];
+        if (two) {
+          Dot<WG, 2, 1>(avx2, rows1, xs + 1, H, out);
+          a[(n + 1) * I + i] = Activate(act, out[0]) * out[1];
+        }
+      }
+      n += two ? 2 : 1;
+    }
+    i += pair ? 2 : 1;
+  }
+}
+
+// Phase 2 for output rows [h0, h1): y[t][h] = sum over groups (ascending), routes (in order) of w * (down_h . a).
+template <typename WD>
+void DownRows(bool avx2, const ExpertWeights& m, const Groups& g, const float* a, int64_t T, int64_t h0,
+              int64_t h1, float* y) {
+  const int64_t H = m.hidden, I = m.inter;
+  for (int64_t t = 0; t < T; ++t) std::fill(y + t * H + h0, y + t * H + h1, 0.0f);
+  float out[8];
+  for (size_t grp = 0; grp + 1 < g.begin.size(); ++grp) {
+    const WD* dn = reinterpret_cast<const WD*>(m.down + static_cast<size_t>(g.expert[grp]) * m.down_stride);
+    const int64_t b = g.begin[grp], e = g.begin[grp + 1];
+    for (int64_t h = h0; h < h1;) {
+      const bool four = h + 4 <= h1;
+      for (int64_t n = b; n < e;) {
+        const bool two = n + 1 < e;
+        const float* as[2] = {a + n * I, a + (two ? n + 1 : n) * I};
+        if (four) {
+          const WD* rows[4] = {dn + h * I, dn + (h + 1) * I, dn + (h + 2) * I, dn + (h + 3) * I};
+          if (two) {
+            Dot<WD, 4, 2>(avx2, rows, as, I, out);
+            for (int r = 0; r < 4; ++r)
+              for (int tn = 0; tn < 2; ++tn) y[g.token[n + tn] * H + h + r] += g.weight[n + tn] * out[r * 2 + tn];
+          } else {
+            Dot<WD, 4, 1>(avx2, rows, as, I, out);
+            for (int r = 0; r < 4; ++r) y[g.token[n] * H + h + r] += g.weight[n] * out[r];
+          }
+        } else {
+          const WD* rows[1] = {dn + h * I};
+          Dot<WD, 1, 1>(avx2, rows, as, I, out);
+          y[g.token[n] * H + h] += g.weight[n] * out[0];
+          if (two) {
+            Dot<WD, 1, 1>(avx2, rows, as + 1, I, out);
+            y[g.token[n + 1] * H + h] += g.weight[n + 1] * out[0];
+          }
+        }
+        n += two ? 2 : 1;
+      }
+      h += four ? 4 : 1;
+    }
+  }
+}
+
+template <typename WG, typename WD>
+void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T, Activation act, float* y) {
+  const bool avx2 = UseAvx2();
+  const int64_t H = m.hidden, I = m.inter;
+  const int64_t G = static_cast<int64_t>(g.expert.size());
+  const int64_t routes = g.begin.back();
+  const size_t egu = sizeof(WG), ed = sizeof(WD);
+  const size_t weight_bytes = static_cast<size_t>(G) * static_cast<size_t>(H * I) * (2 * egu + ed);
+  ThreadPool& pool = ThreadPool::Global();
+  const bool parallel = weight_bytes >= kParallelMinBytes && pool.num_threads() > 1;
+  const int threads = parallel ? pool.num_threads() : 1;
+  auto run = [&](int64_t n, const std::function<void(int64_t)>& fn) {
+    if (parallel) {
+      pool.ParallelFor(n, fn);
+    } else {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+    }
+  };
+
+  thread_local std::vector<float> a_buf;
+  if (a_buf.size() < static_cast<size_t>(routes * I)) a_buf.resize(routes * I);
+  float* a = a_buf.data();
+
+  // Phase 1: tasks = (expert group, block of gate/up row pairs).
+  const int64_t rpt1 = RowsPerTask(2 * H * egu, I, 2, threads);
+  const int64_t blocks1 = (I + rpt1 - 1) / rpt1;
+  run(G * blocks1, [&](int64_t task) {
+    const int64_t grp = task / blocks1, blk = task % blocks1;
+    const WG* gu = reinterpret_cast<const WG*>(m.gate_up + static_cast<size_t>(g.expert[grp]) * m.gate_up_stride);
+    GateUpRows<WG>(avx2, gu, g, grp, x, H, I, act, blk * rpt1, std::min(I, (blk + 1) * rpt1), a);
+  });
+
+  // Phase 2: tasks = blocks of output rows h (all experts inside one task: fixed accumulation order).
+  const int64_t rpt2 = RowsPerTask(static_cast<size_t>(G) * I * ed, H, 4, threads);
+  const int64_t blocks2 = (H + rpt2 - 1) / rpt2;
+  run(blocks2, [&](int64_t blk) {
+    DownRows<WD>(avx2, m, g, a, T, blk * rpt2, std::min(H, (blk + 1) * rpt2), y);
+  });
+}
+
+}  // namespace
+
+bool ParseActivation(std::string_view name, Activation* out) {
+  if (name == "silu") {
+    *out = Activation::kSilu;
+    return true;
+  }
+  if (name == "gelu_tanh") {
+    *out = Activation::kGeluTanh;
+    return true;
+  }
+  return false;
+}
+
+std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, const std::string& what) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (ids[i] >= num_experts) {
+      return "id " + std::to_string(ids[i]) + " at position " + std::to_string(i) + " is out of range for " + what +
+             " (expected -1 or 0.." + std::to_string(num_experts - 1) + ")";
+    }
+  }
+  return "";
+}
+
+void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
+                int64_t k, Activation act, float* y) {
+  thread_local Groups groups;
+  GroupRoutes(ids, weights, T, k, &groups);
+  if (groups.expert.empty()) {
+    std::fill(y, y + T * m.hidden, 0.0f);
+    return;
+  }
+  const bool gu_bf16 = m.gate_up_dtype == static_cast<int32_t>(BankDType::kBF16);
+  const bool dn_bf16 = m.down_dtype == static_cast<int32_t>(BankDType::kBF16);
+  if (gu_bf16 && dn_bf16) {
+    RunTyped<uint16_t, uint16_t>(m, x, groups, T, act, y);
+  } else if (gu_bf16) {
+    RunTyped<uint16_t, float>(m, x, groups, T, act, y);
+  } else if (dn_bf16) {
+    RunTyped<float, uint16_t>(m, x, groups, T, act, y);
+  } else {
+    RunTyped<float, float>(m, x, groups, T, act, y);
+  }
+}
+
+const char* KernelIsa() { return UseAvx2() ? "avx2" : "generic"; }
+
+void ForceGenericKernel(bool force) { force_generic.store(force, std::memory_order_relaxed); }
+
+}  // namespace ft_jax

@@ -1,0 +1,57 @@
+// The expert MLP kernel shared by the host_experts handler (weights in host banks) and the slot_experts handler
+// (weights in the slot pool buffers): y[t] = sum_j w[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = ids[t, j].
+//
+// Weight layouts (one expert = one bank row / one slot):
+//   gate_up [2I, H]: rows 0..I-1 = gate_proj.weight [I, H], rows I..2I-1 = up_proj.weight [I, H]
+//   down    [H, I]:  down_proj.weight
+// Weights are float32 or bfloat16 (independently for gate_up and down); activations and accumulation are float32.
+//
+// Every expert's weights are read once per call whatever the number of tokens routed to it: routes are grouped by
+// expert, then phase 1 computes a[route] = act(gate x) * up x for all routes of an expert while streaming its
+// gate_up rows, and phase 2 streams the down rows and accumulates y. Both phases are split over output rows across
+// the thread pool; every output element is produced by one task with a fixed summation order (experts in
+// ascending id, routes in (t, j) order), so results do not depend on thread count or scheduling.
+#ifndef FT_JAX_XLA_FFI_EXPERT_KERNEL_H_
+#define FT_JAX_XLA_FFI_EXPERT_KERNEL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace ft_jax {
+
+enum class Activation { kSilu, kGeluTanh };
+
+// "silu" or "gelu_tanh"; returns false for anything else.
+bool ParseActivation(std::string_view name, Activation* out);
+
+struct ExpertWeights {
+  const uint8_t* gate_up;  // expert e at gate_up + e * gate_up_stride, [2I, H]
+  size_t gate_up_stride;   // bytes between consecutive experts
+  int32_t gate_up_dtype;   // BankDType code: kF32 or kBF16
+  const uint8_t* down;     // expert e at down + e * down_stride, [H, I]
+  size_t down_stride;
+  int32_t down_dtype;
+  int64_t num_experts;  // valid ids are 0..num_experts-1
+  int64_t hidden;       // H
+  int64_t inter;        // I
+};
+
+// Checks ids (>= num_experts is an error; < 0 = skip). Returns "" if fine, else a message naming the first bad
+// id and its position; `what` names the id space in the message (e.g. "bank 3" or "slot pool").
+std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, const std::string& what);
+
+// x: f32 [T, H]; ids: i32 [T, k] (< 0 = skip, otherwise < num_experts: call CheckExpertIds first);
+// weights: f32 [T, k]; y: f32 [T, H], overwritten. Weight dtypes must be kF32 or kBF16.
+void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
+                int64_t k, Activation act, float* y);
+
+// Which inner loop the kernel uses: "avx2" (x86-64 with AVX2+FMA, chosen at run time) or "generic".
+const char* KernelIsa();
+// Forces the generic loop (true) or restores the automatic choice (false); for tests and benchmarks.
+void ForceGenericKernel(bool force);
+
+}  // namespace ft_jax
+
+#endif  // FT_JAX_XLA_FFI_EXPERT_KERNEL_H_

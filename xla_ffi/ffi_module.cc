@@ -1,0 +1,116 @@
+// nanobind module ft_jax._ffi: FFI handler capsules and the host bank functions used by ft_jax/host_bank.py.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "xla_ffi/expert_kernel.h"
+#include "xla_ffi/ffi_handlers.h"
+#include "xla_ffi/host_bank.h"
+#include "xla_ffi/thread_pool.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+std::shared_ptr<ft_jax::Bank> LiveBank(int64_t id) {
+  auto bank = ft_jax::FindBank(id);
+  if (!bank) throw nb::value_error(ft_jax::MissingBankMessage(id).c_str());
+  return bank;
+}
+
+using BankInfo = std::tuple<int64_t, std::vector<int64_t>, int32_t, int64_t, int64_t>;
+
+}  // namespace
+
+NB_MODULE(_ffi, m) {
+  m.doc() = "ft_jax XLA FFI handlers (CPU) and host expert banks";
+
+  m.def(
+      "registrations",
+      [] {
+        nb::dict d;
+        d["ft_jax_slot_fill"] = nb::capsule(reinterpret_cast<void*>(FtJaxSlotFill));
+        d["ft_jax_host_experts"] = nb::capsule(reinterpret_cast<void*>(FtJaxHostExperts));
+        d["ft_jax_slot_experts"] = nb::capsule(reinterpret_cast<void*>(FtJaxSlotExperts));
+        return d;
+      },
+      "dict target name -> PyCapsule of the XLA FFI handler (CPU platform).");
+
+  m.def(
+      "dtype_codes",
+      [] {
+        nb::dict d;
+        for (auto c : {ft_jax::BankDType::kS8, ft_jax::BankDType::kU8, ft_jax::BankDType::kF16,
+                       ft_jax::BankDType::kF32, ft_jax::BankDType::kBF16, ft_jax::BankDType::kF8E5M2,
+                       ft_jax::BankDType::kF8E4M3FN}) {
+          d[nb::str(ft_jax::BankDTypeName(static_cast<int32_t>(c)).c_str())] = static_cast<int32_t>(c);
+        }
+        return d;
+      },
+      "dict numpy dtype name -> bank dtype code (the XLA FFI data type code).");
+
+  m.def(
+      "bank_create",
+      [](int64_t num_rows, const std::vector<int64_t>& row_shape, int32_t dtype_code) {
+        try {
+          return ft_jax::CreateBank(num_rows, row_shape, dtype_code)->id();
+        } catch (const std::invalid_argument& e) {
+          throw nb::value_error(e.what());
+        }
+      },
+      nb::arg("num_rows"), nb::arg("row_shape"), nb::arg("dtype_code"),
+      "Allocates a zero-filled page-aligned bank; returns its id. Raises ValueError (bad shape/dtype), MemoryError.");
+
+  m.def(
+      "bank_release",
+      [](int64_t id) {
+        if (!ft_jax::ReleaseBank(id)) throw nb::value_error(ft_jax::MissingBankMessage(id).c_str());
+      },
+      nb::arg("id"), "Drops the bank from the registry (memory freed when the last user ends). ValueError if not live.");
+
+  m.def("bank_is_live", [](int64_t id) { return ft_jax::FindBank(id) != nullptr; }, nb::arg("id"));
+
+  m.def(
+      "bank_info",
+      [](int64_t id) -> BankInfo {
+        auto b = LiveBank(id);
+        return {b->num_rows(), b->row_shape(), b->dtype_code(), static_cast<int64_t>(b->row_bytes()),
+                static_cast<int64_t>(b->nbytes())};
+      },
+      nb::arg("id"), "(num_rows, row_shape, dtype_code, row_bytes, nbytes); ValueError if not live.");
+
+  m.def(
+      "bank_buffer",
+      [](int64_t id) {
+        auto bank = LiveBank(id);
+        // The array owns a shared_ptr copy: the memory stays valid while any numpy view exists, even after release.
+        auto* keep = new std::shared_ptr<ft_jax::Bank>(bank);
+        nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<std::shared_ptr<ft_jax::Bank>*>(p); });
+        size_t shape[1] = {bank->nbytes()};
+        return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(bank->data(), 1, shape, owner);
+      },
+      nb::arg("id"), "Writable uint8 numpy view [nbytes] of the bank memory (keeps it alive). ValueError if not live.");
+
+  m.def("live_bank_count", &ft_jax::LiveBankCount);
+
+  m.def("num_threads", [] { return ft_jax::ThreadPool::Global().num_threads(); },
+        "Threads (including the caller) used by the host expert kernel.");
+  m.def(
+      "set_num_threads",
+      [](int n) {
+        if (n < 1) throw nb::value_error("set_num_threads: n must be >= 1");
+        ft_jax::ThreadPool::Global().Resize(n);
+      },
+      nb::arg("n"), "Resizes the kernel thread pool (do not call while a compiled step runs).");
+  m.def("kernel_isa", &ft_jax::KernelIsa, "'avx2' or 'generic': the inner loop the expert kernel uses.");
+  m.def("force_generic_kernel", &ft_jax::ForceGenericKernel, nb::arg("force"),
+        "Force the portable inner loop (tests) or restore the automatic choice.");
+}

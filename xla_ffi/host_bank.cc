@@ -1,0 +1,203 @@
+#include "xla_ffi/host_bank.h"
+
+#include <sys/mman.h>
+
+#include <mutex>
+#include <new>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_map>
+#include <utility>
+
+namespace ft_jax {
+
+size_t BankDTypeSize(int32_t dtype_code) {
+  switch (static_cast<BankDType>(dtype_code)) {
+    case BankDType::kS8:
+    case BankDType::kU8:
+    case BankDType::kF8E5M2:
+    case BankDType::kF8E4M3FN:
+      return 1;
+    case BankDType::kF16:
+    case BankDType::kBF16:
+      return 2;
+    case BankDType::kF32:
+      return 4;
+  }
+  return 0;
+}
+
+std::string BankDTypeName(int32_t dtype_code) {
+  switch (static_cast<BankDType>(dtype_code)) {
+    case BankDType::kS8:
+      return "int8";
+    case BankDType::kU8:
+      return "uint8";
+    case BankDType::kF16:
+      return "float16";
+    case BankDType::kF32:
+      return "float32";
+    case BankDType::kBF16:
+      return "bfloat16";
+    case BankDType::kF8E5M2:
+      return "float8_e5m2";
+    case BankDType::kF8E4M3FN:
+      return "float8_e4m3fn";
+  }
+  return "dtype code " + std::to_string(dtype_code);
+}
+
+Bank::Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t dtype_code)
+    : id_(id), num_rows_(num_rows), row_shape_(std::move(row_shape)), dtype_code_(dtype_code) {
+  elem_size_ = BankDTypeSize(dtype_code);
+  if (elem_size_ == 0) {
+    throw std::invalid_argument("host bank: unsupported dtype " + BankDTypeName(dtype_code) +
+                                " (supported: float32, bfloat16, float16, int8, uint8, float8_e4m3fn, float8_e5m2)");
+  }
+  if (num_rows_ <= 0) {
+    throw std::invalid_argument("host bank: num_rows must be >= 1, got " + std::to_string(num_rows_));
+  }
+  row_elems_ = 1;
+  for (int64_t d : row_shape_) {
+    if (d <= 0) throw std::invalid_argument("host bank: row dimensions must be >= 1, got " + std::to_string(d));
+    row_elems_ *= static_cast<size_t>(d);
+  }
+  size_t bytes = nbytes();
+  mapped_bytes_ = (bytes + kBankAlignment - 1) / kBankAlignment * kBankAlignment;
+  // Anonymous mmap: page aligned, zero-filled, committed lazily (a bank sized for a large model costs nothing until
+  // written), returned to the OS on release.
+  void* p = mmap(nullptr, mapped_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+  // Transparent huge pages cut TLB misses of the streaming GEMV; advisory only, failure is harmless.
+  if (mapped_bytes_ >= (size_t{2} << 20)) madvise(p, mapped_bytes_, MADV_HUGEPAGE);
+#endif
+  data_ = static_cast<uint8_t*>(p);
+}
+
+Bank::~Bank() { munmap(data_, mapped_bytes_); }
+
+std::string Bank::Describe() const {
+  std::ostringstream s;
+  s << "bank " << id_ << " ([" << num_rows_;
+  for (int64_t d : row_shape_) s << ", " << d;
+  s << "] " << BankDTypeName(dtype_code_) << ")";
+  return s.str();
+}
+
+namespace {
+
+struct Registry {
+  std::mutex mu;
+  int64_t next_id = 1;
+  std::unordered_map<int64_t, std::shared_ptr<Bank>> banks;
+};
+
+Registry& GetRegistry() {
+  // Leaked on purpose: handlers may still run during interpreter shutdown.
+  static Registry* registry = new Registry();
+  return *registry;
+}
+
+thread_local std::string last_error;
+
+}  // namespace
+
+std::shared_ptr<Bank> CreateBank(int64_t num_rows, const std::vector<int64_t>& row_shape, int32_t dtype_code) {
+  Registry& r = GetRegistry();
+  int64_t id;
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    id = r.next_id++;
+  }
+  auto bank = std::make_shared<Bank>(id, num_rows, row_shape, dtype_code);
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.banks.emplace(id, bank);
+  return bank;
+}
+
+std::shared_ptr<Bank> FindBank(int64_t id) {
+  Registry& r = GetRegistry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.banks.find(id);
+  return it == r.banks.end() ? nullptr : it->second;
+}
+
+bool ReleaseBank(int64_t id) {
+  std::shared_ptr<Bank> doomed;  // destroyed (memory unmapped) outside the lock
+  Registry& r = GetRegistry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.banks.find(id);
+  if (it == r.banks.end()) return false;
+  doomed = std::move(it->second);
+  r.banks.erase(it);
+  return true;
+}
+
+std::string MissingBankMessage(int64_t id) {
+  Registry& r = GetRegistry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (id >= 1 && id < r.next_id) return "bank " + std::to_string(id) + " was released";
+  return "bank " + std::to_string(id) + " does not exist";
+}
+
+int64_t LiveBankCount() {
+  Registry& r = GetRegistry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return static_cast<int64_t>(r.banks.size());
+}
+
+}  // namespace ft_jax
+
+extern "C" {
+
+int64_t ft_jax_bank_create(int64_t num_rows, int32_t row_rank, const int64_t* row_dims, int32_t dtype_code) {
+  try {
+    if (row_rank < 0 || (row_rank > 0 && row_dims == nullptr)) throw std::invalid_argument("host bank: bad row rank");
+    std::vector<int64_t> shape(row_dims, row_dims + row_rank);
+    return ft_jax::CreateBank(num_rows, shape, dtype_code)->id();
+  } catch (const std::bad_alloc&) {
+    ft_jax::last_error = "host bank: out of memory";
+  } catch (const std::exception& e) {
+    ft_jax::last_error = e.what();
+  }
+  return -1;
+}
+
+void* ft_jax_bank_data(int64_t id) {
+  auto bank = ft_jax::FindBank(id);
+  if (!bank) {
+    ft_jax::last_error = ft_jax::MissingBankMessage(id);
+    return nullptr;
+  }
+  return bank->data();
+}
+
+int32_t ft_jax_bank_release(int64_t id) {
+  if (ft_jax::ReleaseBank(id)) return 0;
+  ft_jax::last_error = ft_jax::MissingBankMessage(id);
+  return -1;
+}
+
+#define FT_JAX_BANK_QUERY(ret_type, name, expr)     \
+  ret_type name(int64_t id) {                       \
+    auto bank = ft_jax::FindBank(id);               \
+    if (!bank) {                                    \
+      ft_jax::last_error = ft_jax::MissingBankMessage(id); \
+      return -1;                                    \
+    }                                               \
+    return static_cast<ret_type>(expr);             \
+  }
+
+FT_JAX_BANK_QUERY(int64_t, ft_jax_bank_num_rows, bank->num_rows())
+FT_JAX_BANK_QUERY(int64_t, ft_jax_bank_row_bytes, bank->row_bytes())
+FT_JAX_BANK_QUERY(int64_t, ft_jax_bank_nbytes, bank->nbytes())
+FT_JAX_BANK_QUERY(int32_t, ft_jax_bank_dtype, bank->dtype_code())
+
+#undef FT_JAX_BANK_QUERY
+
+int32_t ft_jax_bank_is_live(int64_t id) { return ft_jax::FindBank(id) ? 1 : 0; }
+
+const char* ft_jax_last_error(void) { return ft_jax::last_error.c_str(); }
+
+}  // extern "C"

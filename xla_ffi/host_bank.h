@@ -1,0 +1,116 @@
+// Host expert banks: C++-owned, page-aligned host memory holding one weight kind (e.g. gate_up or down) for all
+// L x E experts, one row per expert (flat id = moe_layer_index * E + expert_index).
+//
+// Banks live in a process-wide registry keyed by an integer id. The id is what the XLA FFI handlers receive as a
+// (compile-time) attribute. Keep-alive: a handler copies the shared_ptr while it runs, so releasing a bank while a
+// compiled step is executing only drops the registry entry; the memory goes away when the last user finishes.
+// Later calls with the released id return an FFI error instead of touching freed memory. Releasing twice is an
+// error.
+//
+// This header has no XLA or nanobind dependency. The extern "C" block is the API a ctypes user (for example the
+// Bazel-built shared library in tests) uses; the C++ part is what the handlers and the nanobind module use.
+#ifndef FT_JAX_XLA_FFI_HOST_BANK_H_
+#define FT_JAX_XLA_FFI_HOST_BANK_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(_WIN32)
+#define FT_JAX_EXPORT __declspec(dllexport)
+#else
+#define FT_JAX_EXPORT __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ft_jax {
+
+// Element types a bank can hold. The numeric values are the XLA FFI data type codes (XLA_FFI_DataType in
+// xla/ffi/api/c_api.h) so a bank dtype compares directly with an FFI buffer's element type.
+enum class BankDType : int32_t {
+  kS8 = 2,
+  kU8 = 6,
+  kF16 = 10,
+  kF32 = 11,
+  kBF16 = 16,
+  kF8E5M2 = 19,
+  kF8E4M3FN = 20,
+};
+
+// Bytes per element, or 0 for a code that is not a supported bank dtype.
+size_t BankDTypeSize(int32_t dtype_code);
+// Human-readable dtype name ("float32", "bfloat16", ...) for error messages; "dtype code N" if unknown.
+std::string BankDTypeName(int32_t dtype_code);
+
+constexpr size_t kBankAlignment = 4096;  // page size: rows of page-multiple size stay page aligned
+
+class Bank {
+ public:
+  // Allocates num_rows * prod(row_shape) elements of dtype, zero-filled, 4096-byte aligned (anonymous mmap).
+  // Throws std::invalid_argument for a bad dtype/shape and std::bad_alloc when the memory cannot be mapped.
+  Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t dtype_code);
+  ~Bank();
+  Bank(const Bank&) = delete;
+  Bank& operator=(const Bank&) = delete;
+
+  int64_t id() const { return id_; }
+  int64_t num_rows() const { return num_rows_; }
+  const std::vector<int64_t>& row_shape() const { return row_shape_; }
+  int32_t dtype_code() const { return dtype_code_; }
+  size_t elem_size() const { return elem_size_; }
+  size_t row_elems() const { return row_elems_; }
+  size_t row_bytes() const { return row_elems_ * elem_size_; }
+  size_t nbytes() const { return static_cast<size_t>(num_rows_) * row_bytes(); }
+  uint8_t* data() const { return data_; }
+  const uint8_t* row(int64_t r) const { return data_ + static_cast<size_t>(r) * row_bytes(); }
+  // "bank 3 ([16, 128, 64] bfloat16)" for error messages.
+  std::string Describe() const;
+
+ private:
+  int64_t id_;
+  int64_t num_rows_;
+  std::vector<int64_t> row_shape_;
+  int32_t dtype_code_;
+  size_t elem_size_;
+  size_t row_elems_;
+  size_t mapped_bytes_;
+  uint8_t* data_;
+};
+
+// Creates a bank and registers it; returns the registered shared_ptr (ids start at 1 and are never reused).
+std::shared_ptr<Bank> CreateBank(int64_t num_rows, const std::vector<int64_t>& row_shape, int32_t dtype_code);
+// Returns the live bank with this id, or nullptr if it was never created or has been released.
+std::shared_ptr<Bank> FindBank(int64_t id);
+// Removes the bank from the registry. Returns false if the id is not live (never created or already released).
+bool ReleaseBank(int64_t id);
+// Error text for a bank id that is not live: "bank 7 was released" or "bank 7 does not exist".
+std::string MissingBankMessage(int64_t id);
+// Number of live banks (for tests and diagnostics).
+int64_t LiveBankCount();
+
+}  // namespace ft_jax
+
+extern "C" {
+#endif  // __cplusplus
+
+// C API (ctypes friendly). Functions returning int64_t return -1 on error; then ft_jax_last_error() describes it
+// (thread-local, valid until the next failing call on this thread).
+FT_JAX_EXPORT int64_t ft_jax_bank_create(int64_t num_rows, int32_t row_rank, const int64_t* row_dims,
+                                         int32_t dtype_code);
+FT_JAX_EXPORT void* ft_jax_bank_data(int64_t id);  // NULL if not live
+FT_JAX_EXPORT int32_t ft_jax_bank_release(int64_t id);  // 0 on success, -1 if not live
+FT_JAX_EXPORT int64_t ft_jax_bank_num_rows(int64_t id);
+FT_JAX_EXPORT int64_t ft_jax_bank_row_bytes(int64_t id);
+FT_JAX_EXPORT int64_t ft_jax_bank_nbytes(int64_t id);
+FT_JAX_EXPORT int32_t ft_jax_bank_dtype(int64_t id);  // XLA FFI data type code, -1 if not live
+FT_JAX_EXPORT int32_t ft_jax_bank_is_live(int64_t id);  // 1 or 0
+FT_JAX_EXPORT const char* ft_jax_last_error(void);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // FT_JAX_XLA_FFI_HOST_BANK_H_

@@ -1,0 +1,177 @@
+// host_experts and slot_experts: the routed-expert MLP computed on the CPU by the shared kernel in
+// expert_kernel.{h,cc}. host_experts reads expert weights from two host banks (attributes), slot_experts from the
+// slot pool operands [S, 2I, H] and [S, H, I]. ids < 0 are skipped; y is f32 [T, H].
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/expert_kernel.h"
+#include "xla_ffi/ffi_handlers.h"
+#include "xla_ffi/host_bank.h"
+
+namespace ffi = xla::ffi;
+
+namespace ft_jax {
+namespace {
+
+using I32Matrix = ffi::Buffer<ffi::DataType::S32, 2>;
+using F32Matrix = ffi::Buffer<ffi::DataType::F32, 2>;
+using F32MatrixResult = ffi::ResultBuffer<ffi::DataType::F32, 2>;
+
+bool IsWeightDType(int32_t code) {
+  return code == static_cast<int32_t>(BankDType::kF32) || code == static_cast<int32_t>(BankDType::kBF16);
+}
+
+std::string Dims(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+// Checks x [T, H] (f32 or bf16), ids [T, k], weights [T, k], y [T, H]; returns x as f32 (converted copy for
+// bf16, or the buffer itself). On error returns nullptr and sets *err.
+const float* PrepareInputs(const char* op, ffi::AnyBuffer x, I32Matrix ids, F32Matrix weights, F32MatrixResult& y,
+                           int64_t* T, int64_t* H, int64_t* k, std::string* err) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2) {
+    *err = std::string(op) + ": x must be [T, H], got shape " + Dims(xd);
+    return nullptr;
+  }
+  *T = xd[0];
+  *H = xd[1];
+  const auto idd = ids.dimensions();
+  *k = idd[1];
+  if (idd[0] != *T || weights.dimensions()[0] != *T || weights.dimensions()[1] != *k) {
+    *err = std::string(op) + ": ids " + Dims(idd) + " and weights " + Dims(weights.dimensions()) +
+           " must both be [T, k] with T = " + std::to_string(*T) + " (rows of x)";
+    return nullptr;
+  }
+  if (y->dimensions()[0] != *T || y->dimensions()[1] != *H) {
+    *err = std::string(op) + ": result must be f32 [T, H] = [" + std::to_string(*T) + ", " + std::to_string(*H) +
+           "], got " + Dims(y->dimensions());
+    return nullptr;
+  }
+  const int32_t xt = static_cast<int32_t>(x.element_type());
+  if (xt == static_cast<int32_t>(BankDType::kF32)) return static_cast<const float*>(x.untyped_data());
+  if (xt != static_cast<int32_t>(BankDType::kBF16)) {
+    *err = std::string(op) + ": x must be float32 or bfloat16, got " + BankDTypeName(xt);
+    return nullptr;
+  }
+  thread_local std::vector<float> x32;
+  const size_t n = static_cast<size_t>(*T * *H);
+  if (x32.size() < n) x32.resize(n);
+  const uint16_t* src = static_cast<const uint16_t*>(x.untyped_data());
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(&x32[i], &bits, sizeof(float));
+  }
+  return x32.data();
+}
+
+ffi::Error HostExpertsImpl(ffi::AnyBuffer x, I32Matrix ids, F32Matrix weights, F32MatrixResult y,
+                           int64_t gate_up_id, int64_t down_id, std::string_view activation) {
+  constexpr const char* kOp = "host_experts";
+  Activation act;
+  if (!ParseActivation(activation, &act)) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": unknown activation '" + std::string(activation) +
+                                       "' (expected 'silu' or 'gelu_tanh')");
+  }
+  // Both shared_ptrs keep the banks alive until we return, even if released meanwhile.
+  std::shared_ptr<Bank> gu = FindBank(gate_up_id);
+  if (!gu) return ffi::Error::InvalidArgument(std::string(kOp) + ": gate_up " + MissingBankMessage(gate_up_id));
+  std::shared_ptr<Bank> dn = FindBank(down_id);
+  if (!dn) return ffi::Error::InvalidArgument(std::string(kOp) + ": down " + MissingBankMessage(down_id));
+  int64_t T, H, k;
+  std::string err;
+  const float* x32 = PrepareInputs(kOp, x, ids, weights, y, &T, &H, &k, &err);
+  if (!x32) return ffi::Error::InvalidArgument(err);
+  const auto& gs = gu->row_shape();
+  const auto& ds = dn->row_shape();
+  if (gs.size() != 2 || gs[0] % 2 != 0 || gs[1] != H) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": gate_up " + gu->Describe() +
+                                       " must have rows [2I, H] with H = " + std::to_string(H) + " (columns of x)");
+  }
+  const int64_t I = gs[0] / 2;
+  if (ds.size() != 2 || ds[0] != H || ds[1] != I) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": down " + dn->Describe() + " must have rows [H, I] = [" +
+                                       std::to_string(H) + ", " + std::to_string(I) + "] to match gate_up " +
+                                       gu->Describe());
+  }
+  if (gu->num_rows() != dn->num_rows()) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": gate_up " + gu->Describe() + " and down " +
+                                       dn->Describe() + " hold different numbers of experts");
+  }
+  if (!IsWeightDType(gu->dtype_code()) || !IsWeightDType(dn->dtype_code())) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": expert weights must be float32 or bfloat16, got " +
+                                       gu->Describe() + " and " + dn->Describe());
+  }
+  err = CheckExpertIds(ids.typed_data(), T * k, gu->num_rows(), gu->Describe());
+  if (!err.empty()) return ffi::Error::InvalidArgument(std::string(kOp) + ": flat " + err);
+  ExpertWeights m{gu->data(), gu->row_bytes(), gu->dtype_code(), dn->data(), dn->row_bytes(), dn->dtype_code(),
+                  gu->num_rows(), H, I};
+  RunExperts(m, x32, ids.typed_data(), weights.typed_data(), T, k, act, y->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error SlotExpertsImpl(ffi::AnyBuffer x, I32Matrix ids, F32Matrix weights, ffi::AnyBuffer gate_up_slots,
+                           ffi::AnyBuffer down_slots, F32MatrixResult y, std::string_view activation) {
+  constexpr const char* kOp = "slot_experts";
+  Activation act;
+  if (!ParseActivation(activation, &act)) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": unknown activation '" + std::string(activation) +
+                                       "' (expected 'silu' or 'gelu_tanh')");
+  }
+  int64_t T, H, k;
+  std::string err;
+  const float* x32 = PrepareInputs(kOp, x, ids, weights, y, &T, &H, &k, &err);
+  if (!x32) return ffi::Error::InvalidArgument(err);
+  const auto gd = gate_up_slots.dimensions();
+  const auto dd = down_slots.dimensions();
+  if (gd.size() != 3 || gd[1] % 2 != 0 || gd[2] != H) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": gate_up_slots must be [S, 2I, H] with H = " +
+                                       std::to_string(H) + " (columns of x), got " + Dims(gd));
+  }
+  const int64_t S = gd[0], I = gd[1] / 2;
+  if (dd.size() != 3 || dd[0] != S || dd[1] != H || dd[2] != I) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": down_slots must be [S, H, I] = [" + std::to_string(S) +
+                                       ", " + std::to_string(H) + ", " + std::to_string(I) + "], got " + Dims(dd));
+  }
+  const int32_t gt = static_cast<int32_t>(gate_up_slots.element_type());
+  const int32_t dt = static_cast<int32_t>(down_slots.element_type());
+  if (!IsWeightDType(gt) || !IsWeightDType(dt)) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": slot weights must be float32 or bfloat16, got " +
+                                       BankDTypeName(gt) + " and " + BankDTypeName(dt));
+  }
+  err = CheckExpertIds(ids.typed_data(), T * k, S, "the slot pool of " + std::to_string(S) + " slots");
+  if (!err.empty()) return ffi::Error::InvalidArgument(std::string(kOp) + ": slot " + err);
+  const size_t gu_stride = static_cast<size_t>(2 * I * H) * BankDTypeSize(gt);
+  const size_t dn_stride = static_cast<size_t>(H * I) * BankDTypeSize(dt);
+  ExpertWeights m{static_cast<const uint8_t*>(gate_up_slots.untyped_data()), gu_stride, gt,
+                  static_cast<const uint8_t*>(down_slots.untyped_data()), dn_stride, dt, S, H, I};
+  RunExperts(m, x32, ids.typed_data(), weights.typed_data(), T, k, act, y->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace ft_jax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxHostExperts, ft_jax::HostExpertsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ft_jax::I32Matrix>()
+                                  .Arg<ft_jax::F32Matrix>()
+                                  .Ret<ft_jax::F32Matrix>()
+                                  .Attr<int64_t>("gate_up_bank")
+                                  .Attr<int64_t>("down_bank")
+                                  .Attr<std::string_view>("activation"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxSlotExperts, ft_jax::SlotExpertsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ft_jax::I32Matrix>()
+                                  .Arg<ft_jax::F32Matrix>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ft_jax::F32Matrix>()
+                                  .Attr<std::string_view>("activation"));
