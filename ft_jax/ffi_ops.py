@@ -3,8 +3,9 @@
 Per-step data (ids, weights, activations, slot arrays) are operands; host banks are compile-time attributes
 (their integer ids), so one compiled step replays for any routing. Every wrapper checks shapes, dtypes and bank
 liveness at trace time and raises TypeError / ValueError naming the problem; the C++ handlers repeat the checks
-and also reject out-of-range ids, which only exist at run time (they surface as a JAX runtime error whose
-message names the id and the bank).
+and also reject out-of-range ids, which only exist at run time: the call then raises
+jax.errors.JaxRuntimeError (or ValueError when jit's C++ fast path dispatched it) with a message naming the id and
+the bank, nothing is written, and the process carries on.
 
 Expert math (host_experts and slot_experts), for every token t:
     y[t] = sum_j weights[t, j] * down_e @ (act(gate_e @ x[t]) * (up_e @ x[t])),  e = ids[t, j] >= 0
@@ -46,7 +47,7 @@ def _expect_bank(op: str, name: str, bank) -> HostBank:
     if not isinstance(bank, HostBank):
         raise TypeError(f"{op}: {name} must be a HostBank, got {type(bank).__name__}")
     if not bank.alive:
-        raise ValueError(f"{op}: {name} bank {bank.id} was released")
+        raise ValueError(f"{op}: {name} {bank.id} {bank_desc_shape(bank)} was released")
     return bank
 
 
@@ -122,8 +123,8 @@ def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activa
       activation); an out-of-range id fails at run time with an error naming it and the bank.
     """
     op = "host_experts"
-    gate_up = _expect_bank(op, "gate_up", gate_up)
-    down = _expect_bank(op, "down", down)
+    gate_up = _expect_bank(op, "gate_up bank", gate_up)
+    down = _expect_bank(op, "down bank", down)
     activation = _expect_activation(op, activation)
     T, H, k = _check_expert_inputs(op, x, flat_ids, weights, "flat_ids")
     for name, bank in (("gate_up", gate_up), ("down", down)):
@@ -178,6 +179,11 @@ def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: st
     return call(x, slot_ids, weights, gate_up_slots, down_slots, activation=activation)
 
 
+def bank_desc_shape(bank: HostBank) -> str:
+    """'([16, 128, 64] bfloat16)': a bank's shape and dtype for error messages."""
+    return f"([{', '.join(str(d) for d in bank.shape)}] {bank.dtype.name})"
+
+
 def bank_desc(bank: HostBank) -> str:
     """'3 ([16, 128, 64] bfloat16)': a bank's id, shape and dtype for error messages."""
-    return f"{bank.id} ([{', '.join(str(d) for d in bank.shape)}] {bank.dtype.name})"
+    return f"{bank.id} {bank_desc_shape(bank)}"

@@ -1,0 +1,319 @@
+"""FFI handlers through their JAX wrappers: slot_fill (bit-exact, in place, one compilation), host_experts and
+slot_experts (float64 numpy reference), and bad inputs (clear Python errors, process keeps working)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ft_jax import _ffi, ffi_ops
+from ft_jax.host_bank import HostBank
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+# An FFI error raised while a compiled step runs reaches Python as JaxRuntimeError, or as ValueError when jit's C++
+# fast path dispatched the call (jax 0.10; the handler's error code does not change this).
+RUNTIME_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
+
+
+# ----------------------------------------------------------------------------------------------------------- slot_fill
+def _slot_fill_reference(slots, bank_rows, flat_ids, slot_ids):
+    out = slots.copy()
+    for f, s in zip(flat_ids, slot_ids):
+        if f >= 0 and s >= 0:
+            out[s] = bank_rows[f]
+    return out
+
+
+def _random_fill(rng, num_rows, num_slots, n):
+    """n (flat id, slot id) pairs, distinct slots, about a third padded with -1 on one side or both."""
+    flat = rng.integers(0, num_rows, n).astype(np.int32)
+    slots = rng.permutation(num_slots)[:n].astype(np.int32)
+    pad = rng.random(n)
+    flat[pad < 0.2] = -1
+    slots[(pad >= 0.2) & (pad < 0.33)] = -1
+    return flat, slots
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_slot_fill_bit_exact_with_padding(dtype):
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((12, 5, 7)).astype(np.float32).astype(dtype)
+    bank = HostBank.from_numpy(rows)
+    slots = rng.standard_normal((6, 5, 7)).astype(np.float32).astype(dtype)
+    fill = jax.jit(lambda s, f, i: ffi_ops.slot_fill(s, f, i, bank))
+    for _ in range(5):
+        flat_ids, slot_ids = _random_fill(rng, 12, 6, 5)
+        got = np.asarray(fill(jnp.asarray(slots), jnp.asarray(flat_ids), jnp.asarray(slot_ids)))
+        expected = _slot_fill_reference(slots, rows, flat_ids, slot_ids)
+        assert got.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
+        slots = expected
+    bank.release()
+
+
+def _full_copies(hlo_text: str, shape: str) -> list[str]:
+    """Instructions of the optimized HLO that copy a whole array of the given shape, e.g. 'f32[8,64,32]'."""
+    pattern = re.compile(r"=\s*" + re.escape(shape) + r"\{[^}]*\}\s+copy\(")
+    return [line for line in hlo_text.splitlines() if pattern.search(line)]
+
+
+def test_slot_fill_in_place_under_jit_with_donation():
+    rng = np.random.default_rng(1)
+    bank = HostBank.from_numpy(rng.standard_normal((16, 64, 32)).astype(np.float32))
+    fill = jax.jit(lambda s, f, i: ffi_ops.slot_fill(s, f, i, bank), donate_argnums=0)
+    slots = jnp.zeros((8, 64, 32), jnp.float32)
+    ids = jnp.array([3, -1, 9], jnp.int32), jnp.array([0, 4, 7], jnp.int32)
+    hlo = fill.lower(slots, *ids).compile().as_text()
+    assert "ft_jax_slot_fill" in hlo and "output_to_operand_aliasing" in hlo
+    assert _full_copies(hlo, "f32[8,64,32]") == []
+    pointer = slots.unsafe_buffer_pointer()
+    for _ in range(3):
+        slots = fill(slots, *ids)
+        assert slots.unsafe_buffer_pointer() == pointer
+    np.testing.assert_array_equal(np.asarray(slots)[7], bank.numpy()[9])
+    # Control: when the pre-fill value is still used, XLA must copy, and the check above sees it.
+    leaky = jax.jit(lambda s, f, i: (ffi_ops.slot_fill(s, f, i, bank), s.sum()), donate_argnums=0)
+    assert _full_copies(leaky.lower(slots, *ids).compile().as_text(), "f32[8,64,32]") != []
+    bank.release()
+
+
+def test_slot_fill_compiles_once_for_100_different_routings():
+    rng = np.random.default_rng(2)
+    bank = HostBank.from_numpy(rng.standard_normal((32, 16)).astype(np.float32))
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    fill = jax.jit(lambda s, f, i: ffi_ops.slot_fill(s, f, i, bank), donate_argnums=0)
+    slots = jnp.zeros((4, 16), jnp.float32)
+    routings = [_random_fill(rng, 32, 4, 3) for _ in range(100)]
+    device_routings = [(jnp.asarray(f), jnp.asarray(s)) for f, s in routings]
+    expected = np.zeros((4, 16), np.float32)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for flat_ids, slot_ids in device_routings:
+            slots = fill(slots, flat_ids, slot_ids)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    for flat_ids, slot_ids in routings:
+        expected = _slot_fill_reference(expected, bank.numpy(), flat_ids, slot_ids)
+    np.testing.assert_array_equal(np.asarray(slots), expected)
+    assert len(compiles) == 1
+    assert fill._cache_size() == 1
+    bank.release()
+
+
+# --------------------------------------------------------------------------------------------------- expert kernels
+def _act(g, activation):
+    if activation == "silu":
+        return g / (1.0 + np.exp(-g))
+    return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3)))
+
+
+def _experts_reference(x, ids, weights, gate_up, down, activation):
+    """float64 y[t] = sum_j w[t,j] * down[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t])) over ids[t,j] >= 0."""
+    x = np.asarray(x, np.float64)
+    inter = gate_up.shape[1] // 2
+    y = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if e < 0:
+                continue
+            g = gate_up[e, :inter].astype(np.float64) @ x[t]
+            u = gate_up[e, inter:].astype(np.float64) @ x[t]
+            y[t] += weights[t, j] * (down[e].astype(np.float64) @ (_act(g, activation) * u))
+    return y
+
+
+def _expert_case(rng, T, k, num_experts, hidden, inter):
+    gate_up = (rng.standard_normal((num_experts, 2 * inter, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    down = (rng.standard_normal((num_experts, hidden, inter)) / np.sqrt(inter)).astype(np.float32)
+    x = rng.standard_normal((T, hidden)).astype(np.float32)
+    ids = np.stack([rng.permutation(num_experts)[:k] for _ in range(T)]).astype(np.int32)
+    ids[rng.random((T, k)) < 0.25] = -1
+    weights = rng.random((T, k)).astype(np.float32)
+    return x, ids, weights, gate_up, down
+
+
+def _rel_err(got, expected):
+    return np.abs(np.asarray(got, np.float64) - expected).max() / max(np.abs(expected).max(), 1e-30)
+
+
+TOL = {np.dtype(np.float32): 1e-5, BF16: 1e-2}
+
+
+@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("wdtype", [np.dtype(np.float32), BF16], ids=["f32", "bf16"])
+def test_host_and_slot_experts_match_float64_reference(T, k, wdtype):
+    rng = np.random.default_rng(100 * T + 10 * k + (wdtype == BF16))
+    # H and I not multiples of 8: exercises the vector loop tails.
+    x, ids, weights, gate_up, down = _expert_case(rng, T, k, num_experts=6, hidden=44, inter=36)
+    expected = _experts_reference(x, ids, weights, gate_up, down, "silu")
+    gu_bank = HostBank.from_numpy(gate_up, dtype=wdtype)
+    dn_bank = HostBank.from_numpy(down, dtype=wdtype)
+    host = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, gu_bank, dn_bank))
+    y = np.asarray(host(x, ids, weights))
+    assert y.shape == (T, 44) and y.dtype == np.float32
+    assert _rel_err(y, expected) < TOL[wdtype]
+    # slot_experts: the same kernel over slot arrays. Slots in expert order: bit-identical to host_experts.
+    same_order = jax.jit(ffi_ops.slot_experts)(x, ids, weights, jnp.asarray(gate_up.astype(wdtype)),
+                                               jnp.asarray(down.astype(wdtype)))
+    np.testing.assert_array_equal(np.asarray(same_order), y)
+    # Permuted slots (slot s holds expert perm[s]): experts are accumulated in slot order, so compare to reference.
+    perm = rng.permutation(6)
+    slot_of = np.argsort(perm).astype(np.int32)
+    slot_ids = np.where(ids >= 0, slot_of[np.maximum(ids, 0)], -1).astype(np.int32)
+    gu_slots = jnp.asarray(gate_up[perm].astype(wdtype))
+    dn_slots = jnp.asarray(down[perm].astype(wdtype))
+    y_slots = np.asarray(jax.jit(ffi_ops.slot_experts)(x, slot_ids, weights, gu_slots, dn_slots))
+    assert _rel_err(y_slots, expected) < TOL[wdtype]
+    gu_bank.release()
+    dn_bank.release()
+
+
+def test_skipped_routes_contribute_nothing():
+    rng = np.random.default_rng(5)
+    x, ids, weights, gate_up, down = _expert_case(rng, 4, 2, num_experts=5, hidden=16, inter=8)
+    ids[:, 1] = -1
+    weights[:, 1] = 1e6  # would dominate if the skipped routes were computed
+    gu_bank, dn_bank = HostBank.from_numpy(gate_up), HostBank.from_numpy(down)
+    y = np.asarray(ffi_ops.host_experts(x, ids, weights, gu_bank, dn_bank))
+    y_first = np.asarray(ffi_ops.host_experts(x, ids[:, :1].copy(), weights[:, :1].copy(), gu_bank, dn_bank))
+    np.testing.assert_array_equal(y, y_first)
+    all_skipped = np.asarray(ffi_ops.host_experts(x, np.full((4, 2), -1, np.int32), weights, gu_bank, dn_bank))
+    np.testing.assert_array_equal(all_skipped, np.zeros((4, 16), np.float32))
+    gu_bank.release()
+    dn_bank.release()
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("generic", [False, True], ids=["auto_isa", "generic"])
+def test_large_experts_multithreaded_bf16_x_and_both_activations(activation, generic):
+    """Experts above the threading threshold (1 MiB per call), bf16 activations, portable and vector loops;
+    bit-identical results with 1 and 2 threads and across repeats."""
+    rng = np.random.default_rng(6)
+    x, ids, weights, gate_up, down = _expert_case(rng, 3, 2, num_experts=4, hidden=256, inter=200)
+    x_bf16 = x.astype(BF16)
+    expected = _experts_reference(x_bf16.astype(np.float32), ids, weights, gate_up, down, activation)
+    gu_bank, dn_bank = HostBank.from_numpy(gate_up), HostBank.from_numpy(down)
+    run = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, gu_bank, dn_bank, activation=activation))
+    threads = _ffi.num_threads()
+    _ffi.force_generic_kernel(generic)
+    try:
+        _ffi.set_num_threads(2)
+        y2 = np.asarray(run(jnp.asarray(x_bf16), ids, weights))
+        y2_again = np.asarray(run(jnp.asarray(x_bf16), ids, weights))
+        _ffi.set_num_threads(1)
+        y1 = np.asarray(run(jnp.asarray(x_bf16), ids, weights))
+    finally:
+        _ffi.force_generic_kernel(False)
+        _ffi.set_num_threads(threads)
+    assert _rel_err(y2, expected) < 1e-5
+    np.testing.assert_array_equal(y2, y2_again)
+    np.testing.assert_array_equal(y1, y2)
+    gu_bank.release()
+    dn_bank.release()
+
+
+# ------------------------------------------------------------------------------------------------------ bad inputs
+@pytest.fixture
+def f32_banks():
+    rng = np.random.default_rng(7)
+    _, _, _, gate_up, down = _expert_case(rng, 1, 1, num_experts=4, hidden=8, inter=4)
+    banks = HostBank.from_numpy(gate_up), HostBank.from_numpy(down)
+    yield banks
+    for b in banks:
+        if b.alive:
+            b.release()
+
+
+def _valid_call_still_works(gu_bank, dn_bank):
+    x = np.ones((1, 8), np.float32)
+    y = np.asarray(ffi_ops.host_experts(x, np.array([[1]], np.int32), np.ones((1, 1), np.float32), gu_bank, dn_bank))
+    expected = _experts_reference(x, np.array([[1]]), np.ones((1, 1)), gu_bank.numpy(), dn_bank.numpy(), "silu")
+    assert _rel_err(y, expected) < 1e-5
+
+
+def test_out_of_range_ids_raise_runtime_errors_naming_them(f32_banks):
+    gu_bank, dn_bank = f32_banks
+    slots = jnp.zeros((2, 8, 8), jnp.float32)
+    with pytest.raises(RUNTIME_ERRORS, match=rf"flat id 99 \(entry 1\) is out of range for bank {gu_bank.id}"):
+        np.asarray(ffi_ops.slot_fill(slots, jnp.array([0, 99], jnp.int32), jnp.array([0, 1], jnp.int32), gu_bank))
+    with pytest.raises(RUNTIME_ERRORS, match=r"slot id 2 \(entry 0\) is out of range for 2 slots"):
+        np.asarray(ffi_ops.slot_fill(slots, jnp.array([0], jnp.int32), jnp.array([2], jnp.int32), gu_bank))
+    x, w = np.ones((1, 8), np.float32), np.ones((1, 2), np.float32)
+    with pytest.raises(RUNTIME_ERRORS, match=rf"host_experts: flat id 4 at position 1 is out of range for bank {gu_bank.id}"):
+        np.asarray(ffi_ops.host_experts(x, np.array([[0, 4]], np.int32), w, gu_bank, dn_bank))
+    gu_slots, dn_slots = jnp.zeros((3, 8, 8), jnp.float32), jnp.zeros((3, 8, 4), jnp.float32)
+    with pytest.raises(RUNTIME_ERRORS, match="slot_experts: slot id 3 at position 0 is out of range"):
+        np.asarray(ffi_ops.slot_experts(x, np.array([[3, 0]], np.int32), w, gu_slots, dn_slots))
+    _valid_call_still_works(gu_bank, dn_bank)
+
+
+def test_wrong_dtypes_and_shapes_raise_at_trace_time(f32_banks):
+    gu_bank, dn_bank = f32_banks
+    i32 = jnp.array([0], jnp.int32)
+    with pytest.raises(TypeError, match=f"slots dtype bfloat16 does not match bank {gu_bank.id} dtype float32"):
+        ffi_ops.slot_fill(jnp.zeros((2, 8, 8), jnp.bfloat16), i32, i32, gu_bank)
+    with pytest.raises(ValueError, match=r"row_shape \(8, 8\) .*got shape \(2, 8, 4\)"):
+        ffi_ops.slot_fill(jnp.zeros((2, 8, 4), jnp.float32), i32, i32, gu_bank)
+    with pytest.raises(TypeError, match="flat_ids .* must be int32, got int64"):
+        ffi_ops.slot_fill(jnp.zeros((2, 8, 8), jnp.float32), np.array([0]), i32, gu_bank)
+    with pytest.raises(ValueError, match="flat_ids has 1 entries but slot_ids has 2"):
+        ffi_ops.slot_fill(jnp.zeros((2, 8, 8), jnp.float32), i32, jnp.array([0, 1], jnp.int32), gu_bank)
+    x, ids, w = np.ones((2, 8), np.float32), np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32)
+    with pytest.raises(TypeError, match="weights .* must be float32, got float64"):
+        ffi_ops.host_experts(x, ids, w.astype(np.float64), gu_bank, dn_bank)
+    with pytest.raises(TypeError, match="x .* must be float32 or bfloat16, got int32"):
+        ffi_ops.host_experts(x.astype(np.int32), ids, w, gu_bank, dn_bank)
+    with pytest.raises(ValueError, match="must have rows \\[2I, H\\] with H = 6"):
+        ffi_ops.host_experts(np.ones((2, 6), np.float32), ids, w, gu_bank, dn_bank)
+    with pytest.raises(ValueError, match="down bank .* must have rows \\[H, I\\] = \\(8, 4\\)"):
+        ffi_ops.host_experts(x, ids, w, gu_bank, gu_bank)
+    with pytest.raises(ValueError, match="must both be \\[T, k\\]"):
+        ffi_ops.host_experts(x, np.zeros((3, 1), np.int32), w, gu_bank, dn_bank)
+    with pytest.raises(ValueError, match="unknown activation 'relu'"):
+        ffi_ops.host_experts(x, ids, w, gu_bank, dn_bank, activation="relu")
+    with pytest.raises(ValueError, match=r"down_slots must be \[S, H, I\] = \(3, 8, 4\), got \(3, 8, 5\)"):
+        ffi_ops.slot_experts(x, ids, w, jnp.zeros((3, 8, 8)), jnp.zeros((3, 8, 5)))
+    _valid_call_still_works(gu_bank, dn_bank)
+
+
+def test_handler_checks_catch_what_bypasses_the_wrappers(f32_banks):
+    """Calling the FFI target directly with a mismatched slot dtype / row shape gives a runtime error naming it."""
+    gu_bank, _ = f32_banks
+    i32 = jnp.array([0], jnp.int32)
+    for slots, message in [
+        (jnp.zeros((2, 8, 8), jnp.bfloat16), f"dtype mismatch for bank {gu_bank.id} .*expected float32 slots, got bfloat16"),
+        (jnp.zeros((2, 8, 4), jnp.float32), r"row shape mismatch .*have rows \[8, 4\] \(128 bytes\), expected rows \[8, 8\] \(256 bytes\)"),
+    ]:
+        call = jax.ffi.ffi_call("ft_jax_slot_fill", jax.ShapeDtypeStruct(slots.shape, slots.dtype), input_output_aliases={0: 0})
+        with pytest.raises(RUNTIME_ERRORS, match=message):
+            np.asarray(call(slots, i32, i32, bank=np.int64(gu_bank.id)))
+
+
+def test_released_bank_trace_time_and_compiled_step(f32_banks):
+    gu_bank, dn_bank = f32_banks
+    slots = jnp.zeros((2, 8, 8), jnp.float32)
+    ids = jnp.array([1], jnp.int32), jnp.array([0], jnp.int32)
+    fill = jax.jit(lambda s, f, i: ffi_ops.slot_fill(s, f, i, gu_bank))
+    np.asarray(fill(slots, *ids))  # compiled while the bank is live
+    gu_bank.release()
+    with pytest.raises(ValueError, match=rf"slot_fill: bank {gu_bank.id} \(\[4, 8, 8\] float32\) was released"):
+        ffi_ops.slot_fill(slots, *ids, gu_bank)
+    with pytest.raises(RUNTIME_ERRORS, match=f"slot_fill: bank {gu_bank.id} was released"):
+        np.asarray(fill(slots, *ids))
+    with pytest.raises(ValueError, match="gate_up bank .* was released"):
+        ffi_ops.host_experts(np.ones((1, 8), np.float32), np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32), gu_bank, dn_bank)
+    # The process keeps working with a fresh bank.
+    fresh = HostBank.from_numpy(np.arange(2 * 8 * 8, dtype=np.float32).reshape(2, 8, 8))
+    out = np.asarray(jax.jit(lambda s, f, i: ffi_ops.slot_fill(s, f, i, fresh))(slots, *ids))
+    np.testing.assert_array_equal(out[0], fresh.numpy()[1])
+    fresh.release()
