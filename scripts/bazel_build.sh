@@ -8,7 +8,8 @@
 # Environment:
 #   PYTHON                    interpreter with jax installed (default: python3)
 #   FT_JAX_BAZEL              Bazel binary to use (default: bazel-4 from bazel-bootstrap, else bazel)
-#   FT_JAX_BAZEL_ROOT         Bazel --output_user_root (default: <repo>/build/bazel-root, git-ignored)
+#   FT_JAX_BAZEL_ROOT         Bazel --output_user_root; the output base is its base/ (default: <repo>/build/bazel-root,
+#                             git-ignored and listed in .bazelignore)
 #   FT_JAX_BAZEL_OUT          where the library is copied (default: <repo>/build/bazel/libft_jax_ffi.so)
 #   FT_JAX_BAZEL_KEEP_SERVER  1 = leave the Bazel server running for fast rebuilds (default: shut it down)
 # Exit status: non-zero when installing, building or copying fails.
@@ -17,7 +18,9 @@ cd "$(dirname "$0")/.."
 repo="$(pwd)"
 start=$SECONDS
 
-python="$(command -v "${PYTHON:-python3}")" || { echo "bazel_build.sh: ${PYTHON:-python3} not found" >&2; exit 1; }
+# The real interpreter path (not a pyenv/venv shim), so the repository rule runs exactly this Python.
+python="$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)')" \
+  || { echo "bazel_build.sh: cannot run ${PYTHON:-python3}" >&2; exit 1; }
 jaxlib_version="$("$python" -c 'import jaxlib; print(jaxlib.__version__)')" \
   || { echo "bazel_build.sh: jaxlib is not importable with $python (pip install jax first)" >&2; exit 1; }
 
@@ -38,7 +41,9 @@ fi
 root="${FT_JAX_BAZEL_ROOT:-$repo/build/bazel-root}"
 out="${FT_JAX_BAZEL_OUT:-$repo/build/bazel/libft_jax_ffi.so}"
 mkdir -p "$root" "$(dirname "$out")"
-startup=(--output_user_root="$root")
+# A fixed --output_base (instead of Bazel's <root>/<md5 of the workspace path>) lets us find bazel-bin without a
+# second `bazel info` call.
+startup=(--output_user_root="$root" --output_base="$root/base")
 # The jax_ffi repository rule re-copies the headers whenever the interpreter or the jaxlib version changes.
 repo_env=(--repo_env=FT_JAX_PYTHON="$python" --repo_env=FT_JAX_JAXLIB_VERSION="$jaxlib_version")
 target=//:libft_jax_ffi.so
@@ -51,6 +56,12 @@ cleanup() {
 trap cleanup EXIT
 
 "$bazel" "${startup[@]}" build "${repo_env[@]}" "$target"
-bin="$("$bazel" "${startup[@]}" info "${repo_env[@]}" bazel-bin 2>/dev/null)"
-install -m 0755 "$bin/libft_jax_ffi.so" "$out"
+# bazel-out/<cpu>-opt/bin (k8-opt on x86-64, aarch64-opt on ARM): .bazelrc sets --compilation_mode=opt.
+built=("$root"/base/execroot/ft_jax/bazel-out/*-opt/bin/libft_jax_ffi.so)
+if [[ ${#built[@]} -ne 1 || ! -f "${built[0]}" ]]; then
+  echo "bazel_build.sh: expected one libft_jax_ffi.so under $root/base/execroot/ft_jax/bazel-out/*-opt/bin," \
+       "found: ${built[*]}" >&2
+  exit 1
+fi
+install -m 0755 "${built[0]}" "$out"
 echo "bazel_build.sh: $out (jaxlib $jaxlib_version, $((SECONDS - start)) s)"

@@ -137,3 +137,18 @@ def test_bazel_sources_match_cmake():
     """BUILD.bazel compiles exactly the C++ sources of CMake's ft_jax_ffi_core (no nanobind module)."""
     assert sorted(_bazel_sources()) == sorted(_cmake_core_sources())
     assert "xla_ffi/ffi_module.cc" not in _bazel_sources()
+
+
+def test_coexists_with_pip_extension(lib):
+    """Both libraries export the same symbols; each handler must read its own bank registry (no interposition)."""
+    host_bank = pytest.importorskip("ft_jax.host_bank")
+    pip_bank = host_bank.HostBank(3, (5,), np.float32)  # lives in ft_jax._ffi's registry, not the Bazel library's
+    try:
+        rows = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)  # [R=4, 8]
+        bank_id = _create_bank(lib, rows)
+        out = jax.jit(lambda s, f, i: _slot_fill(s, f, i, bank_id))(
+            jnp.zeros((2, 8), jnp.float32), jnp.array([2, -1], jnp.int32), jnp.array([0, 1], jnp.int32))
+        np.testing.assert_array_equal(np.asarray(out), np.stack([rows[2], np.zeros(8, np.float32)]))
+        assert lib.ft_jax_bank_release(bank_id) == 0
+    finally:
+        pip_bank.release()
