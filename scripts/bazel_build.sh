@@ -29,7 +29,10 @@ if [[ -z "$bazel" ]]; then
   if ! command -v bazel-4 >/dev/null && ! command -v bazel >/dev/null; then
     echo "bazel_build.sh: no Bazel found, installing Debian's bazel-bootstrap" >&2
     sudo=""
-    if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+    if [[ $(id -u) -ne 0 ]]; then
+      command -v sudo >/dev/null || { echo "bazel_build.sh: not root and no sudo: install bazel-bootstrap first" >&2; exit 1; }
+      sudo="sudo"
+    fi
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq bazel-bootstrap >/dev/null
   fi

@@ -2,19 +2,20 @@
 
 The headers (xla/ffi/api/{api.h,c_api.h,ffi.h}) are the ones jaxlib was built with, found the same way CMake finds
 them: by asking Python for `jax.ffi.include_dir()`. They are copied into the external repository (not symlinked), so
-the build reads a fixed snapshot; the rule re-runs when one of these environment variables changes:
+the build reads a fixed snapshot; the rule re-runs only when one of these environment variables changes (or the rule
+itself does):
 
   FT_JAX_PYTHON          Python interpreter that has jax installed (default: `python3` on PATH).
   FT_JAX_JAXLIB_VERSION  set by scripts/bazel_build.sh to the installed jaxlib version, so upgrading jaxlib re-copies
-                         the headers. (A plain `bazel build` without it keeps the snapshot until `bazel sync
-                         --configure` or `bazel clean --expunge`.)
+                         the headers. (A plain `bazel build` without it keeps the snapshot until `bazel sync`
+                         or `bazel clean --expunge`.)
 
 Raises (fails the fetch) with the interpreter's stderr when jax cannot be imported or the include directory has no
 xla/ffi/api/ffi.h.
 """
 
 _PROBE = """
-import os, sys
+import os
 import jax.ffi, jaxlib
 inc = jax.ffi.include_dir()
 print(jaxlib.__version__)
@@ -61,6 +62,8 @@ cc_library(
 jax_ffi_headers = repository_rule(
     implementation = _jax_ffi_headers_impl,
     environ = ["FT_JAX_PYTHON", "FT_JAX_JAXLIB_VERSION"],
-    local = True,
+    # Not `local`: a local rule re-runs (importing jax, seconds) at every Bazel server start; the environ keys above
+    # are what invalidates the snapshot.
+    local = False,
     doc = "Copies the XLA FFI headers of the installed jaxlib (jax.ffi.include_dir()) into @<name>//:headers.",
 )
