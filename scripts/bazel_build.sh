@@ -3,11 +3,11 @@
 #
 # Uses Debian's bazel-bootstrap (Bazel 4.2.3) fully offline: WORKSPACE maps rules_cc/rules_java to local stubs and
 # reads jaxlib's FFI headers through `python -c "import jax.ffi; print(jax.ffi.include_dir())"`.
-# Installs bazel-bootstrap with apt-get when no Bazel is found (needs root or sudo).
+# Installs bazel-bootstrap with apt-get when its bazel-4 is missing (needs root or sudo).
 #
 # Environment:
 #   PYTHON                    interpreter with jax installed (default: python3)
-#   FT_JAX_BAZEL              Bazel binary to use (default: bazel-4 from bazel-bootstrap, else bazel)
+#   FT_JAX_BAZEL              Bazel 4.x binary to use (default: bazel-4 from bazel-bootstrap, installed if missing)
 #   FT_JAX_BAZEL_ROOT         Bazel --output_user_root; the output base is its base/ (default: <repo>/build/bazel-root,
 #                             git-ignored and listed in .bazelignore)
 #   FT_JAX_BAZEL_OUT          where the library is copied (default: <repo>/build/bazel/libft_jax_ffi.so)
@@ -26,19 +26,19 @@ jaxlib_version="$("$python" -c 'import jaxlib; print(jaxlib.__version__)')" \
 
 bazel="${FT_JAX_BAZEL:-}"
 if [[ -z "$bazel" ]]; then
-  if ! command -v bazel-4 >/dev/null && ! command -v bazel >/dev/null; then
-    echo "bazel_build.sh: no Bazel found, installing Debian's bazel-bootstrap" >&2
+  if ! command -v bazel-4 >/dev/null; then
+    echo "bazel_build.sh: bazel-4 not found, installing Debian's bazel-bootstrap" >&2
     sudo=""
     if [[ $(id -u) -ne 0 ]]; then
       command -v sudo >/dev/null || { echo "bazel_build.sh: not root and no sudo: install bazel-bootstrap first" >&2; exit 1; }
       sudo="sudo"
     fi
     $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq bazel-bootstrap >/dev/null
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bazel-bootstrap >/dev/null
   fi
-  # bazel-4 is bazel-bootstrap's real binary; calling it directly skips the version-dispatch wrapper (and any
-  # bazelisk on PATH, which would try to download a release).
-  bazel="$(command -v bazel-4 || command -v bazel)"
+  # bazel-4 is bazel-bootstrap's real binary; calling it directly skips the version-dispatch wrapper /usr/bin/bazel
+  # (and any bazelisk on PATH, which would try to download a release).
+  bazel="$(command -v bazel-4)"
 fi
 
 root="${FT_JAX_BAZEL_ROOT:-$repo/build/bazel-root}"
