@@ -162,6 +162,7 @@ class _Bench:
 
     ws: WorkingSet
     fill: Callable[[], None]  # one slot fill call of ws.per_call experts, blocks until done
+    slot_pointers: Callable[[], tuple[int, int]]  # buffer addresses of the two slot arrays (in-place check)
     gemv: Callable[[], None]  # one host_experts call over ws.per_call experts, blocks until done
     both: Callable[[], None]  # one jitted call holding both (no data dependency), blocks until done
     release: Callable[[], None]
@@ -182,9 +183,10 @@ def _setup(hidden_size: int, intermediate_size: int, dtype: str, ws: WorkingSet)
     # Touch every page (first-touch page faults must not be timed); small values keep the GEMV finite.
     gate_up.numpy()[...] = np.asarray(0.01, dtype=np_dtype)
     down.numpy()[...] = np.asarray(0.01, dtype=np_dtype)
+    # Slot arrays copied from numpy zeros (no compilation, unlike jnp.zeros; the copy touches every page).
     state = {
-        "gu": jnp.zeros((ws.slot_rows, 2 * I, H), np_dtype),  # [S, 2I, H]
-        "dn": jnp.zeros((ws.slot_rows, H, I), np_dtype),  # [S, H, I]
+        "gu": jnp.array(np.zeros((ws.slot_rows, 2 * I, H), np_dtype)),  # [S, 2I, H]
+        "dn": jnp.array(np.zeros((ws.slot_rows, H, I), np_dtype)),  # [S, H, I]
     }
     n, R, S = ws.per_call, ws.region_rows, ws.slot_rows
 
@@ -238,7 +240,10 @@ def _setup(hidden_size: int, intermediate_size: int, dtype: str, ws: WorkingSet)
         gate_up.release()
         down.release()
 
-    return _Bench(ws, fill, gemv, both, release)
+    def slot_pointers():
+        return state["gu"].unsafe_buffer_pointer(), state["dn"].unsafe_buffer_pointer()
+
+    return _Bench(ws, fill, slot_pointers, gemv, both, release)
 
 
 def _timed_repeat(call: Callable[[], None], min_time: float) -> tuple[float, int]:
@@ -348,6 +353,9 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
     try:
         call_b = ws.per_call * eb  # bytes per call, both fill and gemv
         bench.fill()  # warm-up (compiles)
+        pointers = bench.slot_pointers()
+        bench.fill()
+        fill_in_place = bench.slot_pointers() == pointers  # a copied slot array would halve the measured BP
         bench.gemv()
         bar.update(1)
         samples: dict[str, list[float]] = {"bp": [], "bh": [], "bp_contended": [], "bh_contended": []}
@@ -363,7 +371,7 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
             "bank_rows": ws.bank_rows, "slot_rows": ws.slot_rows, "experts_per_call": ws.per_call,
             "working_set_bytes": ws.total_bytes, "llc_bytes": ws.llc_bytes,
             "region_exceeds_2x_llc": ws.region_rows * eb >= 2 * ws.llc_bytes,
-            "min_time_s": min_time, "jax_version": jax.__version__,
+            "min_time_s": min_time, "jax_version": jax.__version__, "fill_in_place": fill_in_place,
             "contention": "two threads, one jitted slot_fill loop and one jitted host_experts loop" if contended
             else "not measured",
         }

@@ -52,7 +52,13 @@ void ThreadPool::StartWorkers(int num_workers) {
     stop_ = false;
   }
   workers_.reserve(num_workers);
-  for (int i = 0; i < num_workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  // Each worker starts from the generation current now, not the one it reads once it gets scheduled: a worker
+  // thread that starts late would otherwise read a generation a ParallelFor already published, never run it, and
+  // leave active_workers_ > 0 (that ParallelFor then waits forever).
+  const uint64_t start_generation = generation_.load(std::memory_order_acquire);
+  for (int i = 0; i < num_workers; ++i) {
+    workers_.emplace_back([this, start_generation] { WorkerLoop(start_generation); });
+  }
   num_workers_.store(num_workers, std::memory_order_relaxed);
 }
 
@@ -76,8 +82,7 @@ void ThreadPool::RunTasks() {
   }
 }
 
-void ThreadPool::WorkerLoop() {
-  uint64_t seen = generation_.load(std::memory_order_acquire);
+void ThreadPool::WorkerLoop(uint64_t seen) {
   while (true) {
     // Spin briefly, then sleep until the generation changes.
     auto deadline = std::chrono::steady_clock::now() + kSpin;

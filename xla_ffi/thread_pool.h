@@ -37,7 +37,7 @@ class ThreadPool {
  private:
   void StartWorkers(int num_workers);
   void StopWorkers();
-  void WorkerLoop();
+  void WorkerLoop(uint64_t seen);  // seen: the generation at StartWorkers
   void RunTasks();
 
   std::mutex run_mu_;  // held by the caller that owns the pool for one ParallelFor
