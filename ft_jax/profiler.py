@@ -428,7 +428,8 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
     1. A stored profile whose key matches this machine and expert size (profile_store.load_profile) is returned.
     2. Else, if ``allow_measure``: a quick profile (<= 5 s) is measured, saved (unless ``save`` is False) and returned;
        the message says so.
-    3. Else: (None, message) and a ``UserWarning``; decoding then falls back to the fixed-cap 1 policy.
+    3. Else, or if the quick profile fails (ValueError, MemoryError, OSError, e.g. the working set does not fit):
+       (None, message) and a ``UserWarning``; decoding then falls back to the fixed-cap 1 policy.
 
     Args:
         hidden_size, intermediate_size, dtype: the expert size (H, I) and weight dtype of the host banks.
@@ -450,7 +451,12 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
         warnings.warn(msg, stacklevel=2)
         return None, msg
     t0 = time.perf_counter()
-    profile = measure_profile(hidden_size, intermediate_size, dtype, quick=True, progress=progress)
+    try:
+        profile = measure_profile(hidden_size, intermediate_size, dtype, quick=True, progress=progress)
+    except (ValueError, MemoryError, OSError) as e:  # e.g. the working set does not fit: decode still runs
+        msg = f"{why}; the quick bandwidth profile failed ({e}): falling back to the fixed-cap 1 policy"
+        warnings.warn(msg, stacklevel=2)
+        return None, msg
     seconds = time.perf_counter() - t0
     where = ""
     if save:
@@ -516,7 +522,8 @@ def format_report(profile: Profile, saved_to: str | None) -> str:
 
     frac = profile.fraction()
     lines = [
-        f"ft_jax bandwidth profile ({'quick' if profile.quick else 'full'}, {profile.repeats} repeats, median)",
+        f"ft_jax bandwidth profile ({'quick' if profile.quick else 'full'}, {profile.repeats} repeats, median; "
+        f"measured in {profile.details.get('seconds', 0):.1f} s)",
         f"  device {k.platform}/{k.device_kind}; host CPU {k.cpu_model} x {k.cpu_count} cores",
         f"  expert H={profile.hidden_size} I={profile.intermediate_size} {k.dtype}: {k.expert_bytes / 1e6:.2f} MB; "
         f"working set {profile.details.get('working_set_bytes', 0) / 1e6:.0f} MB "

@@ -214,6 +214,17 @@ def test_get_or_measure_without_measuring_falls_back_with_warning(tmp_path):
     assert profile is None and "corrupted" in msg
 
 
+def test_get_or_measure_falls_back_when_quick_profile_fails(tmp_path, monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise MemoryError("simulated: no room for the working set")
+
+    monkeypatch.setattr(profiler, "measure_profile", no_memory)
+    with pytest.warns(UserWarning, match="fixed-cap 1"):
+        profile, msg = profiler.get_or_measure_profile(H, I, "float32", path=tmp_path / "p.json")
+    assert profile is None and "simulated" in msg
+    assert not (tmp_path / "p.json").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Sizing
 # ---------------------------------------------------------------------------------------------------------------------
