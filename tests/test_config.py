@@ -1,0 +1,129 @@
+"""config.json parsing: the four fixtures, both key styles, layer selection and clear errors."""
+
+import json
+import os
+
+import pytest
+
+from ft_jax.config import SUPPORTED_ARCHITECTURES, ConfigError, config_from_dict, load_config
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
+
+
+def _raw(family):
+    with open(os.path.join(FIXTURES, family, "config.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("family,arch", [("mixtral", "MixtralForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                                         ("qwen3_moe", "Qwen3MoeForCausalLM"), ("olmoe", "OlmoeForCausalLM")])
+def test_fixture_configs(family, arch):
+    cfg = load_config(os.path.join(FIXTURES, family))
+    info = json.load(open(os.path.join(FIXTURES, family, "reference", "info.json")))
+    assert cfg.family == family and cfg.architecture == arch
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers) == (256, 64, 4)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 2, 16)
+    assert (cfg.num_experts, cfg.top_k) == (8, 2)
+    assert list(cfg.moe_layers) == info["moe_layers"]
+    assert cfg.num_moe_layers == len(info["moe_layers"])
+    assert cfg.dtype == "float32" and cfg.hidden_act == "silu" and cfg.activation == "silu"
+    assert cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,) and cfg.max_position_embeddings == 128
+    assert not cfg.tie_word_embeddings
+    expected = {  # (I, dense I, shared I, norm_topk_prob, qkv_bias, qk_norm, rope_theta, eps)
+        "mixtral": (128, 0, 0, True, False, "none", 1e6, 1e-5),
+        "qwen2_moe": (32, 128, 64, False, True, "none", 1e4, 1e-6),
+        "qwen3_moe": (32, 128, 0, True, False, "per_head", 1e4, 1e-6),
+        "olmoe": (32, 0, 0, False, False, "full", 1e4, 1e-5),
+    }[family]
+    assert (cfg.moe_intermediate_size, cfg.intermediate_size, cfg.shared_expert_intermediate_size,
+            cfg.norm_topk_prob, cfg.qkv_bias, cfg.qk_norm, cfg.rope_theta, cfg.rms_norm_eps) == expected
+    assert cfg.moe_layer_index(cfg.moe_layers[-1]) == cfg.num_moe_layers - 1
+    if family == "qwen3_moe":
+        assert cfg.moe_layer_index(2) is None and cfg.moe_layer_index(3) == 2
+
+
+def test_hub_key_style_equals_transformers5_style():
+    """Hub configs: rope_theta (+ rope_scaling null), torch_dtype, num_experts instead of num_local_experts,
+    head_dim absent."""
+    new = _raw("mixtral")
+    hub = dict(new)
+    del hub["rope_parameters"], hub["dtype"], hub["num_local_experts"], hub["head_dim"]
+    hub.update(rope_theta=1e6, rope_scaling=None, torch_dtype="bfloat16", num_experts=8)
+    a, b = config_from_dict(new), config_from_dict(hub)
+    assert b.dtype == "bfloat16" and a.dtype == "float32"
+    assert a == config_from_dict({**hub, "torch_dtype": "float32"})
+    q3 = _raw("qwen3_moe")
+    q3_hub = {k: v for k, v in q3.items() if k not in ("rope_parameters", "num_local_experts")}
+    q3_hub.update(rope_theta=10000.0, num_experts=8, rope_scaling={"rope_type": "default"})
+    assert config_from_dict(q3_hub) == config_from_dict(q3)
+
+
+def test_qwen_sparse_step_and_mlp_only_layers():
+    raw = _raw("qwen2_moe")
+    raw.update(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+    cfg = config_from_dict(raw)
+    # MoE iff layer not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0
+    assert cfg.moe_layers == (1, 5)
+    assert [cfg.moe_layer_index(l) for l in range(6)] == [None, 0, None, None, None, 1]
+
+
+def test_mixtral_sliding_window_and_eos_list():
+    raw = _raw("mixtral")
+    raw.update(sliding_window=4096, eos_token_id=[2, 7])
+    cfg = config_from_dict(raw)
+    assert cfg.sliding_window == 4096 and cfg.eos_token_ids == (2, 7)
+
+
+def test_unsupported_architecture_names_supported_ones(tmp_path):
+    raw = _raw("mixtral")
+    raw["architectures"] = ["DeepseekV3ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path)
+    msg = str(e.value)
+    assert "DeepseekV3ForCausalLM" in msg and str(tmp_path) in msg
+    for arch in SUPPORTED_ARCHITECTURES:
+        assert arch in msg
+
+
+@pytest.mark.parametrize("family,field", [("mixtral", "hidden_size"), ("qwen2_moe", "moe_intermediate_size"),
+                                          ("qwen2_moe", "shared_expert_intermediate_size"),
+                                          ("olmoe", "num_experts"), ("qwen3_moe", "num_experts_per_tok"),
+                                          ("mixtral", "rope_theta")])
+def test_missing_field_is_named(tmp_path, family, field):
+    raw = _raw(family)
+    raw.pop(field, None)
+    if field == "num_experts":
+        raw.pop("num_local_experts", None)
+    if field == "rope_theta":
+        raw.pop("rope_parameters")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=field):
+        load_config(tmp_path)
+
+
+def test_wrong_type_and_bad_json(tmp_path):
+    raw = _raw("olmoe")
+    raw["hidden_size"] = "64"
+    with pytest.raises(ConfigError, match="hidden_size"):
+        config_from_dict(raw)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("change", [
+    {"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}},
+    {"rope_parameters": None, "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}},
+    {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": 0.5}},
+    {"hidden_act": "relu"},
+])
+def test_unimplemented_features_raise(change):
+    raw = {**_raw("mixtral"), **change}
+    with pytest.raises(NotImplementedError):
+        config_from_dict(raw)
+
+
+def test_qwen_sliding_window_not_implemented():
+    with pytest.raises(NotImplementedError, match="use_sliding_window"):
+        config_from_dict({**_raw("qwen3_moe"), "use_sliding_window": True})
