@@ -131,6 +131,11 @@ class MoEConfig:
         """Activation name for the expert kernels: "silu" (SwiGLU) or "gelu_tanh"."""
         return _ACTIVATIONS[self.hidden_act]
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """First end-of-sequence id, or None when config.json names none."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
     def moe_layer_index(self, layer: int) -> int | None:
         """MoE layer index (0..num_moe_layers-1) of decoder layer ``layer``, or None for a dense layer."""
         try:

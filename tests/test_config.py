@@ -71,7 +71,8 @@ def test_mixtral_sliding_window_and_eos_list():
     raw = _raw("mixtral")
     raw.update(sliding_window=4096, eos_token_id=[2, 7])
     cfg = config_from_dict(raw)
-    assert cfg.sliding_window == 4096 and cfg.eos_token_ids == (2, 7)
+    assert cfg.sliding_window == 4096 and cfg.eos_token_ids == (2, 7) and cfg.eos_token_id == 2
+    assert config_from_dict({**raw, "eos_token_id": None}).eos_token_id is None
 
 
 def test_unsupported_architecture_names_supported_ones(tmp_path):
