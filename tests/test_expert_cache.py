@@ -219,3 +219,20 @@ def test_input_errors():
         plan_layer(state, 0, jnp.zeros(4, bool), parse_policy("qstar"))
     with pytest.raises(ValueError, match="num_slots"):
         init_cache_state(2, 4, 0)
+
+
+def test_victim_choice_safe_at_int32_limit():
+    # After 2^31 - 1 layer calls usage can reach INT32_MAX: an eligible slot with that usage must still be chosen
+    # before a slot holding an active expert (which would drop the hit route).
+    int_max = np.iinfo(np.int32).max
+    state = CacheState(slot_of_expert=jnp.array([[0, -1, -1, 1]], jnp.int32),
+                       expert_of_slot=jnp.array([0, 3], jnp.int32),
+                       usage=jnp.array([5, int_max], jnp.int32),
+                       recency=jnp.array([[4, -1, -1, 4]], jnp.int32),
+                       step=jnp.array(int_max - 1, jnp.int32),
+                       stats=jnp.zeros((1, 6), jnp.int32))
+    state, plan = plan_static(state, 0, jnp.array([True, True, False, False]), parse_policy("fetch-all"))
+    np.testing.assert_array_equal(np.asarray(plan.fill_slot_ids), [1, -1])
+    np.testing.assert_array_equal(np.asarray(plan.device_slot_of_expert), [0, 1, -1, -1])
+    np.testing.assert_array_equal(np.asarray(plan.host_mask), [False, False, False, False])
+    np.testing.assert_array_equal(np.asarray(state.slot_of_expert), [[0, 1, -1, -1]])
