@@ -403,6 +403,11 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
         bar.close()
         bench.release()
     details["seconds"] = round(time.perf_counter() - t_start, 3)
+    from ft_jax import _ffi  # extension internals, recorded when available (not part of the FFI contract)
+
+    for name in ("num_threads", "kernel_isa"):
+        if hasattr(_ffi, name):
+            details[f"host_{name}"] = getattr(_ffi, name)()
     medians, spreads = {}, {}
     for name, values in samples.items():
         if values:
@@ -524,7 +529,9 @@ def format_report(profile: Profile, saved_to: str | None) -> str:
     lines = [
         f"ft_jax bandwidth profile ({'quick' if profile.quick else 'full'}, {profile.repeats} repeats, median; "
         f"measured in {profile.details.get('seconds', 0):.1f} s)",
-        f"  device {k.platform}/{k.device_kind}; host CPU {k.cpu_model} x {k.cpu_count} cores",
+        f"  device {k.platform}/{k.device_kind}; host CPU {k.cpu_model} x {k.cpu_count} cores"
+        + (f"; host GEMV threads {profile.details['host_num_threads']}" if "host_num_threads" in profile.details
+           else ""),
         f"  expert H={profile.hidden_size} I={profile.intermediate_size} {k.dtype}: {k.expert_bytes / 1e6:.2f} MB; "
         f"working set {profile.details.get('working_set_bytes', 0) / 1e6:.0f} MB "
         f"(last-level cache {profile.details.get('llc_bytes', 0) / 2**20:.0f} MiB)",
