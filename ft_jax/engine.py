@@ -178,6 +178,10 @@ class Engine:
                                                self.decode_backend)  # logits f32[B, 1, V]
         return sample_next(logits[:, 0], key, sampling), kv_cache, expert_state
 
+    def init_kv_cache(self, batch_size: int, max_len: int):
+        """Zero KV cache for batch_size sequences of up to max_len tokens (ft_jax.model.KVCache, model dtype)."""
+        return nnx.merge(self.graphdef, self.params).init_kv_cache(batch_size, max_len)
+
     def decode_cache_size(self) -> int:
         """How many decode-step executables jit has compiled so far (1 after any number of steps of one config)."""
         return self._decode._cache_size()
@@ -235,7 +239,7 @@ class Engine:
                 tokens[b, bucket - len(p):] = p
                 positions[b, bucket - len(p):] = np.arange(len(p))
             key = jax.random.key(seed)
-            kv_cache = nnx.merge(self.graphdef, self.params).init_kv_cache(B, max_len)
+            kv_cache = self.init_kv_cache(B, max_len)
 
             t0 = time.perf_counter()
             key, sub = jax.random.split(key)

@@ -1,0 +1,118 @@
+"""`ft-jax generate` end to end: transformers' greedy continuation under every policy, the bundled model, errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ft_jax import cli
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+# "qstar" with --no-measure and no stored profile falls back to fixed-cap:1; "qstar:0.4" fixes the fraction.
+POLICIES = ["resident", "fetch-all", "host-all", "qstar:0.4", "qstar", "fixed-cap:1"]
+
+
+def _generate_json(capsys, *args):
+    status = cli.main(["generate", *args, "--json"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_ids_equal_transformers_under_every_policy(family, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    info = json.load(open(os.path.join(FIXTURES, family, "reference", "info.json")))
+    prompt = ",".join(map(str, info["prompt_ids"]))
+    for policy in POLICIES:
+        out = _generate_json(capsys, "--model", os.path.join(FIXTURES, family), "--prompt-ids", prompt,
+                             "--temperature", "0", "--max-new-tokens", "16", "--policy", policy,
+                             "--cache-slots", "3", "--no-measure")
+        assert out["generated_ids"] == [info["greedy_continuation"]], (family, policy)
+        assert out["stats"]["decode_compiles"] == 1, (family, policy)
+        assert out["text"] is None  # the fixtures have no tokenizer
+
+
+def test_bundled_model_generates_text(capsys):
+    out = _generate_json(capsys, "--prompt", "ROMEO:", "--max-new-tokens", "40", "--seed", "1",
+                         "--policy", "fixed-cap:2")
+    text = out["text"][0]
+    assert len(out["generated_ids"][0]) == 40
+    assert isinstance(text, str) and len(text) > 0
+    stats = out["stats"]
+    assert stats["decode_compiles"] == 1
+    assert 0.0 <= stats["hit_rate"] <= 1.0
+
+
+def test_streaming_output_and_table(capsys):
+    status = cli.main(["generate", "--prompt", "KING:", "--max-new-tokens", "20", "--policy", "host-all",
+                       "--temperature", "0"])
+    out, err = capsys.readouterr()
+    assert status == 0
+    assert out.startswith("KING:")
+    for label in ("time to first token", "decode", "hit rate", "compile time", "bytes per step"):
+        assert label in err
+
+
+def _error(capsys, *args):
+    status = cli.main(["generate", *args])
+    out, err = capsys.readouterr()
+    lines = [l for l in err.strip().splitlines() if l]
+    assert status == 2
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_error_missing_path(capsys, tmp_path):
+    assert "does not exist" in _error(capsys, "--model", str(tmp_path / "nope"), "--prompt-ids", "1")
+
+
+def test_error_folder_without_config(capsys, tmp_path):
+    assert "no config.json" in _error(capsys, "--model", str(tmp_path), "--prompt-ids", "1")
+
+
+def test_error_unsupported_architecture(capsys, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(os.path.join(FIXTURES, "mixtral"), model)
+    cfg = json.load(open(model / "config.json"))
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    json.dump(cfg, open(model / "config.json", "w"))
+    line = _error(capsys, "--model", str(model), "--prompt-ids", "1")
+    assert "LlamaForCausalLM" in line and "MixtralForCausalLM" in line
+
+
+def test_error_prompt_longer_than_context(capsys):
+    ids = ",".join(["5"] * 200)  # fixture context: 128 tokens
+    line = _error(capsys, "--model", os.path.join(FIXTURES, "olmoe"), "--prompt-ids", ids, "--policy", "host-all")
+    assert "context" in line
+
+
+def test_error_device_budget_below_one_slot(capsys):
+    line = _error(capsys, "--model", os.path.join(FIXTURES, "olmoe"), "--prompt-ids", "1", "--device-memory", "1KiB")
+    assert "smaller than one expert slot" in line
+
+
+def test_error_unknown_policy(capsys):
+    line = _error(capsys, "--model", os.path.join(FIXTURES, "olmoe"), "--prompt-ids", "1", "--policy", "magic")
+    assert "magic" in line
+
+
+def test_parse_bytes():
+    assert cli.parse_bytes("4096") == 4096
+    assert cli.parse_bytes("2GB") == 2 * 10**9
+    assert cli.parse_bytes("512MiB") == 512 * 2**20
+    assert cli.parse_bytes("1.5g") == int(1.5 * 2**30)
+    with pytest.raises(Exception, match="byte count"):
+        cli.parse_bytes("lots")
+
+
+def test_python_dash_m_help():
+    out = subprocess.run([sys.executable, "-m", "ft_jax", "generate", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for flag in ("--model", "--prompt-ids", "--cache-fraction", "--device-memory", "--policy", "--json"):
+        assert flag in out
