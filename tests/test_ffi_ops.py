@@ -153,14 +153,14 @@ TOL = {np.dtype(np.float32): 1e-5, BF16: 1e-2}
 @pytest.mark.parametrize("wdtype", [np.dtype(np.float32), BF16], ids=["f32", "bf16"])
 def test_host_and_slot_experts_match_float64_reference(T, k, wdtype):
     rng = np.random.default_rng(100 * T + 10 * k + (wdtype == BF16))
-    # H and I not multiples of 8: exercises the vector loop tails.
-    x, ids, weights, gate_up, down = _expert_case(rng, T, k, num_experts=6, hidden=44, inter=36)
+    # H and I odd-sized: exercises the vector loop tails and the single-row paths.
+    x, ids, weights, gate_up, down = _expert_case(rng, T, k, num_experts=6, hidden=46, inter=37)
     expected = _experts_reference(x, ids, weights, gate_up, down, "silu")
     gu_bank = HostBank.from_numpy(gate_up, dtype=wdtype)
     dn_bank = HostBank.from_numpy(down, dtype=wdtype)
     host = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, gu_bank, dn_bank))
     y = np.asarray(host(x, ids, weights))
-    assert y.shape == (T, 44) and y.dtype == np.float32
+    assert y.shape == (T, 46) and y.dtype == np.float32
     assert _rel_err(y, expected) < TOL[wdtype]
     # slot_experts: the same kernel over slot arrays. Slots in expert order: bit-identical to host_experts.
     same_order = jax.jit(ffi_ops.slot_experts)(x, ids, weights, jnp.asarray(gate_up.astype(wdtype)),
@@ -196,10 +196,11 @@ def test_skipped_routes_contribute_nothing():
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("generic", [False, True], ids=["auto_isa", "generic"])
 def test_large_experts_multithreaded_bf16_x_and_both_activations(activation, generic):
-    """Experts above the threading threshold (1 MiB per call), bf16 activations, portable and vector loops;
-    bit-identical results with 1 and 2 threads and across repeats."""
+    """Experts above the threading threshold (1 MiB per call), bf16 activations, portable and vector loops,
+    many routes per expert; bit-identical results with 1 and 2 threads and across repeats."""
     rng = np.random.default_rng(6)
-    x, ids, weights, gate_up, down = _expert_case(rng, 3, 2, num_experts=4, hidden=256, inter=200)
+    x, ids, weights, gate_up, down = _expert_case(rng, 5, 2, num_experts=4, hidden=256, inter=200)
+    ids[:, 0] = 0  # five routes to expert 0 (4-token inner loop + remainder); may repeat an id within a token
     x_bf16 = x.astype(BF16)
     expected = _experts_reference(x_bf16.astype(np.float32), ids, weights, gate_up, down, activation)
     gu_bank, dn_bank = HostBank.from_numpy(gate_up), HostBank.from_numpy(down)

@@ -162,6 +162,11 @@ int64_t RowsPerTask(size_t row_bytes, int64_t rows, int64_t multiple, int thread
   return (r + multiple - 1) / multiple * multiple;
 }
 
+// Token chunks: groups of 4 routes use 2 rows x 4 tokens per inner loop (each weight load feeds 4 FMAs), smaller
+// remainders use 4 rows x 2 or 1 tokens (enough independent accumulators to hide the FMA latency). Every
+// (row, token) accumulator sees the same sequence of operations in every variant, so the chunking does not
+// change results.
+
 // Phase 1 for one expert and gate rows [i0, i1): a[route][i] = act(gate_i . x) * (up_i . x).
 template <typename WG>
 void GateUpRows(bool avx2, const WG* gu, const Groups& g, int64_t grp, const float* x, int64_t H, int64_t I,
@@ -169,34 +174,38 @@ void GateUpRows(bool avx2, const WG* gu, const Groups& g, int64_t grp, const flo
   const int64_t b = g.begin[grp], e = g.begin[grp + 1];
   float out[8];
   for (int64_t i = i0; i < i1;) {
-    const bool pair = i + 1 < i1;
-    const WG* rows[4] = {gu + i * H, gu + (i + 1) * H, gu + (I + i) * H, gu + (I + i + 1) * H};
-    const WG* rows1[2] = {gu + i * H, gu + (I + i) * H};
+    const int64_t nrows = i + 1 < i1 ? 2 : 1;  // gate/up row pairs handled together
     for (int64_t n = b; n < e;) {
-      const bool two = n + 1 < e;
-      const float* xs[2] = {x + g.token[n] * H, x + g.token[two ? n + 1 : n] * H};
-      if (pair) {
-        // out = [gate_i, gate_i+1, up_i, up_i+1] x tokens
-        if (two) {
-          Dot<WG, 4, 2>(avx2, rows, xs, H, out);
-          for (int tn = 0; tn < 2; ++tn)
-            for (int q = 0; q < 2; ++q)
-              a[(n + tn) * I + i + q] = Activate(act, out[q * 2 + tn]) * out[(2 + q) * 2 + tn];
+      const int64_t left = e - n;
+      const float* xs[4];
+      for (int q = 0; q < 4; ++q) xs[q] = x + g.token[n + std::min<int64_t>(q, left - 1)] * H;
+      if (left >= 4) {
+        for (int64_t r = 0; r < nrows; ++r) {
+          const WG* rows[2] = {gu + (i + r) * H, gu + (I + i + r) * H};
+          Dot<WG, 2, 4>(avx2, rows, xs, H, out);  // out = [gate x 4 tokens, up x 4 tokens]
+          for (int tn = 0; tn < 4; ++tn) a[(n + tn) * I + i + r] = Activate(act, out[tn]) * out[4 + tn];
+        }
+        n += 4;
+      } else if (nrows == 2) {
+        const WG* rows[4] = {gu + i * H, gu + (i + 1) * H, gu + (I + i) * H, gu + (I + i + 1) * H};
+        const int64_t nt = std::min<int64_t>(left, 2);
+        if (nt == 2) {
+          Dot<WG, 4, 2>(avx2, rows, xs, H, out);  // out = [gate_i, gate_i+1, up_i, up_i+1] x 2 tokens
         } else {
           Dot<WG, 4, 1>(avx2, rows, xs, H, out);
-          for (int q = 0; q < 2; ++q) a[n * I + i + q] = Activate(act, out[q]) * out[2 + q];
         }
+        for (int tn = 0; tn < nt; ++tn)
+          for (int q = 0; q < 2; ++q)
+            a[(n + tn) * I + i + q] = Activate(act, out[q * nt + tn]) * out[(2 + q) * nt + tn];
+        n += nt;
       } else {
-        Dot<WG, 2, 1>(avx2, rows1, xs, H, out);
+        const WG* rows[2] = {gu + i * H, gu + (I + i) * H};
+        Dot<WG, 2, 1>(avx2, rows, xs, H, out);
         a[n * I + i] = Activate(act, out[0]) * out[1];
-        if (two) {
-          Dot<WG, 2, 1>(avx2, rows1, xs + 1, H, out);
-          a[(n + 1) * I + i] = Activate(act, out[0]) * out[1];
-        }
+        n += 1;
       }
-      n += two ? 2 : 1;
     }
-    i += pair ? 2 : 1;
+    i += nrows;
   }
 }
 
@@ -207,36 +216,50 @@ void DownRows(bool avx2, const ExpertWeights& m, const Groups& g, const float* a
   const int64_t H = m.hidden, I = m.inter;
   for (int64_t t = 0; t < T; ++t) std::fill(y + t * H + h0, y + t * H + h1, 0.0f);
   float out[8];
+  auto accumulate = [&](int64_t h, int64_t n, int R, int nt) {
+    for (int r = 0; r < R; ++r)
+      for (int tn = 0; tn < nt; ++tn) y[g.token[n + tn] * H + h + r] += g.weight[n + tn] * out[r * nt + tn];
+  };
   for (size_t grp = 0; grp + 1 < g.begin.size(); ++grp) {
     const WD* dn = reinterpret_cast<const WD*>(m.down + static_cast<size_t>(g.expert[grp]) * m.down_stride);
     const int64_t b = g.begin[grp], e = g.begin[grp + 1];
     for (int64_t h = h0; h < h1;) {
-      const bool four = h + 4 <= h1;
+      const int64_t nrows = h + 4 <= h1 ? 4 : 1;
       for (int64_t n = b; n < e;) {
-        const bool two = n + 1 < e;
-        const float* as[2] = {a + n * I, a + (two ? n + 1 : n) * I};
-        if (four) {
+        const int64_t left = e - n;
+        const float* as[4];
+        for (int q = 0; q < 4; ++q) as[q] = a + (n + std::min<int64_t>(q, left - 1)) * I;
+        if (left >= 4) {
+          for (int64_t r = 0; r < nrows; r += 2) {
+            if (nrows == 4) {
+              const WD* rows[2] = {dn + (h + r) * I, dn + (h + r + 1) * I};
+              Dot<WD, 2, 4>(avx2, rows, as, I, out);
+              accumulate(h + r, n, 2, 4);
+            } else {
+              const WD* rows[1] = {dn + h * I};
+              Dot<WD, 1, 4>(avx2, rows, as, I, out);
+              accumulate(h, n, 1, 4);
+            }
+          }
+          n += 4;
+        } else if (nrows == 4) {
           const WD* rows[4] = {dn + h * I, dn + (h + 1) * I, dn + (h + 2) * I, dn + (h + 3) * I};
-          if (two) {
+          const int64_t nt = std::min<int64_t>(left, 2);
+          if (nt == 2) {
             Dot<WD, 4, 2>(avx2, rows, as, I, out);
-            for (int r = 0; r < 4; ++r)
-              for (int tn = 0; tn < 2; ++tn) y[g.token[n + tn] * H + h + r] += g.weight[n + tn] * out[r * 2 + tn];
           } else {
             Dot<WD, 4, 1>(avx2, rows, as, I, out);
-            for (int r = 0; r < 4; ++r) y[g.token[n] * H + h + r] += g.weight[n] * out[r];
           }
+          accumulate(h, n, 4, static_cast<int>(nt));
+          n += nt;
         } else {
           const WD* rows[1] = {dn + h * I};
           Dot<WD, 1, 1>(avx2, rows, as, I, out);
-          y[g.token[n] * H + h] += g.weight[n] * out[0];
-          if (two) {
-            Dot<WD, 1, 1>(avx2, rows, as + 1, I, out);
-            y[g.token[n + 1] * H + h] += g.weight[n + 1] * out[0];
-          }
+          accumulate(h, n, 1, 1);
+          n += 1;
         }
-        n += two ? 2 : 1;
       }
-      h += four ? 4 : 1;
+      h += nrows;
     }
   }
 }
