@@ -492,7 +492,7 @@ under `nice -n 10`; {r['step_ms']:.0f} ms per step on average):
 - optimiser: optax AdamW (b1 0.9, b2 0.95, weight decay {args.weight_decay} on matrices only), peak learning rate
   {args.lr:g}, {args.warmup} warm-up steps, cosine decay to {args.lr * 0.1:g} over {f'a wall-time budget of {args.time_budget:g} min' if args.time_budget else 'the steps'},
   gradient clipping at global norm 1.0, seed {args.seed}.
-- loss: cross entropy + {cfg.router_aux_loss_coef} x load-balancing loss (Switch/Mixtral `E * sum_e f_e P_e`, per MoE
+{f"- continued from the weights of `{args.init_from}` (optimizer state started fresh); the steps and time above are this run's only." + chr(10) if args.init_from else ""}- loss: cross entropy + {cfg.router_aux_loss_coef} x load-balancing loss (Switch/Mixtral `E * sum_e f_e P_e`, per MoE
   layer, averaged over layers; 1.0 = uniform).
 - expert dispatch while training: {('fixed capacity ' + f"{args.capacity_factor:g} x the uniform load per expert (Switch style); an assignment over capacity contributes 0 for that step; dropped share over the last 100 steps: {100 * r['drop_tail']:.2f}%") if args.capacity_factor else 'dense (every expert on every token, weighted by the top-k gates)'}.
   Evaluation, histograms and samples below use the exact Mixtral forward (only the top-k experts, nothing dropped).
@@ -545,6 +545,7 @@ def parse_args(argv=None):
                     help="minutes of training wall time: stop when spent, and run the cosine schedule over wall time "
                          "instead of steps (for a shared machine; 0 = train exactly --steps steps)")
     ap.add_argument("--seed", type=int, default=0, help="seed for init, batches and the temperature sample")
+    ap.add_argument("--init-from", default="", help="start from the weights of an exported folder (continue training)")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     ap.add_argument("--seq-len", type=int, default=256, help="bytes per sequence; also max_position_embeddings")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -594,6 +595,15 @@ def main(argv=None) -> int:
     print(f"data: {data.size:,} bytes, train {train.size:,}, validation {val.size:,}", flush=True)
 
     params = init_params(cfg, args.seed)
+    if args.init_from:
+        init_tensors = load_file(os.path.join(args.init_from, "model.safetensors"))
+        loaded = import_tensors(init_tensors, cfg)
+        bad = sorted(k for k in params if k not in loaded or loaded[k].shape != params[k].shape)
+        if bad or len(loaded) != len(params):
+            sys.exit(f"error: {args.init_from}/model.safetensors does not match the model flags (first mismatching "
+                     f"tensor: {(bad or sorted(set(loaded) - set(params)))[0]})")
+        params = loaded
+        print(f"initialised from {args.init_from}/model.safetensors (optimizer state starts fresh)", flush=True)
     num_params = sum(int(np.prod(v.shape)) for v in params.values())
     tokens_per_step = args.batch_size * args.seq_len
     capacity = (math.ceil(args.capacity_factor * tokens_per_step * cfg.top_k / cfg.num_experts)

@@ -136,3 +136,34 @@ def test_bundled_model_is_byte_level():
     assert isinstance(tok, ByteTokenizer)
     assert tok.bos_token_id is None and tok.eos_token_ids == ()
     assert tok.decode(tok.encode("KING HENRY:\n")) == "KING HENRY:\n"
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(BUNDLED, "model.safetensors")), reason="bundled model not trained")
+def test_bundled_model_files():
+    """The bundled checkpoint is a Hub-named MixtralForCausalLM of at most 16 MB whose tensors match config.json."""
+    from safetensors import safe_open
+
+    cfg = json.load(open(os.path.join(BUNDLED, "config.json")))
+    path = os.path.join(BUNDLED, "model.safetensors")
+    assert os.path.getsize(path) <= 16 * 2**20
+    assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["ft_jax_tokenizer"] == "bytes"
+    H, I, E, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"], cfg["num_hidden_layers"]
+    D = cfg["head_dim"]
+    expected = {"model.embed_tokens.weight": (256, H), "lm_head.weight": (256, H), "model.norm.weight": (H,)}
+    for n in range(L):
+        p = f"model.layers.{n}."
+        expected.update({
+            p + "self_attn.q_proj.weight": (cfg["num_attention_heads"] * D, H),
+            p + "self_attn.k_proj.weight": (cfg["num_key_value_heads"] * D, H),
+            p + "self_attn.v_proj.weight": (cfg["num_key_value_heads"] * D, H),
+            p + "self_attn.o_proj.weight": (H, cfg["num_attention_heads"] * D),
+            p + "block_sparse_moe.gate.weight": (E, H),
+            p + "input_layernorm.weight": (H,),
+            p + "post_attention_layernorm.weight": (H,),
+        })
+        for e in range(E):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            expected.update({q + "w1.weight": (I, H), q + "w3.weight": (I, H), q + "w2.weight": (H, I)})
+    with safe_open(path, framework="numpy") as f:
+        got = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert got == expected
