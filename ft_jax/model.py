@@ -26,11 +26,11 @@ for float32 checkpoints, also on GPUs). Parameters keep Hugging Face layouts ([o
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ft_jax.config import MoEConfig
@@ -98,17 +98,17 @@ class ModelAux(NamedTuple):
     topk_weights: jax.Array
 
 
-def random_param_factory(key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> ParamFactory:
-    """Param factory for an untrained model: weights ~ N(0, std^2), norms 1, biases 0 (deterministic in key and
-    in parameter creation order)."""
-    counter = itertools.count()
+def random_param_factory(seed: int = 0, dtype=jnp.float32, std: float = 0.02) -> ParamFactory:
+    """Param factory for an untrained model: weights ~ N(0, std^2), norms 1, biases 0. Drawn with numpy
+    (deterministic in seed and parameter creation order; no per-shape XLA compilations)."""
+    rng = np.random.default_rng(seed)
 
     def make(name: str, shape: tuple[int, ...], kind: str) -> jax.Array:
         if kind == "norm":
-            return jnp.ones(shape, dtype)
+            return jnp.asarray(np.ones(shape, np.float32), dtype)
         if kind == "bias":
-            return jnp.zeros(shape, dtype)
-        return (std * jax.random.normal(jax.random.fold_in(key, next(counter)), shape, jnp.float32)).astype(dtype)
+            return jnp.asarray(np.zeros(shape, np.float32), dtype)
+        return jnp.asarray(std * rng.standard_normal(shape, dtype=np.float32), dtype)
 
     return make
 

@@ -1,0 +1,272 @@
+"""Model tests against the Hugging Face transformers reference outputs in tests/fixtures/hf_tiny.
+
+Each fixture holds a tiny float32 checkpoint written by transformers 5.24 and its outputs on a fixed prompt
+(README.md there). Logits of the same model differ by up to 1.8e-6 between two transformers runs.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ft_jax import ffi_ops
+from ft_jax.checkpoint import load_checkpoint
+from ft_jax.config import load_config
+from ft_jax.model import MoETransformer, jit_forward, random_param_factory
+from ft_jax.resident import ResidentExperts
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+MAX_LEN = 40
+
+
+class Loaded:
+    """One fixture loaded once per module: checkpoint, resident experts, jitted forwards, reference arrays."""
+
+    def __init__(self, family):
+        self.dir = os.path.join(FIXTURES, family)
+        self.info = json.load(open(os.path.join(self.dir, "reference", "info.json")))
+        self.ref = {n[:-4]: np.load(os.path.join(self.dir, "reference", n))
+                    for n in os.listdir(os.path.join(self.dir, "reference")) if n.endswith(".npy")}
+        self.ckpt = load_checkpoint(self.dir)
+        self.cfg = self.ckpt.config
+        self.experts = ResidentExperts.from_banks(self.ckpt.gate_up_bank, self.ckpt.down_bank, self.cfg)
+        self.fwd, self.state = jit_forward(self.ckpt.model, return_aux=True)
+        self.prompt = np.array(self.info["prompt_ids"], np.int32)
+
+    def run(self, tokens, positions, kv, experts=None, state=None):
+        return self.fwd(self.state, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), kv,
+                        state, self.experts if experts is None else experts)
+
+    def greedy(self, prompt, new_tokens, stepwise_prefill=False, experts=None):
+        """KV-cached greedy decoding of one sequence: a prefill call over the prompt (or, with stepwise_prefill,
+        one T=1 call per prompt token), then T=1 decode calls.
+        Returns (new tokens, aux of each decode step, logits [P + new_tokens - 1, V] of every position fed)."""
+        kv = self.ckpt.model.init_kv_cache(1, MAX_LEN)
+        P = len(prompt)
+        if stepwise_prefill:
+            all_logits = []
+            for p in range(P):
+                logits, kv, _, _ = self.run([[prompt[p]]], [[p]], kv, experts)
+                all_logits.append(np.asarray(logits[0, -1]))
+        else:
+            logits, kv, _, _ = self.run(prompt[None], np.arange(P)[None], kv, experts)
+            all_logits = list(np.asarray(logits[0]))
+        out, auxes = [int(np.argmax(all_logits[-1]))], []
+        for i in range(new_tokens - 1):
+            logits, kv, _, aux = self.run([[out[-1]]], [[P + i]], kv, experts)
+            out.append(int(jnp.argmax(logits[0, -1])))
+            auxes.append(aux)
+            all_logits.append(np.asarray(logits[0, -1]))
+        return out, auxes, np.stack(all_logits)
+
+
+class HostBankExperts:
+    """Minimal ExpertBackend computing every route on the CPU from the host banks (ffi_ops.host_experts),
+    registered as a pytree without leaves so it can be passed to the jitted forward."""
+
+    def __init__(self, ckpt):
+        self.gate_up, self.down = ckpt.gate_up_bank, ckpt.down_bank
+        self.num_experts, self.activation = ckpt.config.num_experts, ckpt.config.activation
+
+    def __call__(self, moe_layer, x, topk_ids, topk_weights, expert_state):
+        flat = jnp.where(topk_ids >= 0, moe_layer * self.num_experts + topk_ids, -1)  # [N, k]
+        return ffi_ops.host_experts(x, flat, topk_weights, self.gate_up, self.down, self.activation), expert_state
+
+
+jax.tree_util.register_pytree_node(HostBankExperts, lambda b: ((), b), lambda b, _: b)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def loaded(request):
+    return Loaded(request.param)
+
+
+def test_prompt_logits_hidden_states_and_routing(loaded):
+    ref, T = loaded.ref, len(loaded.prompt)
+    kv = loaded.ckpt.model.init_kv_cache(1, MAX_LEN)
+    logits, _, _, aux = loaded.run(loaded.prompt[None], np.arange(T)[None], kv)
+    assert logits.shape == (1, T, loaded.cfg.vocab_size) and logits.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["prompt_logits"], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(aux.hidden_states[:, 0]), ref["prompt_hidden_states"], atol=1e-4, rtol=0)
+    assert aux.topk_ids.shape[0] == len(loaded.info["moe_layers"]) == loaded.cfg.num_moe_layers
+    assert list(loaded.cfg.moe_layers) == loaded.info["moe_layers"]
+    np.testing.assert_allclose(np.asarray(aux.router_logits[:, 0]), ref["prompt_router_logits"], atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(np.asarray(aux.topk_ids[:, 0]), ref["prompt_topk_ids"])
+    np.testing.assert_allclose(np.asarray(aux.topk_weights[:, 0]), ref["prompt_topk_weights"], atol=1e-5, rtol=0)
+
+
+def test_greedy_continuation_and_decode_routing(loaded):
+    n = len(loaded.info["greedy_continuation"])
+    toks, auxes, all_logits = loaded.greedy(loaded.prompt, n)
+    assert toks == loaded.info["greedy_continuation"]
+    ids = np.stack([np.asarray(a.topk_ids[:, 0, 0]) for a in auxes])  # [n-1, L_moe, k]
+    w = np.stack([np.asarray(a.topk_weights[:, 0, 0]) for a in auxes])
+    np.testing.assert_array_equal(ids, loaded.ref["decode_topk_ids"])
+    np.testing.assert_allclose(w, loaded.ref["decode_topk_weights"], atol=1e-5, rtol=0)
+    # the KV-cached decode logits are the teacher-forced logits of the same positions
+    T = len(loaded.prompt)
+    np.testing.assert_allclose(all_logits, loaded.ref["full_sequence_logits"][:T + n - 1], atol=1e-4, rtol=0)
+
+
+def test_left_padded_batch_full_sequence_and_each_alone(loaded):
+    """One [2, T] batch: row 0 = prompt + reference continuation (teacher forcing: full_sequence_logits), row 1 =
+    a shorter prompt left-padded (positions -1). Each row's logits and greedy continuation equal the same
+    sequence run alone (token by token through the KV cache)."""
+    full = np.array(loaded.info["prompt_ids"] + loaded.info["greedy_continuation"], np.int32)
+    b = np.array([1, 99, 5, 31, 77, 12, 250], np.int32)
+    T, pad, steps = len(full), len(full) - len(b), 5
+    tokens = np.stack([full, np.concatenate([np.zeros(pad, np.int32), b])])
+    pos = np.stack([np.arange(T), np.concatenate([-np.ones(pad), np.arange(len(b))])]).astype(np.int32)
+    kv = loaded.ckpt.model.init_kv_cache(2, MAX_LEN)
+    logits, kv, _, aux = loaded.run(tokens, pos, kv)
+    np.testing.assert_allclose(np.asarray(logits[0]), loaded.ref["full_sequence_logits"], atol=1e-4, rtol=0)
+    alone_full, _, alone_full_logits = loaded.greedy(full, steps, stepwise_prefill=True)
+    alone_b, _, alone_b_logits = loaded.greedy(b, steps, stepwise_prefill=True)
+    np.testing.assert_allclose(np.asarray(logits[0]), alone_full_logits[:T], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits[1, pad:]), alone_b_logits[:len(b)], atol=1e-5, rtol=0)
+    # padding slots activate no expert and give finite logits
+    assert np.all(np.asarray(aux.topk_ids[:, 1, :pad]) == -1) and np.all(np.asarray(aux.topk_weights[:, 1, :pad]) == 0)
+    assert np.all(np.isfinite(np.asarray(logits)))
+    # batched greedy decode with per-row positions
+    nxt = np.asarray(jnp.argmax(logits[:, -1], -1))
+    got = [nxt]
+    for i in range(steps - 1):
+        p = np.array([[T + i], [len(b) + i]], np.int32)
+        logits, kv, _, _ = loaded.run(nxt[:, None], p, kv)
+        nxt = np.asarray(jnp.argmax(logits[:, -1], -1))
+        got.append(nxt)
+    got = np.stack(got, 1)
+    assert list(got[0]) == alone_full and list(got[1]) == alone_b
+
+
+def test_host_bank_experts_match_resident(loaded):
+    """Experts computed from the host banks give the resident logits and the reference continuation."""
+    n = len(loaded.info["greedy_continuation"])
+    toks, _, all_logits = loaded.greedy(loaded.prompt, n, stepwise_prefill=True, experts=HostBankExperts(loaded.ckpt))
+    assert toks == loaded.info["greedy_continuation"]
+    T = len(loaded.prompt)
+    np.testing.assert_allclose(all_logits, loaded.ref["full_sequence_logits"][:T + n - 1], atol=1e-4, rtol=0)
+
+
+def test_last_logits_only_and_cache_reuse():
+    loaded = Loaded("qwen2_moe")
+    T = len(loaded.prompt)
+    fwd_last, state = jit_forward(loaded.ckpt.model, last_logits_only=True)
+    kv = loaded.ckpt.model.init_kv_cache(1, MAX_LEN)
+    logits, kv, st = fwd_last(state, jnp.asarray(loaded.prompt[None]), jnp.arange(T)[None], kv, None,
+                              loaded.experts)
+    assert logits.shape == (1, 1, loaded.cfg.vocab_size) and st is None
+    np.testing.assert_allclose(np.asarray(logits[0, 0]), loaded.ref["prompt_logits"][-1], atol=1e-4, rtol=0)
+    # a prefill over a used cache (stale entries above the positions are never read) gives the same result
+    logits2, _, _ = fwd_last(state, jnp.asarray(loaded.prompt[None]), jnp.arange(T)[None], kv, None, loaded.experts)
+    np.testing.assert_array_equal(np.asarray(logits2), np.asarray(logits))
+
+
+def test_bfloat16_load_is_close(loaded):
+    """bfloat16 dense weights and host banks: the banks hold the rounded float32 weights; routing agrees for most
+    tokens (router ties closer than bf16 noise may flip: info.json min margins are ~1e-4) and the logits of
+    tokens whose routing did not change stay within bf16 error."""
+    ck = load_checkpoint(loaded.dir, dtype=jnp.bfloat16)
+    assert ck.model.dtype == jnp.bfloat16
+    for bank, ref_bank in ((ck.gate_up_bank, loaded.ckpt.gate_up_bank), (ck.down_bank, loaded.ckpt.down_bank)):
+        assert bank.numpy().dtype == jnp.bfloat16
+        np.testing.assert_array_equal(bank.numpy(), ref_bank.numpy().astype(jnp.bfloat16))
+    experts = ResidentExperts.from_banks(ck.gate_up_bank, ck.down_bank, ck.config)
+    fwd, state = jit_forward(ck.model, return_aux=True)
+    T = len(loaded.prompt)
+    logits, _, _, aux = fwd(state, jnp.asarray(loaded.prompt[None]), jnp.arange(T)[None],
+                            ck.model.init_kv_cache(1, 16), None, experts)
+    assert logits.dtype == jnp.float32
+    same = np.all(np.asarray(aux.topk_ids[:, 0]) == loaded.ref["prompt_topk_ids"], axis=(0, 2))  # [T]
+    assert same.mean() >= 0.75, same
+    err = np.abs(np.asarray(logits[0]) - loaded.ref["prompt_logits"]).max(-1)  # [T]
+    assert np.all(err[same] < 0.1), err
+    ck.gate_up_bank.release()
+    ck.down_bank.release()
+
+
+def test_float32_model_with_bfloat16_banks(loaded):
+    ck = load_checkpoint(loaded.dir, dtype=jnp.float32, expert_dtype=jnp.bfloat16)
+    assert ck.model.dtype == jnp.float32
+    for bank, ref_bank in ((ck.gate_up_bank, loaded.ckpt.gate_up_bank), (ck.down_bank, loaded.ckpt.down_bank)):
+        assert bank.numpy().dtype == jnp.bfloat16
+        np.testing.assert_array_equal(bank.numpy(), ref_bank.numpy().astype(jnp.bfloat16))
+    ck.gate_up_bank.release()
+    ck.down_bank.release()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_resident_experts_match_numpy_float64(family):
+    """Both ResidentExperts paths (decode gather, prefill dense) against a float64 numpy evaluation."""
+    cfg = load_config(os.path.join(FIXTURES, family))
+    E, H, I, k, L = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, cfg.num_moe_layers
+    rng = np.random.default_rng(0)
+    gu = rng.normal(0, 0.1, (L * E, 2 * I, H)).astype(np.float32)
+    dn = rng.normal(0, 0.1, (L * E, H, I)).astype(np.float32)
+    ex = ResidentExperts.from_banks(gu, dn, cfg)
+    for N in (1, 6):  # N*k < E: gather path; N*k >= E: dense path
+        x = rng.normal(0, 1, (N, H)).astype(np.float32)
+        ids = np.stack([rng.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
+        ids[0, 1] = -1  # skipped route
+        w = rng.random((N, k)).astype(np.float32)
+        y, st = ex(2, jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), "state")
+        assert st == "state" and y.dtype == jnp.float32
+        ref = np.zeros((N, H))
+        for n in range(N):
+            for j in range(k):
+                if ids[n, j] < 0:
+                    continue
+                f = 2 * E + ids[n, j]
+                h = gu[f].astype(np.float64) @ x[n]
+                a = h[:I] / (1 + np.exp(-h[:I])) * h[I:]
+                ref[n] += w[n, j] * (dn[f].astype(np.float64) @ a)
+        np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5, rtol=1e-5)
+
+
+def _random_model(cfg, key=0):
+    return MoETransformer(cfg, random_param_factory(key, jnp.float32, std=0.2))
+
+
+def _random_experts(cfg, seed=1):
+    rng = np.random.default_rng(seed)
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    return ResidentExperts.from_banks(rng.normal(0, 0.2, (cfg.num_moe_layers * E, 2 * I, H)).astype(np.float32),
+                                      rng.normal(0, 0.2, (cfg.num_moe_layers * E, H, I)).astype(np.float32), cfg)
+
+
+def test_sliding_window_limits_attention():
+    """With window W a query at position p sees keys p-W+1..p, so through 4 layers token 0 reaches positions
+    <= 4 * (W - 1): with W = 2 changing token 0 changes the logits at t <= 4 only; without a window, all."""
+    cfg = dataclasses.replace(load_config(os.path.join(FIXTURES, "mixtral")), sliding_window=2)
+    model, experts = _random_model(cfg), _random_experts(cfg)
+    fwd, state = jit_forward(model, donate_kv_cache=False)
+    a = np.array([[5, 9, 13, 17, 21, 25, 29]], np.int32)
+    b = a.copy()
+    b[0, 0] = 200
+    pos = jnp.arange(7)[None]
+    la, _, _ = fwd(state, jnp.asarray(a), pos, model.init_kv_cache(1, 8), None, experts)
+    lb, _, _ = fwd(state, jnp.asarray(b), pos, model.init_kv_cache(1, 8), None, experts)
+    diff = np.abs(np.asarray(la - lb)).max(-1)[0]  # [T]
+    assert np.all(diff[:5] > 1e-4) and np.all(diff[5:] == 0), diff
+    full = dataclasses.replace(cfg, sliding_window=None)
+    fwd_full, state_full = jit_forward(MoETransformer(full, random_param_factory(0, std=0.2)),
+                                       donate_kv_cache=False)
+    lf, _, _ = fwd_full(state_full, jnp.asarray(b), pos, model.init_kv_cache(1, 8), None, experts)
+    lfa, _, _ = fwd_full(state_full, jnp.asarray(a), pos, model.init_kv_cache(1, 8), None, experts)
+    assert np.all(np.abs(np.asarray(lf - lfa)).max(-1)[0] > 1e-4)
+
+
+def test_tied_word_embeddings_use_embedding_as_lm_head():
+    cfg = dataclasses.replace(load_config(os.path.join(FIXTURES, "qwen3_moe")), tie_word_embeddings=True)
+    model, experts = _random_model(cfg), _random_experts(cfg)
+    assert model.lm_head is None
+    fwd, state = jit_forward(model, return_aux=True)
+    toks = jnp.array([[3, 1, 4, 1, 5]], jnp.int32)
+    logits, _, _, aux = fwd(state, toks, jnp.arange(5)[None], model.init_kv_cache(1, 8), None, experts)
+    ref = np.asarray(aux.hidden_states[-1, 0], np.float64) @ np.asarray(model.embed_tokens[...], np.float64).T
+    np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=1e-4, rtol=1e-5)
