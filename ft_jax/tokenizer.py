@@ -1,4 +1,4 @@
-"""Tokenizers for ft_jax model folders: Hugging Face ``tokenizer.json`` or the byte-level tokenizer of the bundled model.
+"""Tokenizers for ft_jax model folders: Hugging Face ``tokenizer.json``, or byte level for the bundled model.
 
 ``load_tokenizer(model_dir)`` picks, in this order:
 

@@ -404,7 +404,7 @@ def sample(params, cfg: TinyMoEConfig, prompt: str, new_tokens: int, temperature
 
     T = cfg.max_position_embeddings
     ids = list(prompt.encode("utf-8"))
-    step = jax.jit(lambda p, toks: forward(p, toks, cfg)[0][0])  # [bucket, V]; compiles once per bucket length (multiples of 32)
+    step = jax.jit(lambda p, toks: forward(p, toks, cfg)[0][0])  # [bucket, V]; one compile per bucket (multiple of 32)
     rng = np.random.default_rng(seed)
     for _ in range(new_tokens):
         window = ids[-T:]
@@ -446,6 +446,17 @@ def usage_bars(usage: np.ndarray) -> str:
 def write_model_card(out: str, args, cfg: TinyMoEConfig, results: dict) -> None:
     """README.md model card with training details, losses, expert-usage histograms and samples."""
     r = results
+    mib = 2**20
+    step_bytes = args.batch_size * args.seq_len
+    schedule = f"a wall-time budget of {args.time_budget:g} min" if args.time_budget else "the steps"
+    continued = (f"- continued from the weights of `{args.init_from}` (optimizer state started fresh); the steps and "
+                 "time above are this run's only.\n" if args.init_from else "")
+    if args.capacity_factor:
+        dispatch = (f"fixed capacity {args.capacity_factor:g} x the uniform load per expert (Switch style); an "
+                    "assignment over capacity contributes 0 for that step; dropped share over the last 100 steps: "
+                    f"{100 * r['drop_tail']:.2f}%")
+    else:
+        dispatch = "dense (every expert on every token, weighted by the top-k gates)"
     text = f"""# tiny_shakespeare: a small Mixtral-architecture MoE bundled with ft_jax
 
 A byte-level `MixtralForCausalLM` checkpoint trained from scratch by `scripts/train_tiny_moe.py` on
@@ -464,8 +475,10 @@ tinyshakespeare (karpathy/char-rnn, MIT; {r['data_bytes']:,} bytes). It ships in
 | rope_theta, rms_norm_eps | {cfg.rope_theta:g}, {cfg.rms_norm_eps:g} |
 | max_position_embeddings | {cfg.max_position_embeddings} (the training context) |
 | lm_head | untied |
-| storage | {r['dtype']}, {r['num_params']:,} parameters, model.safetensors {r['file_bytes'] / 2**20:.2f} MiB |
-| expert bytes | {r['expert_row_bytes']:,} bytes per expert ({r['dtype']}), {cfg.num_layers * cfg.num_experts} experts = {r['expert_total_bytes'] / 2**20:.2f} MiB of {r['file_bytes'] / 2**20:.2f} MiB |
+| storage | {r['dtype']}, {r['num_params']:,} parameters, model.safetensors {r['file_bytes'] / mib:.2f} MiB |
+| expert bytes | {r['expert_row_bytes']:,} bytes per expert ({r['dtype']}), \
+{cfg.num_layers * cfg.num_experts} experts = {r['expert_total_bytes'] / mib:.2f} MiB of \
+{r['file_bytes'] / mib:.2f} MiB |
 
 Tensor names are the Hub ones: `model.embed_tokens.weight`, `model.layers.N.self_attn.{{q,k,v,o}}_proj.weight`,
 `model.layers.N.block_sparse_moe.gate.weight`, `model.layers.N.block_sparse_moe.experts.E.{{w1,w2,w3}}.weight`,
@@ -479,22 +492,25 @@ random windows of raw text, so a prompt is fed as its bytes alone and generation
 A streamed byte may be part of a multi-byte UTF-8 character; the stream decoder buffers it (the corpus is ASCII).
 
 ## Training
-Command (wall time {r['train_seconds'] / 60:.1f} min for {r['steps']} steps on {r['cores']} CPU cores, shared with other work,
-under `nice -n 10`; {r['step_ms']:.0f} ms per step on average):
+Command (wall time {r['train_seconds'] / 60:.1f} min for {r['steps']} steps on {r['cores']} CPU cores, shared with \
+other work, under `nice -n 10`; {r['step_ms']:.0f} ms per step on average):
 
 ```
 {r['command']}
 ```
 
-- data: the first {100 * (1 - args.val_fraction):.0f}% of the file for training, the last {100 * args.val_fraction:.0f}% held out for
-  validation; random windows of {args.seq_len + 1} bytes, batch {args.batch_size} x {args.seq_len} = {args.batch_size * args.seq_len:,} predicted bytes per
-  step, {r['steps'] * args.batch_size * args.seq_len / 1e6:.1f} M bytes seen (~{r['steps'] * args.batch_size * args.seq_len / r['train_bytes']:.1f} epochs).
+- data: the first {100 * (1 - args.val_fraction):.0f}% of the file for training, the last \
+{100 * args.val_fraction:.0f}% held out for
+  validation; random windows of {args.seq_len + 1} bytes, batch {args.batch_size} x {args.seq_len} = \
+{step_bytes:,} predicted bytes per
+  step, {r['steps'] * step_bytes / 1e6:.1f} M bytes seen (~{r['steps'] * step_bytes / r['train_bytes']:.1f} epochs).
 - optimiser: optax AdamW (b1 0.9, b2 0.95, weight decay {args.weight_decay} on matrices only), peak learning rate
-  {args.lr:g}, {args.warmup} warm-up steps, cosine decay to {args.lr * 0.1:g} over {f'a wall-time budget of {args.time_budget:g} min' if args.time_budget else 'the steps'},
+  {args.lr:g}, {args.warmup} warm-up steps, cosine decay to {args.lr * 0.1:g} over {schedule},
   gradient clipping at global norm 1.0, seed {args.seed}.
-{f"- continued from the weights of `{args.init_from}` (optimizer state started fresh); the steps and time above are this run's only." + chr(10) if args.init_from else ""}- loss: cross entropy + {cfg.router_aux_loss_coef} x load-balancing loss (Switch/Mixtral `E * sum_e f_e P_e`, per MoE
+{continued}- loss: cross entropy + {cfg.router_aux_loss_coef} x load-balancing loss (Switch/Mixtral \
+`E * sum_e f_e P_e`, per MoE
   layer, averaged over layers; 1.0 = uniform).
-- expert dispatch while training: {('fixed capacity ' + f"{args.capacity_factor:g} x the uniform load per expert (Switch style); an assignment over capacity contributes 0 for that step; dropped share over the last 100 steps: {100 * r['drop_tail']:.2f}%") if args.capacity_factor else 'dense (every expert on every token, weighted by the top-k gates)'}.
+- expert dispatch while training: {dispatch}.
   Evaluation, histograms and samples below use the exact Mixtral forward (only the top-k experts, nothing dropped).
 
 ## Results (exact forward, {r['eval_windows']} windows of {args.seq_len} bytes from each split)
@@ -506,7 +522,8 @@ under `nice -n 10`; {r['step_ms']:.0f} ms per step on average):
 Load-balancing loss on validation: {r['val_aux']:.4f} (1.0 = uniform routing).
 
 ### Expert usage on validation text
-Share of the top-{cfg.top_k} assignments that went to each expert (each byte counts once for each of its {cfg.top_k} experts;
+Share of the top-{cfg.top_k} assignments that went to each expert (each byte counts once for each of its \
+{cfg.top_k} experts;
 uniform = {100 / cfg.num_experts:.1f}%):
 
 {usage_table(np.asarray(r['val_usage']))}
@@ -536,7 +553,8 @@ training forward on validation text: max |difference| = {r['export_max_abs_diff'
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         description="Train the small byte-level Mixtral-architecture MoE on a text file and export it as a Hugging "
-                    "Face MixtralForCausalLM folder (config.json, model.safetensors, generation_config.json, README.md).",
+                    "Face MixtralForCausalLM folder (config.json, model.safetensors, generation_config.json, "
+                    "README.md).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("text", help="training text file (e.g. ../shared/text/tinyshakespeare.txt); read as bytes")
     ap.add_argument("--out", required=True, help="output folder (created)")

@@ -1,4 +1,4 @@
-"""Tests for ft_jax.tokenizer: byte-level tokenizer, tokenizer.json via the tokenizers library, missing-tokenizer error."""
+"""Tests for ft_jax.tokenizer: byte level, tokenizer.json via the tokenizers library, missing tokenizer; bundle."""
 
 import json
 import os
