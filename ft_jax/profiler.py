@@ -415,6 +415,8 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
         bar.close()
         bench.release()
     details["seconds"] = round(time.perf_counter() - t_start, 3)
+    if hasattr(os, "getloadavg"):
+        details["load_average_1m"] = round(os.getloadavg()[0], 2)  # other jobs competing for the CPU skew BH and BP
     from ft_jax import _ffi  # extension internals, recorded when available (not part of the FFI contract)
 
     for name in ("num_threads", "kernel_isa"):
@@ -560,6 +562,10 @@ def format_report(profile: Profile, saved_to: str | None) -> str:
         rule = "min(1, BP / BH)"
     if "jit_overlap_speedup" in profile.details:
         lines.append(f"  overlap inside one jitted step: {profile.details['jit_overlap_speedup']:.2f}x")
+    load = profile.details.get("load_average_1m")
+    if load is not None and load > k.cpu_count:
+        lines.append(f"  note: load average {load:.1f} on {k.cpu_count} cores while measuring: other processes "
+                     f"competed for the CPU, so these figures may be low and noisy")
     table = q_star_table(frac)
     lines += [
         f"  fetch fraction q*/m = {frac:.3f}  ({rule})",
