@@ -168,7 +168,8 @@ class Profile:
         for name, pair in spreads.items():
             if name not in BANDWIDTH_FIELDS or not isinstance(pair, (list, tuple)) or len(pair) != 2:
                 raise ProfileFormatError(f"profile entry: spreads[{name!r}] expected [min, max] of a bandwidth")
-            parsed_spreads[name] = (_positive_float(pair[0], f"spreads.{name}"), _positive_float(pair[1], f"spreads.{name}"))
+            parsed_spreads[name] = (_positive_float(pair[0], f"spreads.{name}"),
+                                    _positive_float(pair[1], f"spreads.{name}"))
         args["spreads"] = parsed_spreads
         for name, want, default in (
             ("repeats", int, 0),
@@ -301,7 +302,8 @@ def read_profiles(path: str | os.PathLike | None = None) -> tuple[list[Profile],
         return [], msg
     version = doc.get("schema_version")
     if version != SCHEMA_VERSION:
-        return [], f"bandwidth profile file {path} has schema version {version!r}, expected {SCHEMA_VERSION}; ignoring it"
+        return [], (f"bandwidth profile file {path} has schema version {version!r}, expected {SCHEMA_VERSION}; "
+                    "ignoring it")
     profiles, problems = [], []
     for i, entry in enumerate(doc["profiles"]):
         try:

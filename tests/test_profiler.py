@@ -86,7 +86,8 @@ def test_format_report_lists_everything():
     p = make_profile(bp=2.0, bh=8.0, bpc=1.0, bhc=3.0)
     p.details["load_average_1m"] = p.key.cpu_count + 5.0
     text = profiler.format_report(p, "/x/profiles.json")
-    for needle in ("other processes competed for the CPU", "BP  slot fill", "BH  host expert GEMV", "BPc slot fill, contended", "BHc host GEMV, contended",
+    for needle in ("other processes competed for the CPU", "BP  slot fill", "BH  host expert GEMV",
+                   "BPc slot fill, contended", "BHc host GEMV, contended",
                    "fetch fraction q*/m = 0.250", "q* for m = 1..8:", "m=8:2", "recommendation:",
                    "saved to /x/profiles.json"):
         assert needle in text, needle
