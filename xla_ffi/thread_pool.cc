@@ -1,5 +1,7 @@
 #include "xla_ffi/thread_pool.h"
 
+#include <pthread.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <string>
@@ -28,9 +30,23 @@ int DefaultThreads() {
 }
 }  // namespace
 
+namespace {
+std::atomic<ThreadPool*> global_pool{nullptr};
+
+// A forked child has none of the parent's worker threads: drop (leak) the parent's pool so the child starts a
+// fresh one on first use instead of waiting forever for workers that do not exist.
+void ForgetPoolInChild() { global_pool.store(nullptr, std::memory_order_release); }
+}  // namespace
+
 ThreadPool& ThreadPool::Global() {
   // Leaked on purpose: joining threads during static destruction at interpreter exit can deadlock.
-  static ThreadPool* pool = new ThreadPool(DefaultThreads());
+  ThreadPool* pool = global_pool.load(std::memory_order_acquire);
+  if (pool != nullptr) return *pool;
+  static const bool atfork_registered = pthread_atfork(nullptr, nullptr, ForgetPoolInChild) == 0;
+  (void)atfork_registered;
+  auto* fresh = new ThreadPool(DefaultThreads());
+  if (global_pool.compare_exchange_strong(pool, fresh, std::memory_order_acq_rel)) return *fresh;
+  delete fresh;  // another thread won the race
   return *pool;
 }
 
