@@ -86,14 +86,23 @@ def bench_slot_fill(row_mib: float, num_fill: int, bank_rows: int, repeats: int)
     return _gbps(nbytes, ffi_t), _gbps(nbytes, np_t)
 
 
-def bench_host_experts(hidden: int, inter: int, num_experts: int, T: int, k: int, dtype, repeats: int) -> tuple:
+def make_expert_banks(hidden: int, inter: int, num_experts: int, dtype) -> tuple[HostBank, HostBank]:
+    """gate_up [E, 2I, H] and down [E, H, I] banks; every expert gets the same random weights (cheap to fill;
+    the bytes still live at distinct addresses, so reads come from DRAM)."""
     rng = np.random.default_rng(0)
     gate_up = HostBank(num_experts, (2 * inter, hidden), dtype)
     down = HostBank(num_experts, (hidden, inter), dtype)
     for bank, scale in ((gate_up, hidden**-0.5), (down, inter**-0.5)):
+        row = (rng.standard_normal(bank.row_shape, np.float32) * scale).astype(bank.dtype)
         view = bank.numpy()
-        for e in range(num_experts):  # row by row: no full float32 temporary
-            view[e] = (rng.standard_normal(bank.row_shape, np.float32) * scale).astype(bank.dtype)
+        for e in range(num_experts):
+            view[e] = row
+    return gate_up, down
+
+
+def bench_host_experts(gate_up: HostBank, down: HostBank, T: int, k: int, repeats: int) -> tuple:
+    rng = np.random.default_rng(1)
+    num_experts, hidden = gate_up.num_rows, gate_up.row_shape[1]
     run = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, gate_up, down))
     x = jnp.asarray(rng.standard_normal((T, hidden), np.float32))
     weights = jnp.full((T, k), 1.0 / k, jnp.float32)
@@ -125,8 +134,6 @@ def bench_host_experts(hidden: int, inter: int, num_experts: int, T: int, k: int
         ffi_t += _timed(ffi_step, 1)
         np_t += _timed(numpy_step, 1)
     del gu_np, dn_np
-    gate_up.release()
-    down.release()
     return _gbps(nbytes, ffi_t), _gbps(nbytes, np_t), nbytes
 
 
@@ -193,10 +200,12 @@ def main(argv=None) -> None:
     print(f"\n2. host_experts vs numpy read (H={args.hidden}, I={args.inter}, {args.dtype}, E={args.experts}, "
           f"k={args.top_k})")
     print(f"{'T':>4} {'MiB/call':>9} {'host_experts GB/s':>22} {'numpy read GB/s':>22} {'ratio':>6}")
+    gate_up, down = make_expert_banks(args.hidden, args.inter, args.experts, dtype)
     for T in args.tokens:
-        ffi_rate, np_rate, nbytes = bench_host_experts(args.hidden, args.inter, args.experts, T, args.top_k, dtype,
-                                                       args.repeats)
+        ffi_rate, np_rate, nbytes = bench_host_experts(gate_up, down, T, args.top_k, args.repeats)
         print(f"{T:4d} {nbytes / MiB:9.1f} {_fmt(ffi_rate):>22} {_fmt(np_rate):>22} {ffi_rate[0] / np_rate[0]:6.2f}")
+    gate_up.release()
+    down.release()
 
     over = bench_call_overhead(args.repeats)
     print(f"\n3. in-graph cost of one FFI call (slot_fill, nothing copied): {over[0]:.2f} us "
