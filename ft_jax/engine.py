@@ -289,7 +289,7 @@ class Engine:
         per_step = max(steps, 1)
         gate_up, down = self.decode_backend.gate_up_bank, self.decode_backend.down_bank
         stats = {
-            "policy": self.policy.describe() if hasattr(self.policy, "describe") else self.policy.kind,
+            "policy": str(self.policy),
             "fraction": self.policy.frac if self.policy.kind == "qstar" else None,
             "num_slots": self.num_slots,
             "expert_bytes": self.expert_bytes,
