@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                     help="dense weights and activations dtype (default: float32 for float32 checkpoints, "
-                          "else bfloat16); experts stay in the checkpoint's precision (bfloat16 or float32)")
+                     help="dtype of the dense weights, the activations and the expert host banks (default: "
+                          "float32 for float32 checkpoints, else bfloat16)")
     budget = gen.add_mutually_exclusive_group()
     budget.add_argument("--cache-slots", type=int, metavar="S", help="device expert slots shared by all layers")
     budget.add_argument("--cache-fraction", type=_fraction, metavar="F",
