@@ -54,6 +54,20 @@ def test_slot_fill_bit_exact_with_padding(dtype):
     bank.release()
 
 
+@pytest.mark.parametrize("row_elems", [65544, 65545], ids=["streaming_stores", "memcpy_odd_size"])
+def test_slot_fill_large_rows_bit_exact(row_elems):
+    """Rows >= 256 KiB whose size is a multiple of 32 bytes take the streaming-store copy (with a 32-byte tail
+    after the 128-byte blocks); an odd size falls back to memcpy."""
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((5, row_elems)).astype(np.float32)
+    bank = HostBank.from_numpy(rows)
+    slots = np.zeros((3, row_elems), np.float32)
+    flat_ids, slot_ids = np.array([4, -1, 0, 2], np.int32), np.array([1, 0, 2, -1], np.int32)
+    got = np.asarray(jax.jit(lambda s, f, i: ffi_ops.slot_fill(s, f, i, bank))(slots, flat_ids, slot_ids))
+    np.testing.assert_array_equal(got.view(np.uint8), _slot_fill_reference(slots, rows, flat_ids, slot_ids).view(np.uint8))
+    bank.release()
+
+
 def _full_copies(hlo_text: str, shape: str) -> list[str]:
     """Instructions of the optimized HLO that copy a whole array of the given shape, e.g. 'f32[8,64,32]'."""
     pattern = re.compile(r"=\s*" + re.escape(shape) + r"\{[^}]*\}\s+copy\(")

@@ -1,10 +1,16 @@
 // slot_fill: copies host bank rows into device slots, in place.
 //   slots_out[slot_ids[n]] = bank[flat_ids[n]] for every n with flat_ids[n] >= 0 and slot_ids[n] >= 0.
 // The slots operand is aliased to the result (jax.ffi.ffi_call input_output_aliases={0: 0}); with the operand
-// donated XLA passes the same buffer in and out, so only the N rows move. CPU: one memcpy per row.
+// donated XLA passes the same buffer in and out, so only the N rows move. CPU: one copy per row; rows of at least
+// 256 KiB use non-temporal (streaming) stores on x86-64 with AVX2, which skip the read-for-ownership of the
+// destination (about 7 GB/s here against 5.5 GB/s for memcpy), smaller rows use memcpy.
 #include <algorithm>
 #include <cstring>
 #include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi_handlers.h"
@@ -16,6 +22,59 @@ namespace ft_jax {
 namespace {
 
 using I32Vector = ffi::Buffer<ffi::DataType::S32, 1>;
+
+constexpr size_t kStreamMinBytes = size_t{256} << 10;
+
+#if defined(__x86_64__)
+// dst and n must be multiples of 32 bytes (checked by the caller); src may be unaligned.
+__attribute__((target("avx2"))) void StreamCopy(uint8_t* dst, const uint8_t* src, size_t n) {
+  size_t i = 0;
+  for (; i + 128 <= n; i += 128) {
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
+    __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
+  }
+  for (; i < n; i += 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+  }
+}
+
+bool CanStream() {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2;
+}
+#endif
+
+// Copies the selected rows; streaming stores for large aligned rows, memcpy otherwise.
+void CopyRows(uint8_t* out, const Bank& bank, const int32_t* fid, const int32_t* sid, int64_t n) {
+  const size_t row_bytes = bank.row_bytes();
+#if defined(__x86_64__)
+  const bool stream = CanStream() && row_bytes >= kStreamMinBytes && row_bytes % 32 == 0 &&
+                      reinterpret_cast<uintptr_t>(out) % 32 == 0;
+#else
+  const bool stream = false;
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    if (fid[i] < 0 || sid[i] < 0) continue;
+    uint8_t* dst = out + static_cast<size_t>(sid[i]) * row_bytes;
+#if defined(__x86_64__)
+    if (stream) {
+      StreamCopy(dst, bank.row(fid[i]), row_bytes);
+      continue;
+    }
+#endif
+    std::memcpy(dst, bank.row(fid[i]), row_bytes);
+  }
+#if defined(__x86_64__)
+  if (stream) _mm_sfence();  // order the streaming stores before XLA's next use of the buffer
+#endif
+}
 
 std::string ShapeString(ffi::AnyBuffer::Dimensions dims, size_t from) {
   std::string s = "[";
@@ -74,11 +133,7 @@ ffi::Error SlotFillImpl(ffi::AnyBuffer slots_in, I32Vector flat_ids, I32Vector s
     // Not aliased (should not happen with input_output_aliases): keep the functional semantics.
     std::memcpy(out, slots_in.untyped_data(), slots_in.size_bytes());
   }
-  const size_t row_bytes = bank->row_bytes();
-  for (int64_t i = 0; i < n; ++i) {
-    if (fid[i] < 0 || sid[i] < 0) continue;
-    std::memcpy(out + static_cast<size_t>(sid[i]) * row_bytes, bank->row(fid[i]), row_bytes);
-  }
+  CopyRows(out, *bank, fid, sid, n);
   return ffi::Error::Success();
 }
 
