@@ -5,21 +5,23 @@ Prints three tables:
   1. slot_fill GB/s (rows copied from a host bank into a donated slot array inside jax.jit) divided by numpy
      memcpy GB/s (np.copyto of the same rows between numpy arrays), for 1-8 MiB rows. Goal: ratio >= 0.9.
   2. host_experts GB/s of expert weights read (gate_up + down bytes of every routed expert per call) divided by
-     numpy read bandwidth (np.add.reduce over the same bank bytes viewed as float32, single thread), at
-     Mixtral-like rows scaled to fit memory (default H=4096, I=3584, bf16: 88 MiB per expert). Goal: >= 0.8.
-     Every call reads experts not read by the previous call, so they come from DRAM, not the cache.
+     numpy read bandwidth (np.add.reduce over the same bank bytes viewed as float32, on 1 thread and on as many
+     threads as the kernel uses), at Mixtral-like rows scaled to fit memory (default H=4096, I=3584, bf16:
+     84 MiB per expert). Goal: >= 0.8. All T tokens go to the same k experts (the most arithmetic per byte);
+     every call reads experts not read by the previous call, so they come from DRAM, not the cache.
   3. In-graph cost of one FFI call (microseconds): a jit of 200 chained slot_fill calls that copy nothing
      minus a jit with none, per call.
 
 Each timed step dispatches 4 calls back to back and waits once (as consecutive decode steps do); figures are
 medians over --repeats steps; the spread (min-max) is shown in brackets; "ratio" divides the medians,
 "best" the maxima (steadier when other processes share the memory bus). Default sizes use about
-1.3 GiB of memory and run in well under a minute on 2 cores.
+1.0 GiB of memory and run in well under a minute on 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+from concurrent.futures import ThreadPoolExecutor
 import statistics
 import time
 
@@ -119,33 +121,50 @@ def bench_host_experts(gate_up: HostBank, down: HostBank, T: int, k: int, repeat
                for c in range(max(1, num_experts // k))]
     ids = [jnp.asarray(w) for w in windows]
     run(x, ids[0], weights).block_until_ready()
-    state = {"i": 0}
+    ffi_state = {"i": 0}
 
     def ffi_step():
         outs = []
         for _ in range(CALLS_PER_STEP):
-            outs.append(run(x, ids[state["i"] % len(ids)], weights))
-            state["i"] += 1
+            outs.append(run(x, ids[ffi_state["i"] % len(ids)], weights))
+            ffi_state["i"] += 1
         jax.block_until_ready(outs)
 
+    # numpy baseline: sum the same expert bytes viewed as float32, on 1 thread and on as many threads as the
+    # kernel uses (numpy reductions release the GIL; each thread sums its share of the rows).
     gu_np, dn_np = gate_up.numpy(), down.numpy()
-    np_state = {"i": 0}
+    threads = _ffi.num_threads()
+    pool = ThreadPoolExecutor(threads)
 
-    def numpy_step():
-        for _ in range(CALLS_PER_STEP):
-            for e in windows[np_state["i"] % len(windows)][0]:
-                np.add.reduce(gu_np[e].view(np.float32), axis=None)
-                np.add.reduce(dn_np[e].view(np.float32), axis=None)
-            np_state["i"] += 1
+    def numpy_read(parts: int):
+        state = {"i": 0}
 
-    nbytes = CALLS_PER_STEP * k * (gate_up.row_bytes + down.row_bytes)
-    ffi_step(), numpy_step()
-    ffi_t, np_t = [], []
-    for _ in range(repeats):
-        ffi_t += _timed(ffi_step, 1)
-        np_t += _timed(numpy_step, 1)
+        def step():
+            for _ in range(CALLS_PER_STEP):
+                arrays = []
+                for e in windows[state["i"] % len(windows)][0]:
+                    arrays += np.array_split(gu_np[e].view(np.float32), parts) + np.array_split(dn_np[e].view(np.float32), parts)
+                state["i"] += 1
+                if parts == 1:
+                    for a in arrays:
+                        np.add.reduce(a, axis=None)
+                else:
+                    list(pool.map(lambda a: np.add.reduce(a, axis=None), arrays))
+
+        return step
+
+    steps = {"ffi": ffi_step, "np1": numpy_read(1), "npN": numpy_read(threads)}
+    times = {name: [] for name in steps}
+    for step in steps.values():
+        step()  # warm up
+    for _ in range(repeats):  # interleaved so all three see the same machine state
+        for name, step in steps.items():
+            times[name] += _timed(step, 1)
+    pool.shutdown()
     del gu_np, dn_np
-    return _gbps(nbytes, ffi_t), _gbps(nbytes, np_t), nbytes // CALLS_PER_STEP
+    nbytes = CALLS_PER_STEP * k * (gate_up.row_bytes + down.row_bytes)
+    return (_gbps(nbytes, times["ffi"]), _gbps(nbytes, times["np1"]), _gbps(nbytes, times["npN"]),
+            nbytes // CALLS_PER_STEP)
 
 
 def bench_call_overhead(repeats: int, calls: int = 200) -> tuple[float, float, float]:
@@ -215,11 +234,13 @@ def main(argv=None) -> None:
 
     print(f"\n2. host_experts vs numpy read (H={args.hidden}, I={args.inter}, {args.dtype}, E={args.experts}, "
           f"k={args.top_k})")
-    print(f"{'T':>4} {'MiB/call':>9} {'host_experts GB/s':>22} {'numpy read GB/s':>22} {'ratio':>6} {'best':>6}")
+    print(f"{'T':>4} {'MiB/call':>9} {'host_experts GB/s':>22} {'numpy read GB/s':>22} {'ratio':>6} {'best':>6}"
+          f" {'numpy read GB/s x' + str(_ffi.num_threads()):>22} {'ratio':>6} {'best':>6}")
     gate_up, down = make_expert_banks(args.hidden, args.inter, args.experts, dtype)
     for T in args.tokens:
-        ffi_rate, np_rate, nbytes = bench_host_experts(gate_up, down, T, args.top_k, args.repeats)
-        print(f"{T:4d} {nbytes / MiB:9.1f} {_fmt(ffi_rate):>22} {_fmt(np_rate):>22} {_ratios(ffi_rate, np_rate)}")
+        ffi_rate, np1, npn, nbytes = bench_host_experts(gate_up, down, T, args.top_k, args.repeats)
+        print(f"{T:4d} {nbytes / MiB:9.1f} {_fmt(ffi_rate):>22} {_fmt(np1):>22} {_ratios(ffi_rate, np1)}"
+              f" {_fmt(npn):>22} {_ratios(ffi_rate, npn)}")
     gate_up.release()
     down.release()
 
