@@ -105,10 +105,15 @@ class OffloadedExperts:
         active = expert_cache.active_from_topk(topk_ids, E)  # bool[E]
         cache, plan = expert_cache.plan_layer(state.cache, moe_layer, active, self.policy)
 
-        gate_up_slots = ffi_ops.slot_fill(state.gate_up_slots, plan.fill_flat_ids, plan.fill_slot_ids,
-                                          self.gate_up_bank)  # [S, 2I, H], in place
-        down_slots = ffi_ops.slot_fill(state.down_slots, plan.fill_flat_ids, plan.fill_slot_ids,
-                                       self.down_bank)  # [S, H, I], in place
+        if self.policy.kind in ("host-all", "resident"):
+            # Never fetches: no slot_fill. A fill whose ids are constants does not depend on the previous layer's
+            # slot_experts read, so XLA copied the whole pool before every fill (8 copies per step on 4 layers).
+            gate_up_slots, down_slots = state.gate_up_slots, state.down_slots
+        else:
+            gate_up_slots = ffi_ops.slot_fill(state.gate_up_slots, plan.fill_flat_ids, plan.fill_slot_ids,
+                                              self.gate_up_bank)  # [S, 2I, H], in place
+            down_slots = ffi_ops.slot_fill(state.down_slots, plan.fill_flat_ids, plan.fill_slot_ids,
+                                           self.down_bank)  # [S, H, I], in place
 
         routed = topk_ids >= 0  # bool[N, k]; -1 = padding token, no expert
         ids = jnp.where(routed, topk_ids, 0)  # i32[N, k], safe to index with

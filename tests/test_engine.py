@@ -42,22 +42,23 @@ def test_decode_step_compiles_once_over_64_steps(mixtral):
     assert again.stats["decode_compiles"] == 0
 
 
-def test_optimized_hlo_has_no_copy_of_the_slot_pools(mixtral):
+@pytest.mark.parametrize("policy", [Policy("fetch-all"), Policy("qstar", frac=0.415), Policy("host-all"),
+                                    Policy("resident")], ids=str)
+def test_optimized_hlo_has_no_copy_of_the_slot_pools(mixtral, policy):
     cfg = mixtral.config
-    S = 6
-    engine = Engine(mixtral, policy=Policy("fetch-all"), num_slots=S)
-    params, state = engine.params, engine.expert_state
+    engine = Engine(mixtral, policy=policy, num_slots=6)
+    S = engine.num_slots  # L*E for resident
     kv = engine.init_kv_cache(batch_size=1, max_len=32)
     tokens = jnp.zeros((1,), jnp.int32)
     positions = jnp.zeros((1,), jnp.int32)
-    hlo = engine._decode.lower(params, tokens, positions, kv, state, jax.random.key(0),
+    hlo = engine._decode.lower(engine.params, tokens, positions, kv, engine.expert_state, jax.random.key(0),
                                sampling=Sampling()).compile().as_text()
     I, H = cfg.moe_intermediate_size, cfg.hidden_size
     for shape in (f"f32[{S},{2 * I},{H}]", f"f32[{S},{H},{I}]"):
+        assert shape in hlo  # the pool is really in the step
         copies = [l for l in hlo.splitlines() if shape in l and re.search(r"= \S+ copy(-start)?\(", l)]
         assert not copies, f"slot pool {shape} is copied:\n" + "\n".join(copies)
-        assert shape in hlo  # the pool is really in the step
-    # The slot arrays are donated and aliased to the outputs.
+    # The donated slot arrays are aliased to the outputs.
     assert "input_output_alias" in hlo
 
 
