@@ -91,6 +91,15 @@ def test_eos_stops_a_row(mixtral):
     assert out == info["greedy_continuation"][: info["greedy_continuation"].index(eos) + 1]
 
 
+def test_prefill_compiles_once_per_bucket(mixtral):
+    engine = Engine(mixtral, policy=Policy("fetch-all"), num_slots=4)
+    for prompt in ([1, 2, 3], [4, 5, 6, 7, 8], list(range(1, 17))):  # lengths 3, 5, 16: one bucket (16)
+        engine.generate([prompt], max_new_tokens=2)
+    assert engine._prefill._cache_size() == 1
+    engine.generate([list(range(1, 18))], max_new_tokens=2)  # length 17: bucket 32
+    assert engine._prefill._cache_size() == 2
+
+
 def test_prefill_buckets():
     assert [prefill_bucket(n) for n in (1, 16, 17, 33, 100)] == [16, 16, 32, 64, 128]
 
