@@ -493,7 +493,7 @@ A streamed byte may be part of a multi-byte UTF-8 character; the stream decoder 
 
 ## Training
 Command (wall time {r['train_seconds'] / 60:.1f} min for {r['steps']} steps on {r['cores']} CPU cores, shared with \
-other work, under `nice -n 10`; {r['step_ms']:.0f} ms per step on average):
+other work, under `nice -n {r['niceness']}`; {r['step_ms']:.0f} ms per step on average):
 
 ```
 {r['command']}
@@ -730,12 +730,14 @@ def main(argv=None) -> int:
     print("--- greedy sample ---\n" + sample_greedy)
     print(f"--- temperature {args.sample_temperature} sample ---\n" + sample_temp)
 
+    niceness = os.nice(0)  # this process's scheduling niceness, written into the card's command
     expert_row_bytes = 3 * cfg.hidden_size * cfg.intermediate_size * np.dtype(np_dtype).itemsize
     results = {
         "data_bytes": int(data.size), "train_bytes": int(train.size), "steps": steps,
         "train_seconds": train_seconds, "step_ms": 1000 * train_seconds / steps, "cores": os.cpu_count(),
-        "command": "nice -n 10 python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:] if argv is None
-                                                   else [os.path.relpath(__file__)] + list(argv)),
+        "niceness": niceness,
+        "command": f"nice -n {niceness} python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:] if argv is None
+                                                           else [os.path.relpath(__file__)] + list(argv)),
         "train_loss": train_loss, "val_loss": val_loss, "val_aux": val_aux, "val_usage": val_usage.tolist(),
         "drop_tail": float(np.mean(drops[-100:])), "eval_windows": len(val_windows),
         "num_params": num_params, "file_bytes": file_bytes, "dtype": args.dtype,
