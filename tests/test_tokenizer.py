@@ -130,7 +130,6 @@ def test_missing_folder(tmp_path):
         load_tokenizer(str(tmp_path / "nope"))
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(BUNDLED, "config.json")), reason="bundled model not trained yet")
 def test_bundled_model_is_byte_level():
     tok = load_tokenizer(BUNDLED)
     assert isinstance(tok, ByteTokenizer)
