@@ -185,9 +185,11 @@ def _stats_table(stats: dict) -> str:
         ("policy", stats["policy"] + (f" (fraction {stats['fraction']:.3f})" if stats.get("fraction") is not None
                                       else "")),
         ("expert slots", f"{stats['num_slots']} x {stats['expert_bytes'] / 2**20:.2f} MiB"),
-        ("time to first token", f"{stats['ttft_s'] * 1e3:.1f} ms"),
-        ("prefill", f"{stats['prompt_tokens']} tokens, {num(stats['prefill_tokens_per_s'], '{:.1f}')} tokens/s"),
-        ("decode", f"{stats['generated_tokens']} tokens, {num(stats['decode_tokens_per_s'], '{:.1f}')} tokens/s"),
+        ("time to first token", f"{stats['ttft_s'] * 1e3:.1f} ms (compilation included)"),
+        ("prefill", f"{stats['prompt_tokens']} tokens, {num(stats['prefill_tokens_per_s'], '{:.1f}')} tokens/s"
+                    " (compilation excluded)"),
+        ("decode", f"{stats['generated_tokens']} tokens, {num(stats['decode_tokens_per_s'], '{:.1f}')} tokens/s"
+                   " (compilation excluded)"),
         ("compile time", f"{stats['compile_s']:.2f} s (decode step compiled {stats['decode_compiles']}x)"),
         ("hit rate", num(stats["hit_rate"] and 100 * stats["hit_rate"], "{:.1f} %")),
         ("experts per step", f"active {stats['active_per_step']:.2f}, hits {stats['hits_per_step']:.2f}, "

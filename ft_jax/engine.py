@@ -202,9 +202,9 @@ class Engine:
             on_tokens: called after every step with (step index, the new token of each row or None if the row had
                 already finished): used to stream text.
         Returns:
-            GenerationResult with tokens and stats: prompt_tokens, generated_tokens, ttft_s (prefill incl. its compile
-            up to the first token), prefill_s, prefill_tokens_per_s, decode_s, decode_tokens_per_s,
-            compile_s, decode_compiles (jit cache entries of the decode step), decode_steps, and over the decode
+            GenerationResult with tokens and stats: prompt_tokens, generated_tokens, ttft_s (wall time to the first
+            token, compilation included), prefill_s, prefill_tokens_per_s, decode_s, decode_tokens_per_s (these four
+            exclude compilation), compile_s (tracing, lowering and XLA compilation during this call), decode_compiles (jit cache entries of the decode step), decode_steps, and over the decode
             steps: active/hits/misses/fetched/host per step (summed over MoE layers), hit_rate, h2d_bytes_per_step
             (slot fills), host_bytes_per_step (expert weights read by the CPU), per_layer (the raw counters).
         Raises:
@@ -241,12 +241,13 @@ class Engine:
             key = jax.random.key(seed)
             kv_cache = self.init_kv_cache(B, max_len)
 
-            t0 = time.perf_counter()
+            t0, compile_before_prefill = time.perf_counter(), timer.seconds
             key, sub = jax.random.split(key)
             first, kv_cache, self.expert_state = self._prefill(self.params, tokens, positions, kv_cache,
                                                                self.expert_state, sub, sampling=sampling)
             first = np.asarray(first)  # i32[B]
             t_first = time.perf_counter()
+            prefill_compile_s = timer.seconds - compile_before_prefill
             stats_after_prefill = np.asarray(self.expert_state.cache.stats)  # one sync
 
             out: list[list[int]] = [[int(t)] for t in first]
@@ -284,6 +285,9 @@ class Engine:
             timer.active = False
 
         decode_tokens = sum(len(o) for o in out) - B
+        # Rates exclude compilation (reported as compile_s); time to first token is what the caller waited.
+        prefill_s = max(t_first - t0 - prefill_compile_s, 1e-9)
+        decode_s = max(t_end - t_first - (timer.seconds - compile_before_prefill - prefill_compile_s), 1e-9)
         per_layer = stats_end - stats_after_prefill  # i32[L, 6]
         totals = dict(zip(STAT_FIELDS, per_layer.sum(axis=0).tolist()))
         per_step = max(steps, 1)
@@ -297,11 +301,11 @@ class Engine:
             "prompt_tokens": sum(lengths),
             "generated_tokens": sum(len(o) for o in out),
             "ttft_s": t_first - t0,
-            "prefill_s": t_first - t0,
-            "prefill_tokens_per_s": sum(lengths) / (t_first - t0),
-            "decode_s": t_end - t_first,
+            "prefill_s": prefill_s,
+            "prefill_tokens_per_s": sum(lengths) / prefill_s,
+            "decode_s": decode_s,
             "decode_steps": steps,
-            "decode_tokens_per_s": decode_tokens / (t_end - t_first) if steps else 0.0,
+            "decode_tokens_per_s": decode_tokens / decode_s if steps else 0.0,
             "compile_s": timer.seconds,
             "decode_compiles": self.decode_cache_size() - compiles_before,
             "hit_rate": totals["hits"] / totals["active"] if totals["active"] else None,
