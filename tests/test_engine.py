@@ -37,6 +37,10 @@ def test_decode_step_compiles_once_over_64_steps(mixtral):
     assert engine.decode_cache_size() == 1
     # The routing really changed: experts were both fetched and computed on the host along the way.
     assert result.stats["fetched_per_step"] > 0 and result.stats["host_per_step"] > 0
+    # Timing statistics: rates exclude compilation, which happened in this call.
+    stats = result.stats
+    assert stats["compile_s"] > 0 and 0 < stats["prefill_s"] <= stats["ttft_s"]
+    assert stats["decode_tokens_per_s"] == pytest.approx(64 / stats["decode_s"])
     # A second generate call with another prompt of the same bucket reuses the compiled step.
     again = engine.generate([[5, 6, 7]], max_new_tokens=65, sampling=Sampling(1.0), seed=4)
     assert again.stats["decode_compiles"] == 0
