@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.resources
 import json
+import math
 import os
 import re
 import sys
@@ -21,14 +22,22 @@ import warnings
 from typing import Sequence
 
 BUNDLED_MODEL = "tiny_shakespeare"
-POLICY_HELP = ("qstar (split misses by the measured bandwidths: default), fetch-all (classic LRU offload: every miss "
+POLICY_HELP = ("qstar (split misses by the measured bandwidths: default; qstar:FRAC fixes the fetch fraction), fetch-all (classic LRU offload: every miss "
                "is copied into a slot), host-all (every miss computed on the CPU; the cache never changes), "
                "fixed-cap:K (fetch at most K misses per layer), resident (every expert on the device)")
 DEFAULT_CACHE_FRACTION = 0.5
+DEFAULT_NEW_TOKENS = 200
 
 
 class UsageError(Exception):
     """A problem with what the user asked for: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line (`PROG: error: ...`, exit status 2) instead of usage + error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def bundled_model_path() -> str:
@@ -63,6 +72,16 @@ def _prompt_ids(text: str) -> list[int]:
     return ids
 
 
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"--temperature must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
@@ -74,10 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The `ft-jax` argument parser with its `generate` and `profile` subcommands."""
     from ft_jax import profiler
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ft-jax", description="Mixture-of-Experts decoding in JAX with the experts in host memory: a device "
         "slot cache plus host expert GEMVs, split by the bandwidth-balanced q* policy.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text (default model: the bundled tiny Shakespeare MoE)",
                          description="Generate text from a Hugging Face MoE checkpoint folder (config.json + "
@@ -85,11 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", metavar="PATH", help="Hugging Face model folder (default: the bundled model)")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",
-                     help="prompt text; repeat for several prompts decoded together as one batch")
+                     help="prompt text; repeat for several prompts decoded together as one batch "
+                          "(default: a single newline)")
     src.add_argument("--prompt-ids", action="append", type=_prompt_ids, metavar="IDS",
                      help="prompt as comma-separated token ids (no tokenizer needed); repeatable")
-    gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate per prompt (default 200)")
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    gen.add_argument("--max-new-tokens", type=int, default=None,
+                     help=f"tokens to generate per prompt (default {DEFAULT_NEW_TOKENS}, or what the model's context "
+                          "leaves after the prompt)")
+    gen.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
@@ -116,11 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args: argparse.Namespace):
-    """Config, checkpoint and tokenizer for args.model (or the bundled model). Raises UsageError for bad paths."""
-    import jax.numpy as jnp
-
-    from ft_jax.checkpoint import load_checkpoint
+def _model_config(args: argparse.Namespace):
+    """(folder, MoEConfig) for args.model (or the bundled model). Raises UsageError for bad paths, ConfigError."""
     from ft_jax.config import load_config
 
     path = args.model or bundled_model_path()
@@ -130,10 +149,7 @@ def _load(args: argparse.Namespace):
         raise UsageError(f"--model must be a folder with config.json and safetensors files, got the file {path}")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UsageError(f"no config.json in {path}: not a Hugging Face model folder")
-    cfg = load_config(path)
-    dtype = args.dtype or ("float32" if str(cfg.dtype) == "float32" else "bfloat16")
-    checkpoint = load_checkpoint(path, dtype=jnp.dtype(dtype))
-    return path, checkpoint
+    return path, load_config(path)
 
 
 def _num_slots(args: argparse.Namespace, checkpoint) -> int:
@@ -181,21 +197,24 @@ def _stats_table(stats: dict) -> str:
     def num(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
 
+    def mib(v):
+        return "-" if v is None else f"{v / 2**20:.2f} MiB"
+
     rows = [
-        ("policy", stats["policy"] + (f" (fraction {stats['fraction']:.3f})" if stats.get("fraction") is not None
-                                      else "")),
+        ("policy", stats["policy"]),
         ("expert slots", f"{stats['num_slots']} x {stats['expert_bytes'] / 2**20:.2f} MiB"),
         ("time to first token", f"{stats['ttft_s'] * 1e3:.1f} ms (compilation included)"),
         ("prefill", f"{stats['prompt_tokens']} tokens, {num(stats['prefill_tokens_per_s'], '{:.1f}')} tokens/s"
                     " (compilation excluded)"),
-        ("decode", f"{stats['generated_tokens']} tokens, {num(stats['decode_tokens_per_s'], '{:.1f}')} tokens/s"
-                   " (compilation excluded)"),
+        ("decode", f"{stats['decode_tokens']} tokens after the first, {stats['decode_steps']} steps, "
+                   f"{num(stats['decode_tokens_per_s'], '{:.1f}')} tokens/s (compilation excluded)"),
         ("compile time", f"{stats['compile_s']:.2f} s (decode step compiled {stats['decode_compiles']}x)"),
-        ("hit rate", num(stats["hit_rate"] and 100 * stats["hit_rate"], "{:.1f} %")),
-        ("experts per step", f"active {stats['active_per_step']:.2f}, hits {stats['hits_per_step']:.2f}, "
-                             f"fetched {stats['fetched_per_step']:.2f}, host-computed {stats['host_per_step']:.2f}"),
-        ("bytes per step", f"H2D slot fills {stats['h2d_bytes_per_step'] / 2**20:.2f} MiB, "
-                           f"host GEMV reads {stats['host_bytes_per_step'] / 2**20:.2f} MiB"),
+        ("hit rate", num(None if stats["hit_rate"] is None else 100 * stats["hit_rate"], "{:.1f} %")),
+        ("experts per step", f"active {num(stats['active_per_step'])}, hits {num(stats['hits_per_step'])}, "
+                             f"fetched {num(stats['fetched_per_step'])}, "
+                             f"host-computed {num(stats['host_per_step'])} (summed over MoE layers)"),
+        ("bytes per step", f"H2D slot fills {mib(stats['h2d_bytes_per_step'])}, "
+                           f"host GEMV reads {mib(stats['host_bytes_per_step'])}"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -203,11 +222,14 @@ def _stats_table(stats: dict) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     """`ft-jax generate`: returns the exit status."""
-    from ft_jax.engine import Engine, Sampling
+    import jax.numpy as jnp
+
+    from ft_jax.checkpoint import load_checkpoint
+    from ft_jax.engine import Engine, Sampling, check_request
     from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 
-    path, checkpoint = _load(args)
-    cfg = checkpoint.config
+    # Everything that can be checked without the weights is checked first: errors come before any loading.
+    path, cfg = _model_config(args)
     tokenizer = None
     try:
         tokenizer = load_tokenizer(path)
@@ -219,10 +241,18 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         texts = args.prompt or ["\n"]
         prompts = [tokenizer.encode(t) for t in texts]
+    max_new_tokens = args.max_new_tokens
+    if max_new_tokens is None:
+        room = cfg.max_position_embeddings - max(len(p) for p in prompts)
+        max_new_tokens = min(DEFAULT_NEW_TOKENS, room) if room > 0 else DEFAULT_NEW_TOKENS
     try:
+        check_request(cfg, prompts, max_new_tokens)
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+    dtype = args.dtype or ("float32" if str(cfg.dtype) == "float32" else "bfloat16")
+    checkpoint = load_checkpoint(path, dtype=jnp.dtype(dtype))
     num_slots = _num_slots(args, checkpoint)
     policy, message = _policy(args, checkpoint)
     if message and not args.json:
@@ -243,12 +273,14 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(stream.push(new[0]) if stream is not None else f" {new[0]}")
         sys.stdout.flush()
 
-    result = engine.generate(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+    result = engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=args.seed,
                              eos_token_id=eos, on_tokens=on_tokens)
     texts = [tokenizer.decode(t) for t in result.tokens] if tokenizer is not None else None
     if args.json:
+        settings = {"max_new_tokens": max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                    "top_p": args.top_p, "seed": args.seed, "dtype": dtype, "policy": str(policy)}
         print(json.dumps({"model": path, "prompt_ids": prompts, "generated_ids": result.tokens, "text": texts,
-                          "stats": result.stats}))
+                          "settings": settings, "profile_message": message, "stats": result.stats}))
         return 0
     if stream is not None:
         sys.stdout.write(stream.flush())

@@ -3,7 +3,7 @@
 Supported architectures (``config.json["architectures"][0]``):
 
 =========================  ==========  ===============================================================
-architecture               family      notes (see DESIGN.md section 6)
+architecture               family      notes (see docs/DESIGN.md section 6)
 =========================  ==========  ===============================================================
 MixtralForCausalLM         mixtral     experts use ``intermediate_size``; top-k always renormalised
 Qwen2MoeForCausalLM        qwen2_moe   ``moe_intermediate_size``; shared expert with sigmoid gate;

@@ -7,7 +7,7 @@ The decode step is ONE jax.jit over the functional nnx state (nnx.split once; nn
 decoder layers (unrolled), the router, the offloaded experts (expert_cache + slot_fill + slot_experts + host_experts
 FFI calls) and the sampler. The KV cache, the slot arrays and the cache tables are donated, so XLA updates them in
 place. Its shapes depend only on (batch, KV-cache length, model dims, S), never on the routing: it compiles once per
-generate configuration and replays for any routing (DESIGN.md sec. 3). Statistics are accumulated on the device and
+generate configuration and replays for any routing (docs/DESIGN.md sec. 3). Statistics are accumulated on the device and
 read twice per generate call (after prefill, at the end), never per step.
 
 Prefill runs through the same machinery with the `fetch-all` policy (capped, as always, by the slots that are not
@@ -85,6 +85,33 @@ def sample_next(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Ar
         cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)  # f32[B, 1]
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def check_request(config, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Validate a generation request against a model config before any work is done.
+
+    Args:
+        config: ft_jax.config.MoEConfig (vocab_size, max_position_embeddings).
+        prompts: B lists of token ids.
+        max_new_tokens: tokens to generate per prompt.
+    Raises:
+        ValueError: no prompt, an empty prompt, an id outside [0, vocab), max_new_tokens < 1, or a prompt plus the
+            new tokens longer than the context (max_position_embeddings); the message names the prompt and values.
+    """
+    if not prompts:
+        raise ValueError("no prompt given")
+    for i, p in enumerate(prompts):
+        if not len(p):
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= int(t) < config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    longest, context = max(len(p) for p in prompts), config.max_position_embeddings
+    if longest + max_new_tokens > context:
+        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context of "
+                         f"{context} tokens (max_position_embeddings)")
 
 
 def prefill_bucket(length: int) -> int:
@@ -203,29 +230,19 @@ class Engine:
                 already finished): used to stream text.
         Returns:
             GenerationResult with tokens and stats: prompt_tokens, generated_tokens, ttft_s (wall time to the first
-            token, compilation included), prefill_s, prefill_tokens_per_s, decode_s, decode_tokens_per_s (these four
-            exclude compilation), compile_s (tracing, lowering and XLA compilation during this call), decode_compiles (jit cache entries of the decode step), decode_steps, and over the decode
-            steps: active/hits/misses/fetched/host per step (summed over MoE layers), hit_rate, h2d_bytes_per_step
-            (slot fills), host_bytes_per_step (expert weights read by the CPU), per_layer (the raw counters).
+            token, compilation included), prefill_s, prefill_tokens_per_s, decode_s, decode_tokens (tokens produced
+            by decode steps, i.e. after the first), decode_tokens_per_s (rates exclude compilation; None without a
+            decode step), compile_s (tracing, lowering and XLA compilation during this call), decode_compiles (jit
+            cache entries of the decode step added by this call), decode_steps, and over the decode steps (None
+            without one): active/hits/misses/fetched/host per step (summed over MoE layers), hit_rate,
+            h2d_bytes_per_step (slot fills), host_bytes_per_step (expert weights read by the CPU), per_layer (the raw
+            counters).
         Raises:
             ValueError: empty prompt, id out of range, max_new_tokens < 1, or prompt too long for the context.
         """
         cfg = self.config
-        if not prompts:
-            raise ValueError("no prompt given")
+        check_request(cfg, prompts, max_new_tokens)
         lengths = [len(p) for p in prompts]
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-            bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        context = cfg.max_position_embeddings
-        if max(lengths) + max_new_tokens > context:
-            raise ValueError(f"prompt of {max(lengths)} tokens + {max_new_tokens} new tokens exceeds the model's "
-                             f"context of {context} tokens (max_position_embeddings)")
         B = len(prompts)
         bucket = prefill_bucket(max(lengths))
         max_len = bucket + max_new_tokens  # KV cache length: padded prompt + generated tokens
@@ -290,8 +307,6 @@ class Engine:
         decode_s = max(t_end - t_first - (timer.seconds - compile_before_prefill - prefill_compile_s), 1e-9)
         per_layer = stats_end - stats_after_prefill  # i32[L, 6]
         totals = dict(zip(STAT_FIELDS, per_layer.sum(axis=0).tolist()))
-        per_step = max(steps, 1)
-        gate_up, down = self.decode_backend.gate_up_bank, self.decode_backend.down_bank
         stats = {
             "policy": str(self.policy),
             "fraction": self.policy.frac if self.policy.kind == "qstar" else None,
@@ -300,18 +315,20 @@ class Engine:
             "batch_size": B,
             "prompt_tokens": sum(lengths),
             "generated_tokens": sum(len(o) for o in out),
+            "decode_tokens": decode_tokens,
             "ttft_s": t_first - t0,
             "prefill_s": prefill_s,
             "prefill_tokens_per_s": sum(lengths) / prefill_s,
             "decode_s": decode_s,
             "decode_steps": steps,
-            "decode_tokens_per_s": decode_tokens / decode_s if steps else 0.0,
+            "decode_tokens_per_s": decode_tokens / decode_s if steps else None,
             "compile_s": timer.seconds,
             "decode_compiles": self.decode_cache_size() - compiles_before,
             "hit_rate": totals["hits"] / totals["active"] if totals["active"] else None,
-            **{f"{k}_per_step": totals[k] / per_step for k in ("active", "hits", "misses", "fetched", "host")},
-            "h2d_bytes_per_step": totals["fetched"] * (gate_up.row_bytes + down.row_bytes) / per_step,
-            "host_bytes_per_step": totals["host"] * (gate_up.row_bytes + down.row_bytes) / per_step,
+            **{f"{k}_per_step": totals[k] / steps if steps else None
+               for k in ("active", "hits", "misses", "fetched", "host")},
+            "h2d_bytes_per_step": totals["fetched"] * self.expert_bytes / steps if steps else None,
+            "host_bytes_per_step": totals["host"] * self.expert_bytes / steps if steps else None,
             "per_layer": {k: per_layer[:, i].tolist() for i, k in enumerate(STAT_FIELDS)},
         }
         return GenerationResult(tokens=out, stats=stats)

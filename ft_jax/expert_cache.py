@@ -1,11 +1,11 @@
-"""Expert slot cache: device-side tables and the per-MoE-layer plan, as pure static-shape jnp (DESIGN.md sec. 1-3).
+"""Expert slot cache: device-side tables and the per-MoE-layer plan, as pure static-shape jnp (docs/DESIGN.md sec. 1-3).
 
 One pool of S device slots is shared by all L MoE layers. On every MoE-layer call `plan_layer` takes the layer's
 active-expert mask, splits the active experts into hits (resident in a slot), fetched misses (copied into a slot by
 the slot-fill FFI call) and host misses (computed on the CPU from the host bank), picks victim slots with a global
 LRU, and updates the tables. All shapes depend only on (L, E, S): one compiled decode step replays for any routing.
 
-Rules (DESIGN.md sec. 1 and sec. 3 steps 2-4):
+Rules (docs/DESIGN.md sec. 1 and sec. 3 steps 2-4):
   hit = active & resident; miss = active & ~resident; m = sum(miss); F = fetch_budget(policy, m).
   Misses are ranked most recently active first (recency = global step of the last activation), ties to the lower
   expert id, never-seen (recency -1) last; the F best-ranked are fetched, the rest go to the host.
@@ -35,7 +35,7 @@ STAT_FIELDS = ("active", "hits", "misses", "fetched", "host", "steps")
 
 
 class CacheState(NamedTuple):
-    """Cache tables (a pytree of device arrays; DESIGN.md sec. 2). L MoE layers, E experts per layer, S slots.
+    """Cache tables (a pytree of device arrays; docs/DESIGN.md sec. 2). L MoE layers, E experts per layer, S slots.
 
     Attributes:
         slot_of_expert: i32[L, E] slot holding expert (l, e), -1 = not resident.
@@ -140,7 +140,7 @@ def active_from_topk(topk_ids, num_experts: int):
 
 
 def plan_layer(state: CacheState, layer, active, policy: Policy) -> tuple[CacheState, LayerPlan]:
-    """Plan one MoE layer's experts and update the cache tables (rules: module docstring, DESIGN.md sec. 1-3).
+    """Plan one MoE layer's experts and update the cache tables (rules: module docstring, docs/DESIGN.md sec. 1-3).
 
     Pure static-shape jnp, jit-compatible; `policy` must be static (it is a frozen, hashable dataclass) and its
     branch is chosen in Python at trace time. host-all and resident never fetch, so they skip victim selection.

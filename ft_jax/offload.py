@@ -1,4 +1,4 @@
-"""Offloaded expert execution: host banks + a device slot pool, split by the cache policy (DESIGN.md sec. 3).
+"""Offloaded expert execution: host banks + a device slot pool, split by the cache policy (docs/DESIGN.md sec. 3).
 
 `OffloadedExperts` is the ExpertBackend the model calls for every MoE layer of a jit-compiled step. Per call:
 
@@ -12,7 +12,7 @@
 
 All shapes depend only on (T, k, E, S, model dims), never on the miss count or F, so the step compiles once.
 The slot arrays are carried in exactly the shape the FFI calls consume ([S, 2I, H] and [S, H, I]) so that, under a jit
-that donates them, XLA fills them in place (no reshape, no copy; DESIGN.md sec. 5).
+that donates them, XLA fills them in place (no reshape, no copy; docs/DESIGN.md sec. 5).
 """
 
 from __future__ import annotations

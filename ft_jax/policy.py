@@ -1,6 +1,6 @@
 """Expert fetch policies: how many of a layer's m cache misses are copied into device slots.
 
-The q* policy and its Q16 min-max integer rule are defined in DESIGN.md sec. 1 ("The q* policy (bandwidth-balanced
+The q* policy and its Q16 min-max integer rule are defined in docs/DESIGN.md sec. 1 ("The q* policy (bandwidth-balanced
 split)"). Every implementation (this jnp version, the plain Python version and the numpy test reference) follows
 the same integer arithmetic, so the split is bit-identical everywhere.
 
@@ -22,7 +22,7 @@ POLICY_KINDS = ("qstar", "fetch-all", "host-all", "fixed-cap", "resident")
 
 
 def frac_to_q16(frac: float) -> int:
-    """Q16 fixed-point fraction f = clamp(round(frac * 2^16), 0, 2^16) (DESIGN.md sec. 1).
+    """Q16 fixed-point fraction f = clamp(round(frac * 2^16), 0, 2^16) (docs/DESIGN.md sec. 1).
 
     round is round-half-up (floor(x + 0.5)), done once in Python so every implementation gets the same f.
 
@@ -40,7 +40,7 @@ def frac_to_q16(frac: float) -> int:
 
 
 def fetch_count_np(m: int, frac: float) -> int:
-    """The Q16 min-max integer rule in plain Python (DESIGN.md sec. 1).
+    """The Q16 min-max integer rule in plain Python (docs/DESIGN.md sec. 1).
 
     f = frac_to_q16(frac); lo = (m*f) >> 16; cost(F) = max(F*(2^16 - f), (m - F)*f);
     F = lo if cost(lo) <= cost(lo+1) else lo+1; F = min(F, m).
@@ -68,7 +68,7 @@ def fetch_count_np(m: int, frac: float) -> int:
 
 
 def fetch_count(m, frac_q16: int):
-    """The Q16 min-max integer rule in jnp on a traced miss count (DESIGN.md sec. 1).
+    """The Q16 min-max integer rule in jnp on a traced miss count (docs/DESIGN.md sec. 1).
 
     Same arithmetic as fetch_count_np. int32 is exact while m * 2^16 < 2^31, i.e. m < 32768 misses per layer.
 
@@ -95,7 +95,7 @@ def fetch_count(m, frac_q16: int):
 
 def fraction_from_bandwidth(bp: float, bh: float, bp_contended: float | None = None,
                             bh_contended: float | None = None) -> float:
-    """Fetch fraction of the q* policy from measured bandwidths (DESIGN.md sec. 1).
+    """Fetch fraction of the q* policy from measured bandwidths (docs/DESIGN.md sec. 1).
 
     With a contended pair (slot fill and host GEMV measured running at the same time): frac = BPc / (BPc + BHc).
     Otherwise frac = min(1, BP / BH); BH <= BP means fetch everything (1.0).
@@ -131,7 +131,7 @@ def fraction_from_bandwidth(bp: float, bh: float, bp_contended: float | None = N
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """A fetch policy (DESIGN.md sec. 1). Frozen and hashable: pass it as a static argument of jit.
+    """A fetch policy (docs/DESIGN.md sec. 1). Frozen and hashable: pass it as a static argument of jit.
 
     Attributes:
         kind: "qstar" (F = fetch_count(m, frac)), "fetch-all" (F = m, classic LRU offload), "host-all" (F = 0, cache
@@ -221,7 +221,7 @@ def parse_policy(text: str) -> Policy:
 
 
 def fetch_budget(policy: Policy, m):
-    """Per-layer fetch budget F(m) for a policy, in jnp (DESIGN.md sec. 1). The branch is chosen in Python.
+    """Per-layer fetch budget F(m) for a policy, in jnp (docs/DESIGN.md sec. 1). The branch is chosen in Python.
 
     qstar: fetch_count(m, frac_to_q16(frac)); fetch-all: m; host-all: 0; fixed-cap K: min(m, K); resident: 0
     (a resident cache has no misses).

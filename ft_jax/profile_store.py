@@ -1,6 +1,6 @@
 """Bandwidth profiles: the record, its machine key, and JSON storage in the user cache directory.
 
-A profile holds the two bandwidths the q* policy needs (DESIGN.md sections 1 and 7), measured by
+A profile holds the two bandwidths the q* policy needs (docs/DESIGN.md sections 1 and 7), measured by
 `ft_jax.profiler` with the production FFI handlers at one expert size:
 
 - ``bp``: slot fill bandwidth (host bank -> device slots), GB/s of expert weight bytes copied.
@@ -118,7 +118,7 @@ class Profile:
     def fraction(self) -> float:
         """Fraction of misses to fetch into slots, ``policy.fraction_from_bandwidth`` of the stored bandwidths.
 
-        DESIGN.md section 1: with a contended pair, BPc / (BPc + BHc); else min(1, BP / BH); BH <= BP gives 1.
+        docs/DESIGN.md section 1: with a contended pair, BPc / (BPc + BHc); else min(1, BP / BH); BH <= BP gives 1.
         """
         from ft_jax import policy  # lazy: policy belongs to the cache module and pulls in jax
 

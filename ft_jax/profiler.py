@@ -1,6 +1,6 @@
 """Bandwidth profiler: measure BP (slot fill) and BH (host expert GEMV) with the production FFI handlers.
 
-DESIGN.md sections 1 and 7. At one expert size (H, I, dtype) this module measures, in GB/s (1e9 bytes/s) of expert
+docs/DESIGN.md sections 1 and 7. At one expert size (H, I, dtype) this module measures, in GB/s (1e9 bytes/s) of expert
 weight bytes:
 
 - BP: ``ffi_ops.slot_fill`` inside ``jax.jit`` with the slot arrays donated (in place), filling the gate_up slots

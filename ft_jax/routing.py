@@ -1,4 +1,4 @@
-"""Router rules of the supported MoE families (DESIGN.md section 6).
+"""Router rules of the supported MoE families (docs/DESIGN.md section 6).
 
 All four supported families use the same rule with one switch, as in transformers 5.x
 (MixtralTopKRouter, Qwen2MoeTopKRouter, Qwen3MoeTopKRouter, OlmoeTopKRouter):

@@ -1,4 +1,4 @@
-"""Plain Python reference of the expert slot cache rules (DESIGN.md sec. 1-3), used by tests only.
+"""Plain Python reference of the expert slot cache rules (docs/DESIGN.md sec. 1-3), used by tests only.
 
 Written independently of ft_jax/expert_cache.py and ft_jax/policy.py: Python lists and loops, one fetch and one
 victim at a time, its own Q16 integer rule. It reads only the attributes kind / frac / cap of a policy object.
@@ -12,7 +12,7 @@ import numpy as np
 
 
 def q16_fetch_count(m: int, frac: float) -> int:
-    """F for m misses at fraction frac (DESIGN.md sec. 1 integer rule, round half up for the Q16 fraction)."""
+    """F for m misses at fraction frac (docs/DESIGN.md sec. 1 integer rule, round half up for the Q16 fraction)."""
     f = math.floor(frac * 65536 + 0.5)
     f = max(0, min(65536, f))
     lo = (m * f) // 65536

@@ -116,3 +116,37 @@ def test_python_dash_m_help():
                          check=True).stdout
     for flag in ("--model", "--prompt-ids", "--cache-fraction", "--device-memory", "--policy", "--json"):
         assert flag in out
+
+
+def test_argument_errors_are_one_line(capsys):
+    for args in (["--device-memory", "garbage"], ["--temperature", "inf"], ["--prompt-ids", "a,b"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["generate", *args])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2
+        assert len(err.strip().splitlines()) == 1 and "error" in err, err
+
+
+def test_request_errors_come_before_loading(capsys, monkeypatch):
+    def no_loading(*a, **k):
+        raise AssertionError("the checkpoint must not be loaded for a bad request")
+
+    monkeypatch.setattr("ft_jax.checkpoint.load_checkpoint", no_loading)
+    assert "max_new_tokens" in _error(capsys, "--prompt", "hi", "--max-new-tokens", "0")
+    assert "outside the vocabulary" in _error(capsys, "--prompt-ids", "1,2,300")
+    assert "empty" in _error(capsys, "--prompt", "")
+
+
+def test_default_new_tokens_fit_the_context(capsys):
+    cfg = json.load(open(os.path.join(cli.bundled_model_path(), "config.json")))
+    prompt = "x" * (cfg["max_position_embeddings"] - 10)
+    out = _generate_json(capsys, "--prompt", prompt, "--policy", "host-all", "--temperature", "0")
+    assert out["settings"]["max_new_tokens"] == 10
+    assert len(out["generated_ids"][0]) == 10
+
+
+def test_single_token_has_no_decode_statistics(capsys):
+    out = _generate_json(capsys, "--prompt", "A", "--max-new-tokens", "1", "--policy", "host-all")
+    stats = out["stats"]
+    assert stats["decode_steps"] == 0 and stats["decode_tokens"] == 0
+    assert stats["decode_tokens_per_s"] is None and stats["hit_rate"] is None

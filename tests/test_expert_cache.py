@@ -1,5 +1,5 @@
 """Tests of ft_jax/expert_cache.py against the plain Python reference (tests/cache_reference.py) and hand-worked
-cases (DESIGN.md sec. 1-3)."""
+cases (docs/DESIGN.md sec. 1-3)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,6 @@
 """Offloaded experts (host banks + slot pool + policy) against the transformers reference outputs.
 
-Outputs must not depend on the policy or the cache size (DESIGN.md sec. 3: every routed (token, expert) pair is
+Outputs must not depend on the policy or the cache size (docs/DESIGN.md sec. 3: every routed (token, expert) pair is
 computed exactly once, from a slot or from the host bank).
 """
 

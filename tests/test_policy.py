@@ -1,4 +1,4 @@
-"""Tests of ft_jax/policy.py: the Q16 min-max integer rule (DESIGN.md sec. 1), fractions, policy parsing."""
+"""Tests of ft_jax/policy.py: the Q16 min-max integer rule (docs/DESIGN.md sec. 1), fractions, policy parsing."""
 
 import math
 

@@ -49,7 +49,7 @@ def assert_valid_measurement(p: Profile):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Fraction rules, q* table and recommendation (hand-worked values, DESIGN.md section 1)
+# Fraction rules, q* table and recommendation (hand-worked values, docs/DESIGN.md section 1)
 # ---------------------------------------------------------------------------------------------------------------------
 
 
