@@ -601,16 +601,34 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def _expert_size(args: argparse.Namespace) -> tuple[int, int, str]:
+    """(H, I, dtype name) from --model or from --hidden-size/--intermediate-size (the two sources are exclusive).
+
+    Raises:
+        ValueError: neither or both sources given, a dimension < 1, a bad model path, or an unusable config.json
+            (config.ConfigError).
+    """
     H, I, dtype = args.hidden_size, args.intermediate_size, args.dtype
+    for flag, value in (("--hidden-size", H), ("--intermediate-size", I)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.model:
+        if H is not None or I is not None:
+            raise ValueError("give either --model PATH or --hidden-size and --intermediate-size, not both "
+                             "(the expert size comes from the model's config.json)")
         from ft_jax.config import load_config
 
-        cfg = load_config(args.model)
-        H = H or cfg.hidden_size
-        I = I or cfg.moe_intermediate_size
+        path = args.model
+        if not os.path.exists(path):
+            raise ValueError(f"model path does not exist: {path}")
+        if not os.path.isdir(path):
+            raise ValueError(f"--model must be a folder with config.json, got the file {path}")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"no config.json in {path}: not a Hugging Face model folder")
+        cfg = load_config(path)
+        H, I = cfg.hidden_size, cfg.moe_intermediate_size
         # Host banks hold bfloat16 or float32; a float16 checkpoint's experts have bfloat16's size and bandwidth.
         dtype = dtype or {"float16": "bfloat16"}.get(str(cfg.dtype), str(cfg.dtype))
-    if not H or not I:
+    elif H is None or I is None:
         raise ValueError("give --model PATH, or both --hidden-size and --intermediate-size")
     return int(H), int(I), profile_store.dtype_name(dtype or "bfloat16")
 

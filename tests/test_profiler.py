@@ -286,3 +286,21 @@ def test_cli_json_with_model_config(tmp_path, capsys):
 def test_cli_errors_without_expert_size(capsys):
     assert profiler.main(["--quick", "--json"]) == 2
     assert "--hidden-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--hidden-size", "0", "--intermediate-size", "512"], "--hidden-size must be >= 1, got 0"),
+    (["--hidden-size", "64", "--intermediate-size", "-3"], "--intermediate-size must be >= 1, got -3"),
+    (["--model", "/nonexistent"], "model path does not exist: /nonexistent"),
+    (["--model", str(FIXTURES / "mixtral" / "config.json")], "--model must be a folder with config.json"),
+    (["--model", str(FIXTURES)], f"no config.json in {FIXTURES}"),
+    (["--model", str(FIXTURES / "mixtral"), "--hidden-size", "8"], "give either --model PATH or --hidden-size"),
+    (["--model", str(FIXTURES / "mixtral"), "--intermediate-size", "8"], "give either --model PATH or"),
+])
+def test_cli_argument_errors_are_one_clean_line(argv, expected, capsys):
+    assert profiler.main(argv + ["--quick", "--no-save"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip()
+    assert err == f"ft-jax profile: error: {err.split('error: ', 1)[1]}" and "\n" not in err
+    assert expected in err and "Errno" not in err
