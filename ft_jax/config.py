@@ -116,6 +116,8 @@ class MoEConfig:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k {self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if not self.moe_layers:
+            raise ValueError(f"moe_layers is empty: at least one of the {self.num_layers} decoder layers must be MoE")
         if any(not 0 <= l < self.num_layers for l in self.moe_layers):
             raise ValueError(f"moe_layers {self.moe_layers} out of range for {self.num_layers} layers")
         if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
@@ -150,7 +152,9 @@ def load_config(model_dir: str | os.PathLike) -> MoEConfig:
     Raises:
         FileNotFoundError: no config.json in model_dir.
         ConfigError: invalid JSON, unsupported architecture (message lists the supported ones), a missing
-            required field (message names it) or a field of the wrong type.
+            required field (message names it), a field of the wrong type, or an out-of-range value (a size or
+            count < 1, num_key_value_heads not dividing num_attention_heads, num_experts_per_tok outside
+            [1, number of experts], no MoE layer, ...). Every message is one line "<path>: <field> ..., got <value>".
         NotImplementedError: a RoPE scaling type other than "default", partial rotary embeddings,
             Qwen sliding-window attention, or an activation other than silu / gelu_pytorch_tanh.
     """
@@ -204,18 +208,42 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
                           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     family = SUPPORTED_ARCHITECTURES[arch]
 
-    hidden = req("hidden_size")
-    num_layers = req("num_hidden_layers")
-    num_heads = req("num_attention_heads")
-    num_kv_heads = opt("num_key_value_heads", num_heads)
-    head_dim = opt("head_dim", hidden // num_heads)
+    def at_least(key: str, value: int, low: int) -> int:
+        if value < low:
+            raise ConfigError(f"{source}: {key} must be >= {low}, got {value}")
+        return value
 
-    if raw.get("num_local_experts") is not None:
-        num_experts = _typed(raw["num_local_experts"], "num_local_experts", int)
-    elif raw.get("num_experts") is not None:
-        num_experts = _typed(raw["num_experts"], "num_experts", int)
+    hidden = at_least("hidden_size", req("hidden_size"), 1)
+    num_layers = at_least("num_hidden_layers", req("num_hidden_layers"), 1)
+    num_heads = at_least("num_attention_heads", req("num_attention_heads"), 1)
+    num_kv_heads = at_least("num_key_value_heads", opt("num_key_value_heads", num_heads), 1)
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"{source}: num_key_value_heads must divide num_attention_heads={num_heads}, "
+                          f"got {num_kv_heads}")
+    if raw.get("head_dim") is not None:
+        head_dim = at_least("head_dim", req("head_dim"), 1)
+    elif hidden < num_heads:
+        raise ConfigError(f"{source}: head_dim is absent, so it is hidden_size // num_attention_heads, which needs "
+                          f"hidden_size >= num_attention_heads={num_heads}, got hidden_size={hidden}")
     else:
+        head_dim = hidden // num_heads
+    vocab_size = at_least("vocab_size", req("vocab_size"), 1)
+    max_positions = at_least("max_position_embeddings", req("max_position_embeddings"), 1)
+
+    experts_key = "num_local_experts" if raw.get("num_local_experts") is not None else "num_experts"
+    if raw.get(experts_key) is None:
         raise ConfigError(f"{source}: required field 'num_local_experts' (or 'num_experts') is missing")
+    num_experts = at_least(experts_key, _typed(raw[experts_key], experts_key, int), 1)
+    top_k = req("num_experts_per_tok")
+    if not 1 <= top_k <= num_experts:
+        raise ConfigError(f"{source}: num_experts_per_tok must be in [1, {experts_key}={num_experts}], "
+                          f"got {top_k}")
+    rms_norm_eps = req("rms_norm_eps", float)
+    if not rms_norm_eps > 0:
+        raise ConfigError(f"{source}: rms_norm_eps must be > 0, got {rms_norm_eps}")
+    bos = opt("bos_token_id", None)
+    if bos is not None:
+        at_least("bos_token_id", bos, 0)
 
     rope_theta = _rope_theta(raw, source)
     dtype_name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
@@ -223,52 +251,72 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
         raise ConfigError(f"{source}: dtype {dtype_name!r} not supported (supported: {sorted(_DTYPES)})")
 
     eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in eos_ids):
+        raise ConfigError(f"{source}: eos_token_id must be a non-negative integer or a list of them, got {eos!r}")
 
     common = dict(
-        family=family, architecture=arch, vocab_size=req("vocab_size"), hidden_size=hidden,
+        family=family, architecture=arch, vocab_size=vocab_size, hidden_size=hidden,
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        num_experts=num_experts, top_k=req("num_experts_per_tok"), rope_theta=rope_theta,
-        rms_norm_eps=req("rms_norm_eps", float), clip_qkv=None, sliding_window=None,
+        num_experts=num_experts, top_k=top_k, rope_theta=rope_theta,
+        rms_norm_eps=rms_norm_eps, clip_qkv=None, sliding_window=None,
         tie_word_embeddings=opt("tie_word_embeddings", False, bool),
-        max_position_embeddings=req("max_position_embeddings"), bos_token_id=opt("bos_token_id", None),
+        max_position_embeddings=max_positions, bos_token_id=bos,
         eos_token_ids=eos_ids, hidden_act=opt("hidden_act", "silu", str), dtype=_DTYPES[dtype_name],
         initializer_range=opt("initializer_range", 0.02, float),
     )
 
     if family == "mixtral":
-        common["sliding_window"] = opt("sliding_window", None)
+        window = opt("sliding_window", None)
+        common["sliding_window"] = None if window is None else at_least("sliding_window", window, 1)
         return MoEConfig(
-            **common, moe_intermediate_size=req("intermediate_size"), intermediate_size=0,
-            moe_layers=tuple(range(num_layers)), shared_expert_intermediate_size=0, norm_topk_prob=True,
-            qkv_bias=False, o_bias=False, qk_norm="none")
+            **common, moe_intermediate_size=at_least("intermediate_size", req("intermediate_size"), 1),
+            intermediate_size=0, moe_layers=tuple(range(num_layers)), shared_expert_intermediate_size=0,
+            norm_topk_prob=True, qkv_bias=False, o_bias=False, qk_norm="none")
     if family == "olmoe":
         bias = opt("attention_bias", False, bool)
-        common["clip_qkv"] = opt("clip_qkv", None, float)
+        clip = opt("clip_qkv", None, float)
+        if clip is not None and not clip > 0:
+            raise ConfigError(f"{source}: clip_qkv must be > 0 (or null), got {clip}")
+        common["clip_qkv"] = clip
         return MoEConfig(
-            **common, moe_intermediate_size=req("intermediate_size"), intermediate_size=0,
-            moe_layers=tuple(range(num_layers)), shared_expert_intermediate_size=0,
+            **common, moe_intermediate_size=at_least("intermediate_size", req("intermediate_size"), 1),
+            intermediate_size=0, moe_layers=tuple(range(num_layers)), shared_expert_intermediate_size=0,
             norm_topk_prob=opt("norm_topk_prob", False, bool), qkv_bias=bias, o_bias=bias, qk_norm="full")
 
     # Qwen2-MoE / Qwen3-MoE: which layers are sparse, as in transformers' Qwen2MoeDecoderLayer:
-    # MoE iff layer not in mlp_only_layers and num_experts > 0 and (layer + 1) % decoder_sparse_step == 0.
+    # MoE iff layer not in mlp_only_layers and num_experts > 0 and (layer + 1) % decoder_sparse_step == 0
+    # (num_experts >= 1 is checked above).
     if opt("use_sliding_window", False, bool):
         raise NotImplementedError(f"{source}: use_sliding_window=true (Qwen sliding-window attention) is not "
                                   "implemented")
-    step = opt("decoder_sparse_step", 1)
-    mlp_only = set(opt("mlp_only_layers", [], list))
-    moe_layers = tuple(l for l in range(num_layers)
-                       if l not in mlp_only and num_experts > 0 and step > 0 and (l + 1) % step == 0)
-    dense_width = req("intermediate_size") if len(moe_layers) < num_layers else opt("intermediate_size", 0)
+    step = at_least("decoder_sparse_step", opt("decoder_sparse_step", 1), 1)
+    mlp_only_list = opt("mlp_only_layers", [], list)
+    bad = [l for l in mlp_only_list if isinstance(l, bool) or not isinstance(l, int) or not 0 <= l < num_layers]
+    if bad:
+        raise ConfigError(f"{source}: mlp_only_layers entries must be layer indices in [0, "
+                          f"num_hidden_layers={num_layers}), got {bad}")
+    mlp_only = set(mlp_only_list)
+    moe_layers = tuple(l for l in range(num_layers) if l not in mlp_only and (l + 1) % step == 0)
+    if not moe_layers:
+        raise ConfigError(f"{source}: no MoE layer: every one of the num_hidden_layers={num_layers} layers is dense "
+                          f"(decoder_sparse_step={step}, mlp_only_layers={sorted(mlp_only)}); expected at least "
+                          "one MoE layer")
+    if len(moe_layers) < num_layers:
+        dense_width = at_least("intermediate_size (width of the dense layers)", req("intermediate_size"), 1)
+    else:
+        dense_width = opt("intermediate_size", 0)
+    moe_width = at_least("moe_intermediate_size", req("moe_intermediate_size"), 1)
     if family == "qwen2_moe":
+        shared = at_least("shared_expert_intermediate_size", req("shared_expert_intermediate_size"), 0)
         return MoEConfig(
-            **common, moe_intermediate_size=req("moe_intermediate_size"), intermediate_size=dense_width,
-            moe_layers=moe_layers, shared_expert_intermediate_size=req("shared_expert_intermediate_size"),
+            **common, moe_intermediate_size=moe_width, intermediate_size=dense_width,
+            moe_layers=moe_layers, shared_expert_intermediate_size=shared,
             norm_topk_prob=opt("norm_topk_prob", False, bool), qkv_bias=opt("qkv_bias", True, bool),
             o_bias=False, qk_norm="none")
     bias = opt("attention_bias", False, bool)
     return MoEConfig(
-        **common, moe_intermediate_size=req("moe_intermediate_size"), intermediate_size=dense_width,
+        **common, moe_intermediate_size=moe_width, intermediate_size=dense_width,
         moe_layers=moe_layers, shared_expert_intermediate_size=0,
         norm_topk_prob=opt("norm_topk_prob", False, bool), qkv_bias=bias, o_bias=bias, qk_norm="per_head")
 
@@ -296,4 +344,6 @@ def _rope_theta(raw: dict[str, Any], source: str) -> float:
         raise ConfigError(f"{source}: required field 'rope_theta' (or 'rope_parameters.rope_theta') is missing")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
         raise ConfigError(f"{source}: field 'rope_theta' should be a number, got {theta!r}")
+    if not theta > 0:
+        raise ConfigError(f"{source}: rope_theta must be > 0, got {theta}")
     return float(theta)

@@ -128,3 +128,62 @@ def test_unimplemented_features_raise(change):
 def test_qwen_sliding_window_not_implemented():
     with pytest.raises(NotImplementedError, match="use_sliding_window"):
         config_from_dict({**_raw("qwen3_moe"), "use_sliding_window": True})
+
+
+def _load_error(tmp_path, raw) -> str:
+    """Write raw as <tmp_path>/config.json, load it, return the ConfigError message (checked to be one line)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{path}: "), msg
+    return msg
+
+
+@pytest.mark.parametrize("family,change,expected", [
+    ("mixtral", {"num_hidden_layers": -1}, "num_hidden_layers must be >= 1, got -1"),
+    ("qwen3_moe", {"num_hidden_layers": 0}, "num_hidden_layers must be >= 1, got 0"),
+    ("mixtral", {"hidden_size": 0}, "hidden_size must be >= 1, got 0"),
+    ("olmoe", {"num_attention_heads": 0}, "num_attention_heads must be >= 1, got 0"),
+    ("mixtral", {"num_key_value_heads": 0}, "num_key_value_heads must be >= 1, got 0"),
+    ("mixtral", {"num_key_value_heads": 3}, "num_key_value_heads must divide num_attention_heads=4, got 3"),
+    ("mixtral", {"head_dim": -16}, "head_dim must be >= 1, got -16"),
+    ("mixtral", {"head_dim": None, "hidden_size": 2},
+     "head_dim is absent, so it is hidden_size // num_attention_heads, which needs hidden_size >= "
+     "num_attention_heads=4, got hidden_size=2"),
+    ("qwen2_moe", {"vocab_size": 0}, "vocab_size must be >= 1, got 0"),
+    ("mixtral", {"intermediate_size": 0}, "intermediate_size must be >= 1, got 0"),
+    ("olmoe", {"intermediate_size": -32}, "intermediate_size must be >= 1, got -32"),
+    ("qwen3_moe", {"moe_intermediate_size": 0}, "moe_intermediate_size must be >= 1, got 0"),
+    ("qwen3_moe", {"intermediate_size": 0},  # layer 2 is dense (mlp_only_layers=[2])
+     "intermediate_size (width of the dense layers) must be >= 1, got 0"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": -1}, "shared_expert_intermediate_size must be >= 0, got -1"),
+    ("mixtral", {"max_position_embeddings": 0}, "max_position_embeddings must be >= 1, got 0"),
+    ("mixtral", {"num_local_experts": 0}, "num_local_experts must be >= 1, got 0"),
+    ("olmoe", {"num_experts": -8}, "num_experts must be >= 1, got -8"),
+    ("mixtral", {"num_experts_per_tok": 9}, "num_experts_per_tok must be in [1, num_local_experts=8], got 9"),
+    ("olmoe", {"num_experts_per_tok": 0}, "num_experts_per_tok must be in [1, num_experts=8], got 0"),
+    ("mixtral", {"sliding_window": 0}, "sliding_window must be >= 1, got 0"),
+    ("mixtral", {"rms_norm_eps": 0}, "rms_norm_eps must be > 0, got 0.0"),
+    ("mixtral", {"rope_parameters": {"rope_theta": -1.0, "rope_type": "default"}}, "rope_theta must be > 0, got -1.0"),
+    ("olmoe", {"clip_qkv": 0}, "clip_qkv must be > 0 (or null), got 0.0"),
+    ("mixtral", {"bos_token_id": -1}, "bos_token_id must be >= 0, got -1"),
+    ("mixtral", {"eos_token_id": [2, "x"]}, "eos_token_id must be a non-negative integer or a list of them, "
+                                           "got [2, 'x']"),
+    ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step must be >= 1, got 0"),
+    ("qwen2_moe", {"mlp_only_layers": [1, 4]},
+     "mlp_only_layers entries must be layer indices in [0, num_hidden_layers=4), got [4]"),
+    ("qwen3_moe", {"mlp_only_layers": [0, 1, 2, 3]},
+     "no MoE layer: every one of the num_hidden_layers=4 layers is dense (decoder_sparse_step=1, "
+     "mlp_only_layers=[0, 1, 2, 3]); expected at least one MoE layer"),
+    ("qwen2_moe", {"decoder_sparse_step": 5},
+     "no MoE layer: every one of the num_hidden_layers=4 layers is dense (decoder_sparse_step=5, "
+     "mlp_only_layers=[]); expected at least one MoE layer"),
+])
+def test_out_of_range_value_names_file_and_field(tmp_path, family, change, expected):
+    """A bad value is a one-line ConfigError "<path>/config.json: <field> ..., got <value>" naming the key the
+    file used (num_local_experts vs num_experts), not an internal message from the host bank or the router."""
+    raw = {**_raw(family), **change}
+    msg = _load_error(tmp_path, raw)
+    assert msg == f"{tmp_path / 'config.json'}: {expected}"
