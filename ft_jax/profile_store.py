@@ -19,9 +19,15 @@ Storage format (JSON, one file for all profiles of all machines that share the c
 
 Default location: ``$XDG_CACHE_HOME/ft_jax/profiles.json`` (when XDG_CACHE_HOME is set to an absolute path), else
 ``~/.cache/ft_jax/profiles.json``. Files are written atomically (a temporary file in the same directory, then
-``os.replace``). A file with another schema version is ignored with a message; an unreadable or corrupted file gives
-a warning and is treated as empty (the next save replaces it); profiles of other machines are kept in the file but
-never used here.
+``os.replace``). Profiles of other machines are kept in the file but never used here. What loading and saving do with
+a file that is not a clean profile store (``inspect_file`` decides):
+
+- another schema version: ignored with a message; saving moves it aside to ``<name>.other-schema`` (with a warning).
+- a corrupted ft_jax file (text starting with ``{`` that mentions "profiles" or "schema_version" but does not parse,
+  or a JSON object with one of those keys of the wrong shape): ignored with a warning; saving moves it aside to
+  ``<name>.corrupt`` (with a warning), never deletes it.
+- anything else (a directory, an unreadable file, non-JSON text, JSON that is not an ft_jax store): ignored with a
+  warning; saving refuses with ``NotAProfileStoreError`` naming the file, so an unrelated file is never replaced.
 """
 
 from __future__ import annotations
@@ -45,6 +51,14 @@ BANDWIDTH_FIELDS = ("bp", "bh", "bp_contended", "bh_contended")
 
 class ProfileFormatError(ValueError):
     """A profile entry is missing a field or has a field of the wrong type/value."""
+
+
+class NotAProfileStoreError(OSError):
+    """The profile path exists but is not an ft_jax profile store (a directory, an unreadable file, or other content).
+
+    Raised by ``save_profile`` / ``check_profile_path`` instead of writing over it; the message names the file.
+    A subclass of OSError so that callers treating "could not save" as an OSError keep working.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,48 +287,98 @@ def default_profile_path() -> Path:
     return base / "ft_jax" / PROFILE_FILENAME
 
 
+def inspect_file(path: str | os.PathLike) -> tuple[str, Any]:
+    """Classify a profile path without changing it.
+
+    Returns (kind, info):
+        ("absent", None): nothing there.
+        ("store", doc): an ft_jax profile store of this schema version (doc: the parsed JSON object).
+        ("other-schema", version): an ft_jax profile store of another schema version.
+        ("corrupted", reason): looks like an ft_jax store (see the module docstring) but cannot be used.
+        ("foreign", reason): a directory, an unreadable file, or a file that is not an ft_jax store.
+    """
+    path = Path(path)
+    if not os.path.lexists(path):
+        return "absent", None
+    if path.is_dir():
+        return "foreign", "it is a directory"
+    if not path.is_file():
+        return "foreign", "it is not a regular file"
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        return "foreign", f"it could not be read: {e.strerror or e}"
+    except UnicodeDecodeError:
+        return "foreign", "it is not UTF-8 text"
+    looks_ours = text.lstrip().startswith("{") and ('"profiles"' in text or '"schema_version"' in text)
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        return ("corrupted", f"invalid JSON: {e}") if looks_ours else ("foreign", "it is not JSON")
+    if not isinstance(doc, dict) or not ("profiles" in doc or "schema_version" in doc):
+        return "foreign", "it is JSON without the 'schema_version' and 'profiles' fields"
+    if "schema_version" in doc and doc["schema_version"] != SCHEMA_VERSION:
+        return "other-schema", doc["schema_version"]
+    if doc.get("schema_version") != SCHEMA_VERSION or not isinstance(doc.get("profiles"), list):
+        return "corrupted", "expected an object with 'schema_version' 1 and a 'profiles' list"
+    return "store", doc
+
+
 def read_profiles(path: str | os.PathLike | None = None) -> tuple[list[Profile], str]:
     """Read every valid profile entry of a profile file.
 
     Returns:
         (profiles, message). ``message`` is "" when the file was read cleanly or does not exist; it explains why
-        the file (schema mismatch) or some entries (bad fields) were ignored otherwise. A file that cannot be read
-        or parsed also raises a ``UserWarning`` and gives ([], message): callers then measure a fresh profile.
+        the file (another schema version, corrupted, not a profile store) or some entries (bad fields) were ignored
+        otherwise. A corrupted file, a path that is not a profile store, or bad entries also raise a ``UserWarning``;
+        callers then measure a fresh profile.
     """
     path = Path(path) if path is not None else default_profile_path()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    kind, info = inspect_file(path)
+    if kind == "absent":
         return [], ""
-    except (OSError, UnicodeDecodeError) as e:
-        msg = f"bandwidth profile file {path} could not be read ({e}); ignoring it"
+    if kind == "other-schema":
+        return [], (f"bandwidth profile file {path} has schema version {info!r}, expected {SCHEMA_VERSION}; "
+                    f"ignoring it (saving a profile moves it to {path}.other-schema)")
+    if kind in ("corrupted", "foreign"):
+        if kind == "corrupted":
+            msg = (f"bandwidth profile file {path} is corrupted ({info}); ignoring it (saving a profile moves it "
+                   f"to {path}.corrupt)")
+        else:
+            msg = (f"{path} is not an ft_jax bandwidth profile file ({info}); ignoring it, and no profile is saved "
+                   "over it")
         warnings.warn(msg, stacklevel=2)
         return [], msg
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        msg = f"bandwidth profile file {path} is corrupted ({e}); ignoring it, a fresh profile will replace it"
+    profiles, problems = _parse_entries(info)
+    msg = ""
+    if problems:
+        msg = f"bandwidth profile file {path}: ignored {len(problems)} invalid entries ({'; '.join(problems)})"
         warnings.warn(msg, stacklevel=2)
-        return [], msg
-    if not isinstance(doc, dict) or not isinstance(doc.get("profiles"), list):
-        msg = f"bandwidth profile file {path} is corrupted (expected an object with a 'profiles' list); ignoring it"
-        warnings.warn(msg, stacklevel=2)
-        return [], msg
-    version = doc.get("schema_version")
-    if version != SCHEMA_VERSION:
-        return [], (f"bandwidth profile file {path} has schema version {version!r}, expected {SCHEMA_VERSION}; "
-                    "ignoring it")
+    return profiles, msg
+
+
+def _parse_entries(doc: dict[str, Any]) -> tuple[list[Profile], list[str]]:
     profiles, problems = [], []
     for i, entry in enumerate(doc["profiles"]):
         try:
             profiles.append(Profile.from_dict(entry))
         except ProfileFormatError as e:
             problems.append(f"entry {i}: {e}")
-    msg = ""
-    if problems:
-        msg = f"bandwidth profile file {path}: ignored {len(problems)} invalid entries ({'; '.join(problems)})"
-        warnings.warn(msg, stacklevel=2)
-    return profiles, msg
+    return profiles, problems
+
+
+def check_profile_path(path: str | os.PathLike | None = None) -> Path:
+    """The path ``save_profile`` would write (default: default_profile_path()), checked before measuring.
+
+    Raises:
+        NotAProfileStoreError: the path is a directory, unreadable, or a file that is not an ft_jax profile store.
+    """
+    path = Path(path) if path is not None else default_profile_path()
+    kind, info = inspect_file(path)
+    if kind == "foreign":
+        raise NotAProfileStoreError(f"{path} is not an ft_jax bandwidth profile file ({info}); not writing over it "
+                                    f"(give another --profile path, or move that file)")
+    return path
 
 
 def load_profile(key: ProfileKey, path: str | os.PathLike | None = None) -> tuple[Profile | None, str]:
@@ -343,25 +407,44 @@ def load_profile(key: ProfileKey, path: str | os.PathLike | None = None) -> tupl
 
 
 def save_profile(profile: Profile, path: str | os.PathLike | None = None) -> Path:
-    """Store ``profile`` (replacing an entry with the same key, keeping other entries), atomically.
+    """Store ``profile`` (replacing an entry with the same key, keeping other valid entries), atomically.
 
     The file is written to a temporary file in the same directory and moved into place with ``os.replace``, so
-    readers see either the old or the new file, and no temporary file remains (also on error).
-    A corrupted file or one with another schema version is replaced (its entries are dropped).
+    readers see either the old or the new file, and no temporary file remains (also on error). Invalid entries of
+    an existing store are dropped (``read_profiles`` warned about them). A corrupted ft_jax file or one with another
+    schema version is first moved aside to ``<name>.corrupt`` / ``<name>.other-schema`` (``.1``, ``.2``, ... appended
+    if that name exists) with a ``UserWarning``; nothing is deleted.
 
     Returns:
         The path written.
     Raises:
+        NotAProfileStoreError: the path is a directory, unreadable, or a file that is not an ft_jax profile store
+            (it is left untouched).
         OSError: the directory cannot be created or written.
     """
-    path = Path(path) if path is not None else default_profile_path()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the caller already saw the warning when loading
-        existing, _ = read_profiles(path)
+    path = check_profile_path(path)
+    kind, info = inspect_file(path)
+    existing: list[Profile] = []
+    if kind == "store":
+        existing = _parse_entries(info)[0]
+    elif kind in ("corrupted", "other-schema"):
+        aside = _move_aside(path, ".corrupt" if kind == "corrupted" else ".other-schema")
+        what = "corrupted" if kind == "corrupted" else f"of schema version {info!r}"
+        warnings.warn(f"bandwidth profile file {path} was {what}: moved it to {aside}", stacklevel=2)
     entries = [p.to_dict() for p in existing if p.key != profile.key] + [profile.to_dict()]
     doc = {"schema_version": SCHEMA_VERSION, "profiles": entries}
     _atomic_write_text(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def _move_aside(path: Path, suffix: str) -> Path:
+    """Rename ``path`` to ``path + suffix`` (or ``path + suffix + ".N"``, the first N that does not exist)."""
+    aside, n = path.with_name(path.name + suffix), 0
+    while os.path.lexists(aside):
+        n += 1
+        aside = path.with_name(f"{path.name}{suffix}.{n}")
+    os.rename(path, aside)
+    return aside
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

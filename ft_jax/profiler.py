@@ -447,6 +447,8 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
     1. A stored profile whose key matches this machine and expert size (profile_store.load_profile) is returned.
     2. Else, if ``allow_measure``: a quick profile (<= 5 s) is measured, saved (unless ``save`` is False) and returned;
        the message says so.
+       If it cannot be saved (e.g. ``path`` is not an ft_jax profile file, profile_store.NotAProfileStoreError),
+       it is still returned and the message says "not saved" and why.
     3. Else, or if the quick profile fails (ValueError, MemoryError, OSError, e.g. the working set does not fit):
        (None, message) and a ``UserWarning``; decoding then falls back to the fixed-cap 1 policy.
 
@@ -479,10 +481,15 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
     seconds = time.perf_counter() - t0
     where = ""
     if save:
-        try:
-            where = f", saved to {profile_store.save_profile(profile, path)}"
-        except OSError as e:
-            where = f", not saved ({e})"
+        with warnings.catch_warnings(record=True) as caught:  # e.g. a corrupted file moved aside: part of the message
+            warnings.simplefilter("always")
+            try:
+                where = f", saved to {profile_store.save_profile(profile, path)}"
+            except OSError as e:  # includes NotAProfileStoreError: decoding goes on with the unsaved profile
+                where = f", not saved: {e}"
+        for w in caught:
+            where += f" ({w.message})"
+            warnings.warn(str(w.message), stacklevel=2)
     return profile, (f"{why}; ran a quick bandwidth profile ({seconds:.1f} s{where}): {summary_line(profile)}; "
                      f"run `ft-jax profile` for a full one")
 
@@ -634,20 +641,28 @@ def _expert_size(args: argparse.Namespace) -> tuple[int, int, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``ft-jax profile`` for parsed ``args`` (see build_parser); returns the exit status."""
+    """Run ``ft-jax profile`` for parsed ``args`` (see build_parser); returns the exit status.
+
+    0: measured (and saved unless --no-save). 2: bad arguments, a bad --model, or a --profile path that is a
+    directory / not an ft_jax profile file (checked before measuring), or the measurement failed. 1: measured and
+    printed, but saving failed.
+    """
     try:
         H, I, dtype = _expert_size(args)
+        if not args.no_save:
+            profile_store.check_profile_path(args.profile)  # a bad --profile fails before measuring, not after
         profile = measure_profile(H, I, dtype, quick=args.quick, repeats=args.repeats,
                                   progress=not args.no_progress and not args.json)
     except (ValueError, OSError) as e:
         print(f"ft-jax profile: error: {e}", file=sys.stderr)
         return 2
-    saved_to = None
+    saved_to, status = None, 0
     if not args.no_save:
         try:
             saved_to = str(profile_store.save_profile(profile, args.profile))
-        except OSError as e:
-            print(f"ft-jax profile: warning: could not save the profile: {e}", file=sys.stderr)
+        except OSError as e:  # the measurement is still printed below
+            print(f"ft-jax profile: error: could not save the profile: {e}", file=sys.stderr)
+            status = 1
     if args.json:
         frac = profile.fraction()
         print(json.dumps({
@@ -657,7 +672,7 @@ def run(args: argparse.Namespace) -> int:
         }, sort_keys=True))
     else:
         print(format_report(profile, saved_to))
-    return 0
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:

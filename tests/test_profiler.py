@@ -157,25 +157,63 @@ def test_another_schema_is_rejected(tmp_path):
     loaded, msg = profile_store.load_profile(p.key, path)
     assert loaded is None
     assert f"schema version {profile_store.SCHEMA_VERSION + 1}" in msg
-    # Saving replaces the file with the current schema.
-    profile_store.save_profile(p, path)
+    # Saving moves the other-schema file aside and writes the current schema.
+    with pytest.warns(UserWarning, match="moved it to .*p.json.other-schema"):
+        profile_store.save_profile(p, path)
     assert profile_store.load_profile(p.key, path)[0] == p
+    assert json.loads((tmp_path / "p.json.other-schema").read_text()) == doc
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"schema_version": 1}', "[1, 2]",
-                                     '{"schema_version": 1, "profiles": [{"key": {}}]}', b"\xff\xfe\x00"])
-def test_corrupted_file_warns_and_is_replaced(tmp_path, content):
+@pytest.mark.parametrize("content", ['{"schema_version": 1}', '{"schema_version": 1, "profiles": {}}',
+                                     '{\n  "profiles": [\n    {\n      "bh": 8.0,'])  # the last: truncated
+def test_corrupted_profile_file_warns_and_is_moved_aside(tmp_path, content):
     path = tmp_path / "ft_jax" / "profiles.json"
     path.parent.mkdir()
-    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    path.write_text(content)
     p = make_profile()
-    with pytest.warns(UserWarning, match="profiles.json"):
+    with pytest.warns(UserWarning, match="profiles.json is corrupted"):
         loaded, msg = profile_store.load_profile(p.key, path)
-    assert loaded is None and msg
+    assert loaded is None and "profiles.json.corrupt" in msg
+    with pytest.warns(UserWarning, match="moved it to .*profiles.json.corrupt"):
+        profile_store.save_profile(p, path)
+    assert (path.parent / "profiles.json.corrupt").read_text() == content  # kept, not destroyed
+    assert profile_store.load_profile(p.key, path)[0] == p
+    path.write_text(content)  # a second corrupted file does not overwrite the first one set aside
+    with pytest.warns(UserWarning, match="profiles.json.corrupt.1"):
+        profile_store.save_profile(p, path)
+    assert (path.parent / "profiles.json.corrupt.1").read_text() == content
+
+
+def test_invalid_entries_are_dropped_on_save(tmp_path):
+    path = tmp_path / "profiles.json"
+    path.write_text('{"schema_version": 1, "profiles": [{"key": {}}]}')
+    p = make_profile()
+    with pytest.warns(UserWarning, match="ignored 1 invalid entries"):
+        assert profile_store.load_profile(p.key, path)[0] is None
+    profile_store.save_profile(p, path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        profile_store.save_profile(p, path)  # a fresh profile replaces it without warning again
         assert profile_store.load_profile(p.key, path)[0] == p
+    assert len(json.loads(path.read_text())["profiles"]) == 1
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b'{"name": "some other tool"}', b"\xff\xfe\x00",
+                                     b"plain text notes\n"])
+def test_unrelated_file_is_never_overwritten(tmp_path, content):
+    path = tmp_path / "some_other.json"
+    path.write_bytes(content)
+    p = make_profile()
+    with pytest.warns(UserWarning, match="some_other.json is not an ft_jax bandwidth profile file"):
+        assert profile_store.load_profile(p.key, path)[0] is None
+    with pytest.raises(profile_store.NotAProfileStoreError, match="some_other.json is not an ft_jax"):
+        profile_store.save_profile(p, path)
+    assert path.read_bytes() == content and os.listdir(tmp_path) == ["some_other.json"]
+
+
+def test_directory_is_not_a_profile_file(tmp_path):
+    with pytest.raises(profile_store.NotAProfileStoreError, match="it is a directory"):
+        profile_store.save_profile(make_profile(), tmp_path)
+    assert os.listdir(tmp_path) == []
 
 
 def test_bad_bandwidth_entry_rejected():
@@ -211,7 +249,7 @@ def test_get_or_measure_without_measuring_falls_back_with_warning(tmp_path):
     with pytest.warns(UserWarning, match="fixed-cap 1"):
         profile, msg = profiler.get_or_measure_profile(H, I, "float32", allow_measure=False, path=path)
     assert profile is None and "another machine" in msg
-    path.write_text("garbage")
+    path.write_text('{"profiles": [garbage')
     with pytest.warns(UserWarning):
         profile, msg = profiler.get_or_measure_profile(H, I, "float32", allow_measure=False, path=path)
     assert profile is None and "corrupted" in msg
@@ -304,3 +342,29 @@ def test_cli_argument_errors_are_one_clean_line(argv, expected, capsys):
     err = captured.err.strip()
     assert err == f"ft-jax profile: error: {err.split('error: ', 1)[1]}" and "\n" not in err
     assert expected in err and "Errno" not in err
+
+
+@pytest.mark.parametrize("kind", ["directory", "unrelated file"])
+def test_cli_bad_profile_path_fails_before_measuring(tmp_path, kind, capsys, monkeypatch):
+    target = tmp_path / "target"
+    if kind == "directory":
+        target.mkdir()
+    else:
+        target.write_text("my notes\n")
+    monkeypatch.setattr(profiler, "measure_profile", lambda *a, **k: pytest.fail("measured despite a bad --profile"))
+    assert profiler.main(["--hidden-size", "64", "--intermediate-size", "128", "--profile", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ft-jax profile: error: {target} is not an ft_jax bandwidth profile file")
+    assert err.count("\n") == 1
+    assert kind == "directory" or target.read_text() == "my notes\n"
+
+
+def test_generate_path_keeps_unsaved_profile_when_file_is_unrelated(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("my notes\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        profile, msg = profiler.get_or_measure_profile(H, I, "float32", path=path)
+    assert profile is not None and profile.quick
+    assert f"not saved: {path} is not an ft_jax bandwidth profile file" in msg
+    assert path.read_text() == "my notes\n"
