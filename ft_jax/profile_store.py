@@ -96,7 +96,7 @@ class ProfileKey:
 
     def describe(self) -> str:
         """Short human description of the whole key."""
-        return f"{self.describe_machine()}, {self.dtype}, expert {self.expert_bytes / 1e6:.2f} MB"
+        return f"{self.describe_machine()}, {self.dtype}, expert {self.expert_bytes / 2**20:.2f} MiB"
 
 
 @dataclasses.dataclass
@@ -395,7 +395,7 @@ def load_profile(key: ProfileKey, path: str | os.PathLike | None = None) -> tupl
         return matching[-1], f"using the bandwidth profile stored in {path} (measured {matching[-1].measured_at})"
     same_machine = [p for p in profiles if p.key.same_machine(key)]
     if same_machine:
-        sizes = ", ".join(f"{p.key.dtype} {p.key.expert_bytes} B" for p in same_machine)
+        sizes = ", ".join(f"{p.key.dtype} {p.key.expert_bytes / 2**20:.2f} MiB" for p in same_machine)
         notes.append(f"{path} has profiles of this machine only for other expert sizes ({sizes})")
     elif profiles:
         others = "; ".join(sorted({p.key.describe_machine() for p in profiles}))

@@ -59,6 +59,7 @@ FULL_MIN_TIME_S = 0.25  # per timed repeat
 QUICK_MIN_TIME_S = 0.04
 FULL_CALL_BYTES = 64 * 1024 * 1024  # expert bytes moved per call (at least one expert)
 QUICK_CALL_BYTES = 16 * 1024 * 1024
+ABOUT_EQUAL_RATIO = 1.1  # recommendation(): BP and BH closer than this factor are "about as fast"
 _JIT_CHECK_PADS = 9  # independent small dots in the jit overlap check (see _setup)
 
 
@@ -144,8 +145,8 @@ def plan_working_set(expert_bytes: int, llc_bytes: int, call_bytes: int, max_byt
         raise ValueError(f"profiler: expert bytes must be positive, got {expert_bytes}")
     if 5 * expert_bytes > max_bytes:
         raise ValueError(
-            f"profiler: one expert is {expert_bytes / 1e6:.1f} MB; the measurement needs at least 5 experts "
-            f"({5 * expert_bytes / 1e9:.2f} GB) but the memory budget is {max_bytes / 1e9:.2f} GB"
+            f"profiler: one expert is {expert_bytes / 2**20:.1f} MiB; the measurement needs at least 5 experts "
+            f"({5 * expert_bytes / 2**20:.1f} MiB) but the memory budget is {max_bytes / 2**20:.1f} MiB"
         )
     n = max(1, math.ceil(call_bytes / expert_bytes))
     cache_rows = math.ceil(2 * llc_bytes / expert_bytes)
@@ -331,7 +332,7 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
         quick: a quick profile (3 repeats, 0.04 s windows, no jit overlap check): <= 5 s in total.
         repeats: timed repeats per bandwidth (default 3 quick, 7 full), >= 1.
         contended: also measure the contended pair.
-        progress: show a tqdm progress bar on stderr.
+        progress: show a tqdm progress bar on stderr (only when stderr is a terminal).
         max_bytes: memory budget for banks + slots (default: a quarter of RAM, at most 8 GiB).
         call_bytes: expert bytes per call (default 16 MiB quick, 64 MiB full); at least one expert per call.
         min_time: seconds per timed repeat (default 0.04 quick, 0.25 full).
@@ -359,8 +360,9 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
     jit_check = not quick
     total = 1 + 2 * repeats + (repeats if contended else 0) + (repeats if jit_check else 0)
     t_start = time.perf_counter()
-    bar = tqdm(total=total, desc="profile: setup", file=sys.stderr, disable=not progress, leave=False,
-               unit="step", dynamic_ncols=True)
+    show = progress and sys.stderr.isatty()  # no bar in logs, pipes or captured output
+    bar = tqdm(total=total, desc="profile: setup", file=sys.stderr, disable=not show, leave=False, unit="step",
+               dynamic_ncols=True)
     bench = _setup(hidden_size, intermediate_size, dtype, ws)
     try:
         call_b = ws.per_call * eb  # bytes per call, both fill and gemv
@@ -457,7 +459,7 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
         allow_measure: allow step 2.
         path: profile file (default: profile_store.default_profile_path()).
         save: store a newly measured profile.
-        progress: show the quick profile's progress bar on stderr.
+        progress: show the quick profile's progress bar on stderr (only when stderr is a terminal).
     Returns:
         (profile or None, a one-line human message for the user).
     """
@@ -516,14 +518,17 @@ def q_star_table(frac: float, max_m: int = 8) -> dict[int, int]:
 
 def recommendation(profile: Profile) -> str:
     """Plain-language advice, e.g. "the host path is 3.1x faster than the fill: compute about 3 of every 4 misses
-    on the CPU (fetch the other 1 into device slots)". Uses the contended pair when present, as fraction() does."""
+    on the CPU (fetch the other 1 into device slots)". Uses the contended pair when present, as fraction() does.
+    Bandwidths within a factor ABOUT_EQUAL_RATIO of each other are called "about as fast as" each other."""
     if profile.bp_contended is not None and profile.bh_contended is not None:
         bp, bh, which = profile.bp_contended, profile.bh_contended, "while both run"
     else:
         bp, bh, which = profile.bp, profile.bh, "measured alone"
     frac = profile.fraction()
     host = 1.0 - frac
-    if bh >= bp:
+    if max(bp, bh) / min(bp, bh) < ABOUT_EQUAL_RATIO:
+        speed = f"the host path is about as fast as the fill ({which})"
+    elif bh > bp:
         speed = f"the host path is {bh / bp:.1f}x faster than the fill ({which})"
     else:
         speed = f"the fill is {bp / bh:.1f}x faster than the host path ({which})"
@@ -549,12 +554,12 @@ def format_report(profile: Profile, saved_to: str | None) -> str:
     frac = profile.fraction()
     lines = [
         f"ft_jax bandwidth profile ({'quick' if profile.quick else 'full'}, {profile.repeats} repeats, median; "
-        f"measured in {profile.details.get('seconds', 0):.1f} s)",
+        f"measured in {profile.details.get('seconds', 0):.1f} s; GB/s = 1e9 bytes/s, MiB = 2^20 bytes)",
         f"  device {k.platform}/{k.device_kind}; host CPU {k.cpu_model} x {k.cpu_count} cores"
         + (f"; host GEMV threads {profile.details['host_num_threads']}" if "host_num_threads" in profile.details
            else ""),
-        f"  expert H={profile.hidden_size} I={profile.intermediate_size} {k.dtype}: {k.expert_bytes / 1e6:.2f} MB; "
-        f"working set {profile.details.get('working_set_bytes', 0) / 1e6:.0f} MB "
+        f"  expert H={profile.hidden_size} I={profile.intermediate_size} {k.dtype}: {k.expert_bytes / 2**20:.2f} MiB; "
+        f"working set {profile.details.get('working_set_bytes', 0) / 2**20:.0f} MiB "
         f"(last-level cache {profile.details.get('llc_bytes', 0) / 2**20:.0f} MiB)",
         line("BP  slot fill", "bp"),
         line("BH  host expert GEMV", "bh"),

@@ -89,8 +89,36 @@ def test_format_report_lists_everything():
     for needle in ("other processes competed for the CPU", "BP  slot fill", "BH  host expert GEMV",
                    "BPc slot fill, contended", "BHc host GEMV, contended",
                    "fetch fraction q*/m = 0.250", "q* for m = 1..8:", "m=8:2", "recommendation:",
-                   "saved to /x/profiles.json"):
+                   "saved to /x/profiles.json", "GB/s = 1e9 bytes/s",
+                   # 3 * 64 * 128 * 4 = 98304 bytes = 0.09375 MiB, the unit generate uses for expert sizes
+                   "expert H=64 I=128 float32: 0.09 MiB"):
         assert needle in text, needle
+    assert " MB" not in text
+
+
+@pytest.mark.parametrize("bp, bh, expected", [
+    (8.0, 8.0, "the host path is about as fast as the fill (measured alone)"),
+    (8.0, 8.6, "the host path is about as fast as the fill"),  # 1.075x apart: printed as "1.1x" before
+    (8.6, 8.0, "the host path is about as fast as the fill"),
+    (8.0, 8.9, "the host path is 1.1x faster than the fill"),  # 1.1125x
+    (8.9, 8.0, "the fill is 1.1x faster than the host path"),
+])
+def test_recommendation_wording_near_equal(bp, bh, expected):
+    assert profiler.recommendation(make_profile(bp=bp, bh=bh)).startswith(expected)
+
+
+def test_progress_bar_only_on_a_terminal(monkeypatch):
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, shown in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        profiler.measure_profile(H, I, "float32", quick=True, repeats=1, contended=False, progress=True)
+        assert ("profile:" in stream.getvalue()) == shown, stream.getvalue()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
