@@ -199,11 +199,16 @@ class Engine:
         return sample_next(logits[:, 0], key, sampling), kv_cache, expert_state
 
     def _decode_impl(self, params, tokens, positions, kv_cache, expert_state, key, sampling: Sampling):
-        """One decode step. tokens, positions: i32[B] (position -1 = finished row, skipped). Returns i32[B]."""
+        """One decode step. tokens, positions: i32[B] (position -1 = finished row, skipped).
+
+        Returns (next tokens i32[B], kv_cache, expert_state, the key for the next step): the PRNG key is split inside
+        the step, so the host loop dispatches nothing but the step itself.
+        """
         model = nnx.merge(self.graphdef, params)
         logits, kv_cache, expert_state = model(tokens[:, None], positions[:, None], kv_cache, expert_state,
                                                self.decode_backend)  # logits f32[B, 1, V]
-        return sample_next(logits[:, 0], key, sampling), kv_cache, expert_state
+        key, sub = jax.random.split(key)
+        return sample_next(logits[:, 0], sub, sampling), kv_cache, expert_state, key
 
     def init_kv_cache(self, batch_size: int, max_len: int):
         """Zero KV cache for batch_size sequences of up to max_len tokens (ft_jax.model.KVCache, model dtype)."""
@@ -277,10 +282,9 @@ class Engine:
             for i in range(1, max_new_tokens):
                 if done.all():
                     break
-                key, sub = jax.random.split(key)
                 feed_pos = np.where(done, -1, pos).astype(np.int32)
-                nxt, kv_cache, self.expert_state = self._decode(self.params, last, feed_pos, kv_cache,
-                                                                self.expert_state, sub, sampling=sampling)
+                nxt, kv_cache, self.expert_state, key = self._decode(self.params, last, feed_pos, kv_cache,
+                                                                     self.expert_state, key, sampling=sampling)
                 nxt = np.asarray(nxt)  # the one host sync per step: the tokens to stream
                 steps += 1
                 new = []
