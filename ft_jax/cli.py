@@ -14,7 +14,6 @@ import argparse
 import importlib.resources
 import json
 import math
-import os
 import re
 import sys
 import traceback
@@ -139,16 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_config(args: argparse.Namespace):
-    """(folder, MoEConfig) for args.model (or the bundled model). Raises UsageError for bad paths, ConfigError."""
+    """(folder, MoEConfig) for args.model (or the bundled model). Raises ConfigError (bad path or config.json)."""
     from ft_jax.config import load_config
 
     path = args.model or bundled_model_path()
-    if not os.path.exists(path):
-        raise UsageError(f"model path does not exist: {path}")
-    if not os.path.isdir(path):
-        raise UsageError(f"--model must be a folder with config.json and safetensors files, got the file {path}")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise UsageError(f"no config.json in {path}: not a Hugging Face model folder")
     return path, load_config(path)
 
 
@@ -309,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return profiler.run(args)
     try:
         return run_generate(args)
-    except (UsageError, ConfigError, CheckpointError, TokenizerNotFoundError, ValueError, OSError) as e:
+    except (UsageError, ConfigError, CheckpointError, TokenizerNotFoundError, NotImplementedError, ValueError,
+            OSError) as e:
         if args.verbose:
             traceback.print_exc()
         print(f"ft-jax generate: error: {e}", file=sys.stderr)

@@ -150,15 +150,22 @@ def load_config(model_dir: str | os.PathLike) -> MoEConfig:
     """Read ``<model_dir>/config.json`` and return its :class:`MoEConfig`.
 
     Raises:
-        FileNotFoundError: no config.json in model_dir.
-        ConfigError: invalid JSON, unsupported architecture (message lists the supported ones), a missing
+        ConfigError: model_dir does not exist, is a file, or has no config.json; invalid JSON, unsupported architecture (message lists the supported ones), a missing
             required field (message names it), a field of the wrong type, or an out-of-range value (a size or
             count < 1, num_key_value_heads not dividing num_attention_heads, num_experts_per_tok outside
             [1, number of experts], no MoE layer, ...). Every message is one line "<path>: <field> ..., got <value>".
         NotImplementedError: a RoPE scaling type other than "default", partial rotary embeddings,
             Qwen sliding-window attention, or an activation other than silu / gelu_pytorch_tanh.
     """
-    path = os.path.join(os.fspath(model_dir), "config.json")
+    model_dir = os.fspath(model_dir)
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(model_dir):
+        raise ConfigError(f"model path does not exist: {model_dir}")
+    if not os.path.isdir(model_dir):
+        raise ConfigError(f"the model path must be a folder with config.json and safetensors files, got the file "
+                          f"{model_dir}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"no config.json in {model_dir}: not a Hugging Face model folder")
     with open(path, encoding="utf-8") as f:
         text = f.read()
     try:

@@ -629,14 +629,7 @@ def _expert_size(args: argparse.Namespace) -> tuple[int, int, str]:
                              "(the expert size comes from the model's config.json)")
         from ft_jax.config import load_config
 
-        path = args.model
-        if not os.path.exists(path):
-            raise ValueError(f"model path does not exist: {path}")
-        if not os.path.isdir(path):
-            raise ValueError(f"--model must be a folder with config.json, got the file {path}")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"no config.json in {path}: not a Hugging Face model folder")
-        cfg = load_config(path)
+        cfg = load_config(args.model)
         H, I = cfg.hidden_size, cfg.moe_intermediate_size
         # Host banks hold bfloat16 or float32; a float16 checkpoint's experts have bfloat16's size and bandwidth.
         dtype = dtype or {"float16": "bfloat16"}.get(str(cfg.dtype), str(cfg.dtype))

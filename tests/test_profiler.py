@@ -358,7 +358,7 @@ def test_cli_errors_without_expert_size(capsys):
     (["--hidden-size", "0", "--intermediate-size", "512"], "--hidden-size must be >= 1, got 0"),
     (["--hidden-size", "64", "--intermediate-size", "-3"], "--intermediate-size must be >= 1, got -3"),
     (["--model", "/nonexistent"], "model path does not exist: /nonexistent"),
-    (["--model", str(FIXTURES / "mixtral" / "config.json")], "--model must be a folder with config.json"),
+    (["--model", str(FIXTURES / "mixtral" / "config.json")], "must be a folder with config.json"),
     (["--model", str(FIXTURES)], f"no config.json in {FIXTURES}"),
     (["--model", str(FIXTURES / "mixtral"), "--hidden-size", "8"], "give either --model PATH or --hidden-size"),
     (["--model", str(FIXTURES / "mixtral"), "--intermediate-size", "8"], "give either --model PATH or"),
