@@ -117,10 +117,14 @@ class OffloadedExperts:
 
         routed = topk_ids >= 0  # bool[N, k]; -1 = padding token, no expert
         ids = jnp.where(routed, topk_ids, 0)  # i32[N, k], safe to index with
-        route_slot = jnp.where(routed, plan.device_slot_of_expert[ids], -1)  # i32[N, k], -1 = not in a slot
-        route_host = jnp.where(routed & plan.host_mask[ids], moe_layer * E + ids, -1)  # i32[N, k] flat ids
-        y_device = ffi_ops.slot_experts(x, route_slot, topk_weights, gate_up_slots, down_slots,
-                                        activation=self.activation)  # f32[N, H]
-        y_host = ffi_ops.host_experts(x, route_host, topk_weights, self.gate_up_bank, self.down_bank,
-                                      activation=self.activation)  # f32[N, H]
+        # Static skips: under host-all no expert is ever in a slot; under resident none is ever on the host.
+        y_device = y_host = jnp.zeros(x.shape, jnp.float32)  # f32[N, H]
+        if self.policy.kind != "host-all":
+            route_slot = jnp.where(routed, plan.device_slot_of_expert[ids], -1)  # i32[N, k], -1 = not in a slot
+            y_device = ffi_ops.slot_experts(x, route_slot, topk_weights, gate_up_slots, down_slots,
+                                            activation=self.activation)  # f32[N, H]
+        if self.policy.kind != "resident":
+            route_host = jnp.where(routed & plan.host_mask[ids], moe_layer * E + ids, -1)  # i32[N, k] flat ids
+            y_host = ffi_ops.host_experts(x, route_host, topk_weights, self.gate_up_bank, self.down_bank,
+                                          activation=self.activation)  # f32[N, H]
         return y_device + y_host, OffloadState(cache, gate_up_slots, down_slots)
