@@ -1,7 +1,7 @@
 """ft_jax: Mixture-of-Experts decoding in JAX with expert weights offloaded to host memory.
 
 Importing the package registers every XLA FFI target of the compiled extension ``ft_jax._ffi`` for the CPU
-platform: ``ft_jax_slot_fill``, ``ft_jax_host_experts``, ``ft_jax_slot_experts`` (see ft_jax/ffi_ops.py).
+platform: ``ft_jax_slot_fill``, ``ft_jax_host_experts``, ``ft_jax_slot_experts`` (see ft_jax/offload/ffi_ops.py).
 """
 
 import pkgutil

@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from ft_jax.config import MoEConfig, load_config
-from ft_jax.model import MoETransformer
+from ft_jax.models.decoder import MoETransformer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -307,7 +307,7 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
         CheckpointError: missing/truncated/corrupted file, missing tensor, wrong shape (names file and tensor).
         ConfigError / NotImplementedError: from :func:`ft_jax.config.load_config`.
     """
-    from ft_jax.host_bank import HostBank
+    from ft_jax.offload.host_bank import HostBank
 
     cfg = load_config(model_dir)
     dense_dtype = _np_dtype(dtype)

@@ -90,7 +90,7 @@ def _fraction(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `ft-jax` argument parser with its `generate` and `profile` subcommands."""
-    from ft_jax import profiler
+    from ft_jax.tools import profiler
 
     parser = _Parser(
         prog="ft-jax", description="Mixture-of-Experts decoding in JAX with the experts in host memory: a device "
@@ -166,8 +166,8 @@ def _num_slots(args: argparse.Namespace, checkpoint) -> int:
 
 def _policy(args: argparse.Namespace, checkpoint):
     """The decode Policy; for qstar, its fraction from the stored (or a quick) bandwidth profile."""
-    from ft_jax import profiler
-    from ft_jax.policy import Policy, parse_policy
+    from ft_jax.tools import profiler
+    from ft_jax.offload.policy import Policy, parse_policy
 
     try:
         policy = parse_policy(args.policy)
@@ -218,7 +218,7 @@ def run_generate(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
     from ft_jax.checkpoint import load_checkpoint
-    from ft_jax.engine import Engine, Sampling, check_request
+    from ft_jax.generate import Engine, Sampling, check_request
     from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 
     # Everything that can be checked without the weights is checked first: errors come before any loading.
@@ -288,7 +288,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ft-jax` console script (and `python -m ft_jax`)."""
-    from ft_jax import profiler
+    from ft_jax.tools import profiler
     from ft_jax.checkpoint import CheckpointError
     from ft_jax.config import ConfigError
     from ft_jax.tokenizer import TokenizerNotFoundError

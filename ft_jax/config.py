@@ -35,7 +35,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "OlmoeForCausalLM": "olmoe",
 }
 
-# Hugging Face ``hidden_act`` -> activation name used by the expert kernels (ft_jax.ffi_ops).
+# Hugging Face ``hidden_act`` -> activation name used by the expert kernels (ft_jax.offload.ffi_ops).
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}

@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ft_jax.config import MoEConfig
-from ft_jax.model import HIGHEST, activation_fn
+from ft_jax.models.decoder import HIGHEST, activation_fn
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ResidentExperts:
-    """All routed experts as device arrays; an :class:`ft_jax.model.ExpertBackend` (expert_state passes through).
+    """All routed experts as device arrays; an :class:`ft_jax.models.decoder.ExpertBackend` (expert_state passes through).
 
     gate_up: [L_moe*E, 2I, H]; down: [L_moe*E, H, I] (float32 or bfloat16; accumulation is float32).
     num_experts (E) and activation ("silu" | "gelu_tanh") are static pytree metadata.
@@ -38,7 +38,7 @@ class ResidentExperts:
 
     @classmethod
     def from_banks(cls, gate_up_bank, down_bank, cfg: MoEConfig, dtype=None) -> "ResidentExperts":
-        """Copy two host banks (ft_jax.host_bank.HostBank or [R, *row] numpy arrays) to the device.
+        """Copy two host banks (ft_jax.offload.host_bank.HostBank or [R, *row] numpy arrays) to the device.
 
         dtype: device dtype (default: the bank dtype)."""
         gu = gate_up_bank if isinstance(gate_up_bank, np.ndarray) else gate_up_bank.numpy()

@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ft_jax import _ffi, ffi_ops
-from ft_jax.host_bank import HostBank
+from ft_jax import _ffi
+from ft_jax.offload import ffi_ops
+from ft_jax.offload.host_bank import HostBank
 
 MiB = 1 << 20
 # Calls dispatched back to back per timed step (one wait at the end), as consecutive decode steps run.

@@ -3,7 +3,7 @@
 
 No model weights are needed: only which experts each token routes to in each MoE layer. For every policy and every
 cache size S (device slots shared by all layers), the trace is replayed token by token through
-ft_jax.expert_cache.plan_layer, the same jnp code the decode step runs: one jax.jit per token scans over all L layers
+ft_jax.offload.expert_cache.plan_layer, the same jnp code the decode step runs: one jax.jit per token scans over all L layers
 (layer index traced), so each (policy, S) compiles once. Each sequence (problem) starts from a cold cache (as a fresh
 generate would, minus its prefill) unless --carry-cache keeps the cache across sequences.
 
@@ -19,9 +19,9 @@ Hits cost nothing in this model (the device reads its own memory far faster than
 
 S_e = --expert-bytes (default Mixtral-8x7B bf16: 3 * 4096 * 14336 * 2 bytes). BP (slot-fill bandwidth) and BH (host
 expert GEMV bandwidth), GB/s (1e9 B/s), come from --bp/--bh, else from the stored bandwidth profile of this machine
-(ft_jax.profile_store: the entry for --dtype and S_e, else this machine's entry with the closest expert size; its
+(ft_jax.tools.profile_store: the entry for --dtype and S_e, else this machine's entry with the closest expert size; its
 standalone BP and BH feed the time model). The qstar fetch fraction is --frac, else
-ft_jax.policy.fraction_from_bandwidth of those bandwidths (the profile's contended pair when it has one).
+ft_jax.offload.policy.fraction_from_bandwidth of those bandwidths (the profile's contended pair when it has one).
 
 Trace format (the real trace used: Mixtral-8x7B-Instruct on two HumanEval problems, from
 github.com/Mario928/speculative-moe, routing_data_collected/; no license file, so the trace is read from wherever it
@@ -128,7 +128,7 @@ def _token_step(policy):
     import jax
     import jax.numpy as jnp
 
-    from ft_jax.expert_cache import plan_layer
+    from ft_jax.offload.expert_cache import plan_layer
 
     def step(state, active):  # active: bool[L, E]
         def body(state, xs):
@@ -147,7 +147,7 @@ def replay(sequences: list[Sequence], policy, num_slots: int, carry_cache: bool 
 
     Args:
         sequences: from load_trace (all with the same L, E).
-        policy: ft_jax.policy.Policy (not "resident").
+        policy: ft_jax.offload.policy.Policy (not "resident").
         num_slots: S.
         carry_cache: keep the cache from one sequence to the next (default: cold cache per sequence).
         progress: a tqdm bar advanced by one per token, or None.
@@ -157,7 +157,7 @@ def replay(sequences: list[Sequence], policy, num_slots: int, carry_cache: bool 
     """
     import jax
 
-    from ft_jax.expert_cache import init_cache_state
+    from ft_jax.offload.expert_cache import init_cache_state
 
     L, E = sequences[0].active.shape[1:]
     step = _token_step(policy)
@@ -214,7 +214,7 @@ def bandwidths(args: argparse.Namespace) -> tuple[float, float, float | None, fl
         if not (args.bp > 0 and args.bh > 0):
             raise SystemExit(f"replay_trace: --bp and --bh must be > 0 GB/s, got {args.bp}, {args.bh}")
         return args.bp, args.bh, None, None, "--bp/--bh"
-    from ft_jax import profile_store
+    from ft_jax.tools import profile_store
 
     key = profile_store.current_key(args.dtype, args.expert_bytes)
     with warnings.catch_warnings():
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict:
     """Load, replay every (S, policy), and return the report dict (see format_table)."""
-    from ft_jax.policy import fraction_from_bandwidth, parse_policy
+    from ft_jax.offload.policy import fraction_from_bandwidth, parse_policy
 
     try:
         slot_sizes = [int(s) for s in args.slots.split(",") if s.strip()]

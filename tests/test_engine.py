@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from ft_jax.checkpoint import load_checkpoint
-from ft_jax.engine import Engine, Sampling, prefill_bucket, sample_next
-from ft_jax.policy import Policy
+from ft_jax.generate import Engine, Sampling, prefill_bucket, sample_next
+from ft_jax.offload.policy import Policy
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 

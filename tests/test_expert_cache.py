@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ft_jax.expert_cache import (STAT_FIELDS, CacheState, active_from_topk, init_cache_state,
+from ft_jax.offload.expert_cache import (STAT_FIELDS, CacheState, active_from_topk, init_cache_state,
                                  init_cache_state_resident, plan_layer)
-from ft_jax.policy import parse_policy
+from ft_jax.offload.policy import parse_policy
 from cache_reference import ReferenceCache
 
 POLICIES = ("qstar:0.415", "fetch-all", "host-all", "fixed-cap:2")

@@ -9,8 +9,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ft_jax import _ffi, ffi_ops
-from ft_jax.host_bank import HostBank
+from ft_jax import _ffi
+from ft_jax.offload import ffi_ops
+from ft_jax.offload.host_bank import HostBank
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # An FFI error raised while a compiled step runs reaches Python as JaxRuntimeError, or as ValueError when jit's C++

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ft_jax import ffi_ops
+from ft_jax.offload import ffi_ops
 from ft_jax.checkpoint import load_checkpoint
 from ft_jax.config import load_config
-from ft_jax.model import MoETransformer, jit_forward, random_param_factory
+from ft_jax.models.decoder import MoETransformer, jit_forward, random_param_factory
 from ft_jax.resident import ResidentExperts
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")

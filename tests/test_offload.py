@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from ft_jax.checkpoint import load_checkpoint
-from ft_jax.offload import OffloadedExperts
-from ft_jax.policy import Policy
+from ft_jax.offload.experts import OffloadedExperts
+from ft_jax.offload.policy import Policy
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]

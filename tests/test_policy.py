@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ft_jax import policy as pol
+from ft_jax.offload import policy as pol
 from cache_reference import q16_fetch_count
 
 FRACS = (0.1, 0.415, 0.454, 0.7, 1.0)

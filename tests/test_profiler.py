@@ -1,4 +1,4 @@
-"""Tests of ft_jax.profile_store (storage, keys, schema) and ft_jax.profiler (measurement, fraction, CLI).
+"""Tests of ft_jax.tools.profile_store (storage, keys, schema) and ft_jax.tools.profiler (measurement, fraction, CLI).
 
 Every test writes only under tmp_path (XDG_CACHE_HOME is pointed there): the real user cache is never touched.
 Measurements use small experts (H=64, I=128) so each quick profile takes a few seconds on 2 cores; no timing asserts.
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ft_jax import profile_store, profiler
-from ft_jax.profile_store import Profile, ProfileKey
+from ft_jax.tools import profile_store, profiler
+from ft_jax.tools.profile_store import Profile, ProfileKey
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_tiny"
 H, I = 64, 128  # small expert: 3 * 64 * 128 * 4 = 98304 bytes in float32

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cache_reference import ReferenceCache
-from ft_jax.policy import Policy
+from ft_jax.offload.policy import Policy
 
 SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "replay_trace.py")
 L, E, K = 3, 8, 4  # up to 4 misses per layer, so qstar splits them

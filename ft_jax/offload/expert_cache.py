@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ft_jax.policy import Policy, fetch_budget
+from ft_jax.offload.policy import Policy, fetch_budget
 
 # Columns of CacheState.stats (per MoE layer); LayerPlan.stats holds the first five for one call.
 STAT_FIELDS = ("active", "hits", "misses", "fetched", "host", "steps")

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from ft_jax.config import MoEConfig
-from ft_jax.routing import route
+from ft_jax.models.routing import route
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -1,7 +1,7 @@
 """Bandwidth profiles: the record, its machine key, and JSON storage in the user cache directory.
 
 A profile holds the two bandwidths the q* policy needs (docs/DESIGN.md sections 1 and 7), measured by
-`ft_jax.profiler` with the production FFI handlers at one expert size:
+`ft_jax.tools.profiler` with the production FFI handlers at one expert size:
 
 - ``bp``: slot fill bandwidth (host bank -> device slots), GB/s of expert weight bytes copied.
 - ``bh``: host expert GEMV bandwidth, GB/s of expert weight bytes read by ``host_experts``.
@@ -134,7 +134,7 @@ class Profile:
 
         docs/DESIGN.md section 1: with a contended pair, BPc / (BPc + BHc); else min(1, BP / BH); BH <= BP gives 1.
         """
-        from ft_jax import policy  # lazy: policy belongs to the cache module and pulls in jax
+        from ft_jax.offload import policy  # lazy: policy belongs to the cache module and pulls in jax
 
         return float(policy.fraction_from_bandwidth(self.bp, self.bh, self.bp_contended, self.bh_contended))
 

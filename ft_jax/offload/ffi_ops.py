@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ft_jax  # noqa: F401  (registers the FFI targets)
-from ft_jax.host_bank import HostBank
+from ft_jax.offload.host_bank import HostBank
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 _WEIGHT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))

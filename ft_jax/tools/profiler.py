@@ -48,8 +48,8 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
-from ft_jax import profile_store
-from ft_jax.profile_store import Profile, ProfileKey
+from ft_jax.tools import profile_store
+from ft_jax.tools.profile_store import Profile, ProfileKey
 
 GB = 1e9  # bytes per GB (bandwidths are reported in GB/s = 1e9 bytes/s)
 DEFAULT_LLC_BYTES = 32 * 1024 * 1024  # used when /sys does not tell the last-level cache size
@@ -181,8 +181,8 @@ def _setup(hidden_size: int, intermediate_size: int, dtype: str, ws: WorkingSet)
     import jax.numpy as jnp
     import numpy as np
 
-    from ft_jax import ffi_ops
-    from ft_jax.host_bank import HostBank
+    from ft_jax.offload import ffi_ops
+    from ft_jax.offload.host_bank import HostBank
 
     H, I = hidden_size, intermediate_size
     np_dtype = jnp.bfloat16 if dtype == "bfloat16" else np.float32
@@ -511,7 +511,7 @@ def summary_line(profile: Profile) -> str:
 
 def q_star_table(frac: float, max_m: int = 8) -> dict[int, int]:
     """{m: q*} for m = 1..max_m, q* = policy.fetch_count_np(m, frac) (misses fetched into slots)."""
-    from ft_jax import policy
+    from ft_jax.offload import policy
 
     return {m: int(policy.fetch_count_np(m, frac)) for m in range(1, max_m + 1)}
 

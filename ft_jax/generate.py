@@ -30,9 +30,9 @@ import numpy as np
 from flax import nnx
 
 from ft_jax.checkpoint import LoadedCheckpoint
-from ft_jax.expert_cache import STAT_FIELDS
-from ft_jax.offload import OffloadedExperts, OffloadState
-from ft_jax.policy import Policy
+from ft_jax.offload.expert_cache import STAT_FIELDS
+from ft_jax.offload.experts import OffloadedExperts, OffloadState
+from ft_jax.offload.policy import Policy
 
 MIN_PREFILL_BUCKET = 16
 
@@ -166,7 +166,7 @@ class Engine:
 
     Args:
         checkpoint: LoadedCheckpoint (config, model with dense params on the device, gate_up and down host banks).
-        policy: decode policy (ft_jax.policy.Policy). A qstar policy needs its fraction (Policy.frac).
+        policy: decode policy (ft_jax.offload.policy.Policy). A qstar policy needs its fraction (Policy.frac).
         num_slots: S, device expert slots shared by all MoE layers (ignored for the resident policy: S = L*E).
     Raises:
         ValueError: num_slots < 1 for an offloading policy.
@@ -211,7 +211,7 @@ class Engine:
         return sample_next(logits[:, 0], sub, sampling), kv_cache, expert_state, key
 
     def init_kv_cache(self, batch_size: int, max_len: int):
-        """Zero KV cache for batch_size sequences of up to max_len tokens (ft_jax.model.KVCache, model dtype)."""
+        """Zero KV cache for batch_size sequences of up to max_len tokens (ft_jax.models.decoder.KVCache, model dtype)."""
         return nnx.merge(self.graphdef, self.params).init_kv_cache(batch_size, max_len)
 
     def decode_cache_size(self) -> int:

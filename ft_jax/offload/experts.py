@@ -23,9 +23,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ft_jax import expert_cache, ffi_ops
-from ft_jax.host_bank import HostBank
-from ft_jax.policy import Policy
+from ft_jax.offload import expert_cache, ffi_ops
+from ft_jax.offload.host_bank import HostBank
+from ft_jax.offload.policy import Policy
 
 
 class OffloadState(NamedTuple):

@@ -4,7 +4,7 @@ A bank holds one weight kind for all L x E experts (flat id = moe_layer_index * 
   gate_up bank: rows [2I, H] (rows 0..I-1 = gate_proj.weight [I, H], rows I..2I-1 = up_proj.weight [I, H];
                 Mixtral w1 = gate, w3 = up; the transformers ``experts.gate_up_proj`` [E, 2I, H] layout),
   down bank:    rows [H, I] (down_proj.weight, Mixtral w2).
-The FFI handlers (ft_jax.ffi_ops) receive the bank's integer ``id`` as a compile-time attribute.
+The FFI handlers (ft_jax.offload.ffi_ops) receive the bank's integer ``id`` as a compile-time attribute.
 
 Lifetime: ``release()`` (or garbage collection of the HostBank) drops the bank from the C++ registry. A handler
 that is running keeps the memory alive until it returns, numpy views returned by ``numpy()`` keep it alive while

@@ -1,0 +1,1 @@
+"""Model families: the decoder, its layers and the routers."""

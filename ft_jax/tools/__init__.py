@@ -1,0 +1,1 @@
+"""Tools around decoding: the bandwidth profile."""
