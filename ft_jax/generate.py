@@ -13,7 +13,7 @@ loop: one dispatch and one device-to-host read of the new tokens per step; the P
 No recompiles per request: shapes depend only on (batch size, prompt bucket, KV-cache bucket, model dims, slots),
 never on the routing; the sampling parameters (temperature, top_k, top_p) are operands, with greedy decoding a
 separate executable (argmax, no sampler); prompt lengths are bucketed to powers of two (at least 16) and the
-KV-cache length to a power of two that holds the prompt bucket plus the new tokens, so another ``max_new_tokens`` or
+KV-cache length to a power of two that holds the longest prompt plus the new tokens, so another ``max_new_tokens`` or
 temperature in the same buckets replays the compiled steps. Executables are compiled ahead of time (``jit.lower(...)
 .compile()``) before the first token, each announced through ``on_compile``; with JAX's persistent compilation cache
 enabled (the CLI does) a second process loads them instead of compiling.
@@ -161,11 +161,10 @@ def prefill_bucket(length: int) -> int:
     return _pow2_at_least(length, MIN_PREFILL_BUCKET)
 
 
-def kv_bucket(prompt_bucket: int, max_new_tokens: int, context: int) -> int:
-    """KV-cache length: the next power of two (at least MIN_KV_BUCKET) holding the padded prompt and the new tokens,
-    capped at what the request needs beyond the model's context (positions never exceed the context)."""
-    needed = prompt_bucket + max_new_tokens
-    return max(min(_pow2_at_least(needed, MIN_KV_BUCKET), context + prompt_bucket), needed)
+def kv_bucket(needed: int, context: int) -> int:
+    """KV-cache length for sequences of up to ``needed`` positions (longest prompt + new tokens; padding writes
+    nothing): the next power of two >= needed, at least MIN_KV_BUCKET, capped at the model's context (>= needed)."""
+    return min(_pow2_at_least(needed, MIN_KV_BUCKET), max(context, needed))
 
 
 @dataclasses.dataclass
@@ -289,6 +288,20 @@ class Engine:
         """How many decode-step executables this Engine has compiled (1 after any number of steps of one shape)."""
         return sum(1 for key in self._executables if key[0] == "decode")
 
+    def lower_decode_step(self, batch_size: int, kv_len: int, sampling: Sampling = Sampling()) -> jax.stages.Lowered:
+        """The decode step for a batch and KV-cache length, lowered (not compiled): ``.compile().as_text()`` gives the
+        optimized HLO XLA runs, e.g. to check that the slot pools and the KV cache are updated in place.
+
+        Args:
+            batch_size: B >= 1. kv_len: KV-cache length S >= 1. sampling: greedy or sampled (two executables).
+        Returns:
+            jax.stages.Lowered of decode_one_token over this Engine's parameters and expert state.
+        """
+        kv_cache = jax.eval_shape(lambda: self.init_kv_cache(batch_size, kv_len))
+        ids = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
+        return self._decode.lower(self.graphdef, self.decode_backend, self.params, ids, ids, kv_cache,
+                                  self.expert_state, jax.random.key(0), *sampling.operands(), greedy=sampling.greedy)
+
     def _executable(self, kind: str, args: tuple, greedy: bool, what: str, tally: dict):
         """The compiled step for these argument shapes, compiling it (and announcing it) the first time."""
         shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(args[3:5]))
@@ -359,7 +372,7 @@ class Engine:
         lengths = [len(p) for p in prompts]
         B = len(prompts)
         bucket = prefill_bucket(max(lengths))
-        kv_len = kv_bucket(bucket, max_new_tokens, cfg.max_position_embeddings)
+        kv_len = kv_bucket(max(lengths) + max_new_tokens, cfg.max_position_embeddings)
         tally = dict(compile_s=0.0, xla_compiles=0, cache_hits=0, prefill_compiles=0, decode_compiles=0)
         tokens = np.zeros((B, bucket), np.int32)
         positions = np.full((B, bucket), -1, np.int32)
