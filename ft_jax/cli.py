@@ -356,7 +356,8 @@ def recommendation(profile) -> str:
     if share == 1 or host > 15 / 16:
         return f"{speed}: compute every miss on the CPU (like host-all)"
     num, den = share.numerator, share.denominator
-    return f"{speed}: compute about {num} of every {den} misses on the CPU (fetch the other {den - num} into slots)"
+    return (f"{speed}: compute about {num} of every {den} misses on the CPU "
+            f"(fetch the other {den - num} into device slots)")
 
 
 def _profile_report(profile, q_star: dict[int, int], saved: str | None) -> str:

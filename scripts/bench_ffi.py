@@ -48,14 +48,14 @@ def bench_slot_fill(expert_mib: float, experts_per_call: int, repeats: int, min_
     with Bench(H, I, "float32", call_bytes=experts_per_call * 3 * H * I * 4) as b:
         gate_up, down = b.gate_up.numpy(), b.down.numpy()  # [2R, 2I, H], [2R, H, I]
         # Written: no first-touch page faults while timed.
-        slots = [np.ones((b.slot_rows, *bank.shape[1:]), np.float32) for bank in (gate_up, down)]
+        slots = [np.ones((b.rows, *bank.shape[1:]), np.float32) for bank in (gate_up, down)]
         calls = itertools.count()
 
         def numpy_copy():
             j = next(calls)
-            for row, slot in zip(b.fill_rows[j % len(b.fill_rows)], b.fill_slots[j % len(b.fill_slots)]):
-                np.copyto(slots[0][slot], gate_up[row])
-                np.copyto(slots[1][slot], down[row])
+            for row in b.fill_rows[j % len(b.fill_rows)]:  # bank row r goes to slot r, as in Bench.fill
+                np.copyto(slots[0][row], gate_up[row])
+                np.copyto(slots[1][row], down[row])
 
         rates = measure_rates({"ffi": (b.fill, b.nbytes), "numpy": (numpy_copy, b.nbytes)}, repeats, min_time)
         del gate_up, down

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,11 @@ KEY = {"platform": "cpu", "device_kind": "cpu", "cpu_model": "Test CPU", "cpu_co
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+
+def here() -> dict:
+    """This machine's key for float32 experts of (H, I)."""
+    return bandwidth.machine_key("float32", 3 * H * I * 4)
 
 
 def make_profile(bp=2.0, bh=8.0, bpc=None, bhc=None, **key) -> Profile:
@@ -84,7 +88,7 @@ def test_fraction_from_a_hand_worked_pair():
     assert [q_star_reference(m, 0.25) for m in range(1, 9)] == [0, 0, 0, 1, 1, 1, 1, 2]
     text = cli.recommendation(contended)
     assert text == ("the host path is 3.1x faster than the fill (while both run): compute about 3 of every 4 misses "
-                    "on the CPU (fetch the other 1 into slots)")
+                    "on the CPU (fetch the other 1 into device slots)")
     assert cli.recommendation(make_profile(bp=8.0, bh=8.6)).startswith("the host path is about as fast as the fill")
     assert cli.recommendation(make_profile(bp=8.0, bh=4.0)).endswith("fetch every miss into device slots (like "
                                                                      "fetch-all)")
@@ -104,55 +108,65 @@ def test_dtype_spellings():
 
 
 def test_round_trip_through_the_default_file(tmp_path):
-    p = make_profile(bp=2.5, bh=7.5, bpc=1.5, bhc=4.5)
+    p = make_profile(bp=2.5, bh=7.5, bpc=1.5, bhc=4.5, **here())
     path = tmp_path / "xdg" / "ft_jax" / "profiles.json"
     assert bandwidth.default_store_path() == path
     assert bandwidth.save_profile(p) == f"saved to {path}"
     doc = json.loads(path.read_text())
     assert doc["schema_version"] == 1 and len(doc["profiles"]) == 1
-    assert doc["profiles"][0]["key"] == KEY and doc["profiles"][0]["bh_contended"] == 4.5
-    loaded, msg = bandwidth.load_profile(dict(KEY))
-    assert loaded == p and msg == f"using the bandwidth profile stored in {path} (measured 2026-01-01T00:00:00+00:00)"
+    assert doc["profiles"][0]["key"] == here() and doc["profiles"][0]["bh_contended"] == 4.5
+    assert bandwidth.read_profiles() == ([p], "")
+    loaded, msg = bandwidth.get_or_measure_profile(H, I, "float32", allow_measure=False)
+    assert loaded == p  # 1.5 / (1.5 + 4.5) = 0.25
+    assert msg == (f"using the bandwidth profile stored in {path} (measured 2026-01-01T00:00:00+00:00): BP 2.50 GB/s, "
+                   "BH 7.50 GB/s, contended BP 1.50 / BH 4.50 GB/s, fetch fraction 0.250")
     # Same key replaces, other keys stay.
     bandwidth.save_profile(make_profile(bp=1.0, bh=3.0, dtype="bfloat16"))
     bandwidth.save_profile(make_profile(bp=3.0, bh=4.0))
-    assert sorted((p.key["dtype"], p.bp) for p in bandwidth.read_profiles()[0]) == [("bfloat16", 1.0), ("float32", 3.0)]
+    assert sorted((p.key["dtype"], p.bp) for p in bandwidth.read_profiles()[0]) == [
+        ("bfloat16", 1.0), ("float32", 2.5), ("float32", 3.0)]  # here() and KEY differ in the CPU
     assert sorted(os.listdir(path.parent)) == [".profiles.json.lock", "profiles.json"]  # no temporary file left
 
 
 def test_foreign_machine_is_ignored_with_a_message(tmp_path):
     path = tmp_path / "p.json"
-    bandwidth.save_profile(make_profile(cpu_model="Other CPU", cpu_count=64), path)
-    loaded, msg = bandwidth.load_profile(dict(KEY), path)
+    bandwidth.save_profile(make_profile(**{**here(), "cpu_model": "Other CPU", "cpu_count": 640}), path)
+    with pytest.warns(UserWarning, match="falling back to the fixed-cap 1 policy"):
+        loaded, msg = bandwidth.get_or_measure_profile(H, I, "float32", allow_measure=False, path=path)
     assert loaded is None
-    assert msg == (f"no bandwidth profile of this machine for float32 experts of 0.09 MiB in {path}; ignoring the "
-                   "profiles of another machine (cpu/cpu, host CPU 'Other CPU' x 64); this is cpu/cpu, host CPU "
-                   "'Test CPU' x 2")
+    k = here()
+    assert msg.startswith(f"no bandwidth profile of this machine for float32 experts of 0.09 MiB in {path}; ignoring "
+                          f"the profiles of another machine ({k['platform']}/{k['device_kind']}, host CPU 'Other CPU' "
+                          f"x 640); this is {k['platform']}/{k['device_kind']}, host CPU {k['cpu_model']!r} x "
+                          f"{k['cpu_count']}; measuring is off")
 
 
 def test_entry_that_does_not_parse_is_measured_again(tmp_path):
     path = tmp_path / "p.json"
-    good = dataclasses.asdict(make_profile())
-    bad = [{**good, "bh": -1.0}, {**good, "bh": "fast"}, {**good, "surprise": 1}, {"key": KEY}, [1, 2]]
+    good = dataclasses.asdict(make_profile(**here()))
+    bad = [{**good, "bh": -1.0}, {**good, "bh": "fast"}, {**good, "surprise": 1}, {"key": here()}, [1, 2]]
     path.write_text(json.dumps({"schema_version": 1, "profiles": bad}))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a bad entry is not a damaged store: no warning
-        assert bandwidth.load_profile(dict(KEY), path)[0] is None
+    assert bandwidth.read_profiles(path) == ([], "")  # bad entries: not a damaged store
+    with pytest.warns(UserWarning, match="no bandwidth profile of this machine") as caught:
+        assert bandwidth.get_or_measure_profile(H, I, "float32", allow_measure=False, path=path)[0] is None
+    assert len(caught) == 1
     bandwidth.save_profile(make_profile(bp=5.0), path)
     assert [e["bp"] for e in json.loads(path.read_text())["profiles"]] == [5.0]
 
 
-@pytest.mark.parametrize("content", ['{"schema_version": 1}', '{"schema_version": 2, "profiles": []}',
+@pytest.mark.parametrize("content", ["", '{"schema_version": 1}', '{"schema_version": 2, "profiles": []}',
                                      '{\n "schema_version": 1,\n "profiles": [\n  {\n   "bh": 8.0,'])  # truncated
 def test_damaged_store_is_moved_aside(tmp_path, content):
     path = tmp_path / "profiles.json"
     path.write_text(content)
+    profiles, damaged = bandwidth.read_profiles(path)
+    assert profiles == [] and damaged.startswith(f"{path} is a damaged ft_jax bandwidth profile store (")
     with pytest.warns(UserWarning, match="profiles.json is a damaged ft_jax bandwidth profile store"):
-        assert bandwidth.load_profile(dict(KEY), path)[0] is None
+        assert bandwidth.get_or_measure_profile(H, I, "float32", allow_measure=False, path=path)[0] is None
     with pytest.warns(UserWarning, match="moved it to .*profiles.json.corrupt"):
         assert bandwidth.save_profile(make_profile(), path).endswith(f"(moved the damaged store to {path}.corrupt)")
     assert (tmp_path / "profiles.json.corrupt").read_text() == content  # kept, not destroyed
-    assert bandwidth.load_profile(dict(KEY), path)[0] == make_profile()
+    assert bandwidth.read_profiles(path) == ([make_profile()], "")
     path.write_text(content)  # a second damaged store does not overwrite the first one set aside
     with pytest.warns(UserWarning, match="profiles.json.corrupt.1"):
         bandwidth.save_profile(make_profile(), path)
@@ -170,10 +184,10 @@ def test_a_file_that_is_not_a_store_is_never_written_over(tmp_path, kind):
         os.mkfifo(path)  # reading it would block forever
     else:
         path.write_bytes(content)
-    with pytest.warns(UserWarning, match="target is not an ft_jax bandwidth profile store"):
-        assert bandwidth.load_profile(dict(KEY), path)[0] is None
     with pytest.raises(bandwidth.NotAStoreError, match="target is not an ft_jax bandwidth profile store"):
         bandwidth.save_profile(make_profile(), path)
+    with pytest.warns(UserWarning, match="target is not an ft_jax bandwidth profile store"):
+        assert bandwidth.get_or_measure_profile(H, I, "float32", allow_measure=False, path=path)[0] is None
     assert content is None or path.read_bytes() == content
     assert sorted(os.listdir(tmp_path)) == [".target.lock", "target"]
 
@@ -189,7 +203,8 @@ def test_two_processes_saving_at_once_keep_every_entry(tmp_path):
         for i in range(50):
             key = {KEY!r} | {{"cpu_model": f"process {{sys.argv[1]}} entry {{i}}"}}
             save_profile(Profile(key=key, bp=1.0, bh=2.0, bp_contended=None, bh_contended=None, spreads={{}},
-                                 repeats=1, quick=True, measured_at="", hidden_size=1, intermediate_size=1), {str(path)!r})
+                                 repeats=1, quick=True, measured_at="", hidden_size=1, intermediate_size=1),
+                         {str(path)!r})
     """)
     procs = [subprocess.Popen([sys.executable, "-c", script, name]) for name in "ab"]
     assert [p.wait(timeout=60) for p in procs] == [0, 0]
@@ -204,13 +219,15 @@ def test_bench_rotation_exceeds_the_last_level_cache():
     with bandwidth.Bench(H, I, "f32", call_bytes=16 << 20) as b:
         llc, eb = b.llc_bytes, 3 * H * I * 4
         rows = math.ceil(2 * llc / eb)  # e.g. 683 rows of 96 KiB for a 32 MiB cache
-        assert (b.expert_bytes, b.region_rows, b.slot_rows) == (eb, rows, rows)
+        assert (b.expert_bytes, b.rows) == (eb, rows)
         assert b.n == math.ceil((16 << 20) / eb) and b.nbytes == b.n * eb
         assert (b.gate_up.num_rows, b.gate_up.row_shape, b.down.row_shape) == (2 * rows, (2 * I, H), (H, I))
         for j in (0, 1, len(b.fill_rows) - 1, len(b.fill_rows)):
             expect = [(j * b.n + i) % rows for i in range(b.n)]
             assert b.fill_rows[j % len(b.fill_rows)].tolist() == expect
             assert b.gemv_rows[j % len(b.gemv_rows)].tolist() == [rows + r for r in expect]  # disjoint half
+        b.fill()
+        b.gemv()
 
 
 def test_quick_profile_is_measured_saved_and_reused(tmp_path):
@@ -242,7 +259,7 @@ def test_without_a_profile_decoding_falls_back_with_a_warning(tmp_path, monkeypa
     assert not (tmp_path / "xdg").exists()
 
 
-# --- the command line, in a subprocess ---------------------------------------------------------------------------------
+# --- the command line, in a subprocess -------------------------------------------------------------------------------
 
 
 def test_profile_without_arguments_profiles_the_bundled_model(tmp_path):

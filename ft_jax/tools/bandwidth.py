@@ -146,18 +146,17 @@ def last_level_cache_bytes() -> int:
 class Bench:
     """Host banks, slot arrays and the jitted production FFI calls at one expert size (H, I, dtype).
 
-    The banks hold 2R experts (rows [0, R) feed the fill, [R, 2R) the GEMV), the slots S (gate_up [S, 2I, H], down
-    [S, H, I]). Call j of a loop uses rows (j*n + i) mod R (slots mod S), i < n = ceil(call_bytes / expert_bytes),
-    with R, S >= max(n, 2 * LLC / expert_bytes, 2), shrunk to fit ``max_bytes`` (default: RAM / 4, at most 8 GiB).
-    ``fill()`` / ``gemv()`` run the next call and block; ``gemv`` routes ``tokens`` tokens (x f32[T, H]) to the same
-    n experts. Attributes: expert_bytes, n, nbytes (bytes per call = n * expert_bytes), region_rows, slot_rows,
-    llc_bytes, gate_up, down (HostBank), fill_rows, fill_slots, gemv_rows (the rotation, np.int32[n] per call).
-    A context manager: leaving it releases the banks. Raises ValueError: a size < 1, a bad dtype, or 5 experts
-    do not fit ``max_bytes``.
+    The banks hold 2R experts (rows [0, R) feed the fill, [R, 2R) the GEMV), the slots S = R (gate_up [S, 2I, H],
+    down [S, H, I]). Call j of a loop uses rows (j*n + i) mod R (and slots), i < n = ceil(call_bytes / expert_bytes),
+    R = max(n, ceil(2 * LLC / expert_bytes), 2). ``fill()`` / ``gemv()`` run the next call and block; ``gemv``
+    routes ``tokens`` tokens (x f32[T, H]) to the same n experts. Attributes: expert_bytes, n, nbytes (bytes per
+    call = n * expert_bytes), rows (R), llc_bytes, gate_up, down (HostBank), fill_rows, gemv_rows (the rotation:
+    np.int32[n] bank rows of call j at j % len; fill_rows are also the slots). A context manager: leaving it
+    releases the banks. Raises ValueError: a size < 1, a bad dtype, or banks + slots over half the host memory.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *,
-                 call_bytes: int = 16 << 20, tokens: int = 1, max_bytes: int | None = None):
+                 call_bytes: int = 16 << 20, tokens: int = 1):
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -168,32 +167,25 @@ class Bench:
         H, I = int(hidden_size), int(intermediate_size)
         if min(H, I, tokens) < 1:
             raise ValueError(f"bandwidth: H, I and tokens must be >= 1, got H={H}, I={I}, tokens={tokens}")
-        self.expert_bytes = eb = expert_nbytes(H, I, dtype)
-        if max_bytes is None:
-            max_bytes = min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4, 8 << 30)
-        if 5 * eb > max_bytes:
-            raise ValueError(f"bandwidth: one expert is {eb / 2**20:.1f} MiB; measuring needs 5 experts but the "
-                             f"memory budget is {max_bytes / 2**20:.0f} MiB")
-        self.llc_bytes = last_level_cache_bytes()
-        n = max(1, math.ceil(call_bytes / eb))
-        R = S = max(n, math.ceil(2 * self.llc_bytes / eb), 2)
-        while (2 * R + S) * eb > max_bytes:
-            R, S = max(2, R * 3 // 4), max(1, S * 3 // 4)
-        self.n = n = min(n, R, S)
-        self.nbytes, self.region_rows, self.slot_rows = n * eb, R, S
+        self.expert_bytes, self.llc_bytes = eb, llc = expert_nbytes(H, I, dtype), last_level_cache_bytes()
+        self.n = n = max(1, math.ceil(call_bytes / eb))
+        self.rows = R = max(n, math.ceil(2 * llc / eb), 2)
+        self.nbytes, ram = n * eb, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if 3 * R * eb > ram // 2:
+            raise ValueError(f"bandwidth: measuring {eb / 2**20:.1f} MiB experts needs {3 * R * eb / 2**20:.0f} MiB "
+                             f"of banks and slots, over half of the {ram / 2**20:.0f} MiB of host memory")
         np_dtype = jnp.bfloat16 if dtype_name(dtype) == "bfloat16" else np.float32
         self.gate_up, self.down = HostBank(2 * R, (2 * I, H), np_dtype), HostBank(2 * R, (H, I), np_dtype)
         for bank in (self.gate_up, self.down):
             bank.numpy()[...] = np.asarray(0.01, np_dtype)  # touch every page: no first-touch faults while timed
-        self._slots = (jnp.array(np.zeros((S, 2 * I, H), np_dtype)), jnp.array(np.zeros((S, H, I), np_dtype)))
+        self._slots = (jnp.array(np.zeros((R, 2 * I, H), np_dtype)), jnp.array(np.zeros((R, H, I), np_dtype)))
 
         def rotation(period: int, offset: int) -> list:  # the distinct calls of (j*n + i) mod period
             return [np.arange(j * n, (j + 1) * n, dtype=np.int32) % period + offset
                     for j in range(period // math.gcd(period, n))]
 
-        self.fill_rows, self.fill_slots, self.gemv_rows = rotation(R, 0), rotation(S, 0), rotation(R, R)
-        self._rows = [jnp.asarray(r) for r in self.fill_rows]  # each i32[n]
-        self._slot_ids = [jnp.asarray(s) for s in self.fill_slots]  # each i32[n]
+        self.fill_rows, self.gemv_rows = rotation(R, 0), rotation(R, R)
+        self._rows = [jnp.asarray(r) for r in self.fill_rows]  # each i32[n]: bank rows and slots
         self._ids = [jnp.asarray(np.tile(r, (tokens, 1))) for r in self.gemv_rows]  # each i32[T, n]
         self._x = jnp.asarray(np.linspace(-1.0, 1.0, tokens * H, dtype=np.float32).reshape(tokens, H))  # f32[T, H]
         self._w = jnp.full((tokens, n), 1.0 / n, jnp.float32)  # f32[T, n]
@@ -206,8 +198,8 @@ class Bench:
 
     def fill(self) -> None:
         j = next(self._calls[0])
-        self._slots = self._fill(*self._slots, self._rows[j % len(self._rows)],
-                                 self._slot_ids[j % len(self._slot_ids)])
+        rows = self._rows[j % len(self._rows)]
+        self._slots = self._fill(*self._slots, rows, rows)
         for slots in self._slots:
             slots.block_until_ready()
 
@@ -266,11 +258,11 @@ def contended_rates(fill: Callable[[], Any], gemv: Callable[[], Any], nbytes: in
 
 
 def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *, quick: bool = False,
-                    repeats: int | None = None, progress: bool = False, max_bytes: int | None = None) -> Profile:
+                    repeats: int | None = None, progress: bool = False) -> Profile:
     """Measure BP, BH and the contended pair at expert size (H, I, dtype) on the default jax device.
 
     quick: MODES["quick"] (a few seconds) instead of MODES["full"]; repeats: timed windows per bandwidth (default
-    the mode's), >= 1; progress: show the stage on stderr when it is a terminal; max_bytes: see Bench.
+    the mode's), >= 1; progress: show the stage on stderr when it is a terminal.
     Returns a Profile keyed by machine_key (details["load_average_1m"]: 1-minute load average afterwards).
     Raises ValueError: bad sizes, dtype or repeats, or the working set does not fit (Bench).
     """
@@ -288,7 +280,7 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
 
     t0 = time.perf_counter()
     stage("ft-jax profile: allocating host banks and slots")
-    with Bench(hidden_size, intermediate_size, dtype, call_bytes=mode["call_bytes"], max_bytes=max_bytes) as b:
+    with Bench(hidden_size, intermediate_size, dtype, call_bytes=mode["call_bytes"]) as b:
         stage("ft-jax profile: slot fill (BP) and host GEMV (BH), each alone")
         rates = measure_rates({"bp": (b.fill, b.nbytes), "bh": (b.gemv, b.nbytes)}, repeats, mode["min_time"])
         window = max(2 * mode["min_time"], 4 * b.nbytes / GB / min(rates["bp"][0], rates["bh"][0]))  # >= ~4 calls
@@ -304,7 +296,7 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
         spreads={name: [lo, hi] for name, (_, lo, hi) in rates.items()}, repeats=repeats, quick=quick,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         hidden_size=int(hidden_size), intermediate_size=int(intermediate_size),
-        details={"working_set_bytes": (2 * b.region_rows + b.slot_rows) * b.expert_bytes, "llc_bytes": b.llc_bytes,
+        details={"working_set_bytes": 3 * b.rows * b.expert_bytes, "llc_bytes": b.llc_bytes,
                  "experts_per_call": b.n, "seconds": round(time.perf_counter() - t0, 3),
                  "load_average_1m": round(os.getloadavg()[0], 2), "jax_version": jax.__version__})
 
@@ -322,7 +314,8 @@ def default_store_path() -> Path:
 def read_profiles(path: str | os.PathLike | None = None) -> tuple[list[Profile], str]:
     """(every entry of the store that parses, "" or why the whole file is damaged); a missing file gives ([], "").
 
-    Raises NotAStoreError: the path is not a regular file, not UTF-8 text, or not an ft_jax store."""
+    An empty file counts as damaged (what a crash can leave). Raises NotAStoreError: the path is not a regular
+    file, not UTF-8 text, or text that is not an ft_jax store."""
     path = Path(path) if path is not None else default_store_path()
     if not os.path.lexists(path):
         return [], ""
@@ -333,7 +326,7 @@ def read_profiles(path: str | os.PathLike | None = None) -> tuple[list[Profile],
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise NotAStoreError(f"{not_ours} ({getattr(e, 'strerror', None) or 'not UTF-8 text'})") from None
-    if not (text.lstrip().startswith("{") and ('"profiles"' in text or '"schema_version"' in text)):
+    if text.strip() and not (text.lstrip().startswith("{") and ('"profiles"' in text or '"schema_version"' in text)):
         raise NotAStoreError(f"{not_ours} (no 'schema_version' and 'profiles' fields)")
     try:
         doc = json.loads(text)
@@ -351,32 +344,6 @@ def read_profiles(path: str | os.PathLike | None = None) -> tuple[list[Profile],
         except (TypeError, ValueError):
             continue  # a cache entry that does not parse: measured again
     return profiles, ""
-
-
-def load_profile(key: dict[str, Any], path: str | os.PathLike | None = None) -> tuple[Profile | None, str]:
-    """(the stored profile whose key equals ``key`` or None, a one-line message saying which or why not).
-
-    A damaged store or a path that is not a store is ignored with a UserWarning; profiles of other machines are
-    ignored and named in the message."""
-    path = Path(path) if path is not None else default_store_path()
-    try:
-        profiles, damaged = read_profiles(path)
-    except NotAStoreError as e:
-        warnings.warn(f"{e}; ignoring it and saving no profile over it", stacklevel=2)
-        return None, f"{e}; ignoring it and saving no profile over it"
-    if damaged:
-        warnings.warn(f"{damaged}; ignoring it (the next save moves it aside)", stacklevel=2)
-    found = [p for p in profiles if p.key == key]
-    if found:
-        return found[-1], f"using the bandwidth profile stored in {path} (measured {found[-1].measured_at})"
-    notes = [f"{damaged}; ignoring it"] if damaged else []
-    notes.append(f"no bandwidth profile of this machine for {key['dtype']} experts of "
-                 f"{key['expert_bytes'] / 2**20:.2f} MiB in {path}")
-    others = sorted({describe_machine(p.key) for p in profiles} - {describe_machine(key)})
-    if others:
-        notes.append(f"ignoring the profiles of another machine ({'; '.join(others)}); this is "
-                     f"{describe_machine(key)}")
-    return None, "; ".join(notes)
 
 
 def save_profile(profile: Profile, path: str | os.PathLike | None = None) -> str:
@@ -414,15 +381,31 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
                            progress: bool = False) -> tuple[Profile | None, str]:
     """(the profile decoding uses for experts (H, I, dtype) on this machine, or None; a one-line message).
 
-    1. The stored profile for machine_key (load_profile). 2. Else, if ``allow_measure``, a quick profile, saved
-    unless ``save`` is False (a failed save is told in the message; the profile is still returned). 3. Else, or
-    if the quick profile fails (ValueError, MemoryError, OSError): None and a UserWarning; decoding then uses the
-    fixed-cap 1 policy. ``path``: the store (default default_store_path()); ``progress``: see measure_profile.
+    1. The stored profile for machine_key (a damaged store or a path that is not a store is ignored with a
+    UserWarning; profiles of other machines are ignored and named in the message). 2. Else, if ``allow_measure``,
+    a quick profile, saved unless ``save`` is False (a failed save is told in the message; the profile is still
+    returned). 3. Else, or if the quick profile fails (ValueError, MemoryError, OSError): None and a UserWarning;
+    decoding then uses the fixed-cap 1 policy. ``path``: the store (default default_store_path()).
     """
     key = machine_key(dtype, expert_nbytes(hidden_size, intermediate_size, dtype))
-    profile, why = load_profile(key, path)
-    if profile is not None:
-        return profile, f"{why}: {profile.summary()}"
+    store = Path(path) if path is not None else default_store_path()
+    try:
+        profiles, damaged = read_profiles(store)
+    except NotAStoreError as e:
+        profiles, damaged = [], str(e)
+    if damaged:
+        warnings.warn(f"{damaged}; ignoring it", stacklevel=2)
+    found = [p for p in profiles if p.key == key]
+    if found:
+        return found[-1], (f"using the bandwidth profile stored in {store} (measured {found[-1].measured_at}): "
+                           f"{found[-1].summary()}")
+    notes = [f"{damaged}; ignoring it"] if damaged else []
+    notes.append(f"no bandwidth profile of this machine for {key['dtype']} experts of "
+                 f"{key['expert_bytes'] / 2**20:.2f} MiB in {store}")
+    others = sorted({describe_machine(p.key) for p in profiles} - {describe_machine(key)})
+    if others:
+        notes.append(f"ignoring the profiles of another machine ({'; '.join(others)}); this is {describe_machine(key)}")
+    why = "; ".join(notes)
     if not allow_measure:
         msg = f"{why}; measuring is off: falling back to the fixed-cap 1 policy (run `ft-jax profile` to measure)"
         warnings.warn(msg, stacklevel=2)
@@ -436,7 +419,7 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
     where = ""
     if save:
         try:
-            where = f", {save_profile(profile, path)}"
+            where = f", {save_profile(profile, store)}"
         except OSError as e:  # includes NotAStoreError: decoding goes on with the unsaved profile
             where = f", not saved: {e}"
     return profile, (f"{why}; ran a quick bandwidth profile ({profile.details['seconds']:.1f} s{where}): "
