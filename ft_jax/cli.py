@@ -360,7 +360,7 @@ def recommendation(profile) -> str:
             f"(fetch the other {den - num} into device slots)")
 
 
-def _profile_report(profile, q_star: dict[int, int], saved: str | None) -> str:
+def _profile_report(profile, q_star: dict[int, int], saved: str) -> str:
     from ft_jax.tools.bandwidth import describe_machine
 
     k, d = profile.key, profile.details
@@ -382,7 +382,7 @@ def _profile_report(profile, q_star: dict[int, int], saved: str | None) -> str:
     if d["load_average_1m"] > k["cpu_count"]:
         lines.append(f"  note: load average {d['load_average_1m']:.1f} on {k['cpu_count']} cores while measuring: "
                      "other processes competed for the CPU, so these figures may be low and noisy")
-    return "\n".join(lines + [f"  {saved}" if saved else "  not saved"])
+    return "\n".join(lines + [f"  {saved}"])
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -405,19 +405,21 @@ def run_profile(args: argparse.Namespace) -> int:
     if not args.no_save:
         bandwidth.read_profiles(args.profile)  # NotAStoreError before measuring, not after
     profile = bandwidth.measure_profile(H, I, dtype, quick=args.quick, repeats=args.repeats, progress=not args.json)
-    saved, status = None, 0
+    saved_to, saved, status = None, "not saved", 0
     if not args.no_save:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a damaged store moved aside is part of the message
-                saved = bandwidth.save_profile(profile, args.profile)
+                saved_to, note = bandwidth.save_profile(profile, args.profile)
+            saved = f"saved to {saved_to}{note}"
         except OSError as e:
             print(f"ft-jax profile: error: could not save the profile: {e}", file=sys.stderr)
             status = 1
     q_star = {m: fetch_count_np(m, profile.fraction()) for m in range(1, 9)}
     if args.json:
         print(json.dumps({"profile": asdict(profile), "fraction": profile.fraction(), "q_star": q_star,
-                          "recommendation": recommendation(profile), "saved": saved}))
+                          "recommendation": recommendation(profile),
+                          "saved_to": str(saved_to) if saved_to else None}))
     else:
         print(_profile_report(profile, q_star, saved))
     return status

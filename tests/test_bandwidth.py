@@ -111,7 +111,7 @@ def test_round_trip_through_the_default_file(tmp_path):
     p = make_profile(bp=2.5, bh=7.5, bpc=1.5, bhc=4.5, **here())
     path = tmp_path / "xdg" / "ft_jax" / "profiles.json"
     assert bandwidth.default_store_path() == path
-    assert bandwidth.save_profile(p) == f"saved to {path}"
+    assert bandwidth.save_profile(p) == (path, "")
     doc = json.loads(path.read_text())
     assert doc["schema_version"] == 1 and len(doc["profiles"]) == 1
     assert doc["profiles"][0]["key"] == here() and doc["profiles"][0]["bh_contended"] == 4.5
@@ -164,7 +164,7 @@ def test_damaged_store_is_moved_aside(tmp_path, content):
     with pytest.warns(UserWarning, match="profiles.json is a damaged ft_jax bandwidth profile store"):
         assert bandwidth.get_or_measure_profile(H, I, "float32", allow_measure=False, path=path)[0] is None
     with pytest.warns(UserWarning, match="moved it to .*profiles.json.corrupt"):
-        assert bandwidth.save_profile(make_profile(), path).endswith(f"(moved the damaged store to {path}.corrupt)")
+        assert bandwidth.save_profile(make_profile(), path) == (path, f" (moved the damaged store to {path}.corrupt)")
     assert (tmp_path / "profiles.json.corrupt").read_text() == content  # kept, not destroyed
     assert bandwidth.read_profiles(path) == ([make_profile()], "")
     path.write_text(content)  # a second damaged store does not overwrite the first one set aside
@@ -274,7 +274,7 @@ def test_profile_without_arguments_profiles_the_bundled_model(tmp_path):
     frac = p["bp_contended"] / (p["bp_contended"] + p["bh_contended"])
     assert doc["fraction"] == pytest.approx(frac, rel=1e-12)
     assert doc["q_star"] == {str(m): q_star_reference(m, frac) for m in range(1, 9)}
-    assert doc["saved"] is None and not (tmp_path / "cache").exists()
+    assert doc["saved_to"] is None and not (tmp_path / "cache").exists()
 
 
 def test_profile_report_and_store_for_a_model_folder(tmp_path):

@@ -346,9 +346,9 @@ def read_profiles(path: str | os.PathLike | None = None) -> tuple[list[Profile],
     return profiles, ""
 
 
-def save_profile(profile: Profile, path: str | os.PathLike | None = None) -> str:
-    """Store ``profile`` in place of the entry with its key; returns "saved to PATH" (plus a note when a damaged
-    store was moved aside to PATH.corrupt, .corrupt.1, ...: also a UserWarning).
+def save_profile(profile: Profile, path: str | os.PathLike | None = None) -> tuple[Path, str]:
+    """Store ``profile`` in place of the entry with its key; returns (the path written, "" or a note such as
+    " (moved the damaged store to PATH.corrupt)": a damaged store goes to .corrupt, .corrupt.1, ..., with a warning).
 
     Under an exclusive fcntl lock on .NAME.lock in the same folder: read, merge, write a temporary file, os.replace
     (readers see the old or the new file). Raises NotAStoreError (the path is left untouched) or OSError."""
@@ -373,7 +373,7 @@ def save_profile(profile: Profile, path: str | os.PathLike | None = None) -> str
         except BaseException:
             os.unlink(tmp)
             raise
-    return f"saved to {path}{note}"
+    return path, note
 
 
 def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *,
@@ -419,7 +419,7 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
     where = ""
     if save:
         try:
-            where = f", {save_profile(profile, store)}"
+            where = ", saved to {}{}".format(*save_profile(profile, store))
         except OSError as e:  # includes NotAStoreError: decoding goes on with the unsaved profile
             where = f", not saved: {e}"
     return profile, (f"{why}; ran a quick bandwidth profile ({profile.details['seconds']:.1f} s{where}): "
