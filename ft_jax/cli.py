@@ -14,6 +14,7 @@ import argparse
 import fractions
 import importlib.resources
 import json
+import os
 import math
 import re
 import sys
@@ -162,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-measure", action="store_true",
                      help="qstar without a stored profile: do not run a quick profile, fall back to fixed-cap:1")
     gen.add_argument("--json", action="store_true", help="print one JSON object (ids, text, statistics) instead")
+    gen.add_argument("--no-compile-cache", action="store_true",
+                     help="do not use JAX's persistent compilation cache (default: compiled steps are kept in "
+                          "compile/ under the user cache directory, e.g. ~/.cache/ft_jax, so the next run with the "
+                          "same model and shapes loads them instead of compiling)")
     gen.add_argument("--verbose", action="store_true", help="show tracebacks")
 
     prof = sub.add_parser(
@@ -235,6 +240,34 @@ def _policy(args: argparse.Namespace, checkpoint):
     return policy.with_frac(profile.fraction()), message
 
 
+def _slots_row(stats: dict) -> str:
+    size = f"{stats['num_slots']} x {stats['expert_bytes'] / 2**20:.2f} MiB"
+    if stats["policy"] == "host-all":
+        return "none used (host-all computes every miss on the CPU from the host banks)"
+    if stats["policy"] == "resident":
+        return f"{size} (resident: every expert on the device; the cache budget does not apply)"
+    return size
+
+
+def compile_cache_dir() -> str:
+    """compile/ in the user cache directory (``$XDG_CACHE_HOME/ft_jax`` or ``~/.cache/ft_jax``): where the CLI keeps
+    JAX's persistent compilation cache."""
+    import platformdirs
+
+    return os.path.join(platformdirs.user_cache_dir("ft_jax", appauthor=False), "compile")
+
+
+def enable_compile_cache(path: str) -> None:
+    """Turn on JAX's persistent compilation cache in ``path`` for every executable (even ones that compile in under a
+    second), before the first compilation of the process. Raises OSError if the folder cannot be created."""
+    import jax
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def _stats_table(stats: dict) -> str:
     def num(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
@@ -244,13 +277,15 @@ def _stats_table(stats: dict) -> str:
 
     rows = [
         ("policy", stats["policy"]),
-        ("expert slots", f"{stats['num_slots']} x {stats['expert_bytes'] / 2**20:.2f} MiB"),
+        ("expert slots", _slots_row(stats)),
         ("time to first token", f"{stats['ttft_s'] * 1e3:.1f} ms (compilation included)"),
         ("prefill", f"{stats['prompt_tokens']} tokens, {num(stats['prefill_tokens_per_s'], '{:.1f}')} tokens/s"
                     " (compilation excluded)"),
         ("decode", f"{stats['decode_tokens']} tokens after the first, {stats['decode_steps']} steps, "
                    f"{num(stats['decode_tokens_per_s'], '{:.1f}')} tokens/s (compilation excluded)"),
-        ("compile time", f"{stats['compile_s']:.2f} s (decode step compiled {stats['decode_compiles']}x)"),
+        ("compile time", f"{stats['compile_s']:.2f} s ({stats['prefill_compiles'] + stats['decode_compiles']} steps "
+                         f"built: {stats['xla_compiles']} compiled by XLA, {stats['cache_hits']} loaded from the "
+                         "compilation cache)"),
         ("hit rate", num(None if stats["hit_rate"] is None else 100 * stats["hit_rate"], "{:.1f} %")),
         ("experts per step", f"active {num(stats['active_per_step'])}, hits {num(stats['hits_per_step'])}, "
                              f"fetched {num(stats['fetched_per_step'])}, "
@@ -293,30 +328,37 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
 
+    if not args.no_compile_cache:
+        enable_compile_cache(compile_cache_dir())
     dtype = args.dtype or _default_dtype(cfg)
     checkpoint = load_checkpoint(path, dtype=jnp.dtype(dtype))
     num_slots = _num_slots(args, checkpoint)
     policy, message = _policy(args, checkpoint)
     if message and not args.json:
         print(f"ft-jax: {message}", file=sys.stderr)
-    engine = Engine(checkpoint, policy=policy, num_slots=num_slots)
-    eos = tokenizer.eos_token_id if tokenizer is not None else cfg.eos_token_id
 
-    stream = None
-    if not args.json and len(prompts) == 1:
-        stream = tokenizer.stream_decoder() if tokenizer is not None else None
-        if tokenizer is not None:
-            sys.stdout.write(tokenizer.decode(prompts[0]))
-        sys.stdout.flush()
+    def on_compile(text: str, finished: bool) -> None:
+        if not args.json:
+            print(text if finished else f"ft-jax: {text}", end="\n" if finished else "", file=sys.stderr, flush=True)
+
+    engine = Engine(checkpoint, policy=policy, num_slots=num_slots, on_compile=on_compile)
+    eos = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None and
+                                    tokenizer.eos_token_id is not None else set())
+
+    streaming = not args.json and len(prompts) == 1
+    stream = tokenizer.stream_decoder() if streaming and tokenizer is not None else None
 
     def on_tokens(step: int, new: list[int | None]) -> None:
-        if args.json or len(prompts) != 1 or new[0] is None:
+        if not streaming:
             return
-        sys.stdout.write(stream.push(new[0]) if stream is not None else f" {new[0]}")
+        if step == 0 and tokenizer is not None:  # the prompt echo comes after the compile notes
+            sys.stdout.write(tokenizer.decode(prompts[0]))
+        if new[0] is not None:
+            sys.stdout.write(stream.push(new[0]) if stream is not None else f" {new[0]}")
         sys.stdout.flush()
 
     result = engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=args.seed,
-                             eos_token_id=eos, on_tokens=on_tokens)
+                             eos_token_ids=eos, on_tokens=on_tokens)
     texts = [tokenizer.decode(t) for t in result.tokens] if tokenizer is not None else None
     if args.json:
         settings = {"max_new_tokens": max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,

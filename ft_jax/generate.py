@@ -213,8 +213,10 @@ class _CompileCounter:
 
     @classmethod
     def snapshot(cls) -> tuple[int, int]:
+        """(XLA compiles, persistent-cache hits) so far in this thread. JAX times a cache hit as a backend compile
+        too (the event wraps compile_or_get_cached), so hits are subtracted."""
         c = cls._counts()
-        return c["compiles"], c["cache_hits"]
+        return c["compiles"] - c["cache_hits"], c["cache_hits"]
 
 
 def _forward(graphdef, params, backend, tokens, positions, kv_cache, expert_state, last_logits_only: bool):
@@ -251,14 +253,15 @@ class Engine:
         checkpoint: LoadedCheckpoint (config, model with dense params on the device, gate_up and down host banks).
         policy: decode policy (ft_jax.offload.policy.Policy). A qstar policy needs its fraction (Policy.frac).
         num_slots: S, device expert slots shared by all MoE layers (ignored for the resident policy: S = L*E).
-        on_compile: called with one line of text before each compilation ("compiling the decode step (batch 1, KV
-            cache 256) ...") and after it ("... done in 3.1 s" / "... loaded from the compilation cache in 0.2 s").
+        on_compile: on_compile(text, finished) is called before each compilation with ("compiling the decode step
+            (batch 1, KV cache 256) ...", False) and after it with (" done in 3.1 s" or " loaded from the compilation
+            cache in 0.2 s", True): the two texts make one line.
     Raises:
         ValueError: num_slots < 1 for an offloading policy.
     """
 
     def __init__(self, checkpoint: LoadedCheckpoint, *, policy: Policy, num_slots: int,
-                 on_compile: Callable[[str], None] | None = None):
+                 on_compile: Callable[[str, bool], None] | None = None):
         cfg = checkpoint.config
         self.config = cfg
         self.policy = policy
@@ -311,7 +314,7 @@ class Engine:
             return exe
         step = self._prefill if kind == "prefill" else self._decode
         if self.on_compile is not None:
-            self.on_compile(f"compiling {what} ...")
+            self.on_compile(f"compiling {what} ...", False)
         compiles_before, hits_before = _CompileCounter.snapshot()
         t0 = time.perf_counter()
         exe = step.lower(self.graphdef, self.prefill_backend if kind == "prefill" else self.decode_backend, *args,
@@ -324,7 +327,7 @@ class Engine:
         tally[f"{kind}_compiles"] += 1
         if self.on_compile is not None:
             how = "loaded from the compilation cache" if hits and not compiles else "done"
-            self.on_compile(f"compiling {what} ... {how} in {seconds:.1f} s")
+            self.on_compile(f" {how} in {seconds:.1f} s", True)
         self._executables[key] = exe
         return exe
 

@@ -97,7 +97,7 @@ def bench_call_overhead(repeats: int, calls: int = 200) -> tuple[float, float, f
     def chain(n):
         def f(s, flat, slot):
             for _ in range(n):
-                s = ffi_ops.slot_fill(s, flat, slot, bank)
+                s = ffi_ops.slot_fill((s,), flat, slot, (bank,))[0]
             return s
 
         return jax.jit(f, donate_argnums=0)

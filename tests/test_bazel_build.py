@@ -3,7 +3,8 @@
 The library is build/bazel/libft_jax_ffi.so, or the path in FT_JAX_BAZEL_LIB. When it is missing the library tests
 skip, except under CI (CI=true), where .ci/run builds it first and a missing library is a failure.
 The library has its own host bank registry (separate from the pip-built ft_jax._ffi), so banks are created through
-its extern "C" API (xla_ffi/host_bank.h) and its FtJaxSlotFill symbol is registered under a name of its own.
+its extern "C" API (xla_ffi/host_bank.h) and its FtJaxSlotFill symbols (instantiate + execute stages, with the
+BoundBanks state type) are registered under names of their own.
 """
 
 import ctypes
@@ -53,8 +54,24 @@ def lib():
     handle.ft_jax_bank_release.restype = ctypes.c_int32
     handle.ft_jax_last_error.argtypes = []
     handle.ft_jax_last_error.restype = ctypes.c_char_p
-    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(handle.FtJaxSlotFill), platform="cpu")
+    # slot_fill binds its banks at the instantiate stage in a BoundBanks state: register that type (under a name of
+    # this library's own: its TypeId object differs from the pip extension's), then both stages of the handler.
+    for fn in (handle.FtJaxBoundBanksTypeId, handle.FtJaxBoundBanksTypeInfo):
+        fn.restype = ctypes.c_void_p
+    jax.devices("cpu")  # types must be registered with a live CPU client (see ft_jax/__init__.py)
+    jax.ffi.register_ffi_type("ft_jax_bazel_bound_banks", {"type_id": _capsule(handle.FtJaxBoundBanksTypeId()),
+                                                           "type_info": _capsule(handle.FtJaxBoundBanksTypeInfo())},
+                              platform="cpu")
+    jax.ffi.register_ffi_target(TARGET_NAME, {"instantiate": jax.ffi.pycapsule(handle.FtJaxSlotFillInstantiate),
+                                              "execute": jax.ffi.pycapsule(handle.FtJaxSlotFill)}, platform="cpu")
     return handle
+
+
+def _capsule(address: int):
+    """A PyCapsule holding a data pointer (jax.ffi.pycapsule wraps function pointers only)."""
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(address, None, None)
 
 
 def _create_bank(lib, rows: np.ndarray) -> int:
@@ -74,8 +91,8 @@ def _create_bank(lib, rows: np.ndarray) -> int:
 
 def _slot_fill(slots, flat_ids, slot_ids, bank_id: int):
     """slots [S, *row] updated in place with bank rows: slots[slot_ids[n]] = bank[flat_ids[n]] (ids < 0 skipped)."""
-    return jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(slots.shape, slots.dtype),
-                            input_output_aliases={0: 0})(slots, flat_ids, slot_ids, bank=np.int64(bank_id))
+    return jax.ffi.ffi_call(TARGET_NAME, (jax.ShapeDtypeStruct(slots.shape, slots.dtype),),
+                            input_output_aliases={2: 0})(flat_ids, slot_ids, slots, banks=np.array([bank_id], np.int64))[0]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["f32", "bf16"])

@@ -1,6 +1,7 @@
 """`ft-jax generate` end to end: transformers' greedy continuation under every policy, the bundled model, errors."""
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -150,3 +151,36 @@ def test_single_token_has_no_decode_statistics(capsys):
     stats = out["stats"]
     assert stats["decode_steps"] == 0 and stats["decode_tokens"] == 0
     assert stats["decode_tokens_per_s"] is None and stats["hit_rate"] is None
+
+
+def test_a_second_identical_process_compiles_nothing(tmp_path):
+    """JAX's persistent compilation cache is on by default under the user cache directory: a second identical
+    `ft-jax generate` process loads both steps from it; with --no-compile-cache it compiles them again."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    argv = [sys.executable, "-m", "ft_jax", "generate", "--model", os.path.join(FIXTURES, "olmoe"), "--prompt-ids",
+            "1,2,3", "--max-new-tokens", "5", "--policy", "fetch-all", "--cache-slots", "4", "--json"]
+
+    def stats(*extra):
+        proc = subprocess.run(argv + list(extra), env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        s = json.loads(proc.stdout)["stats"]
+        return s["prefill_compiles"] + s["decode_compiles"], s["xla_compiles"], s["cache_hits"]
+
+    assert stats() == (2, 2, 0)
+    assert (tmp_path / "ft_jax" / "compile").is_dir()
+    assert stats() == (2, 0, 2)
+    assert stats("--no-compile-cache") == (2, 2, 0)
+
+
+def test_compile_notes_come_before_the_stream(tmp_path):
+    """One 'compiling ...' line per step on stderr, with its time, all before the first streamed token."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "ft_jax", "generate", "--prompt", "KING:", "--max-new-tokens", "8",
+                           "--policy", "host-all", "--temperature", "0"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    notes = [l for l in proc.stderr.splitlines() if "compiling" in l]
+    assert len(notes) == 2 and all(re.search(r"ft-jax: compiling the (prefill|decode) step \(batch 1, .*\) \.\.\. "
+                                             r"(done|loaded from the compilation cache) in \d+\.\d s$", l) for l in notes)
+    assert proc.stdout.startswith("KING:")
+    assert "expert slots         none used (host-all" in proc.stderr

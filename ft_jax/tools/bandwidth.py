@@ -190,8 +190,7 @@ class Bench:
         self._x = jnp.asarray(np.linspace(-1.0, 1.0, tokens * H, dtype=np.float32).reshape(tokens, H))  # f32[T, H]
         self._w = jnp.full((tokens, n), 1.0 / n, jnp.float32)  # f32[T, n]
         gate_up, down = self.gate_up, self.down
-        self._fill = jax.jit(lambda gu, dn, rows, slots: (ffi_ops.slot_fill(gu, rows, slots, gate_up),
-                                                          ffi_ops.slot_fill(dn, rows, slots, down)),
+        self._fill = jax.jit(lambda gu, dn, rows, slots: ffi_ops.slot_fill((gu, dn), rows, slots, (gate_up, down)),
                              donate_argnums=(0, 1))
         self._gemv = jax.jit(lambda x, ids, w: ffi_ops.host_experts(x, ids, w, gate_up, down))  # f32[T, H]
         self._calls = itertools.count(), itertools.count()  # call indices j of fill(), gemv()
