@@ -251,7 +251,7 @@ class SafetensorsCheckpoint:
         else:
             raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
         self._handles: dict[str, Any] = {}
-        self._scratch: np.ndarray | None = None  # u8[_READ_CHUNK_BYTES]: masked exponent bits of one piece
+        self._scratch: np.ndarray | None = None  # u8[_READ_CHUNK_BYTES + 8]: masked exponent bits of one piece
 
     def __enter__(self):
         return self
@@ -316,14 +316,14 @@ class SafetensorsCheckpoint:
         return out
 
     def _pread(self, name: str, info: TensorInfo, dest: np.ndarray) -> None:
-        """Read the tensor's bytes into ``dest`` (u8[info.nbytes]) in pieces, checking each float piece for
-        NaN/Inf while it is in cache."""
+        """Read the tensor's bytes into ``dest`` (u8[info.nbytes]) in pieces of _READ_CHUNK_BYTES, checking each
+        float piece for NaN/Inf right after it is read, while it is still in cache."""
         fh = self._handles.get(info.file)
         if fh is None:
             fh = self._handles[info.file] = open(info.file, "rb", buffering=0)
         fh.seek(info.offset)
-        view, done, checked = memoryview(dest), 0, 0
-        mask = _EXPONENT_MASKS.get(info.dtype)
+        view, done, checked, found = memoryview(dest), 0, 0, False
+        masks = _EXPONENT_MASKS.get(info.dtype)  # (unsigned int type, exponent mask) of a float dtype
         while done < info.nbytes:
             got = fh.readinto(view[done:min(info.nbytes, done + _READ_CHUNK_BYTES)])
             if not got:
@@ -331,29 +331,33 @@ class SafetensorsCheckpoint:
                                       f"{info.offset + done} (expected {info.nbytes} bytes)")
             done += got
             whole = done - done % info.dtype.itemsize  # bytes of complete elements read so far
-            if mask is not None and whole > checked:
-                self._check_finite(name, info, dest, checked, whole, *mask)
+            if masks is not None and not found and whole > checked:
+                found = self._has_non_finite(dest[checked:whole].view(masks[0]), *masks)
                 checked = whole
+        if found:  # described once the whole tensor is read
+            raise _non_finite_error(name, info, dest.view(masks[0]), masks[1])
 
-    def _check_finite(self, name: str, info: TensorInfo, dest: np.ndarray, lo: int, hi: int, uint, mask) -> None:
-        """Raise CheckpointError if any element in bytes lo:hi of ``dest`` has an all-ones exponent (Inf/NaN)."""
-        bits = dest[lo:hi].view(uint)  # [n] raw element bits
+    def _has_non_finite(self, bits: np.ndarray, uint, mask: int) -> bool:
+        """Whether any element of ``bits`` (raw element bits [n], at most _READ_CHUNK_BYTES + 8 bytes) has an
+        all-ones exponent field (Inf or NaN). Masks into a reused scratch buffer: one pass over cached data, no float
+        math."""
         if self._scratch is None:
-            self._scratch = np.empty(_READ_CHUNK_BYTES, np.uint8)
-        masked = self._scratch[:hi - lo].view(uint)  # [n] exponent field of each element
+            self._scratch = np.empty(_READ_CHUNK_BYTES + 8, np.uint8)  # + a partial element after a short read
+        masked = self._scratch[:bits.nbytes].view(uint)  # [n] exponent field of each element
         np.bitwise_and(bits, uint(mask), out=masked)
-        if masked.max() != mask:
-            return
-        bad = np.flatnonzero(masked == mask)  # element indices (within the piece) with Inf/NaN
-        values = bits[bad].view(info.dtype).astype(np.float64)
-        first = np.unravel_index(lo // info.dtype.itemsize + int(bad[0]), info.shape)
-        whole = dest.view(uint)
-        total = int(np.count_nonzero((whole & uint(mask)) == mask))
-        kinds = " and ".join(k for k, present in (("NaN", np.isnan(values).any()), ("Inf", np.isinf(values).any()))
-                             if present)
-        raise CheckpointError(f"{info.file}: tensor {name!r} {list(info.shape)} holds {kinds} ({total} non-finite "
-                              f"elements, the first at index {[int(i) for i in first]}): a corrupted or unconverted "
-                              "checkpoint; NaN/Inf weights make every logit NaN")
+        return bool(masked.max() == mask)
+
+
+def _non_finite_error(name: str, info: TensorInfo, bits: np.ndarray, mask: int) -> CheckpointError:
+    """The error for a tensor with Inf/NaN elements; bits: its raw element bits [size] (an unsigned int view)."""
+    bad = np.flatnonzero((bits & mask) == mask)  # flat indices of the Inf/NaN elements
+    magnitude = bits[bad] & (mask | (mask - 1))  # sign cleared: == mask is Inf, > mask is NaN
+    kinds = " and ".join(k for k, present in (("NaN", (magnitude > mask).any()), ("Inf", (magnitude == mask).any()))
+                         if present)
+    first = [int(i) for i in np.unravel_index(int(bad[0]), info.shape)]
+    return CheckpointError(f"{info.file}: tensor {name!r} {list(info.shape)} holds {kinds}: {bad.size} of {bits.size} "
+                           f"elements are not finite, the first at index {first} (a corrupted or unconverted "
+                           "checkpoint; NaN/Inf weights make every logit NaN)")
 
 
 @dataclasses.dataclass

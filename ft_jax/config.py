@@ -88,7 +88,7 @@ def check_regular_file(path: str, what: str, error: type[Exception] = ConfigErro
         The stat result (st_size in bytes).
     Raises:
         ``error``: "<path>: cannot read <what>: <cause>" (does not exist / dangling symbolic link / permission
-        denied / symbolic link loop / ...) or "<path>: not a regular file (<kind>); expected <what>".
+        denied / symbolic link loop / ...) or "<path>: is <kind>, not a regular file; expected <what>".
     """
     try:
         st = os.stat(path)
@@ -99,8 +99,8 @@ def check_regular_file(path: str, what: str, error: type[Exception] = ConfigErro
     if not stat.S_ISREG(st.st_mode):
         kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode)
                 else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
-                or stat.S_ISBLK(st.st_mode) else "not a plain file")
-        raise error(f"{path}: not a regular file ({kind}); expected {what}")
+                or stat.S_ISBLK(st.st_mode) else "a special file")
+        raise error(f"{path}: is {kind}, not a regular file; expected {what}")
     return st
 
 
