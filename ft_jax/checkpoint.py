@@ -11,8 +11,9 @@ the tensors' byte ranges, sorted, tile the data section exactly (no overlap, no 
 Non-finite weights: the README notes that "tensor values are not checked against, in particular NaN and +/-Inf
 could be in the file". A NaN or Inf weight silently turns every logit into NaN (greedy decoding then emits token 0),
 so every float tensor is checked as it is read: a bit test on the raw exponent field (all ones = Inf or NaN in
-IEEE 754 binary16/32/64 and bfloat16), applied to each piece of the file right after it lands in memory, while it
-is still in cache (about 15-30 GB/s of checking on the dev machine, see scripts/bench_finite_check.py).
+IEEE 754 binary16/32/64 and bfloat16), done as two max reductions over the raw bits (no temporary, no float math)
+on each 1 MiB piece right after it lands in memory, while it is still in cache (see _has_non_finite and
+scripts/bench_finite_check.py).
 
 Tensors are read with plain positioned reads straight into their destination (a host-bank row or a temporary
 numpy array of one tensor), not through a memory map: a mapped checkpoint's pages count in the process RSS while
@@ -60,12 +61,13 @@ _ST_DTYPES: dict[str, np.dtype] = {
 }
 _FLOAT_NP = tuple(_ST_DTYPES[k] for k in ("F64", "F32", "F16", "BF16"))
 
-# Float dtype -> (unsigned integer of the same width, exponent field mask). An element is Inf or NaN iff its
+# Float dtype -> (unsigned int, signed int of the same width, exponent field mask). An element is Inf or NaN iff its
 # exponent bits are all ones (IEEE 754: binary64 11 bits, binary32 8, binary16 5; bfloat16 = the top half of a
 # binary32, 8 bits).
-_EXPONENT_MASKS: dict[np.dtype, tuple[type, int]] = {
-    np.dtype(np.float64): (np.uint64, 0x7FF0_0000_0000_0000), np.dtype(np.float32): (np.uint32, 0x7F80_0000),
-    np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80),
+_EXPONENT_MASKS: dict[np.dtype, tuple[type, type, int]] = {
+    np.dtype(np.float64): (np.uint64, np.int64, 0x7FF0_0000_0000_0000),
+    np.dtype(np.float32): (np.uint32, np.int32, 0x7F80_0000),
+    np.dtype(np.float16): (np.uint16, np.int16, 0x7C00), np.dtype(ml_dtypes.bfloat16): (np.uint16, np.int16, 0x7F80),
 }
 # Bytes per positioned read: small enough that the finite check reads the piece from cache (L2 is 1-2 MiB on
 # current x86 cores), large enough that the per-read overhead is negligible.
@@ -234,6 +236,7 @@ class SafetensorsCheckpoint:
                                       f"'weight_map' object, got {type(weight_map).__name__})")
             shards = {name: _shard_file(index_path, name, shard) for name, shard in weight_map.items()}
             self.files = [os.path.join(model_dir, s) for s in sorted(set(shards.values()))]
+            self._directory_file = index_path  # the file that lists the tensors
             for path in self.files:
                 for name, info in read_safetensors_header(path).items():
                     if name in self.tensors:
@@ -247,11 +250,11 @@ class SafetensorsCheckpoint:
                                           f"{INDEX_FILE} is missing from that file")
         elif file_present(single_path, SINGLE_FILE, CheckpointError):
             self.files = [single_path]
+            self._directory_file = single_path
             self.tensors = read_safetensors_header(single_path)
         else:
             raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
         self._handles: dict[str, Any] = {}
-        self._scratch: np.ndarray | None = None  # u8[_READ_CHUNK_BYTES + 8]: masked exponent bits of one piece
 
     def __enter__(self):
         return self
@@ -279,8 +282,7 @@ class SafetensorsCheckpoint:
         Raises CheckpointError naming the tensor and the file(s)."""
         info = self.tensors.get(name)
         if info is None:
-            where = self.files[0] if len(self.files) == 1 else f"{os.path.dirname(self.files[0])}/{INDEX_FILE}"
-            raise CheckpointError(f"{where}: missing tensor {name!r}")
+            raise CheckpointError(f"{self._directory_file}: missing tensor {name!r}")
         if shape is not None and tuple(shape) != info.shape:
             raise CheckpointError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, expected "
                                   f"{list(shape)}")
@@ -323,7 +325,7 @@ class SafetensorsCheckpoint:
             fh = self._handles[info.file] = open(info.file, "rb", buffering=0)
         fh.seek(info.offset)
         view, done, checked, found = memoryview(dest), 0, 0, False
-        masks = _EXPONENT_MASKS.get(info.dtype)  # (unsigned int type, exponent mask) of a float dtype
+        masks = _EXPONENT_MASKS.get(info.dtype)  # (unsigned, signed int type, exponent mask) of a float dtype
         while done < info.nbytes:
             got = fh.readinto(view[done:min(info.nbytes, done + _READ_CHUNK_BYTES)])
             if not got:
@@ -332,20 +334,20 @@ class SafetensorsCheckpoint:
             done += got
             whole = done - done % info.dtype.itemsize  # bytes of complete elements read so far
             if masks is not None and not found and whole > checked:
-                found = self._has_non_finite(dest[checked:whole].view(masks[0]), *masks)
+                found = _has_non_finite(dest[checked:whole].view(masks[0]), masks[1], masks[2])
                 checked = whole
         if found:  # described once the whole tensor is read
-            raise _non_finite_error(name, info, dest.view(masks[0]), masks[1])
+            raise _non_finite_error(name, info, dest.view(masks[0]), masks[2])
 
-    def _has_non_finite(self, bits: np.ndarray, uint, mask: int) -> bool:
-        """Whether any element of ``bits`` (raw element bits [n], at most _READ_CHUNK_BYTES + 8 bytes) has an
-        all-ones exponent field (Inf or NaN). Masks into a reused scratch buffer: one pass over cached data, no float
-        math."""
-        if self._scratch is None:
-            self._scratch = np.empty(_READ_CHUNK_BYTES + 8, np.uint8)  # + a partial element after a short read
-        masked = self._scratch[:bits.nbytes].view(uint)  # [n] exponent field of each element
-        np.bitwise_and(bits, uint(mask), out=masked)
-        return bool(masked.max() == mask)
+
+def _has_non_finite(bits: np.ndarray, signed: type, mask: int) -> bool:
+    """Whether any element of ``bits`` (raw element bits [n], the unsigned view) has an all-ones exponent field.
+
+    With sign bit S and exponent mask E, an element is Inf/NaN iff its magnitude bits are >= E. Positive ones are
+    the signed values >= E (negative elements are < 0 in the signed view); negative ones are the unsigned values
+    >= S | E (positive elements are < S). Two max reductions that only read the piece: no temporary array."""
+    sign = 1 << (8 * bits.dtype.itemsize - 1)
+    return bool(bits.max() >= sign | mask or bits.view(signed).max() >= mask)
 
 
 def _non_finite_error(name: str, info: TensorInfo, bits: np.ndarray, mask: int) -> CheckpointError:

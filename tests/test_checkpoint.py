@@ -487,3 +487,11 @@ def test_loaded_banks_are_read_only(mixtral):
             view[0] = 0
         with pytest.raises(ValueError, match="read-only"):
             bank.write_row(0, np.zeros(bank.row_shape, np.float32))
+
+
+def test_index_with_an_empty_weight_map_names_the_index(tmp_path):
+    shutil.copyfile(os.path.join(FIXTURES, "mixtral", "config.json"), tmp_path / "config.json")
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'model.safetensors.index.json'}: missing tensor 'model.layers.0.")
