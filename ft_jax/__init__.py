@@ -1,7 +1,8 @@
 """ft_jax: Mixture-of-Experts decoding in JAX with expert weights offloaded to host memory.
 
 Importing the package registers every XLA FFI target of the compiled extension ``ft_jax._ffi`` for the CPU
-platform: ``ft_jax_slot_fill``, ``ft_jax_host_experts``, ``ft_jax_slot_experts`` (see ft_jax/offload/ffi_ops.py).
+platform: ``ft_jax_slot_fill``, ``ft_jax_host_experts``, ``ft_jax_slot_experts``, ``ft_jax_linear`` (see
+ft_jax/offload/ffi_ops.py).
 """
 
 import pkgutil
@@ -24,6 +25,12 @@ except ImportError as e:  # pragma: no cover - only without a build
 
 __version__ = "0.1.0"
 
-for _name, _capsule in _ffi.registrations().items():
-    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
-del _name, _capsule
+# The CPU client must exist before the FFI state types are registered: a client created later registers the pending
+# handlers before the pending types and refuses them (jaxlib 0.10 make_cpu_client). So importing ft_jax starts
+# JAX's CPU backend; set XLA_FLAGS before the import.
+jax.devices("cpu")
+for _name, _type in _ffi.types().items():
+    jax.ffi.register_ffi_type(_name, _type, platform="cpu")
+for _name, _handler in _ffi.registrations().items():
+    jax.ffi.register_ffi_target(_name, _handler, platform="cpu")
+del _name, _type, _handler

@@ -420,13 +420,13 @@ def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint) -> list[tupl
 
 
 def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str):
-    """ParamFactory reading dense tensors from the checkpoint, converting to ``dtype`` on the device."""
+    """ParamFactory reading dense tensors from the checkpoint as host arrays of ``dtype`` (float32 or bfloat16)."""
 
     def make(name: str, shape: tuple[int, ...], kind: str) -> jax.Array:
         if name not in ckpt and family == "mixtral" and ".block_sparse_moe.gate." in name:
             alt = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # transformers-5 router name
             name = alt if alt in ckpt else name
-        return jnp.asarray(ckpt.read(name, shape), dtype)
+        return ckpt.read(name, shape).astype(dtype, copy=False)
 
     return make
 

@@ -11,6 +11,7 @@ adds the traceback.
 from __future__ import annotations
 
 import argparse
+import fractions
 import importlib.resources
 import json
 import math
@@ -117,10 +118,42 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _dtype(text: str) -> str:
+    """--dtype: bf16/bfloat16 -> "bfloat16", f32/float32 -> "float32" (any case)."""
+    from ft_jax.tools.bandwidth import dtype_name
+
+    try:
+        return dtype_name(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bf16, bfloat16, f32 or float32, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _default_dtype(cfg) -> str:
+    """Expert and weight dtype when --dtype is not given: float32 for float32 checkpoints, else bfloat16."""
+    return "float32" if str(cfg.dtype) == "float32" else "bfloat16"
+
+
+PROFILE_EXAMPLES = """examples:
+  ft-jax profile                                   # the bundled model's expert size (full profile, ~10 s)
+  ft-jax profile --quick --no-save                 # a few seconds, print only
+  ft-jax profile --model ~/models/Mixtral-8x7B-v0.1
+  ft-jax profile --hidden-size 4096 --intermediate-size 14336 --dtype bf16 --json
+
+The profile is stored in the user cache directory (see --profile) and `ft-jax generate --policy qstar` uses it."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `ft-jax` argument parser with its `generate` and `profile` subcommands."""
-    from ft_jax.tools import profiler
-
     parser = _Parser(
         prog="ft-jax", description="Mixture-of-Experts decoding in JAX with the experts in host memory: a device "
         "slot cache plus host expert GEMVs, split by the bandwidth-balanced q* policy.")
@@ -144,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     gen.add_argument("--seed", type=_seed, default=0,
                      help=f"sampling seed, an integer in [0, {SEED_MAX}] (32 bits; default 0)")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                     help="dtype of the dense weights, the activations and the expert host banks (default: "
-                          "float32 for float32 checkpoints, else bfloat16)")
+    gen.add_argument("--dtype", type=_dtype, default=None,
+                     help="bf16/bfloat16 or f32/float32: dtype of the dense weights, the activations and the expert "
+                          "host banks (default: float32 for float32 checkpoints, else bfloat16)")
     budget = gen.add_mutually_exclusive_group()
     budget.add_argument("--cache-slots", type=int, metavar="S", help="device expert slots shared by all layers")
     budget.add_argument("--cache-fraction", type=_fraction, metavar="F",
@@ -161,9 +194,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object (ids, text, statistics) instead")
     gen.add_argument("--verbose", action="store_true", help="show tracebacks")
 
-    prof = sub.add_parser("profile", help="measure slot-fill (BP) and host GEMV (BH) bandwidths for q*",
-                          description=profiler.__doc__.split("\n\n")[0])
-    profiler.build_parser(prof)
+    prof = sub.add_parser(
+        "profile", help="measure slot-fill (BP) and host GEMV (BH) bandwidths for q*", epilog=PROFILE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Measure BP (slot fill), BH (host expert GEMV) and the pair while both run, with the production "
+        "FFI handlers at a model's expert size; print the q* fetch fraction and store the profile for generate.")
+    prof.add_argument("--model", metavar="PATH", help="model folder whose config.json gives H, I and the dtype "
+                                                      "(default: the bundled model)")
+    prof.add_argument("--hidden-size", type=_positive_int, metavar="H", help="expert hidden size (instead of --model)")
+    prof.add_argument("--intermediate-size", type=_positive_int, metavar="I",
+                      help="expert intermediate size (with --hidden-size)")
+    prof.add_argument("--dtype", type=_dtype, help="bf16/bfloat16 or f32/float32 (default: as generate would load "
+                                                   "the model; bfloat16 with --hidden-size)")
+    prof.add_argument("--quick", action="store_true", help="quick profile (a few seconds)")
+    prof.add_argument("--repeats", type=_positive_int, help="timed windows per bandwidth (default 7, 3 with --quick)")
+    prof.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    prof.add_argument("--profile", metavar="PATH", help="profile store (default: profiles.json in the user cache "
+                                                        "directory, e.g. ~/.cache/ft_jax)")
+    prof.add_argument("--no-save", action="store_true", help="do not store the profile")
+    prof.add_argument("--verbose", action="store_true", help="show tracebacks")
     return parser
 
 
@@ -196,8 +245,8 @@ def _num_slots(args: argparse.Namespace, checkpoint) -> int:
 
 def _policy(args: argparse.Namespace, checkpoint):
     """The decode Policy; for qstar, its fraction from the stored (or a quick) bandwidth profile."""
-    from ft_jax.tools import profiler
     from ft_jax.offload.policy import Policy, parse_policy
+    from ft_jax.tools import bandwidth
 
     try:
         policy = parse_policy(args.policy)
@@ -208,7 +257,7 @@ def _policy(args: argparse.Namespace, checkpoint):
     cfg, bank = checkpoint.config, checkpoint.gate_up_bank
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the message is printed below
-        profile, message = profiler.get_or_measure_profile(
+        profile, message = bandwidth.get_or_measure_profile(
             cfg.hidden_size, cfg.moe_intermediate_size, bank.dtype, allow_measure=not args.no_measure,
             path=args.profile, progress=not args.json)
     if profile is None:
@@ -274,7 +323,7 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
 
-    dtype = args.dtype or ("float32" if str(cfg.dtype) == "float32" else "bfloat16")
+    dtype = args.dtype or _default_dtype(cfg)
     checkpoint = load_checkpoint(path, dtype=jnp.dtype(dtype))
     num_slots = _num_slots(args, checkpoint)
     policy, message = _policy(args, checkpoint)
@@ -316,28 +365,116 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def recommendation(profile) -> str:
+    """Plain advice from the bandwidth pair the fetch fraction uses (the contended one when present), e.g. "the host
+    path is 3.1x faster than the fill (while both run): compute about 3 of every 4 misses on the CPU (fetch the other
+    1 into device slots)". Within a factor 1.1 the two are "about as fast"; the CPU share 1 - fraction is rounded to
+    a fraction with denominator <= 8."""
+    contended = profile.bp_contended is not None
+    bp, bh = (profile.bp_contended, profile.bh_contended) if contended else (profile.bp, profile.bh)
+    which = "while both run" if contended else "measured alone"
+    if max(bp, bh) / min(bp, bh) < 1.1:
+        speed = f"the host path is about as fast as the fill ({which})"
+    elif bh > bp:
+        speed = f"the host path is {bh / bp:.1f}x faster than the fill ({which})"
+    else:
+        speed = f"the fill is {bp / bh:.1f}x faster than the host path ({which})"
+    host = 1.0 - profile.fraction()
+    share = fractions.Fraction(host).limit_denominator(8)
+    if share == 0 or host < 1 / 16:
+        return f"{speed}: fetch every miss into device slots (like fetch-all)"
+    if share == 1 or host > 15 / 16:
+        return f"{speed}: compute every miss on the CPU (like host-all)"
+    num, den = share.numerator, share.denominator
+    return (f"{speed}: compute about {num} of every {den} misses on the CPU "
+            f"(fetch the other {den - num} into device slots)")
+
+
+def _profile_report(profile, q_star: dict[int, int], saved: str) -> str:
+    from ft_jax.tools.bandwidth import describe_machine
+
+    k, d = profile.key, profile.details
+    rows = [("BP  slot fill", "bp"), ("BH  host expert GEMV", "bh"),
+            ("BPc slot fill, contended", "bp_contended"), ("BHc host GEMV, contended", "bh_contended")]
+    lines = [
+        f"ft_jax bandwidth profile ({'quick' if profile.quick else 'full'}, median of {profile.repeats} repeats "
+        f"[min, max], {d['seconds']:.1f} s; GB/s = 1e9 bytes/s, MiB = 2^20 bytes)",
+        f"  machine  {describe_machine(k)}",
+        f"  expert   H={profile.hidden_size} I={profile.intermediate_size} {k['dtype']}: "
+        f"{k['expert_bytes'] / 2**20:.2f} MiB; working set {d['working_set_bytes'] / 2**20:.0f} MiB "
+        f"(last-level cache {d['llc_bytes'] / 2**20:.0f} MiB)",
+        *(f"  {label:<26}{getattr(profile, name):8.2f} GB/s  [{profile.spreads[name][0]:.2f}, "
+          f"{profile.spreads[name][1]:.2f}]" for label, name in rows),
+        f"  fetch fraction q*/m = {profile.fraction():.3f} (BPc / (BPc + BHc))",
+        "  q* for m = 1..8:  " + "  ".join(f"m={m}:{q}" for m, q in q_star.items()),
+        f"  recommendation: {recommendation(profile)}",
+    ]
+    if d["load_average_1m"] > k["cpu_count"]:
+        lines.append(f"  note: load average {d['load_average_1m']:.1f} on {k['cpu_count']} cores while measuring: "
+                     "other processes competed for the CPU, so these figures may be low and noisy")
+    return "\n".join(lines + [f"  {saved}"])
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """`ft-jax profile`: returns the exit status (0 measured, and saved unless --no-save; 1 measured and printed
+    but not saved). Bad arguments, --model or --profile raise UsageError / ConfigError / OSError before measuring."""
+    from dataclasses import asdict
+
+    from ft_jax.offload.policy import fetch_count_np
+    from ft_jax.tools import bandwidth
+
+    if (args.hidden_size is None) != (args.intermediate_size is None):
+        raise UsageError("give both --hidden-size and --intermediate-size (or --model)")
+    if args.hidden_size is not None:
+        if args.model:
+            raise UsageError("give either --model PATH or --hidden-size and --intermediate-size, not both")
+        H, I, dtype = args.hidden_size, args.intermediate_size, args.dtype or "bfloat16"
+    else:
+        _, cfg = _model_config(args)
+        H, I, dtype = cfg.hidden_size, cfg.moe_intermediate_size, args.dtype or _default_dtype(cfg)
+    if not args.no_save:
+        bandwidth.read_profiles(args.profile)  # NotAStoreError before measuring, not after
+    profile = bandwidth.measure_profile(H, I, dtype, quick=args.quick, repeats=args.repeats, progress=not args.json)
+    saved_to, saved, status = None, "not saved", 0
+    if not args.no_save:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a damaged store moved aside is part of the message
+                saved_to, note = bandwidth.save_profile(profile, args.profile)
+            saved = f"saved to {saved_to}{note}"
+        except OSError as e:
+            print(f"ft-jax profile: error: could not save the profile: {e}", file=sys.stderr)
+            status = 1
+    q_star = {m: fetch_count_np(m, profile.fraction()) for m in range(1, 9)}
+    if args.json:
+        print(json.dumps({"profile": asdict(profile), "fraction": profile.fraction(), "q_star": q_star,
+                          "recommendation": recommendation(profile),
+                          "saved_to": str(saved_to) if saved_to else None}))
+    else:
+        print(_profile_report(profile, q_star, saved))
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ft-jax` console script (and `python -m ft_jax`)."""
-    from ft_jax.tools import profiler
-    from ft_jax.checkpoint import CheckpointError
-    from ft_jax.config import ConfigError
-    from ft_jax.tokenizer import TokenizerNotFoundError
-
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # before the heavy imports: argument errors come at once
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command == "profile":
-        return profiler.run(args)
+    # Problems with what the user gave; config.ConfigError is a ValueError, TokenizerNotFoundError an OSError.
+    user_errors: tuple[type[BaseException], ...] = (UsageError, NotImplementedError, ValueError, OSError)
+    if args.command == "generate":
+        from ft_jax.checkpoint import CheckpointError
+
+        user_errors += (CheckpointError,)
     try:
-        return run_generate(args)
-    except (UsageError, ConfigError, CheckpointError, TokenizerNotFoundError, NotImplementedError, ValueError,
-            OSError) as e:
+        return run_profile(args) if args.command == "profile" else run_generate(args)
+    except user_errors as e:
         if args.verbose:
             traceback.print_exc()
-        print(f"ft-jax generate: error: {e}", file=sys.stderr)
+        print(f"ft-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\nft-jax generate: interrupted", file=sys.stderr)
+        print(f"\nft-jax {args.command}: interrupted", file=sys.stderr)
         return 130

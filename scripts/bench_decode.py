@@ -8,7 +8,7 @@ built per policy over the same banks:
   fetch-all    every miss copied into a slot (classic LRU offload)
   host-all     every miss computed on the CPU from the host bank; the cache never changes after prefill
   qstar:FRAC   q* = m * FRAC misses fetched, the rest on the CPU (FRAC from --frac, else the stored bandwidth profile
-               of this machine and expert size via ft_jax.tools.profiler.get_or_measure_profile, else 0.25)
+               of this machine and expert size via ft_jax.tools.bandwidth.get_or_measure_profile, else 0.25)
   fixed-cap:1  at most one miss fetched per MoE layer
 
 Every offloading policy gets the same S = max(1, round(--cache-fraction * L * E)) slots.
@@ -78,7 +78,7 @@ def qstar_fraction(args: argparse.Namespace, checkpoint) -> tuple[float, str]:
     Raises:
         SystemExit: --frac outside [0, 1].
     """
-    from ft_jax.tools import profiler
+    from ft_jax.tools import bandwidth
 
     if args.frac is not None:
         if not 0.0 <= args.frac <= 1.0:
@@ -87,7 +87,7 @@ def qstar_fraction(args: argparse.Namespace, checkpoint) -> tuple[float, str]:
     cfg, bank = checkpoint.config, checkpoint.gate_up_bank
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the message is returned instead
-        profile, message = profiler.get_or_measure_profile(
+        profile, message = bandwidth.get_or_measure_profile(
             cfg.hidden_size, cfg.moe_intermediate_size, bank.dtype, allow_measure=args.measure, path=args.profile,
             progress=args.measure)
     if profile is None:

@@ -19,7 +19,7 @@ Hits cost nothing in this model (the device reads its own memory far faster than
 
 S_e = --expert-bytes (default Mixtral-8x7B bf16: 3 * 4096 * 14336 * 2 bytes). BP (slot-fill bandwidth) and BH (host
 expert GEMV bandwidth), GB/s (1e9 B/s), come from --bp/--bh, else from the stored bandwidth profile of this machine
-(ft_jax.tools.profile_store: the entry for --dtype and S_e, else this machine's entry with the closest expert size; its
+(ft_jax.tools.bandwidth: the entry for --dtype and S_e, else this machine's entry with the closest expert size; its
 standalone BP and BH feed the time model). The qstar fetch fraction is --frac, else
 ft_jax.offload.policy.fraction_from_bandwidth of those bandwidths (the profile's contended pair when it has one).
 
@@ -40,7 +40,6 @@ import dataclasses
 import functools
 import json
 import sys
-import warnings
 
 import numpy as np
 from tqdm import tqdm
@@ -214,22 +213,23 @@ def bandwidths(args: argparse.Namespace) -> tuple[float, float, float | None, fl
         if not (args.bp > 0 and args.bh > 0):
             raise SystemExit(f"replay_trace: --bp and --bh must be > 0 GB/s, got {args.bp}, {args.bh}")
         return args.bp, args.bh, None, None, "--bp/--bh"
-    from ft_jax.tools import profile_store
+    from ft_jax.tools import bandwidth
 
-    key = profile_store.current_key(args.dtype, args.expert_bytes)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        profiles, _ = profile_store.read_profiles(args.profile)
+    key = bandwidth.machine_key(args.dtype, args.expert_bytes)
+    try:
+        profiles, _ = bandwidth.read_profiles(args.profile)
+    except bandwidth.NotAStoreError as e:
+        raise SystemExit(f"replay_trace: {e}") from None
     exact = [p for p in profiles if p.key == key]
-    near = sorted((p for p in profiles if p.key.same_machine(key)),
-                  key=lambda p: abs(np.log(p.key.expert_bytes / args.expert_bytes)))
+    near = sorted((p for p in profiles if bandwidth.describe_machine(p.key) == bandwidth.describe_machine(key)),
+                  key=lambda p: abs(np.log(p.key["expert_bytes"] / args.expert_bytes)))
     chosen = exact[-1] if exact else (near[0] if near else None)
     if chosen is None:
-        where = args.profile or profile_store.default_profile_path()
+        where = args.profile or bandwidth.default_store_path()
         raise SystemExit(f"replay_trace: no bandwidth profile of this machine in {where}; pass --bp and --bh (GB/s) "
                          "or run `ft-jax profile` first")
-    how = "for this expert size" if exact else (f"closest expert size on this machine: {chosen.key.dtype}, "
-                                                f"{chosen.key.expert_bytes / 1e6:.1f} MB")
+    how = "for this expert size" if exact else (f"closest expert size on this machine: {chosen.key['dtype']}, "
+                                                f"{chosen.key['expert_bytes'] / 1e6:.1f} MB")
     return (chosen.bp, chosen.bh, chosen.bp_contended, chosen.bh_contended,
             f"stored profile ({how}, measured {chosen.measured_at})")
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ft_jax.checkpoint import load_checkpoint
-from ft_jax.generate import Engine, Sampling, prefill_bucket, sample_next
+from ft_jax.generate import Engine, NonFiniteLogitsError, Sampling, kv_bucket, prefill_bucket, sample_next
 from ft_jax.offload.policy import Policy
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
@@ -46,23 +46,27 @@ def test_decode_step_compiles_once_over_64_steps(mixtral):
     assert again.stats["decode_compiles"] == 0
 
 
+def _copies(hlo: str, shape: str) -> list[str]:
+    return [l for l in hlo.splitlines() if re.search(r"= " + re.escape(shape) + r"\{[^}]*\} copy(-start)?\(", l)]
+
+
 @pytest.mark.parametrize("policy", [Policy("fetch-all"), Policy("qstar", frac=0.415), Policy("host-all"),
                                     Policy("resident")], ids=str)
-def test_optimized_hlo_has_no_copy_of_the_slot_pools(mixtral, policy):
+def test_optimized_hlo_updates_slot_pools_and_kv_cache_in_place(mixtral, policy):
+    """The scanned decode step: one while loop over the 4 MoE layers, no full copy of a slot pool or of a KV-cache
+    stack in the optimized HLO, and the donated inputs aliased to the outputs."""
     cfg = mixtral.config
     engine = Engine(mixtral, policy=policy, num_slots=6)
     S = engine.num_slots  # L*E for resident
-    kv = engine.init_kv_cache(batch_size=1, max_len=32)
-    tokens = jnp.zeros((1,), jnp.int32)
-    positions = jnp.zeros((1,), jnp.int32)
-    hlo = engine._decode.lower(engine.params, tokens, positions, kv, engine.expert_state, jax.random.key(0),
-                               sampling=Sampling()).compile().as_text()
-    I, H = cfg.moe_intermediate_size, cfg.hidden_size
-    for shape in (f"f32[{S},{2 * I},{H}]", f"f32[{S},{H},{I}]"):
-        assert shape in hlo  # the pool is really in the step
-        copies = [l for l in hlo.splitlines() if shape in l and re.search(r"= \S+ copy(-start)?\(", l)]
-        assert not copies, f"slot pool {shape} is copied:\n" + "\n".join(copies)
-    # The donated slot arrays are aliased to the outputs.
+    hlo = engine.lower_decode_step(batch_size=1, kv_len=32).compile().as_text()
+    I, H, L = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_layers
+    # The layers are one loop, not unrolled: the loop body holds one q/k/v, o and router projection (plus lm_head).
+    assert " while(" in hlo and hlo.count('custom_call_target="ft_jax_linear"') == 4
+    pools = (f"f32[{S},{2 * I},{H}]", f"f32[{S},{H},{I}]")
+    kv = f"f32[{L},1,32,{cfg.num_kv_heads},{cfg.head_dim}]"
+    for shape in (*pools, kv):
+        assert shape in hlo  # really in the step
+        assert not _copies(hlo, shape), f"{shape} is copied:\n" + "\n".join(_copies(hlo, shape))
     assert "input_output_alias" in hlo
 
 
@@ -91,32 +95,83 @@ def test_eos_stops_a_row(mixtral):
     info = _info("mixtral")
     engine = Engine(mixtral, policy=Policy("host-all"), num_slots=1)
     eos = info["greedy_continuation"][3]
-    out = engine.generate([info["prompt_ids"]], max_new_tokens=16, eos_token_id=eos).tokens[0]
+    out = engine.generate([info["prompt_ids"]], max_new_tokens=16, eos_token_ids=[eos]).tokens[0]
     assert out == info["greedy_continuation"][: info["greedy_continuation"].index(eos) + 1]
+    # every listed EOS id stops (Qwen checkpoints list several): the earliest one produced ends the row
+    later = info["greedy_continuation"][6]
+    out = engine.generate([info["prompt_ids"]], max_new_tokens=16, eos_token_ids=(later, eos)).tokens[0]
+    first = min(info["greedy_continuation"].index(t) for t in (later, eos))
+    assert out == info["greedy_continuation"][: first + 1]
 
 
 def test_prefill_compiles_once_per_bucket(mixtral):
     engine = Engine(mixtral, policy=Policy("fetch-all"), num_slots=4)
-    for prompt in ([1, 2, 3], [4, 5, 6, 7, 8], list(range(1, 17))):  # lengths 3, 5, 16: one bucket (16)
-        engine.generate([prompt], max_new_tokens=2)
-    assert engine._prefill._cache_size() == 1
-    engine.generate([list(range(1, 18))], max_new_tokens=2)  # length 17: bucket 32
-    assert engine._prefill._cache_size() == 2
+    compiles = [engine.generate([prompt], max_new_tokens=2).stats["prefill_compiles"]
+                for prompt in ([1, 2, 3], [4, 5, 6, 7, 8], list(range(1, 17)))]  # lengths 3, 5, 16: bucket 16
+    assert compiles == [1, 0, 0]
+    assert engine.generate([list(range(1, 18))], max_new_tokens=2).stats["prefill_compiles"] == 1  # bucket 32
 
 
-def test_prefill_buckets():
+def test_no_recompile_for_another_length_or_temperature_in_the_same_buckets(mixtral):
+    """max_new_tokens 20 and 40 share the KV bucket 64 (12 prompt tokens + new tokens); temperature, top_k and
+    top_p are operands: only greedy vs sampled is a second executable."""
+    engine = Engine(mixtral, policy=Policy("qstar", frac=0.5), num_slots=5)
+    prompt = _info("mixtral")["prompt_ids"]
+    first = engine.generate([prompt], max_new_tokens=20, sampling=Sampling(0.8)).stats
+    assert (first["prefill_compiles"], first["decode_compiles"], first["kv_cache_len"]) == (1, 1, 64)
+    for n, sampling in ((40, Sampling(0.8)), (33, Sampling(1.3, top_k=5)), (20, Sampling(0.5, top_p=0.9))):
+        stats = engine.generate([prompt], max_new_tokens=n, sampling=sampling, seed=n).stats
+        assert (stats["prefill_compiles"], stats["decode_compiles"]) == (0, 0)
+    greedy = engine.generate([prompt], max_new_tokens=30).stats
+    assert (greedy["prefill_compiles"], greedy["decode_compiles"]) == (1, 1)
+    assert engine.generate([prompt], max_new_tokens=52).stats["decode_compiles"] == 0
+    assert engine.generate([prompt], max_new_tokens=53).stats["kv_cache_len"] == 128  # 12 + 53 > 64: next bucket
+
+
+def test_buckets():
     assert [prefill_bucket(n) for n in (1, 16, 17, 33, 100)] == [16, 16, 32, 64, 128]
+    assert [kv_bucket(n, 4096) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
+    assert kv_bucket(200, 256) == 256 and kv_bucket(257, 300) == 300 and kv_bucket(10, 32) == 32  # capped
+
+
+def test_non_finite_logits_are_reported_not_decoded(mixtral):
+    """NaN in the lm_head: the step returns -1 for the row and generate raises naming the step, then keeps working
+    once the weights are fixed."""
+    engine = Engine(mixtral, policy=Policy("host-all"), num_slots=1)
+    good = engine.params
+    head = good["lm_head"][...]
+    engine.params = jax.tree_util.tree_map(lambda x: x, good)
+    engine.params["lm_head"] = engine.params["lm_head"].replace(head.at[3, 0].set(jnp.nan))
+    with pytest.raises(NonFiniteLogitsError, match=r"non-finite .* logits at step 0 for row\(s\) \[0\]"):
+        engine.generate([[1, 2, 3]], max_new_tokens=4)
+    engine.params = good
+    assert len(engine.generate([[1, 2, 3]], max_new_tokens=4).tokens[0]) == 4
+
+
+def _draws(logits, sampling, n=400):
+    step = jax.jit(lambda key, t, k, p: sample_next(logits, key, t, k, p, greedy=sampling.greedy))
+    return np.array([int(step(jax.random.key(i), *sampling.operands())[0]) for i in range(n)])
 
 
 def test_sampling_rules():
-    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]], jnp.float32))
-    assert int(sample_next(logits, jax.random.key(0), Sampling())[0]) == 0
-    draws = np.array([int(sample_next(logits, jax.random.key(i), Sampling(1.0, top_k=2))[0]) for i in range(200)])
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.log(jnp.asarray([probs], jnp.float32))
+    assert set(_draws(logits, Sampling(), 3)) == {0}
+    draws = _draws(logits, Sampling(1.0, top_k=2))
     assert set(draws) <= {0, 1}
-    # top-k 2 renormalises 0.5 : 0.3 -> P(1) = 0.375
-    assert abs((draws == 1).mean() - 0.375) < 0.1
+    assert abs((draws == 1).mean() - 0.3 / 0.8) < 0.08  # top-k 2 renormalises 0.5 : 0.3
     # top-p 0.7: keep {0, 1} (mass before token 1 is 0.5 < 0.7; before token 2 it is 0.8 >= 0.7)
-    draws = np.array([int(sample_next(logits, jax.random.key(i), Sampling(1.0, top_p=0.7))[0]) for i in range(200)])
-    assert set(draws) <= {0, 1}
+    assert set(_draws(logits, Sampling(1.0, top_p=0.7))) <= {0, 1}
+    # temperature 2 flattens: p ~ probs^(1/2), renormalised
+    flat = np.sqrt(probs) / np.sqrt(probs).sum()
+    counts = np.bincount(_draws(logits, Sampling(2.0)), minlength=4) / 400
+    assert np.abs(counts - flat).max() < 0.08
+    # no filter: all four tokens appear with their probabilities
+    assert np.abs(np.bincount(_draws(logits, Sampling(1.0)), minlength=4) / 400 - probs).max() < 0.08
+    nan_row = jnp.asarray([[0.0, jnp.nan, 1.0, 0.0]], jnp.float32)
+    assert int(sample_next(nan_row, jax.random.key(0), *Sampling().operands(), greedy=True)[0]) == -1
+    assert int(sample_next(nan_row, jax.random.key(0), *Sampling(1.0).operands(), greedy=False)[0]) == -1
     with pytest.raises(ValueError, match="top_p"):
         Sampling(1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        Sampling(float("inf"))

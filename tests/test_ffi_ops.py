@@ -1,7 +1,10 @@
-"""FFI handlers through their JAX wrappers: slot_fill (bit-exact, in place, one compilation), host_experts and
-slot_experts (float64 numpy reference), and bad inputs (clear Python errors, process keeps working)."""
+"""FFI handlers through their JAX wrappers: slot_fill (bit-exact, in place, one compilation), host_experts,
+slot_experts and linear (float64 numpy reference), and bad inputs (clear Python errors, process keeps working)."""
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +23,11 @@ RUNTIME_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
 
 
 # ----------------------------------------------------------------------------------------------------------- slot_fill
+def fill_one(slots, flat_ids, slot_ids, bank):
+    """slot_fill of a single pool from a single bank."""
+    return ffi_ops.slot_fill((slots,), flat_ids, slot_ids, (bank,))[0]
+
+
 def _slot_fill_reference(slots, bank_rows, flat_ids, slot_ids):
     out = slots.copy()
     for f, s in zip(flat_ids, slot_ids):
@@ -44,7 +52,7 @@ def test_slot_fill_bit_exact_with_padding(dtype):
     rows = rng.standard_normal((12, 5, 7)).astype(np.float32).astype(dtype)
     bank = HostBank.from_numpy(rows)
     slots = rng.standard_normal((6, 5, 7)).astype(np.float32).astype(dtype)
-    fill = jax.jit(lambda s, f, i: ffi_ops.slot_fill(s, f, i, bank))
+    fill = jax.jit(lambda s, f, i: fill_one(s, f, i, bank))
     for _ in range(5):
         flat_ids, slot_ids = _random_fill(rng, 12, 6, 5)
         got = np.asarray(fill(jnp.asarray(slots), jnp.asarray(flat_ids), jnp.asarray(slot_ids)))
@@ -64,7 +72,7 @@ def test_slot_fill_large_rows_bit_exact(row_elems):
     bank = HostBank.from_numpy(rows)
     slots = np.zeros((3, row_elems), np.float32)
     flat_ids, slot_ids = np.array([4, -1, 0, 2], np.int32), np.array([1, 0, 2, -1], np.int32)
-    got = np.asarray(jax.jit(lambda s, f, i: ffi_ops.slot_fill(s, f, i, bank))(slots, flat_ids, slot_ids))
+    got = np.asarray(jax.jit(lambda s, f, i: fill_one(s, f, i, bank))(slots, flat_ids, slot_ids))
     np.testing.assert_array_equal(got.view(np.uint8), _slot_fill_reference(slots, rows, flat_ids, slot_ids).view(np.uint8))
     bank.release()
 
@@ -78,7 +86,7 @@ def _full_copies(hlo_text: str, shape: str) -> list[str]:
 def test_slot_fill_in_place_under_jit_with_donation():
     rng = np.random.default_rng(1)
     bank = HostBank.from_numpy(rng.standard_normal((16, 64, 32)).astype(np.float32))
-    fill = jax.jit(lambda s, f, i: ffi_ops.slot_fill(s, f, i, bank), donate_argnums=0)
+    fill = jax.jit(lambda s, f, i: fill_one(s, f, i, bank), donate_argnums=0)
     slots = jnp.zeros((8, 64, 32), jnp.float32)
     ids = jnp.array([3, -1, 9], jnp.int32), jnp.array([0, 4, 7], jnp.int32)
     hlo = fill.lower(slots, *ids).compile().as_text()
@@ -90,9 +98,40 @@ def test_slot_fill_in_place_under_jit_with_donation():
         assert slots.unsafe_buffer_pointer() == pointer
     np.testing.assert_array_equal(np.asarray(slots)[7], bank.numpy()[9])
     # Control: when the pre-fill value is still used, XLA must copy, and the check above sees it.
-    leaky = jax.jit(lambda s, f, i: (ffi_ops.slot_fill(s, f, i, bank), s.sum()), donate_argnums=0)
+    leaky = jax.jit(lambda s, f, i: (fill_one(s, f, i, bank), s.sum()), donate_argnums=0)
     assert _full_copies(leaky.lower(slots, *ids).compile().as_text(), "f32[8,64,32]") != []
     bank.release()
+
+
+def test_one_slot_fill_call_fills_two_pools_in_place():
+    """The decode step's form: gate_up and down pools of different row shapes and dtypes filled by one call, both
+    aliased (no copy of either pool), and a call whose ids are all padding leaves both untouched."""
+    rng = np.random.default_rng(4)
+    gu_rows = rng.standard_normal((10, 6, 4)).astype(np.float32)
+    dn_rows = rng.standard_normal((10, 4, 3)).astype(np.float32).astype(BF16)
+    banks = HostBank.from_numpy(gu_rows), HostBank.from_numpy(dn_rows)
+    fill = jax.jit(lambda p, f, i: ffi_ops.slot_fill(p, f, i, banks), donate_argnums=0)
+    pools = (jnp.zeros((5, 6, 4), jnp.float32), jnp.zeros((5, 4, 3), jnp.bfloat16))
+    flat, slot = jnp.array([7, -1, 2], jnp.int32), jnp.array([4, 0, 1], jnp.int32)
+    hlo = fill.lower(pools, flat, slot).compile().as_text()
+    assert hlo.count("ft_jax_slot_fill") >= 1
+    assert _full_copies(hlo, "f32[5,6,4]") == [] and _full_copies(hlo, "bf16[5,4,3]") == []
+    pointers = [p.unsafe_buffer_pointer() for p in pools]
+    pools = fill(pools, flat, slot)
+    assert [p.unsafe_buffer_pointer() for p in pools] == pointers
+    expected = (_slot_fill_reference(np.zeros((5, 6, 4), np.float32), gu_rows, [7, -1, 2], [4, 0, 1]),
+                _slot_fill_reference(np.zeros((5, 4, 3), BF16), dn_rows, [7, -1, 2], [4, 0, 1]))
+    for got, want in zip(pools, expected):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    pools = fill(pools, jnp.array([-1, -1, 3], jnp.int32), jnp.array([2, -1, -1], jnp.int32))  # all padding
+    for got, want in zip(pools, expected):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    with pytest.raises(ValueError, match="need one bank per pool, got 2 pools and 1 banks"):
+        ffi_ops.slot_fill(pools, flat, slot, banks[:1])
+    with pytest.raises(ValueError, match=r"pools\[1\] has 4 slots, pools\[0\] has 5"):
+        ffi_ops.slot_fill((pools[0], jnp.zeros((4, 4, 3), jnp.bfloat16)), flat, slot, banks)
+    for b in banks:
+        b.release()
 
 
 def test_slot_fill_compiles_once_for_100_different_routings():
@@ -104,7 +143,7 @@ def test_slot_fill_compiles_once_for_100_different_routings():
         if event == "/jax/core/compile/backend_compile_duration":
             compiles.append(duration)
 
-    fill = jax.jit(lambda s, f, i: ffi_ops.slot_fill(s, f, i, bank), donate_argnums=0)
+    fill = jax.jit(lambda s, f, i: fill_one(s, f, i, bank), donate_argnums=0)
     slots = jnp.zeros((4, 16), jnp.float32)
     routings = [_random_fill(rng, 32, 4, 3) for _ in range(100)]
     device_routings = [(jnp.asarray(f), jnp.asarray(s)) for f, s in routings]
@@ -208,34 +247,95 @@ def test_skipped_routes_contribute_nothing():
     dn_bank.release()
 
 
+_THREADS_SCRIPT = """
+import sys, numpy as np, jax.numpy as jnp
+import ml_dtypes
+from ft_jax import _ffi
+from ft_jax.offload import ffi_ops
+from ft_jax.offload.host_bank import HostBank
+x, ids, w, gu, dn, out = sys.argv[1:7]
+_ffi.force_generic_kernel(sys.argv[7] == "generic")
+banks = HostBank.from_numpy(np.load(gu)), HostBank.from_numpy(np.load(dn))
+xb = jnp.asarray(np.load(x).astype(ml_dtypes.bfloat16))
+y = ffi_ops.host_experts(xb, np.load(ids), np.load(w), *banks, activation=sys.argv[8])
+lin = ffi_ops.linear(xb, jnp.asarray(np.load(gu)), 2)
+np.save(out, np.concatenate([np.asarray(y).ravel(), np.asarray(lin).ravel()]))
+"""
+
+
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("generic", [False, True], ids=["auto_isa", "generic"])
-def test_large_experts_multithreaded_bf16_x_and_both_activations(activation, generic):
-    """Experts above the threading threshold (1 MiB per call), bf16 activations, portable and vector loops,
-    many routes per expert; bit-identical results with 1 and 2 threads and across repeats."""
+def test_large_experts_multithreaded_bf16_x_and_both_activations(activation, generic, tmp_path):
+    """Experts and a dense projection above the threading threshold (1 MiB per call), bf16 activations, portable
+    and vector loops, many routes per expert: within tolerance of float64 and bit-identical on XLA's thread pool
+    (this process) and on one thread (a subprocess with FT_JAX_NUM_THREADS=1)."""
     rng = np.random.default_rng(6)
-    x, ids, weights, gate_up, down = _expert_case(rng, 5, 2, num_experts=4, hidden=256, inter=200)
+    x, ids, weights, gate_up, down = _expert_case(rng, 5, 2, num_experts=4, hidden=256, inter=600)
     ids[:, 0] = 0  # five routes to expert 0 (4-token inner loop + remainder); may repeat an id within a token
     x_bf16 = x.astype(BF16)
     expected = _experts_reference(x_bf16.astype(np.float32), ids, weights, gate_up, down, activation)
     gu_bank, dn_bank = HostBank.from_numpy(gate_up), HostBank.from_numpy(down)
     run = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, gu_bank, dn_bank, activation=activation))
-    threads = _ffi.num_threads()
     _ffi.force_generic_kernel(generic)
     try:
-        _ffi.set_num_threads(2)
-        y2 = np.asarray(run(jnp.asarray(x_bf16), ids, weights))
-        y2_again = np.asarray(run(jnp.asarray(x_bf16), ids, weights))
-        _ffi.set_num_threads(1)
-        y1 = np.asarray(run(jnp.asarray(x_bf16), ids, weights))
+        y = np.asarray(run(jnp.asarray(x_bf16), ids, weights))
+        y_again = np.asarray(run(jnp.asarray(x_bf16), ids, weights))
+        lin = np.asarray(ffi_ops.linear(jnp.asarray(x_bf16), jnp.asarray(gate_up), 2))
     finally:
         _ffi.force_generic_kernel(False)
-        _ffi.set_num_threads(threads)
-    assert _rel_err(y2, expected) < 1e-5
-    np.testing.assert_array_equal(y2, y2_again)
-    np.testing.assert_array_equal(y1, y2)
+    assert _rel_err(y, expected) < 1e-5
+    np.testing.assert_array_equal(y, y_again)
+    assert _rel_err(lin, x_bf16.astype(np.float64) @ gate_up[2].astype(np.float64).T) < 1e-5
+    paths = {n: str(tmp_path / f"{n}.npy") for n in ("x", "ids", "w", "gu", "dn", "out")}
+    for n, a in zip(("x", "ids", "w", "gu", "dn"), (x, ids, weights, gate_up, down)):
+        np.save(paths[n], a)
+    env = dict(os.environ, FT_JAX_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, *(paths[n] for n in ("x", "ids", "w", "gu", "dn", "out")),
+                    "generic" if generic else "auto", activation], check=True, env=env)
+    one_thread = np.load(paths["out"])
+    np.testing.assert_array_equal(one_thread, np.concatenate([y.ravel(), lin.ravel()]))
     gu_bank.release()
     dn_bank.release()
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("wdtype", [np.dtype(np.float32), BF16], ids=["f32", "bf16"])
+def test_linear_matches_float64_reference(N, wdtype):
+    """y = x @ w[layer].T over a stack of 3 weights, odd sizes (vector-loop tails, single-row remainders), every
+    layer index, f32 and bf16 weights and activations."""
+    rng = np.random.default_rng(10 * N + (wdtype == BF16))
+    w = (rng.standard_normal((3, 13, 45)) / 7).astype(np.float32).astype(wdtype)
+    x = rng.standard_normal((N, 45)).astype(np.float32).astype(wdtype)
+    f = jax.jit(ffi_ops.linear)
+    for layer in range(3):
+        y = np.asarray(f(jnp.asarray(x), jnp.asarray(w), layer))
+        assert y.shape == (N, 13) and y.dtype == np.float32
+        assert _rel_err(y, x.astype(np.float64) @ w[layer].astype(np.float64).T) < 1e-6
+    single = np.asarray(ffi_ops.linear(jnp.asarray(x), jnp.asarray(w[1])))  # an [O, K] weight: L = 1
+    np.testing.assert_array_equal(single, np.asarray(f(jnp.asarray(x), jnp.asarray(w), 1)))
+
+
+def test_linear_reads_a_scanned_stack_in_place():
+    """Under lax.scan with the layer index traced, each step reads its weight of the stack: no dynamic-slice copy
+    of the stacked weight in the optimized HLO, and the result equals the unrolled numpy product."""
+    rng = np.random.default_rng(11)
+    w = jnp.asarray((rng.standard_normal((4, 32, 32)) / 6).astype(np.float32).astype(BF16))
+    x0 = rng.standard_normal((1, 32)).astype(np.float32)
+
+    def run(x, w):
+        return jax.lax.scan(lambda h, l: (ffi_ops.linear(h, w, l), None), x, jnp.arange(4, dtype=jnp.int32))[0]
+
+    hlo = jax.jit(run).lower(x0, w).compile().as_text()
+    assert "ft_jax_linear" in hlo
+    assert not re.search(r"= (bf16|f32)\[(1,)?32,32\]\{[^}]*\} (dynamic-slice|copy|convert)\(", hlo)
+    ref = x0.astype(np.float64)
+    for l in range(4):
+        ref = ref @ np.asarray(w[l], np.float64).T
+    assert _rel_err(np.asarray(jax.jit(run)(x0, w)), ref) < 1e-5
+    with pytest.raises(RUNTIME_ERRORS, match="linear: layer 4 is out of range for a stack of 4 weights"):
+        np.asarray(jax.jit(ffi_ops.linear)(x0, w, 4))
+    with pytest.raises(ValueError, match=r"disagree on K"):
+        ffi_ops.linear(x0[:, :16], w, 0)
 
 
 # ------------------------------------------------------------------------------------------------------ bad inputs
@@ -260,10 +360,10 @@ def _valid_call_still_works(gu_bank, dn_bank):
 def test_out_of_range_ids_raise_runtime_errors_naming_them(f32_banks):
     gu_bank, dn_bank = f32_banks
     slots = jnp.zeros((2, 8, 8), jnp.float32)
-    with pytest.raises(RUNTIME_ERRORS, match=rf"flat id 99 \(entry 1\) is out of range for bank {gu_bank.id}"):
-        np.asarray(ffi_ops.slot_fill(slots, jnp.array([0, 99], jnp.int32), jnp.array([0, 1], jnp.int32), gu_bank))
-    with pytest.raises(RUNTIME_ERRORS, match=r"slot id 2 \(entry 0\) is out of range for 2 slots"):
-        np.asarray(ffi_ops.slot_fill(slots, jnp.array([0], jnp.int32), jnp.array([2], jnp.int32), gu_bank))
+    with pytest.raises(RUNTIME_ERRORS, match=rf"entry 1: flat id 99 / slot id 1 out of range for bank {gu_bank.id}"):
+        np.asarray(fill_one(slots, jnp.array([0, 99], jnp.int32), jnp.array([0, 1], jnp.int32), gu_bank))
+    with pytest.raises(RUNTIME_ERRORS, match=r"entry 0: flat id 0 / slot id 2 out of range for .* and 2 slots"):
+        np.asarray(fill_one(slots, jnp.array([0], jnp.int32), jnp.array([2], jnp.int32), gu_bank))
     x, w = np.ones((1, 8), np.float32), np.ones((1, 2), np.float32)
     with pytest.raises(RUNTIME_ERRORS, match=rf"host_experts: flat id 4 at position 1 is out of range for bank {gu_bank.id}"):
         np.asarray(ffi_ops.host_experts(x, np.array([[0, 4]], np.int32), w, gu_bank, dn_bank))
@@ -276,14 +376,14 @@ def test_out_of_range_ids_raise_runtime_errors_naming_them(f32_banks):
 def test_wrong_dtypes_and_shapes_raise_at_trace_time(f32_banks):
     gu_bank, dn_bank = f32_banks
     i32 = jnp.array([0], jnp.int32)
-    with pytest.raises(TypeError, match=f"slots dtype bfloat16 does not match bank {gu_bank.id} dtype float32"):
-        ffi_ops.slot_fill(jnp.zeros((2, 8, 8), jnp.bfloat16), i32, i32, gu_bank)
+    with pytest.raises(TypeError, match=rf"pools\[0\] dtype bfloat16 does not match bank {gu_bank.id} dtype float32"):
+        fill_one(jnp.zeros((2, 8, 8), jnp.bfloat16), i32, i32, gu_bank)
     with pytest.raises(ValueError, match=r"row_shape \(8, 8\) .*got shape \(2, 8, 4\)"):
-        ffi_ops.slot_fill(jnp.zeros((2, 8, 4), jnp.float32), i32, i32, gu_bank)
+        fill_one(jnp.zeros((2, 8, 4), jnp.float32), i32, i32, gu_bank)
     with pytest.raises(TypeError, match="flat_ids .* must be int32, got int64"):
-        ffi_ops.slot_fill(jnp.zeros((2, 8, 8), jnp.float32), np.array([0]), i32, gu_bank)
+        fill_one(jnp.zeros((2, 8, 8), jnp.float32), np.array([0]), i32, gu_bank)
     with pytest.raises(ValueError, match="flat_ids has 1 entries but slot_ids has 2"):
-        ffi_ops.slot_fill(jnp.zeros((2, 8, 8), jnp.float32), i32, jnp.array([0, 1], jnp.int32), gu_bank)
+        fill_one(jnp.zeros((2, 8, 8), jnp.float32), i32, jnp.array([0, 1], jnp.int32), gu_bank)
     x, ids, w = np.ones((2, 8), np.float32), np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32)
     with pytest.raises(TypeError, match="weights .* must be float32, got float64"):
         ffi_ops.host_experts(x, ids, w.astype(np.float64), gu_bank, dn_bank)
@@ -307,29 +407,31 @@ def test_handler_checks_catch_what_bypasses_the_wrappers(f32_banks):
     gu_bank, _ = f32_banks
     i32 = jnp.array([0], jnp.int32)
     for slots, message in [
-        (jnp.zeros((2, 8, 8), jnp.bfloat16), f"dtype mismatch for bank {gu_bank.id} .*expected float32 slots, got bfloat16"),
-        (jnp.zeros((2, 8, 4), jnp.float32), r"row shape mismatch .*have rows \[8, 4\] \(128 bytes\), expected rows \[8, 8\] \(256 bytes\)"),
+        (jnp.zeros((2, 8, 8), jnp.bfloat16), rf"pool 0 \[2, 8, 8\] bfloat16 does not hold rows of bank {gu_bank.id} "
+                                             r"\(\[4, 8, 8\] float32\)"),
+        (jnp.zeros((2, 8, 4), jnp.float32), r"pool 0 \[2, 8, 4\] float32 does not hold rows of bank"),
     ]:
-        call = jax.ffi.ffi_call("ft_jax_slot_fill", jax.ShapeDtypeStruct(slots.shape, slots.dtype), input_output_aliases={0: 0})
+        call = jax.ffi.ffi_call("ft_jax_slot_fill", (jax.ShapeDtypeStruct(slots.shape, slots.dtype),),
+                                input_output_aliases={2: 0})
         with pytest.raises(RUNTIME_ERRORS, match=message):
-            np.asarray(call(slots, i32, i32, bank=np.int64(gu_bank.id)))
+            np.asarray(call(i32, i32, slots, banks=np.array([gu_bank.id], np.int64))[0])
 
 
 def test_released_bank_trace_time_and_compiled_step(f32_banks):
     gu_bank, dn_bank = f32_banks
     slots = jnp.zeros((2, 8, 8), jnp.float32)
     ids = jnp.array([1], jnp.int32), jnp.array([0], jnp.int32)
-    fill = jax.jit(lambda s, f, i: ffi_ops.slot_fill(s, f, i, gu_bank))
+    fill = jax.jit(lambda s, f, i: fill_one(s, f, i, gu_bank))
     np.asarray(fill(slots, *ids))  # compiled while the bank is live
     gu_bank.release()
-    with pytest.raises(ValueError, match=rf"slot_fill: bank {gu_bank.id} \(\[4, 8, 8\] float32\) was released"):
-        ffi_ops.slot_fill(slots, *ids, gu_bank)
+    with pytest.raises(ValueError, match=rf"slot_fill: banks\[0\] {gu_bank.id} \(\[4, 8, 8\] float32\) was released"):
+        fill_one(slots, *ids, gu_bank)
     with pytest.raises(RUNTIME_ERRORS, match=f"slot_fill: bank {gu_bank.id} was released"):
         np.asarray(fill(slots, *ids))
     with pytest.raises(ValueError, match="gate_up bank .* was released"):
         ffi_ops.host_experts(np.ones((1, 8), np.float32), np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32), gu_bank, dn_bank)
     # The process keeps working with a fresh bank.
     fresh = HostBank.from_numpy(np.arange(2 * 8 * 8, dtype=np.float32).reshape(2, 8, 8))
-    out = np.asarray(jax.jit(lambda s, f, i: ffi_ops.slot_fill(s, f, i, fresh))(slots, *ids))
+    out = np.asarray(jax.jit(lambda s, f, i: fill_one(s, f, i, fresh))(slots, *ids))
     np.testing.assert_array_equal(out[0], fresh.numpy()[1])
     fresh.release()

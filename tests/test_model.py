@@ -13,19 +13,49 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ft_jax.offload import ffi_ops
+from flax import nnx
+
 from ft_jax.checkpoint import load_checkpoint
 from ft_jax.config import load_config
-from ft_jax.models.decoder import MoETransformer, jit_forward, random_param_factory
-from ft_jax.resident import ResidentExperts
+from ft_jax.models.decoder import MoETransformer, random_param_factory
+from ft_jax.offload import ffi_ops
+from ft_jax.offload.host_bank import HostBank
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 MAX_LEN = 40
 
 
+class HostBankExperts:
+    """Minimal ExpertBackend computing every route on the CPU from the host banks (ffi_ops.host_experts, checked
+    against float64 numpy in test_ffi_ops.py), registered as a pytree without leaves so a jitted forward can take
+    it as an argument."""
+
+    def __init__(self, gate_up: HostBank, down: HostBank, cfg):
+        self.gate_up, self.down = gate_up, down
+        self.num_experts, self.activation = cfg.num_experts, cfg.activation
+
+    def __call__(self, moe_layer, x, topk_ids, topk_weights, expert_state):
+        flat = jnp.where(topk_ids >= 0, moe_layer * self.num_experts + topk_ids, -1)  # [N, k]
+        return ffi_ops.host_experts(x, flat, topk_weights, self.gate_up, self.down, self.activation), expert_state
+
+
+jax.tree_util.register_pytree_node(HostBankExperts, lambda b: ((), b), lambda b, _: b)
+
+
+def jit_forward(model, *, collect=False, last_logits_only=False):
+    """(fn(state, tokens, positions, kv_cache, experts) -> model outputs, state): the functional forward, jitted."""
+    graphdef, state = nnx.split(model)
+
+    def fn(state, tokens, positions, kv_cache, experts):
+        return nnx.merge(graphdef, state)(tokens, positions, kv_cache, None, experts, collect=collect,
+                                          last_logits_only=last_logits_only)
+
+    return jax.jit(fn), state
+
+
 class Loaded:
-    """One fixture loaded once per module: checkpoint, resident experts, jitted forwards, reference arrays."""
+    """One fixture loaded once per module: checkpoint, host-bank experts, jitted forward, reference arrays."""
 
     def __init__(self, family):
         self.dir = os.path.join(FIXTURES, family)
@@ -34,13 +64,13 @@ class Loaded:
                     for n in os.listdir(os.path.join(self.dir, "reference")) if n.endswith(".npy")}
         self.ckpt = load_checkpoint(self.dir)
         self.cfg = self.ckpt.config
-        self.experts = ResidentExperts.from_banks(self.ckpt.gate_up_bank, self.ckpt.down_bank, self.cfg)
-        self.fwd, self.state = jit_forward(self.ckpt.model, return_aux=True)
+        self.experts = HostBankExperts(self.ckpt.gate_up_bank, self.ckpt.down_bank, self.cfg)
+        self.fwd, self.state = jit_forward(self.ckpt.model, collect=True)
         self.prompt = np.array(self.info["prompt_ids"], np.int32)
 
-    def run(self, tokens, positions, kv, experts=None, state=None):
+    def run(self, tokens, positions, kv, experts=None):
         return self.fwd(self.state, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), kv,
-                        state, self.experts if experts is None else experts)
+                        self.experts if experts is None else experts)
 
     def greedy(self, prompt, new_tokens, stepwise_prefill=False, experts=None):
         """KV-cached greedy decoding of one sequence: a prefill call over the prompt (or, with stepwise_prefill,
@@ -63,22 +93,6 @@ class Loaded:
             auxes.append(aux)
             all_logits.append(np.asarray(logits[0, -1]))
         return out, auxes, np.stack(all_logits)
-
-
-class HostBankExperts:
-    """Minimal ExpertBackend computing every route on the CPU from the host banks (ffi_ops.host_experts),
-    registered as a pytree without leaves so it can be passed to the jitted forward."""
-
-    def __init__(self, ckpt):
-        self.gate_up, self.down = ckpt.gate_up_bank, ckpt.down_bank
-        self.num_experts, self.activation = ckpt.config.num_experts, ckpt.config.activation
-
-    def __call__(self, moe_layer, x, topk_ids, topk_weights, expert_state):
-        flat = jnp.where(topk_ids >= 0, moe_layer * self.num_experts + topk_ids, -1)  # [N, k]
-        return ffi_ops.host_experts(x, flat, topk_weights, self.gate_up, self.down, self.activation), expert_state
-
-
-jax.tree_util.register_pytree_node(HostBankExperts, lambda b: ((), b), lambda b, _: b)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -144,13 +158,27 @@ def test_left_padded_batch_full_sequence_and_each_alone(loaded):
     assert list(got[0]) == alone_full and list(got[1]) == alone_b
 
 
-def test_host_bank_experts_match_resident(loaded):
-    """Experts computed from the host banks give the resident logits and the reference continuation."""
+def test_stepwise_prefill_gives_the_reference_continuation(loaded):
+    """One T=1 call per prompt token through the KV cache gives the teacher-forced logits and the continuation."""
     n = len(loaded.info["greedy_continuation"])
-    toks, _, all_logits = loaded.greedy(loaded.prompt, n, stepwise_prefill=True, experts=HostBankExperts(loaded.ckpt))
+    toks, _, all_logits = loaded.greedy(loaded.prompt, n, stepwise_prefill=True)
     assert toks == loaded.info["greedy_continuation"]
     T = len(loaded.prompt)
     np.testing.assert_allclose(all_logits, loaded.ref["full_sequence_logits"][:T + n - 1], atol=1e-4, rtol=0)
+
+
+def test_layers_are_scanned(loaded):
+    """Runs of like layers are one DecoderStack each (a lax.scan: one while loop per stack in the HLO)."""
+    cfg = loaded.cfg
+    kinds = ["moe" if cfg.moe_layer_index(l) is not None else "dense" for l in range(cfg.num_layers)]
+    runs = [sum(1 for _ in g) for _, g in __import__("itertools").groupby(kinds)]
+    model = loaded.ckpt.model
+    assert [s.num_layers for s in model.stacks] == runs
+    assert all(s.qkv[...].shape[0] == n for s, n in zip(model.stacks, runs))
+    kv = model.init_kv_cache(1, MAX_LEN)
+    hlo = loaded.fwd.lower(loaded.state, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), kv,
+                           loaded.experts).as_text()
+    assert hlo.count("stablehlo.while") == len(runs)
 
 
 def test_last_logits_only_and_cache_reuse():
@@ -158,12 +186,11 @@ def test_last_logits_only_and_cache_reuse():
     T = len(loaded.prompt)
     fwd_last, state = jit_forward(loaded.ckpt.model, last_logits_only=True)
     kv = loaded.ckpt.model.init_kv_cache(1, MAX_LEN)
-    logits, kv, st = fwd_last(state, jnp.asarray(loaded.prompt[None]), jnp.arange(T)[None], kv, None,
-                              loaded.experts)
+    logits, kv, st = fwd_last(state, jnp.asarray(loaded.prompt[None]), jnp.arange(T)[None], kv, loaded.experts)
     assert logits.shape == (1, 1, loaded.cfg.vocab_size) and st is None
     np.testing.assert_allclose(np.asarray(logits[0, 0]), loaded.ref["prompt_logits"][-1], atol=1e-4, rtol=0)
     # a prefill over a used cache (stale entries above the positions are never read) gives the same result
-    logits2, _, _ = fwd_last(state, jnp.asarray(loaded.prompt[None]), jnp.arange(T)[None], kv, None, loaded.experts)
+    logits2, _, _ = fwd_last(state, jnp.asarray(loaded.prompt[None]), jnp.arange(T)[None], kv, loaded.experts)
     np.testing.assert_array_equal(np.asarray(logits2), np.asarray(logits))
 
 
@@ -176,11 +203,11 @@ def test_bfloat16_load_is_close(loaded):
     for bank, ref_bank in ((ck.gate_up_bank, loaded.ckpt.gate_up_bank), (ck.down_bank, loaded.ckpt.down_bank)):
         assert bank.numpy().dtype == jnp.bfloat16
         np.testing.assert_array_equal(bank.numpy(), ref_bank.numpy().astype(jnp.bfloat16))
-    experts = ResidentExperts.from_banks(ck.gate_up_bank, ck.down_bank, ck.config)
-    fwd, state = jit_forward(ck.model, return_aux=True)
+    experts = HostBankExperts(ck.gate_up_bank, ck.down_bank, ck.config)
+    fwd, state = jit_forward(ck.model, collect=True)
     T = len(loaded.prompt)
     logits, _, _, aux = fwd(state, jnp.asarray(loaded.prompt[None]), jnp.arange(T)[None],
-                            ck.model.init_kv_cache(1, 16), None, experts)
+                            ck.model.init_kv_cache(1, 16), experts)
     assert logits.dtype == jnp.float32
     same = np.all(np.asarray(aux.topk_ids[:, 0]) == loaded.ref["prompt_topk_ids"], axis=(0, 2))  # [T]
     assert same.mean() >= 0.75, same
@@ -200,34 +227,6 @@ def test_float32_model_with_bfloat16_banks(loaded):
     ck.down_bank.release()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_resident_experts_match_numpy_float64(family):
-    """Both ResidentExperts paths (decode gather, prefill dense) against a float64 numpy evaluation."""
-    cfg = load_config(os.path.join(FIXTURES, family))
-    E, H, I, k, L = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k, cfg.num_moe_layers
-    rng = np.random.default_rng(0)
-    gu = rng.normal(0, 0.1, (L * E, 2 * I, H)).astype(np.float32)
-    dn = rng.normal(0, 0.1, (L * E, H, I)).astype(np.float32)
-    ex = ResidentExperts.from_banks(gu, dn, cfg)
-    for N in (1, 6):  # N*k < E: gather path; N*k >= E: dense path
-        x = rng.normal(0, 1, (N, H)).astype(np.float32)
-        ids = np.stack([rng.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
-        ids[0, 1] = -1  # skipped route
-        w = rng.random((N, k)).astype(np.float32)
-        y, st = ex(2, jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), "state")
-        assert st == "state" and y.dtype == jnp.float32
-        ref = np.zeros((N, H))
-        for n in range(N):
-            for j in range(k):
-                if ids[n, j] < 0:
-                    continue
-                f = 2 * E + ids[n, j]
-                h = gu[f].astype(np.float64) @ x[n]
-                a = h[:I] / (1 + np.exp(-h[:I])) * h[I:]
-                ref[n] += w[n, j] * (dn[f].astype(np.float64) @ a)
-        np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5, rtol=1e-5)
-
-
 def _random_model(cfg, key=0):
     return MoETransformer(cfg, random_param_factory(key, jnp.float32, std=0.2))
 
@@ -235,8 +234,9 @@ def _random_model(cfg, key=0):
 def _random_experts(cfg, seed=1):
     rng = np.random.default_rng(seed)
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    return ResidentExperts.from_banks(rng.normal(0, 0.2, (cfg.num_moe_layers * E, 2 * I, H)).astype(np.float32),
-                                      rng.normal(0, 0.2, (cfg.num_moe_layers * E, H, I)).astype(np.float32), cfg)
+    gate_up = HostBank.from_numpy(rng.normal(0, 0.2, (cfg.num_moe_layers * E, 2 * I, H)).astype(np.float32))
+    down = HostBank.from_numpy(rng.normal(0, 0.2, (cfg.num_moe_layers * E, H, I)).astype(np.float32))
+    return HostBankExperts(gate_up, down, cfg)
 
 
 def test_sliding_window_limits_attention():
@@ -244,20 +244,19 @@ def test_sliding_window_limits_attention():
     <= 4 * (W - 1): with W = 2 changing token 0 changes the logits at t <= 4 only; without a window, all."""
     cfg = dataclasses.replace(load_config(os.path.join(FIXTURES, "mixtral")), sliding_window=2)
     model, experts = _random_model(cfg), _random_experts(cfg)
-    fwd, state = jit_forward(model, donate_kv_cache=False)
+    fwd, state = jit_forward(model)
     a = np.array([[5, 9, 13, 17, 21, 25, 29]], np.int32)
     b = a.copy()
     b[0, 0] = 200
     pos = jnp.arange(7)[None]
-    la, _, _ = fwd(state, jnp.asarray(a), pos, model.init_kv_cache(1, 8), None, experts)
-    lb, _, _ = fwd(state, jnp.asarray(b), pos, model.init_kv_cache(1, 8), None, experts)
+    la, _, _ = fwd(state, jnp.asarray(a), pos, model.init_kv_cache(1, 8), experts)
+    lb, _, _ = fwd(state, jnp.asarray(b), pos, model.init_kv_cache(1, 8), experts)
     diff = np.abs(np.asarray(la - lb)).max(-1)[0]  # [T]
     assert np.all(diff[:5] > 1e-4) and np.all(diff[5:] == 0), diff
     full = dataclasses.replace(cfg, sliding_window=None)
-    fwd_full, state_full = jit_forward(MoETransformer(full, random_param_factory(0, std=0.2)),
-                                       donate_kv_cache=False)
-    lf, _, _ = fwd_full(state_full, jnp.asarray(b), pos, model.init_kv_cache(1, 8), None, experts)
-    lfa, _, _ = fwd_full(state_full, jnp.asarray(a), pos, model.init_kv_cache(1, 8), None, experts)
+    fwd_full, state_full = jit_forward(MoETransformer(full, random_param_factory(0, std=0.2)))
+    lf, _, _ = fwd_full(state_full, jnp.asarray(b), pos, model.init_kv_cache(1, 8), experts)
+    lfa, _, _ = fwd_full(state_full, jnp.asarray(a), pos, model.init_kv_cache(1, 8), experts)
     assert np.all(np.abs(np.asarray(lf - lfa)).max(-1)[0] > 1e-4)
 
 
@@ -265,8 +264,8 @@ def test_tied_word_embeddings_use_embedding_as_lm_head():
     cfg = dataclasses.replace(load_config(os.path.join(FIXTURES, "qwen3_moe")), tie_word_embeddings=True)
     model, experts = _random_model(cfg), _random_experts(cfg)
     assert model.lm_head is None
-    fwd, state = jit_forward(model, return_aux=True)
+    fwd, state = jit_forward(model, collect=True)
     toks = jnp.array([[3, 1, 4, 1, 5]], jnp.int32)
-    logits, _, _, aux = fwd(state, toks, jnp.arange(5)[None], model.init_kv_cache(1, 8), None, experts)
+    logits, _, _, aux = fwd(state, toks, jnp.arange(5)[None], model.init_kv_cache(1, 8), experts)
     ref = np.asarray(aux.hidden_states[-1, 0], np.float64) @ np.asarray(model.embed_tokens[...], np.float64).T
     np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=1e-4, rtol=1e-5)

@@ -6,27 +6,16 @@
 #include <cstring>
 #include <vector>
 
+#include "xla_ffi/dot_kernels.h"
 #include "xla_ffi/host_bank.h"
-#include "xla_ffi/thread_pool.h"
+#include "xla_ffi/parallel.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define FT_JAX_HAVE_AVX2_PATH 1
-#define FT_JAX_AVX2 __attribute__((target("avx2,fma")))
-#else
-#define FT_JAX_HAVE_AVX2_PATH 0
-#endif
 
 namespace ft_jax {
 
 namespace {
-
-// Below this many weight bytes per call the kernel runs on the calling thread (waking workers costs more).
-constexpr size_t kParallelMinBytes = size_t{1} << 20;
-// Target weight bytes per task: large enough to amortise the task hand-out, small enough to balance the threads.
-constexpr size_t kTaskBytes = size_t{256} << 10;
-
 std::atomic<bool> force_generic{false};
+}  // namespace
 
 bool UseAvx2() {
 #if FT_JAX_HAVE_AVX2_PATH
@@ -37,84 +26,12 @@ bool UseAvx2() {
 #endif
 }
 
-inline float ToF32(float v) { return v; }
-inline float ToF32(uint16_t bf16) {
-  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+namespace {
 
-// out[r * NT + n] = dot(rows[r][0:len], xs[n][0:len]), eight interleaved partial sums per pair.
-template <typename W, int R, int NT>
-void DotGeneric(const W* const* rows, const float* const* xs, int64_t len, float* out) {
-  float acc[R][NT][8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    for (int r = 0; r < R; ++r) {
-      float w[8];
-      for (int l = 0; l < 8; ++l) w[l] = ToF32(rows[r][i + l]);
-      for (int n = 0; n < NT; ++n) {
-        for (int l = 0; l < 8; ++l) acc[r][n][l] += w[l] * xs[n][i + l];
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int n = 0; n < NT; ++n) {
-      const float* a = acc[r][n];
-      float s = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-      for (int64_t j = i; j < len; ++j) s += ToF32(rows[r][j]) * xs[n][j];
-      out[r * NT + n] = s;
-    }
-  }
-}
-
-#if FT_JAX_HAVE_AVX2_PATH
-FT_JAX_AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
-FT_JAX_AVX2 inline __m256 Load8(const uint16_t* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-FT_JAX_AVX2 inline float HSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // lanes l + l+4
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Same contract as DotGeneric; AVX2 + FMA, weights converted to f32 in registers.
-template <typename W, int R, int NT>
-FT_JAX_AVX2 void DotAvx2(const W* const* rows, const float* const* xs, int64_t len, float* out) {
-  __m256 acc[R][NT];
-  for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NT; ++n) acc[r][n] = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    __m256 xv[NT];
-    for (int n = 0; n < NT; ++n) xv[n] = _mm256_loadu_ps(xs[n] + i);
-    for (int r = 0; r < R; ++r) {
-      __m256 w = Load8(rows[r] + i);
-      for (int n = 0; n < NT; ++n) acc[r][n] = _mm256_fmadd_ps(w, xv[n], acc[r][n]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int n = 0; n < NT; ++n) {
-      float s = HSum(acc[r][n]);
-      for (int64_t j = i; j < len; ++j) s += ToF32(rows[r][j]) * xs[n][j];
-      out[r * NT + n] = s;
-    }
-  }
-}
-#endif
-
-template <typename W, int R, int NT>
-inline void Dot(bool avx2, const W* const* rows, const float* const* xs, int64_t len, float* out) {
-#if FT_JAX_HAVE_AVX2_PATH
-  if (avx2) return DotAvx2<W, R, NT>(rows, xs, len, out);
-#endif
-  (void)avx2;
-  DotGeneric<W, R, NT>(rows, xs, len, out);
-}
+// Below this many weight bytes per call the kernel runs on the calling thread (waking workers costs more).
+constexpr size_t kParallelMinBytes = size_t{1} << 20;
+// Target weight bytes per task: large enough to amortise the task hand-out, small enough to balance the threads.
+constexpr size_t kTaskBytes = size_t{256} << 10;
 
 inline float Activate(Activation act, float g) {
   if (act == Activation::kSilu) return g / (1.0f + std::exp(-g));
@@ -153,7 +70,7 @@ void GroupRoutes(const int32_t* ids, const float* weights, int64_t T, int64_t k,
   g->begin.push_back(static_cast<int64_t>(order.size()));
 }
 
-int64_t RowsPerTask(size_t row_bytes, int64_t rows, int64_t multiple, int threads) {
+int64_t RowsPerTask(size_t row_bytes, int64_t rows, int64_t multiple, int64_t threads) {
   int64_t r = static_cast<int64_t>(kTaskBytes / std::max<size_t>(row_bytes, 1));
   // At least 4 tasks per thread for balance.
   int64_t cap = (rows + 4 * threads - 1) / (4 * threads);
@@ -264,19 +181,18 @@ void DownRows(bool avx2, const ExpertWeights& m, const Groups& g, const float* a
 }
 
 template <typename WG, typename WD>
-void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T, Activation act, float* y) {
+void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T, Activation act, float* y,
+              xla::ffi::ThreadPool& pool) {
   const bool avx2 = UseAvx2();
   const int64_t H = m.hidden, I = m.inter;
   const int64_t G = static_cast<int64_t>(g.expert.size());
   const int64_t routes = g.begin.back();
   const size_t egu = sizeof(WG), ed = sizeof(WD);
   const size_t weight_bytes = static_cast<size_t>(G) * static_cast<size_t>(H * I) * (2 * egu + ed);
-  ThreadPool& pool = ThreadPool::Global();
-  const bool parallel = weight_bytes >= kParallelMinBytes && pool.num_threads() > 1;
-  const int threads = parallel ? pool.num_threads() : 1;
-  auto run = [&](int64_t n, const std::function<void(int64_t)>& fn) {
-    if (parallel) {
-      pool.ParallelFor(n, fn);
+  const int64_t threads = weight_bytes >= kParallelMinBytes ? LoopThreads(pool) : 1;
+  auto run = [&](int64_t n, const auto& fn) {
+    if (threads > 1) {
+      ParallelFor(pool, n, fn);
     } else {
       for (int64_t i = 0; i < n; ++i) fn(i);
     }
@@ -328,7 +244,7 @@ std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, c
 }
 
 void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
-                int64_t k, Activation act, float* y) {
+                int64_t k, Activation act, float* y, xla::ffi::ThreadPool& pool) {
   thread_local Groups groups;
   GroupRoutes(ids, weights, T, k, &groups);
   if (groups.expert.empty()) {
@@ -338,13 +254,13 @@ void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, cons
   const bool gu_bf16 = m.gate_up_dtype == static_cast<int32_t>(BankDType::kBF16);
   const bool dn_bf16 = m.down_dtype == static_cast<int32_t>(BankDType::kBF16);
   if (gu_bf16 && dn_bf16) {
-    RunTyped<uint16_t, uint16_t>(m, x, groups, T, act, y);
+    RunTyped<uint16_t, uint16_t>(m, x, groups, T, act, y, pool);
   } else if (gu_bf16) {
-    RunTyped<uint16_t, float>(m, x, groups, T, act, y);
+    RunTyped<uint16_t, float>(m, x, groups, T, act, y, pool);
   } else if (dn_bf16) {
-    RunTyped<float, uint16_t>(m, x, groups, T, act, y);
+    RunTyped<float, uint16_t>(m, x, groups, T, act, y, pool);
   } else {
-    RunTyped<float, float>(m, x, groups, T, act, y);
+    RunTyped<float, float>(m, x, groups, T, act, y, pool);
   }
 }
 

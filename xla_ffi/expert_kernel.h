@@ -9,7 +9,7 @@
 // Every expert's weights are read once per call whatever the number of tokens routed to it: routes are grouped by
 // expert, then phase 1 computes a[route] = act(gate x) * up x for all routes of an expert while streaming its
 // gate_up rows, and phase 2 streams the down rows and accumulates y. Both phases are split over output rows across
-// the thread pool; every output element is produced by one task with a fixed summation order (experts in
+// the caller's XLA thread pool; every output element is produced by one task with a fixed summation order (experts in
 // ascending id, routes in (t, j) order), so results do not depend on thread count or scheduling.
 #ifndef FT_JAX_XLA_FFI_EXPERT_KERNEL_H_
 #define FT_JAX_XLA_FFI_EXPERT_KERNEL_H_
@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+
+#include "xla/ffi/api/ffi.h"
 
 namespace ft_jax {
 
@@ -43,9 +45,10 @@ struct ExpertWeights {
 std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, const std::string& what);
 
 // x: f32 [T, H]; ids: i32 [T, k] (< 0 = skip, otherwise < num_experts: call CheckExpertIds first);
-// weights: f32 [T, k]; y: f32 [T, H], overwritten. Weight dtypes must be kF32 or kBF16.
+// weights: f32 [T, k]; y: f32 [T, H], overwritten. Weight dtypes must be kF32 or kBF16. Runs on `pool` (the FFI
+// caller's XLA thread pool, see parallel.h) when the call reads at least 1 MiB of weights.
 void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
-                int64_t k, Activation act, float* y);
+                int64_t k, Activation act, float* y, xla::ffi::ThreadPool& pool);
 
 // Which inner loop the kernel uses: "avx2" (x86-64 with AVX2+FMA, chosen at run time) or "generic".
 const char* KernelIsa();

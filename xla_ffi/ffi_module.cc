@@ -14,7 +14,7 @@
 #include "xla_ffi/expert_kernel.h"
 #include "xla_ffi/ffi_handlers.h"
 #include "xla_ffi/host_bank.h"
-#include "xla_ffi/thread_pool.h"
+#include "xla_ffi/bank_state.h"
 
 namespace nb = nanobind;
 
@@ -36,13 +36,33 @@ NB_MODULE(_ffi, m) {
   m.def(
       "registrations",
       [] {
+        auto capsule = [](auto fn) { return nb::capsule(reinterpret_cast<void*>(fn)); };
+        auto staged = [&](auto instantiate, auto execute) {
+          nb::dict stages;
+          stages["instantiate"] = capsule(instantiate);
+          stages["execute"] = capsule(execute);
+          return stages;
+        };
         nb::dict d;
-        d["ft_jax_slot_fill"] = nb::capsule(reinterpret_cast<void*>(FtJaxSlotFill));
-        d["ft_jax_host_experts"] = nb::capsule(reinterpret_cast<void*>(FtJaxHostExperts));
-        d["ft_jax_slot_experts"] = nb::capsule(reinterpret_cast<void*>(FtJaxSlotExperts));
+        d["ft_jax_slot_fill"] = staged(FtJaxSlotFillInstantiate, FtJaxSlotFill);
+        d["ft_jax_host_experts"] = staged(FtJaxHostExpertsInstantiate, FtJaxHostExperts);
+        d["ft_jax_slot_experts"] = capsule(FtJaxSlotExperts);
+        d["ft_jax_linear"] = capsule(FtJaxLinear);
         return d;
       },
-      "dict target name -> PyCapsule of the XLA FFI handler (CPU platform).");
+      "dict target name -> PyCapsule of the XLA FFI handler, or a dict stage -> PyCapsule (CPU platform).");
+
+  m.def(
+      "types",
+      [] {
+        nb::dict info;
+        info["type_id"] = nb::capsule(FtJaxBoundBanksTypeId());
+        info["type_info"] = nb::capsule(FtJaxBoundBanksTypeInfo());
+        nb::dict d;
+        d["ft_jax_bound_banks"] = info;
+        return d;
+      },
+      "dict type name -> {type_id, type_info} PyCapsules of the FFI state types (register before the targets).");
 
   m.def(
       "dtype_codes",
@@ -99,17 +119,6 @@ NB_MODULE(_ffi, m) {
       },
       nb::arg("id"), "Writable uint8 numpy view [nbytes] of the bank memory (keeps it alive). ValueError if not live.");
 
-  m.def("live_bank_count", &ft_jax::LiveBankCount);
-
-  m.def("num_threads", [] { return ft_jax::ThreadPool::Global().num_threads(); },
-        "Threads (including the caller) used by the host expert kernel.");
-  m.def(
-      "set_num_threads",
-      [](int n) {
-        if (n < 1) throw nb::value_error("set_num_threads: n must be >= 1");
-        ft_jax::ThreadPool::Global().Resize(n);
-      },
-      nb::arg("n"), "Resizes the kernel thread pool (do not call while a compiled step runs).");
   m.def("kernel_isa", &ft_jax::KernelIsa, "'avx2' or 'generic': the inner loop the expert kernel uses.");
   m.def("force_generic_kernel", &ft_jax::ForceGenericKernel, nb::arg("force"),
         "Force the portable inner loop (tests) or restore the automatic choice.");

@@ -130,6 +130,7 @@ bool ReleaseBank(int64_t id) {
   auto it = r.banks.find(id);
   if (it == r.banks.end()) return false;
   doomed = std::move(it->second);
+  doomed->MarkReleased();
   r.banks.erase(it);
   return true;
 }

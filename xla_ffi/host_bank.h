@@ -22,6 +22,7 @@
 #endif
 
 #ifdef __cplusplus
+#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -68,6 +69,9 @@ class Bank {
   const uint8_t* row(int64_t r) const { return data_ + static_cast<size_t>(r) * row_bytes(); }
   // "bank 3 ([16, 128, 64] bfloat16)" for error messages.
   std::string Describe() const;
+  // True once ReleaseBank dropped it from the registry (holders may still read it; handlers report an error).
+  bool released() const { return released_.load(std::memory_order_acquire); }
+  void MarkReleased() { released_.store(true, std::memory_order_release); }
 
  private:
   int64_t id_;
@@ -78,6 +82,7 @@ class Bank {
   size_t row_elems_;
   size_t mapped_bytes_;
   uint8_t* data_;
+  std::atomic<bool> released_{false};
 };
 
 // Creates a bank and registers it; returns the registered shared_ptr (ids start at 1 and are never reused).

@@ -1,11 +1,13 @@
 // host_experts and slot_experts: the routed-expert MLP computed on the CPU by the shared kernel in
-// expert_kernel.{h,cc}. host_experts reads expert weights from two host banks (attributes), slot_experts from the
-// slot pool operands [S, 2I, H] and [S, H, I]. ids < 0 are skipped; y is f32 [T, H].
+// expert_kernel.{h,cc}, on the caller's XLA thread pool. host_experts reads expert weights from two host banks
+// (attribute banks = [gate_up, down], bound once per executable: bank_state.h), slot_experts from the slot pool
+// operands [S, 2I, H] and [S, H, I]. ids < 0 are skipped; a call with no route returns zeros at once; y is f32 [T, H].
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/bank_state.h"
 #include "xla_ffi/expert_kernel.h"
 #include "xla_ffi/ffi_handlers.h"
 #include "xla_ffi/host_bank.h"
@@ -69,19 +71,33 @@ const float* PrepareInputs(const char* op, ffi::AnyBuffer x, I32Matrix ids, F32M
   return x32.data();
 }
 
-ffi::Error HostExpertsImpl(ffi::AnyBuffer x, I32Matrix ids, F32Matrix weights, F32MatrixResult y,
-                           int64_t gate_up_id, int64_t down_id, std::string_view activation) {
+// True when at least one route is computed (ids >= 0): a call with none returns zeros at once.
+bool AnyRoute(I32Matrix ids) {
+  const int32_t* p = ids.typed_data();
+  for (size_t i = 0, n = ids.element_count(); i < n; ++i)
+    if (p[i] >= 0) return true;
+  return false;
+}
+
+void Zero(F32MatrixResult& y) { std::memset(y->typed_data(), 0, y->element_count() * sizeof(float)); }
+
+ffi::Error HostExpertsImpl(ffi::ThreadPool pool, BoundBanks* bound, ffi::AnyBuffer x, I32Matrix ids,
+                           F32Matrix weights, F32MatrixResult y, ffi::Span<const int64_t> /*banks: in `bound`*/,
+                           std::string_view activation) {
   constexpr const char* kOp = "host_experts";
+  if (!AnyRoute(ids)) {
+    Zero(y);
+    return ffi::Error::Success();
+  }
   Activation act;
   if (!ParseActivation(activation, &act)) {
     return ffi::Error::InvalidArgument(std::string(kOp) + ": unknown activation '" + std::string(activation) +
                                        "' (expected 'silu' or 'gelu_tanh')");
   }
-  // Both shared_ptrs keep the banks alive until we return, even if released meanwhile.
-  std::shared_ptr<Bank> gu = FindBank(gate_up_id);
-  if (!gu) return ffi::Error::InvalidArgument(std::string(kOp) + ": gate_up " + MissingBankMessage(gate_up_id));
-  std::shared_ptr<Bank> dn = FindBank(down_id);
-  if (!dn) return ffi::Error::InvalidArgument(std::string(kOp) + ": down " + MissingBankMessage(down_id));
+  if (bound->banks.size() != 2) return ffi::Error::InvalidArgument("host_experts: expected 2 banks (gate_up, down)");
+  if (ffi::Error err = CheckBanksLive(kOp, *bound); err.failure()) return err;
+  const Bank* gu = bound->banks[0].get();
+  const Bank* dn = bound->banks[1].get();
   int64_t T, H, k;
   std::string err;
   const float* x32 = PrepareInputs(kOp, x, ids, weights, y, &T, &H, &k, &err);
@@ -110,13 +126,23 @@ ffi::Error HostExpertsImpl(ffi::AnyBuffer x, I32Matrix ids, F32Matrix weights, F
   if (!err.empty()) return ffi::Error::InvalidArgument(std::string(kOp) + ": flat " + err);
   ExpertWeights m{gu->data(), gu->row_bytes(), gu->dtype_code(), dn->data(), dn->row_bytes(), dn->dtype_code(),
                   gu->num_rows(), H, I};
-  RunExperts(m, x32, ids.typed_data(), weights.typed_data(), T, k, act, y->typed_data());
+  RunExperts(m, x32, ids.typed_data(), weights.typed_data(), T, k, act, y->typed_data(), pool);
   return ffi::Error::Success();
 }
 
-ffi::Error SlotExpertsImpl(ffi::AnyBuffer x, I32Matrix ids, F32Matrix weights, ffi::AnyBuffer gate_up_slots,
-                           ffi::AnyBuffer down_slots, F32MatrixResult y, std::string_view activation) {
+ffi::ErrorOr<std::unique_ptr<BoundBanks>> HostExpertsInstantiate(ffi::Span<const int64_t> banks,
+                                                                  std::string_view /*activation*/) {
+  return BindBanks("host_experts", banks);
+}
+
+ffi::Error SlotExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, I32Matrix ids, F32Matrix weights,
+                           ffi::AnyBuffer gate_up_slots, ffi::AnyBuffer down_slots, F32MatrixResult y,
+                           std::string_view activation) {
   constexpr const char* kOp = "slot_experts";
+  if (!AnyRoute(ids)) {
+    Zero(y);
+    return ffi::Error::Success();
+  }
   Activation act;
   if (!ParseActivation(activation, &act)) {
     return ffi::Error::InvalidArgument(std::string(kOp) + ": unknown activation '" + std::string(activation) +
@@ -149,25 +175,32 @@ ffi::Error SlotExpertsImpl(ffi::AnyBuffer x, I32Matrix ids, F32Matrix weights, f
   const size_t dn_stride = static_cast<size_t>(H * I) * BankDTypeSize(dt);
   ExpertWeights m{static_cast<const uint8_t*>(gate_up_slots.untyped_data()), gu_stride, gt,
                   static_cast<const uint8_t*>(down_slots.untyped_data()), dn_stride, dt, S, H, I};
-  RunExperts(m, x32, ids.typed_data(), weights.typed_data(), T, k, act, y->typed_data());
+  RunExperts(m, x32, ids.typed_data(), weights.typed_data(), T, k, act, y->typed_data(), pool);
   return ffi::Error::Success();
 }
 
 }  // namespace
 }  // namespace ft_jax
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxHostExpertsInstantiate, ft_jax::HostExpertsInstantiate,
+                              ffi::Ffi::BindInstantiate()
+                                  .Attr<ffi::Span<const int64_t>>("banks")
+                                  .Attr<std::string_view>("activation"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxHostExperts, ft_jax::HostExpertsImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ctx<ffi::State<ft_jax::BoundBanks>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ft_jax::I32Matrix>()
                                   .Arg<ft_jax::F32Matrix>()
                                   .Ret<ft_jax::F32Matrix>()
-                                  .Attr<int64_t>("gate_up_bank")
-                                  .Attr<int64_t>("down_bank")
+                                  .Attr<ffi::Span<const int64_t>>("banks")
                                   .Attr<std::string_view>("activation"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxSlotExperts, ft_jax::SlotExpertsImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ft_jax::I32Matrix>()
                                   .Arg<ft_jax::F32Matrix>()

@@ -1,7 +1,9 @@
-// slot_fill: copies host bank rows into device slots, in place.
-//   slots_out[slot_ids[n]] = bank[flat_ids[n]] for every n with flat_ids[n] >= 0 and slot_ids[n] >= 0.
-// The slots operand is aliased to the result (jax.ffi.ffi_call input_output_aliases={0: 0}); with the operand
-// donated XLA passes the same buffer in and out, so only the N rows move. CPU: one copy per row; rows of at least
+// slot_fill: copies host bank rows into device slot pools, in place, for any number of pools at once.
+//   pool_p[slot_ids[n]] = bank_p[flat_ids[n]] for every pool p and every n with flat_ids[n] >= 0, slot_ids[n] >= 0.
+// operands: flat_ids i32[N], slot_ids i32[N], pool_0 .. pool_{P-1} ([S, *row_shape_p], aliased to result p);
+// attribute banks: i64[P] bank ids (bound once per executable at the instantiate stage, bank_state.h).
+// With the pools donated XLA passes the same buffers in and out, so only the N rows move; a call whose ids are all
+// padding returns at once. CPU: one copy per row; rows of at least
 // 256 KiB use non-temporal (streaming) stores on x86-64 with AVX2, which skip the read-for-ownership of the
 // destination (about 7 GB/s here against 5.5 GB/s for memcpy), smaller rows use memcpy.
 #include <algorithm>
@@ -13,6 +15,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/bank_state.h"
 #include "xla_ffi/ffi_handlers.h"
 #include "xla_ffi/host_bank.h"
 
@@ -76,74 +79,80 @@ void CopyRows(uint8_t* out, const Bank& bank, const int32_t* fid, const int32_t*
 #endif
 }
 
-std::string ShapeString(ffi::AnyBuffer::Dimensions dims, size_t from) {
-  std::string s = "[";
-  for (size_t i = from; i < dims.size(); ++i) s += (i > from ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
+// Checks one pool against its bank; the message (built only on error) names the pool and the bank.
+ffi::Error CheckPool(size_t p, ffi::AnyBuffer pool, const Bank& bank) {
+  const auto dims = pool.dimensions();
+  bool ok = dims.size() == bank.row_shape().size() + 1 &&
+            static_cast<int32_t>(pool.element_type()) == bank.dtype_code();
+  for (size_t i = 1; ok && i < dims.size(); ++i) ok = dims[i] == bank.row_shape()[i - 1];
+  if (ok) return ffi::Error::Success();
+  std::string shape = "[";
+  for (size_t i = 0; i < dims.size(); ++i) shape += (i ? ", " : "") + std::to_string(dims[i]);
+  return ffi::Error::InvalidArgument("slot_fill: pool " + std::to_string(p) + " " + shape + "] " +
+                                     BankDTypeName(static_cast<int32_t>(pool.element_type())) +
+                                     " does not hold rows of " + bank.Describe());
 }
 
-ffi::Error SlotFillImpl(ffi::AnyBuffer slots_in, I32Vector flat_ids, I32Vector slot_ids,
-                        ffi::Result<ffi::AnyBuffer> slots_out, int64_t bank_id) {
-  std::shared_ptr<Bank> bank = FindBank(bank_id);  // keeps the bank alive until we return
-  if (!bank) return ffi::Error::InvalidArgument("slot_fill: " + MissingBankMessage(bank_id));
-  const auto dims = slots_in.dimensions();
-  if (dims.size() < 1) return ffi::Error::InvalidArgument("slot_fill: slots must have rank >= 1 [S, *row_shape]");
-  const int32_t dtype = static_cast<int32_t>(slots_in.element_type());
-  if (dtype != bank->dtype_code()) {
-    return ffi::Error::InvalidArgument("slot_fill: dtype mismatch for " + bank->Describe() + ": expected " +
-                                       BankDTypeName(bank->dtype_code()) + " slots, got " + BankDTypeName(dtype));
-  }
-  bool row_ok = dims.size() - 1 == bank->row_shape().size();
-  for (size_t i = 1; row_ok && i < dims.size(); ++i) row_ok = dims[i] == bank->row_shape()[i - 1];
-  if (!row_ok) {
-    std::string expected = "[";
-    for (size_t i = 0; i < bank->row_shape().size(); ++i)
-      expected += (i ? ", " : "") + std::to_string(bank->row_shape()[i]);
-    expected += "]";
-    const size_t got_bytes = slots_in.size_bytes() / static_cast<size_t>(std::max<int64_t>(dims[0], 1));
-    return ffi::Error::InvalidArgument("slot_fill: row shape mismatch for " + bank->Describe() + ": slots " +
-                                       ShapeString(dims, 0) + " have rows " + ShapeString(dims, 1) + " (" +
-                                       std::to_string(got_bytes) + " bytes), expected rows " + expected + " (" +
-                                       std::to_string(bank->row_bytes()) + " bytes)");
-  }
-  const int64_t n = flat_ids.element_count();
+ffi::Error SlotFillImpl(BoundBanks* bound, I32Vector flat_ids, I32Vector slot_ids, ffi::RemainingArgs pools,
+                        ffi::RemainingRets outs, ffi::Span<const int64_t> /*banks: in `bound`*/) {
+  const int64_t n = static_cast<int64_t>(flat_ids.element_count());
   if (slot_ids.element_count() != static_cast<size_t>(n)) {
     return ffi::Error::InvalidArgument("slot_fill: flat_ids has " + std::to_string(n) + " entries but slot_ids has " +
                                        std::to_string(slot_ids.element_count()));
   }
-  const int64_t num_slots = dims[0];
   const int32_t* fid = flat_ids.typed_data();
   const int32_t* sid = slot_ids.typed_data();
-  // Validate everything before the first copy so a bad call leaves the slots untouched.
-  for (int64_t i = 0; i < n; ++i) {
-    if (fid[i] < 0 || sid[i] < 0) continue;
-    if (fid[i] >= bank->num_rows()) {
-      return ffi::Error::InvalidArgument("slot_fill: flat id " + std::to_string(fid[i]) + " (entry " +
-                                         std::to_string(i) + ") is out of range for " + bank->Describe() +
-                                         ": expected -1 or 0.." + std::to_string(bank->num_rows() - 1));
-    }
-    if (sid[i] >= num_slots) {
-      return ffi::Error::InvalidArgument("slot_fill: slot id " + std::to_string(sid[i]) + " (entry " +
-                                         std::to_string(i) + ") is out of range for " + std::to_string(num_slots) +
-                                         " slots: expected -1 or 0.." + std::to_string(num_slots - 1));
+  int64_t valid = 0;
+  for (int64_t i = 0; i < n; ++i) valid += fid[i] >= 0 && sid[i] >= 0;
+  if (valid == 0) return ffi::Error::Success();  // nothing to copy: the pools are aliased, already in place
+  const size_t num_pools = bound->banks.size();
+  if (pools.size() != num_pools || outs.size() != num_pools) {
+    return ffi::Error::InvalidArgument("slot_fill: " + std::to_string(pools.size()) + " pools for " +
+                                       std::to_string(num_pools) + " banks");
+  }
+  if (ffi::Error err = CheckBanksLive("slot_fill", *bound); err.failure()) return err;
+  for (size_t p = 0; p < num_pools; ++p) {
+    auto in = pools.get<ffi::AnyBuffer>(p);
+    auto out = outs.get<ffi::AnyBuffer>(p);
+    if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("slot_fill: bad pool operand");
+    const Bank& bank = *bound->banks[p];
+    if (ffi::Error err = CheckPool(p, *in, bank); err.failure()) return err;
+    const int64_t num_slots = in->dimensions()[0];
+    // Validate everything before the first copy so a bad call leaves the pools untouched.
+    for (int64_t i = 0; i < n; ++i) {
+      if (fid[i] < 0 || sid[i] < 0) continue;
+      if (fid[i] >= bank.num_rows() || sid[i] >= num_slots) {
+        return ffi::Error::InvalidArgument(
+            "slot_fill: entry " + std::to_string(i) + ": flat id " + std::to_string(fid[i]) + " / slot id " +
+            std::to_string(sid[i]) + " out of range for " + bank.Describe() + " and " + std::to_string(num_slots) +
+            " slots (expected -1 or 0..num_rows-1 / 0..slots-1)");
+      }
     }
   }
-  uint8_t* out = static_cast<uint8_t*>(slots_out->untyped_data());
-  if (out != slots_in.untyped_data()) {
-    // Not aliased (should not happen with input_output_aliases): keep the functional semantics.
-    std::memcpy(out, slots_in.untyped_data(), slots_in.size_bytes());
+  for (size_t p = 0; p < num_pools; ++p) {
+    ffi::AnyBuffer in = *pools.get<ffi::AnyBuffer>(p);
+    uint8_t* dst = static_cast<uint8_t*>((*outs.get<ffi::AnyBuffer>(p))->untyped_data());
+    if (dst != in.untyped_data()) std::memcpy(dst, in.untyped_data(), in.size_bytes());  // not aliased: stay functional
+    CopyRows(dst, *bound->banks[p], fid, sid, n);
   }
-  CopyRows(out, *bank, fid, sid, n);
   return ffi::Error::Success();
+}
+
+ffi::ErrorOr<std::unique_ptr<BoundBanks>> SlotFillInstantiate(ffi::Span<const int64_t> banks) {
+  return BindBanks("slot_fill", banks);
 }
 
 }  // namespace
 }  // namespace ft_jax
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxSlotFillInstantiate, ft_jax::SlotFillInstantiate,
+                              ffi::Ffi::BindInstantiate().Attr<ffi::Span<const int64_t>>("banks"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxSlotFill, ft_jax::SlotFillImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
+                                  .Ctx<ffi::State<ft_jax::BoundBanks>>()
                                   .Arg<ft_jax::I32Vector>()
                                   .Arg<ft_jax::I32Vector>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("bank"));
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("banks"));

@@ -1,19 +1,18 @@
 """Router rules of the supported MoE families (docs/DESIGN.md section 6).
 
-All four supported families use the same rule with one switch, as in transformers 5.x
+Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE share one rule with one switch, as in transformers 5.x
 (MixtralTopKRouter, Qwen2MoeTopKRouter, Qwen3MoeTopKRouter, OlmoeTopKRouter):
 
-    logits = x @ W_router.T                      (model dtype, then float32)
     probs  = softmax(logits, axis=-1)            (float32, over all E experts)
     w, ids = top_k(probs, k)                     (descending; ties -> lower expert id)
-    w      = w / sum(w)   if renormalise         (Mixtral: always; Qwen2/Qwen3-MoE, OLMoE: norm_topk_prob)
+    w      = w / sum(w)   if norm_topk_prob      (Mixtral's config always sets it)
 
 The combine weights returned are the ones the experts' outputs are multiplied by.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,61 +33,22 @@ class Routing(NamedTuple):
     topk_weights: jax.Array
 
 
-def softmax_topk(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
-    """Softmax over experts (float32), top-k, optional renormalisation of the k probabilities.
+def route(cfg: MoEConfig, logits: jax.Array, valid: jax.Array | None = None) -> Routing:
+    """Route N tokens with the family rule of ``cfg`` (module docstring).
 
     Args:
-        logits: f32/bf16[N, E] router logits.
-        top_k: k (static).
-        renormalize: divide the k probabilities by their sum.
-    Returns:
-        (topk_ids i32[N, k], topk_weights f32[N, k]), ordered by descending probability.
-    """
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [N, E]
-    weights, ids = jax.lax.top_k(probs, top_k)  # [N, k], [N, k]
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return ids.astype(jnp.int32), weights
-
-
-def mixtral_route(logits: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
-    """Mixtral: softmax over E, top-k, always renormalised (MixtralTopKRouter)."""
-    return softmax_topk(logits, cfg.top_k, renormalize=True)
-
-
-def qwen_moe_route(logits: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
-    """Qwen2-MoE / Qwen3-MoE: softmax over E, top-k, renormalised only if cfg.norm_topk_prob."""
-    return softmax_topk(logits, cfg.top_k, renormalize=cfg.norm_topk_prob)
-
-
-def olmoe_route(logits: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
-    """OLMoE: softmax over E, top-k, renormalised only if cfg.norm_topk_prob."""
-    return softmax_topk(logits, cfg.top_k, renormalize=cfg.norm_topk_prob)
-
-
-ROUTE_RULES: dict[str, Callable[[jax.Array, MoEConfig], tuple[jax.Array, jax.Array]]] = {
-    "mixtral": mixtral_route,
-    "qwen2_moe": qwen_moe_route,
-    "qwen3_moe": qwen_moe_route,
-    "olmoe": olmoe_route,
-}
-
-
-def route(cfg: MoEConfig, x: jax.Array, router_weight: jax.Array, valid: jax.Array | None = None) -> Routing:
-    """Route N tokens with the family rule of ``cfg``.
-
-    Args:
-        cfg: model config (family, top_k, norm_topk_prob).
-        x: f32/bf16[N, H] hidden states after post_attention_layernorm.
-        router_weight: [E, H] router (gate) weight, Hugging Face layout.
+        cfg: model config (top_k, norm_topk_prob).
+        logits: f32[N, E] router logits (x @ W_router.T, rounded to the model dtype as transformers computes them).
         valid: optional bool[N]; tokens with False (padding) get topk_ids -1 and topk_weights 0, so no
             expert backend sees them as active.
     Returns:
         Routing(logits f32[N, E], topk_ids i32[N, k], topk_weights f32[N, k]).
     """
-    logits = jnp.einsum("nh,eh->ne", x, router_weight, precision=jax.lax.Precision.HIGHEST)  # [N, E]
-    logits = logits.astype(jnp.float32)
-    ids, weights = ROUTE_RULES[cfg.family](logits, cfg)
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [N, E]
+    weights, ids = jax.lax.top_k(probs, cfg.top_k)  # [N, k], [N, k]
+    if cfg.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    ids = ids.astype(jnp.int32)
     if valid is not None:
         ids = jnp.where(valid[:, None], ids, -1)
         weights = jnp.where(valid[:, None], weights, 0.0)

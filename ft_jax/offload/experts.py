@@ -4,7 +4,7 @@
 
   1. active mask bool[E] from the router's top-k ids
   2. expert_cache.plan_layer: hits, the F fetched misses (F from the policy), host misses, victim slots, tables
-  3. slot_fill FFI (in place): bank rows -> victim slots, for the gate_up and the down slot arrays
+  3. slot_fill FFI (in place): bank rows -> victim slots of the gate_up and the down slot arrays, in one call
   4. slot_experts FFI: every (t, j) route whose expert is in a slot, read straight from the slot arrays
   5. host_experts FFI: every (t, j) route whose expert is a host miss, read straight from the host banks
   6. output = device part + host part (each route is computed exactly once: the slot and host route masks partition
@@ -86,12 +86,12 @@ class OffloadedExperts:
         down = jnp.zeros((num_slots, *self.down_bank.row_shape), self.down_bank.dtype)  # [S, H, I]
         return OffloadState(cache, gate_up, down)
 
-    def __call__(self, moe_layer: int, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
+    def __call__(self, moe_layer, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
                  state: OffloadState) -> tuple[jax.Array, OffloadState]:
         """Routed-experts output of one MoE layer.
 
         Args:
-            moe_layer: MoE layer index in [0, L) (Python int).
+            moe_layer: MoE layer index in [0, L): i32[] (traced inside the layer scan) or a Python int.
             x: f32|bf16[N, H] tokens entering the experts (after the post-attention norm).
             topk_ids: i32[N, k] expert ids in [0, E); -1 = no expert (padding token).
             topk_weights: f32[N, k] combine weights.
@@ -110,10 +110,9 @@ class OffloadedExperts:
             # slot_experts read, so XLA copied the whole pool before every fill (8 copies per step on 4 layers).
             gate_up_slots, down_slots = state.gate_up_slots, state.down_slots
         else:
-            gate_up_slots = ffi_ops.slot_fill(state.gate_up_slots, plan.fill_flat_ids, plan.fill_slot_ids,
-                                              self.gate_up_bank)  # [S, 2I, H], in place
-            down_slots = ffi_ops.slot_fill(state.down_slots, plan.fill_flat_ids, plan.fill_slot_ids,
-                                           self.down_bank)  # [S, H, I], in place
+            gate_up_slots, down_slots = ffi_ops.slot_fill(
+                (state.gate_up_slots, state.down_slots), plan.fill_flat_ids, plan.fill_slot_ids,
+                (self.gate_up_bank, self.down_bank))  # [S, 2I, H], [S, H, I]: one call, in place
 
         routed = topk_ids >= 0  # bool[N, k]; -1 = padding token, no expert
         ids = jnp.where(routed, topk_ids, 0)  # i32[N, k], safe to index with

@@ -1,7 +1,8 @@
 """JAX wrappers of the ft_jax XLA FFI handlers (registered for the CPU platform by ``import ft_jax``).
 
-Per-step data (ids, weights, activations, slot arrays) are operands; host banks are compile-time attributes
-(their integer ids), so one compiled step replays for any routing. Every wrapper checks shapes, dtypes and bank
+Per-step data (ids, weights, activations, slot arrays, layer indices) are operands; host banks are compile-time
+attributes (their integer ids, bound to the executable once at XLA's instantiate stage), so one compiled step
+replays for any routing. The handlers run on the caller's XLA thread pool. Every wrapper checks shapes, dtypes and bank
 liveness at trace time and raises TypeError / ValueError naming the problem; the C++ handlers repeat the checks
 and also reject out-of-range ids, which only exist at run time: the call then raises
 jax.errors.JaxRuntimeError (or ValueError when jit's C++ fast path dispatched it) with a message naming the id and
@@ -57,42 +58,80 @@ def _expect_activation(op: str, activation: str) -> str:
     return activation
 
 
-def slot_fill(slots, flat_ids, slot_ids, bank: HostBank):
-    """Copies host bank rows into slots: result[slot_ids[n]] = bank[flat_ids[n]] for every n with both ids >= 0.
+def slot_fill(pools, flat_ids, slot_ids, banks):
+    """Copies host bank rows into slot pools, one call for every pool: pools[p][slot_ids[n]] = banks[p][flat_ids[n]]
+    for every n with both ids >= 0 (e.g. pools = (gate_up_slots, down_slots), banks = (gate_up_bank, down_bank)).
 
     Args:
-      slots: [S, *bank.row_shape], dtype bank.dtype. Aliased to the result (input_output_aliases): call under
-        jax.jit with the slots argument donated (donate_argnums) and XLA updates the buffer in place, copying only
-        the N rows.
+      pools: sequence of P arrays [S, *banks[p].row_shape] of dtype banks[p].dtype, same S. Each is aliased to its
+        result (input_output_aliases): call under jax.jit with the pools donated and XLA updates the buffers in
+        place, copying only the N rows.
       flat_ids: i32[N] bank rows (flat expert ids); < 0 = padding.
       slot_ids: i32[N] destination slots; < 0 = padding.
-      bank: a live HostBank.
+      banks: sequence of P live HostBanks.
 
     Returns:
-      [S, *row_shape] slots with the rows replaced (same dtype).
+      tuple of P pools with the rows replaced (same shapes and dtypes). A call whose ids are all padding returns at
+      once.
 
     Raises:
-      TypeError / ValueError at trace time for wrong dtypes or shapes or a released bank. Out-of-range ids fail
-      at run time (JAX runtime error naming the id and the bank); the slots are left untouched then.
+      TypeError / ValueError at trace time for wrong dtypes or shapes, a pool count that differs from the bank count
+      or a released bank. Out-of-range ids fail at run time (JAX runtime error naming the id and the bank); the pools
+      are left untouched then.
     """
     op = "slot_fill"
-    bank = _expect_bank(op, "bank", bank)
-    shape, dtype = _shape_dtype(slots, op, "slots")
-    if dtype != bank.dtype:
-        raise TypeError(f"{op}: slots dtype {dtype.name} does not match bank {bank.id} dtype {bank.dtype.name}")
-    if len(shape) < 1 or shape[1:] != bank.row_shape:
-        raise ValueError(
-            f"{op}: slots must be [S, *row_shape] with row_shape {bank.row_shape} of bank {bank.id} "
-            f"({bank.row_bytes} bytes per row), got shape {shape}"
-        )
+    pools, banks = tuple(pools), tuple(banks)
+    if not pools or len(pools) != len(banks):
+        raise ValueError(f"{op}: need one bank per pool, got {len(pools)} pools and {len(banks)} banks")
+    num_slots = None
+    for p, (pool, bank) in enumerate(zip(pools, banks)):
+        bank = _expect_bank(op, f"banks[{p}]", bank)
+        shape, dtype = _shape_dtype(pool, op, f"pools[{p}]")
+        if dtype != bank.dtype:
+            raise TypeError(f"{op}: pools[{p}] dtype {dtype.name} does not match bank {bank.id} dtype {bank.dtype.name}")
+        if len(shape) < 1 or shape[1:] != bank.row_shape:
+            raise ValueError(f"{op}: pools[{p}] must be [S, *row_shape] with row_shape {bank.row_shape} of bank "
+                             f"{bank.id} ({bank.row_bytes} bytes per row), got shape {shape}")
+        if num_slots is not None and shape[0] != num_slots:
+            raise ValueError(f"{op}: pools[{p}] has {shape[0]} slots, pools[0] has {num_slots}")
+        num_slots = shape[0]
     (n,), _ = _expect(op, "flat_ids", flat_ids, 1, (np.dtype(np.int32),), "[N]")
     (n2,), _ = _expect(op, "slot_ids", slot_ids, 1, (np.dtype(np.int32),), "[N]")
     if n != n2:
         raise ValueError(f"{op}: flat_ids has {n} entries but slot_ids has {n2}")
     call = jax.ffi.ffi_call(
-        "ft_jax_slot_fill", jax.ShapeDtypeStruct(shape, dtype), input_output_aliases={0: 0}
+        "ft_jax_slot_fill", tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pools),
+        input_output_aliases={2 + p: p for p in range(len(pools))},
     )
-    return call(slots, flat_ids, slot_ids, bank=np.int64(bank.id))
+    return tuple(call(flat_ids, slot_ids, *pools, banks=np.array([b.id for b in banks], np.int64)))
+
+
+def linear(x, w, layer=0):
+    """Dense projection y = x @ w[layer].T with float32 accumulation, reading each weight once (the CPU handler).
+
+    Args:
+      x: f32 or bf16 [N, K] activations.
+      w: f32 or bf16 [L, O, K] stack of L weights in Hugging Face [out, in] layout, or [O, K] (L = 1).
+      layer: i32[] or Python int: which weight of the stack (traced values are fine: the scanned decode step
+        passes its layer index, and the handler reads that weight in place, without a copy of the slice).
+
+    Returns:
+      f32[N, O].
+
+    Raises:
+      TypeError / ValueError at trace time for dtypes or shapes; a layer outside [0, L) fails at run time.
+    """
+    op = "linear"
+    (N, K), _ = _expect(op, "x", x, 2, _WEIGHT_DTYPES, "[N, K]")
+    wshape, _ = _shape_dtype(w, op, "w")
+    _expect(op, "w", w, len(wshape) if len(wshape) in (2, 3) else 3, _WEIGHT_DTYPES, "[L, O, K] or [O, K]")
+    if wshape[-1] != K:
+        raise ValueError(f"{op}: x [{N}, {K}] and w {list(wshape)} disagree on K (the input width)")
+    layer = jnp.asarray(layer, jnp.int32)
+    if layer.shape != ():
+        raise ValueError(f"{op}: layer must be a scalar, got shape {layer.shape}")
+    call = jax.ffi.ffi_call("ft_jax_linear", jax.ShapeDtypeStruct((N, wshape[-2]), jnp.float32))
+    return call(x, w, layer)
 
 
 def _check_expert_inputs(op: str, x, ids, weights, ids_name: str) -> tuple[int, int, int]:
@@ -142,9 +181,7 @@ def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activa
     if down.num_rows != gate_up.num_rows:
         raise ValueError(f"{op}: gate_up {bank_desc(gate_up)} and down {bank_desc(down)} hold different expert counts")
     call = jax.ffi.ffi_call("ft_jax_host_experts", jax.ShapeDtypeStruct((T, H), jnp.float32))
-    return call(
-        x, flat_ids, weights, gate_up_bank=np.int64(gate_up.id), down_bank=np.int64(down.id), activation=activation
-    )
+    return call(x, flat_ids, weights, banks=np.array([gate_up.id, down.id], np.int64), activation=activation)
 
 
 def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: str = "silu"):

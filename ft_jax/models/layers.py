@@ -1,0 +1,113 @@
+"""Building blocks shared by the model families: dense projection, RMSNorm, activations, rotary embeddings.
+
+Weights keep Hugging Face layouts ([out, in]); a stack of like layers adds a leading axis ([n, out, in]) and is
+indexed with a traced layer index inside the scanned decoder (ft_jax/models/decoder.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ft_jax.offload import ffi_ops
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def linear(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
+    """y[..., o] = sum_k x[..., k] * w[layer, o, k] with float32 accumulation.
+
+    On the CPU backend this is the ``ft_jax_linear`` FFI call (ffi_ops.linear), which reads the weight in place at
+    memory bandwidth whatever the shapes; XLA:CPU's own bf16 matrix-vector products reach that only for a fused
+    vector of < 16 KiB or a YNNPACK dot with >= 2 rows, and it converts a dynamically sliced bf16 weight stack to
+    float32 as a whole (measured: docs/DESIGN.md sec. 5). Other backends use XLA's dot on ``w[layer]``.
+
+    Args:
+        x: f32 | bf16 [..., K] activations.
+        w: f32 | bf16 [n, O, K] stack of weights with ``layer`` an i32[] index (traced or int), or [O, K] with
+            layer None.
+        layer: index into the stack, or None for a single [O, K] weight.
+    Returns:
+        f32[..., O].
+    Raises:
+        ValueError: K of x and w differ, or ``layer`` is missing for a stack / given for a single weight.
+    """
+    if (layer is None) != (w.ndim == 2):
+        raise ValueError(f"linear: a [n, O, K] stack needs a layer index and an [O, K] weight none; got w "
+                         f"{w.shape} with layer {layer!r}")
+    K, O = w.shape[-1], w.shape[-2]
+    if x.shape[-1] != K:
+        raise ValueError(f"linear: x {x.shape} does not end in K = {K} of w {w.shape}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)  # [N, K]
+    index = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
+
+    def on_cpu(x2, w, index):
+        return ffi_ops.linear(x2, w, index)
+
+    def elsewhere(x2, w, index):
+        wl = w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, index, keepdims=False)  # [O, K]
+        return jax.lax.dot_general(x2.astype(wl.dtype), wl, (((1,), (1,)), ((), ())), precision=HIGHEST,
+                                   preferred_element_type=jnp.float32)
+
+    y = jax.lax.platform_dependent(x2, w, index, cpu=on_cpu, default=elsewhere)  # f32[N, O]
+    return y.reshape(*lead, O)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """weight * (x / sqrt(mean(x^2, -1) + eps)), computed in float32 and cast back to x.dtype before the scale
+    (transformers' LlamaRMSNorm / MixtralRMSNorm / Qwen*RMSNorm / OlmoeRMSNorm). x: [..., D]; weight: [D]."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def activation_fn(name: str) -> Callable[[jax.Array], jax.Array]:
+    """Activation by expert-kernel name: "silu" (x * sigmoid(x)) or "gelu_tanh" (tanh-approximated GELU).
+
+    Raises:
+        NotImplementedError: another name.
+    """
+    if name == "silu":
+        return jax.nn.silu
+    if name == "gelu_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    raise NotImplementedError(f"activation {name!r} (supported: silu, gelu_tanh)")
+
+
+def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, layer, activation: str) -> jax.Array:
+    """down(act(gate(x)) * up(x)) of the dense MLPs and shared experts, from stacked weights.
+
+    Args:
+        x: [..., H] in the model dtype.
+        gate_up: [n, 2I, H] (rows 0..I-1 gate_proj, I..2I-1 up_proj: one read of both); down: [n, H, I].
+        layer: i32[] index into the stacks.
+        activation: "silu" | "gelu_tanh".
+    Returns:
+        [..., H] in x.dtype (each projection rounded to x.dtype, as transformers does).
+    """
+    inter = down.shape[-1]
+    gu = linear(x, gate_up, layer).astype(x.dtype)  # [..., 2I]
+    a = activation_fn(activation)(gu[..., :inter]) * gu[..., inter:]  # [..., I]
+    return linear(a, down, layer).astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """Default RoPE tables (transformers' default rope init; Su et al. 2021, RoFormer): inv_freq[i] = theta^(-2i/D)
+    for i < D/2; angle = position * inv_freq, duplicated to D. positions: i32[B, T]. Returns (cos, sin) f32[B, T, D]."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.int32).astype(jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, D]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x * cos + rotate_half(x) * sin with rotate_half(x) = concat(-x2, x1). x: [B, T, heads, D];
+    cos, sin: f32[B, T, D] (cast to x.dtype, as transformers does)."""
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rot * sin

@@ -1,0 +1,426 @@
+"""Bandwidth profile of the q* policy (DESIGN.md sections 1 and 7): measure BP, BH and the contended pair; store them.
+
+At one expert size (H, I, dtype; an expert is a gate_up row [2I, H] plus a down row [H, I]), with the production
+FFI handlers, in GB/s (1e9 bytes/s) of expert weight bytes:
+- BP: ``ffi_ops.slot_fill`` under jax.jit, slot arrays donated (filled in place), n experts per call;
+- BH: ``ffi_ops.host_experts`` under jax.jit, one token routed to n distinct experts;
+- BPc, BHc: both loops at once in two threads (JAX releases the GIL while a computation runs, so they execute
+  concurrently, as in the decode step where the fill and the host GEMV have no data dependency).
+Rows and slots rotate past twice the last-level cache (``Bench``); each value is the median of timed windows
+(``measure_rates``) with the min-max spread. Quick mode: 3 windows of 0.04 s, a few seconds in all.
+
+Store: JSON at ``platformdirs.user_cache_path("ft_jax") / "profiles.json"`` (Linux: $XDG_CACHE_HOME/ft_jax, else
+~/.cache/ft_jax), ``{"schema_version": 1, "profiles": [Profile fields, ...]}``, one entry per ``machine_key``.
+Saving holds an fcntl lock on ``.profiles.json.lock`` for its read-modify-write and replaces the file atomically.
+Entries that do not parse are dropped (measured again). A file that looks like a store (JSON object text
+mentioning "profiles" or "schema_version") but does not parse is damaged: ignored with a warning and moved aside to
+``profiles.json.corrupt`` (``.corrupt.1``, ...) by the next save. Anything else is never written over.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import fcntl
+import itertools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+GB = 1e9  # bandwidths are GB/s = 1e9 bytes/s
+KEY_FIELDS = ("platform", "device_kind", "cpu_model", "cpu_count", "dtype", "expert_bytes")
+MODES = {"quick": {"repeats": 3, "min_time": 0.04, "call_bytes": 16 << 20},
+         "full": {"repeats": 7, "min_time": 0.25, "call_bytes": 64 << 20}}
+
+
+class NotAStoreError(OSError):
+    """The profile path exists but is not an ft_jax profile store (a directory, a FIFO, unreadable, other content)."""
+
+
+def dtype_name(dtype: Any) -> str:
+    """"bfloat16" or "float32" for "bf16"/"bfloat16"/"f32"/"float32" (any case) or a numpy/jax dtype.
+
+    Raises ValueError for any other dtype."""
+    import numpy as np
+
+    name = dtype.lower() if isinstance(dtype, str) else np.dtype(dtype).name
+    name = {"bf16": "bfloat16", "f32": "float32"}.get(name, name)
+    if name not in ("bfloat16", "float32"):
+        raise ValueError(f"expert dtype: expected bf16, bfloat16, f32 or float32, got {dtype!r}")
+    return name
+
+
+def expert_nbytes(hidden_size: int, intermediate_size: int, dtype: Any) -> int:
+    """Bytes of one expert: gate_up [2I, H] + down [H, I] = 3 * H * I * itemsize (2 for bfloat16, 4 for float32)."""
+    return 3 * int(hidden_size) * int(intermediate_size) * {"bfloat16": 2, "float32": 4}[dtype_name(dtype)]
+
+
+def machine_key(dtype: Any, expert_bytes: int) -> dict[str, Any]:
+    """Store key of this process: the first jax device's platform and device_kind, the host CPU model (first "model
+    name" of /proc/cpuinfo, else platform.processor()), os.cpu_count(), the expert dtype name and bytes."""
+    import jax
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() in ("model name", "Model", "cpu model") and value.strip():
+                    cpu = value.strip()
+                    break
+    except OSError:
+        pass
+    device = jax.devices()[0]
+    return {"platform": str(device.platform), "device_kind": str(device.device_kind),
+            "cpu_model": cpu or platform.processor() or platform.machine() or "unknown",
+            "cpu_count": int(os.cpu_count() or 1), "dtype": dtype_name(dtype), "expert_bytes": int(expert_bytes)}
+
+
+def describe_machine(key: dict[str, Any]) -> str:
+    """E.g. "cpu/cpu, host CPU 'AMD EPYC' x 2" (the machine fields of a key)."""
+    return f"{key['platform']}/{key['device_kind']}, host CPU {key['cpu_model']!r} x {key['cpu_count']}"
+
+
+@dataclasses.dataclass
+class Profile:
+    """One bandwidth profile; bandwidths in GB/s, medians over ``repeats`` timed windows, > 0.
+
+    key: machine_key; bp, bh: slot fill / host expert GEMV alone; bp_contended, bh_contended: the same while both
+    run (None in stores written without the pair); spreads: {"bp": [min, max], ...}; measured_at: ISO 8601 UTC;
+    details: working_set_bytes, llc_bytes, experts_per_call, seconds, load_average_1m, jax_version.
+    """
+
+    key: dict[str, Any]
+    bp: float
+    bh: float
+    bp_contended: float | None
+    bh_contended: float | None
+    spreads: dict[str, list[float]]
+    repeats: int
+    quick: bool
+    measured_at: str
+    hidden_size: int
+    intermediate_size: int
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def fraction(self) -> float:
+        """Fetch fraction q*/m, ``policy.fraction_from_bandwidth``: BPc / (BPc + BHc) with the contended pair, else
+        min(1, BP / BH). Raises ValueError for a bandwidth that is not a positive finite number."""
+        from ft_jax.offload import policy
+
+        return float(policy.fraction_from_bandwidth(self.bp, self.bh, self.bp_contended, self.bh_contended))
+
+    def summary(self) -> str:
+        """One line: BP, BH, the contended pair and the fetch fraction."""
+        pair = (f", contended BP {self.bp_contended:.2f} / BH {self.bh_contended:.2f} GB/s"
+                if self.bp_contended is not None else "")
+        return f"BP {self.bp:.2f} GB/s, BH {self.bh:.2f} GB/s{pair}, fetch fraction {self.fraction():.3f}"
+
+
+# --- Measuring harness (also used by scripts/bench_ffi.py) -----------------------------------------------------------
+
+
+def last_level_cache_bytes() -> int:
+    """Largest data/unified cache of cpu0 (/sys/devices/system/cpu/cpu0/cache/index*/{type,size}), else 32 MiB."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (entry / "type").read_text().strip() != "Instruction":
+                text = (entry / "size").read_text().strip().upper()  # e.g. "32768K"
+                sizes.append(int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=32 << 20)
+
+
+class Bench:
+    """Host banks, slot arrays and the jitted production FFI calls at one expert size (H, I, dtype).
+
+    The banks hold 2R experts (rows [0, R) feed the fill, [R, 2R) the GEMV), the slots S = R (gate_up [S, 2I, H],
+    down [S, H, I]). Call j of a loop uses rows (j*n + i) mod R (and slots), i < n = ceil(call_bytes / expert_bytes),
+    R = max(n, ceil(2 * LLC / expert_bytes), 2). ``fill()`` / ``gemv()`` run the next call and block; ``gemv``
+    routes ``tokens`` tokens (x f32[T, H]) to the same n experts. Attributes: expert_bytes, n, nbytes (bytes per
+    call = n * expert_bytes), rows (R), llc_bytes, gate_up, down (HostBank), fill_rows, gemv_rows (the rotation:
+    np.int32[n] bank rows of call j at j % len; fill_rows are also the slots). A context manager: leaving it
+    releases the banks. Raises ValueError: a size < 1, a bad dtype, or banks + slots over half the host memory.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *,
+                 call_bytes: int = 16 << 20, tokens: int = 1):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from ft_jax.offload import ffi_ops
+        from ft_jax.offload.host_bank import HostBank
+
+        H, I = int(hidden_size), int(intermediate_size)
+        if min(H, I, tokens) < 1:
+            raise ValueError(f"bandwidth: H, I and tokens must be >= 1, got H={H}, I={I}, tokens={tokens}")
+        self.expert_bytes, self.llc_bytes = eb, llc = expert_nbytes(H, I, dtype), last_level_cache_bytes()
+        self.n = n = max(1, math.ceil(call_bytes / eb))
+        self.rows = R = max(n, math.ceil(2 * llc / eb), 2)
+        self.nbytes, ram = n * eb, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if 3 * R * eb > ram // 2:
+            raise ValueError(f"bandwidth: measuring {eb / 2**20:.1f} MiB experts needs {3 * R * eb / 2**20:.0f} MiB "
+                             f"of banks and slots, over half of the {ram / 2**20:.0f} MiB of host memory")
+        np_dtype = jnp.bfloat16 if dtype_name(dtype) == "bfloat16" else np.float32
+        self.gate_up, self.down = HostBank(2 * R, (2 * I, H), np_dtype), HostBank(2 * R, (H, I), np_dtype)
+        for bank in (self.gate_up, self.down):
+            bank.numpy()[...] = np.asarray(0.01, np_dtype)  # touch every page: no first-touch faults while timed
+        self._slots = (jnp.array(np.zeros((R, 2 * I, H), np_dtype)), jnp.array(np.zeros((R, H, I), np_dtype)))
+
+        def rotation(period: int, offset: int) -> list:  # the distinct calls of (j*n + i) mod period
+            return [np.arange(j * n, (j + 1) * n, dtype=np.int32) % period + offset
+                    for j in range(period // math.gcd(period, n))]
+
+        self.fill_rows, self.gemv_rows = rotation(R, 0), rotation(R, R)
+        self._rows = [jnp.asarray(r) for r in self.fill_rows]  # each i32[n]: bank rows and slots
+        self._ids = [jnp.asarray(np.tile(r, (tokens, 1))) for r in self.gemv_rows]  # each i32[T, n]
+        self._x = jnp.asarray(np.linspace(-1.0, 1.0, tokens * H, dtype=np.float32).reshape(tokens, H))  # f32[T, H]
+        self._w = jnp.full((tokens, n), 1.0 / n, jnp.float32)  # f32[T, n]
+        gate_up, down = self.gate_up, self.down
+        self._fill = jax.jit(lambda gu, dn, rows, slots: (ffi_ops.slot_fill(gu, rows, slots, gate_up),
+                                                          ffi_ops.slot_fill(dn, rows, slots, down)),
+                             donate_argnums=(0, 1))
+        self._gemv = jax.jit(lambda x, ids, w: ffi_ops.host_experts(x, ids, w, gate_up, down))  # f32[T, H]
+        self._calls = itertools.count(), itertools.count()  # call indices j of fill(), gemv()
+
+    def fill(self) -> None:
+        j = next(self._calls[0])
+        rows = self._rows[j % len(self._rows)]
+        self._slots = self._fill(*self._slots, rows, rows)
+        for slots in self._slots:
+            slots.block_until_ready()
+
+    def gemv(self) -> None:
+        j = next(self._calls[1])
+        self._gemv(self._x, self._ids[j % len(self._ids)], self._w).block_until_ready()
+
+    def __enter__(self) -> "Bench":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._slots = ()
+        self.gate_up.release()
+        self.down.release()
+
+
+def measure_rates(calls: dict[str, tuple[Callable[[], Any], int]], repeats: int,
+                  min_time: float) -> dict[str, tuple[float, float, float]]:
+    """GB/s {name: (median, min, max)} over ``repeats`` rounds of blocking calls {name: (call, bytes per call)}.
+
+    Each call runs once first (warm-up, compilation); in every round each call in turn runs until ``min_time``
+    seconds have passed (at least once), so the variants alternate and see the same machine state."""
+    for call, _ in calls.values():
+        call()
+    rates: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, (call, nbytes) in calls.items():
+            count, t0 = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - t0) < min_time or count == 0:
+                call()
+                count += 1
+            rates[name].append(count * nbytes / elapsed / GB)
+    return {name: (statistics.median(v), min(v), max(v)) for name, v in rates.items()}
+
+
+def contended_rates(fill: Callable[[], Any], gemv: Callable[[], Any], nbytes: int,
+                    window: float) -> tuple[float, float]:
+    """(fill GB/s, gemv GB/s) with both loops running at once in two threads for ``window`` seconds.
+
+    The loops start together (a barrier); each counts the calls that ended within its window (at least the first),
+    so every counted call overlapped the other loop. ``nbytes`` per call; an exception in a loop is re-raised."""
+    barrier = threading.Barrier(2)
+
+    def loop(call: Callable[[], Any]) -> float:
+        barrier.wait()
+        start, ends = time.perf_counter(), []
+        while not ends or ends[-1] < start + window:
+            call()
+            ends.append(time.perf_counter())
+        inside = [t for t in ends if t <= start + window] or ends[:1]
+        return len(inside) * nbytes / (inside[-1] - start) / GB
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(loop, fill), pool.submit(loop, gemv)]
+        return futures[0].result(), futures[1].result()
+
+
+def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *, quick: bool = False,
+                    repeats: int | None = None, progress: bool = False) -> Profile:
+    """Measure BP, BH and the contended pair at expert size (H, I, dtype) on the default jax device.
+
+    quick: MODES["quick"] (a few seconds) instead of MODES["full"]; repeats: timed windows per bandwidth (default
+    the mode's), >= 1; progress: show the stage on stderr when it is a terminal.
+    Returns a Profile keyed by machine_key (details["load_average_1m"]: 1-minute load average afterwards).
+    Raises ValueError: bad sizes, dtype or repeats, or the working set does not fit (Bench).
+    """
+    import jax
+
+    mode = MODES["quick" if quick else "full"]
+    repeats = mode["repeats"] if repeats is None else int(repeats)
+    if repeats < 1:
+        raise ValueError(f"bandwidth: repeats must be >= 1, got {repeats}")
+
+    def stage(text: str) -> None:
+        if progress and sys.stderr.isatty():
+            sys.stderr.write(f"\r\033[K{text}")
+            sys.stderr.flush()
+
+    t0 = time.perf_counter()
+    stage("ft-jax profile: allocating host banks and slots")
+    with Bench(hidden_size, intermediate_size, dtype, call_bytes=mode["call_bytes"]) as b:
+        stage("ft-jax profile: slot fill (BP) and host GEMV (BH), each alone")
+        rates = measure_rates({"bp": (b.fill, b.nbytes), "bh": (b.gemv, b.nbytes)}, repeats, mode["min_time"])
+        window = max(2 * mode["min_time"], 4 * b.nbytes / GB / min(rates["bp"][0], rates["bh"][0]))  # >= ~4 calls
+        stage("ft-jax profile: contended pair (both at once)")
+        pairs = [contended_rates(b.fill, b.gemv, b.nbytes, window) for _ in range(repeats)]
+    stage("")
+    for i, name in enumerate(("bp_contended", "bh_contended")):
+        values = [pair[i] for pair in pairs]
+        rates[name] = (statistics.median(values), min(values), max(values))
+    return Profile(
+        key=machine_key(dtype, b.expert_bytes), bp=rates["bp"][0], bh=rates["bh"][0],
+        bp_contended=rates["bp_contended"][0], bh_contended=rates["bh_contended"][0],
+        spreads={name: [lo, hi] for name, (_, lo, hi) in rates.items()}, repeats=repeats, quick=quick,
+        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        hidden_size=int(hidden_size), intermediate_size=int(intermediate_size),
+        details={"working_set_bytes": 3 * b.rows * b.expert_bytes, "llc_bytes": b.llc_bytes,
+                 "experts_per_call": b.n, "seconds": round(time.perf_counter() - t0, 3),
+                 "load_average_1m": round(os.getloadavg()[0], 2), "jax_version": jax.__version__})
+
+
+# --- Store -----------------------------------------------------------------------------------------------------------
+
+
+def default_store_path() -> Path:
+    """``platformdirs.user_cache_path("ft_jax") / "profiles.json"`` (Linux: $XDG_CACHE_HOME or ~/.cache)."""
+    import platformdirs
+
+    return platformdirs.user_cache_path("ft_jax") / "profiles.json"
+
+
+def read_profiles(path: str | os.PathLike | None = None) -> tuple[list[Profile], str]:
+    """(every entry of the store that parses, "" or why the whole file is damaged); a missing file gives ([], "").
+
+    An empty file counts as damaged (what a crash can leave). Raises NotAStoreError: the path is not a regular
+    file, not UTF-8 text, or text that is not an ft_jax store."""
+    path = Path(path) if path is not None else default_store_path()
+    if not os.path.lexists(path):
+        return [], ""
+    not_ours = f"{path} is not an ft_jax bandwidth profile store"
+    if not path.is_file():
+        raise NotAStoreError(f"{not_ours} (not a regular file)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise NotAStoreError(f"{not_ours} ({getattr(e, 'strerror', None) or 'not UTF-8 text'})") from None
+    if text.strip() and not (text.lstrip().startswith("{") and ('"profiles"' in text or '"schema_version"' in text)):
+        raise NotAStoreError(f"{not_ours} (no 'schema_version' and 'profiles' fields)")
+    try:
+        doc = json.loads(text)
+        if doc.get("schema_version") != 1 or not isinstance(doc.get("profiles"), list):
+            raise ValueError("expected schema_version 1 and a 'profiles' list")
+    except ValueError as e:
+        return [], f"{path} is a damaged ft_jax bandwidth profile store ({e})"
+    profiles = []
+    for entry in doc["profiles"]:
+        try:
+            profile = Profile(**entry)
+            profile.fraction()  # ValueError unless every bandwidth is a positive finite number
+            if sorted(profile.key) == sorted(KEY_FIELDS):
+                profiles.append(profile)
+        except (TypeError, ValueError):
+            continue  # a cache entry that does not parse: measured again
+    return profiles, ""
+
+
+def save_profile(profile: Profile, path: str | os.PathLike | None = None) -> tuple[Path, str]:
+    """Store ``profile`` in place of the entry with its key; returns (the path written, "" or a note such as
+    " (moved the damaged store to PATH.corrupt)": a damaged store goes to .corrupt, .corrupt.1, ..., with a warning).
+
+    Under an exclusive fcntl lock on .NAME.lock in the same folder: read, merge, write a temporary file, os.replace
+    (readers see the old or the new file). Raises NotAStoreError (the path is left untouched) or OSError."""
+    path = Path(path) if path is not None else default_store_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    note = ""
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the lock file closes
+        profiles, damaged = read_profiles(path)
+        if damaged:
+            names = (path.with_name(f"{path.name}.corrupt{f'.{i}' if i else ''}") for i in itertools.count())
+            aside = next(p for p in names if not os.path.lexists(p))
+            os.rename(path, aside)
+            note = f" (moved the damaged store to {aside})"
+            warnings.warn(f"{damaged}: moved it to {aside}", stacklevel=2)
+        entries = [dataclasses.asdict(p) for p in profiles if p.key != profile.key] + [dataclasses.asdict(profile)]
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"schema_version": 1, "profiles": entries}, f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    return path, note
+
+
+def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *,
+                           allow_measure: bool = True, path: str | os.PathLike | None = None, save: bool = True,
+                           progress: bool = False) -> tuple[Profile | None, str]:
+    """(the profile decoding uses for experts (H, I, dtype) on this machine, or None; a one-line message).
+
+    1. The stored profile for machine_key (a damaged store or a path that is not a store is ignored with a
+    UserWarning; profiles of other machines are ignored and named in the message). 2. Else, if ``allow_measure``,
+    a quick profile, saved unless ``save`` is False (a failed save is told in the message; the profile is still
+    returned). 3. Else, or if the quick profile fails (ValueError, MemoryError, OSError): None and a UserWarning;
+    decoding then uses the fixed-cap 1 policy. ``path``: the store (default default_store_path()).
+    """
+    key = machine_key(dtype, expert_nbytes(hidden_size, intermediate_size, dtype))
+    store = Path(path) if path is not None else default_store_path()
+    try:
+        profiles, damaged = read_profiles(store)
+    except NotAStoreError as e:
+        profiles, damaged = [], str(e)
+    if damaged:
+        warnings.warn(f"{damaged}; ignoring it", stacklevel=2)
+    found = [p for p in profiles if p.key == key]
+    if found:
+        return found[-1], (f"using the bandwidth profile stored in {store} (measured {found[-1].measured_at}): "
+                           f"{found[-1].summary()}")
+    notes = [f"{damaged}; ignoring it"] if damaged else []
+    notes.append(f"no bandwidth profile of this machine for {key['dtype']} experts of "
+                 f"{key['expert_bytes'] / 2**20:.2f} MiB in {store}")
+    others = sorted({describe_machine(p.key) for p in profiles} - {describe_machine(key)})
+    if others:
+        notes.append(f"ignoring the profiles of another machine ({'; '.join(others)}); this is {describe_machine(key)}")
+    why = "; ".join(notes)
+    if not allow_measure:
+        msg = f"{why}; measuring is off: falling back to the fixed-cap 1 policy (run `ft-jax profile` to measure)"
+        warnings.warn(msg, stacklevel=2)
+        return None, msg
+    try:
+        profile = measure_profile(hidden_size, intermediate_size, dtype, quick=True, progress=progress)
+    except (ValueError, MemoryError, OSError) as e:
+        msg = f"{why}; the quick bandwidth profile failed ({e}): falling back to the fixed-cap 1 policy"
+        warnings.warn(msg, stacklevel=2)
+        return None, msg
+    where = ""
+    if save:
+        try:
+            where = ", saved to {}{}".format(*save_profile(profile, store))
+        except OSError as e:  # includes NotAStoreError: decoding goes on with the unsaved profile
+            where = f", not saved: {e}"
+    return profile, (f"{why}; ran a quick bandwidth profile ({profile.details['seconds']:.1f} s{where}): "
+                     f"{profile.summary()}; run `ft-jax profile` for a full one")

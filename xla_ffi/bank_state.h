@@ -1,0 +1,39 @@
+// Host banks bound to a compiled executable once, at XLA FFI's instantiate stage.
+//
+// Handlers that read host banks name them by integer id (compile-time attributes). Looking an id up in the bank
+// registry takes its mutex, so the instantiate stage does it once per executable and keeps the banks alive in a
+// BoundBanks state; the execute stage reads the state (no lock, no allocation) and only checks each bank's
+// `released` flag, so a step that runs after HostBank.release() still returns an error naming the bank instead of
+// reading memory the user gave up.
+#ifndef FT_JAX_XLA_FFI_BANK_STATE_H_
+#define FT_JAX_XLA_FFI_BANK_STATE_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/host_bank.h"
+
+namespace ft_jax {
+
+struct BoundBanks {
+  static xla::ffi::TypeId id;  // registered with jax.ffi.register_ffi_type("ft_jax_bound_banks", ...)
+  std::vector<std::shared_ptr<Bank>> banks;
+};
+
+// The instantiate stage: looks up every id; an error names the op and the missing bank.
+xla::ffi::ErrorOr<std::unique_ptr<BoundBanks>> BindBanks(const char* op, xla::ffi::Span<const int64_t> ids);
+
+// The execute stage's check: Success, or an error naming the op and the first released bank.
+xla::ffi::Error CheckBanksLive(const char* op, const BoundBanks& bound);
+
+}  // namespace ft_jax
+
+// Type registration for Python (nanobind module) and ctypes users: the TypeId and its TypeInfo (deleter).
+extern "C" {
+__attribute__((visibility("default"))) void* FtJaxBoundBanksTypeId();
+__attribute__((visibility("default"))) void* FtJaxBoundBanksTypeInfo();
+}
+
+#endif  // FT_JAX_XLA_FFI_BANK_STATE_H_

@@ -1,0 +1,154 @@
+// linear: the dense projections of the decoder on the CPU backend, reading every weight once per call.
+//   y[n, o] = sum_k x[n, k] * w[layer, o, k]
+// operands: x f32|bf16 [N, K]; w f32|bf16 [L, O, K] (a stack of L like layers; rank 2 [O, K] means L = 1);
+//           layer s32[] (which matrix of the stack)
+// result:   y f32 [N, O] (float32 accumulation)
+// Why a handler: XLA:CPU runs a bf16 matrix-vector product at memory bandwidth only in narrow cases (a fused
+// vector of < 16 KiB, or a YNNPACK dot with at least 2 rows), and a dynamic slice of a stacked bf16 weight (one layer
+// of a lax.scan) is converted to float32 as a whole, outside the loop (docs/DESIGN.md sec. 5). This handler takes the
+// whole stack and the layer index as operands, so the scanned decode step reads each layer's weights in place.
+// Output rows are split over the caller's XLA thread pool; tokens go 4 (or 2, 1) per pass over a weight row, so a
+// prefill of N tokens reads each weight block from memory once and from cache N/4 times.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/dot_kernels.h"
+#include "xla_ffi/ffi_handlers.h"
+#include "xla_ffi/host_bank.h"
+#include "xla_ffi/parallel.h"
+
+namespace ffi = xla::ffi;
+
+namespace ft_jax {
+namespace {
+
+using F32Matrix = ffi::Buffer<ffi::DataType::F32, 2>;
+using F32MatrixResult = ffi::ResultBuffer<ffi::DataType::F32, 2>;
+using I32Scalar = ffi::Buffer<ffi::DataType::S32, 0>;
+
+constexpr size_t kParallelMinBytes = size_t{1} << 20;  // below: the caller alone (waking helpers costs more)
+constexpr size_t kTaskBytes = size_t{256} << 10;       // weight bytes per task (fits L2 while the tokens pass)
+
+// Rows [o0, o1) of y for all N tokens: y[n, o] = dot(w[o], x[n]).
+template <typename W>
+void LinearRows(bool avx2, const W* w, const float* x, int64_t N, int64_t K, int64_t o0, int64_t o1, int64_t O,
+                float* y) {
+  float out[8];
+  for (int64_t o = o0; o < o1;) {
+    const int64_t nrows = o + 4 <= o1 ? 4 : 1;
+    for (int64_t n = 0; n < N;) {
+      const int64_t left = N - n;
+      const float* xs[4];
+      for (int q = 0; q < 4; ++q) xs[q] = x + (n + std::min<int64_t>(q, left - 1)) * K;
+      if (left >= 4) {
+        for (int64_t r = 0; r < nrows; r += 2) {
+          if (nrows == 4) {
+            const W* rows[2] = {w + (o + r) * K, w + (o + r + 1) * K};
+            Dot<W, 2, 4>(avx2, rows, xs, K, out);
+            for (int q = 0; q < 2; ++q)
+              for (int t = 0; t < 4; ++t) y[(n + t) * O + o + r + q] = out[q * 4 + t];
+          } else {
+            const W* rows[1] = {w + o * K};
+            Dot<W, 1, 4>(avx2, rows, xs, K, out);
+            for (int t = 0; t < 4; ++t) y[(n + t) * O + o] = out[t];
+          }
+        }
+        n += 4;
+      } else if (nrows == 4) {
+        const W* rows[4] = {w + o * K, w + (o + 1) * K, w + (o + 2) * K, w + (o + 3) * K};
+        const int64_t nt = std::min<int64_t>(left, 2);
+        if (nt == 2) {
+          Dot<W, 4, 2>(avx2, rows, xs, K, out);
+        } else {
+          Dot<W, 4, 1>(avx2, rows, xs, K, out);
+        }
+        for (int q = 0; q < 4; ++q)
+          for (int t = 0; t < nt; ++t) y[(n + t) * O + o + q] = out[q * nt + t];
+        n += nt;
+      } else {
+        const W* rows[1] = {w + o * K};
+        Dot<W, 1, 1>(avx2, rows, xs, K, out);
+        y[n * O + o] = out[0];
+        n += 1;
+      }
+    }
+    o += nrows;
+  }
+}
+
+template <typename W>
+void RunLinear(const W* w, const float* x, int64_t N, int64_t K, int64_t O, float* y, ffi::ThreadPool& pool) {
+  const bool avx2 = UseAvx2();
+  const size_t row_bytes = static_cast<size_t>(K) * sizeof(W);
+  const int64_t threads = row_bytes * static_cast<size_t>(O) >= kParallelMinBytes ? LoopThreads(pool) : 1;
+  if (threads <= 1) {
+    LinearRows<W>(avx2, w, x, N, K, 0, O, O, y);
+    return;
+  }
+  int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(kTaskBytes / row_bytes));
+  rows = std::min(rows, (O + 4 * threads - 1) / (4 * threads));  // at least 4 tasks per thread
+  rows = (std::max<int64_t>(rows, 1) + 3) / 4 * 4;
+  const int64_t tasks = (O + rows - 1) / rows;
+  ParallelFor(pool, tasks, [&](int64_t t) {
+    LinearRows<W>(avx2, w, x, N, K, t * rows, std::min(O, (t + 1) * rows), O, y);
+  });
+}
+
+// x as float32: the buffer itself, or a converted copy of bf16 data in a per-thread buffer.
+const float* XAsF32(ffi::AnyBuffer x, size_t n) {
+  if (x.element_type() == ffi::DataType::F32) return static_cast<const float*>(x.untyped_data());
+  thread_local std::vector<float> x32;
+  if (x32.size() < n) x32.resize(n);
+  const uint16_t* src = static_cast<const uint16_t*>(x.untyped_data());
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(&x32[i], &bits, sizeof(float));
+  }
+  return x32.data();
+}
+
+bool IsWeightType(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, I32Scalar layer, F32MatrixResult y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || !IsWeightType(x.element_type()) ||
+      !IsWeightType(w.element_type())) {
+    return ffi::Error::InvalidArgument("linear: x must be f32|bf16 [N, K] and w f32|bf16 [L, O, K] or [O, K]");
+  }
+  const int64_t L = wd.size() == 3 ? wd[0] : 1, O = wd[wd.size() - 2], K = wd[wd.size() - 1], N = xd[0];
+  if (xd[1] != K || y->dimensions()[0] != N || y->dimensions()[1] != O) {
+    return ffi::Error::InvalidArgument("linear: x [" + std::to_string(N) + ", " + std::to_string(xd[1]) +
+                                       "] does not match w [.., " + std::to_string(O) + ", " + std::to_string(K) +
+                                       "] or the result shape");
+  }
+  const int32_t l = *layer.typed_data();
+  if (l < 0 || l >= L) {
+    return ffi::Error::InvalidArgument("linear: layer " + std::to_string(l) + " is out of range for a stack of " +
+                                       std::to_string(L) + " weights");
+  }
+  if (N == 0 || O == 0) return ffi::Error::Success();
+  const float* x32 = XAsF32(x, static_cast<size_t>(N * K));
+  const size_t offset = static_cast<size_t>(l) * static_cast<size_t>(O * K);
+  if (w.element_type() == ffi::DataType::BF16) {
+    RunLinear<uint16_t>(static_cast<const uint16_t*>(w.untyped_data()) + offset, x32, N, K, O, y->typed_data(), pool);
+  } else {
+    RunLinear<float>(static_cast<const float*>(w.untyped_data()) + offset, x32, N, K, O, y->typed_data(), pool);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace ft_jax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxLinear, ft_jax::LinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ft_jax::I32Scalar>()
+                                  .Ret<ft_jax::F32Matrix>());
