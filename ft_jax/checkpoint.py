@@ -1,9 +1,19 @@
 """Load a Hugging Face MoE checkpoint: dense weights to the device, expert weights streamed into host banks.
 
 Files: ``model.safetensors`` (single file) or ``model.safetensors.index.json`` (sharded; its ``weight_map``
-names the shard of every tensor). The safetensors format (github.com/huggingface/safetensors): 8-byte
-little-endian header length N, N bytes of JSON ``{name: {dtype, shape, data_offsets: [begin, end]}, ...,
-"__metadata__": {...}}``, then the data section (offsets are relative to its start, byte 8 + N).
+names the shard of every tensor: plain file names in the model folder). The safetensors format
+(github.com/huggingface/safetensors, README "Format"): 8-byte little-endian header length N, N bytes of UTF-8 JSON
+``{name: {dtype, shape, data_offsets: [begin, end]}, ..., "__metadata__": {...}}``, then the data section (offsets
+are relative to its start, byte 8 + N). The README's rules are enforced as the reference reader does: no duplicate
+keys, a header of at most 100 MB, and "the byte buffer needs to be entirely indexed, and cannot contain holes":
+the tensors' byte ranges, sorted, tile the data section exactly (no overlap, no gap, nothing after the last one).
+
+Non-finite weights: the README notes that "tensor values are not checked against, in particular NaN and +/-Inf
+could be in the file". A NaN or Inf weight silently turns every logit into NaN (greedy decoding then emits token 0),
+so every float tensor is checked as it is read: a bit test on the raw exponent field (all ones = Inf or NaN in
+IEEE 754 binary16/32/64 and bfloat16), done as two max reductions over the raw bits (no temporary, no float math)
+on each 1 MiB piece right after it lands in memory, while it is still in cache (see _has_non_finite and
+scripts/bench_finite_check.py).
 
 Tensors are read with plain positioned reads straight into their destination (a host-bank row or a temporary
 numpy array of one tensor), not through a memory map: a mapped checkpoint's pages count in the process RSS while
@@ -33,24 +43,42 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ft_jax.config import MoEConfig, load_config
+from ft_jax.config import MoEConfig, check_regular_file, file_present, load_config, read_json_file
 from ft_jax.models.decoder import MoETransformer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
+# The header size limit of the reference implementation (safetensors' MAX_HEADER_SIZE, 100 MB).
+MAX_HEADER_BYTES = 100_000_000
+
 _ST_DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "U16": np.dtype(np.uint16), "U32": np.dtype(np.uint32), "U64": np.dtype(np.uint64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 _FLOAT_NP = tuple(_ST_DTYPES[k] for k in ("F64", "F32", "F16", "BF16"))
 
+# Float dtype -> (unsigned int, signed int of the same width, exponent field mask). An element is Inf or NaN iff its
+# exponent bits are all ones (IEEE 754: binary64 11 bits, binary32 8, binary16 5; bfloat16 = the top half of a
+# binary32, 8 bits).
+_EXPONENT_MASKS: dict[np.dtype, tuple[type, type, int]] = {
+    np.dtype(np.float64): (np.uint64, np.int64, 0x7FF0_0000_0000_0000),
+    np.dtype(np.float32): (np.uint32, np.int32, 0x7F80_0000),
+    np.dtype(np.float16): (np.uint16, np.int16, 0x7C00), np.dtype(ml_dtypes.bfloat16): (np.uint16, np.int16, 0x7F80),
+}
+# Bytes per positioned read: small enough that the finite check reads the piece from cache (L2 is 1-2 MiB on
+# current x86 cores), large enough that the per-read overhead is negligible.
+_READ_CHUNK_BYTES = 1 << 20
+
 
 class CheckpointError(Exception):
-    """A checkpoint that cannot be loaded: missing/truncated/corrupted file, missing tensor, wrong shape or dtype.
+    """A checkpoint that cannot be loaded: missing/unreadable/truncated/corrupted file, a header that breaks the
+    safetensors rules, an unsafe shard name, a missing tensor, wrong shape or dtype, or NaN/Inf weights.
 
-    The message names the file and, where one is involved, the tensor."""
+    The message is one line naming the file and, where one is involved, the tensor."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,16 +92,66 @@ class TensorInfo:
     nbytes: int
 
 
+def _no_duplicate_keys(path: str):
+    def hook(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise CheckpointError(f"{path}: corrupted safetensors header: duplicate key {key!r} (the format "
+                                      "forbids duplicate keys)")
+            seen.add(key)
+        return dict(pairs)
+
+    return hook
+
+
+def _header_entry(path: str, name: str, entry: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry, each field checked for type and consistency."""
+
+    def bad(what: str):
+        return CheckpointError(f"{path}: tensor {name!r}: corrupted header entry {entry!r} ({what})")
+
+    if not isinstance(entry, dict):
+        raise bad("not an object")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
+    if missing:
+        raise bad(f"missing {', '.join(missing)}")
+    if entry["dtype"] not in _ST_DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r}: unsupported dtype {entry['dtype']!r} (supported: "
+                              f"{', '.join(_ST_DTYPES)})")
+    dtype = _ST_DTYPES[entry["dtype"]]
+
+    def is_uint(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(is_uint(d) for d in shape):
+        raise bad("shape must be a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_uint(o) for o in offsets):
+        raise bad("data_offsets must be [begin, end], non-negative integers")
+    begin, end = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if end < begin or end - begin != nbytes:
+        raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {[begin, end]} do not match shape "
+                              f"{list(shape)} x {dtype.itemsize} bytes (corrupted header)")
+    return dtype, tuple(shape), begin, end
+
+
 def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
     """Parse and validate one safetensors file's header (reads only the header).
 
+    Returns:
+        {tensor name: TensorInfo} (absolute offsets in bytes); ``__metadata__`` is skipped.
     Raises:
-        CheckpointError: file missing, shorter than its header says (truncated), header not valid JSON
-            (corrupted), unknown dtype, or a tensor whose byte range is inconsistent with its shape or lies
-            beyond the end of the file (truncated). Messages name the file and the tensor.
+        CheckpointError: the file is missing, unreadable (the cause is named) or not a regular file (a FIFO is
+            refused before it is opened, so a load never blocks on it); shorter than its header says (truncated);
+            header longer than 100 MB, not UTF-8 JSON or with duplicate keys (corrupted); an unknown dtype; a tensor
+            whose byte range is inconsistent with its shape or lies beyond the end of the file (truncated); byte
+            ranges that overlap, leave a gap, or leave bytes after the last tensor (the format requires the data
+            section to be tiled exactly). Messages name the file and the tensor(s).
     """
+    size = check_regular_file(path, "a safetensors checkpoint file", CheckpointError).st_size
     try:
-        size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -82,35 +160,58 @@ def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
             if n > size - 8:
                 raise CheckpointError(f"{path}: truncated or corrupted safetensors file: header length {n} but "
                                       f"the file has {size} bytes")
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: corrupted safetensors file: header length {n} bytes exceeds the "
+                                      f"format's limit of {MAX_HEADER_BYTES} bytes")
             raw = f.read(n)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: checkpoint file not found") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the safetensors file: {e.strerror or e}") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: corrupted safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupted safetensors header (not a JSON object)")
-    data_start = 8 + n
-    out = {}
+    data_start, data_size = 8 + n, size - 8 - n
+    out, ranges = {}, []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = _ST_DTYPES[entry["dtype"]]
-            shape = tuple(int(s) for s in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: tensor {name!r}: corrupted header entry {entry!r} ({e!r})") from None
-        nbytes = math.prod(shape) * dtype.itemsize
-        if end - begin != nbytes or begin < 0:
-            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {[begin, end]} do not match shape "
-                                  f"{list(shape)} x {dtype.itemsize} bytes (corrupted header)")
-        if data_start + end > size:
+        dtype, shape, begin, end = _header_entry(path, name, entry)
+        if end > data_size:
             raise CheckpointError(f"{path}: truncated file: tensor {name!r} needs bytes "
                                   f"{data_start + begin}..{data_start + end} but the file has {size} bytes")
-        out[name] = TensorInfo(path, dtype, shape, data_start + begin, nbytes)
+        out[name] = TensorInfo(path, dtype, shape, data_start + begin, end - begin)
+        ranges.append((begin, end, name))
+    # Tiling (README: "entirely indexed, and cannot contain holes"); zero-byte tensors may sit at any boundary.
+    ranges.sort()
+    covered, last = 0, None
+    for begin, end, name in ranges:
+        if begin < covered:
+            raise CheckpointError(f"{path}: corrupted safetensors header: tensor {name!r} (data_offsets "
+                                  f"{[begin, end]}) overlaps tensor {last[2]!r} (data_offsets {list(last[:2])}); "
+                                  "the format forbids tensors sharing bytes")
+        if begin > covered:
+            raise CheckpointError(f"{path}: corrupted safetensors header: bytes {covered}..{begin} of the data "
+                                  f"section (before tensor {name!r}) belong to no tensor; the format forbids holes")
+        covered, last = end, (begin, end, name)
+    if covered != data_size:
+        raise CheckpointError(f"{path}: corrupted safetensors file: {data_size - covered} bytes after the last "
+                              f"tensor's data (data section {data_size} bytes, tensors cover {covered}); the format "
+                              "forbids bytes that belong to no tensor")
     return out
+
+
+def _shard_file(index_path: str, tensor: str, shard: Any) -> str:
+    """Check one weight_map value: a plain file name inside the model folder (never a path)."""
+    if not isinstance(shard, str):
+        raise CheckpointError(f"{index_path}: weight_map[{tensor!r}] should be a shard file name (a string), got "
+                              f"{shard!r}")
+    if (shard in ("", ".", "..") or "/" in shard or "\\" in shard or "\0" in shard or os.path.isabs(shard)
+            or os.path.basename(shard) != shard):
+        raise CheckpointError(f"{index_path}: weight_map[{tensor!r}] = {shard!r} is not a file name in the model "
+                              "folder (absolute paths, '..' and path separators are refused)")
+    return shard
 
 
 class SafetensorsCheckpoint:
@@ -127,24 +228,29 @@ class SafetensorsCheckpoint:
         index_path = os.path.join(model_dir, INDEX_FILE)
         single_path = os.path.join(model_dir, SINGLE_FILE)
         self.tensors: dict[str, TensorInfo] = {}
-        if os.path.exists(index_path):
-            try:
-                with open(index_path, encoding="utf-8") as f:
-                    weight_map = json.load(f)["weight_map"]
-                if not isinstance(weight_map, dict):
-                    raise TypeError("weight_map is not an object")
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index_path}: invalid safetensors index ({e!r})") from None
-            self.files = [os.path.join(model_dir, s) for s in sorted(set(weight_map.values()))]
+        if file_present(index_path, INDEX_FILE, CheckpointError):
+            index = read_json_file(index_path, "a safetensors index", CheckpointError)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index_path}: invalid safetensors index (expected an object with a "
+                                      f"'weight_map' object, got {type(weight_map).__name__})")
+            shards = {name: _shard_file(index_path, name, shard) for name, shard in weight_map.items()}
+            self.files = [os.path.join(model_dir, s) for s in sorted(set(shards.values()))]
+            self._directory_file = index_path  # the file that lists the tensors
             for path in self.files:
-                self.tensors.update(read_safetensors_header(path))
-            for name, shard in weight_map.items():
+                for name, info in read_safetensors_header(path).items():
+                    if name in self.tensors:
+                        raise CheckpointError(f"{path}: tensor {name!r} is also in {self.tensors[name].file} "
+                                              "(a tensor must be in one shard only)")
+                    self.tensors[name] = info
+            for name, shard in shards.items():
                 info = self.tensors.get(name)
                 if info is None or os.path.basename(info.file) != shard:
                     raise CheckpointError(f"{os.path.join(model_dir, shard)}: tensor {name!r} listed in "
                                           f"{INDEX_FILE} is missing from that file")
-        elif os.path.exists(single_path):
+        elif file_present(single_path, SINGLE_FILE, CheckpointError):
             self.files = [single_path]
+            self._directory_file = single_path
             self.tensors = read_safetensors_header(single_path)
         else:
             raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
@@ -176,8 +282,7 @@ class SafetensorsCheckpoint:
         Raises CheckpointError naming the tensor and the file(s)."""
         info = self.tensors.get(name)
         if info is None:
-            where = self.files[0] if len(self.files) == 1 else f"{os.path.dirname(self.files[0])}/{INDEX_FILE}"
-            raise CheckpointError(f"{where}: missing tensor {name!r}")
+            raise CheckpointError(f"{self._directory_file}: missing tensor {name!r}")
         if shape is not None and tuple(shape) != info.shape:
             raise CheckpointError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, expected "
                                   f"{list(shape)}")
@@ -188,37 +293,73 @@ class SafetensorsCheckpoint:
     def read_into(self, name: str, out: np.ndarray, shape: tuple[int, ...] | None = None) -> None:
         """Read tensor ``name`` into the C-contiguous array ``out`` (same number of elements), casting to
         out.dtype if the stored dtype differs (via one temporary of the tensor's size). ``shape``: expected
-        stored shape (default out.shape)."""
+        stored shape (default out.shape).
+
+        Raises CheckpointError: missing tensor, wrong shape or dtype, truncated file, or a NaN/Inf element (the
+        stored values are checked before any cast). ValueError: ``out`` not C-contiguous or of the wrong size."""
         info = self.info(name, out.shape if shape is None else shape)
         if not out.flags.c_contiguous or out.size != math.prod(info.shape):
             raise ValueError(f"read_into({name!r}): destination must be C-contiguous with {math.prod(info.shape)} "
                              f"elements, got shape {out.shape}")
         if info.dtype == out.dtype:
-            self._pread(info, out.reshape(-1).view(np.uint8))
+            self._pread(name, info, out.reshape(-1).view(np.uint8))
         else:
             tmp = np.empty(info.shape, info.dtype)
-            self._pread(info, tmp.reshape(-1).view(np.uint8))
+            self._pread(name, info, tmp.reshape(-1).view(np.uint8))
             out.reshape(info.shape)[...] = tmp.astype(out.dtype)
 
     def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """Tensor ``name`` as a new numpy array in its stored dtype (shape checked if given)."""
+        """Tensor ``name`` as a new numpy array in its stored dtype (shape checked if given).
+
+        Raises CheckpointError as :meth:`read_into`."""
         info = self.info(name, shape)
         out = np.empty(info.shape, info.dtype)
-        self._pread(info, out.reshape(-1).view(np.uint8))
+        self._pread(name, info, out.reshape(-1).view(np.uint8))
         return out
 
-    def _pread(self, info: TensorInfo, dest: np.ndarray) -> None:
+    def _pread(self, name: str, info: TensorInfo, dest: np.ndarray) -> None:
+        """Read the tensor's bytes into ``dest`` (u8[info.nbytes]) in pieces of _READ_CHUNK_BYTES, checking each
+        float piece for NaN/Inf right after it is read, while it is still in cache."""
         fh = self._handles.get(info.file)
         if fh is None:
             fh = self._handles[info.file] = open(info.file, "rb", buffering=0)
         fh.seek(info.offset)
-        view, done = memoryview(dest), 0
+        view, done, checked, found = memoryview(dest), 0, 0, False
+        masks = _EXPONENT_MASKS.get(info.dtype)  # (unsigned, signed int type, exponent mask) of a float dtype
         while done < info.nbytes:
-            got = fh.readinto(view[done:])
+            got = fh.readinto(view[done:min(info.nbytes, done + _READ_CHUNK_BYTES)])
             if not got:
-                raise CheckpointError(f"{info.file}: truncated file while reading tensor at byte "
+                raise CheckpointError(f"{info.file}: truncated file while reading tensor {name!r} at byte "
                                       f"{info.offset + done} (expected {info.nbytes} bytes)")
             done += got
+            whole = done - done % info.dtype.itemsize  # bytes of complete elements read so far
+            if masks is not None and not found and whole > checked:
+                found = _has_non_finite(dest[checked:whole].view(masks[0]), masks[1], masks[2])
+                checked = whole
+        if found:  # described once the whole tensor is read
+            raise _non_finite_error(name, info, dest.view(masks[0]), masks[2])
+
+
+def _has_non_finite(bits: np.ndarray, signed: type, mask: int) -> bool:
+    """Whether any element of ``bits`` (raw element bits [n], the unsigned view) has an all-ones exponent field.
+
+    With sign bit S and exponent mask E, an element is Inf/NaN iff its magnitude bits are >= E. Positive ones are
+    the signed values >= E (negative elements are < 0 in the signed view); negative ones are the unsigned values
+    >= S | E (positive elements are < S). Two max reductions that only read the piece: no temporary array."""
+    sign = 1 << (8 * bits.dtype.itemsize - 1)
+    return bool(bits.max() >= sign | mask or bits.view(signed).max() >= mask)
+
+
+def _non_finite_error(name: str, info: TensorInfo, bits: np.ndarray, mask: int) -> CheckpointError:
+    """The error for a tensor with Inf/NaN elements; bits: its raw element bits [size] (an unsigned int view)."""
+    bad = np.flatnonzero((bits & mask) == mask)  # flat indices of the Inf/NaN elements
+    magnitude = bits[bad] & (mask | (mask - 1))  # sign cleared: == mask is Inf, > mask is NaN
+    kinds = " and ".join(k for k, present in (("NaN", (magnitude > mask).any()), ("Inf", (magnitude == mask).any()))
+                         if present)
+    first = [int(i) for i in np.unravel_index(int(bad[0]), info.shape)]
+    return CheckpointError(f"{info.file}: tensor {name!r} {list(info.shape)} holds {kinds}: {bad.size} of {bits.size} "
+                           f"elements are not finite, the first at index {first} (a corrupted or unconverted "
+                           "checkpoint; NaN/Inf weights make every logit NaN)")
 
 
 @dataclasses.dataclass
@@ -303,8 +444,11 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     Memory: expert tensors are read one at a time directly into the bank rows (plus one tensor-sized temporary
     when the stored dtype differs from expert_dtype); dense tensors pass through one host copy each. Peak host
     memory is about banks + dense weights + one tensor.
+    The banks are frozen (read-only, :meth:`HostBank.freeze`) before they are returned.
     Raises:
-        CheckpointError: missing/truncated/corrupted file, missing tensor, wrong shape (names file and tensor).
+        CheckpointError: missing/unreadable/truncated/corrupted file (including headers that break the safetensors
+            rules and unsafe shard names in the index), missing tensor, wrong shape, or a NaN/Inf weight (names the
+            file and the tensor).
         ConfigError / NotImplementedError: from :func:`ft_jax.config.load_config`.
     """
     from ft_jax.offload.host_bank import HostBank
@@ -327,6 +471,9 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
                     ckpt.read_into(name, arr[row:row + E])
                 else:
                     ckpt.read_into(name, arr[row, part[1]:part[2]])
+            del banks  # the writable views; views taken after freeze() are read-only
+            gate_up.freeze()
+            down.freeze()
         except BaseException:
             gate_up.release()
             down.release()

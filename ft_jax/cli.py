@@ -83,6 +83,35 @@ def _temperature(text: str) -> float:
     return value
 
 
+SEED_MAX = 2**32 - 1  # jax.random.key keeps 32 bits of a seed without jax_enable_x64: larger seeds would collide
+POLICY_CAP_MAX = 2**31 - 1  # the fetch budget is an int32 in the decode step
+
+
+def _seed(text: str) -> int:
+    """--seed: an integer in [0, 2^32 - 1]."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {SEED_MAX}], got {text!r}") from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {SEED_MAX}] (32 bits), got {text}")
+    return value
+
+
+def _policy_name(text: str) -> str:
+    """--policy: checked with parse_policy (and a fixed-cap K <= 2^31 - 1) while parsing; returns the text."""
+    from ft_jax.offload.policy import parse_policy
+
+    try:
+        policy = parse_policy(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if policy.cap is not None and policy.cap > POLICY_CAP_MAX:
+        raise argparse.ArgumentTypeError(f"the cap in {text!r} must be at most {POLICY_CAP_MAX} (a count of "
+                                         "misses per layer)")
+    return text
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
@@ -147,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy (default 0.8)")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    gen.add_argument("--seed", type=_seed, default=0,
+                     help=f"sampling seed, an integer in [0, {SEED_MAX}] (32 bits; default 0)")
     gen.add_argument("--dtype", type=_dtype, default=None,
                      help="bf16/bfloat16 or f32/float32: dtype of the dense weights, the activations and the expert "
                           "host banks (default: float32 for float32 checkpoints, else bfloat16)")
@@ -157,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"slots as a fraction of all experts (default {DEFAULT_CACHE_FRACTION})")
     budget.add_argument("--device-memory", type=parse_bytes, metavar="BYTES",
                         help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert)")
-    gen.add_argument("--policy", default="qstar", metavar="POLICY", help=POLICY_HELP)
+    gen.add_argument("--policy", type=_policy_name, default="qstar", metavar="POLICY", help=POLICY_HELP)
     gen.add_argument("--profile", metavar="PATH",
                      help="bandwidth profile file for qstar (default: the user cache directory; see `ft-jax profile`)")
     gen.add_argument("--no-measure", action="store_true",

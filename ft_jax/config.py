@@ -19,13 +19,23 @@ Both key styles are accepted: the ones recent transformers (5.x) writes (``rope_
 rope_type}``, ``dtype``) and the ones Hub checkpoints use (``rope_theta`` + ``rope_scaling``,
 ``torch_dtype``); the expert count may be ``num_local_experts`` or ``num_experts``; ``head_dim`` null or absent
 means ``hidden_size // num_attention_heads``.
+
+BOS/EOS ids: ``bos_token_id`` / ``eos_token_id`` of config.json, each replaced by the same key of
+``generation_config.json`` when that file has it (transformers' ``generate`` reads its ids from the generation
+config). ``eos_token_id`` may be one id or a list (Qwen checkpoints ship e.g. ``[151645, 151643]``); every listed id
+ends a sequence: :attr:`MoEConfig.eos_token_ids`.
+
+File access errors name the file and the real cause (missing, permission denied, symbolic link loop, not a regular
+file such as a FIFO, not UTF-8, not JSON): see :func:`check_regular_file` and :func:`read_json_file`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import stat
 from typing import Any
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -40,11 +50,117 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
 
 class ConfigError(ValueError):
-    """A config.json that cannot be used: unsupported architecture, missing or invalid field.
+    """A config.json that cannot be used: unreadable, unsupported architecture, missing or invalid field.
 
     The message names the file and the field (or the supported architectures)."""
+
+
+def os_error_cause(e: OSError) -> str:
+    """Short human cause of an OSError from stat/open ("permission denied", "symbolic link loop", ...)."""
+    causes = {errno.ENOENT: "does not exist", errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+              errno.ELOOP: "symbolic link loop (too many levels of symbolic links)",
+              errno.ENOTDIR: "a component of the path is not a folder",
+              errno.ENAMETOOLONG: "file name too long"}
+    return causes.get(e.errno, e.strerror or str(e))
+
+
+def _missing(path: str) -> str:
+    """Why ``path`` cannot be found: a dangling symbolic link is named as such (it exists, its target does not)."""
+    if os.path.islink(path):
+        return f"is a symbolic link to {os.readlink(path)!r}, which does not exist"
+    return "does not exist"
+
+
+def check_regular_file(path: str, what: str, error: type[Exception] = ConfigError) -> os.stat_result:
+    """``os.stat(path)`` (following symbolic links), checked to be a regular file, without opening it.
+
+    A FIFO, socket or device is refused before any open: opening a FIFO for reading blocks until a writer appears.
+
+    Args:
+        path: file to check. what: what the file should be (used in messages, e.g. "a safetensors file").
+        error: exception class raised (ConfigError, CheckpointError, ...).
+    Returns:
+        The stat result (st_size in bytes).
+    Raises:
+        ``error``: "<path>: cannot read <what>: <cause>" (does not exist / dangling symbolic link / permission
+        denied / symbolic link loop / ...) or "<path>: is <kind>, not a regular file; expected <what>".
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{path}: cannot read {what}: the file {_missing(path)}") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read {what}: {os_error_cause(e)}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
+                or stat.S_ISBLK(st.st_mode) else "a special file")
+        raise error(f"{path}: is {kind}, not a regular file; expected {what}")
+    return st
+
+
+def read_json_file(path: str, what: str, error: type[Exception] = ConfigError) -> Any:
+    """Parse the UTF-8 JSON file ``path`` (checked with :func:`check_regular_file` first).
+
+    Raises:
+        ``error``: unreadable / not a regular file (see check_regular_file), not UTF-8 (names the first bad byte
+        and its offset), or not valid JSON (line and column). Messages are one line starting with ``path``.
+    """
+    check_regular_file(path, what, error)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise error(f"{path}: cannot read {what}: {os_error_cause(e)}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); {what} must be "
+                    "UTF-8 JSON") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+
+
+def file_present(path: str, what: str, error: type[Exception] = ConfigError) -> bool:
+    """Whether a directory entry ``path`` exists (a dangling symbolic link counts: reading it reports why).
+
+    Unlike os.path.lexists, a folder that cannot be searched is an error, not "absent".
+    Raises ``error`` "<path>: cannot read <what>: <cause>" when the entry cannot be looked up (permission denied).
+    """
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise error(f"{path}: cannot read {what}: {os_error_cause(e)}") from None
+    return True
+
+
+def check_model_dir(model_dir: str) -> None:
+    """Check that ``model_dir`` is an accessible folder.
+
+    Raises:
+        ConfigError: "model path does not exist: <dir>" (or names a dangling symbolic link), the path is a file,
+            or it cannot be accessed (permission denied, symbolic link loop, ...: the real cause is named).
+    """
+    try:
+        st = os.stat(model_dir)
+    except FileNotFoundError:
+        if os.path.islink(model_dir):
+            raise ConfigError(f"model path {model_dir} {_missing(model_dir)}") from None
+        raise ConfigError(f"model path does not exist: {model_dir}") from None
+    except OSError as e:
+        raise ConfigError(f"{model_dir}: cannot open the model folder: {os_error_cause(e)}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"the model path must be a folder with config.json and safetensors files, got the file "
+                          f"{model_dir}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +186,10 @@ class MoEConfig:
         sliding_window: attention window (a query at p sees keys at positions > p - window), or None.
         tie_word_embeddings: lm_head shares the embedding matrix.
         max_position_embeddings: maximum sequence length of the checkpoint.
-        bos_token_id: int or None. eos_token_ids: tuple of end-of-sequence ids (may be empty).
+        bos_token_id: int or None.
+        eos_token_ids: every end-of-sequence id, in file order (may be empty): config.json's ``eos_token_id``
+            (an int or a list), replaced by generation_config.json's when :func:`load_config` finds that key
+            there. Decoding stops a sequence at any of them.
         hidden_act: Hugging Face activation name (e.g. "silu").
         dtype: checkpoint dtype name ("float32", "bfloat16", "float16").
         initializer_range: std of the normal init used for random (untrained) models.
@@ -135,7 +254,7 @@ class MoEConfig:
 
     @property
     def eos_token_id(self) -> int | None:
-        """First end-of-sequence id, or None when config.json names none."""
+        """First end-of-sequence id, or None when there is none (use :attr:`eos_token_ids`: all of them)."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     def moe_layer_index(self, layer: int) -> int | None:
@@ -147,40 +266,90 @@ class MoEConfig:
 
 
 def load_config(model_dir: str | os.PathLike) -> MoEConfig:
-    """Read ``<model_dir>/config.json`` and return its :class:`MoEConfig`.
+    """Read ``<model_dir>/config.json`` (and the BOS/EOS ids of ``generation_config.json``) into a :class:`MoEConfig`.
 
     Raises:
-        ConfigError: model_dir does not exist, is a file, or has no config.json; invalid JSON, unsupported architecture (message lists the supported ones), a missing
-            required field (message names it), a field of the wrong type, or an out-of-range value (a size or
-            count < 1, num_key_value_heads not dividing num_attention_heads, num_experts_per_tok outside
+        ConfigError: model_dir does not exist, is a file or cannot be accessed (permission denied, symbolic link
+            loop: the cause is named); no config.json; config.json or generation_config.json unreadable, not a
+            regular file, not UTF-8 or not valid JSON; unsupported architecture (message lists the supported ones),
+            a missing required field (message names it), a field of the wrong type, or an out-of-range value (a
+            size or count < 1, num_key_value_heads not dividing num_attention_heads, num_experts_per_tok outside
             [1, number of experts], no MoE layer, ...). Every message is one line "<path>: <field> ..., got <value>".
         NotImplementedError: a RoPE scaling type other than "default", partial rotary embeddings,
-            Qwen sliding-window attention, or an activation other than silu / gelu_pytorch_tanh.
+            Qwen sliding-window attention, or an activation other than silu / gelu_pytorch_tanh (names the file).
     """
     model_dir = os.fspath(model_dir)
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(model_dir):
-        raise ConfigError(f"model path does not exist: {model_dir}")
-    if not os.path.isdir(model_dir):
-        raise ConfigError(f"the model path must be a folder with config.json and safetensors files, got the file "
-                          f"{model_dir}")
-    if not os.path.isfile(path):
+    check_model_dir(model_dir)
+    path = os.path.join(model_dir, CONFIG_FILE)
+    if not file_present(path, "config.json"):
         raise ConfigError(f"no config.json in {model_dir}: not a Hugging Face model folder")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    raw = read_json_file(path, "config.json")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-    return config_from_dict(raw, source=path)
+    cfg = config_from_dict(raw, source=path)
+    bos, eos = read_special_ids(model_dir, config=raw)
+    return dataclasses.replace(cfg, bos_token_id=bos, eos_token_ids=eos)
+
+
+def _bos_id(value, source: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{source}: field 'bos_token_id' should be int, got {value!r}")
+    if value < 0:
+        raise ConfigError(f"{source}: bos_token_id must be >= 0, got {value}")
+    return value
+
+
+def _eos_ids(value, source: str) -> tuple[int, ...]:
+    ids = tuple(value) if isinstance(value, list) else (() if value is None else (value,))
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ConfigError(f"{source}: eos_token_id must be a non-negative integer or a list of them, got {value!r}")
+    return ids
+
+
+def read_special_ids(model_dir: str | os.PathLike, config: dict | None = None) -> tuple[int | None, tuple[int, ...]]:
+    """BOS id and every EOS id of a model folder.
+
+    config.json's ``bos_token_id`` / ``eos_token_id``, each replaced by generation_config.json's when that file
+    has the key (an explicit null there means "none"), as transformers' ``generate`` takes them from the
+    generation config. Only these two keys are read: the folder need not hold a complete model config.
+
+    Args:
+        model_dir: model folder. config: config.json already parsed (read from the folder when None; an absent
+            config.json counts as empty).
+    Returns:
+        (bos_token_id or None, eos_token_ids: tuple of ints in file order, empty when there is no EOS).
+    Raises:
+        ConfigError: a file that cannot be read or parsed (see :func:`read_json_file`); an id field that is not a
+            non-negative int (or, for EOS, a list of them). Messages name the file.
+    """
+    model_dir = os.fspath(model_dir)
+    sources = []
+    cfg_path = os.path.join(model_dir, CONFIG_FILE)
+    if config is not None:
+        sources.append((cfg_path, config))
+    elif file_present(cfg_path, "config.json"):
+        sources.append((cfg_path, read_json_file(cfg_path, "config.json")))
+    gen_path = os.path.join(model_dir, GENERATION_CONFIG_FILE)
+    if file_present(gen_path, "generation_config.json"):
+        sources.append((gen_path, read_json_file(gen_path, "generation_config.json")))
+    bos, eos = None, ()
+    for path, data in sources:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        if "bos_token_id" in data:
+            bos = _bos_id(data["bos_token_id"], path)
+        if "eos_token_id" in data:
+            eos = _eos_ids(data["eos_token_id"], path)
+    return bos, eos
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoEConfig:
-    """Build a :class:`MoEConfig` from an already-parsed config.json dict (see :func:`load_config`).
+    """Build a :class:`MoEConfig` from an already-parsed config.json dict (see :func:`load_config`; this reads
+    no generation_config.json, so BOS/EOS ids are config.json's).
 
-    ``source`` is only used in error messages."""
+    ``source`` is only used in error messages. Raises ConfigError / NotImplementedError as load_config."""
 
     def req(key: str, kind: type = int):
         if key not in raw or raw[key] is None:
@@ -206,9 +375,12 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
         raise ConfigError(f"{source}: field {key!r} should be {kind.__name__}, got {value!r}")
 
     archs = raw.get("architectures")
-    if not archs or not isinstance(archs, list):
+    if archs is None:
         raise ConfigError(f"{source}: required field 'architectures' is missing "
                           f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"{source}: field 'architectures' should be a non-empty list of class names such as "
+                          f"[\"MixtralForCausalLM\"], got {archs!r}")
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"{source}: unsupported architecture {arch!r}; supported architectures: "
@@ -248,19 +420,18 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
     rms_norm_eps = req("rms_norm_eps", float)
     if not rms_norm_eps > 0:
         raise ConfigError(f"{source}: rms_norm_eps must be > 0, got {rms_norm_eps}")
-    bos = opt("bos_token_id", None)
-    if bos is not None:
-        at_least("bos_token_id", bos, 0)
+    bos = _bos_id(raw.get("bos_token_id"), source)
+    hidden_act = opt("hidden_act", "silu", str)
+    if hidden_act not in _ACTIVATIONS:
+        raise NotImplementedError(f"{source}: hidden_act {hidden_act!r} is not implemented (supported: "
+                                  f"{', '.join(sorted(_ACTIVATIONS))})")
 
     rope_theta = _rope_theta(raw, source)
     dtype_name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
     if dtype_name not in _DTYPES:
         raise ConfigError(f"{source}: dtype {dtype_name!r} not supported (supported: {sorted(_DTYPES)})")
 
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in eos_ids):
-        raise ConfigError(f"{source}: eos_token_id must be a non-negative integer or a list of them, got {eos!r}")
+    eos_ids = _eos_ids(raw.get("eos_token_id"), source)
 
     common = dict(
         family=family, architecture=arch, vocab_size=vocab_size, hidden_size=hidden,
@@ -269,7 +440,7 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
         rms_norm_eps=rms_norm_eps, clip_qkv=None, sliding_window=None,
         tie_word_embeddings=opt("tie_word_embeddings", False, bool),
         max_position_embeddings=max_positions, bos_token_id=bos,
-        eos_token_ids=eos_ids, hidden_act=opt("hidden_act", "silu", str), dtype=_DTYPES[dtype_name],
+        eos_token_ids=eos_ids, hidden_act=hidden_act, dtype=_DTYPES[dtype_name],
         initializer_range=opt("initializer_range", 0.02, float),
     )
 

@@ -10,7 +10,9 @@
 3. Otherwise :class:`TokenizerNotFoundError`, telling the user to pass token ids (``--prompt-ids``).
 
 BOS/EOS ids come from ``config.json`` (``bos_token_id``, ``eos_token_id``), overridden by ``generation_config.json``
-when it sets them (the Hugging Face ``generate`` convention). ``eos_token_id`` may be an int or a list of ints.
+when it sets them (the Hugging Face ``generate`` convention): :func:`ft_jax.config.read_special_ids`, the same rule
+as ``MoEConfig.eos_token_ids``. ``eos_token_id`` may be an int or a list of ints; every listed id is an EOS id
+(``Tokenizer.eos_token_ids``).
 
 Streaming: generated ids arrive one at a time and one character may span several tokens (a multi-byte UTF-8
 character split over byte tokens, or byte-fallback tokens). :meth:`Tokenizer.stream_decoder` returns a
@@ -20,10 +22,12 @@ character split over byte tokens, or byte-fallback tokens). :meth:`Tokenizer.str
 from __future__ import annotations
 
 import codecs
-import json
 import os
+import stat
 from dataclasses import dataclass
 from typing import Iterable, Protocol
+
+from ft_jax.config import check_regular_file, file_present, os_error_cause, read_json_file, read_special_ids
 
 BYTE_TOKENIZER_MARKER_KEY = "ft_jax_tokenizer"
 BYTE_TOKENIZER_MARKER_VALUE = "bytes"
@@ -185,43 +189,14 @@ class HFTokenizer(Tokenizer):
         return _HFStreamDecoder(self._tok)
 
 
-def _read_json(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON: {e}") from e
-
-
-def _as_id_tuple(value, where: str) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return tuple(value)
-    raise ValueError(f"{where}: expected an int, a list of ints or null, got {value!r}")
-
-
 def load_special_ids(model_dir: str) -> SpecialIds:
-    """Read BOS/EOS ids from ``config.json``, overridden by ``generation_config.json`` where it sets them.
+    """BOS id and every EOS id of a model folder (config.json, overridden key by key by generation_config.json).
 
-    Raises ValueError for a malformed id field (not int / list of ints / null).
+    Raises ConfigError (a ValueError) for an unreadable / non-UTF-8 / invalid JSON file or a malformed id field
+    (not an int / a list of ints / null); the message names the file.
     """
-    merged: dict = {}
-    for name in ("config.json", "generation_config.json"):
-        path = os.path.join(model_dir, name)
-        if os.path.isfile(path):
-            data = _read_json(path)
-            for key in ("bos_token_id", "eos_token_id"):
-                if key in data:
-                    merged[key] = (data[key], f"{path}: {key}")
-    bos_val, bos_where = merged.get("bos_token_id", (None, "bos_token_id"))
-    bos = _as_id_tuple(bos_val, bos_where)
-    if len(bos) > 1:
-        raise ValueError(f"{bos_where}: expected one BOS id, got {bos_val!r}")
-    eos_val, eos_where = merged.get("eos_token_id", (None, "eos_token_id"))
-    return SpecialIds(bos[0] if bos else None, _as_id_tuple(eos_val, eos_where))
+    bos, eos = read_special_ids(model_dir)
+    return SpecialIds(bos, eos)
 
 
 def load_tokenizer(model_dir: str) -> Tokenizer:
@@ -232,18 +207,32 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     Returns:
         HFTokenizer or ByteTokenizer with ``bos_token_id`` / ``eos_token_ids`` from the folder's configs.
     Raises:
-        FileNotFoundError: ``model_dir`` is not a directory.
+        FileNotFoundError: ``model_dir`` does not exist or is not a folder.
         TokenizerNotFoundError: no tokenizer.json and no byte-level marker (message suggests ``--prompt-ids``).
-        ValueError: malformed tokenizer.json / config.json, or a byte marker with a vocab_size other than 256.
+        ValueError (ConfigError for the JSON files): ``model_dir`` or a file in it cannot be accessed (the cause
+            is named: permission denied, symbolic link loop, not a regular file), malformed tokenizer.json /
+            config.json / generation_config.json, or a byte marker with a vocab_size other than 256.
     """
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"model folder {model_dir!r} does not exist")
+    try:
+        mode = os.stat(model_dir).st_mode
+    except FileNotFoundError:
+        if os.path.islink(model_dir):
+            raise FileNotFoundError(f"model folder {model_dir!r} is a symbolic link to "
+                                    f"{os.readlink(model_dir)!r}, which does not exist") from None
+        raise FileNotFoundError(f"model folder {model_dir!r} does not exist") from None
+    except OSError as e:
+        raise ValueError(f"{model_dir}: cannot open the model folder: {os_error_cause(e)}") from None
+    if not stat.S_ISDIR(mode):
+        raise FileNotFoundError(f"model folder {model_dir!r} is not a folder")
     special = load_special_ids(model_dir)
     tok_path = os.path.join(model_dir, "tokenizer.json")
-    if os.path.isfile(tok_path):
+    if file_present(tok_path, "tokenizer.json"):
+        check_regular_file(tok_path, "tokenizer.json")
         return HFTokenizer(tok_path, special.bos_token_id, special.eos_token_ids)
     cfg_path = os.path.join(model_dir, "config.json")
-    cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
+    cfg = read_json_file(cfg_path, "config.json") if file_present(cfg_path, "config.json") else {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
     if cfg.get(BYTE_TOKENIZER_MARKER_KEY) == BYTE_TOKENIZER_MARKER_VALUE:
         if cfg.get("vocab_size") != BYTE_VOCAB_SIZE:
             raise ValueError(

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -242,3 +243,255 @@ def test_dense_weights_are_device_arrays_in_requested_dtype(mixtral):
     cfg = mixtral.config
     expert_size = cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.hidden_size
     assert sum(x.size for x in leaves) < expert_size
+
+
+# --- bad inputs (issue 11): every one a CheckpointError naming the file (and the tensor) -------------------------
+def _write_raw(path, entries, data: bytes):
+    """A safetensors file with a hand-written header: entries = [(name, dtype, shape, begin, end)]."""
+    header = {name: {"dtype": dt, "shape": list(shape), "data_offsets": [b, e]} for name, dt, shape, b, e in entries}
+    blob = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob + data)
+
+
+def _reference_accepts(path) -> bool:
+    """Whether the safetensors library (the format's reference reader) opens the file."""
+    try:
+        with safe_open(str(path), "numpy") as f:
+            list(f.keys())
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize("case,entries,data_bytes,expected", [
+    ("overlap", [("a", "F32", [4], 0, 16), ("b", "F32", [4], 0, 16)], 16, "overlaps tensor 'a'"),
+    ("partial overlap", [("a", "F32", [4], 0, 16), ("b", "F32", [4], 8, 24)], 24, "overlaps tensor 'a'"),
+    ("gap", [("a", "F32", [2], 0, 8), ("b", "F32", [2], 12, 20)], 20, "bytes 8..12 of the data section"),
+    ("trailing bytes", [("a", "F32", [2], 0, 8)], 12, "4 bytes after the last tensor"),
+    ("past the end", [("a", "F32", [4], 0, 16)], 8, "truncated"),
+])
+def test_data_offsets_must_tile_the_data_section(tmp_path, case, entries, data_bytes, expected):
+    path = tmp_path / "model.safetensors"
+    _write_raw(path, entries, bytes(data_bytes))
+    assert not _reference_accepts(path)
+    with pytest.raises(CheckpointError) as e:
+        read_safetensors_header(str(path))
+    assert str(path) in str(e.value) and expected in str(e.value), str(e.value)
+
+
+def test_valid_tilings_are_accepted_like_the_reference(tmp_path):
+    """Out-of-order entries and zero-byte tensors on a boundary are valid (the reference reader accepts them)."""
+    path = tmp_path / "model.safetensors"
+    data = np.arange(6, dtype=np.float32).tobytes()
+    _write_raw(path, [("b", "F32", [4], 8, 24), ("empty", "F32", [0], 8, 8), ("a", "F32", [2], 0, 8)], data)
+    assert _reference_accepts(path)
+    with SafetensorsCheckpoint(tmp_path) as ckpt:
+        np.testing.assert_array_equal(ckpt.read("a"), [0, 1])
+        np.testing.assert_array_equal(ckpt.read("b"), [2, 3, 4, 5])
+
+
+def test_duplicate_header_keys_are_refused(tmp_path):
+    path = tmp_path / "model.safetensors"
+    blob = (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+            b'"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}')
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(8))
+    with pytest.raises(CheckpointError, match="duplicate key 'a'"):
+        read_safetensors_header(str(path))
+
+
+def _shard_index(d, names, **overrides):
+    weight_map = {n: "model.safetensors" for n in names}
+    weight_map.update(overrides)
+    path = os.path.join(d, "model.safetensors.index.json")
+    with open(path, "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return path
+
+
+def test_index_values_must_be_strings(tmp_path):
+    d = _copy("mixtral", tmp_path / "ckpt")
+    names = load_file(os.path.join(d, "model.safetensors")).keys()
+    index = _shard_index(d, names, **{"lm_head.weight": 3})
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(d)
+    msg = str(e.value)
+    assert msg.startswith(index) and "'lm_head.weight'" in msg and "got 3" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("shard", ["/etc/hostname", "../other/model.safetensors", "sub/model.safetensors", "..",
+                                   "sub\\model.safetensors"])
+def test_index_shard_names_outside_the_folder_are_refused(tmp_path, shard, monkeypatch):
+    d = _copy("mixtral", tmp_path / "ckpt")
+    names = load_file(os.path.join(d, "model.safetensors")).keys()
+    index = _shard_index(d, names, **{"lm_head.weight": shard})
+    opened = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **k: opened.append(os.fspath(p)) or real_open(p, *a, **k))
+    with pytest.raises(CheckpointError) as e:
+        SafetensorsCheckpoint(d)
+    assert str(e.value).startswith(index) and repr(shard) in str(e.value), str(e.value)
+    assert "not a file name in the model folder" in str(e.value)
+    assert not [p for p in opened if p.endswith(".safetensors")], opened  # refused before opening any shard
+
+
+def test_a_tensor_in_two_shards_is_refused(tmp_path):
+    tensors = load_file(os.path.join(FIXTURES, "mixtral", "model.safetensors"))
+    save_file({"lm_head.weight": tensors["lm_head.weight"]}, str(tmp_path / "a.safetensors"))
+    save_file(tensors, str(tmp_path / "b.safetensors"))
+    _shard_index(str(tmp_path), tensors.keys())
+    weight_map = {n: "b.safetensors" for n in tensors}
+    weight_map["model.norm.weight"] = "a.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="'lm_head.weight' is also in"):
+        SafetensorsCheckpoint(tmp_path)
+
+
+def test_fifo_is_refused_without_opening(tmp_path):
+    """Opening a FIFO for reading blocks until a writer appears: it must be refused from its stat alone."""
+    d = _copy("mixtral", tmp_path / "ckpt")
+    path = os.path.join(d, "model.safetensors")
+    os.remove(path)
+    os.mkfifo(path)
+    done = threading.Event()
+
+    def unblock():  # if the loader does block in open(), let it go after a while so the test fails, not hangs
+        if not done.wait(20):
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+
+    guard = threading.Thread(target=unblock)
+    guard.start()
+    try:
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(d)
+    finally:
+        done.set()
+        guard.join()
+    assert str(e.value) == f"{path}: is a FIFO (named pipe), not a regular file; expected a safetensors checkpoint file"
+
+
+def test_unreadable_or_looping_shard_names_the_cause(tmp_path):
+    d = _copy("mixtral", tmp_path / "ckpt")
+    path = os.path.join(d, "model.safetensors")
+    os.remove(path)
+    os.symlink(path, path)
+    with pytest.raises(CheckpointError, match="symbolic link loop"):
+        load_checkpoint(d)
+    os.remove(path)
+    os.symlink(os.path.join(d, "gone.safetensors"), path)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(d)
+    assert str(e.value).startswith(path) and "symbolic link to" in str(e.value) and "gone.safetensors" in str(e.value)
+
+
+# Raw bit patterns: every exponent-all-ones pattern is non-finite; the largest finite value and subnormals are not.
+_SPECIAL_BITS = {
+    "F32": (np.uint32, [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001], [0x7F7FFFFF, 0xFF7FFFFF, 1,
+                                                                                       0x80000000]),
+    "BF16": (np.uint16, [0x7F80, 0xFF80, 0x7FC0, 0xFFFF, 0x7F81], [0x7F7F, 0xFF7F, 1, 0x8000]),
+    "F16": (np.uint16, [0x7C00, 0xFC00, 0x7E00, 0xFFFF, 0x7C01], [0x7BFF, 0xFBFF, 1, 0x8000]),
+}
+_NP = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16", "F16"])
+def test_every_non_finite_bit_pattern_is_found(tmp_path, dtype):
+    uint, bad, good = _SPECIAL_BITS[dtype]
+    base = np.random.default_rng(0).standard_normal((6, 5)).astype(_NP[dtype])
+    finite = base.copy()
+    finite.reshape(-1).view(uint)[:len(good)] = good
+    assert np.isfinite(finite.astype(np.float64)).all()
+    save_file({"w": finite}, str(tmp_path / "model.safetensors"))
+    with SafetensorsCheckpoint(tmp_path) as ckpt:
+        np.testing.assert_array_equal(ckpt.read("w").view(uint), finite.view(uint))
+    for bits in bad:
+        t = base.copy()
+        t.reshape(-1).view(uint)[17] = bits  # element [3, 2]
+        with np.errstate(invalid="ignore"):  # casting a signalling NaN
+            value = t.astype(np.float64)[3, 2]
+        assert not np.isfinite(value)
+        save_file({"w": t}, str(tmp_path / "model.safetensors"))
+        with SafetensorsCheckpoint(tmp_path) as ckpt, pytest.raises(CheckpointError) as e:
+            ckpt.read("w")
+        kind = "NaN" if np.isnan(value) else "Inf"
+        assert f"'w' [6, 5] holds {kind}: 1 of 30 elements are not finite, the first at index [3, 2]" in str(e.value)
+
+
+def test_non_finite_check_covers_every_piece_of_a_large_tensor(tmp_path):
+    """A 3 MiB float32 tensor is read (and checked) in 1 MiB pieces: the first/last element of each piece count."""
+    n = 3 * 2**20 // 4
+    for where in (0, 2**18 - 1, 2**18, n - 1):
+        t = np.ones(n, np.float32)
+        t[where] = np.inf
+        save_file({"big": t}, str(tmp_path / "model.safetensors"))
+        with SafetensorsCheckpoint(tmp_path) as ckpt, pytest.raises(CheckpointError, match=rf"index \[{where}\]"):
+            ckpt.read_into("big", np.empty(n, ml_dtypes.bfloat16))
+
+
+class _ShortReads:
+    """A file handle whose reads return at most ``limit`` bytes (as reads of pipes or network file systems may)."""
+
+    def __init__(self, path, limit):
+        self._f, self._limit = open(path, "rb", buffering=0), limit
+
+    def seek(self, offset):
+        self._f.seek(offset)
+
+    def readinto(self, view):
+        return self._f.readinto(view[:self._limit])
+
+    def close(self):
+        self._f.close()
+
+
+@pytest.mark.parametrize("limit", [4093, 999_999])  # neither a multiple of 4 bytes
+def test_short_reads_split_elements_and_are_still_checked(tmp_path, limit):
+    t = np.random.default_rng(1).standard_normal(300_001).astype(np.float32)  # 1.2 MB: more than one piece
+    path = str(tmp_path / "model.safetensors")
+    save_file({"t": t}, path)
+    with SafetensorsCheckpoint(tmp_path) as ckpt:
+        ckpt._handles[path] = _ShortReads(path, limit)
+        np.testing.assert_array_equal(ckpt.read("t"), t)
+    t[300_000] = np.nan  # the last element, read in pieces that end mid-element
+    save_file({"t": t}, path)
+    with SafetensorsCheckpoint(tmp_path) as ckpt, pytest.raises(CheckpointError, match=r"index \[300000\]"):
+        ckpt._handles[path] = _ShortReads(path, limit)
+        ckpt.read("t")
+
+
+@pytest.mark.parametrize("tensor", ["lm_head.weight", "model.layers.2.block_sparse_moe.gate.weight",
+                                    "model.layers.0.block_sparse_moe.experts.4.w2.weight",
+                                    "model.embed_tokens.weight"])
+def test_non_finite_weights_fail_the_load(tmp_path, tensor):
+    d = _copy("mixtral", tmp_path / "ckpt")
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    tensors[tensor][1, 2] = np.nan if "embed" not in tensor else -np.inf
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(d)
+    kind = "Inf" if "embed" in tensor else "NaN"
+    assert str(e.value).startswith(f"{path}: tensor {tensor!r}") and f"holds {kind}" in str(e.value)
+    assert "the first at index [1, 2]" in str(e.value)
+
+
+def test_loaded_banks_are_read_only(mixtral):
+    for bank in (mixtral.gate_up_bank, mixtral.down_bank):
+        assert bank.frozen
+        view = bank.numpy()
+        assert not view.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            view[0] = 0
+        with pytest.raises(ValueError, match="read-only"):
+            bank.write_row(0, np.zeros(bank.row_shape, np.float32))
+
+
+def test_index_with_an_empty_weight_map_names_the_index(tmp_path):
+    shutil.copyfile(os.path.join(FIXTURES, "mixtral", "config.json"), tmp_path / "config.json")
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'model.safetensors.index.json'}: missing tensor 'model.layers.0.")

@@ -99,8 +99,10 @@ def test_error_device_budget_below_one_slot(capsys):
 
 
 def test_error_unknown_policy(capsys):
-    line = _error(capsys, "--model", os.path.join(FIXTURES, "olmoe"), "--prompt-ids", "1", "--policy", "magic")
-    assert "magic" in line
+    with pytest.raises(SystemExit) as exit_info:  # rejected by the argument parser, before any loading
+        cli.main(["generate", "--model", os.path.join(FIXTURES, "olmoe"), "--prompt-ids", "1", "--policy", "magic"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and "magic" in err, err
 
 
 def test_parse_bytes():

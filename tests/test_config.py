@@ -187,3 +187,120 @@ def test_out_of_range_value_names_file_and_field(tmp_path, family, change, expec
     raw = {**_raw(family), **change}
     msg = _load_error(tmp_path, raw)
     assert msg == f"{tmp_path / 'config.json'}: {expected}"
+
+
+# --- bad inputs and EOS ids (issue 11) -------------------------------------------------------------------------
+def _folder(tmp_path, raw=None, generation=None):
+    d = tmp_path / "model"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(raw if raw is not None else _raw("mixtral")))
+    if generation is not None:
+        (d / "generation_config.json").write_text(json.dumps(generation))
+    return d
+
+
+@pytest.mark.parametrize("config_eos,generation,expected", [
+    ([2, 148], None, (2, 148)),
+    (2, {"eos_token_id": [2, 148]}, (2, 148)),  # generation_config.json takes precedence
+    ([2, 148], {"eos_token_id": 7}, (7,)),
+    ([2, 148], {"bos_token_id": 1}, (2, 148)),  # a generation config without the key keeps config.json's
+    (2, {"eos_token_id": None}, ()),  # an explicit null: no EOS
+])
+def test_every_eos_id_is_kept_and_generation_config_wins(tmp_path, config_eos, generation, expected):
+    d = _folder(tmp_path, {**_raw("mixtral"), "eos_token_id": config_eos}, generation)
+    cfg = load_config(d)
+    assert cfg.eos_token_ids == expected
+    assert cfg.eos_token_id == (expected[0] if expected else None)
+
+
+def test_generation_config_ids_are_validated_and_name_the_file(tmp_path):
+    d = _folder(tmp_path, generation={"eos_token_id": [2, -5]})
+    with pytest.raises(ConfigError) as e:
+        load_config(d)
+    assert str(e.value) == (f"{d / 'generation_config.json'}: eos_token_id must be a non-negative integer or a list "
+                            "of them, got [2, -5]")
+    (d / "generation_config.json").write_bytes(b'{"eos_token_id": 2, "x": "\xfe"}')
+    with pytest.raises(ConfigError, match=r"generation_config.json: not UTF-8 text \(byte 0xfe at offset 26\)"):
+        load_config(d)
+
+
+def test_config_not_utf8_names_file_byte_and_offset(tmp_path):
+    d = _folder(tmp_path)
+    (d / "config.json").write_bytes(b'{"architectures": ["Mixtral\xe9"]}')
+    with pytest.raises(ConfigError) as e:
+        load_config(d)
+    assert str(e.value) == (f"{d / 'config.json'}: not UTF-8 text (byte 0xe9 at offset 27); config.json must be "
+                            "UTF-8 JSON")
+
+
+def test_unsupported_activation_names_the_file(tmp_path):
+    d = _folder(tmp_path, {**_raw("mixtral"), "hidden_act": "relu"})
+    with pytest.raises(NotImplementedError) as e:
+        load_config(d)
+    assert str(e.value) == (f"{d / 'config.json'}: hidden_act 'relu' is not implemented (supported: "
+                            "gelu_pytorch_tanh, silu, swish)")
+
+
+@pytest.mark.parametrize("value", ["MixtralForCausalLM", [], [3], {"0": "MixtralForCausalLM"}])
+def test_architectures_of_the_wrong_type_is_not_called_missing(tmp_path, value):
+    msg = _load_error(tmp_path, {**_raw("mixtral"), "architectures": value})
+    assert msg == (f"{tmp_path / 'config.json'}: field 'architectures' should be a non-empty list of class names "
+                   f"such as [\"MixtralForCausalLM\"], got {value!r}")
+
+
+def test_symlink_loops_and_dangling_links_name_the_cause(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    os.symlink(b, a)
+    os.symlink(a, b)
+    with pytest.raises(ConfigError) as e:
+        load_config(a)
+    assert str(e.value) == f"{a}: cannot open the model folder: symbolic link loop (too many levels of symbolic links)"
+    d = _folder(tmp_path)
+    os.remove(d / "config.json")
+    os.symlink(d / "config.json", d / "config.json")
+    with pytest.raises(ConfigError) as e:
+        load_config(d)
+    assert str(e.value) == (f"{d / 'config.json'}: cannot read config.json: symbolic link loop (too many levels of "
+                            "symbolic links)")
+    os.remove(d / "config.json")
+    os.symlink("/nonexistent/config.json", d / "config.json")
+    with pytest.raises(ConfigError) as e:
+        load_config(d)
+    assert str(e.value) == (f"{d / 'config.json'}: cannot read config.json: the file is a symbolic link to "
+                            "'/nonexistent/config.json', which does not exist")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    with pytest.raises(ConfigError, match="dangling is a symbolic link to .*nowhere.*, which does not exist"):
+        load_config(tmp_path / "dangling")
+
+
+def test_config_that_is_a_fifo_or_a_folder(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    os.mkfifo(d / "config.json")
+    with pytest.raises(ConfigError) as e:
+        load_config(d)
+    assert str(e.value) == (f"{d / 'config.json'}: is a FIFO (named pipe), not a regular file; expected "
+                            "config.json")
+    os.remove(d / "config.json")
+    (d / "config.json").mkdir()
+    with pytest.raises(ConfigError, match="is a folder, not a regular file"):
+        load_config(d)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="running as root: chmod does not deny root reads")
+def test_unreadable_folder_and_file_say_permission_denied(tmp_path):
+    d = _folder(tmp_path)
+    os.chmod(d / "config.json", 0)
+    try:
+        with pytest.raises(ConfigError) as e:
+            load_config(d)
+        assert str(e.value) == f"{d / 'config.json'}: cannot read config.json: permission denied"
+    finally:
+        os.chmod(d / "config.json", 0o644)
+    os.chmod(d, 0)
+    try:
+        with pytest.raises(ConfigError) as e:
+            load_config(d)
+        assert str(e.value) == f"{d / 'config.json'}: cannot read config.json: permission denied"
+    finally:
+        os.chmod(d, 0o755)

@@ -112,3 +112,23 @@ def test_context_manager_and_garbage_collection_release():
         _ffi.bank_release(other_id)
     with pytest.raises(ValueError, match="bank 999999 does not exist"):
         _ffi.bank_info(999999)
+
+
+def test_freeze_makes_the_bank_read_only():
+    bank = HostBank(3, (2,), np.float32)
+    bank.write_row(1, np.array([1.0, 2.0], np.float32))
+    assert not bank.frozen
+    bank.freeze()
+    assert bank.frozen and "frozen" in repr(bank)
+    view = bank.numpy()
+    assert not view.flags.writeable
+    np.testing.assert_array_equal(view, [[0, 0], [1, 2], [0, 0]])  # the data is still readable, unchanged
+    with pytest.raises(ValueError, match="read-only"):
+        view[0] = 5.0
+    with pytest.raises(ValueError, match=f"bank {bank.id} .* is read-only"):
+        bank.write_row(0, np.zeros(2, np.float32))
+    np.testing.assert_array_equal(bank.numpy(), [[0, 0], [1, 2], [0, 0]])
+    bank.freeze()  # idempotent
+    bank.release()
+    with pytest.raises(ValueError, match="was released"):
+        bank.freeze()

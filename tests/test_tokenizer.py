@@ -8,7 +8,9 @@ import pytest
 from ft_jax.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
+    SpecialIds,
     TokenizerNotFoundError,
+    load_special_ids,
     load_tokenizer,
 )
 
@@ -166,3 +168,44 @@ def test_bundled_model_files():
     with safe_open(path, framework="numpy") as f:
         got = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     assert got == expected
+
+
+@pytest.mark.parametrize("config_eos,generation,expected", [
+    ([2, 148], None, (2, 148)),
+    (2, {"eos_token_id": [2, 148]}, (2, 148)),
+    ([2, 148], {"eos_token_id": 7}, (7,)),
+])
+def test_tokenizer_and_config_give_the_same_eos_ids(tmp_path, config_eos, generation, expected):
+    """Every listed EOS id, generation_config.json first: the tokenizer and MoEConfig agree (one rule)."""
+    from ft_jax.config import load_config
+
+    cfg = json.load(open(os.path.join(MIXTRAL_FIXTURE, "config.json")))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": config_eos,
+                                                      "ft_jax_tokenizer": "bytes"}))
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.eos_token_ids == expected == load_config(tmp_path).eos_token_ids
+    assert load_special_ids(str(tmp_path)) == SpecialIds(1, expected)
+
+
+def test_bad_special_id_files_name_the_file(tmp_path):
+    _write_byte_model(tmp_path)
+    gen = tmp_path / "generation_config.json"
+    gen.write_bytes(b'{"eos_token_id": 2\xff}')
+    with pytest.raises(ValueError, match=rf"^{gen}: not UTF-8 text \(byte 0xff at offset 18\)"):
+        load_tokenizer(str(tmp_path))
+    gen.write_text('{"eos_token_id": [2, true]}')
+    with pytest.raises(ValueError, match=rf"^{gen}: eos_token_id must be a non-negative integer"):
+        load_tokenizer(str(tmp_path))
+    gen.unlink()
+    os.mkfifo(tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match="tokenizer.json: is a FIFO"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_model_folder_that_is_a_symlink_loop(tmp_path):
+    os.symlink(tmp_path / "b", tmp_path / "a")
+    os.symlink(tmp_path / "a", tmp_path / "b")
+    with pytest.raises(ValueError, match="cannot open the model folder: symbolic link loop"):
+        load_tokenizer(str(tmp_path / "a"))

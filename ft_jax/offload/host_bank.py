@@ -6,6 +6,10 @@ A bank holds one weight kind for all L x E experts (flat id = moe_layer_index * 
   down bank:    rows [H, I] (down_proj.weight, Mixtral w2).
 The FFI handlers (ft_jax.offload.ffi_ops) receive the bank's integer ``id`` as a compile-time attribute.
 
+Read-only once loaded: ``freeze()`` (called by the checkpoint loader when every row is filled) makes the bank
+read-only from Python, so weights that compiled decode steps read cannot be changed behind them: ``numpy()``
+returns read-only views and ``write_row`` raises. It cannot be undone.
+
 Lifetime: ``release()`` (or garbage collection of the HostBank) drops the bank from the C++ registry. A handler
 that is running keeps the memory alive until it returns, numpy views returned by ``numpy()`` keep it alive while
 they exist, and compiled steps that run after the release get an FFI error naming the bank instead of crashing.
@@ -68,6 +72,7 @@ class HostBank:
         self._id = int(_ffi.bank_create(num_rows, list(row_shape), _DTYPE_CODES[self._dtype.name]))
         self._num_rows = num_rows
         self._row_shape = row_shape
+        self._frozen = False
         self._finalizer = weakref.finalize(self, _release_if_live, self._id)
 
     @classmethod
@@ -129,6 +134,21 @@ class HostBank:
         """False once the bank has been released."""
         return bool(_ffi.bank_is_live(self._id))
 
+    @property
+    def frozen(self) -> bool:
+        """True once :meth:`freeze` was called: the bank is read-only from Python."""
+        return self._frozen
+
+    def freeze(self) -> None:
+        """Make the bank read-only: later ``numpy()`` views are read-only and ``write_row`` raises ValueError.
+
+        Irreversible; calling it again is a no-op. Views taken before the call keep their own writability (numpy
+        cannot revoke it), which is why the loader fills the rows first and freezes last. The FFI handlers only
+        read banks, so they are unaffected. Raises ValueError if the bank was released.
+        """
+        self._check_alive("freeze")
+        self._frozen = True
+
     def _check_alive(self, what: str) -> None:
         if not self.alive:
             raise ValueError(f"HostBank.{what}: bank {self._id} {self._describe_shape()} was released")
@@ -137,21 +157,27 @@ class HostBank:
         return f"[{', '.join(str(d) for d in self.shape)}] {self._dtype.name}"
 
     def numpy(self) -> np.ndarray:
-        """Zero-copy writable numpy view [num_rows, *row_shape] of the bank memory.
+        """Zero-copy numpy view [num_rows, *row_shape] (bank dtype) of the bank memory; read-only once frozen.
 
         The view keeps the memory alive even if the bank is released afterwards. Raises ValueError if released.
         """
         self._check_alive("numpy")
-        return _ffi.bank_buffer(self._id).view(self._dtype).reshape(self.shape)
+        view = _ffi.bank_buffer(self._id).view(self._dtype).reshape(self.shape)
+        if self._frozen:
+            view.flags.writeable = False
+        return view
 
     def write_row(self, i: int, array) -> None:
         """Copies ``array`` (shape row_shape) into row ``i``; float data is cast to the bank dtype (f32 -> bf16).
 
         Raises:
-          IndexError: i outside [0, num_rows). ValueError: wrong shape or released bank.
+          IndexError: i outside [0, num_rows). ValueError: wrong shape, released or frozen (read-only) bank.
           TypeError: a non-float array into a float bank, or a dtype mismatch for an integer/fp8 bank.
         """
         self._check_alive("write_row")
+        if self._frozen:
+            raise ValueError(f"HostBank.write_row: bank {self._id} {self._describe_shape()} is read-only (frozen "
+                             "after loading: compiled decode steps read it)")
         i = int(i)
         if not 0 <= i < self._num_rows:
             raise IndexError(f"HostBank.write_row: row {i} out of range for bank {self._id} with {self._num_rows} rows")
@@ -187,5 +213,5 @@ class HostBank:
             self.release()
 
     def __repr__(self) -> str:
-        state = "" if self.alive else ", released"
+        state = ("" if self.alive else ", released") + (", frozen" if self._frozen else "")
         return f"HostBank(id={self._id}, shape={self.shape}, dtype={self._dtype.name}{state})"
