@@ -237,3 +237,29 @@ def test_victim_choice_safe_at_int32_limit():
     np.testing.assert_array_equal(np.asarray(plan.device_slot_of_expert), [0, 1, -1, -1])
     np.testing.assert_array_equal(np.asarray(plan.host_mask), [False, False, False, False])
     np.testing.assert_array_equal(np.asarray(state.slot_of_expert), [[0, 1, -1, -1]])
+
+
+@pytest.mark.parametrize("policy_name", ["qstar:0.415", "fetch-all", "fixed-cap:1"])
+def test_decode_plan_with_max_active_matches_reference(policy_name):
+    """The decode step's plan: at most T*k = 6 active experts, so P = 6 fills, chosen by argmax/argmin instead of
+    sorts; the tables and the first P plan entries equal the reference (whose remaining entries are padding)."""
+    E, k, L, S, steps = 32, 2, 3, 10, 150
+    policy = parse_policy(policy_name)
+    state, ref = init_cache_state(L, E, S), ReferenceCache(L, E, S)
+    rng = np.random.default_rng(99)
+    popularity = rng.dirichlet(np.full(E, 0.3))
+    step_fn = jax.jit(lambda s, l, a: plan_layer(s, l, a, policy, max_active=3 * k))
+    for t in range(steps):
+        layer = t % L
+        active = random_active(rng, E, k, popularity)
+        state, plan = step_fn(state, jnp.int32(layer), jnp.asarray(active))
+        want = ref.plan(layer, active, policy)
+        assert np.all(want["fill_flat_ids"][3 * k:] == -1)
+        for name in ("fill_flat_ids", "fill_slot_ids"):
+            np.testing.assert_array_equal(np.asarray(getattr(plan, name)), want[name][:3 * k], err_msg=f"{t} {name}")
+        for name in ("device_slot_of_expert", "host_mask", "stats"):
+            np.testing.assert_array_equal(np.asarray(getattr(plan, name)), want[name], err_msg=f"{t} {name}")
+        assert_state_equal(state, ref.arrays(), f"{policy_name} step {t}")
+    assert step_fn._cache_size() == 1
+    hlo = step_fn.lower(state, jnp.int32(0), jnp.zeros(E, bool)).compile().as_text()
+    assert " sort(" not in hlo  # decode plans sort nothing

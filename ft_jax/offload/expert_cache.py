@@ -57,7 +57,7 @@ class CacheState(NamedTuple):
 
 
 class LayerPlan(NamedTuple):
-    """What one MoE layer must do this step (output of plan_layer). P = min(E, S) (static).
+    """What one MoE layer must do this step (output of plan_layer). P = min(E, S, max_active) (static).
 
     Attributes:
         fill_flat_ids: i32[P] bank rows (flat ids l*E + e) to copy into slots, padded with -1 (slot_fill operand).
@@ -126,7 +126,7 @@ def init_cache_state_resident(num_layers: int, num_experts: int) -> CacheState:
 
 
 def active_from_topk(topk_ids, num_experts: int):
-    """Active-expert mask of one MoE layer from the router's top-k ids.
+    """Active-expert mask of one MoE layer from the router's top-k ids (elementwise: no scatter).
 
     Args:
         topk_ids: i32[T, k] expert ids in [0, E); negative ids (padding) are ignored.
@@ -135,30 +135,58 @@ def active_from_topk(topk_ids, num_experts: int):
         bool[E], True for every expert routed to by at least one token.
     """
     ids = jnp.asarray(topk_ids, jnp.int32).reshape(-1)  # i32[T*k]
-    ids = jnp.where(ids >= 0, ids, num_experts)  # padding -> out of range, dropped (negative ids would wrap)
-    return jnp.zeros((num_experts,), jnp.bool_).at[ids].set(True, mode="drop")
+    return jnp.any(ids[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :], axis=0)  # bool[E]
 
 
-def plan_layer(state: CacheState, layer, active, policy: Policy) -> tuple[CacheState, LayerPlan]:
+# Plans with at most this many fills pick them by repeated argmax / argmin (a few fused reductions); larger ones
+# (prefill: many tokens activate every expert) sort the candidates once. Both orders are identical.
+_SELECT_BY_REDUCTION = 8
+
+
+def _best_first(keys, count: int, largest: bool):
+    """Indices of the `count` best entries of keys i32[n], best first, ties to the lower index: the same order as a
+    stable sort by key (descending if largest, else ascending). count is static. Returns i32[count]."""
+    n = keys.shape[0]
+    if count > _SELECT_BY_REDUCTION:
+        order_key = -keys if largest else keys  # callers keep keys away from INT32_MIN, so the negation is exact
+        _, order = jax.lax.sort((order_key, jnp.arange(n, dtype=jnp.int32)), num_keys=1, is_stable=True)
+        return order[:count]
+    worst = jnp.iinfo(jnp.int32).min if largest else jnp.iinfo(jnp.int32).max
+    picked = []
+    for _ in range(count):
+        i = (jnp.argmax(keys) if largest else jnp.argmin(keys)).astype(jnp.int32)  # first of the ties
+        picked.append(i)
+        keys = jnp.where(jnp.arange(n) == i, worst, keys)
+    return jnp.stack(picked)
+
+
+def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int | None = None
+               ) -> tuple[CacheState, LayerPlan]:
     """Plan one MoE layer's experts and update the cache tables (rules: module docstring, docs/DESIGN.md sec. 1-3).
 
     Pure static-shape jnp, jit-compatible; `policy` must be static (it is a frozen, hashable dataclass) and its
     branch is chosen in Python at trace time. host-all and resident never fetch, so they skip victim selection.
+    No sort for plans of at most 8 fills (decode): the fetched misses and their victim slots are found by repeated
+    argmax / argmin, and the tables are updated by three small scatters.
 
     Args:
         state: CacheState with shapes [L, E] / [S].
         layer: MoE layer index in [0, L): Python int or traced i32[] (out-of-range traced values are not checked).
         active: bool[E] active-expert mask of this layer (e.g. active_from_topk).
         policy: Policy; "resident" requires S == L*E (init_cache_state_resident).
+        max_active: static bound on the number of active experts (T * k for T tokens of top-k routing), which
+            bounds the fills: P = min(E, S, max_active). None: P = min(E, S).
     Returns:
         (new_state, LayerPlan). new_state.step = state.step + 1.
     Raises:
         ValueError (trace time): active is not bool[E], layer out of range or not a scalar, resident policy with
-        S != L*E, qstar policy without a fraction.
+        S != L*E, qstar policy without a fraction, max_active < 1.
     """
     L, E = state.slot_of_expert.shape
     S = state.expert_of_slot.shape[0]
-    P = min(E, S)
+    if max_active is not None and max_active < 1:
+        raise ValueError(f"expert_cache.plan_layer: max_active must be >= 1, got {max_active}")
+    P = min(E, S) if max_active is None else min(E, S, max_active)
     active = jnp.asarray(active)
     if active.shape != (E,) or active.dtype != jnp.bool_:
         raise ValueError(f"expert_cache.plan_layer: active must be bool[{E}], got {active.dtype}{list(active.shape)}")
@@ -175,57 +203,59 @@ def plan_layer(state: CacheState, layer, active, policy: Policy) -> tuple[CacheS
     step = state.step
     base = layer * E  # i32[] flat id of expert 0 of this layer
     expert_ids = jnp.arange(E, dtype=jnp.int32)  # i32[E]
-    row = state.slot_of_expert[layer]  # i32[E]
+    slot_ids = jnp.arange(S, dtype=jnp.int32)  # i32[S]
+    row = jax.lax.dynamic_index_in_dim(state.slot_of_expert, layer, keepdims=False)  # i32[E]
     hit = active & (row >= 0)  # bool[E]
     miss = active & (row < 0)  # bool[E]
     m = jnp.sum(miss, dtype=jnp.int32)  # i32[]
+    int_max = jnp.iinfo(jnp.int32).max
 
-    slot_of_expert = state.slot_of_expert
-    expert_of_slot = state.expert_of_slot
-    usage = state.usage
+    slot_of_expert, expert_of_slot = state.slot_of_expert, state.expert_of_slot
     if policy.kind in ("host-all", "resident"):
         count = jnp.zeros((), jnp.int32)
         fetch = jnp.zeros((E,), jnp.bool_)
-        fill_flat_ids = jnp.full((P,), -1, jnp.int32)
-        fill_slot_ids = jnp.full((P,), -1, jnp.int32)
+        fill_flat_ids = fill_slot_ids = jnp.full((P,), -1, jnp.int32)
+        usage_slots = jnp.where(hit, row, S)  # i32[E] slots to mark used (S = none)
     else:
         # Eligible victims: every slot except those holding an expert active in this layer.
         local = expert_of_slot - base  # i32[S] expert index within this layer (if in range)
         in_layer = (expert_of_slot >= 0) & (local >= 0) & (local < E)  # bool[S]
         eligible = ~(in_layer & active[jnp.clip(local, 0, E - 1)])  # bool[S]
         count = jnp.minimum(fetch_budget(policy, m), jnp.sum(eligible, dtype=jnp.int32))  # i32[] F
-        # One-key stable sorts (XLA's CPU sort costs ~2x more with lexsort's 3 keys). Ties keep the lower index.
-        # Misses by recency, most recent first: key -recency (never-seen -1 -> 1, last); non-misses INT32_MAX.
-        # Keys of candidates are clamped below INT32_MAX so they stay ahead even after the int32 wrap.
-        int_max = jnp.iinfo(jnp.int32).max
-        expert_key = jnp.where(miss, jnp.minimum(-state.recency[layer], int_max - 1), int_max)  # i32[E]
-        _, rank = jax.lax.sort((expert_key, expert_ids), num_keys=1, is_stable=True)  # i32[E] experts, best first
-        # Eligible slots by usage, least recently used first; ineligible slots INT32_MAX (last).
-        slot_key = jnp.where(eligible, jnp.minimum(usage, int_max - 1), int_max)  # i32[S]
-        _, lru = jax.lax.sort((slot_key, jnp.arange(S, dtype=jnp.int32)), num_keys=1, is_stable=True)  # i32[S]
+        # Misses by recency, most recent first, ties to the lower id; never-seen (-1) after every seen one; other
+        # experts last. Keys clamp to >= INT32_MIN + 2 so that they stay ahead of the non-misses after the wrap.
+        recency = jax.lax.dynamic_index_in_dim(state.recency, layer, keepdims=False)  # i32[E]
+        floor = jnp.iinfo(jnp.int32).min + 1
+        fetched = _best_first(jnp.where(miss, jnp.maximum(recency, floor + 1), floor), P, largest=True)  # i32[P]
+        # Eligible slots by usage, least recently used first, ties to the lower slot; ineligible slots last.
+        victims = _best_first(jnp.where(eligible, jnp.minimum(state.usage, int_max - 1), int_max), P,
+                              largest=False)  # i32[P]
         take = jnp.arange(P, dtype=jnp.int32) < count  # bool[P]; count <= min(m, eligible) <= P
-        fetched = rank[:P]  # i32[P] expert index of the i-th fetch
-        victims = lru[:P]  # i32[P] slot of the i-th fetch
         fill_flat_ids = jnp.where(take, base + fetched, -1)  # i32[P]
         fill_slot_ids = jnp.where(take, victims, -1)  # i32[P]
-        fetch = jnp.zeros((E,), jnp.bool_).at[fetched].set(take)  # bool[E]; fetched ids are distinct
+        fetch = jnp.any(take[:, None] & (fetched[:, None] == expert_ids[None, :]), axis=0)  # bool[E]
 
         # Out-of-range index = no-op (mode="drop"); -1 must not be used as an index (it would wrap).
-        flat = slot_of_expert.reshape(L * E)  # i32[L*E]
         evicted = expert_of_slot[victims]  # i32[P] flat id previously held by each victim slot
-        flat = flat.at[jnp.where(take & (evicted >= 0), evicted, L * E)].set(-1, mode="drop")
-        flat = flat.at[jnp.where(take, fill_flat_ids, L * E)].set(victims, mode="drop")
-        slot_of_expert = flat.reshape(L, E)
+        flat_updates = jnp.concatenate([jnp.where(take & (evicted >= 0), evicted, L * E),  # -> not resident
+                                        jnp.where(take, fill_flat_ids, L * E)])  # -> its victim slot
+        slot_of_expert = slot_of_expert.reshape(L * E).at[flat_updates].set(
+            jnp.concatenate([jnp.full((P,), -1, jnp.int32), victims]), mode="drop").reshape(L, E)
         expert_of_slot = expert_of_slot.at[jnp.where(take, victims, S)].set(fill_flat_ids, mode="drop")
-        usage = usage.at[jnp.where(take, victims, S)].set(step, mode="drop")
+        usage_slots = jnp.concatenate([jnp.where(hit, row, S), jnp.where(take, victims, S)])  # i32[E + P]
 
-    usage = usage.at[jnp.where(hit, row, S)].set(step, mode="drop")  # hits' slots (row unchanged for hits)
-    recency = state.recency.at[layer].set(jnp.where(active, step, state.recency[layer]))
+    # Hits and fills: usage = step (one scatter; a hit's slot is unchanged by this call's fills).
+    usage = state.usage.at[usage_slots].set(step, mode="drop")
+    recency_row = jnp.where(active, step, jax.lax.dynamic_index_in_dim(state.recency, layer, keepdims=False))
+    recency = jax.lax.dynamic_update_index_in_dim(state.recency, recency_row, layer, axis=0)
     host_mask = miss & ~fetch  # bool[E]
-    device_slot_of_expert = jnp.where(hit | fetch, slot_of_expert[layer], -1)  # i32[E]
+    device_row = jax.lax.dynamic_index_in_dim(slot_of_expert, layer, keepdims=False)  # i32[E] after the fills
+    device_slot_of_expert = jnp.where(hit | fetch, device_row, -1)  # i32[E]
     call_stats = jnp.stack([jnp.sum(active, dtype=jnp.int32), jnp.sum(hit, dtype=jnp.int32), m, count,
                             m - count])  # i32[5]
-    stats = state.stats.at[layer].add(jnp.concatenate([call_stats, jnp.ones((1,), jnp.int32)]))
+    stats_row = jax.lax.dynamic_index_in_dim(state.stats, layer, keepdims=False) + \
+        jnp.concatenate([call_stats, jnp.ones((1,), jnp.int32)])  # i32[6]
+    stats = jax.lax.dynamic_update_index_in_dim(state.stats, stats_row, layer, axis=0)
     new_state = CacheState(slot_of_expert=slot_of_expert, expert_of_slot=expert_of_slot, usage=usage,
                            recency=recency, step=step + 1, stats=stats)
     plan = LayerPlan(fill_flat_ids=fill_flat_ids, fill_slot_ids=fill_slot_ids,

@@ -103,7 +103,8 @@ class OffloadedExperts:
         topk_ids = topk_ids.astype(jnp.int32)
         topk_weights = topk_weights.astype(jnp.float32)
         active = expert_cache.active_from_topk(topk_ids, E)  # bool[E]
-        cache, plan = expert_cache.plan_layer(state.cache, moe_layer, active, self.policy)
+        cache, plan = expert_cache.plan_layer(state.cache, moe_layer, active, self.policy,
+                                              max_active=topk_ids.size)
 
         if self.policy.kind in ("host-all", "resident"):
             # Never fetches: no slot_fill. A fill whose ids are constants does not depend on the previous layer's
