@@ -74,7 +74,7 @@ def test_bank_rows_follow_the_contract_layout(family):
     params = _params(ck.model)
     np.testing.assert_array_equal(params["embed_tokens"], tensors["model.embed_tokens.weight"])
     q_rows = cfg.num_heads * cfg.head_dim  # the fused q/k/v projection of stack 0 starts with layer 0's q_proj
-    np.testing.assert_array_equal(params["stacks/0/qkv"][0, :q_rows], tensors["model.layers.0.self_attn.q_proj.weight"])
+    np.testing.assert_array_equal(params["stacks/0/attn/qkv"][0, :q_rows], tensors["model.layers.0.self_attn.q_proj.weight"])
     assert all(v.dtype == np.float32 for v in params.values())
     assert ck.checkpoint_bytes == os.path.getsize(os.path.join(d, "model.safetensors"))
     _release(ck)

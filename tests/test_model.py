@@ -174,7 +174,7 @@ def test_layers_are_scanned(loaded):
     runs = [sum(1 for _ in g) for _, g in __import__("itertools").groupby(kinds)]
     model = loaded.ckpt.model
     assert [s.num_layers for s in model.stacks] == runs
-    assert all(s.qkv[...].shape[0] == n for s, n in zip(model.stacks, runs))
+    assert all(s.attn.qkv[...].shape[0] == n for s, n in zip(model.stacks, runs))
     kv = model.init_kv_cache(1, MAX_LEN)
     hlo = loaded.fwd.lower(loaded.state, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), kv,
                            loaded.experts).as_text()

@@ -67,23 +67,25 @@ class ExpertBackend(Protocol):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Static-size KV cache, one (k, v) pair of arrays per DecoderStack.
-
-    k, v: tuples (one per stack, in layer order) of [n, B, max_len, num_kv_heads, head_dim] arrays in the cache
-    dtype (n = layers of the stack). Index s of row b holds the key/value of that sequence's token at position s.
-    Memory: 2 * num_layers * B * max_len * num_kv_heads * head_dim * itemsize bytes.
+    """Static-size KV cache: one tuple of arrays per DecoderStack, each array [n, B, max_len, ...] (n = layers of the
+    stack; the attention module decides what is cached, e.g. (k, v) [n, B, S, KVH, D] for grouped-query attention).
+    Index s of row b holds what the sequence's token at position s left behind.
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    stacks: tuple[tuple[jax.Array, ...], ...]
 
     @property
     def batch_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.stacks[0][0].shape[1]
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return self.stacks[0][0].shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache."""
+        return sum(a.nbytes for stack in self.stacks for a in stack)
 
 
 class Intermediates(NamedTuple):
@@ -104,29 +106,24 @@ class Intermediates(NamedTuple):
 class AttentionInputs(NamedTuple):
     """What every layer's attention needs from the step's positions (computed once per forward).
 
-    cos, sin: f32[B, T, D] RoPE tables; write_idx: i32[B, T] cache index per token (max_len = dropped, padding);
-    mask: bool[B, T, S] keys each query may see; rows: i32[B, T] batch row of each token.
+    positions: i32[B, T] (-1 = padding); write_idx: i32[B, T] cache index per token (max_len = dropped: padding);
+    causal: bool[B, T, S] keys each query may see (before any sliding window); rows: i32[B, T] batch row of each
+    token.
     """
 
-    cos: jax.Array
-    sin: jax.Array
+    positions: jax.Array
     write_idx: jax.Array
-    mask: jax.Array
+    causal: jax.Array
     rows: jax.Array
 
 
-def attention_inputs(cfg: MoEConfig, positions: jax.Array, max_len: int) -> AttentionInputs:
-    """RoPE tables, cache write indices and the causal (and sliding-window) mask for positions i32[B, T]."""
+def attention_inputs(positions: jax.Array, max_len: int) -> AttentionInputs:
+    """Cache write indices and the causal mask for positions i32[B, T] and a KV cache of max_len entries."""
     B, T = positions.shape
-    valid = positions >= 0
-    cos, sin = rope_cos_sin(jnp.maximum(positions, 0), cfg.head_dim, cfg.rope_theta)  # [B, T, D]
-    write_idx = jnp.where(valid, positions, max_len)  # [B, T]; max_len is out of range: dropped
-    key_pos = jnp.arange(max_len)[None, None, :]
-    mask = key_pos <= positions[:, :, None]  # [B, T, S]; all False for padding queries
-    if cfg.sliding_window is not None:
-        mask &= key_pos > positions[:, :, None] - cfg.sliding_window
+    write_idx = jnp.where(positions >= 0, positions, max_len)  # [B, T]; max_len is out of range: dropped
+    causal = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]; all False for padding
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    return AttentionInputs(cos, sin, write_idx, mask, rows)
+    return AttentionInputs(positions, write_idx, causal, rows)
 
 
 def random_param_factory(seed: int = 0, dtype=np.float32, std: float = 0.02) -> ParamFactory:
@@ -145,8 +142,11 @@ def random_param_factory(seed: int = 0, dtype=np.float32, std: float = 0.02) -> 
     return make
 
 
-class _Stacked:
-    """Reads one parameter of every layer of a stack and stacks them: [n, *shape] on the device."""
+class Stacked:
+    """Reads one parameter of every layer of a stack and stacks them: nnx.Param [n, *shape] on the device.
+
+    Args: make: ParamFactory; layers: decoder layer indices of the stack (names "model.layers.{l}.{suffix}").
+    """
 
     def __init__(self, make: ParamFactory, layers: tuple[int, ...]):
         self.make, self.layers = make, layers
@@ -162,29 +162,17 @@ class _Stacked:
             for l in self.layers])))
 
 
-def _layer_kind(cfg: MoEConfig, layer: int) -> str:
-    return "dense" if cfg.moe_layer_index(layer) is None else "moe"
+class GroupedQueryAttention(nnx.Module):
+    """Grouped-query self-attention of a stack of n layers (Mixtral, Qwen2/3-MoE, OLMoE), parameters [n, ...].
 
-
-class DecoderStack(nnx.Module):
-    """n consecutive decoder layers of one kind, parameters stacked on a leading axis, run as one ``lax.scan``.
-
-    Each layer is pre-norm: h = x + attn(norm(x)); out = h + mlp_or_moe(norm(h)), with grouped-query attention
-    (q/k/v biases and q/k norms per config) and a dense gated MLP or an MoE block (router, routed experts from the
-    expert backend, Qwen2-MoE's shared expert with its sigmoid gate).
-
-    Args:
-        cfg: model config. make: ParamFactory. layers: the decoder layer indices of the stack (consecutive, one kind).
+    q/k/v are one fused projection [n, (NH + 2 KVH) D, H] (+ bias), then q/k norms per config (per head: Qwen3-MoE;
+    over the whole projection: OLMoE), optional clip (OLMoE), default RoPE, the KV cache update, softmax attention
+    in float32 over the visible keys, and the o projection. KV cache of the stack: (k, v), each [n, B, S, KVH, D].
     """
 
-    def __init__(self, cfg: MoEConfig, make: ParamFactory, layers: tuple[int, ...]):
+    def __init__(self, cfg: MoEConfig, p: Stacked):
         H, D, NH, KVH = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        self.cfg, self.layers = cfg, layers
-        self.kind = _layer_kind(cfg, layers[0])
-        self.moe_base = cfg.moe_layer_index(layers[0])  # MoE index of the first layer (None for dense)
-        p = _Stacked(make, layers)
-        self.input_norm = p("input_layernorm.weight", (H,), "norm")  # [n, H]
-        self.post_norm = p("post_attention_layernorm.weight", (H,), "norm")  # [n, H]
+        self.cfg = cfg
         a = "self_attn"
         qkv = [(f"{a}.q_proj.weight", (NH * D, H)), (f"{a}.k_proj.weight", (KVH * D, H)),
                (f"{a}.v_proj.weight", (KVH * D, H))]
@@ -200,39 +188,19 @@ class DecoderStack(nnx.Module):
             self.k_norm = p(f"{a}.k_norm.weight", (KVH * D,), "norm")
         else:
             self.q_norm = self.k_norm = None
-        if self.kind == "dense":
-            I = cfg.intermediate_size
-            self.gate_up = p.rows([("mlp.gate_proj.weight", (I, H)), ("mlp.up_proj.weight", (I, H))])  # [n, 2I, H]
-            self.down = p("mlp.down_proj.weight", (H, I))  # [n, H, I]
-            self.router = self.shared_gate_up = self.shared_down = self.shared_gate = None
-            return
-        self.gate_up = self.down = None
-        router = "block_sparse_moe.gate.weight" if cfg.family == "mixtral" else "mlp.gate.weight"
-        self.router = p(router, (cfg.num_experts, H))  # [n, E, H]
-        SI = cfg.shared_expert_intermediate_size
-        if SI:
-            s = "mlp.shared_expert"
-            self.shared_gate_up = p.rows([(f"{s}.gate_proj.weight", (SI, H)), (f"{s}.up_proj.weight", (SI, H))])
-            self.shared_down = p(f"{s}.down_proj.weight", (H, SI))  # [n, H, SI]
-            self.shared_gate = p("mlp.shared_expert_gate.weight", (1, H))  # [n, 1, H]
-        else:
-            self.shared_gate_up = self.shared_down = self.shared_gate = None
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def init_kv_cache(self, batch_size: int, max_len: int, dtype) -> tuple[jax.Array, jax.Array]:
-        """Zero (k, v) caches [n, B, max_len, KVH, D] for this stack."""
-        shape = (self.num_layers, batch_size, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
+    def init_cache(self, num_layers: int, batch_size: int, max_len: int, dtype) -> tuple[jax.Array, ...]:
+        """Zero (k, v) caches [n, B, max_len, KVH, D]: 2 * n * B * max_len * KVH * D * itemsize bytes."""
+        shape = (num_layers, batch_size, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
-    def _attention(self, i, x, ctx: AttentionInputs, k_cache, v_cache):
-        """Layer i's self-attention. x: [B, T, H]; k_cache, v_cache: [n, B, S, KVH, D] (layer i updated in place).
-        Returns (out [B, T, H], k_cache, v_cache)."""
+    def __call__(self, i, x, ctx: AttentionInputs, cache: tuple[jax.Array, ...]):
+        """Layer i's self-attention. x: [B, T, H]; cache: (k, v) [n, B, S, KVH, D] (layer i updated in place).
+        Returns (out [B, T, H] in x.dtype, cache)."""
         cfg = self.cfg
         B, T, _ = x.shape
         NH, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        k_cache, v_cache = cache
         qkv = linear(x, self.qkv[...], i)  # f32[B, T, (NH + 2 KVH) D]
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...][i].astype(jnp.float32)
@@ -249,67 +217,135 @@ class DecoderStack(nnx.Module):
         if cfg.qk_norm == "per_head":
             q = rms_norm(q, self.q_norm[...][i], cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm[...][i], cfg.rms_norm_eps)
-        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        cos, sin = rope_cos_sin(jnp.maximum(ctx.positions, 0), D, cfg.rope_theta)  # f32[B, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         k_cache = k_cache.at[i, ctx.rows, ctx.write_idx].set(k.astype(k_cache.dtype), mode="drop")
         v_cache = v_cache.at[i, ctx.rows, ctx.write_idx].set(v.astype(v_cache.dtype), mode="drop")
         keys, values = k_cache[i].astype(q.dtype), v_cache[i].astype(q.dtype)  # [B, S, KVH, D]
 
+        mask = ctx.causal  # [B, T, S]
+        if cfg.sliding_window is not None:
+            key_pos = jnp.arange(mask.shape[-1])[None, None, :]
+            mask = mask & (key_pos > ctx.positions[:, :, None] - cfg.sliding_window)
         G = NH // KVH  # query head h uses KV head h // G (transformers' repeat_kv)
         qg = q.reshape(B, T, KVH, G, D)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, precision=jax.lax.Precision.HIGHEST) * (D ** -0.5)
         scores = scores.astype(jnp.float32)  # [B, KVH, G, T, S]
         # finfo.min (not -inf): a padding query that sees no key gets finite (uniform) weights instead of NaN.
-        scores = jnp.where(ctx.mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, values, precision=jax.lax.Precision.HIGHEST)  # [B, T, KVH, G, D]
         o = linear(out.reshape(B, T, NH * D), self.o[...], i)  # f32[B, T, H]
         if self.o_bias is not None:
             o = o + self.o_bias[...][i].astype(jnp.float32)
-        return o.astype(x.dtype), k_cache, v_cache
+        return o.astype(x.dtype), (k_cache, v_cache)
 
-    def _moe(self, i, x, valid, expert_state, experts: ExpertBackend):
-        """Layer i's MoE block. x: [N, H]; valid: bool[N]. Returns (y [N, H], expert_state, Routing)."""
+
+class DenseMLP(nnx.Module):
+    """The gated MLP of dense decoder layers (Qwen2/3-MoE mlp_only_layers, DeepSeek first_k_dense_replace),
+    gate/up fused [n, 2I, H], down [n, H, I]."""
+
+    def __init__(self, cfg: MoEConfig, p: Stacked):
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.activation = cfg.activation
+        self.gate_up = p.rows([("mlp.gate_proj.weight", (I, H)), ("mlp.up_proj.weight", (I, H))])  # [n, 2I, H]
+        self.down = p("mlp.down_proj.weight", (H, I))  # [n, H, I]
+
+    def __call__(self, i, x, valid, expert_state, experts: ExpertBackend):
+        """x: [B, T, H]. Returns (y [B, T, H], expert_state unchanged, None: no routing)."""
+        return gated_mlp(x, self.gate_up[...], self.down[...], i, self.activation), expert_state, None
+
+
+class MoEBlock(nnx.Module):
+    """Router [n, E, H] and, for Qwen2-MoE, the shared expert with its sigmoid gate; the routed experts come from the
+    expert backend (host banks and slots)."""
+
+    def __init__(self, cfg: MoEConfig, p: Stacked, moe_base: int):
+        H, SI = cfg.hidden_size, cfg.shared_expert_intermediate_size
+        self.cfg, self.moe_base = cfg, moe_base  # moe_base: MoE index of the stack's first layer
+        self.router = p("block_sparse_moe.gate.weight" if cfg.family == "mixtral" else "mlp.gate.weight",
+                        (cfg.num_experts, H))  # [n, E, H]
+        if SI:
+            s = "mlp.shared_expert"
+            self.shared_gate_up = p.rows([(f"{s}.gate_proj.weight", (SI, H)), (f"{s}.up_proj.weight", (SI, H))])
+            self.shared_down = p(f"{s}.down_proj.weight", (H, SI))  # [n, H, SI]
+            self.shared_gate = p("mlp.shared_expert_gate.weight", (1, H))  # [n, 1, H]
+        else:
+            self.shared_gate_up = self.shared_down = self.shared_gate = None
+
+    def __call__(self, i, x, valid, expert_state, experts: ExpertBackend):
+        """Layer i's MoE block. x: [B, T, H]; valid: bool[B, T].
+        Returns (y [B, T, H], expert_state, (router logits f32[N, E], topk ids i32[N, k], weights f32[N, k]))."""
         cfg = self.cfg
-        logits = linear(x, self.router[...], i).astype(x.dtype).astype(jnp.float32)  # f32[N, E]
-        r = route(cfg, logits, valid)
-        routed, expert_state = experts(jnp.int32(self.moe_base) + i, x, r.topk_ids, r.topk_weights, expert_state)
+        B, T, H = x.shape
+        xf = x.reshape(B * T, H)  # [N, H]
+        logits = linear(xf, self.router[...], i).astype(x.dtype).astype(jnp.float32)  # f32[N, E]
+        r = route(cfg, logits, valid.reshape(B * T))
+        routed, expert_state = experts(jnp.int32(self.moe_base) + i, xf, r.topk_ids, r.topk_weights, expert_state)
         y = routed.astype(x.dtype)  # [N, H]
         if self.shared_gate_up is not None:
-            gate = jax.nn.sigmoid(linear(x, self.shared_gate[...], i).astype(x.dtype))  # [N, 1]
-            y = y + gate * gated_mlp(x, self.shared_gate_up[...], self.shared_down[...], i, cfg.activation)
-        return y, expert_state, r
+            gate = jax.nn.sigmoid(linear(xf, self.shared_gate[...], i).astype(x.dtype))  # [N, 1]
+            y = y + gate * gated_mlp(xf, self.shared_gate_up[...], self.shared_down[...], i, cfg.activation)
+        return y.reshape(B, T, H), expert_state, (r.logits, r.topk_ids, r.topk_weights)
 
-    def layer(self, i, h, k_cache, v_cache, ctx: AttentionInputs, valid, expert_state, experts: ExpertBackend):
+
+def _layer_kind(cfg: MoEConfig, layer: int) -> str:
+    return "dense" if cfg.moe_layer_index(layer) is None else "moe"
+
+
+class DecoderStack(nnx.Module):
+    """n consecutive decoder layers of one kind, parameters stacked on a leading axis, run as one ``lax.scan``.
+
+    Each layer is pre-norm: h = x + attn(norm(x)); out = h + ffn(norm(h)), with the family's attention module and
+    a DenseMLP or an MoEBlock as the ffn. Every module of a stack takes the traced layer index i first and reads
+    its stacked parameters at i; caches are tuples of [n, B, S, ...] arrays updated in place at i.
+
+    Args:
+        cfg: model config. make: ParamFactory. layers: the decoder layer indices of the stack (consecutive, one kind).
+    """
+
+    def __init__(self, cfg: MoEConfig, make: ParamFactory, layers: tuple[int, ...]):
+        H = cfg.hidden_size
+        self.cfg, self.layers = cfg, layers
+        p = Stacked(make, layers)
+        self.input_norm = p("input_layernorm.weight", (H,), "norm")  # [n, H]
+        self.post_norm = p("post_attention_layernorm.weight", (H,), "norm")  # [n, H]
+        self.attn = GroupedQueryAttention(cfg, p)
+        moe_base = cfg.moe_layer_index(layers[0])
+        self.ffn = DenseMLP(cfg, p) if moe_base is None else MoEBlock(cfg, p, moe_base)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def init_cache(self, batch_size: int, max_len: int, dtype) -> tuple[jax.Array, ...]:
+        """This stack's zero KV cache (arrays [n, B, max_len, ...]; the attention module defines them)."""
+        return self.attn.init_cache(self.num_layers, batch_size, max_len, dtype)
+
+    def layer(self, i, h, cache, ctx: AttentionInputs, valid, expert_state, experts: ExpertBackend):
         """Decoder layer i of the stack (the scan body). h: [B, T, H]; valid: bool[B, T].
-        Returns (h, k_cache, v_cache, expert_state, (router logits [N, E], topk ids [N, k], weights [N, k]) or
-        None for a dense layer)."""
-        cfg = self.cfg
-        B, T, H = h.shape
-        a, k_cache, v_cache = self._attention(i, rms_norm(h, self.input_norm[...][i], cfg.rms_norm_eps), ctx,
-                                              k_cache, v_cache)
+        Returns (h, cache, expert_state, routing (router logits [N, E], topk ids [N, k], weights [N, k]) or None)."""
+        eps = self.cfg.rms_norm_eps
+        a, cache = self.attn(i, rms_norm(h, self.input_norm[...][i], eps), ctx, cache)
         h = h + a
-        x = rms_norm(h, self.post_norm[...][i], cfg.rms_norm_eps)
-        if self.kind == "dense":
-            return h + gated_mlp(x, self.gate_up[...], self.down[...], i, cfg.activation), k_cache, v_cache, \
-                expert_state, None
-        y, expert_state, r = self._moe(i, x.reshape(B * T, H), valid.reshape(B * T), expert_state, experts)
-        return h + y.reshape(B, T, H), k_cache, v_cache, expert_state, (r.logits, r.topk_ids, r.topk_weights)
+        y, expert_state, routing = self.ffn(i, rms_norm(h, self.post_norm[...][i], eps), valid, expert_state,
+                                            experts)
+        return h + y, cache, expert_state, routing
 
-    def __call__(self, h, k_cache, v_cache, ctx: AttentionInputs, valid, expert_state, experts: ExpertBackend,
+    def __call__(self, h, cache, ctx: AttentionInputs, valid, expert_state, experts: ExpertBackend,
                  collect: bool = False):
-        """All n layers as one lax.scan. Returns (h, k_cache, v_cache, expert_state, per-layer outputs or None):
-        with collect, the output of every layer [n, B, T, H] and, for MoE stacks, the routing [n, N, ...]."""
+        """All n layers as one lax.scan. Returns (h, cache, expert_state, per-layer outputs or None): with collect,
+        the output of every layer [n, B, T, H] and, for MoE stacks, the routing [n, N, ...]."""
 
         def body(carry, i):
-            h, k_cache, v_cache, expert_state = carry
-            h, k_cache, v_cache, expert_state, routing = self.layer(i, h, k_cache, v_cache, ctx, valid,
-                                                                    expert_state, experts)
-            return (h, k_cache, v_cache, expert_state), ((h, routing) if collect else None)
+            h, cache, expert_state = carry
+            h, cache, expert_state, routing = self.layer(i, h, cache, ctx, valid, expert_state, experts)
+            return (h, cache, expert_state), ((h, routing) if collect else None)
 
-        (h, k_cache, v_cache, expert_state), ys = jax.lax.scan(
-            body, (h, k_cache, v_cache, expert_state), jnp.arange(self.num_layers, dtype=jnp.int32))
-        return h, k_cache, v_cache, expert_state, ys
+        (h, cache, expert_state), ys = jax.lax.scan(body, (h, cache, expert_state),
+                                                    jnp.arange(self.num_layers, dtype=jnp.int32))
+        return h, cache, expert_state, ys
 
 
 class MoETransformer(nnx.Module):
@@ -336,8 +372,7 @@ class MoETransformer(nnx.Module):
 
     def init_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         """Zero KV cache in the model dtype for batch_size sequences of up to max_len tokens."""
-        pairs = [s.init_kv_cache(batch_size, max_len, self.dtype) for s in self.stacks]
-        return KVCache(k=tuple(k for k, _ in pairs), v=tuple(v for _, v in pairs))
+        return KVCache(tuple(s.init_cache(batch_size, max_len, self.dtype) for s in self.stacks))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, expert_state: Any,
                  experts: ExpertBackend, *, last_logits_only: bool = False, collect: bool = False):
@@ -357,13 +392,13 @@ class MoETransformer(nnx.Module):
         """
         cfg = self.cfg
         B, T = tokens.shape
-        ctx = attention_inputs(cfg, positions, kv_cache.max_len)
+        ctx = attention_inputs(positions, kv_cache.max_len)
         valid = positions >= 0  # [B, T]
         h = jnp.take(self.embed_tokens[...], tokens, axis=0)  # [B, T, H]
-        hidden, routing = [h[None]], []
-        ks, vs = list(kv_cache.k), list(kv_cache.v)
-        for s, stack in enumerate(self.stacks):
-            h, ks[s], vs[s], expert_state, ys = stack(h, ks[s], vs[s], ctx, valid, expert_state, experts, collect)
+        hidden, routing, caches = [h[None]], [], []
+        for stack, cache in zip(self.stacks, kv_cache.stacks):
+            h, cache, expert_state, ys = stack(h, cache, ctx, valid, expert_state, experts, collect)
+            caches.append(cache)
             if collect:
                 hidden.append(ys[0])
                 if ys[1] is not None:
@@ -372,7 +407,7 @@ class MoETransformer(nnx.Module):
         head = self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
         h_out = h[:, -1:] if last_logits_only else h
         logits = linear(h_out, head)  # f32[B, T, V]
-        kv_cache = KVCache(k=tuple(ks), v=tuple(vs))
+        kv_cache = KVCache(tuple(caches))
         if not collect:
             return logits, kv_cache, expert_state
         hidden_states = jnp.concatenate(hidden)[:cfg.num_layers + 1]  # [L + 1, B, T, H]
