@@ -174,10 +174,14 @@ class GenerationResult:
     Attributes:
         tokens: generated ids per prompt (stopping after an EOS id, which is included).
         stats: dict of statistics (see Engine.generate).
+        routing: with record_routing, the routing of every decode step: (topk ids i32[steps, L_moe, B, k], combine
+            weights f32[steps, L_moe, B, k]); step i fed generated token i of each row (-1 / 0 for finished rows).
+            None otherwise.
     """
 
     tokens: list[list[int]]
     stats: dict
+    routing: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class _CompileCounter:
@@ -219,9 +223,11 @@ class _CompileCounter:
         return c["compiles"] - c["cache_hits"], c["cache_hits"]
 
 
-def _forward(graphdef, params, backend, tokens, positions, kv_cache, expert_state, last_logits_only: bool):
+def _forward(graphdef, params, backend, tokens, positions, kv_cache, expert_state, last_logits_only: bool,
+             collect: bool = False):
     model = nnx.merge(graphdef, params)
-    return model(tokens, positions, kv_cache, expert_state, backend, last_logits_only=last_logits_only)
+    return model(tokens, positions, kv_cache, expert_state, backend, last_logits_only=last_logits_only,
+                 collect=collect)
 
 
 def prefill(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key, temperature, top_k, top_p, *,
@@ -234,13 +240,18 @@ def prefill(graphdef, backend, params, tokens, positions, kv_cache, expert_state
 
 
 def decode_one_token(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key, temperature, top_k,
-                     top_p, *, greedy: bool):
+                     top_p, *, greedy: bool, record_routing: bool = False):
     """One decode step: tokens, positions i32[B] (position -1 = finished row, skipped).
-    Returns (next tokens i32[B] (-1: non-finite logits), kv_cache, expert_state, the key for the next step)."""
-    logits, kv_cache, expert_state = _forward(graphdef, params, backend, tokens[:, None], positions[:, None],
-                                              kv_cache, expert_state, last_logits_only=False)  # f32[B, 1, V]
+    Returns (next tokens i32[B] (-1: non-finite logits), kv_cache, expert_state, the key for the next step) and, with
+    record_routing (static), the routing of the fed tokens: (topk ids i32[L_moe, B, k], weights f32[L_moe, B, k])."""
+    out = _forward(graphdef, params, backend, tokens[:, None], positions[:, None], kv_cache, expert_state,
+                   last_logits_only=False, collect=record_routing)  # logits f32[B, 1, V], ...
+    logits, kv_cache, expert_state = out[:3]
     key, sub = jax.random.split(key)
-    return sample_next(logits[:, 0], sub, temperature, top_k, top_p, greedy=greedy), kv_cache, expert_state, key
+    nxt = sample_next(logits[:, 0], sub, temperature, top_k, top_p, greedy=greedy)
+    if not record_routing:
+        return nxt, kv_cache, expert_state, key
+    return nxt, kv_cache, expert_state, key, (out[3].topk_ids[:, :, 0], out[3].topk_weights[:, :, 0])
 
 
 class Engine:
@@ -277,7 +288,7 @@ class Engine:
         # Donated: the KV cache (5) and the expert state (6) of f(graphdef, backend, params, tokens, positions, kv_cache,
         # expert_state, key, temperature, top_k, top_p).
         self._prefill = jax.jit(prefill, static_argnums=(0, 1), static_argnames=("greedy",), donate_argnums=(5, 6))
-        self._decode = jax.jit(decode_one_token, static_argnums=(0, 1), static_argnames=("greedy",),
+        self._decode = jax.jit(decode_one_token, static_argnums=(0, 1), static_argnames=("greedy", "record_routing"),
                                donate_argnums=(5, 6))
         self._executables: dict[tuple, object] = {}
         self._lock = threading.Lock()
@@ -305,10 +316,10 @@ class Engine:
         return self._decode.lower(self.graphdef, self.decode_backend, self.params, ids, ids, kv_cache,
                                   self.expert_state, jax.random.key(0), *sampling.operands(), greedy=sampling.greedy)
 
-    def _executable(self, kind: str, args: tuple, greedy: bool, what: str, tally: dict):
+    def _executable(self, kind: str, args: tuple, greedy: bool, what: str, tally: dict, record_routing: bool = False):
         """The compiled step for these argument shapes, compiling it (and announcing it) the first time."""
         shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(args[3:5]))
-        key = (kind, greedy, tuple(a.shape for a in args[1:3]), shapes)
+        key = (kind, greedy, record_routing, tuple(a.shape for a in args[1:3]), shapes)
         exe = self._executables.get(key)
         if exe is not None:
             return exe
@@ -317,8 +328,9 @@ class Engine:
             self.on_compile(f"compiling {what} ...", False)
         compiles_before, hits_before = _CompileCounter.snapshot()
         t0 = time.perf_counter()
+        extra = {} if kind == "prefill" else {"record_routing": record_routing}
         exe = step.lower(self.graphdef, self.prefill_backend if kind == "prefill" else self.decode_backend, *args,
-                         greedy=greedy).compile()
+                         greedy=greedy, **extra).compile()
         seconds = time.perf_counter() - t0
         compiles, hits = (a - b for a, b in zip(_CompileCounter.snapshot(), (compiles_before, hits_before)))
         tally["compile_s"] += seconds
@@ -333,7 +345,8 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
                  seed: int = 0, eos_token_ids: Iterable[int] = (),
-                 on_tokens: Callable[[int, list[int | None]], None] | None = None) -> GenerationResult:
+                 on_tokens: Callable[[int, list[int | None]], None] | None = None,
+                 record_routing: bool = False) -> GenerationResult:
         """Decode every prompt (as one batch) for up to max_new_tokens tokens.
 
         Args:
@@ -345,6 +358,8 @@ class Engine:
             eos_token_ids: a row stops after producing any of them (empty: never stop early).
             on_tokens: called after every step with (step index, the new token of each row or None if the row had
                 already finished): used to stream text.
+            record_routing: also return the routing of every decode step (GenerationResult.routing; a decode step
+                of its own, compiled once).
         Returns:
             GenerationResult with tokens and stats: prompt_tokens, generated_tokens, ttft_s (wall time to the first
             token, compilation included), prefill_s, prefill_tokens_per_s, decode_s, decode_tokens (tokens produced
@@ -364,13 +379,15 @@ class Engine:
         check_request(self.config, prompts, max_new_tokens)
         with self._lock:
             try:
-                return self._generate(prompts, max_new_tokens, sampling, seed, frozenset(eos_token_ids), on_tokens)
+                return self._generate(prompts, max_new_tokens, sampling, seed, frozenset(eos_token_ids), on_tokens,
+                                      record_routing)
             except BaseException:
                 if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.expert_state)):
                     self.expert_state = self.decode_backend.init_state(self.num_slots)  # the donated state is gone
                 raise
 
-    def _generate(self, prompts, max_new_tokens, sampling: Sampling, seed: int, eos: frozenset, on_tokens):
+    def _generate(self, prompts, max_new_tokens, sampling: Sampling, seed: int, eos: frozenset, on_tokens,
+                  record_routing: bool):
         cfg = self.config
         lengths = [len(p) for p in prompts]
         B = len(prompts)
@@ -395,7 +412,8 @@ class Engine:
         decode_step = None
         if max_new_tokens > 1:
             step_args = (self.params, tokens[:, 0], positions[:, 0], kv_cache, self.expert_state, key, *ops)
-            decode_step = self._executable("decode", step_args, sampling.greedy, f"the decode step ({shape})", tally)
+            decode_step = self._executable("decode", step_args, sampling.greedy, f"the decode step ({shape})", tally,
+                                           record_routing)
 
         t0 = time.perf_counter()
         first, kv_cache, self.expert_state = prefill_step(*prefill_args)
@@ -407,24 +425,34 @@ class Engine:
         if on_tokens is not None:
             on_tokens(0, [int(t) for t in first])
         done = np.array([int(t) in eos for t in first])
+        routing: list | None = [] if record_routing else None
         steps, kv_cache, key = self._decode_n_tokens(decode_step, first, np.asarray(lengths, np.int32), done,
-                                                     max_new_tokens - 1, kv_cache, key, ops, eos, out, on_tokens)
+                                                     max_new_tokens - 1, kv_cache, key, ops, eos, out, on_tokens,
+                                                     routing)
         stats_end = np.asarray(self.expert_state.cache.stats)
         t_end = time.perf_counter()
-        return GenerationResult(tokens=out, stats=self._stats(prompts, out, steps, t0, t_first, t_end, tally, kv_len,
-                                                              stats_end - stats_after_prefill))
+        stats = self._stats(prompts, out, steps, t0, t_first, t_end, tally, kv_len, stats_end - stats_after_prefill)
+        if routing is not None:
+            L, k = self.decode_backend.num_layers, cfg.top_k
+            ids = np.stack([r[0] for r in routing]) if routing else np.zeros((0, L, B, k), np.int32)
+            weights = np.stack([r[1] for r in routing]) if routing else np.zeros((0, L, B, k), np.float32)
+            routing = (ids, weights)
+        return GenerationResult(tokens=out, stats=stats, routing=routing)
 
-    def _decode_n_tokens(self, decode_step, last, pos, done, n, kv_cache, key, ops, eos, out, on_tokens):
-        """Up to n decode steps; appends to out (per row) until every row is done. Returns (steps, kv_cache, key)."""
+    def _decode_n_tokens(self, decode_step, last, pos, done, n, kv_cache, key, ops, eos, out, on_tokens, routing):
+        """Up to n decode steps; appends to out (per row) until every row is done, and each step's routing to
+        routing (a list, or None). Returns (steps, kv_cache, key)."""
         steps = 0
         for i in range(1, n + 1):
             if done.all():
                 break
             feed_tokens = np.where(done, 0, last).astype(np.int32)
             feed_pos = np.where(done, -1, pos).astype(np.int32)
-            nxt, kv_cache, self.expert_state, key = decode_step(self.params, feed_tokens, feed_pos, kv_cache,
-                                                                self.expert_state, key, *ops)
+            nxt, kv_cache, self.expert_state, key, *recorded = decode_step(self.params, feed_tokens, feed_pos, kv_cache,
+                                                                           self.expert_state, key, *ops)
             nxt = np.asarray(nxt)  # the one host sync per step: the tokens to stream
+            if routing is not None:
+                routing.append(tuple(np.asarray(a) for a in recorded[0]))
             steps += 1
             self._check_finite(np.where(done, 0, nxt), i)
             new: list[int | None] = []

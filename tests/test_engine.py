@@ -175,3 +175,18 @@ def test_sampling_rules():
         Sampling(1.0, top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         Sampling(float("inf"))
+
+
+def test_recorded_routing_is_the_reference_decode_routing(mixtral):
+    """record_routing returns each decode step's top-k ids and weights: transformers' decode routing of the fixture."""
+    info = _info("mixtral")
+    ref_ids = np.load(os.path.join(FIXTURES, "mixtral", "reference", "decode_topk_ids.npy"))  # [15, L, k]
+    ref_w = np.load(os.path.join(FIXTURES, "mixtral", "reference", "decode_topk_weights.npy"))
+    engine = Engine(mixtral, policy=Policy("qstar", frac=0.5), num_slots=5)
+    result = engine.generate([info["prompt_ids"]], max_new_tokens=16, record_routing=True)
+    assert result.tokens[0] == info["greedy_continuation"]
+    ids, weights = result.routing  # [15, L, B=1, k]
+    assert ids.shape == (15, mixtral.config.num_moe_layers, 1, 2)
+    np.testing.assert_array_equal(ids[:, :, 0], ref_ids)
+    np.testing.assert_allclose(weights[:, :, 0], ref_w, atol=1e-5)
+    assert engine.generate([info["prompt_ids"]], max_new_tokens=4).routing is None
