@@ -164,6 +164,31 @@ def check_model_dir(model_dir: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """YaRN rope scaling (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models";
+    transformers' ``_compute_yarn_parameters``), from ``rope_parameters`` / ``rope_scaling`` with rope_type "yarn".
+
+    Attributes:
+        factor: context extension factor s (> 0).
+        original_max_position_embeddings: the pre-extension context L (> 0).
+        beta_fast, beta_slow: rotation counts bounding the interpolation ramp (defaults 32 and 1).
+        truncate: round the ramp's bounds to whole dimensions (default true).
+        mscale, mscale_all_dim: DeepSeek's attention-scale terms (0 = absent).
+        attention_factor: explicit cos/sin scale, or None for the rule of the paper (0.1 ln s + 1, or DeepSeek's
+            mscale ratio).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Everything the model, loader and decode engine need, in one flat, hashable record.
 
@@ -178,7 +203,8 @@ class MoEConfig:
             flat expert ids (flat = moe_layer_index * E + e) is the position in this tuple.
         shared_expert_intermediate_size: Qwen2-MoE shared expert width (0 = no shared expert).
         norm_topk_prob: renormalise the top-k softmax probabilities to sum to 1 (always true for Mixtral).
-        rope_theta: RoPE base (default rope type only). rms_norm_eps: RMSNorm epsilon.
+        rope_theta: RoPE base. rope_scaling: RopeScaling for YaRN, None for the default rope.
+        rms_norm_eps: RMSNorm epsilon.
         qkv_bias: q/k/v projections have a bias. o_bias: o projection has a bias.
         qk_norm: "none" | "per_head" (RMSNorm over D per head, Qwen3-MoE) | "full" (RMSNorm over NH*D / KVH*D
             before the head split, OLMoE).
@@ -224,6 +250,7 @@ class MoEConfig:
     hidden_act: str
     dtype: str
     initializer_range: float = 0.02
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         if self.hidden_act not in _ACTIVATIONS:
@@ -275,7 +302,7 @@ def load_config(model_dir: str | os.PathLike) -> MoEConfig:
             a missing required field (message names it), a field of the wrong type, or an out-of-range value (a
             size or count < 1, num_key_value_heads not dividing num_attention_heads, num_experts_per_tok outside
             [1, number of experts], no MoE layer, ...). Every message is one line "<path>: <field> ..., got <value>".
-        NotImplementedError: a RoPE scaling type other than "default", partial rotary embeddings,
+        NotImplementedError: a RoPE scaling type other than "default" and "yarn", partial rotary embeddings,
             Qwen sliding-window attention, or an activation other than silu / gelu_pytorch_tanh (names the file).
     """
     model_dir = os.fspath(model_dir)
@@ -426,7 +453,7 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
         raise NotImplementedError(f"{source}: hidden_act {hidden_act!r} is not implemented (supported: "
                                   f"{', '.join(sorted(_ACTIVATIONS))})")
 
-    rope_theta = _rope_theta(raw, source)
+    rope_theta, rope_scaling = _rope(raw, source)
     dtype_name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
     if dtype_name not in _DTYPES:
         raise ConfigError(f"{source}: dtype {dtype_name!r} not supported (supported: {sorted(_DTYPES)})")
@@ -436,7 +463,7 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
     common = dict(
         family=family, architecture=arch, vocab_size=vocab_size, hidden_size=hidden,
         num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        num_experts=num_experts, top_k=top_k, rope_theta=rope_theta,
+        num_experts=num_experts, top_k=top_k, rope_theta=rope_theta, rope_scaling=rope_scaling,
         rms_norm_eps=rms_norm_eps, clip_qkv=None, sliding_window=None,
         tie_word_embeddings=opt("tie_word_embeddings", False, bool),
         max_position_embeddings=max_positions, bos_token_id=bos,
@@ -499,23 +526,23 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
         norm_topk_prob=opt("norm_topk_prob", False, bool), qkv_bias=bias, o_bias=bias, qk_norm="per_head")
 
 
-def _rope_theta(raw: dict[str, Any], source: str) -> float:
-    """RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (Hub)."""
+def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    """(RoPE base, YaRN scaling or None) from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
+    ``rope_scaling`` (Hub). Other rope types raise NotImplementedError naming the type."""
     params = raw.get("rope_parameters")
     scaling = raw.get("rope_scaling")
     if isinstance(params, dict):
-        rope_type = params.get("rope_type", params.get("type", "default"))
+        spec = params
         theta = params.get("rope_theta", raw.get("rope_theta"))
         partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     else:
-        rope_type = "default"
-        if isinstance(scaling, dict):
-            rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        spec = scaling if isinstance(scaling, dict) else {}
         theta = raw.get("rope_theta")
         partial = raw.get("partial_rotary_factor", 1.0)
-    if rope_type != "default":
+    rope_type = spec.get("rope_type", spec.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
         raise NotImplementedError(f"{source}: RoPE scaling type {rope_type!r} is not implemented "
-                                  "(only the default rope type is)")
+                                  "(supported: default, yarn)")
     if partial not in (None, 1, 1.0):
         raise NotImplementedError(f"{source}: partial_rotary_factor={partial} is not implemented")
     if theta is None:
@@ -524,4 +551,25 @@ def _rope_theta(raw: dict[str, Any], source: str) -> float:
         raise ConfigError(f"{source}: field 'rope_theta' should be a number, got {theta!r}")
     if not theta > 0:
         raise ConfigError(f"{source}: rope_theta must be > 0, got {theta}")
-    return float(theta)
+    if rope_type == "default":
+        return float(theta), None
+
+    def number(key, default=None, positive=True):
+        value = spec.get(key, default)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (positive and not value > 0):
+            raise ConfigError(f"{source}: yarn rope field {key!r} should be a {'positive ' if positive else ''}"
+                              f"number, got {value!r}")
+        return value
+
+    original = spec.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if original is None:  # transformers: the config's context divided by the factor
+        original = raw.get("max_position_embeddings", 0) / number("factor")
+    attention_factor = spec.get("attention_factor")
+    return float(theta), RopeScaling(
+        factor=float(number("factor")), original_max_position_embeddings=int(number("original_max_position_embeddings",
+                                                                                    original)),
+        beta_fast=float(number("beta_fast", 32.0)), beta_slow=float(number("beta_slow", 1.0)),
+        truncate=bool(spec.get("truncate", True)), mscale=float(number("mscale", 0.0, positive=False)),
+        mscale_all_dim=float(number("mscale_all_dim", 0.0, positive=False)),
+        attention_factor=None if attention_factor is None else float(number("attention_factor")))

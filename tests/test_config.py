@@ -3,6 +3,7 @@
 import json
 import os
 
+import numpy as np
 import pytest
 
 from ft_jax.config import SUPPORTED_ARCHITECTURES, ConfigError, config_from_dict, load_config
@@ -114,7 +115,7 @@ def test_wrong_type_and_bad_json(tmp_path):
 
 
 @pytest.mark.parametrize("change", [
-    {"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}},
+    {"rope_parameters": {"rope_theta": 1e6, "rope_type": "dynamic", "factor": 4.0}},
     {"rope_parameters": None, "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}},
     {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": 0.5}},
     {"hidden_act": "relu"},
@@ -304,3 +305,37 @@ def test_unreadable_folder_and_file_say_permission_denied(tmp_path):
         assert str(e.value) == f"{d / 'config.json'}: cannot read config.json: permission denied"
     finally:
         os.chmod(d, 0o755)
+
+
+def test_yarn_rope_parameters_and_frequencies():
+    """YaRN from gpt-oss's rope_parameters; the frequencies keep the fast dimensions, divide the slow ones by the
+    factor, ramp linearly between (Peng et al. 2023, eq. 17-18), and scale cos/sin by 0.1 ln(s) + 1."""
+    import math
+
+    from ft_jax.config import RopeScaling, config_from_dict
+    from ft_jax.models.layers import rope_frequencies
+
+    raw = {**_raw("mixtral"), "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                                   "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                   "original_max_position_embeddings": 4096}}
+    cfg = config_from_dict(raw)
+    assert cfg.rope_theta == 150000.0
+    assert cfg.rope_scaling == RopeScaling(factor=32.0, original_max_position_embeddings=4096, truncate=False)
+    D = 64
+    inv, scale = rope_frequencies(D, 150000.0, cfg.rope_scaling)
+    base = 150000.0 ** (-np.arange(0, D, 2) / D)
+    # the ramp bounds: dimension d turns L * base^(-2d/D) / (2 pi) times over the original context L
+    low = D * math.log(4096 / (32 * 2 * math.pi)) / (2 * math.log(150000.0))
+    high = D * math.log(4096 / (1 * 2 * math.pi)) / (2 * math.log(150000.0))
+    d = np.arange(D // 2)
+    np.testing.assert_allclose(inv[d <= low], base[d <= low])  # extrapolated: unchanged
+    np.testing.assert_allclose(inv[d >= high], base[d >= high] / 32)  # interpolated: divided by the factor
+    mid = (d > low) & (d < high)
+    w = (d[mid] - low) / (high - low)
+    np.testing.assert_allclose(inv[mid], base[mid] / 32 * w + base[mid] * (1 - w))
+    assert scale == pytest.approx(0.1 * math.log(32) + 1)
+    # DeepSeek's mscale pair sets the attention factor; without yarn: the default frequencies, scale 1
+    ds = RopeScaling(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0)
+    assert rope_frequencies(D, 1e4, ds)[1] == pytest.approx(1.0)
+    inv0, one = rope_frequencies(D, 1e4)
+    np.testing.assert_allclose(inv0, 1e4 ** (-np.arange(0, D, 2) / D)) and one == 1.0

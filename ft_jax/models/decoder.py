@@ -217,7 +217,7 @@ class GroupedQueryAttention(nnx.Module):
         if cfg.qk_norm == "per_head":
             q = rms_norm(q, self.q_norm[...][i], cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm[...][i], cfg.rms_norm_eps)
-        cos, sin = rope_cos_sin(jnp.maximum(ctx.positions, 0), D, cfg.rope_theta)  # f32[B, T, D]
+        cos, sin = rope_cos_sin(jnp.maximum(ctx.positions, 0), D, cfg.rope_theta, cfg.rope_scaling)  # f32[B, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         k_cache = k_cache.at[i, ctx.rows, ctx.write_idx].set(k.astype(k_cache.dtype), mode="drop")

@@ -6,11 +6,14 @@ indexed with a traced layer index inside the scanned decoder (ft_jax/models/deco
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from ft_jax.config import RopeScaling
 from ft_jax.offload import ffi_ops
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -94,13 +97,53 @@ def gated_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, layer, activati
     return linear(a, down, layer).astype(x.dtype)
 
 
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """Default RoPE tables (transformers' default rope init; Su et al. 2021, RoFormer): inv_freq[i] = theta^(-2i/D)
-    for i < D/2; angle = position * inv_freq, duplicated to D. positions: i32[B, T]. Returns (cos, sin) f32[B, T, D]."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.int32).astype(jnp.float32) / head_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> tuple[np.ndarray, float]:
+    """RoPE inverse frequencies f64[head_dim / 2] and the cos/sin scale (attention factor), computed on the host.
+
+    Default (Su et al. 2021, RoFormer): inv_freq[i] = theta^(-2i/D), scale 1. YaRN (Peng et al. 2023; transformers'
+    ``_compute_yarn_parameters``): frequencies interpolated by the factor s below a ramp between the dimensions
+    that turn beta_fast and beta_slow times over the original context, kept (extrapolated) above it; scale
+    0.1 ln s + 1, or DeepSeek's get_mscale(s, mscale) / get_mscale(s, mscale_all_dim), or attention_factor.
+    """
+    D = head_dim
+    pos_freqs = theta ** (np.arange(0, D, 2, dtype=np.float64) / D)  # [D/2]
+    if scaling is None:
+        return 1.0 / pos_freqs, 1.0
+    s = scaling.factor
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    if scaling.attention_factor is not None:
+        attention_factor = scaling.attention_factor
+    elif scaling.mscale and scaling.mscale_all_dim:
+        attention_factor = get_mscale(s, scaling.mscale) / get_mscale(s, scaling.mscale_all_dim)
+    else:
+        attention_factor = get_mscale(s)
+
+    def correction_dim(rotations: float) -> float:
+        return D * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = np.clip((np.arange(D // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: divide it by s
+    inv_freq = (1.0 / (s * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention_factor
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """RoPE tables for positions i32[B, T]: angle = position * inv_freq (rope_frequencies), duplicated to D (the
+    rotate-half layout), times the attention factor. Returns (cos, sin) f32[B, T, D]."""
+    inv_freq, scale = rope_frequencies(head_dim, theta, scaling)
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, D]
-    return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
