@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ft_jax import cli
+from ft_jax import api, cli
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
@@ -106,12 +106,12 @@ def test_error_unknown_policy(capsys):
 
 
 def test_parse_bytes():
-    assert cli.parse_bytes("4096") == 4096
-    assert cli.parse_bytes("2GB") == 2 * 10**9
-    assert cli.parse_bytes("512MiB") == 512 * 2**20
-    assert cli.parse_bytes("1.5g") == int(1.5 * 2**30)
+    assert api.parse_bytes("4096") == 4096
+    assert api.parse_bytes("2GB") == 2 * 10**9
+    assert api.parse_bytes("512MiB") == 512 * 2**20
+    assert api.parse_bytes("1.5g") == int(1.5 * 2**30)
     with pytest.raises(Exception, match="byte count"):
-        cli.parse_bytes("lots")
+        api.parse_bytes("lots")
 
 
 def test_python_dash_m_help():
@@ -141,7 +141,7 @@ def test_request_errors_come_before_loading(capsys, monkeypatch):
 
 
 def test_default_new_tokens_fit_the_context(capsys):
-    cfg = json.load(open(os.path.join(cli.bundled_model_path(), "config.json")))
+    cfg = json.load(open(os.path.join(api.bundled_model_path(), "config.json")))
     prompt = "x" * (cfg["max_position_embeddings"] - 10)
     out = _generate_json(capsys, "--prompt", prompt, "--policy", "host-all", "--temperature", "0")
     assert out["settings"]["max_new_tokens"] == 10
