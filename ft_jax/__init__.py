@@ -15,15 +15,7 @@ platform: ``ft_jax_slot_fill``, ``ft_jax_host_experts``, ``ft_jax_slot_experts``
 ft_jax/offload/ffi_ops.py).
 """
 
-import pkgutil
-
-# When the package is installed non-editably and Python runs from the repository root (``python -m pytest``
-# puts the source tree first on sys.path), this source directory shadows the installed copy, which is the one
-# holding the compiled _ffi module. Extending __path__ with every ``ft_jax`` directory on sys.path lets
-# ``ft_jax._ffi`` resolve to the installed extension in that case; in every other case it changes nothing.
-__path__ = pkgutil.extend_path(__path__, __name__)
-
-import jax  # noqa: E402
+import jax
 
 try:
     from ft_jax import _ffi  # noqa: E402
