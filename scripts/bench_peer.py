@@ -32,8 +32,9 @@ x tokens/s / 1e9, the bytes computed from the config (q/k/v/o projections, route
 row and top_k experts per MoE layer, bf16; the GGUF's f32 router and norms add < 0.05 % and are not counted); the
 ratio of its median tokens/s to llama.cpp's, the range of the same-round ratios and the ratio of the best rounds;
 its median GB/s over the median T-thread numpy read (and best over best). Also the load average before and after
-(and at each round start), thread counts, versions and every run's raw record. The table goes to stderr; JSON to
---json-out and/or stdout (--json). A benchmark, not a test: nothing is asserted.
+(and at each round start); the CPU other processes used during each run, in cores (CpuMeter: whole run, load and
+compile included; a warning when above 0.25 core); thread counts; versions; every run's record. The table goes to
+stderr; JSON to --json-out and/or stdout (--json). A benchmark, not a test: nothing is asserted.
 
 Needs: cmake and a C++ compiler (llama.cpp build, once), the gguf package (``pip install gguf``, or the ``bench``
 extra of ft_jax) and ft_jax installed in this interpreter's environment. Disk: about 10 GB under --cache-dir for
@@ -63,6 +64,10 @@ import synthetic_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FT_JAX_POLICIES = ("resident", "host-all", "qstar")
+# Fields of llama-bench's JSON record kept per run (the rest is constant or about GPUs).
+LLAMA_BENCH_FIELDS = ("build_commit", "cpu_info", "backends", "model_type", "model_size", "model_n_params",
+                      "n_threads", "poll", "flash_attn", "repack", "load_mode", "type_k", "type_v", "n_prompt",
+                      "n_gen", "n_depth", "avg_ts", "samples_ts")
 ALL_PROGRAMS = ("llama.cpp",) + FT_JAX_POLICIES + ("numpy",)
 MARKER = "ft_jax_bench_peer.json"  # written into a model folder once it is complete
 GiB = 1 << 30
@@ -74,6 +79,37 @@ def _log(msg: str) -> None:
 
 def _loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+class CpuMeter:
+    """CPU time the rest of the machine used while a measurement ran, in cores (CPU-seconds per second).
+
+    From /proc/stat (busy = user + nice + system + irq + softirq + steal jiffies of all CPUs) minus this process's
+    and its waited-for children's CPU time (os.times()). A value well above 0 means other processes competed for
+    the cores during the measurement. ``None`` where /proc/stat is missing."""
+
+    def __init__(self):
+        self.start = self._snapshot()
+        self.t0 = time.perf_counter()
+
+    @staticmethod
+    def _snapshot():
+        try:
+            fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        except OSError:
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+        busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+        t = os.times()
+        return busy, t.user + t.system + t.children_user + t.children_system
+
+    def stop(self) -> dict:
+        """{"other_cores", "own_cores"} averaged over the time since construction (None without /proc/stat)."""
+        end, wall = self._snapshot(), time.perf_counter() - self.t0
+        if self.start is None or end is None:
+            return {"other_cores": None, "own_cores": None}
+        busy, own = end[0] - self.start[0], end[1] - self.start[1]
+        return {"other_cores": round(max(0.0, busy - own) / wall, 2), "own_cores": round(own / wall, 2)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,7 +189,8 @@ def run_llama_bench(bench: str, gguf_path: Path, new_tokens: int, depth: int, th
     """One llama-bench text-generation run. llama.cpp memory-maps the GGUF and its warm-up decodes one token, so
     the experts that token did not route to would be read from disk during the timed run if the file were not in
     the page cache: the file is read once first (as it is after any earlier run), which takes "page_cache_s".
-    Returns {"tokens_per_s", "wall_s", "page_cache_s", "command", "result": its JSON record}.
+    Returns {"tokens_per_s", "wall_s", "page_cache_s", "command", "result": LLAMA_BENCH_FIELDS of its JSON
+    record}.
     Raises RuntimeError (non-zero exit, no JSON) with the tail of its stderr."""
     page_cache_s = warm_page_cache(gguf_path)
     cmd = [bench, "-m", str(gguf_path), "-p", "0", "-n", str(new_tokens), "-d", str(depth), "-t", str(threads),
@@ -169,7 +206,7 @@ def run_llama_bench(bench: str, gguf_path: Path, new_tokens: int, depth: int, th
     except (json.JSONDecodeError, StopIteration) as e:
         raise RuntimeError(f"llama-bench printed no text-generation JSON record ({e}): {proc.stdout[-400:]}")
     return {"tokens_per_s": float(rec["avg_ts"]), "wall_s": round(wall, 2), "page_cache_s": round(page_cache_s, 2),
-            "command": cmd, "result": rec}
+            "command": cmd, "result": {k: rec[k] for k in LLAMA_BENCH_FIELDS if k in rec}}
 
 
 def ft_jax_command() -> list[str]:
@@ -182,8 +219,8 @@ def run_ft_jax(model_dir: Path, policy: str, prompt: list[int], new_tokens: int,
                threads: int, profile: Path, timeout: float) -> dict:
     """One ``ft-jax generate --json`` run. ``profile``: the --profile file of qstar (if it holds no profile for
     this expert shape, ft-jax runs its quick profile and saves it there, as it does in the user cache directory).
-    Returns {"tokens_per_s" (decode, compile excluded), "wall_s", "command", "stats": its stats, "settings",
-    "profile_message"}. Raises RuntimeError (non-zero exit, no JSON)."""
+    Returns {"tokens_per_s" (decode, compile excluded), "wall_s", "command", "stats": its stats without the
+    per-layer counts, "profile_message"}. Raises RuntimeError (non-zero exit, no JSON)."""
     cmd = ft_jax_command() + ["generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, prompt)),
                               "--max-new-tokens", str(new_tokens), "--temperature", "0", "--json", "--policy", policy]
     if policy != "resident":
@@ -200,9 +237,9 @@ def run_ft_jax(model_dir: Path, policy: str, prompt: list[int], new_tokens: int,
     if not lines:
         raise RuntimeError(f"ft-jax generate --policy {policy} printed no JSON: {proc.stdout[-400:]}")
     out = json.loads(lines[-1])
-    stats = out["stats"]
+    stats = {k: v for k, v in out["stats"].items() if k != "per_layer"}
     return {"tokens_per_s": float(stats["decode_tokens_per_s"]), "wall_s": round(wall, 2), "command": cmd,
-            "stats": stats, "settings": out["settings"], "profile_message": out.get("profile_message")}
+            "stats": stats, "profile_message": out.get("profile_message")}
 
 
 class NumpyRead:
@@ -290,6 +327,16 @@ def format_table(result: dict) -> str:
         sp = rates["round_medians"]
         label = f"numpy read, {key} thread" + ("s" if key != "1" else "")
         lines.append(f"{label:<26} {'':>8} {'':<15} {sp['median']:6.2f} {'[%.2f-%.2f]' % (sp['min'], sp['max']):<13}")
+    other = {name: [r["other_cores"] for r in runs if r.get("other_cores") is not None]
+             for name, runs in result["runs"].items()}
+    worst = max((max(v) for v in other.values() if v), default=None)
+    if worst is not None:
+        lines.append("CPU used by other processes during the runs (cores, max per program): "
+                     + ", ".join(f"{name} {max(v):.2f}" for name, v in other.items() if v))
+        if worst > 0.25:
+            lines.append(f"WARNING: other processes used up to {worst:.2f} of the {result['machine']['cores']} cores "
+                         "during some runs: the figures are not steady (llama.cpp's spinning thread barriers suffer "
+                         "most when cores are shared); rerun on a quiet machine to compare")
     lines.append("x llama.cpp: ratio of median tokens/s (per round: same-round ratios); GB/s / numpy: median weight "
                  f"GB/s over the median {threads}-thread numpy read; best: ratio of the maxima")
     return "\n".join(lines)
@@ -378,6 +425,7 @@ def main(argv=None) -> int:
     samples: dict[str, list[float]] = {p: [] for p in programs if p != "numpy"}
     numpy_rates: dict[str, list[float]] = {"1": [], str(args.threads): []} if numpy_read else {}
     runs: dict[str, list[dict]] = {p: [] for p in programs}
+    commands: dict[str, list[str]] = {}
     round_log = []
     load_before = _loadavg()
     t_start = time.perf_counter()
@@ -386,12 +434,13 @@ def main(argv=None) -> int:
         round_log.append({"round": r, "order": order, "load_average_at_start": _loadavg()})
         for prog in order:
             _log(f"round {r + 1}/{rounds}: {prog}")
+            meter = CpuMeter()
             if prog == "numpy":
                 one = numpy_read.gbps(1, args.numpy_repeats)
                 many = numpy_read.gbps(args.threads, args.numpy_repeats)
                 numpy_rates["1"].append(statistics.median(one))
                 numpy_rates[str(args.threads)].append(statistics.median(many))
-                runs["numpy"].append({"gbps_1_thread": one, f"gbps_{args.threads}_threads": many})
+                runs["numpy"].append({"gbps_1_thread": one, f"gbps_{args.threads}_threads": many, **meter.stop()})
                 _log(f"  numpy read {statistics.median(one):.2f} GB/s (1 thread), "
                      f"{statistics.median(many):.2f} GB/s ({args.threads} threads)")
                 continue
@@ -401,9 +450,12 @@ def main(argv=None) -> int:
             else:
                 run = run_ft_jax(model_dir, prog, prompt, new_tokens, args.cache_fraction, args.threads,
                                  cache_dir / "ft_jax_profiles.json", args.timeout)
+            run.update(meter.stop())
             samples[prog].append(run["tokens_per_s"])
+            commands[prog] = run.pop("command")  # the same in every round
             runs[prog].append(run)
-            _log(f"  {run['tokens_per_s']:.2f} tokens/s (wall {run['wall_s']:.1f} s)")
+            _log(f"  {run['tokens_per_s']:.2f} tokens/s (wall {run['wall_s']:.1f} s, other processes used "
+                 f"{run['other_cores']} cores meanwhile)")
     load_after = _loadavg()
     if numpy_read:
         numpy_read.close()
@@ -426,6 +478,7 @@ def main(argv=None) -> int:
         "llama_cpp_build": build,
         "programs": summarize(samples, numpy_rates, bytes_per_token["total"], args.threads),
         "numpy_read_gbps": {k: {"round_medians": _spread(v), "per_round": v} for k, v in numpy_rates.items() if v},
+        "commands": commands,
         "rounds": round_log,
         "runs": runs,
     }

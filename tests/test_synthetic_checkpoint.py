@@ -89,7 +89,8 @@ def test_checkpoint_has_hub_names_shapes_and_loads_with_ft_jax(sc, tiny):
     gate_up, down = ckpt.gate_up_bank.numpy(), ckpt.down_bank.numpy()
     assert gate_up.shape == (2 * E, 2 * I, H) and down.shape == (2 * E, H, I)
     p = "model.layers.1.block_sparse_moe.experts.2"  # flat id 1 * E + 2
-    np.testing.assert_array_equal(gate_up[E + 2], np.concatenate([tensors[f"{p}.w1.weight"], tensors[f"{p}.w3.weight"]]))
+    np.testing.assert_array_equal(gate_up[E + 2],
+                                  np.concatenate([tensors[f"{p}.w1.weight"], tensors[f"{p}.w3.weight"]]))
     np.testing.assert_array_equal(down[E + 2], tensors[f"{p}.w2.weight"])
     ckpt.gate_up_bank.release()
     ckpt.down_bank.release()
