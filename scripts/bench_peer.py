@@ -49,7 +49,6 @@ import hashlib
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
