@@ -18,7 +18,7 @@ What runs (all on the CPU, side by side in one run):
                 and saves it there, as a user's first run does in the user cache directory
   numpy         read baseline: np.add.reduce over a --numpy-gib GiB float32 array (far above the last-level cache),
                 on 1 thread and on T threads (each thread sums a 1/T slice; numpy releases the GIL), as
-                scripts/bench_ffi.py does; the median of --numpy-repeats passes per round
+                scripts/bench_ffi.py does; the median of --numpy-repeats passes per round after one untimed pass
 
 Model: scripts/synthetic_checkpoint.py (random bf16 weights; defaults hidden 2048, intermediate 5632, 8 layers,
 8 experts top-2, 16/4 heads of 128, vocab 32000) and its GGUF from scripts/mixtral_to_gguf.py (the same weights),
@@ -252,15 +252,17 @@ class NumpyRead:
         self.pool = ThreadPoolExecutor(threads)
 
     def gbps(self, threads: int, repeats: int) -> list[float]:
-        """GB/s (1e9 bytes/s) of ``repeats`` passes over the array on 1 or self.threads threads."""
+        """GB/s (1e9 bytes/s) of ``repeats`` passes over the array on 1 or self.threads threads, after one untimed
+        pass (the first pass after other work runs at about half speed here)."""
         rates = []
-        for _ in range(repeats):
+        for i in range(repeats + 1):
             t0 = time.perf_counter()
             if threads == 1:
                 np.add.reduce(self.buf, axis=None)
             else:
                 list(self.pool.map(lambda a: np.add.reduce(a, axis=None), self.parts))
-            rates.append(self.buf.nbytes / (time.perf_counter() - t0) / 1e9)
+            if i:
+                rates.append(self.buf.nbytes / (time.perf_counter() - t0) / 1e9)
         return rates
 
     def close(self) -> None:
