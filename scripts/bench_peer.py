@@ -33,8 +33,9 @@ row and top_k experts per MoE layer, bf16; the GGUF's f32 router and norms add <
 ratio of its median tokens/s to llama.cpp's, the range of the same-round ratios and the ratio of the best rounds;
 its median GB/s over the median T-thread numpy read (and best over best). Also the load average before and after
 (and at each round start); the CPU other processes used during each run, in cores (CpuMeter: whole run, load and
-compile included; a warning when above 0.25 core); thread counts; versions; every run's record. The table goes to
-stderr; JSON to --json-out and/or stdout (--json). A benchmark, not a test: nothing is asserted.
+compile included; a warning when above 0.25 core) and the same figures over only the runs below that ("quiet");
+thread counts; versions; every run's record. The table goes to stderr; JSON to --json-out and/or stdout (--json).
+A benchmark, not a test: nothing is asserted.
 
 Needs: cmake and a C++ compiler (llama.cpp build, once), the gguf package (``pip install gguf``, or the ``bench``
 extra of ft_jax) and ft_jax installed in this interpreter's environment. Disk: about 10 GB under --cache-dir for
@@ -68,6 +69,7 @@ LLAMA_BENCH_FIELDS = ("build_commit", "cpu_info", "backends", "model_type", "mod
                       "n_threads", "poll", "flash_attn", "repack", "load_mode", "type_k", "type_v", "n_prompt",
                       "n_gen", "n_depth", "avg_ts", "samples_ts")
 ALL_PROGRAMS = ("llama.cpp",) + FT_JAX_POLICIES + ("numpy",)
+QUIET_CORES = 0.25  # a run is "quiet" when other processes used at most this many cores meanwhile
 MARKER = "ft_jax_bench_peer.json"  # written into a model folder once it is complete
 GiB = 1 << 30
 
@@ -275,22 +277,26 @@ def _spread(values: list[float]) -> dict:
 
 
 def summarize(samples: dict[str, list[float]], numpy_rates: dict[str, list[float]], bytes_per_token: int,
-              threads: int) -> dict:
+              threads: int, per_round: bool = True) -> dict:
     """Per-program figures from the per-round tokens/s (``samples``) and the per-round numpy GB/s medians
-    (``numpy_rates``, keys "1" and str(threads)).
+    (``numpy_rates``, keys "1" and str(threads)); programs with no sample are left out.
 
     Ratios: of medians over the rounds; "best" ones divide the maxima (steadier when other processes share the
-    cores and the memory bus, as in scripts/bench_ffi.py); per-round ones divide values of the same round."""
+    cores and the memory bus, as in scripts/bench_ffi.py); per-round ones (only with ``per_round``: the lists
+    are aligned by round) divide values of the same round."""
     np_all, np_one = numpy_rates.get(str(threads)), numpy_rates.get("1")
     llama = samples.get("llama.cpp")
     out = {}
     for name, tps in samples.items():
+        if not tps:
+            continue
         gbps = [t * bytes_per_token / 1e9 for t in tps]
         row = {"tokens_per_s": _spread(tps), "tokens_per_s_per_round": tps, "weight_gbps": _spread(gbps)}
         if llama:
             row["ratio_to_llama_cpp"] = statistics.median(tps) / statistics.median(llama)
             row["ratio_to_llama_cpp_best"] = max(tps) / max(llama)
-            row["ratio_to_llama_cpp_per_round"] = _spread([a / b for a, b in zip(tps, llama)])
+            if per_round:
+                row["ratio_to_llama_cpp_per_round"] = _spread([a / b for a, b in zip(tps, llama)])
         if np_all:
             row["gbps_over_numpy_read"] = statistics.median(gbps) / statistics.median(np_all)
             row["gbps_over_numpy_read_best"] = max(gbps) / max(np_all)
@@ -298,6 +304,21 @@ def summarize(samples: dict[str, list[float]], numpy_rates: dict[str, list[float
             row["gbps_over_numpy_read_1_thread"] = statistics.median(gbps) / statistics.median(np_one)
         out[name] = row
     return out
+
+
+def quiet_summary(runs: dict[str, list[dict]], bytes_per_token: int, threads: int) -> dict:
+    """summarize() over only the runs during which other processes used at most QUIET_CORES cores (CpuMeter):
+    on a shared machine the runs that had the cores to themselves, whatever round they fell in."""
+    def quiet(r):
+        return r.get("other_cores") is not None and r["other_cores"] <= QUIET_CORES
+
+    samples = {p: [r["tokens_per_s"] for r in rs if quiet(r)] for p, rs in runs.items() if p != "numpy"}
+    numpy_rates = {k: [statistics.median(r[f"gbps_{k}_thread" + ("s" if k != "1" else "")])
+                       for r in runs.get("numpy", []) if quiet(r)] for k in ("1", str(threads))}
+    return {"max_other_cores": QUIET_CORES,
+            "runs": {p: len(v) for p, v in samples.items()} | {"numpy": len(numpy_rates["1"])},
+            "programs": summarize(samples, numpy_rates, bytes_per_token, threads, per_round=False),
+            "numpy_read_gbps": {k: _spread(v) for k, v in numpy_rates.items() if v}}
 
 
 def format_table(result: dict) -> str:
@@ -338,9 +359,22 @@ def format_table(result: dict) -> str:
             lines.append(f"WARNING: other processes used up to {worst:.2f} of the {result['machine']['cores']} cores "
                          "during some runs: the figures are not steady (llama.cpp's spinning thread barriers suffer "
                          "most when cores are shared); rerun on a quiet machine to compare")
+    q = result.get("quiet")
+    if q and q["programs"]:
+        lines.append(f"quiet runs only (other processes <= {q['max_other_cores']} core meanwhile), any round:")
+        for name, row in q["programs"].items():
+            t, g = row["tokens_per_s"], row["weight_gbps"]
+            ratio = f"{row['ratio_to_llama_cpp']:.2f}" if "ratio_to_llama_cpp" in row else "-"
+            npr = f"{row['gbps_over_numpy_read']:.2f}" if "gbps_over_numpy_read" in row else "-"
+            spread = "[%.2f-%.2f]" % (t["min"], t["max"])
+            lines.append(f"  {labels.get(name, name):<24} {t['median']:8.2f} {spread:<15} {g['median']:6.2f} "
+                         f"{'(%d runs)' % q['runs'][name]:<13} {ratio:>11} {'':<13} {'':>5} {npr:>15}")
+        for key, sp in q["numpy_read_gbps"].items():
+            label = f"numpy read, {key} thread" + ("s" if key != "1" else "")
+            lines.append(f"  {label:<24} {'':>8} {'':<15} {sp['median']:6.2f} {'(%d runs)' % q['runs']['numpy']:<13}")
     lines.append("x llama.cpp: ratio of median tokens/s (per round: same-round ratios); GB/s / numpy: median weight "
                  f"GB/s over the median {threads}-thread numpy read; best: ratio of the maxima")
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _versions(build: dict | None) -> dict:
@@ -478,6 +512,7 @@ def main(argv=None) -> int:
         "versions": _versions(build),
         "llama_cpp_build": build,
         "programs": summarize(samples, numpy_rates, bytes_per_token["total"], args.threads),
+        "quiet": quiet_summary(runs, bytes_per_token["total"], args.threads),
         "numpy_read_gbps": {k: {"round_medians": _spread(v), "per_round": v} for k, v in numpy_rates.items() if v},
         "commands": commands,
         "rounds": round_log,
