@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 from ft_jax.config import MoEConfig
-from ft_jax.models.layers import apply_rope, gated_mlp, linear, rms_norm, rope_cos_sin
+from ft_jax.models.layers import apply_rope, cache_load, cache_store, gated_mlp, linear, rms_norm, rope_cos_sin
 from ft_jax.models.routing import route
 
 ParamFactory = Callable[[str, tuple[int, ...], str], np.ndarray]
@@ -190,9 +190,10 @@ class GroupedQueryAttention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def init_cache(self, num_layers: int, batch_size: int, max_len: int, dtype) -> tuple[jax.Array, ...]:
-        """Zero (k, v) caches [n, B, max_len, KVH, D]: 2 * n * B * max_len * KVH * D * itemsize bytes."""
+        """Zero (k, v) caches [n, B, max_len, KVH, D] of the model dtype (bf16 kept as its uint16 bits:
+        layers.cache_store): 2 * n * B * max_len * KVH * D * itemsize bytes."""
         shape = (num_layers, batch_size, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
-        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+        return cache_store(jnp.zeros(shape, dtype)), cache_store(jnp.zeros(shape, dtype))
 
     def __call__(self, i, x, ctx: AttentionInputs, cache: tuple[jax.Array, ...]):
         """Layer i's self-attention. x: [B, T, H]; cache: (k, v) [n, B, S, KVH, D] (layer i updated in place).
@@ -220,9 +221,9 @@ class GroupedQueryAttention(nnx.Module):
         cos, sin = rope_cos_sin(jnp.maximum(ctx.positions, 0), D, cfg.rope_theta, cfg.rope_scaling)  # f32[B, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        k_cache = k_cache.at[i, ctx.rows, ctx.write_idx].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[i, ctx.rows, ctx.write_idx].set(v.astype(v_cache.dtype), mode="drop")
-        keys, values = k_cache[i].astype(q.dtype), v_cache[i].astype(q.dtype)  # [B, S, KVH, D]
+        k_cache = k_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(k), mode="drop")
+        v_cache = v_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(v), mode="drop")
+        keys, values = cache_load(k_cache[i], q.dtype), cache_load(v_cache[i], q.dtype)  # [B, S, KVH, D]
 
         mask = ctx.causal  # [B, T, S]
         if cfg.sliding_window is not None:
@@ -357,8 +358,10 @@ class MoETransformer(nnx.Module):
 
     def __init__(self, cfg: MoEConfig, make: ParamFactory):
         self.cfg = cfg
-        self.embed_tokens = nnx.Param(jnp.asarray(make("model.embed_tokens.weight",
-                                                       (cfg.vocab_size, cfg.hidden_size), "weight")))  # [V, H]
+        # [V, H]; a bf16 table is kept as its uint16 bits: XLA:CPU would convert the whole table to float32 for every
+        # gather (a 250 MiB copy per step for a 32000 x 2048 vocabulary). take_rows and linear read the bits.
+        self.embed_tokens = nnx.Param(cache_store(jnp.asarray(make("model.embed_tokens.weight",
+                                                                   (cfg.vocab_size, cfg.hidden_size), "weight"))))
         runs = itertools.groupby(range(cfg.num_layers), key=lambda l: _layer_kind(cfg, l))
         self.stacks = nnx.List([DecoderStack(cfg, make, tuple(layers)) for _, layers in runs])
         self.norm = nnx.Param(jnp.asarray(make("model.norm.weight", (cfg.hidden_size,), "norm")))
@@ -368,7 +371,7 @@ class MoETransformer(nnx.Module):
     @property
     def dtype(self):
         """Parameter (and activation) dtype."""
-        return self.embed_tokens[...].dtype
+        return self.norm[...].dtype
 
     def init_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         """Zero KV cache in the model dtype for batch_size sequences of up to max_len tokens."""
@@ -394,7 +397,7 @@ class MoETransformer(nnx.Module):
         B, T = tokens.shape
         ctx = attention_inputs(positions, kv_cache.max_len)
         valid = positions >= 0  # [B, T]
-        h = jnp.take(self.embed_tokens[...], tokens, axis=0)  # [B, T, H]
+        h = cache_load(jnp.take(self.embed_tokens[...], tokens, axis=0), self.dtype)  # [B, T, H]
         hidden, routing, caches = [h[None]], [], []
         for stack, cache in zip(self.stacks, kv_cache.stacks):
             h, cache, expert_state, ys = stack(h, cache, ctx, valid, expert_state, experts, collect)

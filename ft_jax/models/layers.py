@@ -37,8 +37,8 @@ def linear(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
 
     Args:
         x: f32 | bf16 [..., K] activations.
-        w: f32 | bf16 [n, O, K] stack of weights with ``layer`` an i32[] index (traced or int), or [O, K] with
-            layer None.
+        w: f32 | bf16 (or uint16 holding bf16 bits: cache_store) [n, O, K] stack of weights with ``layer`` an i32[]
+            index (traced or int), or [O, K] with layer None.
         layer: index into the stack, or None for a single [O, K] weight.
     Returns:
         f32[..., O].
@@ -57,6 +57,7 @@ def linear(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
 
     def xla_dot(x2, w, index):
         wl = w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, index, keepdims=False)  # [O, K]
+        wl = _unbits(wl, jnp.bfloat16) if wl.dtype == jnp.uint16 else wl
         return jax.lax.dot_general(x2.astype(wl.dtype), wl, (((1,), (1,)), ((), ())), precision=HIGHEST,
                                    preferred_element_type=jnp.float32)
 
@@ -64,6 +65,27 @@ def linear(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
         return xla_dot(x2, w, index).reshape(*lead, O)
     y = jax.lax.platform_dependent(x2, w, index, cpu=ffi_ops.linear, default=xla_dot)  # f32[N, O]
     return y.reshape(*lead, O)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """bf16 data as uint16 bits (other dtypes unchanged): XLA:CPU moves bf16 gathers, slices and dynamic updates to
+    float32 and then converts the whole operand (a full float32 copy of an embedding table or a KV-cache stack per
+    step); on the integer view they stay plain data movement."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
+
+
+def _unbits(x: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if dtype == jnp.bfloat16 else x
+
+
+def cache_store(x: jax.Array) -> jax.Array:
+    """The form a KV cache (or the embedding table) keeps values in: uint16 bits for bf16 (see _bits), else x."""
+    return _bits(x)
+
+
+def cache_load(x: jax.Array, dtype) -> jax.Array:
+    """Values of a KV cache slice in ``dtype`` (the inverse of cache_store)."""
+    return _unbits(x, dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
