@@ -218,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "directory, e.g. ~/.cache/ft_jax)")
     prof.add_argument("--no-save", action="store_true", help="do not store the profile")
     prof.add_argument("--verbose", action="store_true", help="show tracebacks")
+
+    from ft_jax.tools import plan, trace
+
+    trace.add_trace_arguments(sub)
+    plan.add_plan_arguments(sub)
     return parser
 
 
@@ -510,7 +515,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ft_jax.checkpoint import CheckpointError
 
         user_errors += (CheckpointError,)
+    if args.command in ("trace", "plan"):
+        user_errors += (ImportError,)  # --plot without matplotlib
     try:
+        if args.command in ("trace", "plan"):
+            from ft_jax.tools import plan, trace
+
+            return trace.run_trace(args) if args.command == "trace" else plan.run_plan(args)
         return run_profile(args) if args.command == "profile" else run_generate(args)
     except user_errors as e:
         if args.verbose:

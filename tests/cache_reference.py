@@ -191,8 +191,8 @@ class ReferenceCache:
                 self.slot_of_expert[old // E][old % E] = -1
             if policy.kind == "auto":
                 if old >= 0:  # the evicted fill's net hits join the decayed sums
-                    self.realized_gain = self.realized_gain - (self.realized_gain >> 5) + 32 * self.slot_gain[slot]
-                    self.realized_fills = self.realized_fills - (self.realized_fills >> 5) + 32
+                    self.realized_gain = self.realized_gain - (self.realized_gain >> 10) + 32 * self.slot_gain[slot]
+                    self.realized_fills = self.realized_fills - (self.realized_fills >> 10) + 32
                 self.slot_gain[slot] = 0
                 self.ghost[slot] = old
             flat = layer * E + e

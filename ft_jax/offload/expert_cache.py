@@ -18,7 +18,7 @@ Rules (docs/DESIGN.md sec. 1 and sec. 3 steps 2-4):
 The auto policy (docs/policies.md) also keeps the observed reuse of fetched experts (other policies leave these
 fields at their initial values): each slot's net hits since its fill (+1 per hit, -1 per miss on the expert that
 fill evicted, its "ghost"; clamped to +-AUTO_GAIN_CLAMP), and the decayed sums of the net hits and the count of the
-fills evicted so far (x32, decay 1/32 per eviction, in fill order). Per call: first the ghost misses and the hits
+fills evicted so far (x32, decay 1/1024 per eviction, in fill order). Per call: first the ghost misses and the hits
 update the slot gains; then F = argmin over F of the modelled layer time minus F times the reuse credit
 (policy.auto_fetch_count, policy.auto_credit); then each fill that evicts an expert adds that slot's gain to the
 sums, and the slot starts again at gain 0 with the evicted expert as its ghost.
@@ -56,7 +56,7 @@ class CacheState(NamedTuple):
             fetched, host, steps); read once at the end, never synced per step.
         slot_gain: i32[S] auto only: net hits of the slot's expert since its fill (module docstring), 0 otherwise.
         ghost_of_slot: i32[S] auto only: flat id the slot's latest fill evicted, -1 = none.
-        reuse: i32[2] auto only: decayed sums (x32) of the evicted fills' net hits and of their count.
+        reuse: i32[2] auto only: decayed sums (x32, 1/1024 per eviction) of the evicted fills' net hits and of their count.
     The slot arrays themselves (e.g. gate_up [S, 2I, H], down [S, H, I]) live with the decode step, not here.
     """
 

@@ -134,7 +134,7 @@ def fraction_from_bandwidth(bp: float, bh: float, bp_contended: float | None = N
 AUTO_TICKS = 1024  # the largest of the solo per-expert times (fill, host, device) in integer ticks
 AUTO_MAX_TICKS = 1 << 20  # cap of any tick value (a contended bandwidth near 0 gives a huge per-expert time)
 AUTO_GAIN_CLAMP = 127  # |net hits| of one fill counted at most (keeps the int32 estimator exact, see auto_credit)
-AUTO_DECAY_SHIFT = 5  # realized fills decay by 1/32 per eviction: the estimate follows the last ~32 evictions
+AUTO_DECAY_SHIFT = 10  # realized fills decay by 1/1024 per eviction: the estimate spans the last ~1000 evictions
 AUTO_PRIOR_HITS = 16  # prior: one pseudo-fill with this many net hits, so that a cold cache warms up
 
 

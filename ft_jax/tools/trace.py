@@ -565,3 +565,294 @@ def summarize(stats: np.ndarray, model: CostModel) -> dict:
             "active_per_token": float(per_token[:, 0].mean()), "hits_per_token": float(per_token[:, 1].mean()),
             "fetched_per_token": float(per_token[:, 3].mean()), "host_per_token": float(per_token[:, 4].mean()),
             "ms_per_token": float(model.token_ms(stats).mean())}
+
+
+def bind_policy(policy, model: CostModel):
+    """The policy with what it needs from the cost model: qstar without a fraction gets model.fraction, auto without
+    costs gets model.auto_costs(); others are returned as they are."""
+    if policy.kind == "qstar" and policy.frac is None:
+        return policy.with_frac(model.fraction)
+    if policy.kind == "auto" and policy.costs is None:
+        return policy.with_costs(model.auto_costs())
+    return policy
+
+
+def _auto_costs(self) -> object:
+    """AutoCosts (ft_jax.offload.policy.auto_costs) of this model: the auto policy decides with the same costs."""
+    from ft_jax.offload.policy import auto_costs
+
+    return auto_costs(self.expert_bytes, self.bp, self.bh, self.bp_contended, self.bh_contended,
+                      self.device_bandwidth, self.fill_fixed_ms, self.host_fixed_ms, self.device_fixed_ms)
+
+
+CostModel.auto_costs = _auto_costs
+
+
+def evaluate(trace: Trace, policies: Seq, slot_counts: Seq[int], model: CostModel, *, carry_cache: bool = False,
+             batch: bool = False, progress=None) -> list[dict]:
+    """Replay every (cache size, policy) and summarize it (Python API of `ft-jax trace`).
+
+    Args:
+        trace: from read_trace. policies: ft_jax.offload.policy.Policy (bound here with bind_policy).
+        slot_counts: cache sizes S. model: CostModel. carry_cache, batch: as in replay.
+        progress: called with (done, total) after each replay, or None.
+    Returns:
+        One dict per (S, policy), S-major: policy (its name as given, e.g. "qstar"), bound (str of the bound
+        policy), cache_slots, cache_fraction (S / (L*E)), and summarize's fields.
+    """
+    out, total = [], len(slot_counts) * len(policies)
+    for S in slot_counts:
+        for policy in policies:
+            bound = bind_policy(policy, model)
+            res = replay(trace, bound, trace.num_layers * trace.num_experts if policy.kind == "resident" else S,
+                         carry_cache=carry_cache, batch=batch)
+            out.append({"policy": str(policy), "bound": str(bound), "cache_slots": int(S),
+                        "cache_fraction": S / (trace.num_layers * trace.num_experts), **summarize(res.stats, model)})
+            if progress is not None:
+                progress(len(out), total)
+    return out
+
+
+BANDWIDTH_HELP = ("'stored' (default: this machine's profile from `ft-jax profile`, at the expert size or the "
+                  "closest one stored), BP,BH[,BPc,BHc] in GB/s, or a preset: " +
+                  "; ".join(f"{name}: BP {p['bp']:g}, BH {p['bh']:g}" +
+                            (f", BPc {p['bp_contended']:g}, BHc {p['bh_contended']:g}" if p["bp_contended"] else "")
+                            + f" GB/s ({p['source']})" for name, p in PRESETS.items()))
+
+COST_MODEL_HELP = """cost model, per MoE layer with F fetched, H host-computed and D = hits + F device experts of S_e bytes:
+  fill F*S_e bytes and host GEMV H*S_e bytes start together and share host memory at the contended pair
+  (BPc, BHc; without a measured pair BPc = BP, BHc = max(0, BH - BP)); when one ends the other goes on at its
+  solo bandwidth (BP or BH); each path that runs adds its fixed cost (--fill-fixed-ms, --host-fixed-ms);
+  the device computes its D experts after the fill: --device-fixed-ms + D*S_e/BD (BD = --device-bandwidth);
+  layer = max(fill end + device, host end); a token = the sum over its MoE layers (attention not counted).
+  Each sequence starts from a cold cache (a trace has no prompt), unless --carry-cache."""
+
+
+def _comma_list(text: str, kind, what: str) -> list:
+    import argparse
+
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"{what}: expected a comma-separated list, got {text!r}")
+    return values
+
+
+def add_model_arguments(p) -> None:
+    """--model / --expert-bytes / --num-layers / --num-experts / --dtype and the cost-model flags (trace and plan)."""
+    import argparse
+
+    def positive_int(text):
+        try:
+            v = int(text)
+        except ValueError:
+            v = 0
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+        return v
+
+    def non_negative(text):
+        try:
+            v = float(text)
+        except ValueError:
+            v = float("nan")
+        if not (math.isfinite(v) and v >= 0):
+            raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+        return v
+
+    def positive(text):
+        v = non_negative(text)
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        return v
+
+    p.add_argument("--model", metavar="DIR", help="Hugging Face model folder: expert bytes, MoE layers and experts "
+                                                  "from its config.json (instead of the three flags below)")
+    p.add_argument("--expert-bytes", type=positive_int, metavar="B",
+                   help="S_e, bytes of one expert (gate + up + down), e.g. 352321536 for Mixtral-8x7B in bf16")
+    p.add_argument("--num-layers", type=positive_int, metavar="L", help="MoE layers (default: from the trace)")
+    p.add_argument("--num-experts", type=positive_int, metavar="E", help="experts per layer (default: the trace)")
+    p.add_argument("--dtype", default=None, help="bf16/bfloat16 or f32/float32: the stored profile to look up "
+                                                 "(default: the model's, else bfloat16)")
+    p.add_argument("--bandwidth", default="stored", metavar="SPEC", help=BANDWIDTH_HELP)
+    p.add_argument("--profile", metavar="PATH", help="bandwidth profile store (default: the user cache directory)")
+    p.add_argument("--device-bandwidth", type=positive, metavar="GBPS",
+                   help=f"BD, GB/s at which the device computes experts in its slots (default: BH for a stored CPU "
+                        f"profile, the slot experts run the host GEMV kernel; else an assumed {ASSUMED_DEVICE_GBPS:g})")
+    for path in ("fill", "host", "device"):
+        p.add_argument(f"--{path}-fixed-ms", type=non_negative, default=0.0, metavar="MS",
+                       help=f"fixed cost of the {path} path per layer in which it runs (default 0; FreeToken PR #39 "
+                            "reports 0.08 ms for its CPU path)" if path == "host" else
+                       f"fixed cost of the {path} path per layer in which it runs (default 0)")
+    p.add_argument("--carry-cache", action="store_true", help="keep the cache across sequences (default: cold)")
+    p.add_argument("--batch", action="store_true",
+                   help="the sequences are the rows of one batch decoded together (a trace recorded by "
+                        "`ft-jax generate` with several prompts): token t of every row is one decode step")
+    p.add_argument("--verbose", action="store_true", help="show tracebacks")
+
+
+def load_inputs(args) -> tuple[Trace, CostModel]:
+    """(Trace, CostModel) from the shared trace/plan arguments. Raises ValueError / OSError (one-line messages)."""
+    from ft_jax.tools.bandwidth import dtype_name
+
+    L, E, eb, dtype = args.num_layers, args.num_experts, args.expert_bytes, args.dtype
+    if args.model:
+        from ft_jax.config import load_config
+        from ft_jax.tools.bandwidth import expert_nbytes
+
+        cfg = load_config(args.model)
+        dtype = dtype or ("float32" if str(cfg.dtype) == "float32" else "bfloat16")
+        model_eb = expert_nbytes(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+        if eb is not None and eb != model_eb:
+            raise ValueError(f"--expert-bytes {eb} disagrees with --model ({model_eb} bytes per {dtype} expert)")
+        eb = model_eb
+        for name, given, value in (("--num-layers", L, cfg.num_moe_layers), ("--num-experts", E, cfg.num_experts)):
+            if given is not None and given != value:
+                raise ValueError(f"{name} {given} disagrees with --model ({value})")
+        L, E = cfg.num_moe_layers, cfg.num_experts
+    if eb is None:
+        raise ValueError("give --model DIR or --expert-bytes B (bytes of one expert) to price the replay")
+    dtype = dtype_name(dtype or "bfloat16")
+    trace = read_trace(args.trace, L, E)
+    model = cost_model(args.bandwidth, eb, dtype=dtype, profile_path=args.profile,
+                       device_bandwidth=args.device_bandwidth, fill_fixed_ms=args.fill_fixed_ms,
+                       host_fixed_ms=args.host_fixed_ms, device_fixed_ms=args.device_fixed_ms)
+    return trace, model
+
+
+def add_trace_arguments(sub) -> None:
+    """Register `ft-jax trace` on the CLI's subparsers."""
+    import argparse
+
+    from ft_jax.offload.policy import parse_policy
+
+    def policies(text):
+        try:
+            return [parse_policy(p) for p in _comma_list(text, str, "--policy")]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    p = sub.add_parser("trace", help="replay a routing trace: hit rate, fetched/host experts and modelled ms per "
+                                     "token for each policy and cache size",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=COST_MODEL_HELP,
+                       description="Replay routing traces (JSON lines or .npz, see docs/policies.md) through the "
+                       "decode step's own cache plan for every policy and cache size, and model the MoE time per "
+                       "token under a bandwidth profile.")
+    p.add_argument("trace", nargs="+", metavar="TRACE", help="routing trace file(s)")
+    p.add_argument("--policy", type=policies, default=policies(DEFAULT_POLICIES), metavar="LIST",
+                   help=f"comma-separated policies (default {DEFAULT_POLICIES})")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--cache-slots", type=lambda t: _comma_list(t, int, "--cache-slots"), metavar="LIST",
+                      help="comma-separated cache sizes in slots (shared by all MoE layers)")
+    size.add_argument("--cache-fraction", type=lambda t: _comma_list(t, float, "--cache-fraction"), metavar="LIST",
+                      help=f"comma-separated cache sizes as fractions of the L*E experts (default {DEFAULT_FRACTIONS})")
+    add_model_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--plot", metavar="FILE.png", help="also plot ms per token against the cache size (matplotlib: "
+                                                      "pip install 'ft-jax[plot]')")
+
+
+DEFAULT_POLICIES = "fetch-all,host-all,qstar,fixed-cap:1,auto"
+DEFAULT_FRACTIONS = "0.1,0.25,0.5"
+
+
+def slot_counts(args, trace: Trace) -> list[int]:
+    """Cache sizes in slots from --cache-slots or --cache-fraction (round(f * L*E), at least 1). Raises ValueError."""
+    total = trace.num_layers * trace.num_experts
+    if args.cache_slots is not None:
+        bad = [s for s in args.cache_slots if not 1 <= s <= total]
+        if bad:
+            raise ValueError(f"--cache-slots must be in [1, L*E = {total}], got {bad}")
+        return list(args.cache_slots)
+    fractions = args.cache_fraction or [float(f) for f in DEFAULT_FRACTIONS.split(",")]
+    bad = [f for f in fractions if not 0 < f <= 1]
+    if bad:
+        raise ValueError(f"--cache-fraction must be in (0, 1], got {bad}")
+    return [max(1, round(f * total)) for f in fractions]
+
+
+def report(trace: Trace, model: CostModel, results: list[dict], carry_cache: bool, batch: bool) -> dict:
+    """The JSON object of `ft-jax trace --json`: results plus what was replayed and how it was priced."""
+    return {"results": results, "skipped_tokens": trace.skipped_tokens,
+            "sequences": [{"name": s.name, "tokens": len(s.token_idx), "skipped": s.skipped} for s in trace.sequences],
+            "tokens": trace.tokens, "trace": trace.paths, "num_layers": trace.num_layers,
+            "num_experts": trace.num_experts, "top_k": trace.top_k, "carry_cache": carry_cache, "batch": batch,
+            "cost_model": {**dataclasses.asdict(model), "bp_contended_used": model.pair[0],
+                           "bh_contended_used": model.pair[1], "qstar_fraction": model.fraction}}
+
+
+def format_table(rep: dict) -> str:
+    """Human-readable table of a report(): one row per (cache size, policy), with each row's ms relative to the best
+    policy at that size."""
+    seqs = ", ".join(f"{s['name']} {s['tokens']}" for s in rep["sequences"])
+    cm = rep["cost_model"]
+    lines = [f"trace {', '.join(rep['trace'])}: {rep['tokens']} tokens ({seqs}), {rep['skipped_tokens']} incomplete "
+             f"skipped; L = {rep['num_layers']} MoE layers x E = {rep['num_experts']}, top-{rep['top_k']}; "
+             + ("one cache carried across sequences" if rep["carry_cache"] else "cold cache per sequence"),
+             f"cost model: {CostModel(**{k: cm[k] for k in (f.name for f in dataclasses.fields(CostModel))}).describe()}",
+             f"  bandwidths: {cm['source']}", "",
+             f"{'slots':>6} {'frac':>5}  {'policy':<16} {'hit rate':>8} {'fetched/tok':>11} {'host/tok':>9} "
+             f"{'ms/token':>10} {'vs best':>8}"]
+    for S in dict.fromkeys(r["cache_slots"] for r in rep["results"]):
+        group = [r for r in rep["results"] if r["cache_slots"] == S]
+        best = min(r["ms_per_token"] for r in group)
+        for r in group:
+            lines.append(f"{S:>6} {r['cache_fraction']:>5.2f}  {r['bound']:<16} {100 * r['hit_rate']:>7.1f}% "
+                         f"{r['fetched_per_token']:>11.2f} {r['host_per_token']:>9.2f} {r['ms_per_token']:>10.2f} "
+                         f"{r['ms_per_token'] / best if best > 0 else 1.0:>7.3f}x")
+    lines += ["", "per token, summed over the MoE layers; vs best = ms/token over the best policy at that cache size"]
+    return "\n".join(lines)
+
+
+def plot(rep: dict, path: str) -> None:
+    """ms per token against the cache fraction, one line per policy, saved as a PNG. Raises ImportError (no
+    matplotlib) or OSError."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("--plot needs matplotlib: pip install 'ft-jax[plot]' (or pip install matplotlib)") from None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in dict.fromkeys(r["bound"] for r in rep["results"]):
+        rows = [r for r in rep["results"] if r["bound"] == policy]
+        ax.plot([100 * r["cache_fraction"] for r in rows], [r["ms_per_token"] for r in rows], marker="o", label=policy)
+    ax.set_xlabel("cache size, % of all experts")
+    ax.set_ylabel("modelled MoE ms per token")
+    ax.set_title(os.path.basename(rep["trace"][0]))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_trace(args) -> int:
+    """`ft-jax trace`: returns the exit status; bad input raises ValueError / OSError / ImportError."""
+    import sys
+
+    trace, model = load_inputs(args)
+    sizes = slot_counts(args, trace)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ImportError("--plot needs matplotlib: pip install 'ft-jax[plot]' (or pip install matplotlib)") \
+                from None
+
+    def progress(done, total):
+        if not args.json and sys.stderr.isatty():
+            sys.stderr.write(f"\r\033[Kft-jax trace: replayed {done} of {total}")
+            sys.stderr.flush()
+
+    results = evaluate(trace, args.policy, sizes, model, carry_cache=args.carry_cache, batch=args.batch,
+                       progress=progress)
+    if not args.json and sys.stderr.isatty():
+        sys.stderr.write("\r\033[K")
+    rep = report(trace, model, results, args.carry_cache, args.batch)
+    if args.plot:
+        plot(rep, args.plot)
+    print(json.dumps(rep, indent=1) if args.json else format_table(rep))
+    return 0
