@@ -23,9 +23,11 @@ import warnings
 from typing import Sequence
 
 BUNDLED_MODEL = "tiny_shakespeare"
-POLICY_HELP = ("qstar (split misses by the measured bandwidths: default; qstar:FRAC fixes the fetch fraction), fetch-all (classic LRU offload: every miss "
-               "is copied into a slot), host-all (every miss computed on the CPU; the cache never changes), "
-               "fixed-cap:K (fetch at most K misses per layer), resident (every expert on the device)")
+POLICY_HELP = ("auto (default: per layer, the number of misses to fetch that minimises the modelled layer time minus "
+               "the observed reuse of fetched experts; docs/policies.md), qstar (split misses by the measured "
+               "bandwidths; qstar:FRAC fixes the fetch fraction), fetch-all (classic LRU offload: every miss is copied "
+               "into a slot), host-all (every miss computed on the CPU; the cache never changes), fixed-cap:K (fetch "
+               "at most K misses per layer), resident (every expert on the device)")
 DEFAULT_CACHE_FRACTION = 0.5
 DEFAULT_NEW_TOKENS = 200
 
@@ -187,11 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"slots as a fraction of all experts (default {DEFAULT_CACHE_FRACTION})")
     budget.add_argument("--device-memory", type=parse_bytes, metavar="BYTES",
                         help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert)")
-    gen.add_argument("--policy", type=_policy_name, default="qstar", metavar="POLICY", help=POLICY_HELP)
-    gen.add_argument("--profile", metavar="PATH",
-                     help="bandwidth profile file for qstar (default: the user cache directory; see `ft-jax profile`)")
+    gen.add_argument("--policy", type=_policy_name, default="auto", metavar="POLICY", help=POLICY_HELP)
+    gen.add_argument("--profile", metavar="PATH", help="bandwidth profile file for auto and qstar (default: the user "
+                                                       "cache directory; see `ft-jax profile`)")
     gen.add_argument("--no-measure", action="store_true",
-                     help="qstar without a stored profile: do not run a quick profile, fall back to fixed-cap:1")
+                     help="auto or qstar without a stored profile: do not run a quick profile, fall back to fixed-cap:1")
+    gen.add_argument("--record-trace", metavar="FILE",
+                     help="write the routing of every decode step to FILE as a routing trace (JSON lines, or .npz "
+                          "by name) for `ft-jax trace` / `ft-jax plan`")
     gen.add_argument("--json", action="store_true", help="print one JSON object (ids, text, statistics) instead")
     gen.add_argument("--no-compile-cache", action="store_true",
                      help="do not use JAX's persistent compilation cache (default: compiled steps are kept in "
@@ -254,7 +259,8 @@ def _num_slots(args: argparse.Namespace, checkpoint) -> int:
 
 
 def _policy(args: argparse.Namespace, checkpoint):
-    """The decode Policy; for qstar, its fraction from the stored (or a quick) bandwidth profile."""
+    """The decode Policy; for qstar its fraction, for auto its costs, from the stored (or a quick) bandwidth
+    profile (auto: device bandwidth BH on a CPU device, else ft_jax.tools.trace.ASSUMED_DEVICE_GBPS)."""
     from ft_jax.offload.policy import Policy, parse_policy
     from ft_jax.tools import bandwidth
 
@@ -262,7 +268,7 @@ def _policy(args: argparse.Namespace, checkpoint):
         policy = parse_policy(args.policy)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if policy.kind != "qstar" or policy.frac is not None:
+    if policy.kind not in ("qstar", "auto") or policy.frac is not None:
         return policy, None
     cfg, bank = checkpoint.config, checkpoint.gate_up_bank
     with warnings.catch_warnings():
@@ -272,6 +278,14 @@ def _policy(args: argparse.Namespace, checkpoint):
             path=args.profile, progress=not args.json)
     if profile is None:
         return Policy("fixed-cap", cap=1), message
+    if policy.kind == "auto":
+        from ft_jax.offload.policy import auto_costs
+        from ft_jax.tools.trace import ASSUMED_DEVICE_GBPS
+
+        expert_bytes = checkpoint.gate_up_bank.row_bytes + checkpoint.down_bank.row_bytes
+        device = profile.bh if profile.key["platform"] == "cpu" else ASSUMED_DEVICE_GBPS
+        return policy.with_costs(auto_costs(expert_bytes, profile.bp, profile.bh, profile.bp_contended,
+                                            profile.bh_contended, device)), message
     return policy.with_frac(profile.fraction()), message
 
 
@@ -393,7 +407,12 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     result = engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=args.seed,
-                             eos_token_ids=eos, on_tokens=on_tokens)
+                             eos_token_ids=eos, on_tokens=on_tokens, record_routing=args.record_trace is not None)
+    if args.record_trace is not None:
+        from ft_jax.tools.trace import routing_records, write_trace
+
+        write_trace(args.record_trace, routing_records(*result.routing, dataset=os.path.basename(
+            os.path.normpath(path))))
     texts = [tokenizer.decode(t) for t in result.tokens] if tokenizer is not None else None
     if args.json:
         settings = {"max_new_tokens": max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,

@@ -66,10 +66,13 @@ def auto_count(costs, misses: int, hits: int, cap: int, realized_gain: int, real
     num = realized_gain + 32 * (resident_gain + prior)
     den = realized_fills + 32 * (resident + 1)
     per_fill_q4 = max(num, 0) * 16 // den
-    saving = costs.host_solo - costs.device
+    if misses > 0:  # what turning one of this layer's misses into a hit would save now
+        saving = auto_layer_time(costs, misses, hits, 0) - auto_layer_time(costs, misses - 1, hits + 1, 0)
+    else:
+        saving = 0
     if saving < 0:
         saving = 0
-    credit = per_fill_q4 * saving // 16
+    credit = min(per_fill_q4 * saving // 16, 1 << 22)
     best, best_value = 0, None
     for F in range(cap + 1):
         value = auto_layer_time(costs, misses, hits, F) - credit * F

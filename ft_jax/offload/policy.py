@@ -136,6 +136,8 @@ AUTO_MAX_TICKS = 1 << 20  # cap of any tick value (a contended bandwidth near 0 
 AUTO_GAIN_CLAMP = 127  # |net hits| of one fill counted at most (keeps the int32 estimator exact, see auto_credit)
 AUTO_DECAY_SHIFT = 10  # realized fills decay by 1/1024 per eviction: the estimate spans the last ~1000 evictions
 AUTO_PRIOR_HITS = 16  # prior: one pseudo-fill with this many net hits, so that a cold cache warms up
+AUTO_MAX_FIXED = 1 << 18  # cap of a fixed cost in ticks
+AUTO_MAX_CREDIT = 1 << 22  # cap of the reuse credit in ticks (credit * F stays in int32 for F <= 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +181,8 @@ def auto_costs(expert_bytes: int, bp: float, bh: float, bp_contended: float | No
     Without a contended pair: BPc = BP, BHc = max(0, BH - BP) (the fill takes its bandwidth out of the host's, as
     in q* = m*BP/BH; docs/DESIGN.md sec. 1). device_bandwidth None: BH (a CPU device: its slot experts run the host
     GEMV kernel in the same memory). Rounding: ticks = max(1, round(ms / tick_ms)) for the bandwidth terms (0 for
-    BD = inf is not allowed), round(ms / tick_ms) for the fixed costs, all capped at AUTO_MAX_TICKS.
+    BD = inf is not allowed) capped at AUTO_MAX_TICKS, round(ms / tick_ms) for the fixed costs capped at
+    AUTO_MAX_FIXED.
 
     Raises:
         ValueError: expert_bytes < 1, a bandwidth not finite and > 0, only one of the pair, a negative fixed cost.
@@ -214,7 +217,7 @@ def auto_costs(expert_bytes: int, bp: float, bh: float, bp_contended: float | No
         v = float(v)
         if not (math.isfinite(v) and v >= 0):
             raise ValueError(f"policy: auto {name} must be a finite time >= 0 ms, got {v!r}")
-        fixed.append(ticks(v, 0))
+        fixed.append(min(ticks(v, 0), AUTO_MAX_FIXED))
     return AutoCosts(fill_solo=ticks(ms(bp), 1), fill_cont=ticks(ms(bpc), 1), host_solo=ticks(ms(bh), 1),
                      host_cont=ticks(ms(bhc), 1), device=ticks(ms(bd), 1), fill_fixed=fixed[0],
                      host_fixed=fixed[1], device_fixed=fixed[2], tick_ms=float(tick))
@@ -257,21 +260,33 @@ def auto_layer_ticks(costs: AutoCosts, misses, hits, fetched):
     return jnp.maximum(fill_end + device, host_end).astype(jnp.int32)
 
 
-def auto_credit(costs: AutoCosts, realized_gain, realized_fills, resident_gain, resident):
-    """Reuse credit of one more fetch, ticks (int32 jnp): the expected net future hits of a fill times what a hit
-    saves over a host GEMV, max(0, host_solo - device).
+def auto_credit(costs: AutoCosts, misses, hits, realized_gain, realized_fills, resident_gain, resident):
+    """Reuse credit of one more fetch, ticks (int32 jnp): the expected net future hits of a fill times what one hit
+    saves, taken as what turning one of this layer's misses into a hit would save now:
+    max(0, auto_layer_ticks(misses, hits, 0) - auto_layer_ticks(misses - 1, hits + 1, 0)) (on a GPU about one host
+    GEMV; on a CPU device, whose slot experts run beside the host path, what the parallel path takes off the
+    slower one).
 
-    Net hits per fill (Q4, 1/16 hit): g = floor(16 * (realized_gain + 32 * (resident_gain + AUTO_PRIOR_HITS)) /
-    (realized_fills + 32 * (resident + 1))), clamped to >= 0, where realized_gain / realized_fills are the decayed
-    sums (x32) over evicted fills, resident_gain the summed net hits of the experts now in slots and resident their
-    count; credit = (g * saving) >> 4. Exact in int32 while resident * AUTO_GAIN_CLAMP * 32 * 16 < 2^31, i.e. up to
-    about 33,000 slots.
+    Net hits per fill (Q4, 1/16 hit): g = floor(16 * max(0, realized_gain + 32 * (resident_gain + AUTO_PRIOR_HITS)) /
+    (realized_fills + 32 * (resident + 1))), where realized_gain / realized_fills are the decayed sums (x32) over
+    evicted fills, resident_gain the summed net hits of the experts now in slots and resident their count (the
+    prior: one pseudo-fill with AUTO_PRIOR_HITS net hits); credit = min((g * saving) >> 4, AUTO_MAX_CREDIT). Exact
+    in int32 while
+    (32 * 1024 * AUTO_GAIN_CLAMP + 32 * resident * AUTO_GAIN_CLAMP) * 16 < 2^31, i.e. up to about 15,000 slots.
+
+    Args:
+        costs: AutoCosts (static). misses (>= 1 when it matters), hits, and the reuse sums: int32 scalars.
+    Returns:
+        i32[] credit >= 0.
     """
+    misses = jnp.asarray(misses, jnp.int32)
+    hits = jnp.asarray(hits, jnp.int32)
+    saving = jnp.maximum(auto_layer_ticks(costs, misses, hits, 0) -
+                         auto_layer_ticks(costs, jnp.maximum(misses - 1, 0), hits + jnp.minimum(misses, 1), 0), 0)
     num = jnp.asarray(realized_gain, jnp.int32) + 32 * (jnp.asarray(resident_gain, jnp.int32) + AUTO_PRIOR_HITS)
     den = jnp.asarray(realized_fills, jnp.int32) + 32 * (jnp.asarray(resident, jnp.int32) + 1)
     g = jnp.maximum(num, 0) * 16 // den  # i32[] net hits per fill, Q4
-    saving = max(0, costs.host_solo - costs.device)
-    return ((g * saving) >> 4).astype(jnp.int32)
+    return jnp.minimum((g * saving) >> 4, AUTO_MAX_CREDIT).astype(jnp.int32)
 
 
 def auto_fetch_count(costs: AutoCosts, misses, hits, cap, credit, max_fetch: int):
