@@ -59,12 +59,11 @@ def auto_layer_time(costs, misses: int, hits: int, fetched: int) -> int:
     return max(fill_end + device, host_end)
 
 
-def auto_count(costs, misses: int, hits: int, cap: int, realized_gain: int, realized_fills: int,
-               resident_gain: int, resident: int) -> int:
+def auto_count(costs, misses: int, hits: int, cap: int, realized_gain: int, realized_fills: int) -> int:
     """auto's F: the smallest F in [0, cap] minimising layer time - credit * F (credit from the reuse estimate)."""
     prior = 16
-    num = realized_gain + 32 * (resident_gain + prior)
-    den = realized_fills + 32 * (resident + 1)
+    num = realized_gain + 32 * prior
+    den = realized_fills + 32
     per_fill_q4 = max(num, 0) * 16 // den
     if misses > 0:  # what turning one of this layer's misses into a hit would save now
         saving = auto_layer_time(costs, misses, hits, 0) - auto_layer_time(costs, misses - 1, hits + 1, 0)
@@ -167,9 +166,8 @@ class ReferenceCache:
                 slot = self.slot_of_expert[layer][e]
                 self.slot_gain[slot] = min(127, self.slot_gain[slot] + 1)
             evictable = sum(1 for slot in range(self.S) if not self._slot_blocked(slot, layer, active))
-            resident = [slot for slot in range(self.S) if self.expert_of_slot[slot] >= 0]
             budget = auto_count(policy.costs, m, len(hits), min(m, evictable), self.realized_gain,
-                                self.realized_fills, sum(self.slot_gain[s] for s in resident), len(resident))
+                                self.realized_fills)
         else:
             budget = policy_budget(policy, m)
 

@@ -256,9 +256,7 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
             slot_hit = in_layer & hit[jnp.clip(local, 0, E - 1)]  # bool[S]
             slot_gain = jnp.clip(state.slot_gain + slot_hit.astype(jnp.int32) - ghost_miss.astype(jnp.int32),
                                  -AUTO_GAIN_CLAMP, AUTO_GAIN_CLAMP)  # i32[S]
-            resident = expert_of_slot >= 0  # bool[S]
-            credit = auto_credit(policy.costs, m, jnp.sum(hit, dtype=jnp.int32), state.reuse[0], state.reuse[1],
-                                 jnp.sum(jnp.where(resident, slot_gain, 0)), jnp.sum(resident, dtype=jnp.int32))
+            credit = auto_credit(policy.costs, m, jnp.sum(hit, dtype=jnp.int32), state.reuse[0], state.reuse[1])
             count = auto_fetch_count(policy.costs, m, jnp.sum(hit, dtype=jnp.int32), jnp.minimum(m, n_eligible),
                                      credit, P)  # i32[] F
         else:

@@ -260,22 +260,20 @@ def auto_layer_ticks(costs: AutoCosts, misses, hits, fetched):
     return jnp.maximum(fill_end + device, host_end).astype(jnp.int32)
 
 
-def auto_credit(costs: AutoCosts, misses, hits, realized_gain, realized_fills, resident_gain, resident):
+def auto_credit(costs: AutoCosts, misses, hits, realized_gain, realized_fills):
     """Reuse credit of one more fetch, ticks (int32 jnp): the expected net future hits of a fill times what one hit
     saves, taken as what turning one of this layer's misses into a hit would save now:
     max(0, auto_layer_ticks(misses, hits, 0) - auto_layer_ticks(misses - 1, hits + 1, 0)) (on a GPU about one host
     GEMV; on a CPU device, whose slot experts run beside the host path, what the parallel path takes off the
     slower one).
 
-    Net hits per fill (Q4, 1/16 hit): g = floor(16 * max(0, realized_gain + 32 * (resident_gain + AUTO_PRIOR_HITS)) /
-    (realized_fills + 32 * (resident + 1))), where realized_gain / realized_fills are the decayed sums (x32) over
-    evicted fills, resident_gain the summed net hits of the experts now in slots and resident their count (the
-    prior: one pseudo-fill with AUTO_PRIOR_HITS net hits); credit = min((g * saving) >> 4, AUTO_MAX_CREDIT). Exact
-    in int32 while
-    (32 * 1024 * AUTO_GAIN_CLAMP + 32 * resident * AUTO_GAIN_CLAMP) * 16 < 2^31, i.e. up to about 15,000 slots.
+    Net hits per fill (Q4, 1/16 hit): g = floor(16 * max(0, realized_gain + 32 * AUTO_PRIOR_HITS) /
+    (realized_fills + 32)), from the decayed sums (x32) over the fills evicted so far (the marginal fills: the
+    ones the cache gave up) and a prior of one pseudo-fill with AUTO_PRIOR_HITS net hits; credit =
+    min((g * saving) >> 4, AUTO_MAX_CREDIT). The sums stay below 32 * 1024 * (AUTO_GAIN_CLAMP + 1): exact in int32.
 
     Args:
-        costs: AutoCosts (static). misses (>= 1 when it matters), hits, and the reuse sums: int32 scalars.
+        costs: AutoCosts (static). misses (>= 1 when it matters), hits, realized_gain, realized_fills: int32 scalars.
     Returns:
         i32[] credit >= 0.
     """
@@ -283,8 +281,8 @@ def auto_credit(costs: AutoCosts, misses, hits, realized_gain, realized_fills, r
     hits = jnp.asarray(hits, jnp.int32)
     saving = jnp.maximum(auto_layer_ticks(costs, misses, hits, 0) -
                          auto_layer_ticks(costs, jnp.maximum(misses - 1, 0), hits + jnp.minimum(misses, 1), 0), 0)
-    num = jnp.asarray(realized_gain, jnp.int32) + 32 * (jnp.asarray(resident_gain, jnp.int32) + AUTO_PRIOR_HITS)
-    den = jnp.asarray(realized_fills, jnp.int32) + 32 * (jnp.asarray(resident, jnp.int32) + 1)
+    num = jnp.asarray(realized_gain, jnp.int32) + 32 * AUTO_PRIOR_HITS
+    den = jnp.asarray(realized_fills, jnp.int32) + 32
     g = jnp.maximum(num, 0) * 16 // den  # i32[] net hits per fill, Q4
     return jnp.minimum((g * saving) >> 4, AUTO_MAX_CREDIT).astype(jnp.int32)
 
