@@ -683,8 +683,8 @@ def add_model_arguments(p) -> None:
                         f"profile, the slot experts run the host GEMV kernel; else an assumed {ASSUMED_DEVICE_GBPS:g})")
     for path in ("fill", "host", "device"):
         p.add_argument(f"--{path}-fixed-ms", type=non_negative, default=0.0, metavar="MS",
-                       help=f"fixed cost of the {path} path per layer in which it runs (default 0; FreeToken PR #39 "
-                            "reports 0.08 ms for its CPU path)" if path == "host" else
+                       help=f"fixed cost of the {path} path per layer in which it runs (default 0; DESIGN.md sec. 5 "
+                            "cites FreeToken PR #39 for 0.08 ms on its CPU path)" if path == "host" else
                        f"fixed cost of the {path} path per layer in which it runs (default 0)")
     p.add_argument("--carry-cache", action="store_true", help="keep the cache across sequences (default: cold)")
     p.add_argument("--batch", action="store_true",
