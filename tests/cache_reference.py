@@ -191,7 +191,7 @@ class ReferenceCache:
             if old >= 0:
                 self.slot_of_expert[old // E][old % E] = -1
             if policy.kind == "auto":
-                if old >= 0:  # the evicted fill's net hits join the decayed sums
+                if old >= 0 and self.ghost[slot] >= 0:  # an evicted replacement fill's net hits join the sums
                     self.realized_gain = self.realized_gain - (self.realized_gain >> 10) + 32 * self.slot_gain[slot]
                     self.realized_fills = self.realized_fills - (self.realized_fills >> 10) + 32
                 self.slot_gain[slot] = 0

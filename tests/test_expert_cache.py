@@ -277,19 +277,24 @@ def test_decode_plan_with_max_active_matches_reference(policy_name):
 
 
 def test_auto_reuse_bookkeeping_by_hand():
-    """L=1, E=4, S=1, auto: a fill into the empty slot realizes nothing; hits raise the slot's gain; a miss on the
-    expert a fill evicted (its ghost) lowers it; the next eviction adds the gain (x32) to the decayed sums."""
+    """L=1, E=4, S=1, auto: hits raise the slot's gain, a miss on the expert its fill evicted (its ghost) lowers
+    it; when a fill that had replaced an expert is itself evicted, its gain (x32) joins the decayed sums (a fill
+    into the empty slot, while warming up, is left out)."""
     policy = policy_of("auto")  # every miss here is worth fetching: credit 16 hits x a host GEMV > the fill
     state = init_cache_state(1, 4, 1)
-    only = lambda e: jnp.asarray(np.arange(4) == e)  # noqa: E731
-    state, plan = plan_static(state, 0, only(1), policy)  # fill expert 1 into slot 0 (was empty)
+    only = lambda *e: jnp.asarray(np.isin(np.arange(4), e))  # noqa: E731
+    state, plan = plan_static(state, 0, only(1), policy)  # fill expert 1 into the empty slot 0
     assert int(plan.stats[3]) == 1 and np.asarray(state.ghost_of_slot).tolist() == [-1]
     for _ in range(3):
         state, plan = plan_static(state, 0, only(1), policy)  # three hits
     assert np.asarray(state.slot_gain).tolist() == [3] and np.asarray(state.reuse).tolist() == [0, 0]
-    state, plan = plan_static(state, 0, only(2), policy)  # fetch 2, evicting 1: realize gain 3
-    assert int(plan.stats[3]) == 1
-    assert np.asarray(state.reuse).tolist() == [3 * 32, 32]
+    state, plan = plan_static(state, 0, only(2), policy)  # fetch 2, evicting 1: a warm-up fill, not realized
+    assert int(plan.stats[3]) == 1 and np.asarray(state.reuse).tolist() == [0, 0]
     assert np.asarray(state.ghost_of_slot).tolist() == [1] and np.asarray(state.slot_gain).tolist() == [0]
-    state, plan = plan_static(state, 0, jnp.asarray(np.isin(np.arange(4), [1, 2])), policy)  # hit 2, ghost miss 1
-    assert np.asarray(state.slot_gain).tolist() == [0]  # +1 hit, -1 ghost miss
+    state, plan = plan_static(state, 0, only(1, 2), policy)  # hit 2 (+1), ghost miss 1 (-1); slot busy: no fill
+    assert int(plan.stats[3]) == 0 and np.asarray(state.slot_gain).tolist() == [0]
+    for _ in range(2):
+        state, plan = plan_static(state, 0, only(2), policy)  # two hits
+    state, plan = plan_static(state, 0, only(3), policy)  # fetch 3, evicting the replacement fill of 2: gain 2
+    assert int(plan.stats[3]) == 1
+    assert np.asarray(state.reuse).tolist() == [2 * 32, 32] and np.asarray(state.ghost_of_slot).tolist() == [2]

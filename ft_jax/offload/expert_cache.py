@@ -21,7 +21,8 @@ fill evicted, its "ghost"; clamped to +-AUTO_GAIN_CLAMP), and the decayed sums o
 fills evicted so far (x32, decay 1/1024 per eviction, in fill order). Per call: first the ghost misses and the hits
 update the slot gains; then F = argmin over F of the modelled layer time minus F times the reuse credit
 (policy.auto_fetch_count, policy.auto_credit); then each fill that evicts an expert adds that slot's gain to the
-sums, and the slot starts again at gain 0 with the evicted expert as its ghost.
+sums if that fill had itself replaced an expert (fills into empty slots while the cache warms up are not marginal
+and are left out), and the slot starts again at gain 0 with the evicted expert as its ghost.
 
 Integer width: jax runs with x64 off, so the global step, usage, recency and stats are int32. step wraps after
 2^31 - 1 MoE-layer calls (about 67 million decoded tokens with 32 MoE layers); past that the LRU and recency
@@ -286,7 +287,7 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
             # Each fill that evicts an expert realizes that slot's gain, in fill order; its slot starts afresh.
             def realize(i, sums):
                 gain, fills = sums
-                evicts = take[i] & (evicted[i] >= 0)
+                evicts = take[i] & (evicted[i] >= 0) & (state.ghost_of_slot[victims[i]] >= 0)  # a replacement
                 gain = jnp.where(evicts, gain - (gain >> AUTO_DECAY_SHIFT) + 32 * slot_gain[victims[i]], gain)
                 fills = jnp.where(evicts, fills - (fills >> AUTO_DECAY_SHIFT) + 32, fills)
                 return gain, fills
