@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 BUNDLED_MODEL = "tiny_shakespeare"
-DEFAULT_POLICY = "qstar"
+DEFAULT_POLICY = "auto"
 DEFAULT_CACHE_FRACTION = 0.5
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_NEW_TOKENS = 200
@@ -117,9 +117,10 @@ def default_compile_cache_dir() -> str:
 
 def resolve_policy(policy, checkpoint, *, profile: str | None = None, measure: bool = True,
                    progress: bool = False):
-    """The decode Policy and a one-line note: a qstar policy without a fraction takes it from the stored bandwidth
-    profile of this machine, or a quick profile (stored), or, with measure=False and none stored, falls back to
-    fixed-cap:1 (the note says so).
+    """The decode Policy and a one-line note: auto takes its costs, and a qstar policy without a fraction its fraction,
+    from the stored bandwidth profile of this machine, or a quick profile (stored), or, with measure=False and none
+    stored, falls back to fixed-cap:1 (the note says so). auto's device bandwidth: BH on a CPU device (the slot
+    experts run the host kernel), else ft_jax.tools.trace.ASSUMED_DEVICE_GBPS.
 
     Args:
         policy: a policy name (parse_policy) or a Policy. checkpoint: LoadedCheckpoint.
@@ -135,7 +136,7 @@ def resolve_policy(policy, checkpoint, *, profile: str | None = None, measure: b
 
     if not isinstance(policy, Policy):
         policy = parse_policy(policy)
-    if policy.kind != "qstar" or policy.frac is not None:
+    if policy.kind not in ("qstar", "auto") or policy.frac is not None:
         return policy, None
     cfg, bank = checkpoint.config, checkpoint.gate_up_bank
     with warnings.catch_warnings():
@@ -144,6 +145,14 @@ def resolve_policy(policy, checkpoint, *, profile: str | None = None, measure: b
                                                        allow_measure=measure, path=profile, progress=progress)
     if found is None:
         return Policy("fixed-cap", cap=1), note
+    if policy.kind == "auto":
+        from ft_jax.offload.policy import auto_costs
+        from ft_jax.tools.trace import ASSUMED_DEVICE_GBPS
+
+        expert_bytes = checkpoint.gate_up_bank.row_bytes + checkpoint.down_bank.row_bytes
+        device = found.bh if found.key["platform"] == "cpu" else ASSUMED_DEVICE_GBPS
+        return policy.with_costs(auto_costs(expert_bytes, found.bp, found.bh, found.bp_contended, found.bh_contended,
+                                            device)), note
     return policy.with_frac(found.fraction()), note
 
 
@@ -312,7 +321,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
         path: model folder (config.json + safetensors); None: the bundled tiny Shakespeare model.
         dtype: "auto" (the checkpoint's: float32 for float32 checkpoints, else bfloat16), bf16/bfloat16, f32/float32:
             the dense weights, the activations and the expert host banks.
-        policy: "qstar" (default), "qstar:FRAC", "fetch-all", "host-all", "fixed-cap:K", "resident", or a Policy.
+        policy: "auto" (default), "qstar", "qstar:FRAC", "fetch-all", "host-all", "fixed-cap:K", "resident", or a
+            Policy (docs/policies.md).
         cache: device expert slots: None (half of all experts), slots (int), a fraction (float), or bytes ("8GiB").
         profile: bandwidth profile store (default: the user cache directory). measure: run a quick profile when
             none is stored (else qstar falls back to fixed-cap:1).

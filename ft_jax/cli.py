@@ -23,10 +23,11 @@ import traceback
 import warnings
 from typing import Sequence
 
-POLICY_HELP = ("qstar (split misses by the measured bandwidths: default; qstar:FRAC fixes the fetch fraction), "
-               "fetch-all (classic LRU offload: every miss is copied into a slot), host-all (every miss computed on "
-               "the CPU; the cache never changes), fixed-cap:K (fetch at most K misses per layer), resident (every "
-               "expert on the device)")
+POLICY_HELP = ("auto (default: per layer, the number of misses to fetch that minimises the modelled layer time minus "
+               "the observed reuse of fetched experts; docs/policies.md), qstar (split misses by the measured "
+               "bandwidths; qstar:FRAC fixes the fetch fraction), fetch-all (classic LRU offload: every miss is copied "
+               "into a slot), host-all (every miss computed on the CPU; the cache never changes), fixed-cap:K (fetch "
+               "at most K misses per layer), resident (every expert on the device)")
 GENERATE_EXAMPLES = """examples:
   ft-jax generate --prompt "ROMEO:"                          # the bundled tiny Shakespeare MoE
   ft-jax generate --prompt "KING:" --temperature 0 --max-new-tokens 50 --stop "\\n\\n"
@@ -213,10 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--device-memory", type=_bytes, metavar="BYTES",
                         help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert)")
     gen.add_argument("--policy", type=_policy_name, default=api.DEFAULT_POLICY, metavar="POLICY", help=POLICY_HELP)
-    gen.add_argument("--profile", metavar="PATH",
-                     help="bandwidth profile file for qstar (default: the user cache directory; see `ft-jax profile`)")
+    gen.add_argument("--profile", metavar="PATH", help="bandwidth profile file for auto and qstar (default: the user "
+                                                       "cache directory; see `ft-jax profile`)")
     gen.add_argument("--no-measure", action="store_true",
-                     help="qstar without a stored profile: do not run a quick profile, fall back to fixed-cap:1")
+                     help="auto or qstar without a stored profile: do not run a quick profile, fall back to fixed-cap:1")
+    gen.add_argument("--record-trace", metavar="FILE",
+                     help="write the routing of every decode step to FILE as a routing trace (JSON lines, or .npz "
+                          "by name) for `ft-jax trace` / `ft-jax plan`")
     gen.add_argument("--json", action="store_true", help="print one JSON object (ids, text, statistics) instead")
     gen.add_argument("--no-compile-cache", action="store_true",
                      help="do not use JAX's persistent compilation cache (default: compiled steps are kept in "
@@ -243,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "directory, e.g. ~/.cache/ft_jax)")
     prof.add_argument("--no-save", action="store_true", help="do not store the profile")
     prof.add_argument("--verbose", action="store_true", help="show tracebacks")
+
+    from ft_jax.tools import plan, trace
+
+    trace.add_trace_arguments(sub)
+    plan.add_plan_arguments(sub)
     return parser
 
 
@@ -354,7 +363,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
     out = model.generate(prompts, max_new_tokens=max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, stop=args.stop or (),
-                         on_text=on_text if streaming else None)
+                         on_text=on_text if streaming else None, record_routing=args.record_trace is not None)
+    if args.record_trace is not None:
+        from ft_jax.tools.trace import routing_records, write_trace
+
+        write_trace(args.record_trace, routing_records(*out.routing, dataset=os.path.basename(os.path.normpath(path))))
     if args.json:
         settings = {"max_new_tokens": max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                     "top_p": args.top_p, "seed": args.seed, "dtype": model.dtype, "policy": str(model.policy),
@@ -480,7 +493,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ft_jax.checkpoint import CheckpointError
 
         user_errors += (CheckpointError,)
+    if args.command in ("trace", "plan"):
+        user_errors += (ImportError,)  # --plot without matplotlib
     try:
+        if args.command in ("trace", "plan"):
+            from ft_jax.tools import plan, trace
+
+            return trace.run_trace(args) if args.command == "trace" else plan.run_plan(args)
         return run_profile(args) if args.command == "profile" else run_generate(args)
     except user_errors as e:
         if args.verbose:
