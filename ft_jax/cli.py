@@ -22,6 +22,8 @@ import traceback
 import warnings
 from typing import Sequence
 
+from ft_jax.config import SUPPORTED_ARCHITECTURES
+
 BUNDLED_MODEL = "tiny_shakespeare"
 POLICY_HELP = ("qstar (split misses by the measured bandwidths: default; qstar:FRAC fixes the fetch fraction), fetch-all (classic LRU offload: every miss "
                "is copied into a slot), host-all (every miss computed on the CPU; the cache never changes), "
@@ -162,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text (default model: the bundled tiny Shakespeare MoE)",
                          description="Generate text from a Hugging Face MoE checkpoint folder (config.json + "
-                         "safetensors) or the bundled model, streaming tokens, then print offload statistics.")
+                         "safetensors) or the bundled model, streaming tokens, then print offload statistics. "
+                         f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.")
     gen.add_argument("--model", metavar="PATH", help="Hugging Face model folder (default: the bundled model)")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",
