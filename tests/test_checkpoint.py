@@ -506,7 +506,7 @@ def test_deepseek_hub_layout_loads(family, tmp_path):
     tensors = load_file(os.path.join(d, "model.safetensors"))
     ck = load_checkpoint(d, dtype=jnp.bfloat16)
     cfg = ck.config
-    E, I, NH = cfg.num_experts, cfg.moe_intermediate_size, cfg.num_heads
+    E, NH, bf16 = cfg.num_experts, cfg.num_heads, ml_dtypes.bfloat16
     gu, dn = ck.gate_up_bank.numpy(), ck.down_bank.numpy()
     for m, layer in enumerate(cfg.moe_layers):
         for e in range(E):
@@ -522,7 +522,6 @@ def test_deepseek_hub_layout_loads(family, tmp_path):
     if cfg.scoring_func == "sigmoid":
         np.testing.assert_array_equal(params["stacks/1/ffn/score_bias"][0],
                                       tensors[f"model.layers.{first_moe}.mlp.gate.e_score_correction_bias"])
-    bf16 = ml_dtypes.bfloat16
     kv_a = tensors[a + "kv_a_proj_with_mqa.weight"]
     if cfg.q_lora_rank is not None:  # q_a_proj and kv_a_proj_with_mqa fused: one read of x
         want = np.concatenate([tensors[a + "q_a_proj.weight"], kv_a])
