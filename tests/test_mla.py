@@ -14,7 +14,7 @@ import pytest
 from ft_jax.config import RopeScaling, load_config
 from ft_jax.models.decoder import MoETransformer, Stacked, attention_inputs, random_param_factory
 from ft_jax.models.layers import rope_frequencies
-from ft_jax.models.mla import MultiHeadLatentAttention, mla_softmax_scale
+from ft_jax.models.mla import MultiHeadLatentAttention, _heads_dot, _heads_ffi, mla_softmax_scale, per_head_linear
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 V3 = load_config(os.path.join(FIXTURES, "deepseek_v3"))
@@ -172,3 +172,20 @@ def test_softmax_scale_with_yarn_mscale_all_dim():
     assert mla_softmax_scale(no_all_dim) == pytest.approx(base)
     shrink = dataclasses.replace(cfg, rope_scaling=dataclasses.replace(cfg.rope_scaling, factor=0.5))
     assert mla_softmax_scale(shrink) == pytest.approx(base)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_per_head_linear_both_backends_equal_float64(dtype):
+    """The CPU form (one FFI GEMV per head) and the other backends' batched dot, both run here, against float64."""
+    rng = np.random.default_rng(5)
+    n, NH, N, O, K = 3, 4, 5, 6, 7
+    w = jnp.asarray(rng.standard_normal((n * NH, O, K)), dtype)
+    x = jnp.asarray(rng.standard_normal((N, NH, K)), dtype)
+    layer = 2
+    want = np.einsum("nhk,hok->nho", np.asarray(x, np.float64),
+                     np.asarray(w, np.float64).reshape(n, NH, O, K)[layer])
+    base = jnp.int32(layer * NH)
+    for got in (jax.jit(per_head_linear, static_argnums=3)(x, w, layer, NH), jax.jit(_heads_ffi)(x, w, base),
+                jax.jit(_heads_dot)(x, w, base)):
+        assert got.dtype == jnp.float32 and got.shape == (N, NH, O)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

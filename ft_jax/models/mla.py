@@ -6,7 +6,7 @@ dv = v_head_dim, C = kv_lora_rank, Q = q_lora_rank::
 
     q          = q_b_proj(RMSNorm_qa(q_a_proj(x)))    or q_proj(x) when q_lora_rank is null   [NH, dn + dr]
     q_nope, q_pe = q[h, :dn], RoPE(q[h, dn:])
-    c, k_pe    = RMSNorm_kva(kv_a_proj_with_mqa(x)[:C]), RoPE(kv_a_proj_with_mqa(x)[C:])    [C], [dr] (one for all heads)
+    c, k_pe    = RMSNorm_kva(kv_a_proj_with_mqa(x)[:C]), RoPE(kv_a_proj_with_mqa(x)[C:])   [C], [dr] (shared by heads)
     k_nope[h]  = W_uk[h] c,   v[h] = W_uv[h] c          (kv_b_proj = [W_uk[1]; W_uv[1]; W_uk[2]; ...] [NH (dn + dv), C])
     score[h, s] = (q_nope[h] . k_nope[h, s] + q_pe[h] . k_pe[s]) * scale,   scale = (dn + dr)^-0.5 * m^2
     out        = o_proj(concat_h(sum_s softmax(score[h])[s] v[h, s]))
@@ -72,23 +72,25 @@ def per_head_linear(x: jax.Array, w: jax.Array, layer, num_heads: int) -> jax.Ar
     Returns:
         f32[N, NH, O].
     On the CPU backend: one ft_jax_linear FFI GEMV per head (a lax.map over the heads), each reading its [O, K] weight
-    in place (see ft_jax.models.layers.linear for why not XLA's dot); elsewhere one batched dot over w[layer].
+    in place (see ft_jax.models.layers.linear for why not XLA's dot; scripts/bench_mla.py measures both);
+    elsewhere one batched dot over the layer's heads.
     """
-    N, NH, K = x.shape
-    O = w.shape[1]
     base = jnp.asarray(layer, jnp.int32) * num_heads
+    return jax.lax.platform_dependent(x, w, base, cpu=_heads_ffi, default=_heads_dot)
 
-    def on_cpu(x, w, base):
-        ys = jax.lax.map(lambda hx: ffi_ops.linear(hx[1], w, base + hx[0]),
-                         (jnp.arange(NH, dtype=jnp.int32), jnp.swapaxes(x, 0, 1)))  # [NH, N, O]
-        return jnp.swapaxes(ys, 0, 1)
 
-    def elsewhere(x, w, base):
-        wl = jax.lax.dynamic_slice_in_dim(w, base, NH)  # [NH, O, K]
-        return jnp.einsum("nhk,hok->nho", x.astype(wl.dtype), wl, precision=HIGHEST,
-                          preferred_element_type=jnp.float32)
+def _heads_ffi(x: jax.Array, w: jax.Array, base: jax.Array) -> jax.Array:
+    """per_head_linear with heads base .. base + NH - 1 of w, one ffi_ops.linear call per head. x [N, NH, K]."""
+    NH = x.shape[1]
+    ys = jax.lax.map(lambda hx: ffi_ops.linear(hx[1], w, base + hx[0]),
+                     (jnp.arange(NH, dtype=jnp.int32), jnp.swapaxes(x, 0, 1)))  # [NH, N, O]
+    return jnp.swapaxes(ys, 0, 1)
 
-    return jax.lax.platform_dependent(x, w, base, cpu=on_cpu, default=elsewhere)  # f32[N, NH, O]
+
+def _heads_dot(x: jax.Array, w: jax.Array, base: jax.Array) -> jax.Array:
+    """per_head_linear as one batched XLA dot over w[base : base + NH]. x [N, NH, K]."""
+    wl = jax.lax.dynamic_slice_in_dim(w, base, x.shape[1])  # [NH, O, K]
+    return jnp.einsum("nhk,hok->nho", x.astype(wl.dtype), wl, precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
 def _deinterleave(x: jax.Array) -> jax.Array:
