@@ -70,7 +70,8 @@ class ExpertBackend(Protocol):
 @dataclasses.dataclass
 class KVCache:
     """Static-size KV cache: one tuple of arrays per DecoderStack, each array [n, B, max_len, ...] (n = layers of the
-    stack; the attention module decides what is cached, e.g. (k, v) [n, B, S, KVH, D] for grouped-query attention).
+    stack; the attention module decides what is cached, e.g. (k, v) [n, B, S, KVH, D] for grouped-query attention,
+    (latent [n, B, S, C], rope_key [n, B, S, dr]) for DeepSeek's latent attention, ft_jax/models/mla.py).
     Index s of row b holds what the sequence's token at position s left behind.
     """
 

@@ -86,7 +86,8 @@ def route_deepseek(cfg: MoEConfig, logits: jax.Array, valid: jax.Array | None = 
                    score_bias: jax.Array | None = None) -> Routing:
     """Route N tokens with DeepSeek-V2's or V3's rule (module docstring), chosen by cfg.scoring_func.
 
-    Masked groups are -inf, not 0, so a token whose biased scores are all negative still picks inside its groups
+    Masked groups are -inf, not 0 (transformers' V2 router fills 0, the same choice for softmax scores, all > 0),
+    so a token whose biased scores are all negative still picks inside its groups
     (vLLM PR 13474 filled 0); the weights are gathered from the unbiased scores, never recovered as
     (s + b) - b, which rounds a small s to 0 in float32 (flashinfer PR 3875), and never include the bias (vLLM
     PR 12002); without norm_topk_prob they are the sigmoid scores times the factor, not the logits (sglang PR 35160).
