@@ -12,7 +12,7 @@ import pytest
 from ft_jax import api, cli
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2"]
 # "qstar" with --no-measure and no stored profile falls back to fixed-cap:1; "qstar:0.4" fixes the fraction.
 POLICIES = ["resident", "fetch-all", "host-all", "qstar:0.4", "qstar", "fixed-cap:1"]
 
@@ -119,6 +119,10 @@ def test_python_dash_m_help():
                          check=True).stdout
     for flag in ("--model", "--prompt-ids", "--cache-fraction", "--device-memory", "--policy", "--json"):
         assert flag in out
+    text = " ".join(out.split())  # argparse wraps the description
+    for arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                 "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        assert arch in text
 
 
 def test_argument_errors_are_one_line(capsys):

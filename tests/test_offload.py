@@ -18,7 +18,7 @@ from ft_jax.offload.experts import OffloadedExperts
 from ft_jax.offload.policy import Policy, auto_costs
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2"]
 
 
 def _reference(family):
