@@ -45,6 +45,7 @@ from flax import nnx
 from ft_jax.checkpoint import LoadedCheckpoint
 from ft_jax.offload.expert_cache import STAT_FIELDS
 from ft_jax.offload.experts import OffloadedExperts
+from ft_jax.offload.host_bank import use_huge_pages
 from ft_jax.offload.policy import Policy
 
 MIN_PREFILL_BUCKET = 16
@@ -288,6 +289,7 @@ class Engine:
         self.num_slots = cfg.num_experts * self.decode_backend.num_layers if policy.kind == "resident" else num_slots
         self.expert_bytes = checkpoint.gate_up_bank.row_bytes + checkpoint.down_bank.row_bytes
         self.expert_state = self.decode_backend.init_state(self.num_slots)
+        use_huge_pages((self.params, self.expert_state))  # the dense weights and slot pools, read every step
         # Donated: the KV cache (5) and the expert state (6) of f(graphdef, backend, params, tokens, positions, kv_cache,
         # expert_state, key, temperature, top_k, top_p).
         self._prefill = jax.jit(prefill, static_argnums=(0, 1), static_argnames=("greedy",), donate_argnums=(5, 6))
@@ -407,6 +409,7 @@ class Engine:
         key = jax.random.key(seed % 2**32)
         key, sub = jax.random.split(key)
         kv_cache = self.init_kv_cache(B, kv_len)
+        use_huge_pages(kv_cache)
 
         # Both executables before the first token, so the stream is never held up by a compile.
         shape = f"batch {B}, KV cache {kv_len}"

@@ -78,108 +78,6 @@ int64_t RowsPerTask(size_t row_bytes, int64_t rows, int64_t multiple, int64_t th
   return (r + multiple - 1) / multiple * multiple;
 }
 
-// Token chunks: groups of 4 routes use 2 rows x 4 tokens per inner loop (each weight load feeds 4 FMAs), smaller
-// remainders use 4 rows x 2 or 1 tokens (enough independent accumulators to hide the FMA latency). Every
-// (row, token) accumulator sees the same sequence of operations in every variant, so the chunking does not
-// change results.
-
-// Phase 1 for one expert and gate rows [i0, i1): a[route][i] = act(gate_i . x) * (up_i . x).
-template <typename WG>
-void GateUpRows(bool avx2, const WG* gu, const Groups& g, int64_t grp, const float* x, int64_t H, int64_t I,
-                Activation act, int64_t i0, int64_t i1, float* a) {
-  const int64_t b = g.begin[grp], e = g.begin[grp + 1];
-  float out[8];
-  for (int64_t i = i0; i < i1;) {
-    const int64_t nrows = i + 1 < i1 ? 2 : 1;  // gate/up row pairs handled together
-    for (int64_t n = b; n < e;) {
-      const int64_t left = e - n;
-      const float* xs[4];
-      for (int q = 0; q < 4; ++q) xs[q] = x + g.token[n + std::min<int64_t>(q, left - 1)] * H;
-      if (left >= 4) {
-        for (int64_t r = 0; r < nrows; ++r) {
-          const WG* rows[2] = {gu + (i + r) * H, gu + (I + i + r) * H};
-          Dot<WG, 2, 4>(avx2, rows, xs, H, out);  // out = [gate x 4 tokens, up x 4 tokens]
-          for (int tn = 0; tn < 4; ++tn) a[(n + tn) * I + i + r] = Activate(act, out[tn]) * out[4 + tn];
-        }
-        n += 4;
-      } else if (nrows == 2) {
-        const WG* rows[4] = {gu + i * H, gu + (i + 1) * H, gu + (I + i) * H, gu + (I + i + 1) * H};
-        const int64_t nt = std::min<int64_t>(left, 2);
-        if (nt == 2) {
-          Dot<WG, 4, 2>(avx2, rows, xs, H, out);  // out = [gate_i, gate_i+1, up_i, up_i+1] x 2 tokens
-        } else {
-          Dot<WG, 4, 1>(avx2, rows, xs, H, out);
-        }
-        for (int tn = 0; tn < nt; ++tn)
-          for (int q = 0; q < 2; ++q)
-            a[(n + tn) * I + i + q] = Activate(act, out[q * nt + tn]) * out[(2 + q) * nt + tn];
-        n += nt;
-      } else {
-        const WG* rows[2] = {gu + i * H, gu + (I + i) * H};
-        Dot<WG, 2, 1>(avx2, rows, xs, H, out);
-        a[n * I + i] = Activate(act, out[0]) * out[1];
-        n += 1;
-      }
-    }
-    i += nrows;
-  }
-}
-
-// Phase 2 for output rows [h0, h1): y[t][h] = sum over groups (ascending), routes (in order) of w * (down_h . a).
-template <typename WD>
-void DownRows(bool avx2, const ExpertWeights& m, const Groups& g, const float* a, int64_t T, int64_t h0,
-              int64_t h1, float* y) {
-  const int64_t H = m.hidden, I = m.inter;
-  for (int64_t t = 0; t < T; ++t) std::fill(y + t * H + h0, y + t * H + h1, 0.0f);
-  float out[8];
-  auto accumulate = [&](int64_t h, int64_t n, int R, int nt) {
-    for (int r = 0; r < R; ++r)
-      for (int tn = 0; tn < nt; ++tn) y[g.token[n + tn] * H + h + r] += g.weight[n + tn] * out[r * nt + tn];
-  };
-  for (size_t grp = 0; grp + 1 < g.begin.size(); ++grp) {
-    const WD* dn = reinterpret_cast<const WD*>(m.down + static_cast<size_t>(g.expert[grp]) * m.down_stride);
-    const int64_t b = g.begin[grp], e = g.begin[grp + 1];
-    for (int64_t h = h0; h < h1;) {
-      const int64_t nrows = h + 4 <= h1 ? 4 : 1;
-      for (int64_t n = b; n < e;) {
-        const int64_t left = e - n;
-        const float* as[4];
-        for (int q = 0; q < 4; ++q) as[q] = a + (n + std::min<int64_t>(q, left - 1)) * I;
-        if (left >= 4) {
-          for (int64_t r = 0; r < nrows; r += 2) {
-            if (nrows == 4) {
-              const WD* rows[2] = {dn + (h + r) * I, dn + (h + r + 1) * I};
-              Dot<WD, 2, 4>(avx2, rows, as, I, out);
-              accumulate(h + r, n, 2, 4);
-            } else {
-              const WD* rows[1] = {dn + h * I};
-              Dot<WD, 1, 4>(avx2, rows, as, I, out);
-              accumulate(h, n, 1, 4);
-            }
-          }
-          n += 4;
-        } else if (nrows == 4) {
-          const WD* rows[4] = {dn + h * I, dn + (h + 1) * I, dn + (h + 2) * I, dn + (h + 3) * I};
-          const int64_t nt = std::min<int64_t>(left, 2);
-          if (nt == 2) {
-            Dot<WD, 4, 2>(avx2, rows, as, I, out);
-          } else {
-            Dot<WD, 4, 1>(avx2, rows, as, I, out);
-          }
-          accumulate(h, n, 4, static_cast<int>(nt));
-          n += nt;
-        } else {
-          const WD* rows[1] = {dn + h * I};
-          Dot<WD, 1, 1>(avx2, rows, as, I, out);
-          accumulate(h, n, 1, 1);
-          n += 1;
-        }
-      }
-      h += nrows;
-    }
-  }
-}
-
 template <typename WG, typename WD>
 void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T, Activation act, float* y,
               xla::ffi::ThreadPool& pool) {
@@ -198,24 +96,53 @@ void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T
     }
   };
 
-  thread_local std::vector<float> a_buf;
-  if (a_buf.size() < static_cast<size_t>(routes * I)) a_buf.resize(routes * I);
-  float* a = a_buf.data();
+  // Per-call buffers of the calling thread (tasks write disjoint parts): the routes' inputs side by side
+  // xg [routes, H], gate/up outputs hb [routes, 2I], activations a [routes, I], down outputs d [routes, H].
+  thread_local std::vector<float> buf;
+  const size_t need = static_cast<size_t>(routes) * static_cast<size_t>(2 * H + 3 * I);
+  if (buf.size() < need) buf.resize(need);
+  float* xg = buf.data();
+  float* hb = xg + routes * H;
+  float* a = hb + routes * 2 * I;
+  float* d = a + routes * I;
+  for (int64_t n = 0; n < routes; ++n) std::copy(x + g.token[n] * H, x + (g.token[n] + 1) * H, xg + n * H);
 
-  // Phase 1: tasks = (expert group, block of gate/up row pairs).
-  const int64_t rpt1 = RowsPerTask(2 * H * egu, I, 2, threads);
-  const int64_t blocks1 = (I + rpt1 - 1) / rpt1;
+  // Phase 1: tasks = (expert group, block of gate_up rows); each row is read once for all the group's routes.
+  const int64_t rpt1 = RowsPerTask(H * egu, 2 * I, 1, threads);
+  const int64_t blocks1 = (2 * I + rpt1 - 1) / rpt1;
   run(G * blocks1, [&](int64_t task) {
     const int64_t grp = task / blocks1, blk = task % blocks1;
+    const int64_t b = g.begin[grp], e = g.begin[grp + 1];
     const WG* gu = reinterpret_cast<const WG*>(m.gate_up + static_cast<size_t>(g.expert[grp]) * m.gate_up_stride);
-    GateUpRows<WG>(avx2, gu, g, grp, x, H, I, act, blk * rpt1, std::min(I, (blk + 1) * rpt1), a);
+    DotRows<WG>(avx2, gu, H, blk * rpt1, std::min(2 * I, (blk + 1) * rpt1), xg + b * H, e - b, hb + b * 2 * I, 2 * I);
   });
+  // a = act(gate) * up, per route (on the pool only for prefill-sized calls: a handoff costs more than small ones).
+  auto activate = [&](int64_t n) {
+    for (int64_t i = 0; i < I; ++i) a[n * I + i] = Activate(act, hb[n * 2 * I + i]) * hb[n * 2 * I + I + i];
+  };
+  if (threads > 1 && routes * I >= (int64_t{1} << 18)) {
+    ParallelFor(pool, routes, activate);
+  } else {
+    for (int64_t n = 0; n < routes; ++n) activate(n);
+  }
 
-  // Phase 2: tasks = blocks of output rows h (all experts inside one task: fixed accumulation order).
-  const int64_t rpt2 = RowsPerTask(static_cast<size_t>(G) * I * ed, H, 4, threads);
+  // Phase 2: tasks = blocks of output rows h; inside a task every expert group in ascending order, routes in order,
+  // so each y element is summed in one fixed order.
+  const int64_t rpt2 = RowsPerTask(static_cast<size_t>(G) * I * ed, H, 1, threads);
   const int64_t blocks2 = (H + rpt2 - 1) / rpt2;
   run(blocks2, [&](int64_t blk) {
-    DownRows<WD>(avx2, m, g, a, T, blk * rpt2, std::min(H, (blk + 1) * rpt2), y);
+    const int64_t h0 = blk * rpt2, h1 = std::min(H, (blk + 1) * rpt2);
+    for (int64_t t = 0; t < T; ++t) std::fill(y + t * H + h0, y + t * H + h1, 0.0f);
+    for (int64_t grp = 0; grp < G; ++grp) {
+      const int64_t b = g.begin[grp], e = g.begin[grp + 1];
+      const WD* dn = reinterpret_cast<const WD*>(m.down + static_cast<size_t>(g.expert[grp]) * m.down_stride);
+      DotRows<WD>(avx2, dn, I, h0, h1, a + b * I, e - b, d + b * H, H);
+      for (int64_t n = b; n < e; ++n) {
+        float* yt = y + g.token[n] * H;
+        const float w = g.weight[n];
+        for (int64_t h = h0; h < h1; ++h) yt[h] += w * d[n * H + h];
+      }
+    }
   });
 }
 

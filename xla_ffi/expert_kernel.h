@@ -7,8 +7,8 @@
 // Weights are float32 or bfloat16 (independently for gate_up and down); activations and accumulation are float32.
 //
 // Every expert's weights are read once per call whatever the number of tokens routed to it: routes are grouped by
-// expert, then phase 1 computes a[route] = act(gate x) * up x for all routes of an expert while streaming its
-// gate_up rows, and phase 2 streams the down rows and accumulates y. Both phases are split over output rows across
+// expert, then phase 1 computes gate x and up x for all routes of an expert while streaming its gate_up rows one at a
+// time (dot_kernels.h DotRows), a = act(gate x) * up x, and phase 2 streams the down rows and accumulates y. Both phases are split over output rows across
 // the caller's XLA thread pool; every output element is produced by one task with a fixed summation order (experts in
 // ascending id, routes in (t, j) order), so results do not depend on thread count or scheduling.
 #ifndef FT_JAX_XLA_FFI_EXPERT_KERNEL_H_

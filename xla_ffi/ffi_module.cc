@@ -5,6 +5,8 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <sys/mman.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -107,5 +109,24 @@ NB_MODULE(_ffi, m) {
       },
       nb::arg("id"), "Writable uint8 numpy view [nbytes] of the bank memory (keeps it alive). ValueError if not live.");
 
+  m.def(
+      "use_huge_pages",
+      [](uintptr_t address, size_t nbytes) {
+#if defined(__linux__)
+        // The 2 MiB-aligned interior of [address, address + nbytes): MADV_HUGEPAGE for what is mapped later and
+        // MADV_COLLAPSE (Linux >= 6.1) to move what is already there onto huge pages now. Advisory: errors (an
+        // older kernel, transparent huge pages off) leave the memory as it was.
+        constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+        const uintptr_t begin = (address + kHuge - 1) & ~(kHuge - 1), end = (address + nbytes) & ~(kHuge - 1);
+        if (end <= begin) return false;
+        void* p = reinterpret_cast<void*>(begin);
+        madvise(p, end - begin, MADV_HUGEPAGE);
+        return madvise(p, end - begin, 25 /* MADV_COLLAPSE */) == 0;
+#else
+        return false;
+#endif
+      },
+      nb::arg("address"), nb::arg("nbytes"),
+      "Back the 2 MiB-aligned interior of a buffer with transparent huge pages (Linux); True if collapsed.");
   m.def("kernel_isa", &ft_jax::KernelIsa, "'avx2' or 'generic': the inner loop the expert kernel uses.");
 }

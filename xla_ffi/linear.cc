@@ -7,8 +7,8 @@
 // vector of < 16 KiB, or a YNNPACK dot with at least 2 rows), and a dynamic slice of a stacked bf16 weight (one layer
 // of a lax.scan) is converted to float32 as a whole, outside the loop (docs/DESIGN.md sec. 5). This handler takes the
 // whole stack and the layer index as operands, so the scanned decode step reads each layer's weights in place.
-// Output rows are split over the caller's XLA thread pool; tokens go 4 (or 2, 1) per pass over a weight row, so a
-// prefill of N tokens reads each weight block from memory once and from cache N/4 times.
+// Output rows are split over the caller's XLA thread pool; each task reads its rows one at a time (dot_kernels.h
+// DotRows), tokens 4 (or 2, 1) per pass over a row, so a prefill of N tokens reads each row from memory once.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -33,60 +33,13 @@ using I32Scalar = ffi::Buffer<ffi::DataType::S32, 0>;
 constexpr size_t kParallelMinBytes = size_t{1} << 20;  // below: the caller alone (waking helpers costs more)
 constexpr size_t kTaskBytes = size_t{256} << 10;       // weight bytes per task (fits L2 while the tokens pass)
 
-// Rows [o0, o1) of y for all N tokens: y[n, o] = dot(w[o], x[n]).
-template <typename W>
-void LinearRows(bool avx2, const W* w, const float* x, int64_t N, int64_t K, int64_t o0, int64_t o1, int64_t O,
-                float* y) {
-  float out[8];
-  for (int64_t o = o0; o < o1;) {
-    const int64_t nrows = o + 4 <= o1 ? 4 : 1;
-    for (int64_t n = 0; n < N;) {
-      const int64_t left = N - n;
-      const float* xs[4];
-      for (int q = 0; q < 4; ++q) xs[q] = x + (n + std::min<int64_t>(q, left - 1)) * K;
-      if (left >= 4) {
-        for (int64_t r = 0; r < nrows; r += 2) {
-          if (nrows == 4) {
-            const W* rows[2] = {w + (o + r) * K, w + (o + r + 1) * K};
-            Dot<W, 2, 4>(avx2, rows, xs, K, out);
-            for (int q = 0; q < 2; ++q)
-              for (int t = 0; t < 4; ++t) y[(n + t) * O + o + r + q] = out[q * 4 + t];
-          } else {
-            const W* rows[1] = {w + o * K};
-            Dot<W, 1, 4>(avx2, rows, xs, K, out);
-            for (int t = 0; t < 4; ++t) y[(n + t) * O + o] = out[t];
-          }
-        }
-        n += 4;
-      } else if (nrows == 4) {
-        const W* rows[4] = {w + o * K, w + (o + 1) * K, w + (o + 2) * K, w + (o + 3) * K};
-        const int64_t nt = std::min<int64_t>(left, 2);
-        if (nt == 2) {
-          Dot<W, 4, 2>(avx2, rows, xs, K, out);
-        } else {
-          Dot<W, 4, 1>(avx2, rows, xs, K, out);
-        }
-        for (int q = 0; q < 4; ++q)
-          for (int t = 0; t < nt; ++t) y[(n + t) * O + o + q] = out[q * nt + t];
-        n += nt;
-      } else {
-        const W* rows[1] = {w + o * K};
-        Dot<W, 1, 1>(avx2, rows, xs, K, out);
-        y[n * O + o] = out[0];
-        n += 1;
-      }
-    }
-    o += nrows;
-  }
-}
-
 template <typename W>
 void RunLinear(const W* w, const float* x, int64_t N, int64_t K, int64_t O, float* y, ffi::ThreadPool& pool) {
   const bool avx2 = UseAvx2();
   const size_t row_bytes = static_cast<size_t>(K) * sizeof(W);
   const int64_t threads = row_bytes * static_cast<size_t>(O) >= kParallelMinBytes ? LoopThreads(pool) : 1;
   if (threads <= 1) {
-    LinearRows<W>(avx2, w, x, N, K, 0, O, O, y);
+    DotRows<W>(avx2, w, K, 0, O, x, N, y, O);
     return;
   }
   int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(kTaskBytes / row_bytes));
@@ -94,7 +47,7 @@ void RunLinear(const W* w, const float* x, int64_t N, int64_t K, int64_t O, floa
   rows = (std::max<int64_t>(rows, 1) + 3) / 4 * 4;
   const int64_t tasks = (O + rows - 1) / rows;
   ParallelFor(pool, tasks, [&](int64_t t) {
-    LinearRows<W>(avx2, w, x, N, K, t * rows, std::min(O, (t + 1) * rows), O, y);
+    DotRows<W>(avx2, w, K, t * rows, std::min(O, (t + 1) * rows), x, N, y, O);
   });
 }
 

@@ -215,3 +215,32 @@ class HostBank:
     def __repr__(self) -> str:
         state = ("" if self.alive else ", released") + (", frozen" if self._frozen else "")
         return f"HostBank(id={self._id}, shape={self.shape}, dtype={self._dtype.name}{state})"
+
+
+HUGE_PAGE_MIN_BYTES = 4 << 20
+
+
+def use_huge_pages(tree) -> int:
+    """Back the CPU buffers of the jax arrays in ``tree`` (>= 4 MiB each) with transparent huge pages.
+
+    Host banks get huge pages when they are created; XLA's own buffers (the dense weights, the slot pools, a long KV
+    cache) are plain 4 KiB pages, which cost the streaming GEMVs a TLB miss every 4 KiB: on the 2-core dev VM a bf16
+    matrix-vector product read a 131 MB weight at 18.7 GB/s on 4 KiB pages and 21.1 GB/s after MADV_COLLAPSE (a plain
+    read: 25.4 vs 29.8 GB/s). Linux >= 6.1 with transparent huge pages in "madvise" or "always" mode; elsewhere, and
+    for arrays on other devices, nothing happens.
+
+    Args:
+        tree: a pytree of jax arrays (e.g. the nnx parameter state).
+    Returns:
+        how many buffers were moved onto huge pages.
+    """
+    import jax
+
+    moved = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if not isinstance(leaf, jax.Array) or leaf.nbytes < HUGE_PAGE_MIN_BYTES or leaf.is_deleted():
+            continue
+        if any(d.platform != "cpu" for d in leaf.devices()):
+            continue
+        moved += bool(_ffi.use_huge_pages(leaf.unsafe_buffer_pointer(), leaf.nbytes))
+    return moved
