@@ -435,3 +435,23 @@ def test_released_bank_trace_time_and_compiled_step(f32_banks):
     out = np.asarray(jax.jit(lambda s, f, i: fill_one(s, f, i, fresh))(slots, *ids))
     np.testing.assert_array_equal(out[0], fresh.numpy()[1])
     fresh.release()
+
+
+def test_results_do_not_depend_on_the_other_tokens_of_a_call():
+    """A token's expert output and dense projection are bit-identical whether it is computed alone or with other
+    tokens routed to the same experts (batch invariance: outputs never depend on how routes are grouped, so the
+    slot/host split and the batch composition cannot change them)."""
+    rng = np.random.default_rng(12)
+    x, ids, weights, gate_up, down = _expert_case(rng, 6, 2, num_experts=3, hidden=200, inter=152)
+    ids[:] = np.array([0, 1], np.int32)  # every token on experts 0 and 1
+    gu_bank, dn_bank = HostBank.from_numpy(gate_up), HostBank.from_numpy(down)
+    together = np.asarray(ffi_ops.host_experts(x, ids, weights, gu_bank, dn_bank))
+    for t in range(6):
+        alone = np.asarray(ffi_ops.host_experts(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], gu_bank, dn_bank))
+        np.testing.assert_array_equal(alone[0], together[t])
+    w = jnp.asarray(gate_up[0])
+    rows = np.asarray(ffi_ops.linear(jnp.asarray(x), w))
+    for t in range(6):
+        np.testing.assert_array_equal(np.asarray(ffi_ops.linear(jnp.asarray(x[t:t + 1]), w))[0], rows[t])
+    gu_bank.release()
+    dn_bank.release()

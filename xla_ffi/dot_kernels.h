@@ -1,8 +1,7 @@
 // Dot-product micro-kernels shared by the expert kernel (expert_kernel.cc) and the dense GEMV (linear.cc).
 //
-// DotRow<W, NT>(avx2, row, xs, len, out): out[n] = dot(row[0:len], xs[n][0:len]) for one weight row of type W (float,
-// or uint16_t holding bfloat16 bits) and NT float32 activation vectors; DotRows applies it to a block of rows and a
-// batch of tokens. Weights are read one row at a time, front to back: on the 2-core dev VM (AMD EPYC, 4 KiB pages)
+// DotRow<W>(avx2, row, x, len) = dot(row[0:len], x[0:len]) for one weight row of type W (float, or uint16_t holding
+// bfloat16 bits) and a float32 activation vector; DotRows applies it to a block of rows and a batch of tokens. Weights are read one row at a time, front to back: on the 2-core dev VM (AMD EPYC, 4 KiB pages)
 // a bf16 matrix-vector product reached 23.6 GB/s that way against 15.4 GB/s reading 4 rows side by side (25.4 GB/s
 // for a plain read of the same bytes). Accumulation is float32 in a fixed order (8 independent partial sums of 8
 // lanes, then a fixed reduction tree), so results do not depend on threads or scheduling. The AVX2+FMA path (chosen
@@ -34,52 +33,29 @@ inline float ToF32(uint16_t bf16) {
   return f;
 }
 
-// Vector accumulators per row pass: 8 / NT per activation, so every pass keeps 8 independent FMA chains in flight.
-template <int NT>
-constexpr int kAccumulators = 8 / NT;
+constexpr int kAccumulators = 8;  // independent partial sums of 8 lanes: enough FMA chains in flight
 
-// Tree sum of a[0..n) (n a power of two), the same order in every path.
-template <typename V, typename Add>
-inline V TreeSum(V* a, int n, Add add) {
-  for (int width = n / 2; width >= 1; width /= 2)
-    for (int j = 0; j < width; ++j) a[j] = add(a[j], a[j + width]);
-  return a[0];
-}
-
-// out[n] = dot(row[0:len], xs[n][0:len]) for n < NT (1, 2 or 4): the row is read once, front to back, as one
-// sequential stream (a hardware prefetcher follows it at full bandwidth, where several rows read side by side
-// would each start a stream of their own every few KiB), into kAccumulators<NT> partial sums of 8 lanes per
-// activation.
-template <typename W, int NT>
-void DotRowGeneric(const W* row, const float* const* xs, int64_t len, float* out) {
-  constexpr int A = kAccumulators<NT>;
-  float acc[NT][A][8] = {};
+// dot(row[0:len], x[0:len]): the row is read once, front to back, as one sequential stream (a hardware prefetcher
+// follows it at full bandwidth, where several rows read side by side would each start a stream of their own every
+// few KiB), into kAccumulators partial sums of 8 lanes, reduced by a fixed tree. The arithmetic of a (row, x) pair
+// is the same whatever else the call computes, so a token's result never depends on the other tokens of a batch
+// (or routed to the same expert).
+template <typename W>
+float DotRowGeneric(const W* row, const float* x, int64_t len) {
+  constexpr int A = kAccumulators;
+  float acc[A][8] = {};
   int64_t i = 0;
-  for (; i + 8 * A <= len; i += 8 * A) {
-    for (int a = 0; a < A; ++a) {
-      float w[8];
-      for (int l = 0; l < 8; ++l) w[l] = ToF32(row[i + 8 * a + l]);
-      for (int n = 0; n < NT; ++n)
-        for (int l = 0; l < 8; ++l) acc[n][a][l] += w[l] * xs[n][i + 8 * a + l];
-    }
-  }
-  for (; i + 8 <= len; i += 8) {
-    float w[8];
-    for (int l = 0; l < 8; ++l) w[l] = ToF32(row[i + l]);
-    for (int n = 0; n < NT; ++n)
-      for (int l = 0; l < 8; ++l) acc[n][0][l] += w[l] * xs[n][i + l];
-  }
-  for (int n = 0; n < NT; ++n) {
-    float lanes[8];
-    for (int l = 0; l < 8; ++l) {
-      float part[A];
-      for (int a = 0; a < A; ++a) part[a] = acc[n][a][l];
-      lanes[l] = TreeSum(part, A, [](float p, float q) { return p + q; });
-    }
-    float s = TreeSum(lanes, 8, [](float p, float q) { return p + q; });
-    for (int64_t j = i; j < len; ++j) s += ToF32(row[j]) * xs[n][j];
-    out[n] = s;
-  }
+  for (; i + 8 * A <= len; i += 8 * A)
+    for (int a = 0; a < A; ++a)
+      for (int l = 0; l < 8; ++l) acc[a][l] += ToF32(row[i + 8 * a + l]) * x[i + 8 * a + l];
+  for (; i + 8 <= len; i += 8)
+    for (int l = 0; l < 8; ++l) acc[0][l] += ToF32(row[i + l]) * x[i + l];
+  for (int width = A / 2; width >= 1; width /= 2)
+    for (int j = 0; j < width; ++j)
+      for (int l = 0; l < 8; ++l) acc[j][l] += acc[j + width][l];
+  float s = ((acc[0][0] + acc[0][4]) + (acc[0][2] + acc[0][6])) + ((acc[0][1] + acc[0][5]) + (acc[0][3] + acc[0][7]));
+  for (; i < len; ++i) s += ToF32(row[i]) * x[i];
+  return s;
 }
 
 #if FT_JAX_HAVE_AVX2_PATH
@@ -96,67 +72,40 @@ FT_JAX_AVX2 inline float HSum(__m256 v) {
 }
 
 // Same contract as DotRowGeneric; AVX2 + FMA, weights converted to f32 in registers.
-template <typename W, int NT>
-FT_JAX_AVX2 void DotRowAvx2(const W* row, const float* const* xs, int64_t len, float* out) {
-  constexpr int A = kAccumulators<NT>;
-  __m256 acc[NT][A];
-  for (int n = 0; n < NT; ++n)
-    for (int a = 0; a < A; ++a) acc[n][a] = _mm256_setzero_ps();
+template <typename W>
+FT_JAX_AVX2 float DotRowAvx2(const W* row, const float* x, int64_t len) {
+  constexpr int A = kAccumulators;
+  __m256 acc[A];
+  for (int a = 0; a < A; ++a) acc[a] = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 * A <= len; i += 8 * A) {
-    for (int a = 0; a < A; ++a) {
-      const __m256 w = Load8(row + i + 8 * a);
-      for (int n = 0; n < NT; ++n) acc[n][a] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[n] + i + 8 * a), acc[n][a]);
-    }
-  }
-  for (; i + 8 <= len; i += 8) {
-    const __m256 w = Load8(row + i);
-    for (int n = 0; n < NT; ++n) acc[n][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[n] + i), acc[n][0]);
-  }
-  for (int n = 0; n < NT; ++n) {
-    for (int width = A / 2; width >= 1; width /= 2)  // the tree of TreeSum
-      for (int j = 0; j < width; ++j) acc[n][j] = _mm256_add_ps(acc[n][j], acc[n][j + width]);
-    float s = HSum(acc[n][0]);
-    for (int64_t j = i; j < len; ++j) s += ToF32(row[j]) * xs[n][j];
-    out[n] = s;
-  }
+  for (; i + 8 * A <= len; i += 8 * A)
+    for (int a = 0; a < A; ++a) acc[a] = _mm256_fmadd_ps(Load8(row + i + 8 * a), _mm256_loadu_ps(x + i + 8 * a), acc[a]);
+  for (; i + 8 <= len; i += 8) acc[0] = _mm256_fmadd_ps(Load8(row + i), _mm256_loadu_ps(x + i), acc[0]);
+  for (int width = A / 2; width >= 1; width /= 2)
+    for (int j = 0; j < width; ++j) acc[j] = _mm256_add_ps(acc[j], acc[j + width]);
+  float s = HSum(acc[0]);
+  for (; i < len; ++i) s += ToF32(row[i]) * x[i];
+  return s;
 }
 #endif
 
-template <typename W, int NT>
-inline void DotRow(bool avx2, const W* row, const float* const* xs, int64_t len, float* out) {
+template <typename W>
+inline float DotRow(bool avx2, const W* row, const float* x, int64_t len) {
 #if FT_JAX_HAVE_AVX2_PATH
-  if (avx2) return DotRowAvx2<W, NT>(row, xs, len, out);
+  if (avx2) return DotRowAvx2<W>(row, x, len);
 #endif
   (void)avx2;
-  DotRowGeneric<W, NT>(row, xs, len, out);
+  return DotRowGeneric<W>(row, x, len);
 }
 
 // out[t * out_stride + r] = dot(w[r], x[t]) for rows r in [r0, r1) of w ([rows, len], row r at w + r * len) and
-// tokens t < T (x [T, len]): row by row, tokens 4 (then 2, 1) per pass, so a row is read from memory once and the
-// later passes find it in L1.
+// tokens t < T (x [T, len]): row by row; the first token reads a row from memory, the others find it in cache.
 template <typename W>
 inline void DotRows(bool avx2, const W* w, int64_t len, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
                     int64_t out_stride) {
-  float dots[4];
   for (int64_t r = r0; r < r1; ++r) {
     const W* row = w + r * len;
-    for (int64_t t = 0; t < T;) {
-      const float* xs[4] = {x + t * len, nullptr, nullptr, nullptr};
-      const int64_t left = T - t;
-      if (left >= 4) {
-        for (int q = 1; q < 4; ++q) xs[q] = x + (t + q) * len;
-        DotRow<W, 4>(avx2, row, xs, len, dots);
-      } else if (left >= 2) {
-        xs[1] = x + (t + 1) * len;
-        DotRow<W, 2>(avx2, row, xs, len, dots);
-      } else {
-        DotRow<W, 1>(avx2, row, xs, len, dots);
-      }
-      const int64_t nt = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-      for (int64_t q = 0; q < nt; ++q) out[(t + q) * out_stride + r] = dots[q];
-      t += nt;
-    }
+    for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRow<W>(avx2, row, x + t * len, len);
   }
 }
 

@@ -8,7 +8,7 @@
 // of a lax.scan) is converted to float32 as a whole, outside the loop (docs/DESIGN.md sec. 5). This handler takes the
 // whole stack and the layer index as operands, so the scanned decode step reads each layer's weights in place.
 // Output rows are split over the caller's XLA thread pool; each task reads its rows one at a time (dot_kernels.h
-// DotRows), tokens 4 (or 2, 1) per pass over a row, so a prefill of N tokens reads each row from memory once.
+// DotRows), all tokens in turn, so a prefill of N tokens reads each row from memory once.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
