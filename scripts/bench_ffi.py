@@ -64,7 +64,7 @@ def bench_slot_fill(expert_mib: float, experts_per_call: int, repeats: int, min_
 
 def bench_host_experts(hidden: int, inter: int, dtype: str, T: int, k: int, repeats: int, min_time: float) -> tuple:
     """(bytes per call, host_experts rate, numpy read rate on 1 thread, on the kernel's thread count)."""
-    threads = _ffi.num_threads()
+    threads = _kernel_threads()
     with Bench(hidden, inter, dtype, call_bytes=k * 3 * hidden * inter * (2 if dtype == "bfloat16" else 4),
                tokens=T) as b, ThreadPoolExecutor(threads) as pool:
         gate_up, down = b.gate_up.numpy(), b.down.numpy()
@@ -88,6 +88,12 @@ def bench_host_experts(hidden: int, inter: int, dtype: str, T: int, k: int, repe
                                "npN": (numpy_read(threads), b.nbytes)}, repeats, min_time)
         del gate_up, down
         return b.nbytes, rates["ffi"], rates["np1"], rates["npN"]
+
+
+def _kernel_threads() -> int:
+    """Threads per kernel call: XLA:CPU's pool (one per core) capped by FT_JAX_NUM_THREADS (xla_ffi/parallel.h)."""
+    cap = os.environ.get("FT_JAX_NUM_THREADS")
+    return min(os.cpu_count() or 1, int(cap)) if cap else (os.cpu_count() or 1)
 
 
 def bench_call_overhead(repeats: int, calls: int = 200) -> tuple[float, float, float]:
@@ -141,11 +147,11 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=9, help="timed windows per variant")
     p.add_argument("--min-time", type=float, default=0.2, help="seconds per timed window")
     args = p.parse_args(argv)
-    if args.threads:
-        _ffi.set_num_threads(args.threads)
+    if args.threads:  # read once per process by the kernels, at their first call
+        os.environ["FT_JAX_NUM_THREADS"] = str(args.threads)
 
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, kernel {_ffi.kernel_isa()}, "
-          f"{_ffi.num_threads()} kernel threads; GB/s = 1e9 bytes/s, median [min-max] of {args.repeats} windows")
+          f"{_kernel_threads()} kernel threads; GB/s = 1e9 bytes/s, median [min-max] of {args.repeats} windows")
 
     print(f"\n1. slot_fill vs numpy memcpy ({args.fill_experts} experts per call)")
     print(f"{'expert MiB':>10} {'slot_fill GB/s':>22} {'numpy copy GB/s':>22} {'ratio':>6} {'best':>6}")
@@ -155,7 +161,7 @@ def main(argv=None) -> None:
 
     print(f"\n2. host_experts vs numpy read (H={args.hidden}, I={args.inter}, {args.dtype}, k={args.top_k})")
     print(f"{'T':>4} {'MiB/call':>9} {'host_experts GB/s':>22} {'numpy read GB/s':>22} {'ratio':>6} {'best':>6}"
-          f" {'numpy read GB/s x' + str(_ffi.num_threads()):>22} {'ratio':>6} {'best':>6}")
+          f" {'numpy read GB/s x' + str(_kernel_threads()):>22} {'ratio':>6} {'best':>6}")
     for T in args.tokens:
         nbytes, ffi_rate, np1, npn = bench_host_experts(args.hidden, args.inter, args.dtype, T, args.top_k,
                                                         args.repeats, args.min_time)
