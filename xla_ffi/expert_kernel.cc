@@ -33,11 +33,24 @@ constexpr size_t kParallelMinBytes = size_t{1} << 20;
 // Target weight bytes per task: large enough to amortise the task hand-out, small enough to balance the threads.
 constexpr size_t kTaskBytes = size_t{256} << 10;
 
-inline float Activate(Activation act, float g) {
-  if (act == Activation::kSilu) return g / (1.0f + std::exp(-g));
+// glu(g, u) of the module comment: act(g) * u, or the clamped SwiGLU of gpt-oss.
+inline float Glu(const ExpertActivation& act, float g, float u) {
+  if (act.kind == Activation::kSilu) return g / (1.0f + std::exp(-g)) * u;
+  if (act.kind == Activation::kSwigluOai) {
+    g = std::min(g, act.limit);  // NaN stays NaN, as torch.clamp
+    u = std::min(std::max(u, -act.limit), act.limit);
+    return (u + 1.0f) * (g / (1.0f + std::exp(-act.alpha * g)));
+  }
   // gelu_tanh: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
   constexpr float kSqrt2OverPi = 0.7978845608028654f;
-  return 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+  return 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * (g + 0.044715f * g * g * g))) * u;
+}
+
+// Element i of an optional bias vector (float32 or bfloat16 bits); 0 when there is none.
+inline float BiasAt(const uint8_t* bias, int32_t dtype, int64_t i) {
+  if (bias == nullptr) return 0.0f;
+  if (dtype == static_cast<int32_t>(BankDType::kBF16)) return ToF32(reinterpret_cast<const uint16_t*>(bias)[i]);
+  return reinterpret_cast<const float*>(bias)[i];
 }
 
 // Routes grouped by expert: routes of group g are order[begin[g] .. begin[g+1]) (route = t * k + j).
@@ -83,12 +96,21 @@ int64_t RowsPerTask(size_t row_bytes, int64_t rows, int64_t multiple, int64_t th
 // (row, token) accumulator sees the same sequence of operations in every variant, so the chunking does not
 // change results.
 
-// Phase 1 for one expert and gate rows [i0, i1): a[route][i] = act(gate_i . x) * (up_i . x).
+// Phase 1 for one expert and gate rows [i0, i1): a[route][i] = glu(gate_i . x + bg_i, up_i . x + bu_i).
+// bias: the expert's gate_up bias [2I] or nullptr.
 template <typename WG>
-void GateUpRows(bool avx2, const WG* gu, const Groups& g, int64_t grp, const float* x, int64_t H, int64_t I,
-                Activation act, int64_t i0, int64_t i1, float* a) {
+void GateUpRows(bool avx2, const WG* gu, const uint8_t* bias, int32_t bias_dtype, const Groups& g, int64_t grp,
+                const float* x, int64_t H, int64_t I, const ExpertActivation& act, int64_t i0, int64_t i1, float* a) {
   const int64_t b = g.begin[grp], e = g.begin[grp + 1];
   float out[8];
+  // glu of gate row i and up row i: biases added only when present (bias-free results unchanged bit for bit)
+  auto glu = [&](int64_t i, float gate, float up) {
+    if (bias != nullptr) {
+      gate += BiasAt(bias, bias_dtype, i);
+      up += BiasAt(bias, bias_dtype, I + i);
+    }
+    return Glu(act, gate, up);
+  };
   for (int64_t i = i0; i < i1;) {
     const int64_t nrows = i + 1 < i1 ? 2 : 1;  // gate/up row pairs handled together
     for (int64_t n = b; n < e;) {
@@ -99,7 +121,7 @@ void GateUpRows(bool avx2, const WG* gu, const Groups& g, int64_t grp, const flo
         for (int64_t r = 0; r < nrows; ++r) {
           const WG* rows[2] = {gu + (i + r) * H, gu + (I + i + r) * H};
           Dot<WG, 2, 4>(avx2, rows, xs, H, out);  // out = [gate x 4 tokens, up x 4 tokens]
-          for (int tn = 0; tn < 4; ++tn) a[(n + tn) * I + i + r] = Activate(act, out[tn]) * out[4 + tn];
+          for (int tn = 0; tn < 4; ++tn) a[(n + tn) * I + i + r] = glu(i + r, out[tn], out[4 + tn]);
         }
         n += 4;
       } else if (nrows == 2) {
@@ -112,12 +134,12 @@ void GateUpRows(bool avx2, const WG* gu, const Groups& g, int64_t grp, const flo
         }
         for (int tn = 0; tn < nt; ++tn)
           for (int q = 0; q < 2; ++q)
-            a[(n + tn) * I + i + q] = Activate(act, out[q * nt + tn]) * out[(2 + q) * nt + tn];
+            a[(n + tn) * I + i + q] = glu(i + q, out[q * nt + tn], out[(2 + q) * nt + tn]);
         n += nt;
       } else {
         const WG* rows[2] = {gu + i * H, gu + (I + i) * H};
         Dot<WG, 2, 1>(avx2, rows, xs, H, out);
-        a[n * I + i] = Activate(act, out[0]) * out[1];
+        a[n * I + i] = glu(i, out[0], out[1]);
         n += 1;
       }
     }
@@ -125,19 +147,28 @@ void GateUpRows(bool avx2, const WG* gu, const Groups& g, int64_t grp, const flo
   }
 }
 
-// Phase 2 for output rows [h0, h1): y[t][h] = sum over groups (ascending), routes (in order) of w * (down_h . a).
+// Phase 2 for output rows [h0, h1): y[t][h] = sum over groups (ascending), routes (in order) of
+// w * (down_h . a + bd_h).
 template <typename WD>
 void DownRows(bool avx2, const ExpertWeights& m, const Groups& g, const float* a, int64_t T, int64_t h0,
               int64_t h1, float* y) {
   const int64_t H = m.hidden, I = m.inter;
   for (int64_t t = 0; t < T; ++t) std::fill(y + t * H + h0, y + t * H + h1, 0.0f);
   float out[8];
+  const uint8_t* bias = nullptr;  // the current group's down bias [H], or nullptr
   auto accumulate = [&](int64_t h, int64_t n, int R, int nt) {
-    for (int r = 0; r < R; ++r)
-      for (int tn = 0; tn < nt; ++tn) y[g.token[n + tn] * H + h + r] += g.weight[n + tn] * out[r * nt + tn];
+    for (int r = 0; r < R; ++r) {
+      if (bias != nullptr) {
+        const float bd = BiasAt(bias, m.down_bias_dtype, h + r);
+        for (int tn = 0; tn < nt; ++tn) y[g.token[n + tn] * H + h + r] += g.weight[n + tn] * (out[r * nt + tn] + bd);
+      } else {
+        for (int tn = 0; tn < nt; ++tn) y[g.token[n + tn] * H + h + r] += g.weight[n + tn] * out[r * nt + tn];
+      }
+    }
   };
   for (size_t grp = 0; grp + 1 < g.begin.size(); ++grp) {
     const WD* dn = reinterpret_cast<const WD*>(m.down + static_cast<size_t>(g.expert[grp]) * m.down_stride);
+    if (m.down_bias != nullptr) bias = m.down_bias + static_cast<size_t>(g.expert[grp]) * m.down_bias_stride;
     const int64_t b = g.begin[grp], e = g.begin[grp + 1];
     for (int64_t h = h0; h < h1;) {
       const int64_t nrows = h + 4 <= h1 ? 4 : 1;
@@ -181,8 +212,8 @@ void DownRows(bool avx2, const ExpertWeights& m, const Groups& g, const float* a
 }
 
 template <typename WG, typename WD>
-void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T, Activation act, float* y,
-              xla::ffi::ThreadPool& pool) {
+void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T, const ExpertActivation& act,
+              float* y, xla::ffi::ThreadPool& pool) {
   const bool avx2 = UseAvx2();
   const int64_t H = m.hidden, I = m.inter;
   const int64_t G = static_cast<int64_t>(g.expert.size());
@@ -207,8 +238,11 @@ void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T
   const int64_t blocks1 = (I + rpt1 - 1) / rpt1;
   run(G * blocks1, [&](int64_t task) {
     const int64_t grp = task / blocks1, blk = task % blocks1;
-    const WG* gu = reinterpret_cast<const WG*>(m.gate_up + static_cast<size_t>(g.expert[grp]) * m.gate_up_stride);
-    GateUpRows<WG>(avx2, gu, g, grp, x, H, I, act, blk * rpt1, std::min(I, (blk + 1) * rpt1), a);
+    const size_t e = static_cast<size_t>(g.expert[grp]);
+    const WG* gu = reinterpret_cast<const WG*>(m.gate_up + e * m.gate_up_stride);
+    const uint8_t* bias = m.gate_up_bias == nullptr ? nullptr : m.gate_up_bias + e * m.gate_up_bias_stride;
+    GateUpRows<WG>(avx2, gu, bias, m.gate_up_bias_dtype, g, grp, x, H, I, act, blk * rpt1,
+                   std::min(I, (blk + 1) * rpt1), a);
   });
 
   // Phase 2: tasks = blocks of output rows h (all experts inside one task: fixed accumulation order).
@@ -230,6 +264,10 @@ bool ParseActivation(std::string_view name, Activation* out) {
     *out = Activation::kGeluTanh;
     return true;
   }
+  if (name == "swiglu_oai") {
+    *out = Activation::kSwigluOai;
+    return true;
+  }
   return false;
 }
 
@@ -244,7 +282,7 @@ std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, c
 }
 
 void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
-                int64_t k, Activation act, float* y, xla::ffi::ThreadPool& pool) {
+                int64_t k, const ExpertActivation& act, float* y, xla::ffi::ThreadPool& pool) {
   thread_local Groups groups;
   GroupRoutes(ids, weights, T, k, &groups);
   if (groups.expert.empty()) {
