@@ -155,6 +155,7 @@ The profile is stored in the user cache directory (see --profile) and `ft-jax ge
 
 def build_parser() -> argparse.ArgumentParser:
     """The `ft-jax` argument parser with its `generate` and `profile` subcommands."""
+    from ft_jax.config import SUPPORTED_ARCHITECTURES  # standard library only: cheap before the heavy imports
     parser = _Parser(
         prog="ft-jax", description="Mixture-of-Experts decoding in JAX with the experts in host memory: a device "
         "slot cache plus host expert GEMVs, split by the bandwidth-balanced q* policy.")
@@ -163,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text (default model: the bundled tiny Shakespeare MoE)",
                          description="Generate text from a Hugging Face MoE checkpoint folder (config.json + "
                          "safetensors) or the bundled model, streaming tokens, then print offload statistics.")
-    gen.add_argument("--model", metavar="PATH", help="Hugging Face model folder (default: the bundled model)")
+    gen.add_argument("--model", metavar="PATH", help="Hugging Face model folder (default: the bundled model); "
+                     f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",
                      help="prompt text; repeat for several prompts decoded together as one batch "
@@ -232,7 +234,7 @@ def _model_config(args: argparse.Namespace):
 def _num_slots(args: argparse.Namespace, checkpoint) -> int:
     cfg = checkpoint.config
     total = checkpoint.gate_up_bank.num_rows
-    expert_bytes = checkpoint.gate_up_bank.row_bytes + checkpoint.down_bank.row_bytes
+    expert_bytes = sum(bank.row_bytes for bank in checkpoint.expert_banks.values())  # weights (+ biases)
     if args.cache_slots is not None:
         slots = args.cache_slots
         if slots < 1:
