@@ -442,7 +442,7 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     Args:
         blocks: u8[..., G, 16]; scales: u8[..., G].
     Returns:
-        f32[..., G * 32].
+        f32[..., G * 32] (Inf where a value overflows float32: a scale above 254, or 254 with |code value| >= 2).
     Raises:
         ValueError: shapes that do not match (blocks.shape[:-1] != scales.shape or a last axis other than 16).
     """
@@ -452,7 +452,8 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     values = np.empty((*blocks.shape[:-1], MXFP4_BLOCK), np.float32)  # [..., G, 32]
     values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
     values[..., 1::2] = FP4_VALUES[blocks >> 4]
-    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)  # f32: exact scaling by a power of two
+    with np.errstate(over="ignore"):  # an overflow gives Inf, which the loader reports
+        values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)  # f32: exact scaling by a power of two
     return values.reshape(*blocks.shape[:-2], -1)
 
 

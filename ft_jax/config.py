@@ -640,8 +640,8 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     if rope_type == "default":
         return float(theta), None
 
-    def number(key, default=None, positive=True):
-        value = spec.get(key, default)
+    def number(key, default=None, positive=True, where=spec):
+        value = where.get(key, default)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 (positive and not value > 0):
             raise ConfigError(f"{source}: yarn rope field {key!r} should be a {'positive ' if positive else ''}"
@@ -650,13 +650,12 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
 
     # transformers 5 (PreTrainedConfig.standardize_rope_params): a top-level original_max_position_embeddings wins
     # (Phi-3 style), then the rope dict's, else the config's max_position_embeddings.
-    original = raw.get("original_max_position_embeddings")
-    if original is None:
-        original = spec.get("original_max_position_embeddings", raw.get("max_position_embeddings"))
+    key = "original_max_position_embeddings"
+    original = number(key, where=raw) if raw.get(key) is not None else \
+        number(key, raw.get("max_position_embeddings"))
     attention_factor = spec.get("attention_factor")
     return float(theta), RopeScaling(
-        factor=float(number("factor")), original_max_position_embeddings=int(number("original_max_position_embeddings",
-                                                                                    original)),
+        factor=float(number("factor")), original_max_position_embeddings=int(original),
         beta_fast=float(number("beta_fast", 32.0)), beta_slow=float(number("beta_slow", 1.0)),
         truncate=bool(spec.get("truncate", True)), mscale=float(number("mscale", 0.0, positive=False)),
         mscale_all_dim=float(number("mscale_all_dim", 0.0, positive=False)),
