@@ -12,7 +12,7 @@ import pytest
 from ft_jax import cli
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gpt_oss_mxfp4"]
 # "qstar" with --no-measure and no stored profile falls back to fixed-cap:1; "qstar:0.4" fixes the fraction.
 POLICIES = ["resident", "fetch-all", "host-all", "qstar:0.4", "qstar", "fixed-cap:1"]
 
@@ -186,3 +186,13 @@ def test_compile_notes_come_before_the_stream(tmp_path):
                                              r"(done|loaded from the compilation cache) in \d+\.\d s$", l) for l in notes)
     assert proc.stdout.startswith("KING:")
     assert "expert slots         none used (host-all" in proc.stderr
+
+
+def test_generate_help_lists_the_supported_architectures(capsys):
+    from ft_jax.config import SUPPORTED_ARCHITECTURES
+
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for arch in SUPPORTED_ARCHITECTURES:
+        assert arch in text, arch
