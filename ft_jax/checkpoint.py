@@ -75,6 +75,8 @@ _U8 = (np.dtype(np.uint8),)
 FP4_VALUES = np.array([+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 MXFP4_BLOCK = 32  # elements per block sharing one E8M0 scale (16 bytes of two codes each)
+# byte -> the two elements it packs: [low nibble's value, high nibble's value] f32[256, 2]
+_FP4_PAIRS = np.stack([FP4_VALUES[np.arange(256) & 0x0F], FP4_VALUES[np.arange(256) >> 4]], axis=-1)
 
 # Float dtype -> (unsigned int, signed int of the same width, exponent field mask). An element is Inf or NaN iff its
 # exponent bits are all ones (IEEE 754: binary64 11 bits, binary32 8, binary16 5; bfloat16 = the top half of a
@@ -449,11 +451,10 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     if blocks.shape[-1:] != (MXFP4_BLOCK // 2,) or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"dequantize_mxfp4: blocks {blocks.shape} must be [..., G, 16] with scales [..., G], got "
                          f"scales {scales.shape}")
-    values = np.empty((*blocks.shape[:-1], MXFP4_BLOCK), np.float32)  # [..., G, 32]
-    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
-    values[..., 1::2] = FP4_VALUES[blocks >> 4]
+    values = _FP4_PAIRS[blocks].reshape(*blocks.shape[:-1], MXFP4_BLOCK)  # f32[..., G, 32]
     with np.errstate(over="ignore"):  # an overflow gives Inf, which the loader reports
-        values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)  # f32: exact scaling by a power of two
+        scale = np.ldexp(np.float32(1), scales.astype(np.int32) - 127).astype(np.float32)  # 2^(s - 127), f32[..., G]
+        values *= scale[..., None]  # exact: a power of two times a value of at most 2 significant bits
     return values.reshape(*blocks.shape[:-2], -1)
 
 
