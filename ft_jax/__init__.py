@@ -1,19 +1,21 @@
 """ft_jax: Mixture-of-Experts decoding in JAX with expert weights offloaded to host memory.
 
+    >>> import ft_jax
+    >>> model = ft_jax.load(policy="host-all")     # or ft_jax.load("~/models/Mixtral-8x7B-v0.1", cache="8GiB")
+    >>> out = model.generate("ROMEO:", max_new_tokens=40)
+    >>> len(out.token_ids[0]), out.finish_reasons
+    (40, ['length'])
+
+Public names: load, Model, Generation (ft_jax/api.py); Engine, Sampling, GenerationResult, NonFiniteLogitsError
+(ft_jax/generate.py); Policy, parse_policy (ft_jax/offload/policy.py); load_checkpoint, load_config, load_tokenizer,
+HostBank, bundled_model_path; __version__. They are imported on first use.
+
 Importing the package registers every XLA FFI target of the compiled extension ``ft_jax._ffi`` for the CPU
 platform: ``ft_jax_slot_fill``, ``ft_jax_host_experts``, ``ft_jax_slot_experts``, ``ft_jax_linear`` (see
 ft_jax/offload/ffi_ops.py).
 """
 
-import pkgutil
-
-# When the package is installed non-editably and Python runs from the repository root (``python -m pytest``
-# puts the source tree first on sys.path), this source directory shadows the installed copy, which is the one
-# holding the compiled _ffi module. Extending __path__ with every ``ft_jax`` directory on sys.path lets
-# ``ft_jax._ffi`` resolve to the installed extension in that case; in every other case it changes nothing.
-__path__ = pkgutil.extend_path(__path__, __name__)
-
-import jax  # noqa: E402
+import jax
 
 try:
     from ft_jax import _ffi  # noqa: E402
@@ -23,7 +25,25 @@ except ImportError as e:  # pragma: no cover - only without a build
         "`pip install -e .` (or `pip install .`) from the repository root"
     ) from e
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+_PUBLIC = {
+    "load": "ft_jax.api", "Model": "ft_jax.api", "Generation": "ft_jax.api", "bundled_model_path": "ft_jax.api",
+    "Engine": "ft_jax.generate", "Sampling": "ft_jax.generate", "GenerationResult": "ft_jax.generate",
+    "NonFiniteLogitsError": "ft_jax.generate", "Policy": "ft_jax.offload.policy",
+    "parse_policy": "ft_jax.offload.policy", "load_checkpoint": "ft_jax.checkpoint", "load_config": "ft_jax.config",
+    "load_tokenizer": "ft_jax.tokenizer", "HostBank": "ft_jax.offload.host_bank",
+}
+__all__ = sorted(_PUBLIC) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ft_jax' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
 
 # The CPU client must exist before the FFI state types are registered: a client created later registers the pending
 # handlers before the pending types and refuses them (jaxlib 0.10 make_cpu_client). So importing ft_jax starts

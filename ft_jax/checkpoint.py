@@ -558,7 +558,7 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str):
         if name not in ckpt and family == "mixtral" and ".block_sparse_moe.gate." in name:
             alt = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # transformers-5 router name
             name = alt if alt in ckpt else name
-        return ckpt.read(name, shape).astype(dtype, copy=False)
+        return ckpt.read(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype, copy=False)
 
     return make
 

@@ -4,6 +4,8 @@
     ft-jax generate --model ~/models/Mixtral-8x7B --prompt "def fib(n):" --cache-fraction 0.25
     ft-jax profile --model ~/models/Mixtral-8x7B
 
+`generate` is built on the Python API (ft_jax.load / Model.generate, ft_jax/api.py): same defaults, same behaviour.
+
 Errors in what the user gave (paths, configs, prompts, budgets) print one line and exit with status 2; --verbose
 adds the traceback.
 """
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import fractions
-import importlib.resources
 import json
 import os
 import math
@@ -22,12 +23,21 @@ import traceback
 import warnings
 from typing import Sequence
 
-BUNDLED_MODEL = "tiny_shakespeare"
-POLICY_HELP = ("qstar (split misses by the measured bandwidths: default; qstar:FRAC fixes the fetch fraction), fetch-all (classic LRU offload: every miss "
-               "is copied into a slot), host-all (every miss computed on the CPU; the cache never changes), "
-               "fixed-cap:K (fetch at most K misses per layer), resident (every expert on the device)")
-DEFAULT_CACHE_FRACTION = 0.5
-DEFAULT_NEW_TOKENS = 200
+POLICY_HELP = ("auto (default: per layer, the number of misses to fetch that minimises the modelled layer time minus "
+               "the observed reuse of fetched experts; docs/policies.md), qstar (split misses by the measured "
+               "bandwidths; qstar:FRAC fixes the fetch fraction), fetch-all (classic LRU offload: every miss is copied "
+               "into a slot), host-all (every miss computed on the CPU; the cache never changes), fixed-cap:K (fetch "
+               "at most K misses per layer), resident (every expert on the device)")
+GENERATE_EXAMPLES = """examples:
+  ft-jax generate --prompt "ROMEO:"                          # the bundled tiny Shakespeare MoE
+  ft-jax generate --prompt "KING:" --temperature 0 --max-new-tokens 50 --stop "\\n\\n"
+  ft-jax generate --model ~/models/Mixtral-8x7B-Instruct-v0.1 --chat --prompt "Write a haiku" --cache-fraction 0.25
+  ft-jax generate --model ~/models/Qwen3-30B-A3B --device-memory 8GiB --policy host-all --json
+  ft-jax generate --model DIR --prompt-ids 1,17,42 --temperature 0     # no tokenizer needed
+
+Supported architectures: {architectures}. Compiled steps are kept in JAX's persistent compilation cache under the
+user cache directory (see --no-compile-cache); the qstar policy uses the bandwidth profile stored there (see
+`ft-jax profile`)."""
 
 
 class UsageError(Exception):
@@ -41,26 +51,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def bundled_model_path() -> str:
-    """Folder of the small Mixtral-architecture model shipped in the package (ft_jax/bundled/tiny_shakespeare)."""
-    return str(importlib.resources.files("ft_jax") / "bundled" / BUNDLED_MODEL)
+def _bytes(text: str) -> str:
+    """--device-memory: a byte count with a unit (checked here; ft_jax.load takes the text)."""
+    from ft_jax.api import parse_bytes
 
-
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """Parse a byte count with an optional unit: "512MiB", "2GB", "1.5g", "4096".
-
-    KB/MB/GB/TB are powers of 1000; KiB/MiB/GiB/TiB (and K/M/G) powers of 1024.
-    Raises:
-        argparse.ArgumentTypeError: not a number with a known unit.
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (examples: 4096, 512MiB, 2GB)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    try:
+        parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -121,12 +120,32 @@ def _fraction(text: str) -> float:
 
 def _dtype(text: str) -> str:
     """--dtype: bf16/bfloat16 -> "bfloat16", f32/float32 -> "float32" (any case)."""
-    from ft_jax.tools.bandwidth import dtype_name
+    from ft_jax.api import parse_dtype
 
+    name = parse_dtype(text) if text.strip().lower() in ("bf16", "bfloat16", "f32", "float32") else None
+    if name is None:
+        raise argparse.ArgumentTypeError(f"expected bf16, bfloat16, f32 or float32, got {text!r}")
+    return name
+
+
+def _top_p(text: str) -> float:
     try:
-        return dtype_name(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected bf16, bfloat16, f32 or float32, got {text!r}") from None
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"--top-p must be in (0, 1] (1 = off), got {text!r}")
+    return value
+
+
+def _top_k(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"--top-k must be an integer >= 0 (0 = off), got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -137,11 +156,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
-
-
-def _default_dtype(cfg) -> str:
-    """Expert and weight dtype when --dtype is not given: float32 for float32 checkpoints, else bfloat16."""
-    return "float32" if str(cfg.dtype) == "float32" else "bfloat16"
 
 
 PROFILE_EXAMPLES = """examples:
@@ -155,17 +169,21 @@ The profile is stored in the user cache directory (see --profile) and `ft-jax ge
 
 def build_parser() -> argparse.ArgumentParser:
     """The `ft-jax` argument parser with its `generate` and `profile` subcommands."""
-    from ft_jax.config import SUPPORTED_ARCHITECTURES  # standard library only: cheap before the heavy imports
+    from ft_jax import __version__, api
+    from ft_jax.config import SUPPORTED_ARCHITECTURES
+
     parser = _Parser(
         prog="ft-jax", description="Mixture-of-Experts decoding in JAX with the experts in host memory: a device "
         "slot cache plus host expert GEMVs, split by the bandwidth-balanced q* policy.")
+    parser.add_argument("--version", action="version", version=f"ft-jax {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text (default model: the bundled tiny Shakespeare MoE)",
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog=GENERATE_EXAMPLES.format(architectures=", ".join(SUPPORTED_ARCHITECTURES)),
                          description="Generate text from a Hugging Face MoE checkpoint folder (config.json + "
                          "safetensors) or the bundled model, streaming tokens, then print offload statistics.")
-    gen.add_argument("--model", metavar="PATH", help="Hugging Face model folder (default: the bundled model); "
-                     f"architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    gen.add_argument("--model", metavar="PATH", help="Hugging Face model folder (default: the bundled model)")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",
                      help="prompt text; repeat for several prompts decoded together as one batch "
@@ -173,11 +191,17 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", action="append", type=_prompt_ids, metavar="IDS",
                      help="prompt as comma-separated token ids (no tokenizer needed); repeatable")
     gen.add_argument("--max-new-tokens", type=int, default=None,
-                     help=f"tokens to generate per prompt (default {DEFAULT_NEW_TOKENS}, or what the model's context "
-                          "leaves after the prompt)")
-    gen.add_argument("--temperature", type=_temperature, default=0.8, help="0 = greedy (default 0.8)")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+                     help=f"tokens to generate per prompt (default {api.DEFAULT_NEW_TOKENS}, or what the model's "
+                          "context leaves after the prompt)")
+    gen.add_argument("--temperature", type=_temperature, default=api.DEFAULT_TEMPERATURE,
+                     help=f"0 = greedy (default {api.DEFAULT_TEMPERATURE})")
+    gen.add_argument("--top-k", type=_top_k, default=0, help="sample from the k most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    gen.add_argument("--stop", action="append", metavar="TEXT",
+                     help="stop a sequence once its text contains TEXT (cut off there); repeatable")
+    gen.add_argument("--chat", action="store_true",
+                     help="render each --prompt as a user message with the checkpoint's chat template "
+                          "(tokenizer_config.json or chat_template.jinja)")
     gen.add_argument("--seed", type=_seed, default=0,
                      help=f"sampling seed, an integer in [0, {SEED_MAX}] (32 bits; default 0)")
     gen.add_argument("--dtype", type=_dtype, default=None,
@@ -186,14 +210,17 @@ def build_parser() -> argparse.ArgumentParser:
     budget = gen.add_mutually_exclusive_group()
     budget.add_argument("--cache-slots", type=int, metavar="S", help="device expert slots shared by all layers")
     budget.add_argument("--cache-fraction", type=_fraction, metavar="F",
-                        help=f"slots as a fraction of all experts (default {DEFAULT_CACHE_FRACTION})")
-    budget.add_argument("--device-memory", type=parse_bytes, metavar="BYTES",
+                        help=f"slots as a fraction of all experts (default {api.DEFAULT_CACHE_FRACTION})")
+    budget.add_argument("--device-memory", type=_bytes, metavar="BYTES",
                         help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert)")
-    gen.add_argument("--policy", type=_policy_name, default="qstar", metavar="POLICY", help=POLICY_HELP)
-    gen.add_argument("--profile", metavar="PATH",
-                     help="bandwidth profile file for qstar (default: the user cache directory; see `ft-jax profile`)")
+    gen.add_argument("--policy", type=_policy_name, default=api.DEFAULT_POLICY, metavar="POLICY", help=POLICY_HELP)
+    gen.add_argument("--profile", metavar="PATH", help="bandwidth profile file for auto and qstar (default: the user "
+                                                       "cache directory; see `ft-jax profile`)")
     gen.add_argument("--no-measure", action="store_true",
-                     help="qstar without a stored profile: do not run a quick profile, fall back to fixed-cap:1")
+                     help="auto or qstar without a stored profile: do not run a quick profile, fall back to fixed-cap:1")
+    gen.add_argument("--record-trace", metavar="FILE",
+                     help="write the routing of every decode step to FILE as a routing trace (JSON lines, or .npz "
+                          "by name) for `ft-jax trace` / `ft-jax plan`")
     gen.add_argument("--json", action="store_true", help="print one JSON object (ids, text, statistics) instead")
     gen.add_argument("--no-compile-cache", action="store_true",
                      help="do not use JAX's persistent compilation cache (default: compiled steps are kept in "
@@ -220,56 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "directory, e.g. ~/.cache/ft_jax)")
     prof.add_argument("--no-save", action="store_true", help="do not store the profile")
     prof.add_argument("--verbose", action="store_true", help="show tracebacks")
+
+    from ft_jax.tools import plan, trace
+
+    trace.add_trace_arguments(sub)
+    plan.add_plan_arguments(sub)
     return parser
-
-
-def _model_config(args: argparse.Namespace):
-    """(folder, MoEConfig) for args.model (or the bundled model). Raises ConfigError (bad path or config.json)."""
-    from ft_jax.config import load_config
-
-    path = args.model or bundled_model_path()
-    return path, load_config(path)
-
-
-def _num_slots(args: argparse.Namespace, checkpoint) -> int:
-    cfg = checkpoint.config
-    total = checkpoint.gate_up_bank.num_rows
-    expert_bytes = sum(bank.row_bytes for bank in checkpoint.expert_banks.values())  # weights (+ biases)
-    if args.cache_slots is not None:
-        slots = args.cache_slots
-        if slots < 1:
-            raise UsageError(f"--cache-slots must be >= 1, got {slots}")
-    elif args.device_memory is not None:
-        slots = args.device_memory // expert_bytes
-        if slots < 1:
-            raise UsageError(f"--device-memory {args.device_memory} bytes is smaller than one expert slot "
-                             f"({expert_bytes} bytes: gate/up/down of one expert of {cfg.architecture})")
-    else:
-        fraction = args.cache_fraction if args.cache_fraction is not None else DEFAULT_CACHE_FRACTION
-        slots = max(1, round(fraction * total))
-    return min(slots, total)
-
-
-def _policy(args: argparse.Namespace, checkpoint):
-    """The decode Policy; for qstar, its fraction from the stored (or a quick) bandwidth profile."""
-    from ft_jax.offload.policy import Policy, parse_policy
-    from ft_jax.tools import bandwidth
-
-    try:
-        policy = parse_policy(args.policy)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if policy.kind != "qstar" or policy.frac is not None:
-        return policy, None
-    cfg, bank = checkpoint.config, checkpoint.gate_up_bank
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the message is printed below
-        profile, message = bandwidth.get_or_measure_profile(
-            cfg.hidden_size, cfg.moe_intermediate_size, bank.dtype, allow_measure=not args.no_measure,
-            path=args.profile, progress=not args.json)
-    if profile is None:
-        return Policy("fixed-cap", cap=1), message
-    return policy.with_frac(profile.fraction()), message
 
 
 def _slots_row(stats: dict) -> str:
@@ -279,25 +262,6 @@ def _slots_row(stats: dict) -> str:
     if stats["policy"] == "resident":
         return f"{size} (resident: every expert on the device; the cache budget does not apply)"
     return size
-
-
-def compile_cache_dir() -> str:
-    """compile/ in the user cache directory (``$XDG_CACHE_HOME/ft_jax`` or ``~/.cache/ft_jax``): where the CLI keeps
-    JAX's persistent compilation cache."""
-    import platformdirs
-
-    return os.path.join(platformdirs.user_cache_dir("ft_jax", appauthor=False), "compile")
-
-
-def enable_compile_cache(path: str) -> None:
-    """Turn on JAX's persistent compilation cache in ``path`` for every executable (even ones that compile in under a
-    second), before the first compilation of the process. Raises OSError if the folder cannot be created."""
-    import jax
-
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _stats_table(stats: dict) -> str:
@@ -330,82 +294,96 @@ def _stats_table(stats: dict) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    """`ft-jax generate`: returns the exit status."""
-    import jax.numpy as jnp
-
-    from ft_jax.checkpoint import load_checkpoint
-    from ft_jax.generate import Engine, Sampling, check_request
+    """`ft-jax generate`: returns the exit status. Built on ft_jax.load / Model.generate (the Python API)."""
+    from ft_jax import api
+    from ft_jax.config import load_config
+    from ft_jax.generate import Sampling, check_request
     from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 
     # Everything that can be checked without the weights is checked first: errors come before any loading.
-    path, cfg = _model_config(args)
-    tokenizer = None
+    path = args.model or api.bundled_model_path()
+    cfg = load_config(path)
     try:
         tokenizer = load_tokenizer(path)
     except TokenizerNotFoundError:
         if args.prompt_ids is None:
             raise
+        tokenizer = None
+    if args.stop and tokenizer is None:
+        raise UsageError(f"--stop needs a tokenizer, and {path} has none (no tokenizer.json)")
     if args.prompt_ids is not None:
         prompts = args.prompt_ids
+    elif args.chat:
+        from ft_jax.chat import load_chat_template
+
+        template = load_chat_template(path)
+        prompts = [tokenizer.encode(template.render([{"role": "user", "content": t}]), add_special_tokens=False)
+                   for t in (args.prompt or ["Hello"])]
     else:
-        texts = args.prompt or ["\n"]
-        prompts = [tokenizer.encode(t) for t in texts]
+        prompts = [tokenizer.encode(t) for t in (args.prompt or ["\n"])]
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:
         room = cfg.max_position_embeddings - max(len(p) for p in prompts)
-        max_new_tokens = min(DEFAULT_NEW_TOKENS, room) if room > 0 else DEFAULT_NEW_TOKENS
+        max_new_tokens = min(api.DEFAULT_NEW_TOKENS, room) if room > 0 else api.DEFAULT_NEW_TOKENS
     try:
         check_request(cfg, prompts, max_new_tokens)
-        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    cache = args.cache_slots if args.cache_slots is not None else (
+        args.cache_fraction if args.cache_fraction is not None else args.device_memory)
 
-    if not args.no_compile_cache:
-        enable_compile_cache(compile_cache_dir())
-    dtype = args.dtype or _default_dtype(cfg)
-    checkpoint = load_checkpoint(path, dtype=jnp.dtype(dtype))
-    num_slots = _num_slots(args, checkpoint)
-    policy, message = _policy(args, checkpoint)
-    if message and not args.json:
-        print(f"ft-jax: {message}", file=sys.stderr)
+    def note(text: str) -> None:
+        if not args.json:
+            print(f"ft-jax: {text}", file=sys.stderr)
 
     def on_compile(text: str, finished: bool) -> None:
         if not args.json:
             print(text if finished else f"ft-jax: {text}", end="\n" if finished else "", file=sys.stderr, flush=True)
 
-    engine = Engine(checkpoint, policy=policy, num_slots=num_slots, on_compile=on_compile)
-    eos = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} if tokenizer is not None and
-                                    tokenizer.eos_token_id is not None else set())
+    if not args.no_compile_cache:
+        api.enable_compile_cache(api.default_compile_cache_dir())
+    try:
+        model = api.load(path, dtype=args.dtype or "auto", policy=args.policy, cache=cache, profile=args.profile,
+                         measure=not args.no_measure, on_message=note, on_compile=on_compile)
+    except ValueError as e:
+        if "slot" in str(e) or "cache" in str(e):
+            raise UsageError(f"--cache-slots / --cache-fraction / --device-memory: {e}") from None
+        raise
 
     streaming = not args.json and len(prompts) == 1
-    stream = tokenizer.stream_decoder() if streaming and tokenizer is not None else None
+    echoed = []
 
-    def on_tokens(step: int, new: list[int | None]) -> None:
-        if not streaming:
-            return
-        if step == 0 and tokenizer is not None:  # the prompt echo comes after the compile notes
+    def on_text(row: int, text: str) -> None:
+        if not echoed and tokenizer is not None:  # the prompt echo comes after the compile notes
             sys.stdout.write(tokenizer.decode(prompts[0]))
-        if new[0] is not None:
-            sys.stdout.write(stream.push(new[0]) if stream is not None else f" {new[0]}")
+            echoed.append(True)
+        sys.stdout.write(text)
         sys.stdout.flush()
 
-    result = engine.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=args.seed,
-                             eos_token_ids=eos, on_tokens=on_tokens)
-    texts = [tokenizer.decode(t) for t in result.tokens] if tokenizer is not None else None
+    out = model.generate(prompts, max_new_tokens=max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, seed=args.seed, stop=args.stop or (),
+                         on_text=on_text if streaming else None, record_routing=args.record_trace is not None)
+    if args.record_trace is not None:
+        from ft_jax.tools.trace import routing_records, write_trace
+
+        write_trace(args.record_trace, routing_records(*out.routing, dataset=os.path.basename(os.path.normpath(path))))
     if args.json:
         settings = {"max_new_tokens": max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
-                    "top_p": args.top_p, "seed": args.seed, "dtype": dtype, "policy": str(policy)}
-        print(json.dumps({"model": path, "prompt_ids": prompts, "generated_ids": result.tokens, "text": texts,
-                          "settings": settings, "profile_message": message, "stats": result.stats}))
+                    "top_p": args.top_p, "seed": args.seed, "dtype": model.dtype, "policy": str(model.policy),
+                    "stop": args.stop or [], "chat": bool(args.chat)}
+        print(json.dumps({"model": path, "prompt_ids": prompts, "generated_ids": out.token_ids, "text": out.texts,
+                          "finish_reasons": out.finish_reasons, "settings": settings, "profile_message": model.note,
+                          "stats": out.stats}))
         return 0
-    if stream is not None:
-        sys.stdout.write(stream.flush())
+    if streaming and tokenizer is None:
+        print(" ".join(str(t) for t in out.token_ids[0]), end="")
     if len(prompts) > 1:
-        for i, (p, t) in enumerate(zip(prompts, result.tokens)):
-            shown = tokenizer.decode(p) + tokenizer.decode(t) if tokenizer is not None else f"{p} -> {t}"
+        for i, (p, t) in enumerate(zip(prompts, out.token_ids)):
+            shown = tokenizer.decode(p) + out.texts[i] if tokenizer is not None else f"{p} -> {t}"
             print(f"--- [{i}] ---\n{shown}")
     print(file=sys.stdout)
-    print(_stats_table(result.stats), file=sys.stderr)
+    print(_stats_table(out.stats), file=sys.stderr)
     return 0
 
 
@@ -474,8 +452,11 @@ def run_profile(args: argparse.Namespace) -> int:
             raise UsageError("give either --model PATH or --hidden-size and --intermediate-size, not both")
         H, I, dtype = args.hidden_size, args.intermediate_size, args.dtype or "bfloat16"
     else:
-        _, cfg = _model_config(args)
-        H, I, dtype = cfg.hidden_size, cfg.moe_intermediate_size, args.dtype or _default_dtype(cfg)
+        from ft_jax import api
+        from ft_jax.config import load_config
+
+        cfg = load_config(args.model or api.bundled_model_path())
+        H, I, dtype = cfg.hidden_size, cfg.moe_intermediate_size, api.model_dtype(args.dtype or "auto", cfg.dtype)
     if not args.no_save:
         bandwidth.read_profiles(args.profile)  # NotAStoreError before measuring, not after
     profile = bandwidth.measure_profile(H, I, dtype, quick=args.quick, repeats=args.repeats, progress=not args.json)
@@ -512,7 +493,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ft_jax.checkpoint import CheckpointError
 
         user_errors += (CheckpointError,)
+    if args.command in ("trace", "plan"):
+        user_errors += (ImportError,)  # --plot without matplotlib
     try:
+        if args.command in ("trace", "plan"):
+            from ft_jax.tools import plan, trace
+
+            return trace.run_trace(args) if args.command == "trace" else plan.run_plan(args)
         return run_profile(args) if args.command == "profile" else run_generate(args)
     except user_errors as e:
         if args.verbose:

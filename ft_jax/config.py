@@ -13,6 +13,15 @@ Qwen3MoeForCausalLM        qwen3_moe   ``moe_intermediate_size``; per-head q/k R
                                        ``attention_bias``; ``mlp_only_layers`` / ``decoder_sparse_step``
 OlmoeForCausalLM           olmoe       experts use ``intermediate_size``; full-width q/k RMSNorm;
                                        ``clip_qkv``; ``attention_bias``
+DeepseekV2ForCausalLM      deepseek_v2 Multi-head Latent Attention (``q_lora_rank`` null = q_proj,
+                                       ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``,
+                                       ``v_head_dim``); softmax router, ``topk_method`` greedy or
+                                       group_limited_greedy (``n_group``, ``topk_group``),
+                                       ``routed_scaling_factor``; ``n_shared_experts``;
+                                       ``first_k_dense_replace`` (see :func:`_deepseek`)
+DeepseekV3ForCausalLM      deepseek_v3 MLA as V2 (``rope_interleave``); sigmoid router with
+                                       ``e_score_correction_bias`` (noaux_tc), group-limited top-k,
+                                       ``norm_topk_prob``, ``routed_scaling_factor``
 GptOssForCausalLM          gpt_oss     experts use ``intermediate_size``, with biases and the clamped SwiGLU
                                        (``swiglu_alpha`` 1.702, ``swiglu_limit`` 7.0); router with bias;
                                        attention sinks; ``layer_types`` (sliding_attention / full_attention,
@@ -50,6 +59,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     "GptOssForCausalLM": "gpt_oss",
 }
 
@@ -203,9 +214,10 @@ class MoEConfig:
     """Everything the model, loader and decode engine need, in one flat, hashable record.
 
     Attributes:
-        family: "mixtral" | "qwen2_moe" | "qwen3_moe" | "olmoe" | "gpt_oss".
+        family: "mixtral" | "qwen2_moe" | "qwen3_moe" | "olmoe" | "deepseek_v2" | "deepseek_v3" | "gpt_oss".
         architecture: the ``architectures[0]`` string of config.json.
-        vocab_size, hidden_size (H), num_layers (decoder layers), num_heads, num_kv_heads, head_dim (D).
+        vocab_size, hidden_size (H), num_layers (decoder layers), num_heads, num_kv_heads, head_dim (D; the RoPE
+            width qk_rope_head_dim for DeepSeek, whose num_kv_heads = num_heads).
         num_experts (E): routed experts per MoE layer. top_k (k): experts per token.
         moe_intermediate_size (I): routed expert width (gate/up rows: I, down: [H, I]).
         intermediate_size: width of the dense MLP in non-MoE layers (0 when every layer is MoE).
@@ -238,6 +250,18 @@ class MoEConfig:
         expert_bias: routed experts have gate/up and down biases (gpt-oss's gate_up_proj_bias / down_proj_bias).
         swiglu_alpha, swiglu_limit: the clamped SwiGLU's sigmoid gain and clamp (gpt-oss; activation
             "swiglu_oai").
+
+    DeepSeek-V2/V3 only (defaults elsewhere; DeepSeek-V2 paper arXiv 2405.04434 sec. 2.1, transformers'
+    DeepseekV2/V3Attention and DeepseekV2/V3TopkRouter):
+        q_lora_rank: query compression rank (q_a_proj [Q, H], q_a_layernorm, q_b_proj), or None: q_proj directly.
+        kv_lora_rank (C): width of the compressed latent cached per token (0: not MLA, the other families).
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim: per-head query/key widths without and with RoPE, value
+            width. qkv_bias / o_bias mean attention_bias: biases on q_a_proj, kv_a_proj_with_mqa and o_proj.
+        n_shared_experts: shared experts (one ungated dense MLP of width moe_intermediate_size * n_shared_experts).
+        scoring_func: "softmax" (V2) | "sigmoid" (V3). topk_method: "greedy" | "group_limited_greedy" (V2) |
+            "noaux_tc" (V3). n_group, topk_group: experts in n_group equal groups, top-k from the best topk_group.
+        routed_scaling_factor: multiplies the combine weights. rope_interleave: RoPE pairs (x0, x1), (x2, x3), ...
+            (always for V2, whose transformers code rotates complex pairs).
     """
 
     family: str
@@ -270,6 +294,18 @@ class MoEConfig:
     dtype: str
     initializer_range: float = 0.02
     rope_scaling: RopeScaling | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    n_shared_experts: int = 0
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    rope_interleave: bool = False
     layer_types: tuple[str, ...] = ()
     attention_sinks: bool = False
     router_bias: bool = False
@@ -475,8 +511,11 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
     max_positions = at_least("max_position_embeddings", req("max_position_embeddings"), 1)
 
     experts_key = "num_local_experts" if raw.get("num_local_experts") is not None else "num_experts"
+    if family in ("deepseek_v2", "deepseek_v3"):
+        experts_key = "n_routed_experts"
     if raw.get(experts_key) is None:
-        raise ConfigError(f"{source}: required field 'num_local_experts' (or 'num_experts') is missing")
+        raise ConfigError(f"{source}: required field {experts_key!r} is missing" if experts_key == "n_routed_experts"
+                          else f"{source}: required field 'num_local_experts' (or 'num_experts') is missing")
     num_experts = at_least(experts_key, _typed(raw[experts_key], experts_key, int), 1)
     top_k = req("num_experts_per_tok")
     if not 1 <= top_k <= num_experts:
@@ -509,6 +548,10 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
         initializer_range=opt("initializer_range", 0.02, float),
     )
 
+    if family in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek(raw, source, common, req, opt, at_least)
+    if family == "gpt_oss":
+        return _gpt_oss_config(raw, common, source, opt, req, at_least, num_layers)
     if family == "mixtral":
         window = opt("sliding_window", None)
         common["sliding_window"] = None if window is None else at_least("sliding_window", window, 1)
@@ -526,9 +569,6 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
             **common, moe_intermediate_size=at_least("intermediate_size", req("intermediate_size"), 1),
             intermediate_size=0, moe_layers=tuple(range(num_layers)), shared_expert_intermediate_size=0,
             norm_topk_prob=opt("norm_topk_prob", False, bool), qkv_bias=bias, o_bias=bias, qk_norm="full")
-
-    if family == "gpt_oss":
-        return _gpt_oss_config(raw, common, source, opt, req, at_least, num_layers)
 
     # Qwen2-MoE / Qwen3-MoE: which layers are sparse, as in transformers' Qwen2MoeDecoderLayer:
     # MoE iff layer not in mlp_only_layers and num_experts > 0 and (layer + 1) % decoder_sparse_step == 0
@@ -565,6 +605,89 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
         **common, moe_intermediate_size=moe_width, intermediate_size=dense_width,
         moe_layers=moe_layers, shared_expert_intermediate_size=0,
         norm_topk_prob=opt("norm_topk_prob", False, bool), qkv_bias=bias, o_bias=bias, qk_norm="per_head")
+
+
+def _deepseek(raw: dict[str, Any], source: str, common: dict, req, opt, at_least) -> MoEConfig:
+    """The DeepSeek-V2/V3 part of :func:`config_from_dict` (``common``: the fields every family shares; req / opt /
+    at_least: its readers). Follows transformers 5.24 (DeepseekV2Config / DeepseekV3Config and the models), whose
+    defaults fill absent routing fields (V2: topk_method greedy, norm_topk_prob false, routed_scaling_factor 1,
+    n_shared_experts 2, first_k_dense_replace 0; V3: n_group 8, topk_group 4, norm_topk_prob true,
+    routed_scaling_factor 2.5, n_shared_experts 1, first_k_dense_replace 3, rope_interleave true).
+
+    Where transformers departs from DeepSeek's own modeling code, ft_jax follows transformers (the reference its
+    fixtures are checked against; every released checkpoint sits where the two agree):
+      * layer l is MoE iff l >= first_k_dense_replace; ``moe_layer_freq`` is checked (>= 1) but transformers does
+        not read it (DeepSeek's code also requires l % moe_layer_freq == 0; released checkpoints have 1);
+      * V2's router does not renormalise whatever ``norm_topk_prob`` says (DeepSeek's V2 code renormalises when it
+        is true; released V2 checkpoints have false); V3's does when it is true;
+      * ``q_lora_rank`` must be present (null = q_proj): transformers' default 1536 would be a silent guess.
+    ``scoring_func`` / ``topk_method``, when present, must be the family's (V2: softmax, greedy or
+    group_limited_greedy; V3: sigmoid, noaux_tc); ``mlp_bias`` true (V2) is not implemented.
+    """
+    v3 = common["family"] == "deepseek_v3"
+    num_layers, E, k = common["num_layers"], common["num_experts"], common["top_k"]
+    if "q_lora_rank" not in raw:
+        raise ConfigError(f"{source}: required field 'q_lora_rank' is missing (null means a plain q_proj)")
+    q_lora = opt("q_lora_rank", None)
+    if q_lora is not None:
+        at_least("q_lora_rank", q_lora, 1)
+    kv_lora = at_least("kv_lora_rank", req("kv_lora_rank"), 1)
+    nope = at_least("qk_nope_head_dim", req("qk_nope_head_dim"), 1)
+    rope = at_least("qk_rope_head_dim", req("qk_rope_head_dim"), 2)
+    if rope % 2:
+        raise ConfigError(f"{source}: qk_rope_head_dim must be even (RoPE rotates pairs of dimensions), got {rope}")
+    v_dim = at_least("v_head_dim", req("v_head_dim"), 1)
+    moe_width = at_least("moe_intermediate_size", req("moe_intermediate_size"), 1)
+    shared = 0 if "n_shared_experts" in raw and raw["n_shared_experts"] is None else \
+        at_least("n_shared_experts", opt("n_shared_experts", 1 if v3 else 2), 0)
+    first_dense = opt("first_k_dense_replace", 3 if v3 else 0)
+    if not 0 <= first_dense < num_layers:
+        raise ConfigError(f"{source}: first_k_dense_replace must be in [0, num_hidden_layers - 1 = {num_layers - 1}] "
+                          f"(at least one MoE layer), got {first_dense}")
+    at_least("moe_layer_freq", opt("moe_layer_freq", 1), 1)
+    dense_width = at_least("intermediate_size (width of the dense layers)", req("intermediate_size"), 1) \
+        if first_dense else opt("intermediate_size", 0)
+    if opt("mlp_bias", False, bool):
+        raise NotImplementedError(f"{source}: mlp_bias=true (biases on the dense and shared-expert MLPs) is not "
+                                  "implemented")
+    scoring = opt("scoring_func", "sigmoid" if v3 else "softmax", str)
+    if scoring != ("sigmoid" if v3 else "softmax"):
+        raise NotImplementedError(f"{source}: scoring_func {scoring!r} is not implemented for {common['architecture']}"
+                                  f" (transformers scores its router with {'sigmoid' if v3 else 'softmax'})")
+    method = opt("topk_method", "noaux_tc" if v3 else "greedy", str)
+    methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
+    if method not in methods:
+        raise ConfigError(f"{source}: topk_method must be {' or '.join(map(repr, methods))} for "
+                          f"{common['architecture']}, got {method!r}")
+    grouped = v3 or method == "group_limited_greedy"
+    if not grouped:
+        n_group, topk_group = 1, 1
+    elif v3:
+        n_group, topk_group = at_least("n_group", opt("n_group", 8), 1), opt("topk_group", 4)
+    else:
+        n_group, topk_group = at_least("n_group", req("n_group"), 1), req("topk_group")
+    if E % n_group:
+        raise ConfigError(f"{source}: n_group must divide n_routed_experts={E}, got {n_group}")
+    if not 1 <= topk_group <= n_group:
+        raise ConfigError(f"{source}: topk_group must be in [1, n_group={n_group}], got {topk_group}")
+    if v3 and E // n_group < 2:
+        raise ConfigError(f"{source}: n_group must leave >= 2 experts per group (a group's score is the sum of its "
+                          f"top-2 expert scores), got n_group={n_group} for n_routed_experts={E}")
+    if k > topk_group * (E // n_group):
+        raise ConfigError(f"{source}: num_experts_per_tok must be <= topk_group * n_routed_experts / n_group = "
+                          f"{topk_group * (E // n_group)} (the experts of the groups a token may use), got {k}")
+    scale = opt("routed_scaling_factor", 2.5 if v3 else 1.0, float)
+    if not scale > 0:
+        raise ConfigError(f"{source}: routed_scaling_factor must be > 0, got {scale}")
+    bias = opt("attention_bias", False, bool)
+    common = {**common, "num_kv_heads": common["num_heads"], "head_dim": rope}
+    return MoEConfig(
+        **common, moe_intermediate_size=moe_width, intermediate_size=dense_width,
+        moe_layers=tuple(range(first_dense, num_layers)), shared_expert_intermediate_size=0,
+        norm_topk_prob=opt("norm_topk_prob", v3, bool), qkv_bias=bias, o_bias=bias, qk_norm="none",
+        q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v_dim,
+        n_shared_experts=shared, scoring_func=scoring, topk_method=method, n_group=n_group, topk_group=topk_group,
+        routed_scaling_factor=scale, rope_interleave=opt("rope_interleave", True, bool) if v3 else True)
 
 
 # transformers' GptOssConfig: rope_theta 150000 (default_theta) and this YaRN when the config gives no rope parameters.

@@ -1,7 +1,10 @@
 """Generation over offloaded experts: prefill, decode_one_token, decode_n_tokens (the shape of gpt-fast's generate.py).
 
-    engine = Engine(load_checkpoint(path), policy=Policy("qstar", frac=0.4), num_slots=16)
-    result = engine.generate([[1, 17, 42]], max_new_tokens=32)      # GenerationResult
+    >>> from ft_jax import bundled_model_path, load_checkpoint
+    >>> engine = Engine(load_checkpoint(bundled_model_path()), policy=Policy("qstar", frac=0.4), num_slots=16)
+    >>> result = engine.generate([[1, 17, 42]], max_new_tokens=32)  # greedy by default
+    >>> len(result.tokens[0]), result.stats["decode_compiles"]
+    (32, 1)
 
 Two jit-compiled steps do all the work. ``prefill`` runs a left-padded prompt batch through the model and samples
 the first token; ``decode_one_token`` feeds one token per row and samples the next. Each is the whole model (the
@@ -346,7 +349,7 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling: Sampling = Sampling(),
                  seed: int = 0, eos_token_ids: Iterable[int] = (),
-                 on_tokens: Callable[[int, list[int | None]], None] | None = None,
+                 on_tokens: Callable[[int, list[int | None]], Sequence[bool] | None] | None = None,
                  record_routing: bool = False) -> GenerationResult:
         """Decode every prompt (as one batch) for up to max_new_tokens tokens.
 
@@ -358,7 +361,8 @@ class Engine:
             seed: PRNG seed for sampling (any int; reduced modulo 2^32).
             eos_token_ids: a row stops after producing any of them (empty: never stop early).
             on_tokens: called after every step with (step index, the new token of each row or None if the row had
-                already finished): used to stream text.
+                already finished): used to stream text. It may return one bool per row: True ends that row there
+                (stop strings).
             record_routing: also return the routing of every decode step (GenerationResult.routing; a decode step
                 of its own, compiled once).
         Returns:
@@ -423,9 +427,9 @@ class Engine:
         stats_after_prefill = np.asarray(self.expert_state.cache.stats)  # one sync
         self._check_finite(first, 0)
         out: list[list[int]] = [[int(t)] for t in first]
-        if on_tokens is not None:
-            on_tokens(0, [int(t) for t in first])
         done = np.array([int(t) in eos for t in first])
+        if on_tokens is not None:
+            done |= np.asarray(on_tokens(0, [int(t) for t in first]) or False, bool)
         routing: list | None = [] if record_routing else None
         steps, kv_cache, key = self._decode_n_tokens(decode_step, first, np.asarray(lengths, np.int32), done,
                                                      max_new_tokens - 1, kv_cache, key, ops, eos, out, on_tokens,
@@ -467,7 +471,7 @@ class Engine:
             pos = pos + 1
             last = nxt
             if on_tokens is not None:
-                on_tokens(i, new)
+                done |= np.asarray(on_tokens(i, new) or False, bool)
         return steps, kv_cache, key
 
     @staticmethod

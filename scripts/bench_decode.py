@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> dict:
     import jax.numpy as jnp
 
     from ft_jax.checkpoint import load_checkpoint
-    from ft_jax.cli import bundled_model_path
+    from ft_jax.api import bundled_model_path
     from ft_jax.config import load_config
     from ft_jax.generate import Engine, Sampling
     from ft_jax.offload.policy import Policy

@@ -64,10 +64,18 @@ def bench_slot_fill(expert_mib: float, experts_per_call: int, repeats: int, min_
         return b.expert_bytes / MiB, rates["ffi"], rates["numpy"]
 
 
+def kernel_threads() -> int:
+    """Threads the FFI kernels use: XLA's CPU pool (one per CPU this process may run on), capped by
+    FT_JAX_NUM_THREADS."""
+    cap = int(os.environ.get("FT_JAX_NUM_THREADS", "0") or 0)
+    cores = len(os.sched_getaffinity(0))
+    return min(cores, cap) if cap >= 1 else cores
+
+
 def bench_host_experts(hidden: int, inter: int, dtype: str, T: int, k: int, repeats: int, min_time: float) -> tuple:
     """(bytes per call, host_experts rate, numpy read rate on 1 thread, on the kernel's thread count, rate of the
     gpt-oss form: bias banks + swiglu_oai)."""
-    threads = _kernel_threads()
+    threads = kernel_threads()
     with Bench(hidden, inter, dtype, call_bytes=k * 3 * hidden * inter * (2 if dtype == "bfloat16" else 4),
                tokens=T) as b, ThreadPoolExecutor(threads) as pool:
         gate_up, down = b.gate_up.numpy(), b.down.numpy()
@@ -109,12 +117,6 @@ def bench_host_experts(hidden: int, inter: int, dtype: str, T: int, k: int, repe
         for bank in biases:
             bank.release()
         return b.nbytes, rates["ffi"], rates["np1"], rates["npN"], rates["bias"]
-
-
-def _kernel_threads() -> int:
-    """Threads per kernel call: XLA:CPU's pool (one per core) capped by FT_JAX_NUM_THREADS (xla_ffi/parallel.h)."""
-    cap = os.environ.get("FT_JAX_NUM_THREADS")
-    return min(os.cpu_count() or 1, int(cap)) if cap else (os.cpu_count() or 1)
 
 
 def bench_call_overhead(repeats: int, calls: int = 200) -> tuple[float, float, float]:
@@ -164,15 +166,13 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4], help="T values for host_experts")
     p.add_argument("--top-k", type=int, default=2, help="experts per host_experts call (all T tokens)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--repeats", type=int, default=9, help="timed windows per variant")
     p.add_argument("--min-time", type=float, default=0.2, help="seconds per timed window")
     args = p.parse_args(argv)
-    if args.threads:  # read once per process by the kernels, at their first call
-        os.environ["FT_JAX_NUM_THREADS"] = str(args.threads)
 
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, kernel {_ffi.kernel_isa()}, "
-          f"{_kernel_threads()} kernel threads; GB/s = 1e9 bytes/s, median [min-max] of {args.repeats} windows")
+          f"{kernel_threads()} kernel threads (XLA's pool; cap with FT_JAX_NUM_THREADS); GB/s = 1e9 bytes/s, "
+          f"median [min-max] of {args.repeats} windows")
 
     print(f"\n1. slot_fill vs numpy memcpy ({args.fill_experts} experts per call)")
     print(f"{'expert MiB':>10} {'slot_fill GB/s':>22} {'numpy copy GB/s':>22} {'ratio':>6} {'best':>6}")
@@ -182,7 +182,7 @@ def main(argv=None) -> None:
 
     print(f"\n2. host_experts vs numpy read (H={args.hidden}, I={args.inter}, {args.dtype}, k={args.top_k})")
     print(f"{'T':>4} {'MiB/call':>9} {'host_experts GB/s':>22} {'numpy read GB/s':>22} {'ratio':>6} {'best':>6}"
-          f" {'numpy read GB/s x' + str(_kernel_threads()):>22} {'ratio':>6} {'best':>6}"
+          f" {'numpy read GB/s x' + str(kernel_threads()):>22} {'ratio':>6} {'best':>6}"
           f" {'gpt-oss form GB/s':>22} {'/plain':>6} {'best':>6}")
     for T in args.tokens:
         nbytes, ffi_rate, np1, npn, bias = bench_host_experts(args.hidden, args.inter, args.dtype, T, args.top_k,

@@ -1,7 +1,8 @@
 """Plain Python reference of the expert slot cache rules (docs/DESIGN.md sec. 1-3), used by tests only.
 
 Written independently of ft_jax/expert_cache.py and ft_jax/policy.py: Python lists and loops, one fetch and one
-victim at a time, its own Q16 integer rule. It reads only the attributes kind / frac / cap of a policy object.
+victim at a time, its own Q16 integer rule and its own auto rule (docs/policies.md). It reads only the attributes
+kind / frac / cap / costs of a policy object (costs: the integer tick fields of AutoCosts).
 """
 
 from __future__ import annotations
@@ -25,6 +26,58 @@ def q16_fetch_count(m: int, frac: float) -> int:
     if count > m:
         count = m
     return count
+
+
+def ratio_floor(x: int, num: int, den: int) -> int:
+    """floor(x * num / den) (Python integers are exact)."""
+    return x * num // den
+
+
+def auto_layer_time(costs, misses: int, hits: int, fetched: int) -> int:
+    """Modelled layer time in ticks with F fetched, H = misses - F on the host, D = hits + F on the device."""
+    c = costs
+    F, H, D = fetched, misses - fetched, hits + fetched
+    if F > 0 and H > 0:
+        fill_alone = F * c.fill_cont  # contended duration of the fill
+        host_alone = H * c.host_cont
+        if fill_alone <= host_alone:  # the fill ends first; the host's remaining work runs solo
+            fill_end = fill_alone
+            done = ratio_floor(fill_alone, c.host_solo, c.host_cont)  # solo-time of host work done meanwhile
+            host_end = fill_alone + (H * c.host_solo - done)
+        else:
+            host_end = host_alone
+            done = ratio_floor(host_alone, c.fill_solo, c.fill_cont)
+            fill_end = host_alone + (F * c.fill_solo - done)
+    else:
+        fill_end = F * c.fill_solo
+        host_end = H * c.host_solo
+    if F > 0:
+        fill_end += c.fill_fixed
+    if H > 0:
+        host_end += c.host_fixed
+    device = c.device_fixed + D * c.device if D > 0 else 0
+    return max(fill_end + device, host_end)
+
+
+def auto_count(costs, misses: int, hits: int, cap: int, realized_gain: int, realized_fills: int) -> int:
+    """auto's F: the smallest F in [0, cap] minimising layer time - credit * F (credit from the reuse estimate)."""
+    prior = 16
+    num = realized_gain + 32 * prior
+    den = realized_fills + 32
+    per_fill_q4 = max(num, 0) * 16 // den
+    if misses > 0:  # what turning one of this layer's misses into a hit would save now
+        saving = auto_layer_time(costs, misses, hits, 0) - auto_layer_time(costs, misses - 1, hits + 1, 0)
+    else:
+        saving = 0
+    if saving < 0:
+        saving = 0
+    credit = min(per_fill_q4 * saving // 16, 1 << 22)
+    best, best_value = 0, None
+    for F in range(cap + 1):
+        value = auto_layer_time(costs, misses, hits, F) - credit * F
+        if best_value is None or value < best_value:
+            best, best_value = F, value
+    return best
 
 
 def policy_budget(policy, m: int) -> int:
@@ -59,6 +112,10 @@ class ReferenceCache:
         self.recency = [[-1] * self.E for _ in range(self.L)]
         self.step = 0
         self.stats = [[0] * 6 for _ in range(self.L)]
+        self.slot_gain = [0] * self.S  # auto: net hits since the slot's fill
+        self.ghost = [-1] * self.S  # auto: the flat id the slot's latest fill evicted
+        self.realized_gain = 0  # auto: decayed (x32) sums over evicted fills
+        self.realized_fills = 0
         if resident:
             for layer in range(self.L):
                 for e in range(self.E):
@@ -100,7 +157,19 @@ class ReferenceCache:
             else:
                 misses.append(e)
         m = len(misses)
-        budget = policy_budget(policy, m)
+        if policy.kind == "auto":
+            for slot in range(self.S):
+                g = self.ghost[slot]
+                if g >= 0 and g // E == layer and (g % E) in misses:
+                    self.slot_gain[slot] = max(-127, self.slot_gain[slot] - 1)
+            for e in hits:
+                slot = self.slot_of_expert[layer][e]
+                self.slot_gain[slot] = min(127, self.slot_gain[slot] + 1)
+            evictable = sum(1 for slot in range(self.S) if not self._slot_blocked(slot, layer, active))
+            budget = auto_count(policy.costs, m, len(hits), min(m, evictable), self.realized_gain,
+                                self.realized_fills)
+        else:
+            budget = policy_budget(policy, m)
 
         # Rank the misses: seen before (most recent first) ahead of never-seen; lower id on ties.
         def miss_key(e):
@@ -121,6 +190,12 @@ class ReferenceCache:
             old = self.expert_of_slot[slot]
             if old >= 0:
                 self.slot_of_expert[old // E][old % E] = -1
+            if policy.kind == "auto":
+                if old >= 0 and self.ghost[slot] >= 0:  # an evicted replacement fill's net hits join the sums
+                    self.realized_gain = self.realized_gain - (self.realized_gain >> 10) + 32 * self.slot_gain[slot]
+                    self.realized_fills = self.realized_fills - (self.realized_fills >> 10) + 32
+                self.slot_gain[slot] = 0
+                self.ghost[slot] = old
             flat = layer * E + e
             self.expert_of_slot[slot] = flat
             self.slot_of_expert[layer][e] = slot
@@ -172,4 +247,7 @@ class ReferenceCache:
             "recency": np.array(self.recency, np.int32).reshape(self.L, self.E),
             "step": np.array(self.step, np.int32),
             "stats": np.array(self.stats, np.int32).reshape(self.L, 6),
+            "slot_gain": np.array(self.slot_gain, np.int32),
+            "ghost_of_slot": np.array(self.ghost, np.int32),
+            "reuse": np.array([self.realized_gain, self.realized_fills], np.int32),
         }

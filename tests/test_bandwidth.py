@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from ft_jax import cli
+from ft_jax import api, cli
 from ft_jax.tools import bandwidth
 from ft_jax.tools.bandwidth import Profile
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_tiny"
-BUNDLED = Path(cli.bundled_model_path())
+BUNDLED = Path(api.bundled_model_path())
 H, I = 64, 128  # 3 * 64 * 128 * 4 = 98304 bytes per float32 expert
 KEY = {"platform": "cpu", "device_kind": "cpu", "cpu_model": "Test CPU", "cpu_count": 2, "dtype": "float32",
        "expert_bytes": 98304}

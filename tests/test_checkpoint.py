@@ -498,6 +498,58 @@ def test_index_with_an_empty_weight_map_names_the_index(tmp_path):
     assert str(e.value).startswith(f"{tmp_path / 'model.safetensors.index.json'}: missing tensor 'model.layers.0.")
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_deepseek_hub_layout_loads(family, tmp_path):
+    """DeepSeek's Hub names: mlp.experts.{e}.{gate,up,down}_proj into the banks, the MLA projections, the float32
+    router (and V3's e_score_correction_bias) even in a bfloat16 load; the fused transformers-5 expert tensors
+    (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]) fill the same bank rows."""
+    d = os.path.join(FIXTURES, family)
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    ck = load_checkpoint(d, dtype=jnp.bfloat16)
+    cfg = ck.config
+    E, NH, bf16 = cfg.num_experts, cfg.num_heads, ml_dtypes.bfloat16
+    gu, dn = ck.gate_up_bank.numpy(), ck.down_bank.numpy()
+    for m, layer in enumerate(cfg.moe_layers):
+        for e in range(E):
+            g, u, dw = _expert_names(family, layer, e)
+            np.testing.assert_array_equal(gu[m * E + e], np.concatenate([tensors[g], tensors[u]]).astype(bf16))
+            np.testing.assert_array_equal(dn[m * E + e], tensors[dw].astype(bf16))
+    params = _params(ck.model)
+    first_moe = cfg.moe_layers[0]  # stack 0 holds the dense layers 0..first_moe-1, stack 1 the MoE layers
+    a = f"model.layers.{first_moe}.self_attn."
+    router = params["stacks/1/ffn/router"]
+    assert router.dtype == np.float32
+    np.testing.assert_array_equal(router[0], tensors[f"model.layers.{first_moe}.mlp.gate.weight"])
+    if cfg.scoring_func == "sigmoid":
+        np.testing.assert_array_equal(params["stacks/1/ffn/score_bias"][0],
+                                      tensors[f"model.layers.{first_moe}.mlp.gate.e_score_correction_bias"])
+    kv_a = tensors[a + "kv_a_proj_with_mqa.weight"]
+    if cfg.q_lora_rank is not None:  # q_a_proj and kv_a_proj_with_mqa fused: one read of x
+        want = np.concatenate([tensors[a + "q_a_proj.weight"], kv_a])
+    else:
+        want = kv_a
+        np.testing.assert_array_equal(params["stacks/1/attn/q_proj"][0], tensors[a + "q_proj.weight"].astype(bf16))
+    np.testing.assert_array_equal(params["stacks/1/attn/a_proj"][0], want.astype(bf16))
+    kv_b = tensors[a + "kv_b_proj.weight"].reshape(NH, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    w_uv = params["stacks/1/attn/w_uv"].reshape(-1, NH, cfg.v_head_dim, cfg.kv_lora_rank)
+    np.testing.assert_array_equal(w_uv[0], kv_b[:, cfg.qk_nope_head_dim:].astype(bf16))
+    shared = np.concatenate([tensors[f"model.layers.{first_moe}.mlp.shared_experts.{n}_proj.weight"]
+                             for n in ("gate", "up")])
+    np.testing.assert_array_equal(params["stacks/1/ffn/shared_gate_up"][0], shared.astype(bf16))
+
+    fused = {name: t for name, t in tensors.items() if ".mlp.experts." not in name}
+    for layer in cfg.moe_layers:
+        names = [_expert_names(family, layer, e) for e in range(E)]
+        fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([tensors[g], tensors[u]]) for g, u, _ in names])
+        fused[f"model.layers.{layer}.mlp.experts.down_proj"] = np.stack([tensors[dw] for _, _, dw in names])
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    shutil.copyfile(os.path.join(d, "config.json"), tmp_path / "config.json")
+    ck2 = load_checkpoint(tmp_path, dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(ck2.gate_up_bank.numpy(), gu)
+    np.testing.assert_array_equal(ck2.down_bank.numpy(), dn)
+    _release(ck)
+    _release(ck2)
 def _release_all(ck):
     for bank in ck.expert_banks.values():
         bank.release()

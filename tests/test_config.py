@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from ft_jax.config import SUPPORTED_ARCHITECTURES, ConfigError, config_from_dict, load_config
+from ft_jax.config import SUPPORTED_ARCHITECTURES, ConfigError, RopeScaling, config_from_dict, load_config
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 
@@ -78,12 +78,12 @@ def test_mixtral_sliding_window_and_eos_list():
 
 def test_unsupported_architecture_names_supported_ones(tmp_path):
     raw = _raw("mixtral")
-    raw["architectures"] = ["DeepseekV3ForCausalLM"]
+    raw["architectures"] = ["LlamaForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path)
     msg = str(e.value)
-    assert "DeepseekV3ForCausalLM" in msg and str(tmp_path) in msg
+    assert "LlamaForCausalLM" in msg and str(tmp_path) in msg
     for arch in SUPPORTED_ARCHITECTURES:
         assert arch in msg
 
@@ -341,6 +341,122 @@ def test_yarn_rope_parameters_and_frequencies():
     np.testing.assert_allclose(inv0, 1e4 ** (-np.arange(0, D, 2) / D)) and one == 1.0
 
 
+# --- DeepSeek-V2 / V3 (issue 10) ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,expected", [
+    # (family, layers, moe_layers, q_lora, kv_lora, nope, rope, v, E, k, shared, scoring, method, groups, norm,
+    #  scale, interleave, bias, yarn)
+    ("deepseek_v3", ("deepseek_v3", 4, (1, 2, 3), 32, 16, 16, 8, 16, 8, 2, 1, "sigmoid", "noaux_tc", (4, 2), True,
+                     2.5, True, False, False)),
+    ("deepseek_v2", ("deepseek_v2", 3, (1, 2), None, 16, 16, 8, 12, 8, 3, 2, "softmax", "greedy", (1, 1), False,
+                     1.0, True, False, False)),
+    ("deepseek_v2_group", ("deepseek_v2", 3, (0, 1, 2), 24, 16, 16, 8, 16, 8, 3, 1, "softmax",
+                           "group_limited_greedy", (4, 2), True, 1.5, True, True, True)),
+    ("deepseek_v3_nonorm", ("deepseek_v3", 4, (2, 3), 32, 16, 16, 8, 16, 8, 3, 2, "sigmoid", "noaux_tc", (2, 1),
+                            False, 2.0, False, False, False)),
+    ("deepseek_v3_yarn", ("deepseek_v3", 3, (1, 2), 32, 16, 16, 16, 16, 8, 4, 1, "sigmoid", "noaux_tc", (4, 3),
+                          True, 2.5, True, False, True)),
+])
+def test_deepseek_fixture_configs(name, expected):
+    cfg = load_config(os.path.join(FIXTURES, name))
+    info = json.load(open(os.path.join(FIXTURES, name, "reference", "info.json")))
+    got = (cfg.family, cfg.num_layers, cfg.moe_layers, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+           cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.num_experts, cfg.top_k, cfg.n_shared_experts, cfg.scoring_func,
+           cfg.topk_method, (cfg.n_group, cfg.topk_group), cfg.norm_topk_prob, cfg.routed_scaling_factor,
+           cfg.rope_interleave, cfg.qkv_bias, cfg.rope_scaling is not None)
+    assert got == expected
+    assert list(cfg.moe_layers) == info["moe_layers"]
+    # MLA: every head's key comes from the shared latent; the RoPE width is qk_rope_head_dim
+    assert cfg.num_kv_heads == cfg.num_heads and cfg.head_dim == cfg.qk_rope_head_dim
+
+
+def test_deepseek_hub_key_style_equals_transformers5_style():
+    """deepseek_v3_yarn's config.json is in the Hub style (rope_theta + rope_scaling{type: yarn}, torch_dtype,
+    scoring_func, topk_method, moe_layer_freq, no head_dim): the transformers-5 spelling gives the same config."""
+    hub = _raw("deepseek_v3_yarn")
+    new = {k: v for k, v in hub.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype", "scoring_func",
+                                                      "topk_method", "moe_layer_freq")}
+    scaling = {k: v for k, v in hub["rope_scaling"].items() if k != "type"}
+    new.update(rope_parameters={"rope_type": "yarn", "rope_theta": hub["rope_theta"], **scaling}, dtype="float32",
+               head_dim=hub["qk_rope_head_dim"])
+    a, b = config_from_dict(hub), config_from_dict(new)
+    assert a == b
+    assert a.rope_scaling == RopeScaling(factor=8.0, original_max_position_embeddings=16, mscale=1.0,
+                                         mscale_all_dim=1.0)
+
+
+def test_deepseek_defaults_and_layer_selection():
+    """Absent routing fields take transformers' DeepseekV2Config / DeepseekV3Config defaults; layer l is MoE iff
+    l >= first_k_dense_replace (transformers does not read moe_layer_freq)."""
+    v2 = {k: v for k, v in _raw("deepseek_v2").items()
+          if k not in ("topk_method", "norm_topk_prob", "routed_scaling_factor", "n_shared_experts", "scoring_func",
+                       "first_k_dense_replace", "n_group", "topk_group")}
+    cfg = config_from_dict(v2)
+    assert (cfg.topk_method, cfg.norm_topk_prob, cfg.routed_scaling_factor, cfg.n_shared_experts,
+            cfg.moe_layers) == ("greedy", False, 1.0, 2, (0, 1, 2))
+    v3 = {k: v for k, v in _raw("deepseek_v3").items()
+          if k not in ("norm_topk_prob", "routed_scaling_factor", "n_shared_experts", "rope_interleave", "n_group",
+                       "topk_group", "first_k_dense_replace")}
+    v3.update(n_routed_experts=16, num_hidden_layers=5)
+    cfg = config_from_dict(v3)
+    assert (cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, cfg.n_shared_experts,
+            cfg.rope_interleave, cfg.moe_layers) == (8, 4, True, 2.5, 1, True, (3, 4))
+    raw = _raw("deepseek_v3")
+    assert config_from_dict({**raw, "moe_layer_freq": 2}).moe_layers == config_from_dict(raw).moe_layers == (1, 2, 3)
+    assert config_from_dict({**raw, "n_shared_experts": None}).n_shared_experts == 0
+    assert config_from_dict({**raw, "first_k_dense_replace": 0, "intermediate_size": None}).moe_layers == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("family,change,expected", [
+    ("deepseek_v3", {"kv_lora_rank": 0}, "kv_lora_rank must be >= 1, got 0"),
+    ("deepseek_v3", {"q_lora_rank": 0}, "q_lora_rank must be >= 1, got 0"),
+    ("deepseek_v3", {"qk_nope_head_dim": -1}, "qk_nope_head_dim must be >= 1, got -1"),
+    ("deepseek_v3", {"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even (RoPE rotates pairs of dimensions), "
+                                            "got 7"),
+    ("deepseek_v3", {"v_head_dim": 0}, "v_head_dim must be >= 1, got 0"),
+    ("deepseek_v3", {"n_routed_experts": 0}, "n_routed_experts must be >= 1, got 0"),
+    ("deepseek_v3", {"n_routed_experts": None}, "required field 'n_routed_experts' is missing"),
+    ("deepseek_v3", {"num_experts_per_tok": 9}, "num_experts_per_tok must be in [1, n_routed_experts=8], got 9"),
+    ("deepseek_v3", {"n_shared_experts": -1}, "n_shared_experts must be >= 0, got -1"),
+    ("deepseek_v3", {"moe_intermediate_size": 0}, "moe_intermediate_size must be >= 1, got 0"),
+    ("deepseek_v3", {"first_k_dense_replace": 4},
+     "first_k_dense_replace must be in [0, num_hidden_layers - 1 = 3] (at least one MoE layer), got 4"),
+    ("deepseek_v3", {"first_k_dense_replace": -1},
+     "first_k_dense_replace must be in [0, num_hidden_layers - 1 = 3] (at least one MoE layer), got -1"),
+    ("deepseek_v3", {"intermediate_size": None}, "required field 'intermediate_size' is missing"),
+    ("deepseek_v3", {"moe_layer_freq": 0}, "moe_layer_freq must be >= 1, got 0"),
+    ("deepseek_v3", {"n_group": 3}, "n_group must divide n_routed_experts=8, got 3"),
+    ("deepseek_v3", {"n_group": 0}, "n_group must be >= 1, got 0"),
+    ("deepseek_v3", {"topk_group": 5}, "topk_group must be in [1, n_group=4], got 5"),
+    ("deepseek_v3", {"n_group": 8, "topk_group": 2},
+     "n_group must leave >= 2 experts per group (a group's score is the sum of its top-2 expert scores), got "
+     "n_group=8 for n_routed_experts=8"),
+    ("deepseek_v3", {"topk_group": 1, "num_experts_per_tok": 3},
+     "num_experts_per_tok must be <= topk_group * n_routed_experts / n_group = 2 (the experts of the groups a token "
+     "may use), got 3"),
+    ("deepseek_v3", {"routed_scaling_factor": 0}, "routed_scaling_factor must be > 0, got 0.0"),
+    ("deepseek_v3", {"routed_scaling_factor": "2.5"}, "field 'routed_scaling_factor' should be float, got '2.5'"),
+    ("deepseek_v3", {"norm_topk_prob": 1}, "field 'norm_topk_prob' should be bool, got 1"),
+    ("deepseek_v3", {"topk_method": "greedy"}, "topk_method must be 'noaux_tc' for DeepseekV3ForCausalLM, got "
+                                               "'greedy'"),
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method must be 'greedy' or 'group_limited_greedy' for "
+                                                 "DeepseekV2ForCausalLM, got 'noaux_tc'"),
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": None},
+     "required field 'n_group' is missing"),
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4}, "required field 'topk_group' is missing"),
+])
+def test_deepseek_bad_values_name_file_and_field(tmp_path, family, change, expected):
+    raw = {**_raw(family), **change}
+    assert _load_error(tmp_path, raw) == f"{tmp_path / 'config.json'}: {expected}"
+
+
+def test_deepseek_q_lora_rank_must_be_present_and_unimplemented_fields_raise(tmp_path):
+    raw = {k: v for k, v in _raw("deepseek_v3").items() if k != "q_lora_rank"}
+    assert _load_error(tmp_path, raw).endswith("required field 'q_lora_rank' is missing (null means a plain q_proj)")
+    for family, change, field in (("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func"),
+                                  ("deepseek_v2", {"scoring_func": "sigmoid"}, "scoring_func"),
+                                  ("deepseek_v2", {"mlp_bias": True}, "mlp_bias")):
+        with pytest.raises(NotImplementedError, match=field):
+            config_from_dict({**_raw(family), **change}, source="x/config.json")
 def test_gpt_oss_configs():
     """The shared gpt_oss fixture (transformers 5 key style) and gpt_oss_mxfp4 (Hub style: rope_theta + rope_scaling,
     torch_dtype, quantization_config mxfp4)."""

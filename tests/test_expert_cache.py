@@ -8,10 +8,18 @@ import pytest
 
 from ft_jax.offload.expert_cache import (STAT_FIELDS, CacheState, active_from_topk, init_cache_state,
                                  init_cache_state_resident, plan_layer)
-from ft_jax.offload.policy import parse_policy
+from ft_jax.offload.policy import auto_costs, parse_policy
 from cache_reference import ReferenceCache
 
-POLICIES = ("qstar:0.415", "fetch-all", "host-all", "fixed-cap:2")
+POLICIES = ("qstar:0.415", "fetch-all", "host-all", "fixed-cap:2", "auto")
+# auto with 1 GB experts, fill 2 GB/s, host 8 GB/s, device 50 GB/s: the reuse credit and the host path both matter.
+AUTO_COSTS = auto_costs(10**9, 2.0, 8.0, device_bandwidth=50.0)
+
+
+def policy_of(name: str):
+    """parse_policy, with auto bound to AUTO_COSTS."""
+    policy = parse_policy(name)
+    return policy.with_costs(AUTO_COSTS) if policy.kind == "auto" else policy
 PLAN_FIELDS = ("fill_flat_ids", "fill_slot_ids", "device_slot_of_expert", "host_mask", "stats")
 # plan_layer with a Python int layer (static) and a static policy; jit only to keep the tests fast.
 plan_static = jax.jit(plan_layer, static_argnums=(1, 3))
@@ -44,7 +52,7 @@ CASES = [(p, L, S) for p in POLICIES for L, S in ((1, 40), (3, 40), (4, 5))] + [
 @pytest.mark.parametrize("policy_name,num_layers,num_slots", CASES)
 def test_matches_reference_200_steps(policy_name, num_layers, num_slots):
     E, k, steps = 32, 8, 200
-    policy = parse_policy(policy_name)
+    policy = policy_of(policy_name)
     if policy.kind == "resident":
         state = init_cache_state_resident(num_layers, E)
         ref = ReferenceCache(num_layers, E, resident=True)
@@ -218,6 +226,8 @@ def test_input_errors():
         plan_layer(state, 2, jnp.zeros(4, bool), parse_policy("fetch-all"))
     with pytest.raises(ValueError, match="no fraction"):
         plan_layer(state, 0, jnp.zeros(4, bool), parse_policy("qstar"))
+    with pytest.raises(ValueError, match="auto policy has no costs"):
+        plan_layer(state, 0, jnp.zeros(4, bool), parse_policy("auto"))
     with pytest.raises(ValueError, match="num_slots"):
         init_cache_state(2, 4, 0)
 
@@ -231,7 +241,8 @@ def test_victim_choice_safe_at_int32_limit():
                        usage=jnp.array([5, int_max], jnp.int32),
                        recency=jnp.array([[4, -1, -1, 4]], jnp.int32),
                        step=jnp.array(int_max - 1, jnp.int32),
-                       stats=jnp.zeros((1, 6), jnp.int32))
+                       stats=jnp.zeros((1, 6), jnp.int32), slot_gain=jnp.zeros((2,), jnp.int32),
+                       ghost_of_slot=jnp.full((2,), -1, jnp.int32), reuse=jnp.zeros((2,), jnp.int32))
     state, plan = plan_static(state, 0, jnp.array([True, True, False, False]), parse_policy("fetch-all"))
     np.testing.assert_array_equal(np.asarray(plan.fill_slot_ids), [1, -1])
     np.testing.assert_array_equal(np.asarray(plan.device_slot_of_expert), [0, 1, -1, -1])
@@ -239,12 +250,12 @@ def test_victim_choice_safe_at_int32_limit():
     np.testing.assert_array_equal(np.asarray(state.slot_of_expert), [[0, 1, -1, -1]])
 
 
-@pytest.mark.parametrize("policy_name", ["qstar:0.415", "fetch-all", "fixed-cap:1"])
+@pytest.mark.parametrize("policy_name", ["qstar:0.415", "fetch-all", "fixed-cap:1", "auto"])
 def test_decode_plan_with_max_active_matches_reference(policy_name):
     """The decode step's plan: at most T*k = 6 active experts, so P = 6 fills, chosen by argmax/argmin instead of
     sorts; the tables and the first P plan entries equal the reference (whose remaining entries are padding)."""
     E, k, L, S, steps = 32, 2, 3, 10, 150
-    policy = parse_policy(policy_name)
+    policy = policy_of(policy_name)
     state, ref = init_cache_state(L, E, S), ReferenceCache(L, E, S)
     rng = np.random.default_rng(99)
     popularity = rng.dirichlet(np.full(E, 0.3))
@@ -263,3 +274,27 @@ def test_decode_plan_with_max_active_matches_reference(policy_name):
     assert step_fn._cache_size() == 1
     hlo = step_fn.lower(state, jnp.int32(0), jnp.zeros(E, bool)).compile().as_text()
     assert " sort(" not in hlo  # decode plans sort nothing
+
+
+def test_auto_reuse_bookkeeping_by_hand():
+    """L=1, E=4, S=1, auto: hits raise the slot's gain, a miss on the expert its fill evicted (its ghost) lowers
+    it; when a fill that had replaced an expert is itself evicted, its gain (x32) joins the decayed sums (a fill
+    into the empty slot, while warming up, is left out)."""
+    policy = policy_of("auto")  # every miss here is worth fetching: credit 16 hits x a host GEMV > the fill
+    state = init_cache_state(1, 4, 1)
+    only = lambda *e: jnp.asarray(np.isin(np.arange(4), e))  # noqa: E731
+    state, plan = plan_static(state, 0, only(1), policy)  # fill expert 1 into the empty slot 0
+    assert int(plan.stats[3]) == 1 and np.asarray(state.ghost_of_slot).tolist() == [-1]
+    for _ in range(3):
+        state, plan = plan_static(state, 0, only(1), policy)  # three hits
+    assert np.asarray(state.slot_gain).tolist() == [3] and np.asarray(state.reuse).tolist() == [0, 0]
+    state, plan = plan_static(state, 0, only(2), policy)  # fetch 2, evicting 1: a warm-up fill, not realized
+    assert int(plan.stats[3]) == 1 and np.asarray(state.reuse).tolist() == [0, 0]
+    assert np.asarray(state.ghost_of_slot).tolist() == [1] and np.asarray(state.slot_gain).tolist() == [0]
+    state, plan = plan_static(state, 0, only(1, 2), policy)  # hit 2 (+1), ghost miss 1 (-1); slot busy: no fill
+    assert int(plan.stats[3]) == 0 and np.asarray(state.slot_gain).tolist() == [0]
+    for _ in range(2):
+        state, plan = plan_static(state, 0, only(2), policy)  # two hits
+    state, plan = plan_static(state, 0, only(3), policy)  # fetch 3, evicting the replacement fill of 2: gain 2
+    assert int(plan.stats[3]) == 1
+    assert np.asarray(state.reuse).tolist() == [2 * 32, 32] and np.asarray(state.ghost_of_slot).tolist() == [2]

@@ -322,30 +322,28 @@ def test_skipped_routes_contribute_nothing():
     dn_bank.release()
 
 
-_THREADS_SCRIPT = """
+_SUBPROCESS_SCRIPT = """
 import sys, numpy as np, jax.numpy as jnp
 import ml_dtypes
-from ft_jax import _ffi
 from ft_jax.offload import ffi_ops
 from ft_jax.offload.host_bank import HostBank
 x, ids, w, gu, dn, gb, db, out = sys.argv[1:9]
-_ffi.force_generic_kernel(sys.argv[9] == "generic")
 banks = HostBank.from_numpy(np.load(gu)), HostBank.from_numpy(np.load(dn))
-biases = dict(gate_up_bias=HostBank.from_numpy(np.load(gb)), down_bias=HostBank.from_numpy(np.load(db))) \
-    if sys.argv[10] == "swiglu_oai" else {}
+biases = dict(gate_up_bias=HostBank.from_numpy(np.load(gb)), down_bias=HostBank.from_numpy(np.load(db))) \\
+    if sys.argv[9] == "swiglu_oai" else {}
 xb = jnp.asarray(np.load(x).astype(ml_dtypes.bfloat16))
-y = ffi_ops.host_experts(xb, np.load(ids), np.load(w), *banks, activation=sys.argv[10], **biases)
+y = ffi_ops.host_experts(xb, np.load(ids), np.load(w), *banks, activation=sys.argv[9], **biases)
 lin = ffi_ops.linear(xb, jnp.asarray(np.load(gu)), 2)
 np.save(out, np.concatenate([np.asarray(y).ravel(), np.asarray(lin).ravel()]))
 """
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "swiglu_oai"])
-@pytest.mark.parametrize("generic", [False, True], ids=["auto_isa", "generic"])
-def test_large_experts_multithreaded_bf16_x_and_every_activation(activation, generic, tmp_path):
-    """Experts and a dense projection above the threading threshold (1 MiB per call), bf16 activations, portable
-    and vector loops, many routes per expert (swiglu_oai with bias banks): within tolerance of float64 and
-    bit-identical on XLA's thread pool (this process) and on one thread (a subprocess with FT_JAX_NUM_THREADS=1)."""
+def test_large_experts_multithreaded_bf16_x_and_every_activation(activation, tmp_path):
+    """Experts and a dense projection above the threading threshold (1 MiB per call), bf16 activations, many routes
+    per expert (swiglu_oai with bias banks): within tolerance of float64 and bit-identical on XLA's thread pool
+    (this process) and on one thread (a subprocess with FT_JAX_NUM_THREADS=1); the portable loops (a subprocess with
+    FT_JAX_KERNEL=generic) within tolerance too."""
     rng = np.random.default_rng(6)
     x, ids, weights, gate_up, down = _expert_case(rng, 5, 2, num_experts=4, hidden=256, inter=600)
     ids[:, 0] = 0  # five routes to expert 0 (4-token inner loop + remainder); may repeat an id within a token
@@ -355,29 +353,30 @@ def test_large_experts_multithreaded_bf16_x_and_every_activation(activation, gen
     with_bias = activation == "swiglu_oai"
     expected = _experts_reference(x_bf16.astype(np.float32), ids, weights, gate_up, down, activation,
                                   *((gu_bias, dn_bias) if with_bias else ()))
+    expected_lin = x_bf16.astype(np.float64) @ gate_up[2].astype(np.float64).T
     gu_bank, dn_bank = HostBank.from_numpy(gate_up), HostBank.from_numpy(down)
     biases = dict(gate_up_bias=HostBank.from_numpy(gu_bias), down_bias=HostBank.from_numpy(dn_bias)) \
         if with_bias else {}
     run = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, gu_bank, dn_bank, activation=activation, **biases))
-    _ffi.force_generic_kernel(generic)
-    try:
-        y = np.asarray(run(jnp.asarray(x_bf16), ids, weights))
-        y_again = np.asarray(run(jnp.asarray(x_bf16), ids, weights))
-        lin = np.asarray(ffi_ops.linear(jnp.asarray(x_bf16), jnp.asarray(gate_up), 2))
-    finally:
-        _ffi.force_generic_kernel(False)
-    assert _rel_err(y, expected) < 1e-5
-    np.testing.assert_array_equal(y, y_again)
-    assert _rel_err(lin, x_bf16.astype(np.float64) @ gate_up[2].astype(np.float64).T) < 1e-5
+    y = np.asarray(run(jnp.asarray(x_bf16), ids, weights))
+    np.testing.assert_array_equal(y, np.asarray(run(jnp.asarray(x_bf16), ids, weights)))
+    lin = np.asarray(ffi_ops.linear(jnp.asarray(x_bf16), jnp.asarray(gate_up), 2))
+    assert _rel_err(y, expected) < 1e-5 and _rel_err(lin, expected_lin) < 1e-5
     names = ("x", "ids", "w", "gu", "dn", "gb", "db")
     paths = {n: str(tmp_path / f"{n}.npy") for n in (*names, "out")}
     for n, a in zip(names, (x, ids, weights, gate_up, down, gu_bias, dn_bias)):
         np.save(paths[n], a)
-    env = dict(os.environ, FT_JAX_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, *(paths[n] for n in (*names, "out")),
-                    "generic" if generic else "auto", activation], check=True, env=env)
-    one_thread = np.load(paths["out"])
-    np.testing.assert_array_equal(one_thread, np.concatenate([y.ravel(), lin.ravel()]))
+
+    def in_subprocess(**env):
+        subprocess.run([sys.executable, "-c", _SUBPROCESS_SCRIPT, *(paths[n] for n in (*names, "out")), activation],
+                       check=True, env=dict(os.environ, **env))
+        got = np.load(paths["out"])
+        return got[:y.size].reshape(y.shape), got[y.size:].reshape(lin.shape)
+
+    np.testing.assert_array_equal(np.concatenate([a.ravel() for a in in_subprocess(FT_JAX_NUM_THREADS="1")]),
+                                  np.concatenate([y.ravel(), lin.ravel()]))
+    y_generic, lin_generic = in_subprocess(FT_JAX_KERNEL="generic")
+    assert _rel_err(y_generic, expected) < 1e-5 and _rel_err(lin_generic, expected_lin) < 1e-5
     for bank in (gu_bank, dn_bank, *biases.values()):
         bank.release()
 

@@ -15,10 +15,11 @@ from flax import nnx
 
 from ft_jax.checkpoint import load_checkpoint
 from ft_jax.offload.experts import OffloadedExperts
-from ft_jax.offload.policy import Policy
+from ft_jax.offload.policy import Policy, auto_costs
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "gpt_oss_mxfp4"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss",
+            "gpt_oss_mxfp4"]
 
 
 def _reference(family):
@@ -79,7 +80,11 @@ def test_outputs_independent_of_policy_and_cache_size(loaded):
     prompt = info["prompt_ids"]
     sizes = sorted({1, k, L * E // 2, L * E})
     runs = [(Policy("resident"), L * E)]
-    runs += [(p, s) for p in (Policy("fetch-all"), Policy("host-all"), Policy("qstar", frac=0.415)) for s in sizes]
+    # auto with a device 10x faster than both paths: its reuse credit makes it fetch some misses and host others.
+    auto = Policy("auto", costs=auto_costs(ckpt.gate_up_bank.row_bytes + ckpt.down_bank.row_bytes, 10.0, 10.0,
+                                           device_bandwidth=100.0))
+    runs += [(p, s) for p in (Policy("fetch-all"), Policy("host-all"), Policy("qstar", frac=0.415), auto)
+             for s in sizes]
     for policy, slots in runs:
         backend = _backend(ckpt, policy)
         tokens, logits, routing, state = _greedy_logits(ckpt, backend, slots, prompt, 16)

@@ -114,3 +114,55 @@ def test_fetch_budget_per_kind():
         np.testing.assert_array_equal(np.asarray(got), np.array(want, np.int32), err_msg=name)
     with pytest.raises(ValueError, match="no fraction"):
         pol.fetch_budget(pol.Policy("qstar"), jnp.int32(3))
+
+
+def test_auto_parsing_and_binding():
+    assert pol.parse_policy("auto") == pol.Policy("auto")
+    with pytest.raises(ValueError, match="takes no argument"):
+        pol.parse_policy("auto:1")
+    costs = pol.auto_costs(10**9, 1.0, 4.0, device_bandwidth=10.0)
+    assert pol.Policy("auto").with_costs(costs) == pol.Policy("auto", costs=costs)
+    hash(pol.Policy("auto", costs=costs))  # a static jit argument
+    with pytest.raises(ValueError, match="takes no costs"):
+        pol.Policy("fetch-all", costs=costs)
+    with pytest.raises(ValueError, match="auto only"):
+        pol.Policy("qstar").with_costs(costs)
+    with pytest.raises(ValueError, match="cache state"):
+        pol.fetch_budget(pol.Policy("auto", costs=costs), jnp.int32(2))
+    with pytest.raises(ValueError, match="both contended"):
+        pol.auto_costs(10**9, 1.0, 4.0, 0.5)
+
+
+def test_auto_costs_worked_values():
+    # 1 GB experts: fill 1000 ms alone (the slowest solo time: 1024 ticks, tick = 1000/1024 ms), host 250 ms -> 256,
+    # device 100 ms -> 102.4 -> 102; no pair: BPc = BP (1024), BHc = BH - BP = 3 GB/s: 333.3 ms -> 341.3 -> 341;
+    # fixed 0.5 ms -> 0.512 -> 1 tick.
+    c = pol.auto_costs(10**9, 1.0, 4.0, device_bandwidth=10.0, host_fixed_ms=0.5)
+    assert c.tick_ms == pytest.approx(1000 / 1024)
+    assert (c.fill_solo, c.fill_cont, c.host_solo, c.host_cont, c.device) == (1024, 1024, 256, 341, 102)
+    assert (c.fill_fixed, c.host_fixed, c.device_fixed) == (0, 1, 0)
+    # BH <= BP: the host gets nothing while the fill runs (capped tick value).
+    assert pol.auto_costs(10**9, 4.0, 2.0).host_cont == pol.AUTO_MAX_TICKS
+
+
+def test_auto_fetch_count_matches_reference_rule():
+    """auto_layer_ticks, auto_credit and auto_fetch_count (jnp) against tests/cache_reference.py's independent
+    auto_count over a grid of layers and reuse sums, for three machines (one with fixed costs)."""
+    from cache_reference import auto_count, auto_layer_time
+
+    machines = [pol.auto_costs(10**9, 2.0, 8.0, device_bandwidth=50.0),
+                pol.auto_costs(10**9, 14.8 * 25.2 / 14.8, 65.9, 14.8, 71.5, device_bandwidth=1000.0),
+                pol.auto_costs(10**8, 1.0, 1.5, 0.7, 0.9, host_fixed_ms=30.0, fill_fixed_ms=5.0)]
+    rng = np.random.default_rng(5)
+    for costs in machines:
+        fn = jax.jit(lambda m, h, cap, g, n, c=costs: pol.auto_fetch_count(
+            c, m, h, cap, pol.auto_credit(c, m, h, g, n), 8))
+        for _ in range(60):
+            m = int(rng.integers(0, 9))
+            h = int(rng.integers(0, 9))
+            cap = int(rng.integers(0, m + 1))
+            gain, fills = int(rng.integers(-20000, 200000)), int(rng.integers(0, 40000))
+            want = auto_count(costs, m, h, cap, gain, fills)
+            assert int(fn(m, h, cap, gain, fills)) == want, (costs, m, h, cap, gain, fills)
+            for F in range(m + 1):
+                assert int(pol.auto_layer_ticks(costs, m, h, F)) == auto_layer_time(costs, m, h, F)

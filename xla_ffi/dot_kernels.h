@@ -22,7 +22,7 @@
 
 namespace ft_jax {
 
-// True when the AVX2+FMA loops run: the CPU supports them and ForceGenericKernel(true) was not called.
+// True when the AVX2+FMA loops run: the CPU supports them and FT_JAX_KERNEL=generic is not set.
 bool UseAvx2();
 
 inline float ToF32(float v) { return v; }

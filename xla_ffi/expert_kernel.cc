@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <vector>
 
 #include "xla_ffi/dot_kernels.h"
@@ -13,14 +15,12 @@
 
 namespace ft_jax {
 
-namespace {
-std::atomic<bool> force_generic{false};
-}  // namespace
-
 bool UseAvx2() {
 #if FT_JAX_HAVE_AVX2_PATH
-  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return supported && !force_generic.load(std::memory_order_relaxed);
+  // FT_JAX_KERNEL=generic (read once) forces the portable loops, e.g. to rule out the vector path when debugging.
+  static const bool use = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          !(std::getenv("FT_JAX_KERNEL") && std::string_view(std::getenv("FT_JAX_KERNEL")) == "generic");
+  return use;
 #else
   return false;
 #endif
@@ -304,6 +304,5 @@ void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, cons
 
 const char* KernelIsa() { return UseAvx2() ? "avx2" : "generic"; }
 
-void ForceGenericKernel(bool force) { force_generic.store(force, std::memory_order_relaxed); }
 
 }  // namespace ft_jax

@@ -71,10 +71,9 @@ std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, c
 void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
                 int64_t k, const ExpertActivation& act, float* y, xla::ffi::ThreadPool& pool);
 
-// Which inner loop the kernel uses: "avx2" (x86-64 with AVX2+FMA, chosen at run time) or "generic".
+// Which inner loop the kernels use: "avx2" (x86-64 with AVX2+FMA, chosen at run time) or "generic" (other CPUs, or
+// FT_JAX_KERNEL=generic in the environment).
 const char* KernelIsa();
-// Forces the generic loop (true) or restores the automatic choice (false); for tests and benchmarks.
-void ForceGenericKernel(bool force);
 
 }  // namespace ft_jax
 

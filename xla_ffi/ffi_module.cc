@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "xla_ffi/expert_kernel.h"
@@ -25,8 +24,6 @@ std::shared_ptr<ft_jax::Bank> LiveBank(int64_t id) {
   if (!bank) throw nb::value_error(ft_jax::MissingBankMessage(id).c_str());
   return bank;
 }
-
-using BankInfo = std::tuple<int64_t, std::vector<int64_t>, int32_t, int64_t, int64_t>;
 
 }  // namespace
 
@@ -99,15 +96,6 @@ NB_MODULE(_ffi, m) {
   m.def("bank_is_live", [](int64_t id) { return ft_jax::FindBank(id) != nullptr; }, nb::arg("id"));
 
   m.def(
-      "bank_info",
-      [](int64_t id) -> BankInfo {
-        auto b = LiveBank(id);
-        return {b->num_rows(), b->row_shape(), b->dtype_code(), static_cast<int64_t>(b->row_bytes()),
-                static_cast<int64_t>(b->nbytes())};
-      },
-      nb::arg("id"), "(num_rows, row_shape, dtype_code, row_bytes, nbytes); ValueError if not live.");
-
-  m.def(
       "bank_buffer",
       [](int64_t id) {
         auto bank = LiveBank(id);
@@ -120,6 +108,4 @@ NB_MODULE(_ffi, m) {
       nb::arg("id"), "Writable uint8 numpy view [nbytes] of the bank memory (keeps it alive). ValueError if not live.");
 
   m.def("kernel_isa", &ft_jax::KernelIsa, "'avx2' or 'generic': the inner loop the expert kernel uses.");
-  m.def("force_generic_kernel", &ft_jax::ForceGenericKernel, nb::arg("force"),
-        "Force the portable inner loop (tests) or restore the automatic choice.");
 }

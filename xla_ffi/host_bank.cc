@@ -142,12 +142,6 @@ std::string MissingBankMessage(int64_t id) {
   return "bank " + std::to_string(id) + " does not exist";
 }
 
-int64_t LiveBankCount() {
-  Registry& r = GetRegistry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  return static_cast<int64_t>(r.banks.size());
-}
-
 }  // namespace ft_jax
 
 extern "C" {
@@ -190,14 +184,9 @@ int32_t ft_jax_bank_release(int64_t id) {
     return static_cast<ret_type>(expr);             \
   }
 
-FT_JAX_BANK_QUERY(int64_t, ft_jax_bank_num_rows, bank->num_rows())
-FT_JAX_BANK_QUERY(int64_t, ft_jax_bank_row_bytes, bank->row_bytes())
 FT_JAX_BANK_QUERY(int64_t, ft_jax_bank_nbytes, bank->nbytes())
-FT_JAX_BANK_QUERY(int32_t, ft_jax_bank_dtype, bank->dtype_code())
 
 #undef FT_JAX_BANK_QUERY
-
-int32_t ft_jax_bank_is_live(int64_t id) { return ft_jax::FindBank(id) ? 1 : 0; }
 
 const char* ft_jax_last_error(void) { return ft_jax::last_error.c_str(); }
 

@@ -93,8 +93,6 @@ std::shared_ptr<Bank> FindBank(int64_t id);
 bool ReleaseBank(int64_t id);
 // Error text for a bank id that is not live: "bank 7 was released" or "bank 7 does not exist".
 std::string MissingBankMessage(int64_t id);
-// Number of live banks (for tests and diagnostics).
-int64_t LiveBankCount();
 
 }  // namespace ft_jax
 
@@ -107,11 +105,7 @@ FT_JAX_EXPORT int64_t ft_jax_bank_create(int64_t num_rows, int32_t row_rank, con
                                          int32_t dtype_code);
 FT_JAX_EXPORT void* ft_jax_bank_data(int64_t id);  // NULL if not live
 FT_JAX_EXPORT int32_t ft_jax_bank_release(int64_t id);  // 0 on success, -1 if not live
-FT_JAX_EXPORT int64_t ft_jax_bank_num_rows(int64_t id);
-FT_JAX_EXPORT int64_t ft_jax_bank_row_bytes(int64_t id);
 FT_JAX_EXPORT int64_t ft_jax_bank_nbytes(int64_t id);
-FT_JAX_EXPORT int32_t ft_jax_bank_dtype(int64_t id);  // XLA FFI data type code, -1 if not live
-FT_JAX_EXPORT int32_t ft_jax_bank_is_live(int64_t id);  // 1 or 0
 FT_JAX_EXPORT const char* ft_jax_last_error(void);
 
 #ifdef __cplusplus

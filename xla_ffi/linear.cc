@@ -1,6 +1,6 @@
 // linear: the dense projections of the decoder on the CPU backend, reading every weight once per call.
 //   y[n, o] = sum_k x[n, k] * w[layer, o, k]
-// operands: x f32|bf16 [N, K]; w f32|bf16 [L, O, K] (a stack of L like layers; rank 2 [O, K] means L = 1);
+// operands: x f32|bf16 [N, K]; w f32|bf16 (or u16 bf16 bits) [L, O, K] (a stack of L like layers; [O, K]: L = 1);
 //           layer s32[] (which matrix of the stack)
 // result:   y f32 [N, O] (float32 accumulation)
 // Why a handler: XLA:CPU runs a bf16 matrix-vector product at memory bandwidth only in narrow cases (a fused
@@ -112,12 +112,14 @@ const float* XAsF32(ffi::AnyBuffer x, size_t n) {
 }
 
 bool IsWeightType(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+// Weights may also arrive as uint16 holding bf16 bits (how ft_jax keeps a bf16 embedding table: a tied lm_head).
+bool IsBf16Bits(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::U16; }
 
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, I32Scalar layer, F32MatrixResult y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || !IsWeightType(x.element_type()) ||
-      !IsWeightType(w.element_type())) {
+      !(IsWeightType(w.element_type()) || IsBf16Bits(w.element_type()))) {
     return ffi::Error::InvalidArgument("linear: x must be f32|bf16 [N, K] and w f32|bf16 [L, O, K] or [O, K]");
   }
   const int64_t L = wd.size() == 3 ? wd[0] : 1, O = wd[wd.size() - 2], K = wd[wd.size() - 1], N = xd[0];
@@ -134,7 +136,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   if (N == 0 || O == 0) return ffi::Error::Success();
   const float* x32 = XAsF32(x, static_cast<size_t>(N * K));
   const size_t offset = static_cast<size_t>(l) * static_cast<size_t>(O * K);
-  if (w.element_type() == ffi::DataType::BF16) {
+  if (IsBf16Bits(w.element_type())) {
     RunLinear<uint16_t>(static_cast<const uint16_t*>(w.untyped_data()) + offset, x32, N, K, O, y->typed_data(), pool);
   } else {
     RunLinear<float>(static_cast<const float*>(w.untyped_data()) + offset, x32, N, K, O, y->typed_data(), pool);

@@ -45,13 +45,15 @@ import numpy as np
 from flax import nnx
 
 from ft_jax.config import MoEConfig
-from ft_jax.models.layers import apply_rope, gated_mlp, linear, rms_norm, rope_cos_sin
-from ft_jax.models.routing import route
+from ft_jax.models.layers import apply_rope, cache_load, cache_store, gated_mlp, linear, rms_norm, rope_cos_sin
+from ft_jax.models.mla import MultiHeadLatentAttention
+from ft_jax.models.routing import route, route_deepseek
 
 ParamFactory = Callable[[str, tuple[int, ...], str], np.ndarray]
 """make(hf_name, shape, kind) -> host (numpy) array of that shape in the model dtype (float32 or ml_dtypes.bfloat16).
-kind: "weight" | "norm" | "bias". ``hf_name`` is the Hugging Face (Hub) tensor name, e.g.
-"model.layers.0.self_attn.q_proj.weight"."""
+kind: "weight" | "norm" | "bias", or "weight_f32" | "bias_f32": the same, kept in float32 whatever the model dtype
+(transformers' _keep_in_fp32_modules_strict: DeepSeek's router weight and e_score_correction_bias). ``hf_name`` is
+the Hugging Face (Hub) tensor name, e.g. "model.layers.0.self_attn.q_proj.weight"."""
 
 
 class ExpertBackend(Protocol):
@@ -68,7 +70,8 @@ class ExpertBackend(Protocol):
 @dataclasses.dataclass
 class KVCache:
     """Static-size KV cache: one tuple of arrays per DecoderStack, each array [n, B, max_len, ...] (n = layers of the
-    stack; the attention module decides what is cached, e.g. (k, v) [n, B, S, KVH, D] for grouped-query attention).
+    stack; the attention module decides what is cached, e.g. (k, v) [n, B, S, KVH, D] for grouped-query attention,
+    (latent [n, B, S, C], rope_key [n, B, S, dr]) for DeepSeek's latent attention, ft_jax/models/mla.py).
     Index s of row b holds what the sequence's token at position s left behind.
     """
 
@@ -130,9 +133,11 @@ def random_param_factory(seed: int = 0, dtype=np.float32, std: float = 0.02) -> 
     """Param factory for an untrained model: weights ~ N(0, std^2), norms 1, biases 0, drawn with numpy
     (deterministic in seed and parameter creation order) and cast to ``dtype`` (float32 or bfloat16)."""
     rng = np.random.default_rng(seed)
-    np_dtype = np.dtype(jnp.dtype(dtype))
+    model_dtype = np.dtype(jnp.dtype(dtype))
 
     def make(name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
+        np_dtype = np.dtype(np.float32) if kind.endswith("_f32") else model_dtype
+        kind = kind.removesuffix("_f32")
         if kind == "norm":
             return np.ones(shape, np_dtype)
         if kind == "bias":
@@ -200,9 +205,10 @@ class GroupedQueryAttention(nnx.Module):
         self.windows = tuple(cfg.attention_window(l) for l in p.layers)  # per layer: int or None (full)
 
     def init_cache(self, num_layers: int, batch_size: int, max_len: int, dtype) -> tuple[jax.Array, ...]:
-        """Zero (k, v) caches [n, B, max_len, KVH, D]: 2 * n * B * max_len * KVH * D * itemsize bytes."""
+        """Zero (k, v) caches [n, B, max_len, KVH, D] of the model dtype (bf16 kept as its uint16 bits:
+        layers.cache_store): 2 * n * B * max_len * KVH * D * itemsize bytes."""
         shape = (num_layers, batch_size, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
-        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+        return cache_store(jnp.zeros(shape, dtype)), cache_store(jnp.zeros(shape, dtype))
 
     def __call__(self, i, x, ctx: AttentionInputs, cache: tuple[jax.Array, ...]):
         """Layer i's self-attention. x: [B, T, H]; cache: (k, v) [n, B, S, KVH, D] (layer i updated in place).
@@ -230,9 +236,9 @@ class GroupedQueryAttention(nnx.Module):
         cos, sin = rope_cos_sin(jnp.maximum(ctx.positions, 0), D, cfg.rope_theta, cfg.rope_scaling)  # f32[B, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        k_cache = k_cache.at[i, ctx.rows, ctx.write_idx].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[i, ctx.rows, ctx.write_idx].set(v.astype(v_cache.dtype), mode="drop")
-        keys, values = k_cache[i].astype(q.dtype), v_cache[i].astype(q.dtype)  # [B, S, KVH, D]
+        k_cache = k_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(k), mode="drop")
+        v_cache = v_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(v), mode="drop")
+        keys, values = cache_load(k_cache[i], q.dtype), cache_load(v_cache[i], q.dtype)  # [B, S, KVH, D]
 
         mask = ctx.causal  # [B, T, S]
         if any(w is not None for w in self.windows):
@@ -314,6 +320,42 @@ class MoEBlock(nnx.Module):
         return y.reshape(B, T, H), expert_state, (r.logits, r.topk_ids, r.topk_weights)
 
 
+class DeepseekMoEBlock(nnx.Module):
+    """DeepSeek-V2/V3 MoE block (transformers' DeepseekV2Moe / DeepseekV3MoE): a float32 router [n, E, H] (with
+    e_score_correction_bias [n, E] for V3, "mlp.gate.e_score_correction_bias"), routed experts from the expert
+    backend, plus n_shared_experts shared experts as one ungated dense MLP of width SI = moe_intermediate_size *
+    n_shared_experts on the device ("mlp.shared_experts.{gate,up,down}_proj.weight": gate/up fused [n, 2 SI, H],
+    down [n, H, SI]) added to the routed output."""
+
+    def __init__(self, cfg: MoEConfig, p: Stacked, moe_base: int):
+        H, E, SI = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.cfg, self.moe_base = cfg, moe_base
+        self.router = p("mlp.gate.weight", (E, H), "weight_f32")  # f32[n, E, H]
+        self.score_bias = p("mlp.gate.e_score_correction_bias", (E,), "bias_f32") \
+            if cfg.scoring_func == "sigmoid" else None  # f32[n, E]
+        if SI:
+            s = "mlp.shared_experts"
+            self.shared_gate_up = p.rows([(f"{s}.gate_proj.weight", (SI, H)), (f"{s}.up_proj.weight", (SI, H))])
+            self.shared_down = p(f"{s}.down_proj.weight", (H, SI))  # [n, H, SI]
+        else:
+            self.shared_gate_up = self.shared_down = None
+
+    def __call__(self, i, x, valid, expert_state, experts: ExpertBackend):
+        """Layer i's MoE block. x: [B, T, H]; valid: bool[B, T].
+        Returns (y [B, T, H], expert_state, (router logits f32[N, E], topk ids i32[N, k], weights f32[N, k]))."""
+        cfg = self.cfg
+        B, T, H = x.shape
+        xf = x.reshape(B * T, H)  # [N, H]
+        logits = linear(xf.astype(jnp.float32), self.router[...], i)  # f32[N, E], as transformers: all in float32
+        bias = None if self.score_bias is None else self.score_bias[...][i]
+        r = route_deepseek(cfg, logits, valid.reshape(B * T), bias)
+        routed, expert_state = experts(jnp.int32(self.moe_base) + i, xf, r.topk_ids, r.topk_weights, expert_state)
+        y = routed.astype(x.dtype)  # [N, H]
+        if self.shared_gate_up is not None:
+            y = y + gated_mlp(xf, self.shared_gate_up[...], self.shared_down[...], i, cfg.activation)
+        return y.reshape(B, T, H), expert_state, (r.logits, r.topk_ids, r.topk_weights)
+
+
 def _layer_kind(cfg: MoEConfig, layer: int) -> str:
     return "dense" if cfg.moe_layer_index(layer) is None else "moe"
 
@@ -335,9 +377,14 @@ class DecoderStack(nnx.Module):
         p = Stacked(make, layers)
         self.input_norm = p("input_layernorm.weight", (H,), "norm")  # [n, H]
         self.post_norm = p("post_attention_layernorm.weight", (H,), "norm")  # [n, H]
-        self.attn = GroupedQueryAttention(cfg, p)
+        self.attn = MultiHeadLatentAttention(cfg, p) if cfg.kv_lora_rank else GroupedQueryAttention(cfg, p)
         moe_base = cfg.moe_layer_index(layers[0])
-        self.ffn = DenseMLP(cfg, p) if moe_base is None else MoEBlock(cfg, p, moe_base)
+        if moe_base is None:
+            self.ffn = DenseMLP(cfg, p)
+        elif cfg.family in ("deepseek_v2", "deepseek_v3"):
+            self.ffn = DeepseekMoEBlock(cfg, p, moe_base)
+        else:
+            self.ffn = MoEBlock(cfg, p, moe_base)
 
     @property
     def num_layers(self) -> int:
@@ -381,8 +428,10 @@ class MoETransformer(nnx.Module):
 
     def __init__(self, cfg: MoEConfig, make: ParamFactory):
         self.cfg = cfg
-        self.embed_tokens = nnx.Param(jnp.asarray(make("model.embed_tokens.weight",
-                                                       (cfg.vocab_size, cfg.hidden_size), "weight")))  # [V, H]
+        # [V, H]; a bf16 table is kept as its uint16 bits: XLA:CPU would convert the whole table to float32 for every
+        # gather (a 250 MiB copy per step for a 32000 x 2048 vocabulary). take_rows and linear read the bits.
+        self.embed_tokens = nnx.Param(cache_store(jnp.asarray(make("model.embed_tokens.weight",
+                                                                   (cfg.vocab_size, cfg.hidden_size), "weight"))))
         runs = itertools.groupby(range(cfg.num_layers), key=lambda l: _layer_kind(cfg, l))
         self.stacks = nnx.List([DecoderStack(cfg, make, tuple(layers)) for _, layers in runs])
         self.norm = nnx.Param(jnp.asarray(make("model.norm.weight", (cfg.hidden_size,), "norm")))
@@ -392,7 +441,7 @@ class MoETransformer(nnx.Module):
     @property
     def dtype(self):
         """Parameter (and activation) dtype."""
-        return self.embed_tokens[...].dtype
+        return self.norm[...].dtype
 
     def init_kv_cache(self, batch_size: int, max_len: int) -> KVCache:
         """Zero KV cache in the model dtype for batch_size sequences of up to max_len tokens."""
@@ -418,7 +467,7 @@ class MoETransformer(nnx.Module):
         B, T = tokens.shape
         ctx = attention_inputs(positions, kv_cache.max_len)
         valid = positions >= 0  # [B, T]
-        h = jnp.take(self.embed_tokens[...], tokens, axis=0)  # [B, T, H]
+        h = cache_load(jnp.take(self.embed_tokens[...], tokens, axis=0), self.dtype)  # [B, T, H]
         hidden, routing, caches = [h[None]], [], []
         for stack, cache in zip(self.stacks, kv_cache.stacks):
             h, cache, expert_state, ys = stack(h, cache, ctx, valid, expert_state, experts, collect)

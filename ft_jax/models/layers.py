@@ -19,18 +19,26 @@ from ft_jax.offload import ffi_ops
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+# Rows (tokens) up to which the CPU backend uses the FFI GEMV: weight-read bound below, compute bound above, where
+# XLA's own dot (YNNPACK for bf16) is faster. Measured on the 2-core dev VM, 4 stacked [5632, 2048] weights under
+# lax.scan, XLA time / FFI time: bf16 9.5 (8 rows), 5.0 (16), 3.0 (32), 1.4 (64), 0.74 (256); f32 2.9, 2.1, 1.6,
+# 1.2, 0.77.
+FFI_MAX_ROWS = 128
+
+
 def linear(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     """y[..., o] = sum_k x[..., k] * w[layer, o, k] with float32 accumulation.
 
-    On the CPU backend this is the ``ft_jax_linear`` FFI call (ffi_ops.linear), which reads the weight in place at
-    memory bandwidth whatever the shapes; XLA:CPU's own bf16 matrix-vector products reach that only for a fused
-    vector of < 16 KiB or a YNNPACK dot with >= 2 rows, and it converts a dynamically sliced bf16 weight stack to
-    float32 as a whole (measured: docs/DESIGN.md sec. 5). Other backends use XLA's dot on ``w[layer]``.
+    Up to FFI_MAX_ROWS rows on the CPU backend this is the ``ft_jax_linear`` FFI call (ffi_ops.linear), which reads
+    the weight in place at memory bandwidth whatever the shapes; XLA:CPU's own bf16 matrix-vector products reach that
+    only for a fused vector of < 16 KiB or a YNNPACK dot with >= 2 rows, and it converts a dynamically sliced bf16
+    weight stack to float32 as a whole (measured: docs/DESIGN.md sec. 5). Larger calls (long prefills, training) and
+    other backends use XLA's dot on ``w[layer]``, which is also the only path jax can differentiate.
 
     Args:
         x: f32 | bf16 [..., K] activations.
-        w: f32 | bf16 [n, O, K] stack of weights with ``layer`` an i32[] index (traced or int), or [O, K] with
-            layer None.
+        w: f32 | bf16 (or uint16 holding bf16 bits: cache_store) [n, O, K] stack of weights with ``layer`` an i32[]
+            index (traced or int), or [O, K] with layer None.
         layer: index into the stack, or None for a single [O, K] weight.
     Returns:
         f32[..., O].
@@ -47,16 +55,37 @@ def linear(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     x2 = x.reshape(-1, K)  # [N, K]
     index = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
 
-    def on_cpu(x2, w, index):
-        return ffi_ops.linear(x2, w, index)
-
-    def elsewhere(x2, w, index):
+    def xla_dot(x2, w, index):
         wl = w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, index, keepdims=False)  # [O, K]
+        wl = _unbits(wl, jnp.bfloat16) if wl.dtype == jnp.uint16 else wl
         return jax.lax.dot_general(x2.astype(wl.dtype), wl, (((1,), (1,)), ((), ())), precision=HIGHEST,
                                    preferred_element_type=jnp.float32)
 
-    y = jax.lax.platform_dependent(x2, w, index, cpu=on_cpu, default=elsewhere)  # f32[N, O]
+    if x2.shape[0] > FFI_MAX_ROWS:
+        return xla_dot(x2, w, index).reshape(*lead, O)
+    y = jax.lax.platform_dependent(x2, w, index, cpu=ffi_ops.linear, default=xla_dot)  # f32[N, O]
     return y.reshape(*lead, O)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """bf16 data as uint16 bits (other dtypes unchanged): XLA:CPU moves bf16 gathers, slices and dynamic updates to
+    float32 and then converts the whole operand (a full float32 copy of an embedding table or a KV-cache stack per
+    step); on the integer view they stay plain data movement."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
+
+
+def _unbits(x: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if dtype == jnp.bfloat16 else x
+
+
+def cache_store(x: jax.Array) -> jax.Array:
+    """The form a KV cache (or the embedding table) keeps values in: uint16 bits for bf16 (see _bits), else x."""
+    return _bits(x)
+
+
+def cache_load(x: jax.Array, dtype) -> jax.Array:
+    """Values of a KV cache slice in ``dtype`` (the inverse of cache_store)."""
+    return _unbits(x, dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -13,6 +13,18 @@ gpt-oss (transformers' GptOssTopKRouter; the logits already include the router b
     w      = softmax(w)                          (float32, over the k chosen logits only)
 
 The combine weights returned are the ones the experts' outputs are multiplied by.
+
+DeepSeek-V2 / V3 (:func:`route_deepseek`; transformers 5.24 DeepseekV2TopkRouter / DeepseekV3TopkRouter; DeepSeek-V3
+report arXiv 2412.19437 sec. 2.1.2 and 2.1.3), logits computed in float32 from a float32 router weight:
+
+    V2: s = softmax(logits)                                    choice = s
+    V3: s = sigmoid(logits)                                    choice = s + e_score_correction_bias
+    groups (V2 group_limited_greedy, V3): E experts in n_group equal groups; a group scores max(choice) (V2) or the
+        sum of its two best choices (V3); every expert outside the topk_group best groups gets choice -inf
+    ids = top_k(choice, k)                                     (descending choice; ties -> lower expert id)
+    w   = s[ids]                                               (the bias only selects; it never weighs)
+    w   = w / (sum(w) + 1e-20)  if V3 and norm_topk_prob       (transformers' V2 router never renormalises)
+    w   = w * routed_scaling_factor
 """
 
 from __future__ import annotations
@@ -58,6 +70,65 @@ def route(cfg: MoEConfig, logits: jax.Array, valid: jax.Array | None = None) -> 
         weights, ids = jax.lax.top_k(probs, cfg.top_k)  # [N, k], [N, k]
         if cfg.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    ids = ids.astype(jnp.int32)
+    if valid is not None:
+        ids = jnp.where(valid[:, None], ids, -1)
+        weights = jnp.where(valid[:, None], weights, 0.0)
+    return Routing(logits, ids, weights)
+
+
+def _group_mask(cfg: MoEConfig, choice: jax.Array, group_score: str) -> jax.Array:
+    """choice f32[N, E] with every expert outside the cfg.topk_group best of cfg.n_group groups set to -inf.
+    group_score: "max" (V2: a group's best choice) or "top2" (V3: the sum of its two best choices)."""
+    N, E = choice.shape
+    G = cfg.n_group
+    grouped = choice.reshape(N, G, E // G)  # [N, G, E/G]
+    if group_score == "max":
+        scores = jnp.max(grouped, axis=-1)  # [N, G]
+    else:
+        scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, G]
+    _, best = jax.lax.top_k(scores, cfg.topk_group)  # [N, topk_group]
+    keep = jnp.any(best[:, :, None] == jnp.arange(G)[None, None, :], axis=1)  # bool[N, G]
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(N, E)
+
+
+def route_deepseek(cfg: MoEConfig, logits: jax.Array, valid: jax.Array | None = None,
+                   score_bias: jax.Array | None = None) -> Routing:
+    """Route N tokens with DeepSeek-V2's or V3's rule (module docstring), chosen by cfg.scoring_func.
+
+    Masked groups are -inf, not 0 (transformers' V2 router fills 0, the same choice for softmax scores, all > 0),
+    so a token whose biased scores are all negative still picks inside its groups
+    (vLLM PR 13474 filled 0); the weights are gathered from the unbiased scores, never recovered as
+    (s + b) - b, which rounds a small s to 0 in float32 (flashinfer PR 3875), and never include the bias (vLLM
+    PR 12002); without norm_topk_prob they are the sigmoid scores times the factor, not the logits (sglang PR 35160).
+
+    Args:
+        cfg: model config (scoring_func, topk_method, n_group, topk_group, top_k, norm_topk_prob,
+            routed_scaling_factor).
+        logits: f32[N, E] router logits (float32 hidden states times the float32 router weight, as transformers).
+        valid: optional bool[N]; False (padding) gives topk_ids -1 and topk_weights 0.
+        score_bias: f32[E] e_score_correction_bias (V3; required there, unused by V2).
+    Returns:
+        Routing(logits f32[N, E] (the raw logits, transformers' router output 0), topk_ids i32[N, k] in descending
+        order of the choice score, topk_weights f32[N, k]). transformers returns the same ids with
+        torch.topk(sorted=False), in an order torch leaves undefined: compare routings as sets.
+    Raises:
+        ValueError: sigmoid scoring without score_bias.
+    """
+    logits = logits.astype(jnp.float32)
+    if cfg.scoring_func == "sigmoid":
+        if score_bias is None:
+            raise ValueError("route_deepseek: sigmoid (DeepSeek-V3) routing needs e_score_correction_bias")
+        scores = jax.nn.sigmoid(logits)  # [N, E]
+        choice = _group_mask(cfg, scores + score_bias.astype(jnp.float32)[None, :], "top2")
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)  # [N, E]
+        choice = _group_mask(cfg, scores, "max") if cfg.topk_method == "group_limited_greedy" else scores
+    _, ids = jax.lax.top_k(choice, cfg.top_k)  # [N, k]
+    weights = jnp.take_along_axis(scores, ids, axis=-1)  # [N, k]
+    if cfg.scoring_func == "sigmoid" and cfg.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    weights = weights * cfg.routed_scaling_factor
     ids = ids.astype(jnp.int32)
     if valid is not None:
         ids = jnp.where(valid[:, None], ids, -1)

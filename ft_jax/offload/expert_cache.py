@@ -15,6 +15,15 @@ Rules (docs/DESIGN.md sec. 1 and sec. 3 steps 2-4):
   the misses go to the host. An evicted expert becomes non-resident (no stale hit).
   Hits and fills set usage = step; every active expert gets recency = step; then step += 1 (once per MoE-layer call).
 
+The auto policy (docs/policies.md) also keeps the observed reuse of fetched experts (other policies leave these
+fields at their initial values): each slot's net hits since its fill (+1 per hit, -1 per miss on the expert that
+fill evicted, its "ghost"; clamped to +-AUTO_GAIN_CLAMP), and the decayed sums of the net hits and the count of the
+fills evicted so far (x32, decay 1/1024 per eviction, in fill order). Per call: first the ghost misses and the hits
+update the slot gains; then F = argmin over F of the modelled layer time minus F times the reuse credit
+(policy.auto_fetch_count, policy.auto_credit); then each fill that evicts an expert adds that slot's gain to the
+sums if that fill had itself replaced an expert (fills into empty slots while the cache warms up are not marginal
+and are left out), and the slot starts again at gain 0 with the evicted expert as its ghost.
+
 Integer width: jax runs with x64 off, so the global step, usage, recency and stats are int32. step wraps after
 2^31 - 1 MoE-layer calls (about 67 million decoded tokens with 32 MoE layers); past that the LRU and recency
 orders are no longer meaningful (the outputs stay correct: every route is still computed exactly once). The stats
@@ -28,7 +37,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ft_jax.offload.policy import Policy, fetch_budget
+from ft_jax.offload.policy import (AUTO_DECAY_SHIFT, AUTO_GAIN_CLAMP, Policy, auto_credit, auto_fetch_count,
+                                   fetch_budget)
 
 # Columns of CacheState.stats (per MoE layer); LayerPlan.stats holds the first five for one call.
 STAT_FIELDS = ("active", "hits", "misses", "fetched", "host", "steps")
@@ -45,6 +55,9 @@ class CacheState(NamedTuple):
         step: i32[] global step, +1 per MoE-layer call (wraps after 2^31 - 1: see the module docstring).
         stats: i32[L, 6] per-layer counters accumulated on device, columns STAT_FIELDS = (active, hits, misses,
             fetched, host, steps); read once at the end, never synced per step.
+        slot_gain: i32[S] auto only: net hits of the slot's expert since its fill (module docstring), 0 otherwise.
+        ghost_of_slot: i32[S] auto only: flat id the slot's latest fill evicted, -1 = none.
+        reuse: i32[2] auto only: decayed sums (x32, 1/1024 per eviction) of the evicted fills' net hits and of their count.
     The slot arrays themselves (e.g. gate_up [S, 2I, H], down [S, H, I]) live with the decode step, not here.
     """
 
@@ -54,6 +67,9 @@ class CacheState(NamedTuple):
     recency: jax.Array
     step: jax.Array
     stats: jax.Array
+    slot_gain: jax.Array
+    ghost_of_slot: jax.Array
+    reuse: jax.Array
 
 
 class LayerPlan(NamedTuple):
@@ -88,7 +104,8 @@ def init_cache_state(num_layers: int, num_experts: int, num_slots: int) -> Cache
         num_experts: E, routed experts per MoE layer.
         num_slots: S, device slots shared by all layers.
     Returns:
-        CacheState with slot_of_expert, expert_of_slot, usage, recency all -1; step 0; stats zeros.
+        CacheState with slot_of_expert, expert_of_slot, usage, recency, ghost_of_slot all -1; step, stats,
+        slot_gain, reuse zeros.
     Raises:
         ValueError: a dimension is not a positive int.
     """
@@ -101,6 +118,9 @@ def init_cache_state(num_layers: int, num_experts: int, num_slots: int) -> Cache
         recency=jnp.full((L, E), -1, jnp.int32),
         step=jnp.zeros((), jnp.int32),
         stats=jnp.zeros((L, len(STAT_FIELDS)), jnp.int32),
+        slot_gain=jnp.zeros((S,), jnp.int32),
+        ghost_of_slot=jnp.full((S,), -1, jnp.int32),
+        reuse=jnp.zeros((2,), jnp.int32),
     )
 
 
@@ -122,6 +142,9 @@ def init_cache_state_resident(num_layers: int, num_experts: int) -> CacheState:
         recency=jnp.full((L, E), -1, jnp.int32),
         step=jnp.zeros((), jnp.int32),
         stats=jnp.zeros((L, len(STAT_FIELDS)), jnp.int32),
+        slot_gain=jnp.zeros((L * E,), jnp.int32),
+        ghost_of_slot=jnp.full((L * E,), -1, jnp.int32),
+        reuse=jnp.zeros((2,), jnp.int32),
     )
 
 
@@ -180,7 +203,7 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
         (new_state, LayerPlan). new_state.step = state.step + 1.
     Raises:
         ValueError (trace time): active is not bool[E], layer out of range or not a scalar, resident policy with
-        S != L*E, qstar policy without a fraction, max_active < 1.
+        S != L*E, qstar policy without a fraction, auto policy without costs, max_active < 1.
     """
     L, E = state.slot_of_expert.shape
     S = state.expert_of_slot.shape[0]
@@ -196,6 +219,9 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
     layer = jnp.asarray(layer, jnp.int32)
     if layer.shape != ():
         raise ValueError(f"expert_cache.plan_layer: layer must be a scalar, got shape {list(layer.shape)}")
+    if policy.kind == "auto" and policy.costs is None:
+        raise ValueError("expert_cache.plan_layer: the auto policy has no costs yet; set them from bandwidths "
+                         "(Policy.with_costs(auto_costs(...)))")
     if policy.kind == "resident" and S != L * E:
         raise ValueError(f"expert_cache.plan_layer: resident policy needs S = L*E = {L * E} slots "
                          f"(init_cache_state_resident), got S = {S}")
@@ -211,6 +237,7 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
     int_max = jnp.iinfo(jnp.int32).max
 
     slot_of_expert, expert_of_slot = state.slot_of_expert, state.expert_of_slot
+    slot_gain, ghost_of_slot, reuse = state.slot_gain, state.ghost_of_slot, state.reuse  # auto updates them
     if policy.kind in ("host-all", "resident"):
         count = jnp.zeros((), jnp.int32)
         fetch = jnp.zeros((E,), jnp.bool_)
@@ -221,7 +248,20 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
         local = expert_of_slot - base  # i32[S] expert index within this layer (if in range)
         in_layer = (expert_of_slot >= 0) & (local >= 0) & (local < E)  # bool[S]
         eligible = ~(in_layer & active[jnp.clip(local, 0, E - 1)])  # bool[S]
-        count = jnp.minimum(fetch_budget(policy, m), jnp.sum(eligible, dtype=jnp.int32))  # i32[] F
+        n_eligible = jnp.sum(eligible, dtype=jnp.int32)  # i32[]
+        if policy.kind == "auto":
+            # Reuse observations of this call, then F from the cost model and the reuse credit.
+            ghost_local = state.ghost_of_slot - base  # i32[S]
+            ghost_miss = (state.ghost_of_slot >= 0) & (ghost_local >= 0) & (ghost_local < E) & \
+                miss[jnp.clip(ghost_local, 0, E - 1)]  # bool[S]
+            slot_hit = in_layer & hit[jnp.clip(local, 0, E - 1)]  # bool[S]
+            slot_gain = jnp.clip(state.slot_gain + slot_hit.astype(jnp.int32) - ghost_miss.astype(jnp.int32),
+                                 -AUTO_GAIN_CLAMP, AUTO_GAIN_CLAMP)  # i32[S]
+            credit = auto_credit(policy.costs, m, jnp.sum(hit, dtype=jnp.int32), state.reuse[0], state.reuse[1])
+            count = auto_fetch_count(policy.costs, m, jnp.sum(hit, dtype=jnp.int32), jnp.minimum(m, n_eligible),
+                                     credit, P)  # i32[] F
+        else:
+            count = jnp.minimum(fetch_budget(policy, m), n_eligible)  # i32[] F
         # Misses by recency, most recent first, ties to the lower id; never-seen (-1) after every seen one; other
         # experts last. Keys clamp to >= INT32_MIN + 2 so that they stay ahead of the non-misses after the wrap.
         recency = jax.lax.dynamic_index_in_dim(state.recency, layer, keepdims=False)  # i32[E]
@@ -243,6 +283,19 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
             jnp.concatenate([jnp.full((P,), -1, jnp.int32), victims]), mode="drop").reshape(L, E)
         expert_of_slot = expert_of_slot.at[jnp.where(take, victims, S)].set(fill_flat_ids, mode="drop")
         usage_slots = jnp.concatenate([jnp.where(hit, row, S), jnp.where(take, victims, S)])  # i32[E + P]
+        if policy.kind == "auto":
+            # Each fill that evicts an expert realizes that slot's gain, in fill order; its slot starts afresh.
+            def realize(i, sums):
+                gain, fills = sums
+                evicts = take[i] & (evicted[i] >= 0) & (state.ghost_of_slot[victims[i]] >= 0)  # a replacement
+                gain = jnp.where(evicts, gain - (gain >> AUTO_DECAY_SHIFT) + 32 * slot_gain[victims[i]], gain)
+                fills = jnp.where(evicts, fills - (fills >> AUTO_DECAY_SHIFT) + 32, fills)
+                return gain, fills
+
+            reuse = jnp.stack(jax.lax.fori_loop(0, P, realize, (state.reuse[0], state.reuse[1])))  # i32[2]
+            filled = jnp.where(take, victims, S)  # i32[P]
+            slot_gain = slot_gain.at[filled].set(0, mode="drop")
+            ghost_of_slot = state.ghost_of_slot.at[filled].set(evicted, mode="drop")
 
     # Hits and fills: usage = step (one scatter; a hit's slot is unchanged by this call's fills).
     usage = state.usage.at[usage_slots].set(step, mode="drop")
@@ -257,7 +310,8 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
         jnp.concatenate([call_stats, jnp.ones((1,), jnp.int32)])  # i32[6]
     stats = jax.lax.dynamic_update_index_in_dim(state.stats, stats_row, layer, axis=0)
     new_state = CacheState(slot_of_expert=slot_of_expert, expert_of_slot=expert_of_slot, usage=usage,
-                           recency=recency, step=step + 1, stats=stats)
+                           recency=recency, step=step + 1, stats=stats, slot_gain=slot_gain,
+                           ghost_of_slot=ghost_of_slot, reuse=reuse)
     plan = LayerPlan(fill_flat_ids=fill_flat_ids, fill_slot_ids=fill_slot_ids,
                      device_slot_of_expert=device_slot_of_expert, host_mask=host_mask, stats=call_stats)
     return new_state, plan

@@ -116,7 +116,8 @@ def linear(x, w, layer=0):
 
     Args:
       x: f32 or bf16 [N, K] activations.
-      w: f32 or bf16 [L, O, K] stack of L weights in Hugging Face [out, in] layout, or [O, K] (L = 1).
+      w: f32 or bf16 (or uint16 holding bf16 bits) [L, O, K] stack of L weights in Hugging Face [out, in] layout, or
+        [O, K] (L = 1).
       layer: i32[] or Python int: which weight of the stack (traced values are fine: the scanned decode step
         passes its layer index, and the handler reads that weight in place, without a copy of the slice).
 
@@ -129,7 +130,8 @@ def linear(x, w, layer=0):
     op = "linear"
     (N, K), _ = _expect(op, "x", x, 2, _WEIGHT_DTYPES, "[N, K]")
     wshape, _ = _shape_dtype(w, op, "w")
-    _expect(op, "w", w, len(wshape) if len(wshape) in (2, 3) else 3, _WEIGHT_DTYPES, "[L, O, K] or [O, K]")
+    _expect(op, "w", w, len(wshape) if len(wshape) in (2, 3) else 3, _WEIGHT_DTYPES + (np.dtype(np.uint16),),
+            "[L, O, K] or [O, K]")
     if wshape[-1] != K:
         raise ValueError(f"{op}: x [{N}, {K}] and w {list(wshape)} disagree on K (the input width)")
     layer = jnp.asarray(layer, jnp.int32)

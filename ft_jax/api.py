@@ -1,0 +1,362 @@
+"""The one-call Python API: ``ft_jax.load`` a model folder, then ``generate`` text from it.
+
+    >>> import ft_jax
+    >>> model = ft_jax.load(cache=0.25)                      # the bundled tiny Shakespeare MoE
+    >>> out = model.generate("ROMEO:", max_new_tokens=40, seed=1, stop=["\\n\\n"])
+    >>> out.finish_reasons[0] in ("stop", "length"), isinstance(out.text, str)
+    (True, True)
+
+``load`` does what ``ft-jax generate`` does before decoding, with the same defaults: the checkpoint's dtype, the
+qstar policy with its fraction from the stored bandwidth profile of this machine (or a quick profile, about a second
+of measuring, stored for next time), and half of all experts as device slots. ``Model.generate`` takes text (or token
+ids, or a list of either for a batch), samples at temperature 0.8 by default, stops at the model's EOS ids and at any
+stop string, and can render the checkpoint's chat template. The CLI is built on these two calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import os
+import re
+import warnings
+from typing import Callable, Sequence
+
+import numpy as np
+
+BUNDLED_MODEL = "tiny_shakespeare"
+DEFAULT_POLICY = "auto"
+DEFAULT_CACHE_FRACTION = 0.5
+DEFAULT_TEMPERATURE = 0.8
+DEFAULT_NEW_TOKENS = 200
+_DTYPES = {"auto": "auto", "bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "float32": "float32"}
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "tib": 2**40}
+
+
+def bundled_model_path() -> str:
+    """Folder of the small Mixtral-architecture model shipped in the package (ft_jax/bundled/tiny_shakespeare)."""
+    return str(importlib.resources.files("ft_jax") / "bundled" / BUNDLED_MODEL)
+
+
+def parse_dtype(text: str) -> str:
+    """"auto", or bf16/bfloat16 -> "bfloat16", f32/float32 -> "float32" (any case). Raises ValueError otherwise."""
+    name = _DTYPES.get(str(text).strip().lower())
+    if name is None:
+        raise ValueError(f"dtype must be one of bf16, bfloat16, f32, float32 or auto, got {text!r}")
+    return name
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count with an optional unit: "512MiB", "2GB", "1.5g", "4096". KB/MB/GB/TB are powers of 1000;
+    KiB/MiB/GiB/TiB (and K/M/G) powers of 1024. Raises ValueError for anything else."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a byte count: {text!r} (examples: 4096, 512MiB, 2GB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def model_dtype(dtype: str, checkpoint_dtype: str) -> str:
+    """The dtype to load with: ``dtype`` unless "auto", which is float32 for float32 checkpoints, else bfloat16."""
+    dtype = parse_dtype(dtype)
+    if dtype != "auto":
+        return dtype
+    return "float32" if checkpoint_dtype == "float32" else "bfloat16"
+
+
+def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
+    """Device expert slots for a cache budget.
+
+    Args:
+        cache: None (DEFAULT_CACHE_FRACTION of all experts), an int (that many slots), a float in (0, 1] (that
+            fraction of all experts), or a byte count as a string ("8GiB": slots = bytes / expert_bytes).
+        num_experts: all routed experts, L_moe * E. expert_bytes: bytes of one expert's gate, up and down weights.
+    Returns:
+        slots in [1, num_experts].
+    Raises:
+        ValueError: a budget below one slot, a fraction outside (0, 1], or an unknown form (naming it).
+    """
+    if cache is None:
+        cache = DEFAULT_CACHE_FRACTION
+    if isinstance(cache, bool):
+        raise ValueError(f"cache must be slots (int), a fraction (float) or bytes ('8GiB'), got {cache!r}")
+    if isinstance(cache, int):
+        if cache < 1:
+            raise ValueError(f"the cache must hold at least one expert slot, got {cache} slots")
+        return min(cache, num_experts)
+    if isinstance(cache, float):
+        if not 0.0 < cache <= 1.0:
+            raise ValueError(f"a cache fraction must be in (0, 1], got {cache}")
+        return max(1, min(num_experts, round(cache * num_experts)))
+    if isinstance(cache, str):
+        nbytes = parse_bytes(cache)
+        if nbytes < expert_bytes:
+            raise ValueError(f"a device budget of {cache} ({nbytes} bytes) is smaller than one expert slot "
+                             f"({expert_bytes} bytes: gate, up and down weights of one expert)")
+        return min(nbytes // expert_bytes, num_experts)
+    raise ValueError(f"cache must be slots (int), a fraction (float) or bytes ('8GiB'), got {cache!r}")
+
+
+def enable_compile_cache(path: str) -> None:
+    """Turn on JAX's persistent compilation cache in ``path`` for every executable (even ones that compile in under a
+    second); call before the first compilation of the process. Raises OSError if the folder cannot be created."""
+    import jax
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def default_compile_cache_dir() -> str:
+    """compile/ in the user cache directory ($XDG_CACHE_HOME/ft_jax or ~/.cache/ft_jax)."""
+    import platformdirs
+
+    return os.path.join(platformdirs.user_cache_dir("ft_jax", appauthor=False), "compile")
+
+
+def resolve_policy(policy, checkpoint, *, profile: str | None = None, measure: bool = True,
+                   progress: bool = False):
+    """The decode Policy and a one-line note: auto takes its costs, and a qstar policy without a fraction its fraction,
+    from the stored bandwidth profile of this machine, or a quick profile (stored), or, with measure=False and none
+    stored, falls back to fixed-cap:1 (the note says so). auto's device bandwidth: BH on a CPU device (the slot
+    experts run the host kernel), else ft_jax.tools.trace.ASSUMED_DEVICE_GBPS.
+
+    Args:
+        policy: a policy name (parse_policy) or a Policy. checkpoint: LoadedCheckpoint.
+        profile: the profile store path (default: profiles.json in the user cache directory).
+        measure: allow the quick profile. progress: show its progress on stderr.
+    Returns:
+        (Policy, note or None).
+    Raises:
+        ValueError: an unknown policy name.
+    """
+    from ft_jax.offload.policy import Policy, parse_policy
+    from ft_jax.tools import bandwidth
+
+    if not isinstance(policy, Policy):
+        policy = parse_policy(policy)
+    if policy.kind not in ("qstar", "auto") or policy.frac is not None:
+        return policy, None
+    cfg, bank = checkpoint.config, checkpoint.gate_up_bank
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note says it
+        found, note = bandwidth.get_or_measure_profile(cfg.hidden_size, cfg.moe_intermediate_size, bank.dtype,
+                                                       allow_measure=measure, path=profile, progress=progress)
+    if found is None:
+        return Policy("fixed-cap", cap=1), note
+    if policy.kind == "auto":
+        from ft_jax.offload.policy import auto_costs
+        from ft_jax.tools.trace import ASSUMED_DEVICE_GBPS
+
+        expert_bytes = sum(bank.row_bytes for bank in checkpoint.expert_banks.values())  # weights (+ biases)
+        device = found.bh if found.key["platform"] == "cpu" else ASSUMED_DEVICE_GBPS
+        return policy.with_costs(auto_costs(expert_bytes, found.bp, found.bh, found.bp_contended, found.bh_contended,
+                                            device)), note
+    return policy.with_frac(found.fraction()), note
+
+
+@dataclasses.dataclass
+class Generation:
+    """What Model.generate returns.
+
+    Attributes:
+        texts: generated text per prompt (stop strings cut off), or None when the model folder has no tokenizer.
+        token_ids: generated ids per prompt (ending with the EOS id or the token that completed a stop string).
+        prompt_ids: the token ids each prompt was encoded to (after the chat template, with --chat).
+        finish_reasons: per prompt, "eos", "stop" (a stop string) or "length" (max_new_tokens).
+        stats: Engine.generate's statistics (decode tokens/s, hit rate, compile counts, ...).
+        routing: with record_routing, (topk ids i32[steps, L_moe, B, k], weights f32[...]) of every decode step.
+    """
+
+    texts: list[str] | None
+    token_ids: list[list[int]]
+    prompt_ids: list[list[int]]
+    finish_reasons: list[str]
+    stats: dict
+    routing: tuple | None = None
+
+    @property
+    def text(self) -> str | None:
+        """The first prompt's generated text (the usual single-prompt case)."""
+        return None if self.texts is None else self.texts[0]
+
+
+class _StopWatch:
+    """Incremental text of one row and stop-string detection; releases only text that cannot start a stop string."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.decoder = tokenizer.stream_decoder()
+        self.stop = stop
+        self.text = ""  # all completed text so far
+        self.released = 0  # characters handed to on_text
+        self.cut: int | None = None  # where the first stop string starts, once found
+
+    def push(self, token: int) -> str:
+        self.text += self.decoder.push(token)
+        return self._release()
+
+    def finish(self) -> str:
+        if self.cut is None:
+            self.text += self.decoder.flush()
+            self._find()
+        end = len(self.text) if self.cut is None else self.cut
+        out, self.released = self.text[self.released:end], end
+        return out
+
+    def _find(self) -> None:
+        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.cut = min(hits)
+
+    def _release(self) -> str:
+        if self.cut is not None:
+            return ""
+        self._find()
+        if self.cut is not None:
+            end = self.cut
+        else:  # hold back a suffix that could still become a stop string
+            hold = max((n for s in self.stop for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
+            end = len(self.text) - hold
+        out, self.released = self.text[self.released:end], max(self.released, end)
+        return out
+
+
+class Model:
+    """A loaded model ready to generate (ft_jax.load). Attributes: path, config (MoEConfig), tokenizer (or None),
+    checkpoint (LoadedCheckpoint), engine (ft_jax.generate.Engine), policy, dtype, note (the bandwidth-profile
+    message, or None)."""
+
+    def __init__(self, path, config, tokenizer, checkpoint, engine, dtype: str, note: str | None):
+        self.path, self.config, self.tokenizer, self.checkpoint, self.engine = path, config, tokenizer, checkpoint, engine
+        self.policy, self.dtype, self.note = engine.policy, dtype, note
+
+    def encode(self, prompt, *, chat: bool = False) -> list[int]:
+        """Token ids of one prompt: ids are kept as they are; text is encoded by the tokenizer, after the chat
+        template with chat=True. Raises ValueError without a tokenizer for text, or without a chat template."""
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path} has no tokenizer (no tokenizer.json): pass token ids instead of text")
+        if chat:
+            from ft_jax.chat import load_chat_template
+
+            template = load_chat_template(self.path)
+            return self.tokenizer.encode(template.render([{"role": "user", "content": prompt}]),
+                                         add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts, *, max_new_tokens: int | None = None, temperature: float = DEFAULT_TEMPERATURE,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: Sequence[str] = (), chat: bool = False,
+                 on_text: Callable[[int, str], None] | None = None, record_routing: bool = False) -> Generation:
+        """Generate from one prompt or a batch.
+
+        Args:
+            prompts: a text, a list of token ids, or a list of texts / id lists (decoded together as one batch).
+            max_new_tokens: per prompt (default DEFAULT_NEW_TOKENS, or what the model's context leaves).
+            temperature, top_k, top_p: sampling (ft_jax.generate.Sampling; temperature 0 = greedy).
+            seed: sampling seed, an integer in [0, 2^32).
+            stop: stop strings: a row ends once its text contains one; the text is cut where it starts.
+            chat: render each text prompt with the checkpoint's chat template (tokenizer_config.json) first.
+            on_text: called with (row, new text) as text is generated (only text that cannot start a stop string).
+            record_routing: also return the routing of every decode step (Generation.routing).
+        Returns:
+            Generation.
+        Raises:
+            ValueError: an empty / out-of-vocabulary / too long prompt, a bad sampling value or seed, text without a
+                tokenizer, stop strings without a tokenizer, chat without a chat template.
+            ft_jax.generate.NonFiniteLogitsError: the model produced NaN or infinite logits.
+        """
+        from ft_jax.generate import Sampling, check_request
+
+        one = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
+        ids = [self.encode(p, chat=chat) for p in ([prompts] if one else list(prompts))]
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed must be an integer in [0, 2^32), got {seed!r}")
+        stop = tuple(s for s in ([stop] if isinstance(stop, str) else stop))
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+        if stop and self.tokenizer is None:
+            raise ValueError(f"{self.path} has no tokenizer: stop strings need one")
+        if max_new_tokens is None:
+            room = self.config.max_position_embeddings - max(len(p) for p in ids)
+            max_new_tokens = min(DEFAULT_NEW_TOKENS, room) if room > 0 else DEFAULT_NEW_TOKENS
+        check_request(self.config, ids, max_new_tokens)
+        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+        watches = [_StopWatch(self.tokenizer, stop) for _ in ids] if self.tokenizer is not None else None
+        eos = set(self.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
+        stopped = [False] * len(ids)
+
+        def on_tokens(step: int, new: list[int | None]) -> list[bool]:
+            for row, token in enumerate(new):
+                if token is None or watches is None:
+                    continue
+                piece = watches[row].push(token)
+                if piece and on_text is not None:
+                    on_text(row, piece)
+                stopped[row] = watches[row].cut is not None
+            return stopped
+
+        result = self.engine.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                                      eos_token_ids=eos, on_tokens=on_tokens, record_routing=record_routing)
+        texts = None
+        if watches is not None:
+            for row, w in enumerate(watches):
+                rest = w.finish()
+                if rest and on_text is not None:
+                    on_text(row, rest)
+            texts = [w.text[:w.cut] if w.cut is not None else w.text for w in watches]
+        reasons = ["stop" if stopped[r] else "eos" if t and t[-1] in eos else "length"
+                   for r, t in enumerate(result.tokens)]
+        return Generation(texts=texts, token_ids=result.tokens, prompt_ids=ids, finish_reasons=reasons,
+                          stats=result.stats, routing=result.routing)
+
+
+def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=DEFAULT_POLICY, cache=None,
+         profile: str | None = None, measure: bool = True, on_message: Callable[[str], None] | None = None,
+         on_compile: Callable[[str, bool], None] | None = None) -> Model:
+    """Load a Hugging Face MoE model folder (or the bundled model) for generation, as ``ft-jax generate`` does.
+
+    Args:
+        path: model folder (config.json + safetensors); None: the bundled tiny Shakespeare model.
+        dtype: "auto" (the checkpoint's: float32 for float32 checkpoints, else bfloat16), bf16/bfloat16, f32/float32:
+            the dense weights, the activations and the expert host banks.
+        policy: "auto" (default), "qstar", "qstar:FRAC", "fetch-all", "host-all", "fixed-cap:K", "resident", or a
+            Policy (docs/policies.md).
+        cache: device expert slots: None (half of all experts), slots (int), a fraction (float), or bytes ("8GiB").
+        profile: bandwidth profile store (default: the user cache directory). measure: run a quick profile when
+            none is stored (else qstar falls back to fixed-cap:1).
+        on_message: called with one-line notes (which bandwidth profile qstar uses). on_compile: see Engine.
+    Returns:
+        Model.
+    Raises:
+        ConfigError, CheckpointError, NotImplementedError: the folder cannot be used (the message names the file).
+        ValueError: a bad dtype, policy or cache budget.
+    """
+    import jax.numpy as jnp
+
+    from ft_jax.checkpoint import load_checkpoint
+    from ft_jax.config import load_config
+    from ft_jax.generate import Engine
+    from ft_jax.offload.policy import Policy, parse_policy
+    from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
+
+    path = os.fspath(path) if path is not None else bundled_model_path()
+    cfg = load_config(path)
+    if not isinstance(policy, Policy):
+        policy = parse_policy(policy)  # errors before any loading
+    if cache is not None:
+        num_slots_for(cache, cfg.num_moe_layers * cfg.num_experts, 1)  # the form and range, before loading
+    try:
+        tokenizer = load_tokenizer(path)
+    except TokenizerNotFoundError:
+        tokenizer = None
+    dtype = model_dtype(dtype, cfg.dtype)
+    checkpoint = load_checkpoint(path, dtype=jnp.dtype(dtype))
+    expert_bytes = sum(bank.row_bytes for bank in checkpoint.expert_banks.values())  # weights (+ biases)
+    slots = num_slots_for(cache, checkpoint.gate_up_bank.num_rows, expert_bytes)
+    policy, note = resolve_policy(policy, checkpoint, profile=profile, measure=measure)
+    if note and on_message is not None:
+        on_message(note)
+    engine = Engine(checkpoint, policy=policy, num_slots=slots, on_compile=on_compile)
+    return Model(path, checkpoint.config, tokenizer, checkpoint, engine, dtype, note)

@@ -1,0 +1,197 @@
+"""Multi-head Latent Attention (MLA) of DeepSeek-V2/V3 for a stack of scanned decoder layers.
+
+Formulas (DeepSeek-V2 paper, arXiv 2405.04434, sec. 2.1.2-2.1.3; transformers 5.24 DeepseekV2Attention /
+DeepseekV3Attention), per token x [H], heads h = 1..NH, widths dn = qk_nope_head_dim, dr = qk_rope_head_dim,
+dv = v_head_dim, C = kv_lora_rank, Q = q_lora_rank::
+
+    q          = q_b_proj(RMSNorm_qa(q_a_proj(x)))    or q_proj(x) when q_lora_rank is null   [NH, dn + dr]
+    q_nope, q_pe = q[h, :dn], RoPE(q[h, dn:])
+    c, k_pe    = RMSNorm_kva(kv_a_proj_with_mqa(x)[:C]), RoPE(kv_a_proj_with_mqa(x)[C:])   [C], [dr] (shared by heads)
+    k_nope[h]  = W_uk[h] c,   v[h] = W_uv[h] c          (kv_b_proj = [W_uk[1]; W_uv[1]; W_uk[2]; ...] [NH (dn + dv), C])
+    score[h, s] = (q_nope[h] . k_nope[h, s] + q_pe[h] . k_pe[s]) * scale,   scale = (dn + dr)^-0.5 * m^2
+    out        = o_proj(concat_h(sum_s softmax(score[h])[s] v[h, s]))
+
+with m = 0.1 * mscale_all_dim * ln(factor) + 1 for YaRN rope scaling that sets mscale_all_dim (transformers'
+yarn_apply_mscale; 1 otherwise). RoPE is applied with the scaled cos/sin of ft_jax.models.layers.rope_cos_sin over dr
+dimensions; with rope_interleave (always for V2, whose transformers code rotates complex pairs) the pairs are
+(x0, x1), (x2, x3), ...: the dimensions are de-interleaved (even ones, then odd ones) before the rotate-half rotation,
+as transformers' apply_rotary_pos_emb_interleave does (V2's complex product differs only by that permutation of
+q_pe and k_pe alike, which leaves every dot product unchanged).
+
+KV cache: what each token leaves is the latent c (after kv_a_layernorm) and the shared rope key k_pe, so a stack
+keeps (latent [n, B, S, C], rope_key [n, B, S, dr]) in the model dtype: (C + dr) * itemsize bytes per token and
+layer, against NH * (dn + dr + dv) * itemsize for a plain cache of the same heads' keys and values. DeepSeek-V3
+(NH 128, C 512, dr 64, dn 128, dv 128): 576 vs 40,960 elements, 1,152 vs 81,920 bytes in bf16 (71x smaller);
+DeepSeek-V2-Lite (NH 16): 576 vs 5,120 elements (8.9x).
+
+Attention over the cache uses the absorbed form (paper sec. 2.1.2, "we can absorb W_UK into W_Q, and W_UV into
+W_O"): W_uk is applied to the query, q_lat[h] = W_uk[h]^T q_nope[h] [C], so score[h, s] = q_lat[h] . c[s] +
+q_pe[h] . k_pe[s]; the probabilities weigh the latents, o_lat[h] = sum_s p[h, s] c[s] [C], and W_uv comes after,
+out[h] = W_uv[h] o_lat[h] [dv]. Both are the same sums as the expanded form, regrouped: a step reads the cache once
+(S (C + dr) per head) and W_uk / W_uv once (NH C (dn + dv)) instead of expanding every cached token to NH (dn + dv)
+keys and values (S C NH (dn + dv) multiply-adds per layer and step, growing with the context). The fixtures agree
+with transformers' expanded form to float32 rounding (tests/test_model.py), so the absorbed form is the only one.
+The per-head products W_uk[h]^T q and W_uv[h] o go through :func:`per_head_linear` (on the CPU one ft_jax_linear
+GEMV per head reading the stacked weight in place).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ft_jax.config import MoEConfig
+from ft_jax.models.layers import HIGHEST, apply_rope, cache_load, cache_store, linear, rms_norm, rope_cos_sin
+from ft_jax.offload import ffi_ops
+
+if TYPE_CHECKING:
+    from ft_jax.models.decoder import AttentionInputs, Stacked
+
+
+def mla_softmax_scale(cfg: MoEConfig) -> float:
+    """(qk_nope_head_dim + qk_rope_head_dim)^-0.5, times (0.1 mscale_all_dim ln(factor) + 1)^2 under YaRN rope
+    scaling with mscale_all_dim set and factor > 1 (transformers' yarn_apply_mscale / yarn_get_mscale)."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    rs = cfg.rope_scaling
+    if rs is not None and rs.mscale_all_dim and rs.factor > 1:
+        m = 0.1 * rs.mscale_all_dim * math.log(rs.factor) + 1.0
+        scale *= m * m
+    return scale
+
+
+def per_head_linear(x: jax.Array, w: jax.Array, layer, num_heads: int) -> jax.Array:
+    """y[n, h, o] = sum_k x[n, h, k] * w[layer * num_heads + h, o, k], float32 accumulation.
+
+    Args:
+        x: f32 | bf16 [N, NH, K]. w: f32 | bf16 [n * NH, O, K]: head h of layer l at row l * NH + h.
+        layer: i32[] index into the stack (traced inside the layer scan). num_heads: NH.
+    Returns:
+        f32[N, NH, O].
+    On the CPU backend: one ft_jax_linear FFI GEMV per head (a lax.map over the heads), each reading its [O, K] weight
+    in place (see ft_jax.models.layers.linear for why not XLA's dot; scripts/bench_mla.py measures both);
+    elsewhere one batched dot over the layer's heads.
+    """
+    base = jnp.asarray(layer, jnp.int32) * num_heads
+    return jax.lax.platform_dependent(x, w, base, cpu=_heads_ffi, default=_heads_dot)
+
+
+def _heads_ffi(x: jax.Array, w: jax.Array, base: jax.Array) -> jax.Array:
+    """per_head_linear with heads base .. base + NH - 1 of w, one ffi_ops.linear call per head. x [N, NH, K]."""
+    NH = x.shape[1]
+    ys = jax.lax.map(lambda hx: ffi_ops.linear(hx[1], w, base + hx[0]),
+                     (jnp.arange(NH, dtype=jnp.int32), jnp.swapaxes(x, 0, 1)))  # [NH, N, O]
+    return jnp.swapaxes(ys, 0, 1)
+
+
+def _heads_dot(x: jax.Array, w: jax.Array, base: jax.Array) -> jax.Array:
+    """per_head_linear as one batched XLA dot over w[base : base + NH]. x [N, NH, K]."""
+    wl = jax.lax.dynamic_slice_in_dim(w, base, x.shape[1])  # [NH, O, K]
+    return jnp.einsum("nhk,hok->nho", x.astype(wl.dtype), wl, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _deinterleave(x: jax.Array) -> jax.Array:
+    """[..., d] -> [..., d] with the even dimensions first, then the odd ones (pairs (x0, x1), ... -> halves)."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+class MultiHeadLatentAttention(nnx.Module):
+    """MLA self-attention of a stack of n DeepSeek-V2/V3 layers (module docstring), parameters [n, ...].
+
+    Parameters (Hub names under model.layers.{l}.self_attn): with q_lora_rank Q, q_a_proj [Q, H] and
+    kv_a_proj_with_mqa [C + dr, H] fused into one [n, Q + C + dr, H] projection (+ bias with attention_bias),
+    q_a_layernorm [n, Q], q_b_proj [n, NH (dn + dr), Q]; without, q_proj [n, NH (dn + dr), H] and kv_a_proj_with_mqa
+    [n, C + dr, H] (+ bias). kv_a_layernorm [n, C]; kv_b_proj [NH (dn + dv), C] kept as W_uk^T [n * NH, C, dn] and
+    W_uv [n * NH, dv, C] (per head, for per_head_linear); o_proj [n, H, NH dv] (+ bias).
+    KV cache of the stack: (latent [n, B, S, C], rope_key [n, B, S, dr]).
+    """
+
+    def __init__(self, cfg: MoEConfig, p: Stacked):
+        H, NH, Q, C = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+        dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.cfg = cfg
+        self.scale = mla_softmax_scale(cfg)
+        a = "self_attn"
+        kv_a = (f"{a}.kv_a_proj_with_mqa.weight", (C + dr, H))
+        if Q is not None:
+            parts = [(f"{a}.q_a_proj.weight", (Q, H)), kv_a]
+            self.a_proj = p.rows(parts)  # [n, Q + C + dr, H]
+            self.a_bias = p.rows([(n.replace(".weight", ".bias"), (s[0],)) for n, s in parts], "bias") \
+                if cfg.qkv_bias else None  # [n, Q + C + dr]
+            self.q_a_norm = p(f"{a}.q_a_layernorm.weight", (Q,), "norm")  # [n, Q]
+            self.q_b = p(f"{a}.q_b_proj.weight", (NH * (dn + dr), Q))  # [n, NH (dn + dr), Q]
+            self.q_proj = None
+        else:
+            self.a_proj = p(kv_a[0], kv_a[1])  # [n, C + dr, H]
+            self.a_bias = p(kv_a[0].replace(".weight", ".bias"), (C + dr,), "bias") if cfg.qkv_bias else None
+            self.q_a_norm = self.q_b = None
+            self.q_proj = p(f"{a}.q_proj.weight", (NH * (dn + dr), H))  # [n, NH (dn + dr), H]; never a bias
+        self.kv_a_norm = p(f"{a}.kv_a_layernorm.weight", (C,), "norm")  # [n, C]
+        kv_b = p(f"{a}.kv_b_proj.weight", (NH * (dn + dv), C))[...]  # [n, NH (dn + dv), C]
+        n = kv_b.shape[0]
+        kv_b = kv_b.reshape(n, NH, dn + dv, C)
+        self.w_uk_t = nnx.Param(jnp.swapaxes(kv_b[:, :, :dn], -1, -2).reshape(n * NH, C, dn))  # [n NH, C, dn]
+        self.w_uv = nnx.Param(kv_b[:, :, dn:].reshape(n * NH, dv, C))  # [n NH, dv, C]
+        self.o = p(f"{a}.o_proj.weight", (H, NH * dv))  # [n, H, NH dv]
+        self.o_bias = p(f"{a}.o_proj.bias", (H,), "bias") if cfg.o_bias else None
+
+    def init_cache(self, num_layers: int, batch_size: int, max_len: int, dtype) -> tuple[jax.Array, ...]:
+        """Zero (latent [n, B, max_len, C], rope_key [n, B, max_len, dr]): n B max_len (C + dr) itemsize bytes."""
+        lead = (num_layers, batch_size, max_len)
+        return (cache_store(jnp.zeros(lead + (self.cfg.kv_lora_rank,), dtype)),
+                cache_store(jnp.zeros(lead + (self.cfg.qk_rope_head_dim,), dtype)))  # bf16 as uint16 bits
+
+    def __call__(self, i, x, ctx: AttentionInputs, cache: tuple[jax.Array, ...]):
+        """Layer i's self-attention. x: [B, T, H]; cache: (latent [n, B, S, C], rope_key [n, B, S, dr]), layer i
+        updated in place at the tokens' positions. Returns (out [B, T, H] in x.dtype, cache)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        NH, C, Q = cfg.num_heads, cfg.kv_lora_rank, cfg.q_lora_rank
+        dn, dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        eps = cfg.rms_norm_eps
+        latent_cache, rope_cache = cache
+
+        a = linear(x, self.a_proj[...], i)  # f32[B, T, (Q) + C + dr]
+        if self.a_bias is not None:
+            a = a + self.a_bias[...][i].astype(jnp.float32)
+        a = a.astype(x.dtype)
+        if Q is not None:
+            q = linear(rms_norm(a[..., :Q], self.q_a_norm[...][i], eps), self.q_b[...], i)  # f32[B, T, NH (dn+dr)]
+            kv = a[..., Q:]
+        else:
+            q = linear(x, self.q_proj[...], i)
+            kv = a
+        q = q.astype(x.dtype).reshape(B, T, NH, dn + dr)
+        q_nope, q_pe = q[..., :dn], q[..., dn:]  # [B, T, NH, dn], [B, T, NH, dr]
+        c = rms_norm(kv[..., :C], self.kv_a_norm[...][i], eps)  # [B, T, C]
+        k_pe = kv[..., None, C:]  # [B, T, 1, dr]
+        if cfg.rope_interleave:
+            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+        cos, sin = rope_cos_sin(jnp.maximum(ctx.positions, 0), dr, cfg.rope_theta, cfg.rope_scaling)  # f32[B, T, dr]
+        q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe, cos, sin)[:, :, 0]  # [B,T,NH,dr], [B,T,dr]
+
+        latent_cache = latent_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(c.astype(x.dtype)), mode="drop")
+        rope_cache = rope_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(k_pe.astype(x.dtype)), mode="drop")
+        latents = cache_load(latent_cache[i], x.dtype)  # [B, S, C]
+        rope_keys = cache_load(rope_cache[i], x.dtype)  # [B, S, dr]
+
+        # absorbed W_uk: q_lat[h] = W_uk[h]^T q_nope[h]
+        q_lat = per_head_linear(q_nope.reshape(B * T, NH, dn), self.w_uk_t[...], i, NH)  # f32[B T, NH, C]
+        q_lat = q_lat.astype(x.dtype).reshape(B, T, NH, C)
+        scores = (jnp.einsum("bthc,bsc->bhts", q_lat, latents, precision=HIGHEST, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bthr,bsr->bhts", q_pe, rope_keys, precision=HIGHEST,
+                               preferred_element_type=jnp.float32)) * self.scale  # f32[B, NH, T, S]
+        # finfo.min (not -inf): a padding query that sees no key gets finite (uniform) weights instead of NaN.
+        scores = jnp.where(ctx.causal[:, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        o_lat = jnp.einsum("bhts,bsc->bthc", probs, latents, precision=HIGHEST,
+                           preferred_element_type=jnp.float32).astype(x.dtype)  # [B, T, NH, C]
+        # absorbed W_uv: out[h] = W_uv[h] o_lat[h]
+        out = per_head_linear(o_lat.reshape(B * T, NH, C), self.w_uv[...], i, NH).astype(x.dtype)  # [B T, NH, dv]
+        o = linear(out.reshape(B, T, NH * cfg.v_head_dim), self.o[...], i)  # f32[B, T, H]
+        if self.o_bias is not None:
+            o = o + self.o_bias[...][i].astype(jnp.float32)
+        return o.astype(x.dtype), (latent_cache, rope_cache)

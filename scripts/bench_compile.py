@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Decode-step compile time against depth: a Mixtral-shaped model with 4 and with 32 layers, side by side.
+
+    python3 scripts/bench_compile.py                       # 4 vs 32 layers, qstar and host-all, 3 rounds
+    python3 scripts/bench_compile.py --layers 4 8 32 48 --policies fetch-all --rounds 2 --json
+
+Issue 9's target: the 32-layer decode step compiles in <= 1.5x the time of the 4-layer one, and in <= 10 s on a
+quiet machine. Each measurement is ``Engine.lower_decode_step(batch, kv_len).compile()`` (XLA's compile of the whole
+step: the scanned layers, the cache plan, the FFI calls, the sampler) in a fresh Engine, with JAX's persistent
+compilation cache off, so nothing is reused between variants. The weights are zeros (compile time does not depend
+on them; host banks are anonymous memory that costs nothing until written), so no checkpoint is written. Variants
+alternate within each round; the table gives the median [min-max] seconds, the ratio to the smallest depth, and
+the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def mixtral_config(layers: int, hidden: int, intermediate: int, experts: int, top_k: int, heads: int, kv_heads: int,
+                   head_dim: int, vocab: int):
+    """An ft_jax MoEConfig of a Mixtral-shaped model (bf16)."""
+    from ft_jax.config import config_from_dict
+
+    return config_from_dict({
+        "architectures": ["MixtralForCausalLM"], "hidden_size": hidden, "intermediate_size": intermediate,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "num_local_experts": experts, "num_experts_per_tok": top_k, "vocab_size": vocab,
+        "rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"},
+        source="bench_compile")
+
+
+def build_engine(cfg, policy: str, cache_fraction: float):
+    """An Engine over zero weights (dense on the device, experts in zero host banks) for cfg."""
+    import ml_dtypes
+
+    from ft_jax.checkpoint import LoadedCheckpoint
+    from ft_jax.generate import Engine
+    from ft_jax.models.decoder import MoETransformer
+    from ft_jax.offload.host_bank import HostBank
+    from ft_jax.offload.policy import parse_policy
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    model = MoETransformer(cfg, lambda name, shape, kind: np.zeros(shape, bf16))
+    rows, H, I = cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    gate_up, down = HostBank(rows, (2 * I, H), bf16), HostBank(rows, (H, I), bf16)
+    ckpt = LoadedCheckpoint(cfg, model, gate_up, down, 0)
+    policy = parse_policy(policy if policy != "qstar" else "qstar:0.4")
+    return Engine(ckpt, policy=policy, num_slots=max(1, round(cache_fraction * rows)))
+
+
+def compile_seconds(cfg, policy: str, cache_fraction: float, kv_len: int) -> float:
+    engine = build_engine(cfg, policy, cache_fraction)
+    t0 = time.perf_counter()
+    engine.lower_decode_step(batch_size=1, kv_len=kv_len).compile()
+    seconds = time.perf_counter() - t0
+    engine.decode_backend.gate_up_bank.release()
+    engine.decode_backend.down_bank.release()
+    return seconds
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, nargs="+", default=[4, 32], help="depths to compare (default 4 32)")
+    p.add_argument("--policies", nargs="+", default=["qstar", "host-all"], help="decode policies (default qstar "
+                                                                                 "host-all)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; variants alternate within each (default 3)")
+    p.add_argument("--kv-len", type=int, default=256, help="KV-cache length of the step (default 256)")
+    p.add_argument("--cache-fraction", type=float, default=0.25, help="slots / all experts (default 0.25)")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = p.parse_args(argv)
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", None)  # nothing reused between variants
+    times: dict[tuple[str, int], list[float]] = {}
+    load_before = os.getloadavg()
+    variants = [(pol, L) for pol in args.policies for L in args.layers]
+    for r in range(args.rounds):
+        for pol, L in variants[r % len(variants):] + variants[:r % len(variants)]:
+            cfg = mixtral_config(L, args.hidden, args.intermediate, args.experts, args.top_k, args.heads,
+                                 args.kv_heads, args.head_dim, args.vocab)
+            s = compile_seconds(cfg, pol, args.cache_fraction, args.kv_len)
+            times.setdefault((pol, L), []).append(s)
+            print(f"[bench_compile] round {r + 1}: {pol} {L} layers: {s:.2f} s", file=sys.stderr, flush=True)
+    load_after = os.getloadavg()
+    rows = []
+    for pol in args.policies:
+        base = statistics.median(times[(pol, args.layers[0])])
+        for L in args.layers:
+            t = times[(pol, L)]
+            rows.append({"policy": pol, "layers": L, "median_s": statistics.median(t), "min_s": min(t),
+                         "max_s": max(t), "ratio_to_first": statistics.median(t) / base})
+    if args.json:
+        print(json.dumps({"results": rows, "load_average": {"before": load_before, "after": load_after},
+                          "jax": jax.__version__, "settings": vars(args)}))
+        return 0
+    print(f"decode-step compile seconds, median [min-max] of {args.rounds} rounds (XLA:CPU, jax {jax.__version__})")
+    print(f"{'policy':10s} {'layers':>6} {'seconds':>22} {'x ' + str(args.layers[0]) + ' layers':>12}")
+    for row in rows:
+        print(f"{row['policy']:10s} {row['layers']:6d} {row['median_s']:8.2f} [{row['min_s']:.2f}-{row['max_s']:.2f}]"
+              f"{'':>5} {row['ratio_to_first']:11.2f}")
+    print(f"load average before/after (1 min): {load_before[0]:.2f} / {load_after[0]:.2f} on {os.cpu_count()} cores")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,532 @@
+#!/usr/bin/env python3
+"""Decode tokens/s and weight bandwidth of ft_jax against llama.cpp on the same synthetic Mixtral-shaped bf16 model.
+
+    python3 scripts/bench_peer.py --json-out /tmp/bench_peer.json             # 3 rounds, 32 new tokens each
+    python3 scripts/bench_peer.py --quick                                    # 2 rounds, 12 tokens: a few minutes
+    python3 scripts/bench_peer.py --programs llama.cpp,host-all --rounds 5   # a subset, more rounds
+    python3 scripts/bench_peer.py --layers 4 --quick --json                  # another shape (flags of the model)
+
+What runs (all on the CPU, side by side in one run):
+  llama.cpp     ``llama-bench -m MODEL.gguf -p 0 -d P -n N -t T -r 1 -o json`` (text generation of N tokens after a
+                context of P tokens, its own warm-up run first), built from the source vendored in the
+                llama-cpp-python sdist (scripts/llama_cpp_build.py; cached under --cache-dir, built once)
+  resident, host-all, qstar
+                ``ft-jax generate --model DIR --prompt-ids IDS --max-new-tokens N --temperature 0 --json --policy P
+                --cache-fraction F`` as a user runs it (one fresh process per run); its stats JSON's
+                decode_tokens_per_s (compile excluded). qstar reads its bandwidth profile from
+                --cache-dir/ft_jax_profiles.json (--profile): on the first run ft-jax measures its quick profile
+                and saves it there, as a user's first run does in the user cache directory
+  numpy         read baseline: np.add.reduce over a --numpy-gib GiB float32 array (far above the last-level cache),
+                on 1 thread and on T threads (each thread sums a 1/T slice; numpy releases the GIL), as
+                scripts/bench_ffi.py does; the median of --numpy-repeats passes per round after one untimed pass
+
+Model: scripts/synthetic_checkpoint.py (random bf16 weights; defaults hidden 2048, intermediate 5632, 8 layers,
+8 experts top-2, 16/4 heads of 128, vocab 32000) and its GGUF from scripts/mixtral_to_gguf.py (the same weights),
+both written once and cached under --cache-dir/models/.
+
+Method: --rounds rounds; in each, every program runs once, in an order rotated by one position per round (no
+program always runs first). Before each llama-bench run the GGUF is read once so that it is in the page cache
+(llama.cpp memory-maps it; ft_jax reads its checkpoint into host memory before it starts timing).
+Reported per program: tokens/s median [min-max] over the rounds; weight GB/s = weight bytes read per decoded token
+x tokens/s / 1e9, the bytes computed from the config (q/k/v/o projections, router, norms, lm_head, one embedding
+row and top_k experts per MoE layer, bf16; the GGUF's f32 router and norms add < 0.05 % and are not counted); the
+ratio of its median tokens/s to llama.cpp's, the range of the same-round ratios and the ratio of the best rounds;
+its median GB/s over the median T-thread numpy read (and best over best). Also the load average before and after
+(and at each round start); the CPU other processes used during each run, in cores (CpuMeter: whole run, load and
+compile included; a warning when above 0.25 core) and the same figures over only the runs below that ("quiet");
+thread counts; versions; every run's record. The table goes to stderr; JSON to --json-out and/or stdout (--json).
+A benchmark, not a test: nothing is asserted.
+
+Needs: cmake and a C++ compiler (llama.cpp build, once), the gguf package (``pip install gguf``, or the ``bench``
+extra of ft_jax) and ft_jax installed in this interpreter's environment. Disk: about 10 GB under --cache-dir for
+the default model (safetensors + GGUF) and the llama.cpp build.
+"""
+
+from __future__ import annotations
+
+import argparse
+from concurrent.futures import ThreadPoolExecutor
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama_cpp_build  # noqa: E402
+import synthetic_checkpoint  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+FT_JAX_POLICIES = ("resident", "host-all", "qstar")
+# Fields of llama-bench's JSON record kept per run (the rest is constant or about GPUs).
+LLAMA_BENCH_FIELDS = ("build_commit", "cpu_info", "backends", "model_type", "model_size", "model_n_params",
+                      "n_threads", "poll", "flash_attn", "repack", "load_mode", "type_k", "type_v", "n_prompt",
+                      "n_gen", "n_depth", "avg_ts", "samples_ts")
+ALL_PROGRAMS = ("llama.cpp",) + FT_JAX_POLICIES + ("numpy",)
+QUIET_CORES = 0.25  # a run is "quiet" when other processes used at most this many cores meanwhile
+MARKER = "ft_jax_bench_peer.json"  # written into a model folder once it is complete
+GiB = 1 << 30
+
+
+def _log(msg: str) -> None:
+    print(f"[bench_peer] {msg}", file=sys.stderr, flush=True)
+
+
+def _loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+class CpuMeter:
+    """CPU time the rest of the machine used while a measurement ran, in cores (CPU-seconds per second).
+
+    From /proc/stat (busy = user + nice + system + irq + softirq + steal jiffies of all CPUs) minus this process's
+    and its waited-for children's CPU time (os.times()). A value well above 0 means other processes competed for
+    the cores during the measurement. ``None`` where /proc/stat is missing."""
+
+    def __init__(self):
+        self.start = self._snapshot()
+        self.t0 = time.perf_counter()
+
+    @staticmethod
+    def _snapshot():
+        try:
+            fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        except OSError:
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+        busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+        t = os.times()
+        return busy, t.user + t.system + t.children_user + t.children_system
+
+    def stop(self) -> dict:
+        """{"other_cores", "own_cores"} averaged over the time since construction (None without /proc/stat)."""
+        end, wall = self._snapshot(), time.perf_counter() - self.t0
+        if self.start is None or end is None:
+            return {"other_cores": None, "own_cores": None}
+        busy, own = end[0] - self.start[0], end[1] - self.start[1]
+        return {"other_cores": round(max(0.0, busy - own) / wall, 2), "own_cores": round(own / wall, 2)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=None, help="rounds (default 3; --quick: 2)")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help="tokens decoded per run, llama.cpp and ft_jax alike (default 32; --quick: 12)")
+    p.add_argument("--prompt-len", type=int, default=8,
+                   help="prompt tokens before decoding (ft_jax: a fixed random prompt; llama.cpp: -d depth) "
+                        "(default %(default)s)")
+    p.add_argument("--quick", action="store_true", help="fewer rounds and tokens (2 x 12), for a run of minutes")
+    p.add_argument("--programs", default=",".join(ALL_PROGRAMS),
+                   help=f"comma-separated subset of {','.join(ALL_PROGRAMS)} (default: all)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="threads for llama.cpp (-t), ft_jax's host kernels (FT_JAX_NUM_THREADS) and the numpy "
+                        "multi-thread read (default: all %(default)s cores)")
+    p.add_argument("--cache-fraction", type=float, default=0.5,
+                   help="ft_jax --cache-fraction for host-all and qstar (default %(default)s)")
+    p.add_argument("--numpy-gib", type=float, default=1.0, help="numpy read array size in GiB (default 1, >= 1)")
+    p.add_argument("--numpy-repeats", type=int, default=5, help="numpy read passes per round (default 5)")
+    p.add_argument("--cache-dir", type=Path, default=llama_cpp_build.DEFAULT_CACHE_DIR,
+                   help="llama.cpp sdist/build and the model folders (default %(default)s)")
+    p.add_argument("--llama-cpp-python-version", default=None,
+                   help="llama-cpp-python sdist whose vendored llama.cpp is built (default: newest cached, else "
+                        "PyPI's latest)")
+    p.add_argument("--seed", type=int, default=0, help="weights and prompt seed (default 0)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per program run (default 1800)")
+    p.add_argument("--json-out", type=Path, default=None, help="write the JSON result to this file")
+    p.add_argument("--json", action="store_true", help="print the JSON result to stdout")
+    g = p.add_argument_group("model (scripts/synthetic_checkpoint.py)")
+    synthetic_checkpoint.add_model_arguments(g)
+    return p
+
+
+def ensure_models(cache_dir: Path, config: dict, seed: int) -> tuple[Path, Path, dict]:
+    """(HF folder, GGUF path, creation record) of the synthetic model for ``config`` and ``seed``, written into
+    cache_dir/models/<name>/ unless a complete copy (marker file with the same config) is already there."""
+    import mixtral_to_gguf
+
+    key = hashlib.sha256(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:10]
+    name = f"mixtral_h{config['hidden_size']}_i{config['intermediate_size']}_l{config['num_hidden_layers']}_{key}"
+    folder = cache_dir / "models" / name
+    gguf_path = folder / "model-bf16.gguf"
+    marker = folder / MARKER
+    if marker.is_file():
+        record = json.loads(marker.read_text())
+        if record.get("config") == config and gguf_path.is_file():
+            return folder, gguf_path, {**record, "cached": True}
+    _log(f"writing the synthetic checkpoint to {folder}")
+    hf = synthetic_checkpoint.write_checkpoint(folder, config, seed=seed, progress=True)
+    _log(f"writing the GGUF {gguf_path}")
+    gg = mixtral_to_gguf.write_gguf(folder, gguf_path, progress=True)
+    record = {"config": config, "seed": seed, "safetensors": hf, "gguf": gg}
+    marker.write_text(json.dumps(record, indent=1))
+    return folder, gguf_path, {**record, "cached": False}
+
+
+def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
+    """n fixed pseudo-random token ids in [3, vocab) (past <unk>, <s>, </s>)."""
+    rng = np.random.default_rng(seed + 1)
+    return [int(t) for t in rng.integers(3, vocab, n)]
+
+
+def warm_page_cache(path: Path, chunk: int = 64 << 20) -> float:
+    """Read ``path`` once (into the page cache) and return the seconds it took."""
+    t0 = time.perf_counter()
+    buf = bytearray(chunk)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - t0
+
+
+def run_llama_bench(bench: str, gguf_path: Path, new_tokens: int, depth: int, threads: int,
+                    timeout: float) -> dict:
+    """One llama-bench text-generation run. llama.cpp memory-maps the GGUF and its warm-up decodes one token, so
+    the experts that token did not route to would be read from disk during the timed run if the file were not in
+    the page cache: the file is read once first (as it is after any earlier run), which takes "page_cache_s".
+    Returns {"tokens_per_s", "wall_s", "page_cache_s", "command", "result": LLAMA_BENCH_FIELDS of its JSON
+    record}.
+    Raises RuntimeError (non-zero exit, no JSON) with the tail of its stderr."""
+    page_cache_s = warm_page_cache(gguf_path)
+    cmd = [bench, "-m", str(gguf_path), "-p", "0", "-n", str(new_tokens), "-d", str(depth), "-t", str(threads),
+           "-r", "1", "-o", "json"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise RuntimeError(f"llama-bench exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
+    try:
+        records = json.loads(proc.stdout)
+        rec = next(r for r in records if r.get("n_gen") == new_tokens)
+    except (json.JSONDecodeError, StopIteration) as e:
+        raise RuntimeError(f"llama-bench printed no text-generation JSON record ({e}): {proc.stdout[-400:]}")
+    return {"tokens_per_s": float(rec["avg_ts"]), "wall_s": round(wall, 2), "page_cache_s": round(page_cache_s, 2),
+            "command": cmd, "result": {k: rec[k] for k in LLAMA_BENCH_FIELDS if k in rec}}
+
+
+def ft_jax_command() -> list[str]:
+    """The ``ft-jax`` console script next to this interpreter, else ``python -m ft_jax``."""
+    exe = Path(sys.executable).parent / "ft-jax"
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "ft_jax"]
+
+
+def run_ft_jax(model_dir: Path, policy: str, prompt: list[int], new_tokens: int, cache_fraction: float,
+               threads: int, profile: Path, timeout: float) -> dict:
+    """One ``ft-jax generate --json`` run. ``profile``: the --profile file of qstar (if it holds no profile for
+    this expert shape, ft-jax runs its quick profile and saves it there, as it does in the user cache directory).
+    Returns {"tokens_per_s" (decode, compile excluded), "wall_s", "command", "stats": its stats without the
+    per-layer counts, "profile_message"}. Raises RuntimeError (non-zero exit, no JSON)."""
+    cmd = ft_jax_command() + ["generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, prompt)),
+                              "--max-new-tokens", str(new_tokens), "--temperature", "0", "--json", "--policy", policy]
+    if policy != "resident":
+        cmd += ["--cache-fraction", str(cache_fraction)]
+    if policy == "qstar":
+        cmd += ["--profile", str(profile)]
+    env = {**os.environ, "FT_JAX_NUM_THREADS": str(threads)}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise RuntimeError(f"ft-jax generate --policy {policy} exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"ft-jax generate --policy {policy} printed no JSON: {proc.stdout[-400:]}")
+    out = json.loads(lines[-1])
+    stats = {k: v for k, v in out["stats"].items() if k != "per_layer"}
+    return {"tokens_per_s": float(stats["decode_tokens_per_s"]), "wall_s": round(wall, 2), "command": cmd,
+            "stats": stats, "profile_message": out.get("profile_message")}
+
+
+class NumpyRead:
+    """Read bandwidth of np.add.reduce over one float32 array of ``nbytes`` (filled, so its pages are committed),
+    on 1 thread and on ``threads`` threads (each reducing a contiguous 1/threads slice)."""
+
+    def __init__(self, nbytes: int, threads: int):
+        self.buf = np.ones(nbytes // 4, np.float32)  # f32[n]
+        self.threads = threads
+        self.parts = np.array_split(self.buf, threads)
+        self.pool = ThreadPoolExecutor(threads)
+
+    def gbps(self, threads: int, repeats: int) -> list[float]:
+        """GB/s (1e9 bytes/s) of ``repeats`` passes over the array on 1 or self.threads threads, after one untimed
+        pass (the first pass after other work runs at about half speed here)."""
+        rates = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            if threads == 1:
+                np.add.reduce(self.buf, axis=None)
+            else:
+                list(self.pool.map(lambda a: np.add.reduce(a, axis=None), self.parts))
+            if i:
+                rates.append(self.buf.nbytes / (time.perf_counter() - t0) / 1e9)
+        return rates
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        del self.buf, self.parts
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(samples: dict[str, list[float]], numpy_rates: dict[str, list[float]], bytes_per_token: int,
+              threads: int, per_round: bool = True) -> dict:
+    """Per-program figures from the per-round tokens/s (``samples``) and the per-round numpy GB/s medians
+    (``numpy_rates``, keys "1" and str(threads)); programs with no sample are left out.
+
+    Ratios: of medians over the rounds; "best" ones divide the maxima (steadier when other processes share the
+    cores and the memory bus, as in scripts/bench_ffi.py); per-round ones (only with ``per_round``: the lists
+    are aligned by round) divide values of the same round."""
+    np_all, np_one = numpy_rates.get(str(threads)), numpy_rates.get("1")
+    llama = samples.get("llama.cpp")
+    out = {}
+    for name, tps in samples.items():
+        if not tps:
+            continue
+        gbps = [t * bytes_per_token / 1e9 for t in tps]
+        row = {"tokens_per_s": _spread(tps), "tokens_per_s_per_round": tps, "weight_gbps": _spread(gbps)}
+        if llama:
+            row["ratio_to_llama_cpp"] = statistics.median(tps) / statistics.median(llama)
+            row["ratio_to_llama_cpp_best"] = max(tps) / max(llama)
+            if per_round:
+                row["ratio_to_llama_cpp_per_round"] = _spread([a / b for a, b in zip(tps, llama)])
+        if np_all:
+            row["gbps_over_numpy_read"] = statistics.median(gbps) / statistics.median(np_all)
+            row["gbps_over_numpy_read_best"] = max(gbps) / max(np_all)
+        if np_one:
+            row["gbps_over_numpy_read_1_thread"] = statistics.median(gbps) / statistics.median(np_one)
+        out[name] = row
+    return out
+
+
+def quiet_summary(runs: dict[str, list[dict]], bytes_per_token: int, threads: int) -> dict:
+    """summarize() over only the runs during which other processes used at most QUIET_CORES cores (CpuMeter):
+    on a shared machine the runs that had the cores to themselves, whatever round they fell in."""
+    def quiet(r):
+        return r.get("other_cores") is not None and r["other_cores"] <= QUIET_CORES
+
+    samples = {p: [r["tokens_per_s"] for r in rs if quiet(r)] for p, rs in runs.items() if p != "numpy"}
+    numpy_rates = {k: [statistics.median(r[f"gbps_{k}_thread" + ("s" if k != "1" else "")])
+                       for r in runs.get("numpy", []) if quiet(r)] for k in ("1", str(threads))}
+    return {"max_other_cores": QUIET_CORES,
+            "runs": {p: len(v) for p, v in samples.items()} | {"numpy": len(numpy_rates["1"])},
+            "programs": summarize(samples, numpy_rates, bytes_per_token, threads, per_round=False),
+            "numpy_read_gbps": {k: _spread(v) for k, v in numpy_rates.items() if v}}
+
+
+def format_table(result: dict) -> str:
+    """The human-readable table (stderr) of a bench_peer result."""
+    s, progs, threads = result["settings"], result["programs"], result["settings"]["threads"]
+    bpt = result["model"]["weight_bytes_per_token"]["total"]
+    load = result["load_average"]
+    lines = [f"bench_peer: {s['rounds']} rounds x {s['new_tokens']} decoded tokens, {threads} threads, "
+             f"{bpt / 1e9:.3f} GB of weights read per token; load average (1/5/15 min) before {load['before']}, "
+             f"after {load['after']}",
+             f"{'program':<26} {'tokens/s':>8} {'[min-max]':<15} {'GB/s':>6} {'[min-max]':<13} "
+             f"{'x llama.cpp':>11} {'[per round]':<13} {'best':>5} {'GB/s / numpy ' + str(threads) + 't':>15} "
+             f"{'best':>5}"]
+    labels = {"llama.cpp": "llama.cpp (bf16 GGUF)", "resident": "ft_jax --policy resident",
+              "host-all": "ft_jax --policy host-all", "qstar": "ft_jax --policy qstar"}
+    for name, row in progs.items():
+        t, g = row["tokens_per_s"], row["weight_gbps"]
+        ratio = f"{row['ratio_to_llama_cpp']:.2f}" if "ratio_to_llama_cpp" in row else "-"
+        per = row.get("ratio_to_llama_cpp_per_round")
+        per = f"[{per['min']:.2f}-{per['max']:.2f}]" if per else ""
+        best = f"{row['ratio_to_llama_cpp_best']:.2f}" if "ratio_to_llama_cpp_best" in row else "-"
+        npr = f"{row['gbps_over_numpy_read']:.2f}" if "gbps_over_numpy_read" in row else "-"
+        npb = f"{row['gbps_over_numpy_read_best']:.2f}" if "gbps_over_numpy_read_best" in row else "-"
+        lines.append(f"{labels.get(name, name):<26} {t['median']:8.2f} {'[%.2f-%.2f]' % (t['min'], t['max']):<15} "
+                     f"{g['median']:6.2f} {'[%.2f-%.2f]' % (g['min'], g['max']):<13} {ratio:>11} {per:<13} "
+                     f"{best:>5} {npr:>15} {npb:>5}")
+    for key, rates in result.get("numpy_read_gbps", {}).items():
+        sp = rates["round_medians"]
+        label = f"numpy read, {key} thread" + ("s" if key != "1" else "")
+        lines.append(f"{label:<26} {'':>8} {'':<15} {sp['median']:6.2f} {'[%.2f-%.2f]' % (sp['min'], sp['max']):<13}")
+    other = {name: [r["other_cores"] for r in runs if r.get("other_cores") is not None]
+             for name, runs in result["runs"].items()}
+    worst = max((max(v) for v in other.values() if v), default=None)
+    if worst is not None:
+        lines.append("CPU used by other processes during the runs (cores, max per program): "
+                     + ", ".join(f"{name} {max(v):.2f}" for name, v in other.items() if v))
+        if worst > 0.25:
+            lines.append(f"WARNING: other processes used up to {worst:.2f} of the {result['machine']['cores']} cores "
+                         "during some runs: the figures are not steady (llama.cpp's spinning thread barriers suffer "
+                         "most when cores are shared); rerun on a quiet machine to compare")
+    q = result.get("quiet")
+    if q and q["programs"]:
+        lines.append(f"quiet runs only (other processes <= {q['max_other_cores']} core meanwhile), any round:")
+        for name, row in q["programs"].items():
+            t, g = row["tokens_per_s"], row["weight_gbps"]
+            ratio = f"{row['ratio_to_llama_cpp']:.2f}" if "ratio_to_llama_cpp" in row else "-"
+            npr = f"{row['gbps_over_numpy_read']:.2f}" if "gbps_over_numpy_read" in row else "-"
+            spread = "[%.2f-%.2f]" % (t["min"], t["max"])
+            lines.append(f"  {labels.get(name, name):<24} {t['median']:8.2f} {spread:<15} {g['median']:6.2f} "
+                         f"{'(%d runs)' % q['runs'][name]:<13} {ratio:>11} {'':<13} {'':>5} {npr:>15}")
+        for key, sp in q["numpy_read_gbps"].items():
+            label = f"numpy read, {key} thread" + ("s" if key != "1" else "")
+            lines.append(f"  {label:<24} {'':>8} {'':<15} {sp['median']:6.2f} {'(%d runs)' % q['runs']['numpy']:<13}")
+    lines.append("x llama.cpp: ratio of median tokens/s (per round: same-round ratios); GB/s / numpy: median weight "
+                 f"GB/s over the median {threads}-thread numpy read; best: ratio of the maxima")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _versions(build: dict | None) -> dict:
+    import jax
+    import jaxlib
+
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(pkg):
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return None
+
+    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True)
+    try:
+        from ft_jax import _ffi
+        isa = _ffi.kernel_isa()
+    except ImportError:
+        isa = None
+    return {"python": platform.python_version(), "numpy": np.__version__, "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "ml_dtypes": ver("ml_dtypes"), "gguf": ver("gguf"),
+            "ft_jax_git_commit": git.stdout.strip() or None, "ft_jax_tree_dirty": bool(dirty.stdout.strip()),
+            "ft_jax_kernel_isa": isa,
+            "llama_cpp_python_sdist": build and build["llama_cpp_python_version"],
+            "llama_cpp_commit": build and build["llama_cpp_commit"]}
+
+
+def _machine() -> dict:
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(), "memory_bytes": mem,
+            "platform": platform.platform()}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    rounds = args.rounds or (2 if args.quick else 3)
+    new_tokens = args.new_tokens or (12 if args.quick else 32)
+    programs = [p.strip() for p in args.programs.split(",") if p.strip()]
+    bad = [p for p in programs if p not in ALL_PROGRAMS]
+    if bad or not programs:
+        print(f"bench_peer: error: --programs {args.programs!r}: unknown {bad}; choose from {ALL_PROGRAMS}",
+              file=sys.stderr)
+        return 2
+    if args.numpy_gib < 1:
+        print(f"bench_peer: error: --numpy-gib must be >= 1 (far above the last-level cache), got {args.numpy_gib}",
+              file=sys.stderr)
+        return 2
+    try:
+        config = synthetic_checkpoint.config_from_args(args)
+    except ValueError as e:
+        print(f"bench_peer: error: {e}", file=sys.stderr)
+        return 2
+    if args.prompt_len + new_tokens > config["max_position_embeddings"]:
+        print(f"bench_peer: error: --prompt-len {args.prompt_len} + --new-tokens {new_tokens} exceeds "
+              f"--max-positions {config['max_position_embeddings']}", file=sys.stderr)
+        return 2
+    cache_dir = args.cache_dir.expanduser()
+    load_start = _loadavg()
+
+    build = None
+    if "llama.cpp" in programs:
+        try:
+            build = llama_cpp_build.ensure_llama_bench(cache_dir, args.llama_cpp_python_version)
+        except llama_cpp_build.BuildError as e:
+            print(f"bench_peer: error: {e}", file=sys.stderr)
+            return 1
+    model_dir, gguf_path, model_record = ensure_models(cache_dir, config, args.seed)
+    bytes_per_token = synthetic_checkpoint.weight_bytes_per_token(config)
+    prompt = prompt_ids(config["vocab_size"], args.prompt_len, args.seed)
+    numpy_read = NumpyRead(int(args.numpy_gib * GiB), args.threads) if "numpy" in programs else None
+
+    samples: dict[str, list[float]] = {p: [] for p in programs if p != "numpy"}
+    numpy_rates: dict[str, list[float]] = {"1": [], str(args.threads): []} if numpy_read else {}
+    runs: dict[str, list[dict]] = {p: [] for p in programs}
+    commands: dict[str, list[str]] = {}
+    round_log = []
+    load_before = _loadavg()
+    t_start = time.perf_counter()
+    for r in range(rounds):
+        order = programs[r % len(programs):] + programs[:r % len(programs)]
+        round_log.append({"round": r, "order": order, "load_average_at_start": _loadavg()})
+        for prog in order:
+            _log(f"round {r + 1}/{rounds}: {prog}")
+            meter = CpuMeter()
+            if prog == "numpy":
+                one = numpy_read.gbps(1, args.numpy_repeats)
+                many = numpy_read.gbps(args.threads, args.numpy_repeats)
+                numpy_rates["1"].append(statistics.median(one))
+                numpy_rates[str(args.threads)].append(statistics.median(many))
+                runs["numpy"].append({"gbps_1_thread": one, f"gbps_{args.threads}_threads": many, **meter.stop()})
+                _log(f"  numpy read {statistics.median(one):.2f} GB/s (1 thread), "
+                     f"{statistics.median(many):.2f} GB/s ({args.threads} threads)")
+                continue
+            if prog == "llama.cpp":
+                run = run_llama_bench(build["llama_bench"], gguf_path, new_tokens, args.prompt_len, args.threads,
+                                      args.timeout)
+            else:
+                run = run_ft_jax(model_dir, prog, prompt, new_tokens, args.cache_fraction, args.threads,
+                                 cache_dir / "ft_jax_profiles.json", args.timeout)
+            run.update(meter.stop())
+            samples[prog].append(run["tokens_per_s"])
+            commands[prog] = run.pop("command")  # the same in every round
+            runs[prog].append(run)
+            _log(f"  {run['tokens_per_s']:.2f} tokens/s (wall {run['wall_s']:.1f} s, other processes used "
+                 f"{run['other_cores']} cores meanwhile)")
+    load_after = _loadavg()
+    if numpy_read:
+        numpy_read.close()
+
+    result = {
+        "settings": {"rounds": rounds, "new_tokens": new_tokens, "prompt_len": args.prompt_len, "prompt_ids": prompt,
+                     "threads": args.threads, "cache_fraction": args.cache_fraction, "quick": args.quick,
+                     "programs": programs, "numpy_read_bytes": int(args.numpy_gib * GiB),
+                     "numpy_repeats": args.numpy_repeats, "seed": args.seed},
+        "model": {"config": config, "dir": str(model_dir), "gguf": str(gguf_path),
+                  "weight_bytes_per_token": bytes_per_token, "created": {k: v for k, v in model_record.items()
+                                                                         if k != "config"}},
+        "threads": {"llama.cpp": f"llama-bench -t {args.threads}",
+                    "ft_jax": f"FT_JAX_NUM_THREADS={args.threads} (host kernels); XLA:CPU its default",
+                    "numpy": f"1 and {args.threads}"},
+        "load_average": {"at_start": load_start, "before": load_before, "after": load_after},
+        "benchmark_wall_s": round(time.perf_counter() - t_start, 1),
+        "machine": _machine(),
+        "versions": _versions(build),
+        "llama_cpp_build": build,
+        "programs": summarize(samples, numpy_rates, bytes_per_token["total"], args.threads),
+        "quiet": quiet_summary(runs, bytes_per_token["total"], args.threads),
+        "numpy_read_gbps": {k: {"round_medians": _spread(v), "per_round": v} for k, v in numpy_rates.items() if v},
+        "commands": commands,
+        "rounds": round_log,
+        "runs": runs,
+    }
+    print(format_table(result), file=sys.stderr)
+    text = json.dumps(result, indent=1)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+        _log(f"wrote {args.json_out}")
+    if args.json:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

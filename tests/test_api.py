@@ -1,0 +1,179 @@
+"""The one-call API (ft_jax.load / Model.generate): defaults shared with the CLI, stop strings, chat templates,
+documentation examples run as written, recovery after a failed step, concurrent calls."""
+
+import doctest
+import importlib
+import json
+import os
+import pkgutil
+import re
+import shutil
+import subprocess
+import sys
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+import ft_jax
+from ft_jax import api
+from ft_jax.chat import ChatTemplateError, load_chat_template
+from ft_jax.generate import Engine, Sampling
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHAT = os.path.join(os.path.dirname(__file__), "fixtures", "chat")
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return ft_jax.load(policy="fixed-cap:1")
+
+
+def test_public_names_and_defaults_match_the_cli():
+    for name in ft_jax.__all__:
+        assert getattr(ft_jax, name) is not None, name
+    from ft_jax import cli
+
+    args = cli.build_parser().parse_args(["generate"])
+    assert args.temperature == api.DEFAULT_TEMPERATURE == 0.8
+    assert args.policy == api.DEFAULT_POLICY and args.dtype is None  # the API's "auto": the checkpoint's dtype
+    assert api.model_dtype("auto", "float32") == "float32" and api.model_dtype("auto", "bfloat16") == "bfloat16"
+    assert [api.parse_dtype(t) for t in ("bf16", "BFloat16", "f32", "float32")] == ["bfloat16", "bfloat16",
+                                                                                   "float32", "float32"]
+    assert api.num_slots_for(None, 32, 10) == 16 and api.num_slots_for(0.25, 32, 10) == 8
+    assert api.num_slots_for(5, 32, 10) == 5 and api.num_slots_for("45", 32, 10) == 4
+    with pytest.raises(ValueError, match="smaller than one expert slot"):
+        api.num_slots_for("9", 32, 10)
+    with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\]"):
+        api.num_slots_for(1.5, 32, 10)
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "ft_jax", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_version_and_flag_errors_name_the_flag():
+    proc = _run("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"ft-jax {ft_jax.__version__}"
+    for flag, value, words in (("--top-p", "0", "--top-p must be in (0, 1]"), ("--top-k", "-3", "--top-k must be"),
+                               ("--dtype", "fp8", "expected bf16, bfloat16, f32 or float32")):
+        proc = _run("generate", flag, value)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and words in lines[0] and flag in lines[0], proc.stderr
+    help_text = _run("generate", "--help").stdout
+    assert "examples:" in help_text and "Supported architectures: MixtralForCausalLM" in help_text
+
+
+def test_stop_strings_cut_the_text_and_end_the_row(bundled):
+    free = bundled.generate("KING:", max_new_tokens=60, temperature=0)
+    text = free.text
+    stop = text[20:23]  # three characters of the greedy text, first seen at index 20 or earlier
+    first = text.find(stop)
+    streamed = []
+    out = bundled.generate("KING:", max_new_tokens=60, temperature=0, stop=[stop, "never-there"],
+                           on_text=lambda row, t: streamed.append(t))
+    assert out.text == text[:first] and out.finish_reasons == ["stop"]
+    assert "".join(streamed) == out.text  # nothing of the stop string was ever streamed
+    # the tokens end with the one that completed the stop string (byte tokens: one character each here)
+    assert out.token_ids[0] == free.token_ids[0][:first + len(stop)]
+    assert free.finish_reasons == ["length"]
+
+
+def test_batch_of_text_prompts_each_equal_alone(bundled):
+    both = bundled.generate(["ROMEO:", "JULIET:"], max_new_tokens=12, temperature=0)
+    assert both.texts[1] == bundled.generate("JULIET:", max_new_tokens=12, temperature=0).text
+    ids = bundled.tokenizer.encode("ROMEO:")
+    assert bundled.generate(ids, max_new_tokens=12, temperature=0).token_ids == both.token_ids[:1]
+
+
+def test_chat_templates_from_real_checkpoints():
+    mixtral = load_chat_template(os.path.join(CHAT, "mixtral_instruct"))
+    assert mixtral.render([{"role": "user", "content": "Hello"}]) == "<s>[INST] Hello [/INST]"
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey!"},
+             {"role": "user", "content": "Bye"}]
+    assert mixtral.render(turns) == "<s>[INST] Hi [/INST]Hey!</s>[INST] Bye [/INST]"
+    with pytest.raises(ChatTemplateError, match=r"mixtral_instruct/tokenizer_config.json: chat template: "
+                                                r"Conversation roles must alternate"):
+        mixtral.render(turns[:1] * 2)
+    qwen = load_chat_template(os.path.join(CHAT, "qwen2_instruct"))
+    assert qwen.render([{"role": "user", "content": "2+2?"}]) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        load_chat_template(api.bundled_model_path())
+
+
+def test_cli_chat_renders_the_template(tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(api.bundled_model_path(), model)
+    shutil.copy(os.path.join(CHAT, "qwen2_instruct", "tokenizer_config.json"), model)
+    proc = _run("generate", "--model", str(model), "--chat", "--prompt", "KING:", "--max-new-tokens", "3",
+                "--policy", "host-all", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    expected = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nKING:<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    assert doc["prompt_ids"] == [list(expected.encode())] and doc["settings"]["chat"] is True
+
+
+def _doc_modules():
+    for info in pkgutil.walk_packages(ft_jax.__path__, "ft_jax."):
+        if not info.name.endswith(("__main__", "._ffi")):
+            yield importlib.import_module(info.name)
+
+
+def test_readme_and_docstring_examples_run_as_written():
+    """Every ```python block of the README and every >>> example in a docstring of the package runs."""
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
+    tried = 0
+    for module in [ft_jax, *_doc_modules()]:
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0, module.__name__
+        tried += result.attempted
+    assert tried > 0
+
+
+def test_engine_recovers_after_a_failed_step(bundled):
+    """A step that fails after its donated expert state was consumed: generate raises, the Engine rebuilds its state
+    (a cold cache), and the next call works and equals a fresh Engine's."""
+    engine = Engine(bundled.checkpoint, policy=bundled.policy, num_slots=8)
+    engine.generate([[1, 2, 3]], max_new_tokens=4)
+    key = next(k for k in engine._executables if k[0] == "decode")
+    real = engine._executables[key]
+
+    def failing(*args):
+        real(*args)  # consumes the donated KV cache and expert state
+        raise jax.errors.JaxRuntimeError("INVALID_ARGUMENT: host_experts: injected failure")
+
+    engine._executables[key] = failing
+    with pytest.raises(jax.errors.JaxRuntimeError, match="injected"):
+        engine.generate([[1, 2, 3]], max_new_tokens=4)
+    engine._executables[key] = real
+    again = engine.generate([[1, 2, 3]], max_new_tokens=6, sampling=Sampling(0.0))
+    fresh = Engine(bundled.checkpoint, policy=bundled.policy, num_slots=8).generate([[1, 2, 3]], max_new_tokens=6)
+    assert again.tokens == fresh.tokens
+
+
+def test_two_generate_calls_at_once_are_serialised_with_their_own_statistics(bundled):
+    engine = Engine(bundled.checkpoint, policy=bundled.policy, num_slots=8)
+    prompts = ([5, 6, 7], [9, 10])
+    alone = [engine.generate([p], max_new_tokens=20).tokens for p in prompts]
+    results = [None, None]
+
+    def run(i):
+        results[i] = engine.generate([prompts[i]], max_new_tokens=20)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.tokens for r in results] == alone
+    for r in results:
+        assert r.stats["decode_compiles"] == 0 and r.stats["compile_s"] == 0.0
+        assert r.stats["decode_steps"] == 19 and r.stats["decode_tokens_per_s"] > 0

@@ -1,0 +1,198 @@
+"""scripts/synthetic_checkpoint.py and scripts/mixtral_to_gguf.py (the bench_peer model writers) on a tiny model.
+
+The checkpoint is read back with the safetensors package (independently of ft_jax's reader) and loaded with
+ft_jax.checkpoint.load_checkpoint; the GGUF q/k permute is checked against Hugging Face's rotate_half RoPE and
+ggml's adjacent-pair RoPE written out in numpy; the GGUF file (only when the gguf package is installed) is read back
+with gguf.GGUFReader and compared with the safetensors tensors.
+"""
+
+import importlib.util
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from ft_jax.checkpoint import load_checkpoint
+from ft_jax.config import load_config
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), os.pardir, "scripts")
+TINY = dict(hidden=64, intermediate=96, layers=2, experts=4, top_k=2, heads=4, kv_heads=2, head_dim=16, vocab=300,
+            max_positions=128)
+
+
+def _module(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def sc():
+    return _module("synthetic_checkpoint")
+
+
+@pytest.fixture(scope="module")
+def mg():
+    return _module("mixtral_to_gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny(sc, tmp_path_factory):
+    """(folder, config) of a tiny checkpoint split into shards of at most 40 kB."""
+    folder = tmp_path_factory.mktemp("tiny_mixtral")
+    config = sc.mixtral_config(**TINY)
+    sc.write_checkpoint(folder, config, seed=3, max_shard_bytes=40_000)
+    return folder, config
+
+
+def _read_all(folder):
+    """{name: bf16 array} of every tensor in the folder's shards, via the safetensors package."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    out = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(folder / shard), framework="np") as f:
+            for name in f.keys():
+                out[name] = f.get_tensor(name)
+    assert set(out) == set(index["weight_map"])
+    return out
+
+
+def test_checkpoint_has_hub_names_shapes_and_loads_with_ft_jax(sc, tiny):
+    folder, config = tiny
+    tensors = _read_all(folder)
+    H, I, V, E, D = 64, 96, 300, 4, 16
+    assert len(list(folder.glob("model-*-of-*.safetensors"))) > 1
+    assert tensors["model.embed_tokens.weight"].shape == (V, H)
+    assert tensors["lm_head.weight"].shape == (V, H)
+    assert tensors["model.layers.1.self_attn.q_proj.weight"].shape == (4 * D, H)
+    assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (2 * D, H)
+    assert tensors["model.layers.1.self_attn.o_proj.weight"].shape == (H, 4 * D)
+    assert tensors["model.layers.0.block_sparse_moe.gate.weight"].shape == (E, H)
+    assert tensors["model.layers.1.block_sparse_moe.experts.3.w1.weight"].shape == (I, H)
+    assert tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"].shape == (H, I)
+    assert len(tensors) == 1 + 2 * (2 + 4 + 1 + 3 * E) + 2
+    assert all(t.dtype == ml_dtypes.bfloat16 for t in tensors.values())
+    np.testing.assert_array_equal(tensors["model.layers.0.post_attention_layernorm.weight"].astype(np.float32), 1.0)
+    w = np.concatenate([t.astype(np.float32).ravel() for n, t in tensors.items() if "norm" not in n])
+    assert abs(w.std() - 0.02) < 0.001 and abs(w.mean()) < 0.001
+
+    cfg = load_config(folder)
+    assert (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_layers, cfg.num_experts, cfg.top_k) == (H, I, 2, E, 2)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, cfg.dtype) == (4, 2, D, V, "bfloat16")
+    ckpt = load_checkpoint(folder, dtype=jnp.bfloat16)
+    gate_up, down = ckpt.gate_up_bank.numpy(), ckpt.down_bank.numpy()
+    assert gate_up.shape == (2 * E, 2 * I, H) and down.shape == (2 * E, H, I)
+    p = "model.layers.1.block_sparse_moe.experts.2"  # flat id 1 * E + 2
+    np.testing.assert_array_equal(gate_up[E + 2],
+                                  np.concatenate([tensors[f"{p}.w1.weight"], tensors[f"{p}.w3.weight"]]))
+    np.testing.assert_array_equal(down[E + 2], tensors[f"{p}.w2.weight"])
+    ckpt.gate_up_bank.release()
+    ckpt.down_bank.release()
+
+
+def test_weight_bytes_per_token_counts_the_tensors_one_token_reads(sc, tiny):
+    _, config = tiny
+    E, k, H = config["num_local_experts"], config["num_experts_per_tok"], config["hidden_size"]
+    specs = sc.tensor_specs(config)
+    nbytes = {name: 2 * math.prod(shape) for name, shape, _ in specs}
+    experts = sum(n for name, n in nbytes.items() if ".experts." in name)
+    dense = sum(n for name, n in nbytes.items() if ".experts." not in name and name != "model.embed_tokens.weight")
+    expected = dense + experts * k // E + 2 * H  # every dense weight, top_k of E experts, one embedding row
+    assert sc.weight_bytes_per_token(config)["total"] == expected
+
+
+def test_llama_permute_rows_by_hand(mg):
+    rows = mg.llama_permute(np.arange(16).reshape(16, 1), 2)[:, 0]  # 2 heads of D = 8
+    np.testing.assert_array_equal(rows, [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15])
+
+
+def _rope_hf(x, pos, theta):
+    """transformers' Llama/Mixtral RoPE: x [T, n, D]; pairs (i, i + D/2) rotated by pos * theta^(-2i/D)."""
+    D = x.shape[-1]
+    ang = pos[:, None] * theta ** (-np.arange(0, D, 2) / D)  # [T, D/2]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None], np.sin(np.concatenate([ang, ang], -1))[:, None]
+    rot = np.concatenate([-x[..., D // 2:], x[..., :D // 2]], -1)
+    return x * cos + rot * sin
+
+
+def _rope_ggml(x, pos, theta):
+    """ggml_rope mode 0 (LLaMA in llama.cpp): x [T, n, D]; adjacent pairs (2i, 2i+1) rotated by pos * theta^(-2i/D)."""
+    D = x.shape[-1]
+    ang = (pos[:, None] * theta ** (-np.arange(0, D, 2) / D))[:, None]  # [T, 1, D/2]
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = a * np.cos(ang) - b * np.sin(ang)
+    out[..., 1::2] = a * np.sin(ang) + b * np.cos(ang)
+    return out
+
+
+def test_permuted_qk_give_hf_attention_scores_under_ggml_rope(mg):
+    rng = np.random.default_rng(0)
+    NH, KVH, D, H, T, theta = 4, 2, 8, 12, 5, 1e4
+    wq, wk = rng.standard_normal((NH * D, H)), rng.standard_normal((KVH * D, H))
+    x, pos = rng.standard_normal((T, H)), np.arange(T, dtype=np.float64)
+
+    def scores(wq, wk, rope):
+        q = rope((x @ wq.T).reshape(T, NH, D), pos, theta)
+        k = rope((x @ wk.T).reshape(T, KVH, D), pos, theta)
+        k = np.repeat(k, NH // KVH, axis=1)  # GQA: query head h uses KV head h // (NH / KVH)
+        return np.einsum("tnd,snd->nts", q, k)
+
+    hf = scores(wq, wk, _rope_hf)
+    gg = scores(mg.llama_permute(wq, NH, NH), mg.llama_permute(wk, NH, KVH), _rope_ggml)
+    np.testing.assert_allclose(gg, hf, rtol=1e-10, atol=1e-10)
+    wrong = scores(mg.llama_permute(wq, NH, NH), mg.llama_permute(wk, NH, NH), _rope_ggml)  # k permuted per NH
+    assert not np.allclose(wrong, hf)
+
+
+def test_gguf_holds_the_checkpoint_tensors_as_llama_cpp_expects(mg, tiny, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    folder, config = tiny
+    out = tmp_path / "tiny.gguf"
+    mg.write_gguf(folder, out)
+    reader = gguf.GGUFReader(out)
+    fields = {name: f.contents() for name, f in reader.fields.items()}
+    assert fields["general.architecture"] == "llama"
+    assert (fields["llama.expert_count"], fields["llama.expert_used_count"], fields["llama.block_count"]) == (4, 2, 2)
+    assert (fields["llama.attention.head_count"], fields["llama.attention.head_count_kv"]) == (4, 2)
+    assert fields["llama.feed_forward_length"] == 96 and fields["llama.rope.freq_base"] == 1e6
+    assert len(fields["tokenizer.ggml.tokens"]) == 300 and fields["tokenizer.ggml.model"] == "llama"
+
+    st = _read_all(folder)
+    got = {t.name: t for t in reader.tensors}
+    assert len(got) == 1 + 2 * 10 + 2
+
+    def bf16(name, shape):
+        t = got[name]
+        assert t.tensor_type == gguf.GGMLQuantizationType.BF16, name
+        return np.asarray(t.data).view(ml_dtypes.bfloat16).reshape(shape)
+
+    def f32(name):
+        t = got[name]
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32, name
+        return np.asarray(t.data)
+
+    p = "model.layers.1"
+    np.testing.assert_array_equal(bf16("blk.1.attn_q.weight", (64, 64)),
+                                  mg.llama_permute(st[f"{p}.self_attn.q_proj.weight"], 4, 4))
+    np.testing.assert_array_equal(bf16("blk.1.attn_k.weight", (32, 64)),
+                                  mg.llama_permute(st[f"{p}.self_attn.k_proj.weight"], 4, 2))
+    np.testing.assert_array_equal(bf16("blk.1.attn_v.weight", (32, 64)), st[f"{p}.self_attn.v_proj.weight"])
+    np.testing.assert_array_equal(bf16("blk.1.attn_output.weight", (64, 64)), st[f"{p}.self_attn.o_proj.weight"])
+    for gname, w, shape in (("ffn_gate_exps", "w1", (4, 96, 64)), ("ffn_up_exps", "w3", (4, 96, 64)),
+                            ("ffn_down_exps", "w2", (4, 64, 96))):
+        merged = bf16(f"blk.1.{gname}.weight", shape)
+        for e in range(4):
+            np.testing.assert_array_equal(merged[e], st[f"{p}.block_sparse_moe.experts.{e}.{w}.weight"])
+    np.testing.assert_array_equal(f32("blk.1.ffn_gate_inp.weight").reshape(4, 64),
+                                  st[f"{p}.block_sparse_moe.gate.weight"].astype(np.float32))
+    np.testing.assert_array_equal(f32("blk.1.attn_norm.weight"), st[f"{p}.input_layernorm.weight"].astype(np.float32))
+    np.testing.assert_array_equal(f32("output_norm.weight"), st["model.norm.weight"].astype(np.float32))
+    np.testing.assert_array_equal(bf16("output.weight", (300, 64)), st["lm_head.weight"])
+    np.testing.assert_array_equal(bf16("token_embd.weight", (300, 64)), st["model.embed_tokens.weight"])

@@ -1,0 +1,289 @@
+"""ft_jax/tools/trace.py and plan.py: trace files, replay against the plain-Python cache reference, the cost model
+worked by hand, the `ft-jax trace` / `ft-jax plan` commands, and a trace recorded by the decode step replayed.
+
+Traces here are synthetic (written to tmp_path in the shared trace's JSON-lines format) or recorded from the tiny
+Mixtral fixture, so no third-party data is needed.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cache_reference import ReferenceCache
+from ft_jax import cli
+from ft_jax.offload.expert_cache import CacheState
+from ft_jax.offload.policy import Policy, auto_layer_ticks, parse_policy
+from ft_jax.tools import trace as tr
+
+L, E, K = 3, 60, 4  # 60 experts top-4 (the held-back model's shape), 3 MoE layers
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
+GB = 10**9
+
+
+def _routing(seed, lengths=(9, 6), hot=None):
+    """{problem: i64[N, L, K]} distinct expert ids per (token, layer), drawn from a skewed popularity; with `hot`,
+    each token repeats its previous token's experts with that probability (temporal reuse)."""
+    rng = np.random.default_rng(seed)
+    pop = rng.dirichlet(np.full(E, 0.3))
+    out = {}
+    for p, n in enumerate(lengths):
+        ids = np.zeros((n, L, K), np.int64)
+        for t in range(n):
+            for layer in range(L):
+                if hot is not None and t and rng.random() < hot:
+                    ids[t, layer] = ids[t - 1, layer]
+                else:
+                    ids[t, layer] = rng.choice(E, K, replace=False, p=pop)
+        out[p] = ids
+    return out
+
+
+def _write(path, routing, drop=()):
+    """The routing as trace records (layer-major like the shared trace); (problem, token, layer) in drop left out."""
+    recs = [{"dataset": "synthetic", "problem_id": p, "layer": layer, "token_idx": t,
+             "experts": [int(e) for e in ids[t, layer]], "gating_probs": [1 / K] * K}
+            for p, ids in routing.items() for layer in range(L) for t in range(len(ids)) if (p, t, layer) not in drop]
+    tr.write_trace(str(path), recs)
+    return recs
+
+
+def _reference_stats(routing_list, policy, S, carry=False):
+    """i32[N, L, 5] stats of tests/cache_reference.py over the sequences' tokens, each sequence cold unless carry."""
+    out, ref = [], None
+    for ids in routing_list:
+        if ref is None or not carry:
+            ref = ReferenceCache(L, E, S)
+        for token in ids:
+            for layer in range(L):
+                active = np.zeros(E, bool)
+                active[token[layer]] = True
+                out.append(ref.plan(layer, active, policy)["stats"])
+    return np.array(out, np.int32).reshape(-1, L, 5), ref
+
+
+def test_read_skips_incomplete_tokens_and_npz_roundtrip(tmp_path):
+    routing = _routing(0)
+    recs = _write(tmp_path / "t.jsonl", routing, drop={(0, 8, 2), (1, 2, 0)})  # last token of 0, middle of 1
+    t = tr.read_trace(str(tmp_path / "t.jsonl"))
+    assert [s.name for s in t.sequences] == ["synthetic/0", "synthetic/1"]
+    assert [s.skipped for s in t.sequences] == [1, 1] and t.skipped_tokens == 2 and t.tokens == 8 + 5
+    assert t.sequences[1].token_idx.tolist() == [0, 1, 3, 4, 5]
+    assert (t.num_layers, t.num_experts, t.top_k) == (L, int(max(r["experts"][i] for r in recs for i in range(K))) + 1,
+                                                      K)
+    want = np.zeros(t.num_experts, bool)
+    want[routing[1][3, 1]] = True
+    np.testing.assert_array_equal(t.sequences[1].active[2, 1], want)
+    tr.write_trace(str(tmp_path / "t.npz"), recs)
+    z = tr.read_trace(str(tmp_path / "t.npz"), num_experts=E)
+    assert [s.name for s in z.sequences] == [s.name for s in t.sequences]
+    for a, b in zip(z.sequences, t.sequences):
+        np.testing.assert_array_equal(a.token_idx, b.token_idx)
+        np.testing.assert_array_equal(a.active[..., :t.num_experts], b.active)
+        assert a.skipped == b.skipped
+
+
+def test_bad_traces_name_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    rec = {"problem_id": 0, "layer": 0, "token_idx": 0, "experts": [1, 2]}
+    cases = [
+        (json.dumps(rec) + "\n{not json\n", r"bad.jsonl:2: not a routing record"),
+        (json.dumps(rec) + "\n" + json.dumps(rec) + "\n", r"bad.jsonl:2: a second record .* token 0, layer 0"),
+        (json.dumps({**rec, "experts": [1, 9]}) + "\n", r"bad.jsonl:1: expert id 9 out of range \[0, 8\)"),
+        (json.dumps({**rec, "experts": []}) + "\n", r"bad.jsonl:1: experts must be a non-empty"),
+        (json.dumps({**rec, "experts": [3, 3]}) + "\n", r"bad.jsonl:1: an expert appears twice"),
+        (json.dumps({**rec, "layer": "0"}) + "\n", r"bad.jsonl:1: not a routing record"),
+        (json.dumps({**rec, "layer": 1}) + "\n", r"no token .* has all 2 MoE layers"),
+    ]
+    for text, msg in cases:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            tr.read_trace(str(path), num_layers=2 if "all 2" in msg else None, num_experts=8)
+
+
+def _auto(expert_bytes=GB, **kw):
+    """auto bound to a cost model in which both paths and the reuse credit matter."""
+    model = tr.CostModel(expert_bytes=expert_bytes, bp=2.0, bh=8.0, device_bandwidth=50.0, **kw)
+    return tr.bind_policy(parse_policy("auto"), model), model
+
+
+@pytest.mark.parametrize("carry", [False, True])
+def test_replay_matches_reference_step_by_step(tmp_path, carry):
+    """Every (token, layer) of the replay equals tests/cache_reference.py: 60 experts top-4, S = 8 slots (2 tokens'
+    worth), two reuse patterns, for every policy including auto."""
+    S = 8
+    auto, _ = _auto()
+    policies = [auto] if carry else [Policy("fetch-all"), Policy("host-all"), Policy("qstar", frac=0.415),
+                                     Policy("fixed-cap", cap=1), auto]
+    for seed, hot in ((1, None), (2, 0.7)):
+        routing = _routing(seed, hot=hot)
+        _write(tmp_path / "t.jsonl", routing)
+        trace = tr.read_trace(str(tmp_path / "t.jsonl"), num_experts=E)
+        for policy in policies:
+            got = tr.replay(trace, policy, S, carry_cache=carry)
+            want, ref = _reference_stats([routing[0], routing[1]], policy, S, carry)
+            np.testing.assert_array_equal(got.stats, want, err_msg=f"{policy} hot={hot} carry={carry}")
+            for name, value in ref.arrays().items():  # the last sequence's final tables
+                np.testing.assert_array_equal(np.asarray(getattr(got.state, name)), value, err_msg=name)
+            if policy.kind == "auto":
+                assert want[..., 3].sum() > 0 and want[..., 4].sum() > 0  # it really split misses
+    assert want[..., 0].sum() == 15 * L * K  # every route counted once
+
+
+def test_cost_model_two_layers_by_hand():
+    """1 GB experts: fill 1 GB/s alone, 0.5 contended; host 4 GB/s alone, 2 contended; device 10 GB/s; fixed ms:
+    fill 10, host 20, device 5.
+    Layer 0: F=1, H=2, 1 hit (D=2). Contended: fill 2000 ms, host 1000 ms, so the host ends first at 1000 (+20 =
+    1020); by then the fill moved 0.5 GB, the other 0.5 GB at 1 GB/s take 500 ms: fill end 1500 + 10 = 1510; the
+    device then takes 5 + 2 * 100 = 205: layer 1715 ms.
+    Layer 1: F=0, H=1, 2 hits: host 250 + 20 = 270, device 5 + 200 = 205 from t = 0: layer 270 ms.
+    Token: 1985 ms."""
+    m = tr.CostModel(expert_bytes=GB, bp=1.0, bh=4.0, bp_contended=0.5, bh_contended=2.0, device_bandwidth=10.0,
+                     fill_fixed_ms=10.0, host_fixed_ms=20.0, device_fixed_ms=5.0)
+    assert m.paths_ms(1, 2) == pytest.approx((1510.0, 1020.0))
+    assert m.layer_ms(1, 2, 2) == pytest.approx(1715.0)
+    assert m.layer_ms(0, 1, 2) == pytest.approx(270.0)
+    stats = np.array([[[4, 1, 3, 1, 2], [3, 2, 1, 0, 1]]], np.int32)  # (active, hits, misses, fetched, host)
+    assert m.token_ms(stats) == pytest.approx([1985.0])
+    # The fill ends first: F=1, H=8: fill 2000 ms contended; the host read 2000 * 2 = 4 GB by then, the other
+    # 4 GB at 4 GB/s take 1000 ms: host end 3000 + 20.
+    assert m.paths_ms(1, 8) == pytest.approx((2010.0, 3020.0))
+    # No measured pair: BPc = BP, BHc = BH - BP.
+    assert tr.CostModel(expert_bytes=GB, bp=1.0, bh=4.0).pair == (1.0, 3.0)
+    # auto decides with the same model in integer ticks (tick = 1000 / 1024 ms here).
+    costs = tr.bind_policy(parse_policy("auto"), m).costs
+    assert costs.tick_ms == pytest.approx(1000 / 1024)
+    for F, H, hits in ((1, 2, 1), (0, 1, 2), (1, 8, 0), (3, 0, 1), (2, 2, 0)):
+        ticks = int(auto_layer_ticks(costs, F + H, hits, F))
+        assert ticks * costs.tick_ms == pytest.approx(m.layer_ms(F, H, hits + F), abs=3 * costs.tick_ms)
+
+
+def test_trace_cli_json_and_help(tmp_path, capsys):
+    _write(tmp_path / "t.jsonl", _routing(3), drop={(1, 5, 1)})
+    status = cli.main(["trace", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),
+                       "--bandwidth", "2,8", "--device-bandwidth", "50", "--cache-slots", "8,16",
+                       "--policy", "fetch-all,host-all,auto", "--json"])
+    out = capsys.readouterr().out
+    assert status == 0
+    rep = json.loads(out)
+    assert rep["skipped_tokens"] == 1 and rep["tokens"] == 14
+    assert [s["tokens"] for s in rep["sequences"]] == [9, 5]
+    assert [(r["policy"], r["cache_slots"]) for r in rep["results"]] == [
+        (p, s) for s in (8, 16) for p in ("fetch-all", "host-all", "auto")]
+    for r in rep["results"]:
+        assert {"policy", "cache_slots", "hit_rate", "fetched_per_token", "host_per_token", "ms_per_token"} <= set(r)
+        assert r["hits_per_token"] + r["fetched_per_token"] + r["host_per_token"] == pytest.approx(L * K)
+    host_all = rep["results"][1]
+    # host-all never fills the cold cache: 4 host experts per layer at BH = 8 GB/s, 125 ms each, no contention.
+    assert host_all["hit_rate"] == 0 and host_all["ms_per_token"] == pytest.approx(L * K * 125.0)
+    assert rep["cost_model"]["bh_contended_used"] == 6.0  # BH - BP without a measured pair
+    with pytest.raises(SystemExit):
+        cli.main(["trace", "--help"])
+    text = capsys.readouterr().out
+    for needle in ("pull/38", "205", "55", "6526Y", "contended", "fixed cost"):
+        assert needle in text, needle
+
+
+def test_trace_cli_errors(tmp_path, capsys):
+    _write(tmp_path / "t.jsonl", _routing(4))
+    base = ["trace", str(tmp_path / "t.jsonl")]
+    for extra, msg in [([], "give --model DIR or --expert-bytes"),
+                       (["--expert-bytes", "10", "--bandwidth", "nope"], "expected 'stored', a preset"),
+                       (["--expert-bytes", "10", "--bandwidth", "1,2", "--cache-slots", "0"], "--cache-slots must be")]:
+        assert cli.main(base + extra) == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_plot_writes_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    _write(tmp_path / "t.jsonl", _routing(5))
+    assert cli.main(["trace", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--bandwidth", "2,8",
+                     "--cache-slots", "8,16", "--policy", "fetch-all,host-all", "--plot", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):
+    from ft_jax.tools import plan
+
+    _write(tmp_path / "t.jsonl", _routing(6, hot=0.6))
+    trace = tr.read_trace(str(tmp_path / "t.jsonl"), num_experts=E)
+    model = tr.CostModel(expert_bytes=GB, bp=2.0, bh=8.0, device_bandwidth=50.0)
+    policies = [parse_policy(p) for p in ("auto", "fetch-all", "host-all")]
+    rec = plan.recommend(trace, model, 16 * GB, policies)
+    assert rec["budget_slots"] == 16 and sorted({r["cache_slots"] for r in rec["results"]}) == [4, 8, 16]
+    fastest = min(r["ms_per_token"] for r in rec["results"])
+    assert rec["best"]["ms_per_token"] <= 1.01 * fastest
+    assert all(r["ms_per_token"] > 1.01 * fastest for r in rec["results"]
+               if r["cache_slots"] < rec["best"]["cache_slots"])  # no smaller cache is as good
+    assert len(rec["alternatives"]) == 2
+    for alt in rec["alternatives"]:
+        same = next(r for r in rec["results"] if r["bound"] == alt["policy"] and
+                    r["cache_slots"] == rec["best"]["cache_slots"])
+        assert alt["speedup"] == pytest.approx(same["ms_per_token"] / rec["best"]["ms_per_token"])
+    assert plan.recommend(trace, model, L * E * GB, policies)["resident"]
+    with pytest.raises(ValueError, match="holds no expert"):
+        plan.recommend(trace, model, GB // 2, policies)
+    assert cli.main(["plan", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),
+                     "--bandwidth", "2,8", "--device-bandwidth", "50", "--device-memory", "16GB",
+                     "--candidates", "auto,fetch-all,host-all"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("recommendation: --policy ") and "beats" in out
+
+
+def _routing_of_decode(ckpt, policy, slots, steps, prompts):
+    """(engine after a prefill-only call: its cache state, the routing and final state of a full generate)."""
+    from ft_jax.generate import Engine, Sampling
+
+    sampling = Sampling(temperature=1.0)  # varied routing from step to step
+    first = Engine(ckpt, policy=policy, num_slots=slots)
+    first.generate(prompts, max_new_tokens=1, sampling=sampling, seed=7)  # prefill only
+    after_prefill = jax.tree_util.tree_map(np.asarray, first.expert_state.cache)
+    engine = Engine(ckpt, policy=policy, num_slots=slots)
+    result = engine.generate(prompts, max_new_tokens=steps + 1, sampling=sampling, seed=7, record_routing=True)
+    return after_prefill, result, jax.tree_util.tree_map(np.asarray, engine.expert_state.cache)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_replayed_trace_makes_the_decode_steps_decisions(tmp_path, rows):
+    """Decode routing recorded by the engine, written as a trace, read back and replayed from the state after the
+    prefill, gives the decode step's own cache tables (every slot, usage and recency) and per-layer counters."""
+    from ft_jax.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(os.path.join(FIXTURES, "mixtral"), dtype=jnp.float32)
+    cfg = ckpt.config
+    auto, _ = _auto(expert_bytes=ckpt.gate_up_bank.row_bytes + ckpt.down_bank.row_bytes)
+    prompts = [[1, 17, 42, 5], [3, 9, 11, 2]][:rows]
+    for policy in (auto, Policy("fetch-all")):
+        start, result, end = _routing_of_decode(ckpt, policy, 5, 24, prompts)
+        path = tmp_path / f"rec{rows}.jsonl"
+        tr.write_trace(str(path), tr.routing_records(*result.routing))
+        trace = tr.read_trace(str(path), cfg.num_moe_layers, cfg.num_experts)
+        assert trace.tokens == rows * 24
+        got = tr.replay(trace, policy, 5, batch=True, initial_state=start)
+        for name in CacheState._fields:
+            np.testing.assert_array_equal(np.asarray(getattr(got.state, name)), getattr(end, name),
+                                          err_msg=f"{policy} rows={rows}: {name}")
+        per_layer = got.stats.sum(axis=0)  # [L, 5]
+        for i, field in enumerate(("active", "hits", "misses", "fetched", "host")):
+            assert per_layer[:, i].tolist() == result.stats["per_layer"][field], field
+        if policy.kind == "auto":
+            assert result.stats["fetched_per_step"] > 0 and result.stats["host_per_step"] > 0
+
+
+def test_generate_record_trace_flag(tmp_path, capsys):
+    info = json.load(open(os.path.join(FIXTURES, "mixtral", "reference", "info.json")))
+    path = tmp_path / "rec.jsonl"
+    assert cli.main(["generate", "--model", os.path.join(FIXTURES, "mixtral"), "--prompt-ids",
+                     ",".join(map(str, info["prompt_ids"])), "--temperature", "0", "--max-new-tokens", "6",
+                     "--policy", "fetch-all", "--cache-slots", "3", "--record-trace", str(path), "--json"]) == 0
+    capsys.readouterr()
+    trace = tr.read_trace(str(path))
+    ref_ids = np.load(os.path.join(FIXTURES, "mixtral", "reference", "decode_topk_ids.npy"))  # [15, L, k]
+    assert trace.tokens == 5 and trace.sequences[0].name == "mixtral/0"
+    for t in range(5):
+        for layer in range(trace.num_layers):
+            assert np.flatnonzero(trace.sequences[0].active[t, layer]).tolist() == sorted(ref_ids[t, layer])
