@@ -90,7 +90,9 @@ def test_outputs_independent_of_policy_and_cache_size(loaded):
         tokens, logits, routing, state = _greedy_logits(ckpt, backend, slots, prompt, 16)
         where = f"{family} {policy} S={slots}"
         assert tokens == info["greedy_continuation"], where
-        np.testing.assert_array_equal(routing, ref_routing, err_msg=where)  # prompt and decode routing
+        as_sets = cfg.family.startswith("deepseek")  # transformers' DeepSeek top-k is unsorted: compare as sets
+        np.testing.assert_array_equal(np.sort(routing, -1) if as_sets else routing,
+                                      np.sort(ref_routing, -1) if as_sets else ref_routing, err_msg=where)
         np.testing.assert_allclose(logits, full_logits[: len(prompt) + 15], atol=1e-4, rtol=0, err_msg=where)
         stats = np.asarray(state.cache.stats)  # [L, 6]: active, hits, misses, fetched, host, steps
         assert (stats[:, 5] == len(prompt) + 15).all(), where
