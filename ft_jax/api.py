@@ -149,7 +149,7 @@ def resolve_policy(policy, checkpoint, *, profile: str | None = None, measure: b
         from ft_jax.offload.policy import auto_costs
         from ft_jax.tools.trace import ASSUMED_DEVICE_GBPS
 
-        expert_bytes = checkpoint.gate_up_bank.row_bytes + checkpoint.down_bank.row_bytes
+        expert_bytes = sum(bank.row_bytes for bank in checkpoint.expert_banks.values())  # weights (+ biases)
         device = found.bh if found.key["platform"] == "cpu" else ASSUMED_DEVICE_GBPS
         return policy.with_costs(auto_costs(expert_bytes, found.bp, found.bh, found.bp_contended, found.bh_contended,
                                             device)), note
@@ -353,7 +353,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
         tokenizer = None
     dtype = model_dtype(dtype, cfg.dtype)
     checkpoint = load_checkpoint(path, dtype=jnp.dtype(dtype))
-    expert_bytes = checkpoint.gate_up_bank.row_bytes + checkpoint.down_bank.row_bytes
+    expert_bytes = sum(bank.row_bytes for bank in checkpoint.expert_banks.values())  # weights (+ biases)
     slots = num_slots_for(cache, checkpoint.gate_up_bank.num_rows, expert_bytes)
     policy, note = resolve_policy(policy, checkpoint, profile=profile, measure=measure)
     if note and on_message is not None:

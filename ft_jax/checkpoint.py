@@ -24,9 +24,17 @@ Expert tensor names (per MoE layer l, expert e; prefix ``model.layers.{l}.``):
     ``.w2.`` (down [H, I]); router ``block_sparse_moe.gate.weight`` [E, H].
   * Qwen2-MoE / Qwen3-MoE / OLMoE (Hub): ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj``;
     router ``mlp.gate.weight``.
-  * Fused (transformers 5 in-memory names, any family): ``mlp.experts.gate_up_proj`` [E, 2I, H] and
+  * Fused (transformers 5 in-memory names, any family but gpt-oss): ``mlp.experts.gate_up_proj`` [E, 2I, H] and
     ``mlp.experts.down_proj`` [E, H, I]; router ``mlp.gate.weight``.
+  * gpt-oss (transformers' GptOssExperts, used as x @ W): ``mlp.experts.gate_up_proj`` [E, H, 2I] with gate and up
+    interleaved on the last axis (gate = [..., 0::2], up = [..., 1::2]), ``gate_up_proj_bias`` [E, 2I] (interleaved
+    alike), ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]; router ``mlp.router.weight`` [E, H] and
+    ``mlp.router.bias`` [E]. The Hub checkpoints (openai/gpt-oss-20b, -120b) store the two weights in MXFP4:
+    ``gate_up_proj_blocks`` u8[E, 2I, H/32, 16] + ``gate_up_proj_scales`` u8[E, 2I, H/32] and ``down_proj_blocks``
+    u8[E, H, I/32, 16] + ``down_proj_scales`` u8[E, H, I/32] ([out, in] order: rows are output features), dequantized
+    while loading (:func:`dequantize_mxfp4`), one expert at a time, into the banks.
 Host-bank rows (contracts.md): gate_up row = [gate; up] [2I, H], down row [H, I]; flat id = moe_layer * E + e.
+gpt-oss also fills bias banks: gate_up bias row [2I] (gate bias then up bias), down bias row [H].
 """
 
 from __future__ import annotations
@@ -60,6 +68,15 @@ _ST_DTYPES: dict[str, np.dtype] = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 _FLOAT_NP = tuple(_ST_DTYPES[k] for k in ("F64", "F32", "F16", "BF16"))
+_U8 = (np.dtype(np.uint8),)
+
+# MXFP4 element values (OCP Microscaling Formats v1.0, FP4 E2M1) by 4-bit code; transformers' integrations/mxfp4.py
+# FP4_VALUES.
+FP4_VALUES = np.array([+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+MXFP4_BLOCK = 32  # elements per block sharing one E8M0 scale (16 bytes of two codes each)
+# byte -> the two elements it packs: [low nibble's value, high nibble's value] f32[256, 2]
+_FP4_PAIRS = np.stack([FP4_VALUES[np.arange(256) & 0x0F], FP4_VALUES[np.arange(256) >> 4]], axis=-1)
 
 # Float dtype -> (unsigned int, signed int of the same width, exponent field mask). An element is Inf or NaN iff its
 # exponent bits are all ones (IEEE 754: binary64 11 bits, binary32 8, binary16 5; bfloat16 = the top half of a
@@ -276,8 +293,10 @@ class SafetensorsCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
-    def info(self, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
-        """TensorInfo of ``name``, checking its shape (if given) and that it is a float tensor.
+    def info(self, name: str, shape: tuple[int, ...] | None = None, dtypes: tuple[np.dtype, ...] = _FLOAT_NP
+             ) -> TensorInfo:
+        """TensorInfo of ``name``, checking its shape (if given) and that its dtype is one of ``dtypes`` (default:
+        a float type).
 
         Raises CheckpointError naming the tensor and the file(s)."""
         info = self.tensors.get(name)
@@ -286,9 +305,26 @@ class SafetensorsCheckpoint:
         if shape is not None and tuple(shape) != info.shape:
             raise CheckpointError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, expected "
                                   f"{list(shape)}")
-        if info.dtype not in _FLOAT_NP:
-            raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype}, expected a float type")
+        if info.dtype not in dtypes:
+            expected = "a float type" if dtypes == _FLOAT_NP else " or ".join(d.name for d in dtypes)
+            raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype}, expected {expected}")
         return info
+
+    def read_rows(self, name: str, start: int, stop: int, dtypes: tuple[np.dtype, ...] = _FLOAT_NP) -> np.ndarray:
+        """Rows start:stop of tensor ``name`` along its leading axis, as a new array in the stored dtype (one
+        positioned read of just those bytes; float rows are checked for NaN/Inf as in :meth:`read_into`).
+
+        Raises CheckpointError as :meth:`read_into` (also for a dtype outside ``dtypes``); ValueError for a row
+        range outside the tensor."""
+        info = self.info(name, dtypes=dtypes)
+        if not 0 <= start < stop <= info.shape[0]:
+            raise ValueError(f"read_rows({name!r}): rows {start}:{stop} outside its {info.shape[0]} rows")
+        row_bytes = info.nbytes // info.shape[0]
+        part = dataclasses.replace(info, shape=(stop - start, *info.shape[1:]), offset=info.offset + start * row_bytes,
+                                   nbytes=(stop - start) * row_bytes)
+        out = np.empty(part.shape, info.dtype)
+        self._pread(f"{name}[{start}:{stop}]", part, out.reshape(-1).view(np.uint8))
+        return out
 
     def read_into(self, name: str, out: np.ndarray, shape: tuple[int, ...] | None = None) -> None:
         """Read tensor ``name`` into the C-contiguous array ``out`` (same number of elements), casting to
@@ -368,7 +404,9 @@ class LoadedCheckpoint:
 
     config: MoEConfig; model: MoETransformer (dense parameters on the device);
     gate_up_bank: HostBank [L_moe*E, 2I, H]; down_bank: HostBank [L_moe*E, H, I];
-    checkpoint_bytes: total size of the safetensors files.
+    checkpoint_bytes: total size of the safetensors files;
+    gate_up_bias_bank: HostBank [L_moe*E, 2I] (gate bias then up bias) and down_bias_bank: HostBank [L_moe*E, H]
+    for families whose experts have biases (MoEConfig.expert_bias: gpt-oss), else None.
     """
 
     config: MoEConfig
@@ -376,6 +414,17 @@ class LoadedCheckpoint:
     gate_up_bank: Any
     down_bank: Any
     checkpoint_bytes: int
+    gate_up_bias_bank: Any = None
+    down_bias_bank: Any = None
+
+    @property
+    def expert_banks(self) -> dict[str, Any]:
+        """The expert backends' bank arguments: {"gate_up_bank", "down_bank"} plus, with expert biases,
+        {"gate_up_bias_bank", "down_bias_bank"} (ft_jax.offload.experts.OffloadedExperts fields)."""
+        banks = {"gate_up_bank": self.gate_up_bank, "down_bank": self.down_bank}
+        if self.gate_up_bias_bank is not None:
+            banks.update(gate_up_bias_bank=self.gate_up_bias_bank, down_bias_bank=self.down_bias_bank)
+        return banks
 
 
 def _np_dtype(dtype) -> np.dtype:
@@ -385,14 +434,97 @@ def _np_dtype(dtype) -> np.dtype:
     return d
 
 
-def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint) -> list[tuple[str, int, str, tuple]]:
-    """Which tensors fill which bank rows, validated against the headers (names and shapes) before any reading.
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 -> float32 (OCP Microscaling Formats v1.0: FP4 E2M1 elements, one E8M0 scale per block of 32).
 
-    Returns a list of (bank "gate_up" | "down", first flat row, tensor name, part) where part is
-    ("fused",) for an [E, ...] tensor covering rows first..first+E-1, or ("rows", a, b) for one expert tensor
-    going to rows a:b of the row's leading axis.
-    Raises CheckpointError (missing tensor / wrong shape, naming file and tensor).
+    value = FP4_VALUES[code] * 2^(scale - 127); byte j of a block holds element 2j in its low nibble and element
+    2j + 1 in its high nibble (transformers' integrations/mxfp4.py ``_convert_moe_packed_tensors``, without its final
+    transpose). Every result is exact in float32 and bfloat16 unless it overflows.
+
+    Args:
+        blocks: u8[..., G, 16]; scales: u8[..., G].
+    Returns:
+        f32[..., G * 32] (Inf where a value overflows float32: a scale above 254, or 254 with |code value| >= 2).
+    Raises:
+        ValueError: shapes that do not match (blocks.shape[:-1] != scales.shape or a last axis other than 16).
     """
+    if blocks.shape[-1:] != (MXFP4_BLOCK // 2,) or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"dequantize_mxfp4: blocks {blocks.shape} must be [..., G, 16] with scales [..., G], got "
+                         f"scales {scales.shape}")
+    values = _FP4_PAIRS[blocks].reshape(*blocks.shape[:-1], MXFP4_BLOCK)  # f32[..., G, 32]
+    with np.errstate(over="ignore"):  # an overflow gives Inf, which the loader reports
+        scale = np.ldexp(np.float32(1), scales.astype(np.int32) - 127).astype(np.float32)  # 2^(s - 127), f32[..., G]
+        values *= scale[..., None]  # exact: a power of two times a value of at most 2 significant bits
+    return values.reshape(*blocks.shape[:-2], -1)
+
+
+def _gpt_oss_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint) -> list[tuple[str, int, str, tuple]]:
+    """expert_tensor_plan for gpt-oss: plain (float) or MXFP4 expert weights, plus the two bias tensors."""
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    plan = []
+    for m, layer in enumerate(cfg.moe_layers):
+        p = f"model.layers.{layer}.mlp.experts"
+        for proj, rows, cols, interleaved in (("gate_up_proj", 2 * I, H, True), ("down_proj", H, I, False)):
+            bank, name, blocks, scales = ("gate_up" if interleaved else "down"), f"{p}.{proj}", f"{p}.{proj}_blocks", \
+                f"{p}.{proj}_scales"
+            if name in ckpt:  # as GptOssExperts holds them: [E, in, out]
+                ckpt.info(name, (E, cols, rows))
+                plan.append((bank, m * E, name, ("transposed", interleaved)))
+            elif blocks in ckpt:  # MXFP4
+                if cols % MXFP4_BLOCK:
+                    raise CheckpointError(f"{ckpt.info(blocks, dtypes=_U8).file}: MXFP4 tensor {blocks!r} packs rows "
+                                          f"of {cols} elements, not a multiple of the block size {MXFP4_BLOCK}")
+                ckpt.info(blocks, (E, rows, cols // MXFP4_BLOCK, MXFP4_BLOCK // 2), _U8)
+                ckpt.info(scales, (E, rows, cols // MXFP4_BLOCK), _U8)
+                plan.append((bank, m * E, blocks, ("mxfp4", scales, interleaved)))
+            else:
+                raise CheckpointError(f"{ckpt._directory_file}: missing tensor {name!r} (or its MXFP4 form {blocks!r} "
+                                      f"+ {scales!r})")
+        ckpt.info(f"{p}.gate_up_proj_bias", (E, 2 * I))
+        ckpt.info(f"{p}.down_proj_bias", (E, H))
+        plan += [("gate_up_bias", m * E, f"{p}.gate_up_proj_bias", ("interleaved_rows",)),
+                 ("down_bias", m * E, f"{p}.down_proj_bias", ("fused",))]
+    return plan
+
+
+def _deinterleave(rows: np.ndarray) -> np.ndarray:
+    """[2I, ...] rows in gpt-oss order (gate, up, gate, up, ...) -> [gate rows; up rows] (the bank row layout)."""
+    return np.concatenate([rows[0::2], rows[1::2]])
+
+
+def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, name: str, part: tuple, dst: np.ndarray) -> None:
+    """Fill dst [E, *row] (bank rows of one layer) from a gpt-oss expert tensor, one expert at a time (the temporary
+    is one expert's weights in float32 at most). part: ("transposed", interleaved) | ("mxfp4", scales name,
+    interleaved) | ("interleaved_rows",) (the gate_up bias)."""
+    if part[0] == "interleaved_rows":
+        dst[...] = np.stack([_deinterleave(b) for b in ckpt.read(name)]).astype(dst.dtype)  # [E, 2I]
+        return
+    for e in range(dst.shape[0]):
+        if part[0] == "mxfp4":
+            blocks, scales = ckpt.read_rows(name, e, e + 1, _U8)[0], ckpt.read_rows(part[1], e, e + 1, _U8)[0]
+            if (scales == 255).any():
+                raise CheckpointError(f"{ckpt.info(part[1], dtypes=_U8).file}: tensor {part[1]!r} expert {e} holds the "
+                                      "E8M0 scale 255 (NaN): a corrupted MXFP4 checkpoint")
+            rows = dequantize_mxfp4(blocks, scales)  # f32[out, in]
+            if not np.isfinite(rows).all():
+                raise CheckpointError(f"{ckpt.info(name, dtypes=_U8).file}: tensor {name!r} expert {e} dequantizes to "
+                                      "Inf (an E8M0 scale too large for float32): a corrupted MXFP4 checkpoint")
+        else:
+            rows = ckpt.read_rows(name, e, e + 1)[0].T  # [in, out] -> [out, in]
+        dst[e] = (_deinterleave(rows) if part[-1] else rows).astype(dst.dtype)
+
+
+def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint) -> list[tuple[str, int, str, tuple]]:
+    """Which tensors fill which bank rows, validated against the headers (names, shapes, dtypes) before any reading.
+
+    Returns a list of (bank "gate_up" | "down" | "gate_up_bias" | "down_bias", first flat row, tensor name, part)
+    where part is ("fused",) for an [E, ...] tensor covering rows first..first+E-1, ("rows", a, b) for one expert
+    tensor going to rows a:b of the row's leading axis, or for gpt-oss ("transposed", interleaved), ("mxfp4",
+    scales tensor name, interleaved) and ("interleaved_rows",) (see _read_gpt_oss_experts).
+    Raises CheckpointError (missing tensor / wrong shape or dtype, naming file and tensor).
+    """
+    if cfg.family == "gpt_oss":
+        return _gpt_oss_plan(cfg, ckpt)
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     plan = []
     for m, layer in enumerate(cfg.moe_layers):
@@ -440,15 +572,16 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
         expert_dtype: host-bank dtype (float32 or bfloat16); default ``dtype``.
     Returns:
         LoadedCheckpoint(config, model, gate_up_bank HostBank [L_moe*E, 2I, H], down_bank HostBank [L_moe*E, H, I],
-        checkpoint_bytes).
+        checkpoint_bytes, and for gpt-oss gate_up_bias_bank [L_moe*E, 2I] and down_bias_bank [L_moe*E, H] in the
+        expert dtype).
     Memory: expert tensors are read one at a time directly into the bank rows (plus one tensor-sized temporary
-    when the stored dtype differs from expert_dtype); dense tensors pass through one host copy each. Peak host
-    memory is about banks + dense weights + one tensor.
+    when the stored dtype differs from expert_dtype; gpt-oss tensors, transposed or MXFP4, one expert at a time);
+    dense tensors pass through one host copy each. Peak host memory is about banks + dense weights + one tensor.
     The banks are frozen (read-only, :meth:`HostBank.freeze`) before they are returned.
     Raises:
         CheckpointError: missing/unreadable/truncated/corrupted file (including headers that break the safetensors
-            rules and unsafe shard names in the index), missing tensor, wrong shape, or a NaN/Inf weight (names the
-            file and the tensor).
+            rules and unsafe shard names in the index), missing tensor, wrong shape, or a NaN/Inf weight (an MXFP4
+            scale of 255 or one that overflows float32 included; names the file and the tensor).
         ConfigError / NotImplementedError: from :func:`ft_jax.config.load_config`.
     """
     from ft_jax.offload.host_bank import HostBank
@@ -461,22 +594,26 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     with SafetensorsCheckpoint(model_dir) as ckpt:
         plan = expert_tensor_plan(cfg, ckpt)
         model = MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family))
-        gate_up = HostBank(rows, (2 * I, H), bank_dtype)
-        down = HostBank(rows, (H, I), bank_dtype)
+        host = {"gate_up": HostBank(rows, (2 * I, H), bank_dtype), "down": HostBank(rows, (H, I), bank_dtype)}
+        if cfg.expert_bias:
+            host.update(gate_up_bias=HostBank(rows, (2 * I,), bank_dtype), down_bias=HostBank(rows, (H,), bank_dtype))
         try:
-            banks = {"gate_up": gate_up.numpy(), "down": down.numpy()}
+            banks = {kind: bank.numpy() for kind, bank in host.items()}
             for bank, row, name, part in plan:
                 arr = banks[bank]
                 if part[0] == "fused":
                     ckpt.read_into(name, arr[row:row + E])
-                else:
+                elif part[0] == "rows":
                     ckpt.read_into(name, arr[row, part[1]:part[2]])
+                else:
+                    _read_gpt_oss_experts(ckpt, name, part, arr[row:row + E])
             del banks  # the writable views; views taken after freeze() are read-only
-            gate_up.freeze()
-            down.freeze()
+            for bank in host.values():
+                bank.freeze()
         except BaseException:
-            gate_up.release()
-            down.release()
+            for bank in host.values():
+                bank.release()
             raise
         nbytes = ckpt.nbytes
-    return LoadedCheckpoint(cfg, model, gate_up, down, nbytes)
+    return LoadedCheckpoint(cfg, model, host["gate_up"], host["down"], nbytes, host.get("gate_up_bias"),
+                            host.get("down_bias"))

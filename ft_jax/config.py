@@ -22,6 +22,13 @@ DeepseekV2ForCausalLM      deepseek_v2 Multi-head Latent Attention (``q_lora_ran
 DeepseekV3ForCausalLM      deepseek_v3 MLA as V2 (``rope_interleave``); sigmoid router with
                                        ``e_score_correction_bias`` (noaux_tc), group-limited top-k,
                                        ``norm_topk_prob``, ``routed_scaling_factor``
+GptOssForCausalLM          gpt_oss     experts use ``intermediate_size``, with biases and the clamped SwiGLU
+                                       (``swiglu_alpha`` 1.702, ``swiglu_limit`` 7.0); router with bias;
+                                       attention sinks; ``layer_types`` (sliding_attention / full_attention,
+                                       default alternating from sliding) with ``sliding_window``;
+                                       ``attention_bias`` (default true); YaRN rope (transformers'
+                                       GptOssConfig defaults when the config has none); MXFP4 experts
+                                       (``quantization_config.quant_method`` "mxfp4") are dequantized on load
 =========================  ==========  ===============================================================
 
 Both key styles are accepted: the ones recent transformers (5.x) writes (``rope_parameters{rope_theta,
@@ -54,7 +61,10 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "GptOssForCausalLM": "gpt_oss",
 }
+
+LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' layer_types values used by gpt-oss
 
 # Hugging Face ``hidden_act`` -> activation name used by the expert kernels (ft_jax.offload.ffi_ops).
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -204,7 +214,7 @@ class MoEConfig:
     """Everything the model, loader and decode engine need, in one flat, hashable record.
 
     Attributes:
-        family: "mixtral" | "qwen2_moe" | "qwen3_moe" | "olmoe" | "deepseek_v2" | "deepseek_v3".
+        family: "mixtral" | "qwen2_moe" | "qwen3_moe" | "olmoe" | "deepseek_v2" | "deepseek_v3" | "gpt_oss".
         architecture: the ``architectures[0]`` string of config.json.
         vocab_size, hidden_size (H), num_layers (decoder layers), num_heads, num_kv_heads, head_dim (D; the RoPE
             width qk_rope_head_dim for DeepSeek, whose num_kv_heads = num_heads).
@@ -221,7 +231,8 @@ class MoEConfig:
         qk_norm: "none" | "per_head" (RMSNorm over D per head, Qwen3-MoE) | "full" (RMSNorm over NH*D / KVH*D
             before the head split, OLMoE).
         clip_qkv: clamp q, k, v to [-clip_qkv, clip_qkv] after projection/norm (OLMoE), or None.
-        sliding_window: attention window (a query at p sees keys at positions > p - window), or None.
+        sliding_window: attention window (a query at p sees keys at positions > p - window), or None; applied to
+            every layer, or with layer_types to the "sliding_attention" layers only (see attention_window).
         tie_word_embeddings: lm_head shares the embedding matrix.
         max_position_embeddings: maximum sequence length of the checkpoint.
         bos_token_id: int or None.
@@ -231,6 +242,14 @@ class MoEConfig:
         hidden_act: Hugging Face activation name (e.g. "silu").
         dtype: checkpoint dtype name ("float32", "bfloat16", "float16").
         initializer_range: std of the normal init used for random (untrained) models.
+        layer_types: per decoder layer "sliding_attention" | "full_attention" (gpt-oss), or () = every layer
+            uses sliding_window.
+        attention_sinks: each attention head has a learned sink logit (``self_attn.sinks`` [NH]) that joins the
+            softmax and is dropped after it (gpt-oss).
+        router_bias: the router has a bias (``mlp.router.bias`` [E], gpt-oss).
+        expert_bias: routed experts have gate/up and down biases (gpt-oss's gate_up_proj_bias / down_proj_bias).
+        swiglu_alpha, swiglu_limit: the clamped SwiGLU's sigmoid gain and clamp (gpt-oss; activation
+            "swiglu_oai").
 
     DeepSeek-V2/V3 only (defaults elsewhere; DeepSeek-V2 paper arXiv 2405.04434 sec. 2.1, transformers'
     DeepseekV2/V3Attention and DeepseekV2/V3TopkRouter):
@@ -287,6 +306,12 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     rope_interleave: bool = False
+    layer_types: tuple[str, ...] = ()
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         if self.hidden_act not in _ACTIVATIONS:
@@ -304,6 +329,10 @@ class MoEConfig:
             raise ValueError(f"moe_layers {self.moe_layers} out of range for {self.num_layers} layers")
         if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
             raise ValueError("dense (non-MoE) layers need intermediate_size > 0")
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or any(t not in LAYER_TYPES for t in self.layer_types)):
+            raise ValueError(f"layer_types must give one of {LAYER_TYPES} for each of the {self.num_layers} layers, "
+                             f"got {self.layer_types}")
 
     @property
     def num_moe_layers(self) -> int:
@@ -312,8 +341,16 @@ class MoEConfig:
 
     @property
     def activation(self) -> str:
-        """Activation name for the expert kernels: "silu" (SwiGLU) or "gelu_tanh"."""
-        return _ACTIVATIONS[self.hidden_act]
+        """Activation name for the expert kernels: "silu" (SwiGLU) or "gelu_tanh" from hidden_act; gpt-oss's experts
+        use "swiglu_oai" (the clamped SwiGLU with swiglu_alpha / swiglu_limit) whatever hidden_act says."""
+        return "swiglu_oai" if self.family == "gpt_oss" else _ACTIVATIONS[self.hidden_act]
+
+    def attention_window(self, layer: int) -> int | None:
+        """Sliding window of decoder layer ``layer`` (None = full attention): sliding_window for every layer, or with
+        layer_types only for the "sliding_attention" ones (transformers' GptOssAttention)."""
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def eos_token_id(self) -> int | None:
@@ -339,7 +376,8 @@ def load_config(model_dir: str | os.PathLike) -> MoEConfig:
             size or count < 1, num_key_value_heads not dividing num_attention_heads, num_experts_per_tok outside
             [1, number of experts], no MoE layer, ...). Every message is one line "<path>: <field> ..., got <value>".
         NotImplementedError: a RoPE scaling type other than "default" and "yarn", partial rotary embeddings,
-            Qwen sliding-window attention, or an activation other than silu / gelu_pytorch_tanh (names the file).
+            Qwen sliding-window attention, an activation other than silu / gelu_pytorch_tanh, or a gpt-oss
+            quantization other than mxfp4 (names the file).
     """
     model_dir = os.fspath(model_dir)
     check_model_dir(model_dir)
@@ -492,7 +530,7 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
         raise NotImplementedError(f"{source}: hidden_act {hidden_act!r} is not implemented (supported: "
                                   f"{', '.join(sorted(_ACTIVATIONS))})")
 
-    rope_theta, rope_scaling = _rope(raw, source)
+    rope_theta, rope_scaling = _rope(_gpt_oss_rope_defaults(raw) if family == "gpt_oss" else raw, source)
     dtype_name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
     if dtype_name not in _DTYPES:
         raise ConfigError(f"{source}: dtype {dtype_name!r} not supported (supported: {sorted(_DTYPES)})")
@@ -512,6 +550,8 @@ def config_from_dict(raw: dict[str, Any], source: str = "config.json") -> MoECon
 
     if family in ("deepseek_v2", "deepseek_v3"):
         return _deepseek(raw, source, common, req, opt, at_least)
+    if family == "gpt_oss":
+        return _gpt_oss_config(raw, common, source, opt, req, at_least, num_layers)
     if family == "mixtral":
         window = opt("sliding_window", None)
         common["sliding_window"] = None if window is None else at_least("sliding_window", window, 1)
@@ -650,6 +690,51 @@ def _deepseek(raw: dict[str, Any], source: str, common: dict, req, opt, at_least
         routed_scaling_factor=scale, rope_interleave=opt("rope_interleave", True, bool) if v3 else True)
 
 
+# transformers' GptOssConfig: rope_theta 150000 (default_theta) and this YaRN when the config gives no rope parameters.
+_GPT_OSS_THETA = 150000.0
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def _gpt_oss_rope_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """raw with transformers' GptOssConfig rope defaults filled in (YaRN when neither rope_parameters nor
+    rope_scaling is given; rope_theta 150000 when absent)."""
+    raw = dict(raw)
+    if not isinstance(raw.get("rope_parameters"), dict) and not isinstance(raw.get("rope_scaling"), dict):
+        raw["rope_parameters"] = dict(_GPT_OSS_ROPE)
+    params = raw.get("rope_parameters")
+    if raw.get("rope_theta") is None and not (isinstance(params, dict) and params.get("rope_theta") is not None):
+        raw["rope_theta"] = _GPT_OSS_THETA
+    return raw
+
+
+def _gpt_oss_config(raw, common: dict, source: str, opt, req, at_least, num_layers: int) -> MoEConfig:
+    """The gpt_oss branch of config_from_dict (transformers' GptOssConfig and GptOssModel semantics)."""
+    types = opt("layer_types", None, list)
+    if types is None:  # GptOssConfig.__post_init__: sliding on even layers, full on odd ones
+        types = ["sliding_attention" if (l + 1) % 2 else "full_attention" for l in range(num_layers)]
+    if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise ConfigError(f"{source}: layer_types must list one of {', '.join(LAYER_TYPES)} for each of the "
+                          f"num_hidden_layers={num_layers} layers, got {types!r}")
+    window = opt("sliding_window", None)
+    alpha, limit = opt("swiglu_alpha", 1.702, float), opt("swiglu_limit", 7.0, float)
+    if not limit > 0:
+        raise ConfigError(f"{source}: swiglu_limit must be > 0, got {limit}")
+    quant = raw.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        if method != "mxfp4":
+            raise NotImplementedError(f"{source}: quantization_config with quant_method {method!r} is not "
+                                      "implemented (supported: mxfp4 experts, dequantized while loading)")
+    bias = opt("attention_bias", True, bool)
+    common = dict(common, sliding_window=None if window is None else at_least("sliding_window", window, 1))
+    return MoEConfig(
+        **common, moe_intermediate_size=at_least("intermediate_size", req("intermediate_size"), 1),
+        intermediate_size=0, moe_layers=tuple(range(num_layers)), shared_expert_intermediate_size=0,
+        norm_topk_prob=False, qkv_bias=bias, o_bias=bias, qk_norm="none", layer_types=tuple(types),
+        attention_sinks=True, router_bias=True, expert_bias=True, swiglu_alpha=alpha, swiglu_limit=limit)
+
+
 def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     """(RoPE base, YaRN scaling or None) from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
     ``rope_scaling`` (Hub). Other rope types raise NotImplementedError naming the type."""
@@ -678,21 +763,22 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     if rope_type == "default":
         return float(theta), None
 
-    def number(key, default=None, positive=True):
-        value = spec.get(key, default)
+    def number(key, default=None, positive=True, where=spec):
+        value = where.get(key, default)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 (positive and not value > 0):
             raise ConfigError(f"{source}: yarn rope field {key!r} should be a {'positive ' if positive else ''}"
                               f"number, got {value!r}")
         return value
 
-    original = spec.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
-    if original is None:  # transformers: the config's context divided by the factor
-        original = raw.get("max_position_embeddings", 0) / number("factor")
+    # transformers 5 (PreTrainedConfig.standardize_rope_params): a top-level original_max_position_embeddings wins
+    # (Phi-3 style), then the rope dict's, else the config's max_position_embeddings.
+    key = "original_max_position_embeddings"
+    original = number(key, where=raw) if raw.get(key) is not None else \
+        number(key, raw.get("max_position_embeddings"))
     attention_factor = spec.get("attention_factor")
     return float(theta), RopeScaling(
-        factor=float(number("factor")), original_max_position_embeddings=int(number("original_max_position_embeddings",
-                                                                                    original)),
+        factor=float(number("factor")), original_max_position_embeddings=int(original),
         beta_fast=float(number("beta_fast", 32.0)), beta_slow=float(number("beta_slow", 1.0)),
         truncate=bool(spec.get("truncate", True)), mscale=float(number("mscale", 0.0, positive=False)),
         mscale_all_dim=float(number("mscale_all_dim", 0.0, positive=False)),

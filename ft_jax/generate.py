@@ -282,12 +282,13 @@ class Engine:
         self.policy = policy
         self.on_compile = on_compile
         self.graphdef, self.params = nnx.split(checkpoint.model)
-        banks = (checkpoint.gate_up_bank, checkpoint.down_bank, cfg.num_experts)
-        self.decode_backend = OffloadedExperts(*banks, policy, cfg.activation)
+        experts = dict(checkpoint.expert_banks, num_experts=cfg.num_experts, activation=cfg.activation,
+                       swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
+        self.decode_backend = OffloadedExperts(**experts, policy=policy)
         prefill_policy = policy if policy.kind in ("resident", "host-all") else Policy("fetch-all")
-        self.prefill_backend = OffloadedExperts(*banks, prefill_policy, cfg.activation)
+        self.prefill_backend = OffloadedExperts(**experts, policy=prefill_policy)
         self.num_slots = cfg.num_experts * self.decode_backend.num_layers if policy.kind == "resident" else num_slots
-        self.expert_bytes = checkpoint.gate_up_bank.row_bytes + checkpoint.down_bank.row_bytes
+        self.expert_bytes = sum(bank.row_bytes for bank in self.decode_backend.banks)  # weights (+ biases)
         self.expert_state = self.decode_backend.init_state(self.num_slots)
         use_huge_pages((self.params, self.expert_state))  # the dense weights and slot pools, read every step
         # Donated: the KV cache (5) and the expert state (6) of f(graphdef, backend, params, tokens, positions, kv_cache,

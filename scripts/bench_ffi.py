@@ -11,6 +11,8 @@ windows). Prints three tables:
      numpy read bandwidth (np.add.reduce over the same bank rows viewed as float32, on 1 thread and on as many
      threads as the kernel uses), at Mixtral-like experts scaled to fit memory (default H=4096, I=3584, bf16:
      84 MiB per expert). Goal: >= 0.8. All T tokens go to the same k experts (the most arithmetic per byte).
+     Also the gpt-oss form of the same call (gate_up/down bias banks and the clamped SwiGLU "swiglu_oai"; its GB/s
+     count the bias bytes too) and its ratio to the plain call: the biases should cost nothing measurable.
   3. In-graph cost of one FFI call (microseconds): a jit of 200 chained slot_fill calls that copy nothing
      minus a jit with none, per call.
 
@@ -71,11 +73,27 @@ def kernel_threads() -> int:
 
 
 def bench_host_experts(hidden: int, inter: int, dtype: str, T: int, k: int, repeats: int, min_time: float) -> tuple:
-    """(bytes per call, host_experts rate, numpy read rate on 1 thread, on the kernel's thread count)."""
+    """(bytes per call, host_experts rate, numpy read rate on 1 thread, on the kernel's thread count, rate of the
+    gpt-oss form: bias banks + swiglu_oai)."""
     threads = kernel_threads()
     with Bench(hidden, inter, dtype, call_bytes=k * 3 * hidden * inter * (2 if dtype == "bfloat16" else 4),
                tokens=T) as b, ThreadPoolExecutor(threads) as pool:
         gate_up, down = b.gate_up.numpy(), b.down.numpy()
+        biases = (HostBank(b.gate_up.num_rows, (2 * inter,), b.gate_up.dtype),
+                  HostBank(b.gate_up.num_rows, (hidden,), b.gate_up.dtype))
+        for bank in biases:
+            bank.numpy()[...] = np.asarray(0.01, bank.dtype)
+        gpt_oss = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, b.gate_up, b.down, "swiglu_oai",
+                                                               gate_up_bias=biases[0], down_bias=biases[1]))
+        ids = [jnp.asarray(np.tile(r, (T, 1))) for r in b.gemv_rows]  # each i32[T, n]: the rotation of Bench.gemv
+        x = jnp.asarray(np.linspace(-1.0, 1.0, T * hidden, dtype=np.float32).reshape(T, hidden))  # f32[T, H]
+        w = jnp.full((T, b.n), 1.0 / b.n, jnp.float32)  # f32[T, n]
+        bias_calls = itertools.count()
+
+        def gemv_bias():
+            gpt_oss(x, ids[next(bias_calls) % len(ids)], w).block_until_ready()
+
+        bias_bytes = b.nbytes + b.n * sum(bank.row_bytes for bank in biases)
 
         def numpy_read(parts: int):
             calls = itertools.count()
@@ -93,9 +111,12 @@ def bench_host_experts(hidden: int, inter: int, dtype: str, T: int, k: int, repe
             return read
 
         rates = measure_rates({"ffi": (b.gemv, b.nbytes), "np1": (numpy_read(1), b.nbytes),
-                               "npN": (numpy_read(threads), b.nbytes)}, repeats, min_time)
+                               "npN": (numpy_read(threads), b.nbytes), "bias": (gemv_bias, bias_bytes)},
+                              repeats, min_time)
         del gate_up, down
-        return b.nbytes, rates["ffi"], rates["np1"], rates["npN"]
+        for bank in biases:
+            bank.release()
+        return b.nbytes, rates["ffi"], rates["np1"], rates["npN"], rates["bias"]
 
 
 def bench_call_overhead(repeats: int, calls: int = 200) -> tuple[float, float, float]:
@@ -161,12 +182,13 @@ def main(argv=None) -> None:
 
     print(f"\n2. host_experts vs numpy read (H={args.hidden}, I={args.inter}, {args.dtype}, k={args.top_k})")
     print(f"{'T':>4} {'MiB/call':>9} {'host_experts GB/s':>22} {'numpy read GB/s':>22} {'ratio':>6} {'best':>6}"
-          f" {'numpy read GB/s x' + str(kernel_threads()):>22} {'ratio':>6} {'best':>6}")
+          f" {'numpy read GB/s x' + str(kernel_threads()):>22} {'ratio':>6} {'best':>6}"
+          f" {'gpt-oss form GB/s':>22} {'/plain':>6} {'best':>6}")
     for T in args.tokens:
-        nbytes, ffi_rate, np1, npn = bench_host_experts(args.hidden, args.inter, args.dtype, T, args.top_k,
-                                                        args.repeats, args.min_time)
+        nbytes, ffi_rate, np1, npn, bias = bench_host_experts(args.hidden, args.inter, args.dtype, T, args.top_k,
+                                                              args.repeats, args.min_time)
         print(f"{T:4d} {nbytes / MiB:9.1f} {_fmt(ffi_rate):>22} {_fmt(np1):>22} {_ratios(ffi_rate, np1)}"
-              f" {_fmt(npn):>22} {_ratios(ffi_rate, npn)}")
+              f" {_fmt(npn):>22} {_ratios(ffi_rate, npn)} {_fmt(bias):>22} {_ratios(bias, ffi_rate)}")
 
     over = bench_call_overhead(args.repeats)
     print(f"\n3. in-graph cost of one FFI call (slot_fill, nothing copied): {over[0]:.2f} us "

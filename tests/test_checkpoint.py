@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import threading
 
@@ -549,3 +550,112 @@ def test_deepseek_hub_layout_loads(family, tmp_path):
     np.testing.assert_array_equal(ck2.down_bank.numpy(), dn)
     _release(ck)
     _release(ck2)
+def _release_all(ck):
+    for bank in ck.expert_banks.values():
+        bank.release()
+
+
+def test_gpt_oss_fused_experts_are_deinterleaved_into_the_bank_layout():
+    """gpt-oss's gate_up_proj [E, H, 2I] (x @ W, gate = columns 0::2, up = 1::2) and down_proj [E, I, H] land as the
+    bank rows [gate; up] [2I, H] and [H, I]; the biases as [gate bias; up bias] [2I] and [H]."""
+    d = os.path.join(FIXTURES, "gpt_oss")
+    ck = load_checkpoint(d)
+    cfg = ck.config
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    gu, dn, gb, db = (ck.expert_banks[k].numpy() for k in ("gate_up_bank", "down_bank", "gate_up_bias_bank",
+                                                          "down_bias_bank"))
+    assert gb.shape == (4 * E, 2 * I) and db.shape == (4 * E, cfg.hidden_size)
+    for layer in range(4):
+        p = f"model.layers.{layer}.mlp.experts"
+        for e in range(E):
+            w, b = tensors[f"{p}.gate_up_proj"][e], tensors[f"{p}.gate_up_proj_bias"][e]  # [H, 2I], [2I]
+            np.testing.assert_array_equal(gu[layer * E + e, :I], w[:, 0::2].T)
+            np.testing.assert_array_equal(gu[layer * E + e, I:], w[:, 1::2].T)
+            np.testing.assert_array_equal(dn[layer * E + e], tensors[f"{p}.down_proj"][e].T)
+            np.testing.assert_array_equal(gb[layer * E + e], np.concatenate([b[0::2], b[1::2]]))
+            np.testing.assert_array_equal(db[layer * E + e], tensors[f"{p}.down_proj_bias"][e])
+    params = _params(ck.model)
+    np.testing.assert_array_equal(params["stacks/0/ffn/router_bias"][1], tensors["model.layers.1.mlp.router.bias"])
+    np.testing.assert_array_equal(params["stacks/0/attn/sinks"][3], tensors["model.layers.3.self_attn.sinks"])
+    assert len(ck.model.stacks) == 1  # sliding and full layers share one scanned stack
+    _release_all(ck)
+
+
+@pytest.mark.parametrize("expert_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_mxfp4_experts_equal_transformers_dequantization(expert_dtype):
+    """The MXFP4 checkpoint's layer-0 bank rows equal transformers' convert_moe_packed_tensors output (saved by
+    scripts/make_gpt_oss_references.py), de-interleaved and transposed into the bank layout; every value is exact
+    in bfloat16 too."""
+    d = os.path.join(FIXTURES, "gpt_oss_mxfp4")
+    ref = np.load(os.path.join(d, "reference", "mxfp4_dequantized_layer0.npz"))
+    gu_ref, dn_ref = ref["gate_up_proj"], ref["down_proj"]  # [E, H, 2I], [E, I, H]
+    ck = load_checkpoint(d, expert_dtype=expert_dtype)
+    E, I = ck.config.num_experts, ck.config.moe_intermediate_size
+    gu, dn = ck.gate_up_bank.numpy(), ck.down_bank.numpy()
+    assert gu.dtype == np.dtype(expert_dtype)
+    for e in range(E):
+        np.testing.assert_array_equal(gu[e, :I].astype(np.float32), gu_ref[e][:, 0::2].T)
+        np.testing.assert_array_equal(gu[e, I:].astype(np.float32), gu_ref[e][:, 1::2].T)
+        np.testing.assert_array_equal(dn[e].astype(np.float32), dn_ref[e].T)
+    _release_all(ck)
+
+
+def test_dequantize_mxfp4_hand_worked():
+    """Byte j of a block: element 2j = low nibble, 2j + 1 = high nibble; E2M1 codes 1 -> 0.5, 2 -> 1.0, 8 -> -0.0,
+    15 -> -6.0; scale s multiplies by 2^(s - 127)."""
+    from ft_jax.checkpoint import dequantize_mxfp4
+
+    blocks = np.zeros((2, 1, 16), np.uint8)
+    blocks[0, 0, :2] = [0x21, 0xF8]
+    blocks[1, 0, 15] = 0x7C  # codes 12 (-2.0) low, 7 (6.0) high
+    scales = np.array([[128], [125]], np.uint8)
+    out = dequantize_mxfp4(blocks, scales)  # [2, 32]
+    expected = np.zeros((2, 32), np.float32)
+    expected[0, :4] = [1.0, 2.0, -0.0, -12.0]
+    expected[1, 30:] = [-0.5, 1.5]
+    np.testing.assert_array_equal(out, expected)
+    assert np.signbit(out[0, 2]) and out.dtype == np.float32
+    with pytest.raises(ValueError, match="blocks"):
+        dequantize_mxfp4(blocks[..., :8], scales)
+
+
+def _mxfp4_copy(tmp_path, edit):
+    d = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(FIXTURES, "gpt_oss_mxfp4"), d, ignore=shutil.ignore_patterns("reference"))
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+    return d, path
+
+
+def test_mxfp4_bad_tensors_name_file_and_tensor(tmp_path):
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+
+    def nan_scale(t):
+        t[name][3, 7, 0] = 255
+    d, path = _mxfp4_copy(tmp_path / "a", nan_scale)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(path)}: tensor '{name}' expert 3 holds the E8M0 scale "
+                                              r"255 \(NaN\)"):
+        load_checkpoint(d)
+
+    def overflow(t):
+        t[name][0, 0, 0] = 254  # 2^127 times a code of magnitude >= 2 overflows float32
+        t[name.replace("scales", "blocks")][0, 0, 0, 0] = 0x77
+    d, path = _mxfp4_copy(tmp_path / "b", overflow)
+    with pytest.raises(CheckpointError, match="down_proj_blocks' expert 0 dequantizes to Inf"):
+        load_checkpoint(d)
+
+    def as_float(t):
+        t[name] = t[name].astype(np.float32)
+    d, path = _mxfp4_copy(tmp_path / "c", as_float)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has dtype float32, expected uint8"):
+        load_checkpoint(d)
+
+    def drop(t):
+        del t["model.layers.2.mlp.experts.gate_up_proj_blocks"]
+    d, path = _mxfp4_copy(tmp_path / "d", drop)
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.2.mlp.experts.gate_up_proj' \(or its "
+                                              r"MXFP4 form 'model.layers.2.mlp.experts.gate_up_proj_blocks' \+ "):
+        load_checkpoint(d)

@@ -12,7 +12,8 @@ import pytest
 from ft_jax import api, cli
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss",
+            "gpt_oss_mxfp4"]
 # "qstar" with --no-measure and no stored profile falls back to fixed-cap:1; "qstar:0.4" fixes the fraction.
 POLICIES = ["resident", "fetch-all", "host-all", "qstar:0.4", "qstar", "fixed-cap:1"]
 
@@ -121,7 +122,7 @@ def test_python_dash_m_help():
         assert flag in out
     text = " ".join(out.split())  # argparse wraps the description
     for arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                 "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+                 "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"):
         assert arch in text
 
 
@@ -190,3 +191,4 @@ def test_compile_notes_come_before_the_stream(tmp_path):
                                              r"(done|loaded from the compilation cache) in \d+\.\d s$", l) for l in notes)
     assert proc.stdout.startswith("KING:")
     assert "expert slots         none used (host-all" in proc.stderr
+

@@ -457,3 +457,73 @@ def test_deepseek_q_lora_rank_must_be_present_and_unimplemented_fields_raise(tmp
                                   ("deepseek_v2", {"mlp_bias": True}, "mlp_bias")):
         with pytest.raises(NotImplementedError, match=field):
             config_from_dict({**_raw(family), **change}, source="x/config.json")
+def test_gpt_oss_configs():
+    """The shared gpt_oss fixture (transformers 5 key style) and gpt_oss_mxfp4 (Hub style: rope_theta + rope_scaling,
+    torch_dtype, quantization_config mxfp4)."""
+    from ft_jax.config import RopeScaling
+
+    cfg = load_config(os.path.join(FIXTURES, "gpt_oss"))
+    assert cfg.family == "gpt_oss" and cfg.architecture == "GptOssForCausalLM"
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (64, 4, 4, 2, 16)
+    assert (cfg.num_experts, cfg.top_k, cfg.moe_intermediate_size, cfg.moe_layers) == (8, 2, 32, (0, 1, 2, 3))
+    assert cfg.layer_types == ("sliding_attention", "full_attention") * 2 and cfg.sliding_window == 8
+    assert [cfg.attention_window(l) for l in range(4)] == [8, None, 8, None]
+    assert cfg.qkv_bias and cfg.o_bias and cfg.attention_sinks and cfg.router_bias and cfg.expert_bias
+    assert (cfg.swiglu_alpha, cfg.swiglu_limit, cfg.activation) == (1.702, 7.0, "swiglu_oai")
+    assert cfg.rope_theta == 150000.0
+    assert cfg.rope_scaling == RopeScaling(factor=32.0, original_max_position_embeddings=4096, truncate=False)
+    hub = load_config(os.path.join(FIXTURES, "gpt_oss_mxfp4"))
+    assert (hub.num_layers, hub.top_k, hub.sliding_window) == (3, 3, 5)
+    assert [hub.attention_window(l) for l in range(3)] == [5, 5, None]
+    assert hub.rope_theta == 150000.0 and hub.rope_scaling == cfg.rope_scaling and hub.dtype == "float32"
+
+
+def test_gpt_oss_defaults_are_transformers_gpt_oss_config():
+    """Absent fields take GptOssConfig's defaults: layer_types alternate from sliding, YaRN (factor 32, 4096,
+    truncate false) with rope_theta 150000, attention_bias true, swiglu 1.702 / 7.0."""
+    from ft_jax.config import RopeScaling
+
+    raw = {k: v for k, v in _raw("gpt_oss").items()
+           if k not in ("layer_types", "rope_parameters", "attention_bias", "swiglu_alpha", "swiglu_limit")}
+    cfg = config_from_dict({**raw, "num_hidden_layers": 3})
+    assert cfg.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert cfg.rope_theta == 150000.0
+    assert cfg.rope_scaling == RopeScaling(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                                           beta_slow=1.0, truncate=False)
+    assert cfg.qkv_bias and cfg.o_bias and (cfg.swiglu_alpha, cfg.swiglu_limit) == (1.702, 7.0)
+    no_window = config_from_dict({**raw, "sliding_window": None})
+    assert [no_window.attention_window(l) for l in range(4)] == [None] * 4
+
+
+@pytest.mark.parametrize("change,error,expected", [
+    ({"layer_types": ["sliding_attention"] * 3}, ConfigError, "layer_types must list one of sliding_attention, "
+     "full_attention for each of the num_hidden_layers=4 layers"),
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention", "full_attention"]}, ConfigError,
+     "'chunked_attention'"),
+    ({"swiglu_limit": 0}, ConfigError, "swiglu_limit must be > 0, got 0"),
+    ({"sliding_window": 0}, ConfigError, "sliding_window must be >= 1, got 0"),
+    ({"quantization_config": {"quant_method": "gptq"}}, NotImplementedError, "quant_method 'gptq' is not implemented"),
+])
+def test_gpt_oss_bad_fields_name_the_field(change, error, expected):
+    with pytest.raises(error, match="config.json: .*" + expected.replace("(", r"\(").replace("[", r"\[")):
+        config_from_dict({**_raw("gpt_oss"), **change})
+
+
+def test_yarn_frequencies_equal_transformers():
+    """rope_frequencies against transformers' _compute_yarn_parameters (tests/fixtures/rope_yarn_reference.json,
+    written by scripts/make_gpt_oss_references.py): gpt-oss-20b's rope (truncate off and on), the tiny fixture's,
+    DeepSeek's mscale pair, an mscale ratio, an explicit attention_factor, and original_max_position_embeddings
+    absent (the config's max_position_embeddings), at the top level (it wins) and in the rope dict."""
+    from ft_jax.models.layers import rope_frequencies
+
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "rope_yarn_reference.json")) as f:
+        ref = json.load(f)
+    for name, case in ref["cases"].items():
+        raw = {**_raw("gpt_oss"), **case["config"]}
+        raw["num_local_experts"], raw["num_experts_per_tok"] = 8, 2
+        raw["layer_types"] = ["sliding_attention", "full_attention"] * (raw["num_hidden_layers"] // 2)
+        cfg = config_from_dict(raw)
+        inv, scale = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        # transformers computes in float32: within a few float32 ulps
+        np.testing.assert_allclose(inv, case["inv_freq"], rtol=3e-7, atol=0, err_msg=name)
+        assert scale == pytest.approx(case["attention_factor"], rel=1e-12), name

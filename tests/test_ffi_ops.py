@@ -163,25 +163,32 @@ def test_slot_fill_compiles_once_for_100_different_routings():
 
 
 # --------------------------------------------------------------------------------------------------- expert kernels
-def _act(g, activation):
+def _glu(g, u, activation, alpha=1.702, limit=7.0):
     if activation == "silu":
-        return g / (1.0 + np.exp(-g))
-    return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3)))
+        return g / (1.0 + np.exp(-g)) * u
+    if activation == "swiglu_oai":  # transformers' GptOssExperts._apply_gate
+        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+        return (u + 1.0) * g / (1.0 + np.exp(-alpha * g))
+    return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3))) * u
 
 
-def _experts_reference(x, ids, weights, gate_up, down, activation):
-    """float64 y[t] = sum_j w[t,j] * down[e] @ (act(gate[e] @ x[t]) * (up[e] @ x[t])) over ids[t,j] >= 0."""
+def _experts_reference(x, ids, weights, gate_up, down, activation, gate_up_bias=None, down_bias=None, **params):
+    """float64 y[t] = sum_j w[t,j] * (down[e] @ glu(gate[e] @ x[t] + bg[e], up[e] @ x[t] + bu[e]) + bd[e]) over
+    ids[t,j] >= 0 (biases 0 when None)."""
     x = np.asarray(x, np.float64)
     inter = gate_up.shape[1] // 2
+    rows = gate_up.shape[0]
+    bgu = np.zeros((rows, 2 * inter)) if gate_up_bias is None else gate_up_bias.astype(np.float64)
+    bd = np.zeros((rows, x.shape[1])) if down_bias is None else down_bias.astype(np.float64)
     y = np.zeros(x.shape, np.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = ids[t, j]
             if e < 0:
                 continue
-            g = gate_up[e, :inter].astype(np.float64) @ x[t]
-            u = gate_up[e, inter:].astype(np.float64) @ x[t]
-            y[t] += weights[t, j] * (down[e].astype(np.float64) @ (_act(g, activation) * u))
+            g = gate_up[e, :inter].astype(np.float64) @ x[t] + bgu[e, :inter]
+            u = gate_up[e, inter:].astype(np.float64) @ x[t] + bgu[e, inter:]
+            y[t] += weights[t, j] * (down[e].astype(np.float64) @ _glu(g, u, activation, **params) + bd[e])
     return y
 
 
@@ -232,6 +239,74 @@ def test_host_and_slot_experts_match_float64_reference(T, k, wdtype):
     dn_bank.release()
 
 
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("wdtype", [np.dtype(np.float32), BF16], ids=["f32", "bf16"])
+def test_biases_and_clamped_swiglu_match_float64_reference(T, wdtype):
+    """gpt-oss experts: gate_up / down biases and the clamped SwiGLU (alpha, limit as attributes) in host_experts and
+    slot_experts (bias pools), against float64 numpy. The inputs are scaled so that gate and up projections cross
+    the clamp (|g|, |u| > limit) on both sides; biases with silu too (the kernel's bias path is per activation)."""
+    rng = np.random.default_rng(40 + T + (wdtype == BF16))
+    E, H, I, k = 6, 46, 37, 3
+    x, ids, weights, gate_up, down = _expert_case(rng, T, k, num_experts=E, hidden=H, inter=I)
+    x *= 6.0
+    gu_bias = rng.standard_normal((E, 2 * I)).astype(np.float32)
+    dn_bias = rng.standard_normal((E, H)).astype(np.float32)
+    ids[0, 0] = 2  # at least one route
+    gu_bank, dn_bank = HostBank.from_numpy(gate_up, dtype=wdtype), HostBank.from_numpy(down, dtype=wdtype)
+    gb_bank, db_bank = HostBank.from_numpy(gu_bias, dtype=wdtype), HostBank.from_numpy(dn_bias, dtype=wdtype)
+    as_stored = lambda a: a.astype(wdtype).astype(np.float32)  # noqa: E731  (the bank's rounding)
+    for activation, params in (("swiglu_oai", dict(alpha=1.702, limit=7.0)), ("swiglu_oai", dict(alpha=0.9, limit=2.5)),
+                               ("silu", {})):
+        expected = _experts_reference(x, ids, weights, as_stored(gate_up), as_stored(down), activation,
+                                      as_stored(gu_bias), as_stored(dn_bias), **params)
+        if activation == "swiglu_oai":  # the clamp is exercised: some pre-activations lie beyond the limit
+            pre = np.einsum("eih,th->tei", as_stored(gate_up).astype(np.float64), x) + as_stored(gu_bias)[None]
+            assert (pre[..., :I] > params["limit"]).any() and (pre[..., I:] < -params["limit"]).any()
+        host = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, gu_bank, dn_bank, activation,
+                                                            gate_up_bias=gb_bank, down_bias=db_bank, **params))
+        y = np.asarray(host(x, ids, weights))
+        assert _rel_err(y, expected) < 1e-5
+        perm = rng.permutation(E)  # slot s holds expert perm[s]
+        slot_of = np.argsort(perm).astype(np.int32)
+        slot_ids = np.where(ids >= 0, slot_of[np.maximum(ids, 0)], -1).astype(np.int32)
+        pools = [jnp.asarray(a[perm].astype(wdtype)) for a in (gate_up, down, gu_bias, dn_bias)]
+        y_slots = jax.jit(lambda x, i, w, gu, dn, gb, db: ffi_ops.slot_experts(
+            x, i, w, gu, dn, activation, gate_up_bias_slots=gb, down_bias_slots=db, **params))(
+            x, slot_ids, weights, *pools)
+        assert _rel_err(y_slots, expected) < 1e-5
+    # Without the bias banks the same call is the bias-free expert (the biases really were applied above).
+    y_plain = np.asarray(ffi_ops.host_experts(x, ids, weights, gu_bank, dn_bank, "swiglu_oai"))
+    plain = _experts_reference(x, ids, weights, as_stored(gate_up), as_stored(down), "swiglu_oai")
+    assert _rel_err(y_plain, plain) < 1e-5 and _rel_err(y_plain, expected) > 1e-2
+    for bank in (gu_bank, dn_bank, gb_bank, db_bank):
+        bank.release()
+
+
+def test_bias_inputs_are_checked():
+    gu_bank, dn_bank = HostBank(4, (8, 8), np.float32), HostBank(4, (8, 4), np.float32)
+    gb_bank, db_bank = HostBank(4, (8,), np.float32), HostBank(4, (8,), np.float32)
+    x, ids, w = np.ones((2, 8), np.float32), np.zeros((2, 1), np.int32), np.ones((2, 1), np.float32)
+    with pytest.raises(ValueError, match="host_experts: pass both bias banks"):
+        ffi_ops.host_experts(x, ids, w, gu_bank, dn_bank, gate_up_bias=gb_bank)
+    with pytest.raises(ValueError, match=r"gate_up_bias bank .* must hold 4 rows \[2I\] = \[8\]"):
+        ffi_ops.host_experts(x, ids, w, gu_bank, dn_bank, gate_up_bias=dn_bank, down_bias=db_bank)
+    with pytest.raises(ValueError, match="host_experts: limit must be > 0, got 0"):
+        ffi_ops.host_experts(x, ids, w, gu_bank, dn_bank, "swiglu_oai", limit=0.0)
+    with pytest.raises(ValueError, match="slot_experts: alpha must be a finite number, got nan"):
+        ffi_ops.slot_experts(x, ids, w, jnp.zeros((3, 8, 8)), jnp.zeros((3, 8, 4)), alpha=float("nan"))
+    with pytest.raises(ValueError, match=r"bias pools must be \[S, 2I\] = \(3, 8\) and \[S, H\] = \(3, 8\), got "
+                                         r"\(3, 8\) and \(2, 8\)"):
+        ffi_ops.slot_experts(x, ids, w, jnp.zeros((3, 8, 8)), jnp.zeros((3, 8, 4)),
+                             gate_up_bias_slots=jnp.zeros((3, 8)), down_bias_slots=jnp.zeros((2, 8)))
+    # The handler repeats the checks when the wrapper is bypassed (a bias pool of the wrong width).
+    call = jax.ffi.ffi_call("ft_jax_slot_experts", jax.ShapeDtypeStruct((2, 8), jnp.float32))
+    with pytest.raises(RUNTIME_ERRORS, match=r"slot_experts: gate_up bias pool \[3, 5\] must have 3 rows \[2I\]"):
+        np.asarray(call(x, ids, w, jnp.zeros((3, 8, 8)), jnp.zeros((3, 8, 4)), jnp.zeros((3, 5)), jnp.zeros((3, 8)),
+                        activation="swiglu_oai", alpha=np.float32(1.702), limit=np.float32(7.0)))
+    for bank in (gu_bank, dn_bank, gb_bank, db_bank):
+        bank.release()
+
+
 def test_skipped_routes_contribute_nothing():
     rng = np.random.default_rng(5)
     x, ids, weights, gate_up, down = _expert_case(rng, 4, 2, num_experts=5, hidden=16, inter=8)
@@ -252,40 +327,48 @@ import sys, numpy as np, jax.numpy as jnp
 import ml_dtypes
 from ft_jax.offload import ffi_ops
 from ft_jax.offload.host_bank import HostBank
-x, ids, w, gu, dn, out = sys.argv[1:7]
+x, ids, w, gu, dn, gb, db, out = sys.argv[1:9]
 banks = HostBank.from_numpy(np.load(gu)), HostBank.from_numpy(np.load(dn))
+biases = dict(gate_up_bias=HostBank.from_numpy(np.load(gb)), down_bias=HostBank.from_numpy(np.load(db))) \\
+    if sys.argv[9] == "swiglu_oai" else {}
 xb = jnp.asarray(np.load(x).astype(ml_dtypes.bfloat16))
-y = ffi_ops.host_experts(xb, np.load(ids), np.load(w), *banks, activation=sys.argv[7])
+y = ffi_ops.host_experts(xb, np.load(ids), np.load(w), *banks, activation=sys.argv[9], **biases)
 lin = ffi_ops.linear(xb, jnp.asarray(np.load(gu)), 2)
 np.save(out, np.concatenate([np.asarray(y).ravel(), np.asarray(lin).ravel()]))
 """
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_large_experts_multithreaded_bf16_x_and_both_activations(activation, tmp_path):
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "swiglu_oai"])
+def test_large_experts_multithreaded_bf16_x_and_every_activation(activation, tmp_path):
     """Experts and a dense projection above the threading threshold (1 MiB per call), bf16 activations, many routes
-    per expert: within tolerance of float64 and bit-identical on XLA's thread pool (this process) and on one thread
-    (a subprocess with FT_JAX_NUM_THREADS=1); the portable loops (a subprocess with FT_JAX_KERNEL=generic) within
-    tolerance too."""
+    per expert (swiglu_oai with bias banks): within tolerance of float64 and bit-identical on XLA's thread pool
+    (this process) and on one thread (a subprocess with FT_JAX_NUM_THREADS=1); the portable loops (a subprocess with
+    FT_JAX_KERNEL=generic) within tolerance too."""
     rng = np.random.default_rng(6)
     x, ids, weights, gate_up, down = _expert_case(rng, 5, 2, num_experts=4, hidden=256, inter=600)
     ids[:, 0] = 0  # five routes to expert 0 (4-token inner loop + remainder); may repeat an id within a token
+    gu_bias = rng.standard_normal((4, 1200)).astype(np.float32)
+    dn_bias = rng.standard_normal((4, 256)).astype(np.float32)
     x_bf16 = x.astype(BF16)
-    expected = _experts_reference(x_bf16.astype(np.float32), ids, weights, gate_up, down, activation)
+    with_bias = activation == "swiglu_oai"
+    expected = _experts_reference(x_bf16.astype(np.float32), ids, weights, gate_up, down, activation,
+                                  *((gu_bias, dn_bias) if with_bias else ()))
     expected_lin = x_bf16.astype(np.float64) @ gate_up[2].astype(np.float64).T
     gu_bank, dn_bank = HostBank.from_numpy(gate_up), HostBank.from_numpy(down)
-    run = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, gu_bank, dn_bank, activation=activation))
+    biases = dict(gate_up_bias=HostBank.from_numpy(gu_bias), down_bias=HostBank.from_numpy(dn_bias)) \
+        if with_bias else {}
+    run = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, gu_bank, dn_bank, activation=activation, **biases))
     y = np.asarray(run(jnp.asarray(x_bf16), ids, weights))
     np.testing.assert_array_equal(y, np.asarray(run(jnp.asarray(x_bf16), ids, weights)))
     lin = np.asarray(ffi_ops.linear(jnp.asarray(x_bf16), jnp.asarray(gate_up), 2))
     assert _rel_err(y, expected) < 1e-5 and _rel_err(lin, expected_lin) < 1e-5
-    paths = {n: str(tmp_path / f"{n}.npy") for n in ("x", "ids", "w", "gu", "dn", "out")}
-    for n, a in zip(("x", "ids", "w", "gu", "dn"), (x, ids, weights, gate_up, down)):
+    names = ("x", "ids", "w", "gu", "dn", "gb", "db")
+    paths = {n: str(tmp_path / f"{n}.npy") for n in (*names, "out")}
+    for n, a in zip(names, (x, ids, weights, gate_up, down, gu_bias, dn_bias)):
         np.save(paths[n], a)
 
     def in_subprocess(**env):
-        subprocess.run([sys.executable, "-c", _SUBPROCESS_SCRIPT, *(paths[n] for n in ("x", "ids", "w", "gu", "dn",
-                                                                                       "out")), activation],
+        subprocess.run([sys.executable, "-c", _SUBPROCESS_SCRIPT, *(paths[n] for n in (*names, "out")), activation],
                        check=True, env=dict(os.environ, **env))
         got = np.load(paths["out"])
         return got[:y.size].reshape(y.shape), got[y.size:].reshape(lin.shape)
@@ -294,8 +377,8 @@ def test_large_experts_multithreaded_bf16_x_and_both_activations(activation, tmp
                                   np.concatenate([y.ravel(), lin.ravel()]))
     y_generic, lin_generic = in_subprocess(FT_JAX_KERNEL="generic")
     assert _rel_err(y_generic, expected) < 1e-5 and _rel_err(lin_generic, expected_lin) < 1e-5
-    gu_bank.release()
-    dn_bank.release()
+    for bank in (gu_bank, dn_bank, *biases.values()):
+        bank.release()
 
 
 @pytest.mark.parametrize("N", [1, 2, 3, 5, 9])

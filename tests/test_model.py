@@ -23,7 +23,9 @@ from ft_jax.offload.host_bank import HostBank
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "deepseek_v2_group",
-            "deepseek_v3_nonorm", "deepseek_v3_yarn"]
+            "deepseek_v3_nonorm", "deepseek_v3_yarn", "gpt_oss", "gpt_oss_mxfp4"]
+# gpt_oss: the shared fixture (zero expert and attention biases); gpt_oss_mxfp4: written by
+# scripts/make_gpt_oss_references.py (Hub layout, MXFP4 experts, every bias non-zero, the SwiGLU clamp reached).
 MAX_LEN = 40
 
 
@@ -46,15 +48,18 @@ def assert_same_routing(family, ids, weights, ref_ids, ref_weights):
 class HostBankExperts:
     """Minimal ExpertBackend computing every route on the CPU from the host banks (ffi_ops.host_experts, checked
     against float64 numpy in test_ffi_ops.py), registered as a pytree without leaves so a jitted forward can take
-    it as an argument."""
+    it as an argument. bias_banks: (gate_up_bias, down_bias) HostBanks for experts with biases (gpt-oss)."""
 
-    def __init__(self, gate_up: HostBank, down: HostBank, cfg):
+    def __init__(self, gate_up: HostBank, down: HostBank, cfg, bias_banks=(None, None)):
         self.gate_up, self.down = gate_up, down
         self.num_experts, self.activation = cfg.num_experts, cfg.activation
+        self.extra = dict(gate_up_bias=bias_banks[0], down_bias=bias_banks[1], alpha=cfg.swiglu_alpha,
+                          limit=cfg.swiglu_limit)
 
     def __call__(self, moe_layer, x, topk_ids, topk_weights, expert_state):
         flat = jnp.where(topk_ids >= 0, moe_layer * self.num_experts + topk_ids, -1)  # [N, k]
-        return ffi_ops.host_experts(x, flat, topk_weights, self.gate_up, self.down, self.activation), expert_state
+        return ffi_ops.host_experts(x, flat, topk_weights, self.gate_up, self.down, self.activation,
+                                    **self.extra), expert_state
 
 
 jax.tree_util.register_pytree_node(HostBankExperts, lambda b: ((), b), lambda b, _: b)
@@ -71,6 +76,10 @@ def jit_forward(model, *, collect=False, last_logits_only=False):
     return jax.jit(fn), state
 
 
+def _experts_of(ck):
+    return HostBankExperts(ck.gate_up_bank, ck.down_bank, ck.config, (ck.gate_up_bias_bank, ck.down_bias_bank))
+
+
 class Loaded:
     """One fixture loaded once per module: checkpoint, host-bank experts, jitted forward, reference arrays."""
 
@@ -82,7 +91,7 @@ class Loaded:
                     for n in os.listdir(os.path.join(self.dir, "reference")) if n.endswith(".npy")}
         self.ckpt = load_checkpoint(self.dir)
         self.cfg = self.ckpt.config
-        self.experts = HostBankExperts(self.ckpt.gate_up_bank, self.ckpt.down_bank, self.cfg)
+        self.experts = _experts_of(self.ckpt)
         self.fwd, self.state = jit_forward(self.ckpt.model, collect=True)
         self.prompt = np.array(self.info["prompt_ids"], np.int32)
 
@@ -222,7 +231,7 @@ def test_bfloat16_load_is_close(loaded):
     for bank, ref_bank in ((ck.gate_up_bank, loaded.ckpt.gate_up_bank), (ck.down_bank, loaded.ckpt.down_bank)):
         assert bank.numpy().dtype == jnp.bfloat16
         np.testing.assert_array_equal(bank.numpy(), ref_bank.numpy().astype(jnp.bfloat16))
-    experts = HostBankExperts(ck.gate_up_bank, ck.down_bank, ck.config)
+    experts = _experts_of(ck)
     fwd, state = jit_forward(ck.model, collect=True)
     T = len(loaded.prompt)
     logits, _, _, aux = fwd(state, jnp.asarray(loaded.prompt[None]), jnp.arange(T)[None],
@@ -235,8 +244,8 @@ def test_bfloat16_load_is_close(loaded):
     assert same.mean() >= 0.75, same
     err = np.abs(np.asarray(logits[0]) - loaded.ref["prompt_logits"]).max(-1)  # [T]
     assert np.all(err[same] < 0.1), err
-    ck.gate_up_bank.release()
-    ck.down_bank.release()
+    for bank in ck.expert_banks.values():
+        bank.release()
 
 
 def test_float32_model_with_bfloat16_banks(loaded):
@@ -245,8 +254,8 @@ def test_float32_model_with_bfloat16_banks(loaded):
     for bank, ref_bank in ((ck.gate_up_bank, loaded.ckpt.gate_up_bank), (ck.down_bank, loaded.ckpt.down_bank)):
         assert bank.numpy().dtype == jnp.bfloat16
         np.testing.assert_array_equal(bank.numpy(), ref_bank.numpy().astype(jnp.bfloat16))
-    ck.gate_up_bank.release()
-    ck.down_bank.release()
+    for bank in ck.expert_banks.values():
+        bank.release()
 
 
 def _random_model(cfg, key=0):

@@ -18,13 +18,18 @@ from ft_jax.offload.experts import OffloadedExperts
 from ft_jax.offload.policy import Policy, auto_costs
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2"]
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss",
+            "gpt_oss_mxfp4"]
 
 
 def _reference(family):
+    """(info, full_sequence_logits [T+16, V], routing ids [T+15, L, k] of every position fed one at a time: the
+    prompt tokens' then each decode step's)."""
     ref = os.path.join(FIXTURES, family, "reference")
     info = json.load(open(os.path.join(ref, "info.json")))
-    return info, np.load(os.path.join(ref, "full_sequence_logits.npy"))
+    prompt_ids = np.load(os.path.join(ref, "prompt_topk_ids.npy")).transpose(1, 0, 2)  # [T, L, k]
+    routing = np.concatenate([prompt_ids, np.load(os.path.join(ref, "decode_topk_ids.npy"))])
+    return info, np.load(os.path.join(ref, "full_sequence_logits.npy")), routing
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -32,35 +37,44 @@ def loaded(request):
     return request.param, load_checkpoint(os.path.join(FIXTURES, request.param), dtype=jnp.float32)
 
 
+def _backend(ckpt, policy):
+    """OffloadedExperts of a loaded checkpoint (its bias banks and clamped-SwiGLU parameters included)."""
+    cfg = ckpt.config
+    return OffloadedExperts(**ckpt.expert_banks, num_experts=cfg.num_experts, policy=policy,
+                            activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
+
+
 def _greedy_logits(ckpt, backend, num_slots, prompt, new_tokens):
     """Feed the prompt token by token, then greedy-decode, through the KV cache with one compiled T=1 step.
 
-    Returns (generated tokens, logits f32[len(prompt) + new_tokens - 1, V], final expert state).
+    Returns (generated tokens, logits f32[len(prompt) + new_tokens - 1, V], top-k ids i32[same, L, k] of every step,
+    final expert state).
     """
     graphdef, params = nnx.split(ckpt.model)
 
     @jax.jit
     def step(params, token, position, kv, state):
-        return nnx.merge(graphdef, params)(token, position, kv, state, backend)
+        return nnx.merge(graphdef, params)(token, position, kv, state, backend, collect=True)
 
     T = len(prompt)
     kv = ckpt.model.init_kv_cache(1, T + new_tokens)
     state = backend.init_state(num_slots)
-    fed, rows, generated = list(prompt), [], []
+    fed, rows, routing, generated = list(prompt), [], [], []
     for pos in range(T + new_tokens - 1):
-        logits, kv, state = step(params, jnp.asarray([[fed[pos]]], jnp.int32), jnp.asarray([[pos]], jnp.int32),
-                                 kv, state)
+        logits, kv, state, aux = step(params, jnp.asarray([[fed[pos]]], jnp.int32), jnp.asarray([[pos]], jnp.int32),
+                                      kv, state)
         rows.append(np.asarray(logits[0, 0]))
+        routing.append(np.asarray(aux.topk_ids[:, 0, 0]))  # [L, k]
         if pos >= T - 1:
             generated.append(int(np.argmax(rows[-1])))
             fed.append(generated[-1])
     assert step._cache_size() == 1  # any routing, one compiled step
-    return generated, np.stack(rows), state
+    return generated, np.stack(rows), np.stack(routing), state
 
 
 def test_outputs_independent_of_policy_and_cache_size(loaded):
     family, ckpt = loaded
-    info, full_logits = _reference(family)
+    info, full_logits, ref_routing = _reference(family)
     cfg = ckpt.config
     L, E, k = len(cfg.moe_layers), cfg.num_experts, cfg.top_k
     prompt = info["prompt_ids"]
@@ -72,10 +86,13 @@ def test_outputs_independent_of_policy_and_cache_size(loaded):
     runs += [(p, s) for p in (Policy("fetch-all"), Policy("host-all"), Policy("qstar", frac=0.415), auto)
              for s in sizes]
     for policy, slots in runs:
-        backend = OffloadedExperts(ckpt.gate_up_bank, ckpt.down_bank, E, policy, cfg.activation)
-        tokens, logits, state = _greedy_logits(ckpt, backend, slots, prompt, 16)
+        backend = _backend(ckpt, policy)
+        tokens, logits, routing, state = _greedy_logits(ckpt, backend, slots, prompt, 16)
         where = f"{family} {policy} S={slots}"
         assert tokens == info["greedy_continuation"], where
+        as_sets = cfg.family.startswith("deepseek")  # transformers' DeepSeek top-k is unsorted: compare as sets
+        np.testing.assert_array_equal(np.sort(routing, -1) if as_sets else routing,
+                                      np.sort(ref_routing, -1) if as_sets else ref_routing, err_msg=where)
         np.testing.assert_allclose(logits, full_logits[: len(prompt) + 15], atol=1e-4, rtol=0, err_msg=where)
         stats = np.asarray(state.cache.stats)  # [L, 6]: active, hits, misses, fetched, host, steps
         assert (stats[:, 5] == len(prompt) + 15).all(), where
@@ -94,11 +111,10 @@ def test_outputs_independent_of_policy_and_cache_size(loaded):
 
 
 def test_padding_tokens_route_nowhere(loaded):
-    """A padding token (position -1) selects no expert: the slot/host route masks skip it."""
+    """A padding token (position -1) selects no expert: the slot/host route masks skip it (no bias is added)."""
     family, ckpt = loaded
     cfg = ckpt.config
-    backend = OffloadedExperts(ckpt.gate_up_bank, ckpt.down_bank, cfg.num_experts, Policy("host-all"),
-                               cfg.activation)
+    backend = _backend(ckpt, Policy("host-all"))
     x = jnp.ones((3, cfg.hidden_size), jnp.float32)
     ids = jnp.asarray([[-1] * cfg.top_k, [0] * cfg.top_k, [-1] * cfg.top_k], jnp.int32)
     w = jnp.full((3, cfg.top_k), 0.5, jnp.float32)

@@ -33,11 +33,24 @@ constexpr size_t kParallelMinBytes = size_t{1} << 20;
 // Target weight bytes per task: large enough to amortise the task hand-out, small enough to balance the threads.
 constexpr size_t kTaskBytes = size_t{256} << 10;
 
-inline float Activate(Activation act, float g) {
-  if (act == Activation::kSilu) return g / (1.0f + std::exp(-g));
+// glu(g, u) of the module comment: act(g) * u, or the clamped SwiGLU of gpt-oss.
+inline float Glu(const ExpertActivation& act, float g, float u) {
+  if (act.kind == Activation::kSilu) return g / (1.0f + std::exp(-g)) * u;
+  if (act.kind == Activation::kSwigluOai) {
+    g = std::min(g, act.limit);  // NaN stays NaN, as torch.clamp
+    u = std::min(std::max(u, -act.limit), act.limit);
+    return (u + 1.0f) * (g / (1.0f + std::exp(-act.alpha * g)));
+  }
   // gelu_tanh: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
   constexpr float kSqrt2OverPi = 0.7978845608028654f;
-  return 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+  return 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * (g + 0.044715f * g * g * g))) * u;
+}
+
+// Element i of an optional bias vector (float32 or bfloat16 bits); 0 when there is none.
+inline float BiasAt(const uint8_t* bias, int32_t dtype, int64_t i) {
+  if (bias == nullptr) return 0.0f;
+  if (dtype == static_cast<int32_t>(BankDType::kBF16)) return ToF32(reinterpret_cast<const uint16_t*>(bias)[i]);
+  return reinterpret_cast<const float*>(bias)[i];
 }
 
 // Routes grouped by expert: routes of group g are order[begin[g] .. begin[g+1]) (route = t * k + j).
@@ -79,8 +92,8 @@ int64_t RowsPerTask(size_t row_bytes, int64_t rows, int64_t multiple, int64_t th
 }
 
 template <typename WG, typename WD>
-void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T, Activation act, float* y,
-              xla::ffi::ThreadPool& pool) {
+void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T, const ExpertActivation& act,
+              float* y, xla::ffi::ThreadPool& pool) {
   const bool avx2 = UseAvx2();
   const int64_t H = m.hidden, I = m.inter;
   const int64_t G = static_cast<int64_t>(g.expert.size());
@@ -116,9 +129,25 @@ void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T
     const WG* gu = reinterpret_cast<const WG*>(m.gate_up + static_cast<size_t>(g.expert[grp]) * m.gate_up_stride);
     DotRows<WG>(avx2, gu, H, blk * rpt1, std::min(2 * I, (blk + 1) * rpt1), xg + b * H, e - b, hb + b * 2 * I, 2 * I);
   });
-  // a = act(gate) * up, per route (on the pool only for prefill-sized calls: a handoff costs more than small ones).
+  // a = glu(gate + b_gate, up + b_up), per route (on the pool only for prefill-sized calls: a handoff costs more
+  // than small ones). route_bias[n]: the gate_up bias [2I] of route n's expert, or nullptr.
+  thread_local std::vector<const uint8_t*> route_bias;
+  route_bias.assign(routes, nullptr);
+  if (m.gate_up_bias != nullptr) {
+    for (int64_t grp = 0; grp < G; ++grp)
+      for (int64_t n = g.begin[grp]; n < g.begin[grp + 1]; ++n)
+        route_bias[n] = m.gate_up_bias + static_cast<size_t>(g.expert[grp]) * m.gate_up_bias_stride;
+  }
   auto activate = [&](int64_t n) {
-    for (int64_t i = 0; i < I; ++i) a[n * I + i] = Activate(act, hb[n * 2 * I + i]) * hb[n * 2 * I + I + i];
+    const float* h = hb + n * 2 * I;
+    const uint8_t* bias = route_bias[n];
+    if (bias == nullptr) {  // bias-free results unchanged bit for bit
+      for (int64_t i = 0; i < I; ++i) a[n * I + i] = Glu(act, h[i], h[I + i]);
+    } else {
+      for (int64_t i = 0; i < I; ++i)
+        a[n * I + i] = Glu(act, h[i] + BiasAt(bias, m.gate_up_bias_dtype, i),
+                           h[I + i] + BiasAt(bias, m.gate_up_bias_dtype, I + i));
+    }
   };
   if (threads > 1 && routes * I >= (int64_t{1} << 18)) {
     ParallelFor(pool, routes, activate);
@@ -137,10 +166,16 @@ void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T
       const int64_t b = g.begin[grp], e = g.begin[grp + 1];
       const WD* dn = reinterpret_cast<const WD*>(m.down + static_cast<size_t>(g.expert[grp]) * m.down_stride);
       DotRows<WD>(avx2, dn, I, h0, h1, a + b * I, e - b, d + b * H, H);
+      const uint8_t* bias = m.down_bias == nullptr ? nullptr
+                                                   : m.down_bias + static_cast<size_t>(g.expert[grp]) * m.down_bias_stride;
       for (int64_t n = b; n < e; ++n) {
         float* yt = y + g.token[n] * H;
         const float w = g.weight[n];
-        for (int64_t h = h0; h < h1; ++h) yt[h] += w * d[n * H + h];
+        if (bias == nullptr) {
+          for (int64_t h = h0; h < h1; ++h) yt[h] += w * d[n * H + h];
+        } else {
+          for (int64_t h = h0; h < h1; ++h) yt[h] += w * (d[n * H + h] + BiasAt(bias, m.down_bias_dtype, h));
+        }
       }
     }
   });
@@ -157,6 +192,10 @@ bool ParseActivation(std::string_view name, Activation* out) {
     *out = Activation::kGeluTanh;
     return true;
   }
+  if (name == "swiglu_oai") {
+    *out = Activation::kSwigluOai;
+    return true;
+  }
   return false;
 }
 
@@ -171,7 +210,7 @@ std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, c
 }
 
 void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
-                int64_t k, Activation act, float* y, xla::ffi::ThreadPool& pool) {
+                int64_t k, const ExpertActivation& act, float* y, xla::ffi::ThreadPool& pool) {
   thread_local Groups groups;
   GroupRoutes(ids, weights, T, k, &groups);
   if (groups.expert.empty()) {

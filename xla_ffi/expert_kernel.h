@@ -1,10 +1,16 @@
 // The expert MLP kernel shared by the host_experts handler (weights in host banks) and the slot_experts handler
-// (weights in the slot pool buffers): y[t] = sum_j w[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])), e = ids[t, j].
+// (weights in the slot pool buffers): y[t] = sum_j w[t, j] * expert_e(x[t]), e = ids[t, j], with
+//   expert_e(x) = down_e @ glu(gate_e @ x + bg_e, up_e @ x + bu_e) + bd_e
+// and glu(g, u) = act(g) * u for silu / gelu_tanh, or gpt-oss's clamped SwiGLU (transformers' GptOssExperts):
+//   swiglu_oai: g' = min(g, limit), u' = clamp(u, -limit, limit), glu = (u' + 1) * g' * sigmoid(alpha * g').
+// The biases bg, bu, bd are optional (absent = 0: the bias-free families).
 //
 // Weight layouts (one expert = one bank row / one slot):
 //   gate_up [2I, H]: rows 0..I-1 = gate_proj.weight [I, H], rows I..2I-1 = up_proj.weight [I, H]
 //   down    [H, I]:  down_proj.weight
-// Weights are float32 or bfloat16 (independently for gate_up and down); activations and accumulation are float32.
+//   gate_up bias [2I] (gate bias then up bias), down bias [H]
+// Weights and biases are float32 or bfloat16 (each tensor kind independently); activations and accumulation are
+// float32.
 //
 // Every expert's weights are read once per call whatever the number of tokens routed to it: routes are grouped by
 // expert, then phase 1 computes gate x and up x for all routes of an expert while streaming its gate_up rows one at a
@@ -23,10 +29,17 @@
 
 namespace ft_jax {
 
-enum class Activation { kSilu, kGeluTanh };
+enum class Activation { kSilu, kGeluTanh, kSwigluOai };
 
-// "silu" or "gelu_tanh"; returns false for anything else.
+// "silu", "gelu_tanh" or "swiglu_oai"; returns false for anything else.
 bool ParseActivation(std::string_view name, Activation* out);
+
+// The gated activation and the clamped SwiGLU's parameters (read by kSwigluOai only; gpt-oss: 1.702 and 7.0).
+struct ExpertActivation {
+  Activation kind = Activation::kSilu;
+  float alpha = 1.702f;  // sigmoid gain
+  float limit = 7.0f;    // clamp of the gate (above) and the up projection (both sides)
+};
 
 struct ExpertWeights {
   const uint8_t* gate_up;  // expert e at gate_up + e * gate_up_stride, [2I, H]
@@ -38,6 +51,14 @@ struct ExpertWeights {
   int64_t num_experts;  // valid ids are 0..num_experts-1
   int64_t hidden;       // H
   int64_t inter;        // I
+  // Optional biases (nullptr = none): expert e's gate_up bias [2I] at gate_up_bias + e * gate_up_bias_stride, its
+  // down bias [H] at down_bias + e * down_bias_stride; dtypes kF32 or kBF16.
+  const uint8_t* gate_up_bias = nullptr;
+  size_t gate_up_bias_stride = 0;
+  int32_t gate_up_bias_dtype = 0;
+  const uint8_t* down_bias = nullptr;
+  size_t down_bias_stride = 0;
+  int32_t down_bias_dtype = 0;
 };
 
 // Checks ids (>= num_experts is an error; < 0 = skip). Returns "" if fine, else a message naming the first bad
@@ -45,10 +66,10 @@ struct ExpertWeights {
 std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, const std::string& what);
 
 // x: f32 [T, H]; ids: i32 [T, k] (< 0 = skip, otherwise < num_experts: call CheckExpertIds first);
-// weights: f32 [T, k]; y: f32 [T, H], overwritten. Weight dtypes must be kF32 or kBF16. Runs on `pool` (the FFI
-// caller's XLA thread pool, see parallel.h) when the call reads at least 1 MiB of weights.
+// weights: f32 [T, k]; y: f32 [T, H], overwritten. Weight and bias dtypes must be kF32 or kBF16. Runs on `pool`
+// (the FFI caller's XLA thread pool, see parallel.h) when the call reads at least 1 MiB of weights.
 void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
-                int64_t k, Activation act, float* y, xla::ffi::ThreadPool& pool);
+                int64_t k, const ExpertActivation& act, float* y, xla::ffi::ThreadPool& pool);
 
 // Which inner loop the kernels use: "avx2" (x86-64 with AVX2+FMA, chosen at run time) or "generic" (other CPUs, or
 // FT_JAX_KERNEL=generic in the environment).

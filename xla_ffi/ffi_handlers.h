@@ -7,9 +7,11 @@
 //   FtJaxSlotFill         operands: flat_ids i32[N], slot_ids i32[N], pools [S, *row_p] ... (aliased to the results)
 //   (+ ...Instantiate)    attrs: banks (i64[P]) -> pools
 //   FtJaxHostExperts      operands: x f32|bf16 [T, H], flat_ids i32[T, k], weights f32[T, k]
-//   (+ ...Instantiate)    attrs: banks (i64[2]: gate_up, down), activation (str) -> y f32[T, H]
+//   (+ ...Instantiate)    attrs: banks (i64[2]: gate_up, down, or i64[4]: + gate_up_bias, down_bias),
+//                         activation (str), alpha, limit (f32) -> y f32[T, H]
 //   FtJaxSlotExperts      operands: x f32|bf16 [T, H], slot_ids i32[T, k], weights f32[T, k],
-//                         gate_up_slots [S, 2I, H], down_slots [S, H, I]; attrs: activation (str) -> y f32[T, H]
+//                         gate_up_slots [S, 2I, H], down_slots [S, H, I] (+ optional gate_up bias [S, 2I], down
+//                         bias [S, H]); attrs: activation (str), alpha, limit (f32) -> y f32[T, H]
 //   FtJaxLinear           operands: x f32|bf16 [N, K], w f32|bf16 [L, O, K] or [O, K], layer i32[] -> y f32[N, O]
 #ifndef FT_JAX_XLA_FFI_FFI_HANDLERS_H_
 #define FT_JAX_XLA_FFI_FFI_HANDLERS_H_

@@ -1,7 +1,10 @@
 // host_experts and slot_experts: the routed-expert MLP computed on the CPU by the shared kernel in
 // expert_kernel.{h,cc}, on the caller's XLA thread pool. host_experts reads expert weights from two host banks
-// (attribute banks = [gate_up, down], bound once per executable: bank_state.h), slot_experts from the slot pool
-// operands [S, 2I, H] and [S, H, I]. ids < 0 are skipped; a call with no route returns zeros at once; y is f32 [T, H].
+// (attribute banks = [gate_up, down], or [gate_up, down, gate_up_bias, down_bias] with bias banks of rows [2I] and
+// [H]; bound once per executable: bank_state.h), slot_experts from the slot pool operands [S, 2I, H] and [S, H, I]
+// (then optionally the bias pools [S, 2I] and [S, H]). Attributes activation ("silu" | "gelu_tanh" | "swiglu_oai"),
+// alpha and limit (f32, the clamped SwiGLU's). ids < 0 are skipped; a call with no route returns zeros at once;
+// y is f32 [T, H].
 #include <cstring>
 #include <string>
 #include <vector>
@@ -81,25 +84,48 @@ bool AnyRoute(I32Matrix ids) {
 
 void Zero(F32MatrixResult& y) { std::memset(y->typed_data(), 0, y->element_count() * sizeof(float)); }
 
+// The activation attributes; false (and *err set) for an unknown name.
+bool ParseExpertActivation(const char* op, std::string_view name, float alpha, float limit, ExpertActivation* act,
+                           std::string* err) {
+  act->alpha = alpha;
+  act->limit = limit;
+  if (ParseActivation(name, &act->kind)) return true;
+  *err = std::string(op) + ": unknown activation '" + std::string(name) +
+         "' (expected 'silu', 'gelu_tanh' or 'swiglu_oai')";
+  return false;
+}
+
+// Checks a bias bank / pool holding got_rows rows of got_width elements (-1: rows are not vectors) against `rows`
+// rows [width], float32 or bfloat16. Returns "" or the problem.
+std::string CheckBias(const std::string& what, int64_t got_rows, int64_t got_width, int32_t dtype, int64_t rows,
+                      int64_t width, const char* layout) {
+  if (got_width != width || got_rows != rows) {
+    return what + " must have " + std::to_string(rows) + " rows " + layout + " = [" + std::to_string(width) + "]";
+  }
+  if (!IsWeightDType(dtype)) return what + " must be float32 or bfloat16, got " + BankDTypeName(dtype);
+  return "";
+}
+
 ffi::Error HostExpertsImpl(ffi::ThreadPool pool, BoundBanks* bound, ffi::AnyBuffer x, I32Matrix ids,
                            F32Matrix weights, F32MatrixResult y, ffi::Span<const int64_t> /*banks: in `bound`*/,
-                           std::string_view activation) {
+                           std::string_view activation, float alpha, float limit) {
   constexpr const char* kOp = "host_experts";
   if (!AnyRoute(ids)) {
     Zero(y);
     return ffi::Error::Success();
   }
-  Activation act;
-  if (!ParseActivation(activation, &act)) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": unknown activation '" + std::string(activation) +
-                                       "' (expected 'silu' or 'gelu_tanh')");
+  ExpertActivation act;
+  std::string err;
+  if (!ParseExpertActivation(kOp, activation, alpha, limit, &act, &err)) return ffi::Error::InvalidArgument(err);
+  if (bound->banks.size() != 2 && bound->banks.size() != 4) {
+    return ffi::Error::InvalidArgument(
+        "host_experts: expected 2 banks (gate_up, down) or 4 (gate_up, down, gate_up_bias, down_bias), got " +
+        std::to_string(bound->banks.size()));
   }
-  if (bound->banks.size() != 2) return ffi::Error::InvalidArgument("host_experts: expected 2 banks (gate_up, down)");
   if (ffi::Error err = CheckBanksLive(kOp, *bound); err.failure()) return err;
   const Bank* gu = bound->banks[0].get();
   const Bank* dn = bound->banks[1].get();
   int64_t T, H, k;
-  std::string err;
   const float* x32 = PrepareInputs(kOp, x, ids, weights, y, &T, &H, &k, &err);
   if (!x32) return ffi::Error::InvalidArgument(err);
   const auto& gs = gu->row_shape();
@@ -126,30 +152,50 @@ ffi::Error HostExpertsImpl(ffi::ThreadPool pool, BoundBanks* bound, ffi::AnyBuff
   if (!err.empty()) return ffi::Error::InvalidArgument(std::string(kOp) + ": flat " + err);
   ExpertWeights m{gu->data(), gu->row_bytes(), gu->dtype_code(), dn->data(), dn->row_bytes(), dn->dtype_code(),
                   gu->num_rows(), H, I};
+  if (bound->banks.size() == 4) {
+    const Bank* gb = bound->banks[2].get();
+    const Bank* db = bound->banks[3].get();
+    auto width = [](const Bank* b) { return b->row_shape().size() == 1 ? b->row_shape()[0] : int64_t{-1}; };
+    err = CheckBias("gate_up_bias " + gb->Describe(), gb->num_rows(), width(gb), gb->dtype_code(), gu->num_rows(),
+                    2 * I, "[2I]");
+    if (err.empty()) {
+      err = CheckBias("down_bias " + db->Describe(), db->num_rows(), width(db), db->dtype_code(), gu->num_rows(), H,
+                      "[H]");
+    }
+    if (!err.empty()) return ffi::Error::InvalidArgument(std::string(kOp) + ": " + err);
+    m.gate_up_bias = gb->data();
+    m.gate_up_bias_stride = gb->row_bytes();
+    m.gate_up_bias_dtype = gb->dtype_code();
+    m.down_bias = db->data();
+    m.down_bias_stride = db->row_bytes();
+    m.down_bias_dtype = db->dtype_code();
+  }
   RunExperts(m, x32, ids.typed_data(), weights.typed_data(), T, k, act, y->typed_data(), pool);
   return ffi::Error::Success();
 }
 
 ffi::ErrorOr<std::unique_ptr<BoundBanks>> HostExpertsInstantiate(ffi::Span<const int64_t> banks,
-                                                                  std::string_view /*activation*/) {
+                                                                  std::string_view /*activation*/, float /*alpha*/,
+                                                                  float /*limit*/) {
   return BindBanks("host_experts", banks);
 }
 
 ffi::Error SlotExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, I32Matrix ids, F32Matrix weights,
-                           ffi::AnyBuffer gate_up_slots, ffi::AnyBuffer down_slots, F32MatrixResult y,
-                           std::string_view activation) {
+                           ffi::AnyBuffer gate_up_slots, ffi::AnyBuffer down_slots, ffi::RemainingArgs bias_slots,
+                           F32MatrixResult y, std::string_view activation, float alpha, float limit) {
   constexpr const char* kOp = "slot_experts";
   if (!AnyRoute(ids)) {
     Zero(y);
     return ffi::Error::Success();
   }
-  Activation act;
-  if (!ParseActivation(activation, &act)) {
-    return ffi::Error::InvalidArgument(std::string(kOp) + ": unknown activation '" + std::string(activation) +
-                                       "' (expected 'silu' or 'gelu_tanh')");
+  ExpertActivation act;
+  std::string err;
+  if (!ParseExpertActivation(kOp, activation, alpha, limit, &act, &err)) return ffi::Error::InvalidArgument(err);
+  if (bias_slots.size() != 0 && bias_slots.size() != 2) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": expected no bias pools or 2 (gate_up [S, 2I], down "
+                                       "[S, H]), got " + std::to_string(bias_slots.size()));
   }
   int64_t T, H, k;
-  std::string err;
   const float* x32 = PrepareInputs(kOp, x, ids, weights, y, &T, &H, &k, &err);
   if (!x32) return ffi::Error::InvalidArgument(err);
   const auto gd = gate_up_slots.dimensions();
@@ -175,6 +221,28 @@ ffi::Error SlotExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, I32Matrix ids
   const size_t dn_stride = static_cast<size_t>(H * I) * BankDTypeSize(dt);
   ExpertWeights m{static_cast<const uint8_t*>(gate_up_slots.untyped_data()), gu_stride, gt,
                   static_cast<const uint8_t*>(down_slots.untyped_data()), dn_stride, dt, S, H, I};
+  if (bias_slots.size() == 2) {
+    auto gb = bias_slots.get<ffi::AnyBuffer>(0);
+    auto db = bias_slots.get<ffi::AnyBuffer>(1);
+    if (!gb.has_value() || !db.has_value()) return ffi::Error::InvalidArgument("slot_experts: bad bias pool operand");
+    const auto gbd = gb->dimensions();
+    const auto dbd = db->dimensions();
+    const int32_t gbt = static_cast<int32_t>(gb->element_type());
+    const int32_t dbt = static_cast<int32_t>(db->element_type());
+    err = CheckBias("gate_up bias pool " + Dims(gbd), gbd.size() == 2 ? gbd[0] : -1, gbd.size() == 2 ? gbd[1] : -1,
+                    gbt, S, 2 * I, "[2I]");
+    if (err.empty()) {
+      err = CheckBias("down bias pool " + Dims(dbd), dbd.size() == 2 ? dbd[0] : -1, dbd.size() == 2 ? dbd[1] : -1,
+                      dbt, S, H, "[H]");
+    }
+    if (!err.empty()) return ffi::Error::InvalidArgument(std::string(kOp) + ": " + err);
+    m.gate_up_bias = static_cast<const uint8_t*>(gb->untyped_data());
+    m.gate_up_bias_stride = static_cast<size_t>(2 * I) * BankDTypeSize(gbt);
+    m.gate_up_bias_dtype = gbt;
+    m.down_bias = static_cast<const uint8_t*>(db->untyped_data());
+    m.down_bias_stride = static_cast<size_t>(H) * BankDTypeSize(dbt);
+    m.down_bias_dtype = dbt;
+  }
   RunExperts(m, x32, ids.typed_data(), weights.typed_data(), T, k, act, y->typed_data(), pool);
   return ffi::Error::Success();
 }
@@ -185,7 +253,9 @@ ffi::Error SlotExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, I32Matrix ids
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxHostExpertsInstantiate, ft_jax::HostExpertsInstantiate,
                               ffi::Ffi::BindInstantiate()
                                   .Attr<ffi::Span<const int64_t>>("banks")
-                                  .Attr<std::string_view>("activation"));
+                                  .Attr<std::string_view>("activation")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxHostExperts, ft_jax::HostExpertsImpl,
                               ffi::Ffi::Bind()
@@ -196,7 +266,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxHostExperts, ft_jax::HostExpertsImpl,
                                   .Arg<ft_jax::F32Matrix>()
                                   .Ret<ft_jax::F32Matrix>()
                                   .Attr<ffi::Span<const int64_t>>("banks")
-                                  .Attr<std::string_view>("activation"));
+                                  .Attr<std::string_view>("activation")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxSlotExperts, ft_jax::SlotExpertsImpl,
                               ffi::Ffi::Bind()
@@ -206,5 +278,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxSlotExperts, ft_jax::SlotExpertsImpl,
                                   .Arg<ft_jax::F32Matrix>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
                                   .Ret<ft_jax::F32Matrix>()
-                                  .Attr<std::string_view>("activation"));
+                                  .Attr<std::string_view>("activation")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit"));

@@ -168,11 +168,19 @@ class Stacked:
 
 
 class GroupedQueryAttention(nnx.Module):
-    """Grouped-query self-attention of a stack of n layers (Mixtral, Qwen2/3-MoE, OLMoE), parameters [n, ...].
+    """Grouped-query self-attention of a stack of n layers (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss), parameters
+    [n, ...].
 
     q/k/v are one fused projection [n, (NH + 2 KVH) D, H] (+ bias), then q/k norms per config (per head: Qwen3-MoE;
-    over the whole projection: OLMoE), optional clip (OLMoE), default RoPE, the KV cache update, softmax attention
-    in float32 over the visible keys, and the o projection. KV cache of the stack: (k, v), each [n, B, S, KVH, D].
+    over the whole projection: OLMoE), optional clip (OLMoE), RoPE (default or YaRN), the KV cache update, softmax
+    attention in float32 over the visible keys, and the o projection (+ bias). KV cache of the stack: (k, v), each
+    [n, B, S, KVH, D].
+
+    gpt-oss: attention sinks ``self_attn.sinks`` [n, NH]: a learned logit per head joins each query's softmax over
+    the keys and is dropped after it (transformers' eager_attention_forward: softmax(concat(scores, sink))[:-1]), so
+    the weights of a row sum to less than 1. Sliding windows per layer (MoEConfig.attention_window): the layers of
+    one scanned stack may differ (gpt-oss alternates sliding and full attention), so the window is read from a
+    constant per-layer table at the traced layer index; a stack whose layers share one window uses it as a constant.
     """
 
     def __init__(self, cfg: MoEConfig, p: Stacked):
@@ -193,6 +201,8 @@ class GroupedQueryAttention(nnx.Module):
             self.k_norm = p(f"{a}.k_norm.weight", (KVH * D,), "norm")
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = p(f"{a}.sinks", (NH,), "bias") if cfg.attention_sinks else None  # [n, NH]
+        self.windows = tuple(cfg.attention_window(l) for l in p.layers)  # per layer: int or None (full)
 
     def init_cache(self, num_layers: int, batch_size: int, max_len: int, dtype) -> tuple[jax.Array, ...]:
         """Zero (k, v) caches [n, B, max_len, KVH, D] of the model dtype (bf16 kept as its uint16 bits:
@@ -231,16 +241,26 @@ class GroupedQueryAttention(nnx.Module):
         keys, values = cache_load(k_cache[i], q.dtype), cache_load(v_cache[i], q.dtype)  # [B, S, KVH, D]
 
         mask = ctx.causal  # [B, T, S]
-        if cfg.sliding_window is not None:
-            key_pos = jnp.arange(mask.shape[-1])[None, None, :]
-            mask = mask & (key_pos > ctx.positions[:, :, None] - cfg.sliding_window)
+        if any(w is not None for w in self.windows):
+            S = mask.shape[-1]
+            if len(set(self.windows)) == 1:
+                window = self.windows[0]
+            else:  # a window of S keys is no limit: every visible key is at a position > p - S
+                window = jnp.asarray([S if w is None else w for w in self.windows], jnp.int32)[i]
+            key_pos = jnp.arange(S)[None, None, :]
+            mask = mask & (key_pos > ctx.positions[:, :, None] - window)
         G = NH // KVH  # query head h uses KV head h // G (transformers' repeat_kv)
         qg = q.reshape(B, T, KVH, G, D)
         scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, precision=jax.lax.Precision.HIGHEST) * (D ** -0.5)
         scores = scores.astype(jnp.float32)  # [B, KVH, G, T, S]
         # finfo.min (not -inf): a padding query that sees no key gets finite (uniform) weights instead of NaN.
         scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        if self.sinks is not None:  # query head h = kv head * G + g has sink logit sinks[i, h]
+            sink = self.sinks[...][i].astype(jnp.float32).reshape(KVH, G)
+            sink = jnp.broadcast_to(sink[None, :, :, None, None], (B, KVH, G, T, 1))
+            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(q.dtype)
+        else:
+            probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, values, precision=jax.lax.Precision.HIGHEST)  # [B, T, KVH, G, D]
         o = linear(out.reshape(B, T, NH * D), self.o[...], i)  # f32[B, T, H]
         if self.o_bias is not None:
@@ -264,14 +284,15 @@ class DenseMLP(nnx.Module):
 
 
 class MoEBlock(nnx.Module):
-    """Router [n, E, H] and, for Qwen2-MoE, the shared expert with its sigmoid gate; the routed experts come from the
-    expert backend (host banks and slots)."""
+    """Router [n, E, H] (+ bias [n, E] for gpt-oss) and, for Qwen2-MoE, the shared expert with its sigmoid gate; the
+    routed experts come from the expert backend (host banks and slots)."""
 
     def __init__(self, cfg: MoEConfig, p: Stacked, moe_base: int):
         H, SI = cfg.hidden_size, cfg.shared_expert_intermediate_size
         self.cfg, self.moe_base = cfg, moe_base  # moe_base: MoE index of the stack's first layer
-        self.router = p("block_sparse_moe.gate.weight" if cfg.family == "mixtral" else "mlp.gate.weight",
-                        (cfg.num_experts, H))  # [n, E, H]
+        router = {"mixtral": "block_sparse_moe.gate", "gpt_oss": "mlp.router"}.get(cfg.family, "mlp.gate")
+        self.router = p(f"{router}.weight", (cfg.num_experts, H))  # [n, E, H]
+        self.router_bias = p(f"{router}.bias", (cfg.num_experts,), "bias") if cfg.router_bias else None  # [n, E]
         if SI:
             s = "mlp.shared_expert"
             self.shared_gate_up = p.rows([(f"{s}.gate_proj.weight", (SI, H)), (f"{s}.up_proj.weight", (SI, H))])
@@ -286,7 +307,10 @@ class MoEBlock(nnx.Module):
         cfg = self.cfg
         B, T, H = x.shape
         xf = x.reshape(B * T, H)  # [N, H]
-        logits = linear(xf, self.router[...], i).astype(x.dtype).astype(jnp.float32)  # f32[N, E]
+        logits = linear(xf, self.router[...], i)  # f32[N, E]
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...][i].astype(jnp.float32)
+        logits = logits.astype(x.dtype).astype(jnp.float32)  # rounded to the model dtype, as transformers
         r = route(cfg, logits, valid.reshape(B * T))
         routed, expert_state = experts(jnp.int32(self.moe_base) + i, xf, r.topk_ids, r.topk_weights, expert_state)
         y = routed.astype(x.dtype)  # [N, H]

@@ -7,6 +7,11 @@ Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE share one rule with one switch, as in tr
     w, ids = top_k(probs, k)                     (descending; ties -> lower expert id)
     w      = w / sum(w)   if norm_topk_prob      (Mixtral's config always sets it)
 
+gpt-oss (transformers' GptOssTopKRouter; the logits already include the router bias):
+
+    w, ids = top_k(logits, k)                    (top-k over the raw logits, descending)
+    w      = softmax(w)                          (float32, over the k chosen logits only)
+
 The combine weights returned are the ones the experts' outputs are multiplied by.
 
 DeepSeek-V2 / V3 (:func:`route_deepseek`; transformers 5.24 DeepseekV2TopkRouter / DeepseekV3TopkRouter; DeepSeek-V3
@@ -49,17 +54,22 @@ def route(cfg: MoEConfig, logits: jax.Array, valid: jax.Array | None = None) -> 
     """Route N tokens with the family rule of ``cfg`` (module docstring).
 
     Args:
-        cfg: model config (top_k, norm_topk_prob).
-        logits: f32[N, E] router logits (x @ W_router.T, rounded to the model dtype as transformers computes them).
+        cfg: model config (family, top_k, norm_topk_prob).
+        logits: f32[N, E] router logits (x @ W_router.T (+ bias for gpt-oss), rounded to the model dtype as
+            transformers computes them).
         valid: optional bool[N]; tokens with False (padding) get topk_ids -1 and topk_weights 0, so no
             expert backend sees them as active.
     Returns:
         Routing(logits f32[N, E], topk_ids i32[N, k], topk_weights f32[N, k]).
     """
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [N, E]
-    weights, ids = jax.lax.top_k(probs, cfg.top_k)  # [N, k], [N, k]
-    if cfg.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if cfg.family == "gpt_oss":
+        top, ids = jax.lax.top_k(logits.astype(jnp.float32), cfg.top_k)  # [N, k], [N, k]
+        weights = jax.nn.softmax(top, axis=-1)  # [N, k]
+    else:
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)  # [N, E]
+        weights, ids = jax.lax.top_k(probs, cfg.top_k)  # [N, k], [N, k]
+        if cfg.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     ids = ids.astype(jnp.int32)
     if valid is not None:
         ids = jnp.where(valid[:, None], ids, -1)

@@ -4,7 +4,8 @@
 
   1. active mask bool[E] from the router's top-k ids
   2. expert_cache.plan_layer: hits, the F fetched misses (F from the policy), host misses, victim slots, tables
-  3. slot_fill FFI (in place): bank rows -> victim slots of the gate_up and the down slot arrays, in one call
+  3. slot_fill FFI (in place): bank rows -> victim slots of the gate_up and the down slot arrays (and, for experts
+     with biases, the two bias pools), in one call
   4. slot_experts FFI: every (t, j) route whose expert is in a slot, read straight from the slot arrays
   5. host_experts FFI: every (t, j) route whose expert is a host miss, read straight from the host banks
   6. output = device part + host part (each route is computed exactly once: the slot and host route masks partition
@@ -35,11 +36,21 @@ class OffloadState(NamedTuple):
         cache: expert_cache.CacheState (tables, usage, recency, step, stats).
         gate_up_slots: [S, 2I, H] slot pool for the gate and up projections (bank dtype).
         down_slots: [S, H, I] slot pool for the down projections (bank dtype).
+        gate_up_bias_slots: [S, 2I] and down_bias_slots: [S, H] bias pools (bias bank dtype), or None for experts
+            without biases.
     """
 
     cache: expert_cache.CacheState
     gate_up_slots: jax.Array
     down_slots: jax.Array
+    gate_up_bias_slots: jax.Array | None = None
+    down_bias_slots: jax.Array | None = None
+
+    @property
+    def pools(self) -> tuple[jax.Array, ...]:
+        """Every slot pool, in bank order (gate_up, down[, gate_up_bias, down_bias])."""
+        pools = (self.gate_up_slots, self.down_slots)
+        return pools if self.gate_up_bias_slots is None else (*pools, self.gate_up_bias_slots, self.down_bias_slots)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -51,7 +62,10 @@ class OffloadedExperts:
         down_bank: HostBank [L*E, H, I].
         num_experts: E.
         policy: Policy deciding how many misses are fetched (static: baked into the compiled step).
-        activation: "silu" (SwiGLU) or "gelu_tanh".
+        activation: "silu" (SwiGLU), "gelu_tanh" or "swiglu_oai" (gpt-oss's clamped SwiGLU).
+        gate_up_bias_bank: HostBank [L*E, 2I] (gate bias then up bias) and down_bias_bank: HostBank [L*E, H], both
+            or neither (gpt-oss's expert biases; LoadedCheckpoint.expert_banks passes them).
+        swiglu_alpha, swiglu_limit: the clamped SwiGLU's parameters (read by "swiglu_oai" only).
     """
 
     gate_up_bank: HostBank
@@ -59,11 +73,25 @@ class OffloadedExperts:
     num_experts: int
     policy: Policy
     activation: str = "silu"
+    gate_up_bias_bank: HostBank | None = None
+    down_bias_bank: HostBank | None = None
+    swiglu_alpha: float = ffi_ops.SWIGLU_ALPHA
+    swiglu_limit: float = ffi_ops.SWIGLU_LIMIT
+
+    def __post_init__(self):
+        if (self.gate_up_bias_bank is None) != (self.down_bias_bank is None):
+            raise ValueError("offload: pass both expert bias banks (gate_up_bias_bank and down_bias_bank) or neither")
 
     @property
     def num_layers(self) -> int:
         """L, MoE layers held by the banks."""
         return self.gate_up_bank.num_rows // self.num_experts
+
+    @property
+    def banks(self) -> tuple[HostBank, ...]:
+        """Every host bank, in the order of OffloadState.pools."""
+        banks = (self.gate_up_bank, self.down_bank)
+        return banks if self.gate_up_bias_bank is None else (*banks, self.gate_up_bias_bank, self.down_bias_bank)
 
     def init_state(self, num_slots: int) -> OffloadState:
         """Cold slot pool of `num_slots` slots (all zeros, no expert resident); resident policy: every expert loaded.
@@ -78,13 +106,12 @@ class OffloadedExperts:
         L, E = self.num_layers, self.num_experts
         if self.policy.kind == "resident":
             cache = expert_cache.init_cache_state_resident(L, E)
-            return OffloadState(cache, jnp.asarray(self.gate_up_bank.numpy()), jnp.asarray(self.down_bank.numpy()))
+            return OffloadState(cache, *(jnp.asarray(bank.numpy()) for bank in self.banks))
         if num_slots < 1:
             raise ValueError(f"offload: the device budget must hold at least one expert slot, got {num_slots} slots")
         cache = expert_cache.init_cache_state(L, E, num_slots)
-        gate_up = jnp.zeros((num_slots, *self.gate_up_bank.row_shape), self.gate_up_bank.dtype)  # [S, 2I, H]
-        down = jnp.zeros((num_slots, *self.down_bank.row_shape), self.down_bank.dtype)  # [S, H, I]
-        return OffloadState(cache, gate_up, down)
+        # [S, 2I, H], [S, H, I] (and the bias pools [S, 2I], [S, H])
+        return OffloadState(cache, *(jnp.zeros((num_slots, *bank.row_shape), bank.dtype) for bank in self.banks))
 
     def __call__(self, moe_layer, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
                  state: OffloadState) -> tuple[jax.Array, OffloadState]:
@@ -109,11 +136,10 @@ class OffloadedExperts:
         if self.policy.kind in ("host-all", "resident"):
             # Never fetches: no slot_fill. A fill whose ids are constants does not depend on the previous layer's
             # slot_experts read, so XLA copied the whole pool before every fill (8 copies per step on 4 layers).
-            gate_up_slots, down_slots = state.gate_up_slots, state.down_slots
-        else:
-            gate_up_slots, down_slots = ffi_ops.slot_fill(
-                (state.gate_up_slots, state.down_slots), plan.fill_flat_ids, plan.fill_slot_ids,
-                (self.gate_up_bank, self.down_bank))  # [S, 2I, H], [S, H, I]: one call, in place
+            pools = state.pools
+        else:  # [S, 2I, H], [S, H, I] (+ [S, 2I], [S, H]): one call for every pool, in place
+            pools = ffi_ops.slot_fill(state.pools, plan.fill_flat_ids, plan.fill_slot_ids, self.banks)
+        gate = dict(alpha=self.swiglu_alpha, limit=self.swiglu_limit)
 
         routed = topk_ids >= 0  # bool[N, k]; -1 = padding token, no expert
         ids = jnp.where(routed, topk_ids, 0)  # i32[N, k], safe to index with
@@ -121,10 +147,12 @@ class OffloadedExperts:
         y_device = y_host = jnp.zeros(x.shape, jnp.float32)  # f32[N, H]
         if self.policy.kind != "host-all":
             route_slot = jnp.where(routed, plan.device_slot_of_expert[ids], -1)  # i32[N, k], -1 = not in a slot
-            y_device = ffi_ops.slot_experts(x, route_slot, topk_weights, gate_up_slots, down_slots,
-                                            activation=self.activation)  # f32[N, H]
+            bias_pools = dict(gate_up_bias_slots=pools[2], down_bias_slots=pools[3]) if len(pools) == 4 else {}
+            y_device = ffi_ops.slot_experts(x, route_slot, topk_weights, pools[0], pools[1], self.activation,
+                                            **bias_pools, **gate)  # f32[N, H]
         if self.policy.kind != "resident":
             route_host = jnp.where(routed & plan.host_mask[ids], moe_layer * E + ids, -1)  # i32[N, k] flat ids
             y_host = ffi_ops.host_experts(x, route_host, topk_weights, self.gate_up_bank, self.down_bank,
-                                          activation=self.activation)  # f32[N, H]
-        return y_device + y_host, OffloadState(cache, gate_up_slots, down_slots)
+                                          self.activation, gate_up_bias=self.gate_up_bias_bank,
+                                          down_bias=self.down_bias_bank, **gate)  # f32[N, H]
+        return y_device + y_host, OffloadState(cache, *pools)

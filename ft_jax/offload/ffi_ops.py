@@ -9,9 +9,13 @@ jax.errors.JaxRuntimeError (or ValueError when jit's C++ fast path dispatched it
 the bank, nothing is written, and the process carries on.
 
 Expert math (host_experts and slot_experts), for every token t:
-    y[t] = sum_j weights[t, j] * down_e @ (act(gate_e @ x[t]) * (up_e @ x[t])),  e = ids[t, j] >= 0
-with gate_e = gate_up_e[:I], up_e = gate_up_e[I:], float32 accumulation; act = silu (SwiGLU) or gelu_tanh
-(0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))).
+    y[t] = sum_j weights[t, j] * (down_e @ glu(gate_e @ x[t] + bg_e, up_e @ x[t] + bu_e) + bd_e),  e = ids[t, j] >= 0
+with gate_e = gate_up_e[:I], up_e = gate_up_e[I:], optional biases bg_e = gate_up_bias_e[:I], bu_e =
+gate_up_bias_e[I:], bd_e = down_bias_e (0 when absent), float32 accumulation, and glu(g, u) by activation:
+    "silu"       silu(g) * u  (SwiGLU)
+    "gelu_tanh"  0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * u
+    "swiglu_oai" gpt-oss's clamped SwiGLU (transformers' GptOssExperts._apply_gate): g' = min(g, limit),
+                 u' = clamp(u, -limit, limit), (u' + 1) * g' * sigmoid(alpha * g')  (gpt-oss: alpha 1.702, limit 7.0)
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import numpy as np
 import ft_jax  # noqa: F401  (registers the FFI targets)
 from ft_jax.offload.host_bank import HostBank
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's defaults (transformers' GptOssConfig)
 _WEIGHT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 
 
@@ -145,7 +150,28 @@ def _check_expert_inputs(op: str, x, ids, weights, ids_name: str) -> tuple[int, 
     return T, H, k
 
 
-def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activation: str = "silu"):
+def _check_gate_params(op: str, alpha, limit) -> tuple[np.float32, np.float32]:
+    """alpha and limit of the clamped SwiGLU as float32 attributes: finite numbers, limit > 0."""
+    for name, v in (("alpha", alpha), ("limit", limit)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)) or not np.isfinite(v):
+            raise ValueError(f"{op}: {name} must be a finite number, got {v!r}")
+    if not limit > 0:
+        raise ValueError(f"{op}: limit must be > 0, got {limit}")
+    return np.float32(alpha), np.float32(limit)
+
+
+def _check_bias_bank(op: str, name: str, bank, num_rows: int, width: int, layout: str) -> HostBank:
+    bank = _expect_bank(op, f"{name} bank", bank)
+    if bank.dtype not in _WEIGHT_DTYPES:
+        raise TypeError(f"{op}: {name} bank {bank.id} must be float32 or bfloat16, got {bank.dtype.name}")
+    if bank.row_shape != (width,) or bank.num_rows != num_rows:
+        raise ValueError(f"{op}: {name} bank {bank_desc(bank)} must hold {num_rows} rows {layout} = [{width}]")
+    return bank
+
+
+def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activation: str = "silu", *,
+                 gate_up_bias: HostBank | None = None, down_bias: HostBank | None = None,
+                 alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT):
     """Routed experts computed on the CPU straight from the host banks (multi-threaded GEMV, f32 accumulation).
 
     Args:
@@ -154,19 +180,26 @@ def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activa
       weights: f32[T, k] combine weights.
       gate_up: HostBank of rows [2I, H] (gate rows then up rows), float32 or bfloat16.
       down: HostBank of rows [H, I], float32 or bfloat16, same num_rows as gate_up.
-      activation: "silu" (SwiGLU) or "gelu_tanh".
+      activation: "silu" (SwiGLU), "gelu_tanh" or "swiglu_oai" (gpt-oss's clamped SwiGLU).
+      gate_up_bias, down_bias: optional HostBanks of rows [2I] (gate bias then up bias) and [H], float32 or
+        bfloat16, same num_rows; both or neither.
+      alpha, limit: the clamped SwiGLU's sigmoid gain and clamp (read by "swiglu_oai" only; limit > 0).
 
     Returns:
       f32[T, H]: sum over routes of weight * expert(x) (formula in the module docstring).
 
     Raises:
       TypeError / ValueError at trace time (dtypes, shapes, banks that do not match or were released, unknown
-      activation); an out-of-range id fails at run time with an error naming it and the bank.
+      activation, one bias bank without the other, a non-finite alpha / limit); an out-of-range id fails at run
+      time with an error naming it and the bank.
     """
     op = "host_experts"
     gate_up = _expect_bank(op, "gate_up bank", gate_up)
     down = _expect_bank(op, "down bank", down)
     activation = _expect_activation(op, activation)
+    alpha, limit = _check_gate_params(op, alpha, limit)
+    if (gate_up_bias is None) != (down_bias is None):
+        raise ValueError(f"{op}: pass both bias banks (gate_up_bias and down_bias) or neither")
     T, H, k = _check_expert_inputs(op, x, flat_ids, weights, "flat_ids")
     for name, bank in (("gate_up", gate_up), ("down", down)):
         if bank.dtype not in _WEIGHT_DTYPES:
@@ -182,11 +215,18 @@ def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activa
         )
     if down.num_rows != gate_up.num_rows:
         raise ValueError(f"{op}: gate_up {bank_desc(gate_up)} and down {bank_desc(down)} hold different expert counts")
+    ids = [gate_up.id, down.id]
+    if gate_up_bias is not None:
+        ids.append(_check_bias_bank(op, "gate_up_bias", gate_up_bias, gate_up.num_rows, 2 * inter, "[2I]").id)
+        ids.append(_check_bias_bank(op, "down_bias", down_bias, gate_up.num_rows, H, "[H]").id)
     call = jax.ffi.ffi_call("ft_jax_host_experts", jax.ShapeDtypeStruct((T, H), jnp.float32))
-    return call(x, flat_ids, weights, banks=np.array([gate_up.id, down.id], np.int64), activation=activation)
+    return call(x, flat_ids, weights, banks=np.array(ids, np.int64), activation=activation, alpha=alpha,
+                limit=limit)
 
 
-def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: str = "silu"):
+def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: str = "silu", *,
+                 gate_up_bias_slots=None, down_bias_slots=None, alpha: float = SWIGLU_ALPHA,
+                 limit: float = SWIGLU_LIMIT):
     """Routed experts computed from the slot pool arrays (on the CPU backend: the host_experts kernel pointed at
     the slot buffers, reading each routed expert's weights once, no gather copy).
 
@@ -196,16 +236,22 @@ def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: st
       weights: f32[T, k] combine weights.
       gate_up_slots: f32 or bf16 [S, 2I, H] (gate rows then up rows per slot).
       down_slots: f32 or bf16 [S, H, I].
-      activation: "silu" or "gelu_tanh".
+      activation: "silu", "gelu_tanh" or "swiglu_oai".
+      gate_up_bias_slots, down_bias_slots: optional f32 or bf16 bias pools [S, 2I] and [S, H]; both or neither.
+      alpha, limit: the clamped SwiGLU's parameters (see host_experts).
 
     Returns:
       f32[T, H].
 
     Raises:
-      TypeError / ValueError at trace time for dtypes, shapes or activation; a slot id >= S fails at run time.
+      TypeError / ValueError at trace time for dtypes, shapes, activation, one bias pool without the other or a
+      non-finite alpha / limit; a slot id >= S fails at run time.
     """
     op = "slot_experts"
     activation = _expect_activation(op, activation)
+    alpha, limit = _check_gate_params(op, alpha, limit)
+    if (gate_up_bias_slots is None) != (down_bias_slots is None):
+        raise ValueError(f"{op}: pass both bias pools (gate_up_bias_slots and down_bias_slots) or neither")
     T, H, k = _check_expert_inputs(op, x, slot_ids, weights, "slot_ids")
     gshape, _ = _expect(op, "gate_up_slots", gate_up_slots, 3, _WEIGHT_DTYPES, "[S, 2I, H]")
     if gshape[1] % 2 or gshape[2] != H:
@@ -214,8 +260,17 @@ def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: st
     dshape, _ = _expect(op, "down_slots", down_slots, 3, _WEIGHT_DTYPES, "[S, H, I]")
     if dshape != (S, H, inter):
         raise ValueError(f"{op}: down_slots must be [S, H, I] = {(S, H, inter)}, got {dshape}")
+    biases = ()
+    if gate_up_bias_slots is not None:
+        gb, _ = _expect(op, "gate_up_bias_slots", gate_up_bias_slots, 2, _WEIGHT_DTYPES, "[S, 2I]")
+        db, _ = _expect(op, "down_bias_slots", down_bias_slots, 2, _WEIGHT_DTYPES, "[S, H]")
+        if gb != (S, 2 * inter) or db != (S, H):
+            raise ValueError(f"{op}: bias pools must be [S, 2I] = {(S, 2 * inter)} and [S, H] = {(S, H)}, got {gb} "
+                             f"and {db}")
+        biases = (gate_up_bias_slots, down_bias_slots)
     call = jax.ffi.ffi_call("ft_jax_slot_experts", jax.ShapeDtypeStruct((T, H), jnp.float32))
-    return call(x, slot_ids, weights, gate_up_slots, down_slots, activation=activation)
+    return call(x, slot_ids, weights, gate_up_slots, down_slots, *biases, activation=activation, alpha=alpha,
+                limit=limit)
 
 
 def bank_desc_shape(bank: HostBank) -> str:
