@@ -11,6 +11,7 @@
 #include "xla_ffi/dot_kernels.h"
 #include "xla_ffi/host_bank.h"
 #include "xla_ffi/parallel.h"
+#include "xla_ffi/worker_pool.h"
 
 
 namespace ft_jax {
@@ -91,9 +92,9 @@ int64_t RowsPerTask(size_t row_bytes, int64_t rows, int64_t multiple, int64_t th
   return (r + multiple - 1) / multiple * multiple;
 }
 
-template <typename WG, typename WD>
+template <typename WG, typename WD, typename Pool>
 void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T, const ExpertActivation& act,
-              float* y, xla::ffi::ThreadPool& pool) {
+              float* y, Pool& pool) {
   const bool avx2 = UseAvx2();
   const int64_t H = m.hidden, I = m.inter;
   const int64_t G = static_cast<int64_t>(g.expert.size());
@@ -209,8 +210,11 @@ std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, c
   return "";
 }
 
-void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
-                int64_t k, const ExpertActivation& act, float* y, xla::ffi::ThreadPool& pool) {
+namespace {
+
+template <typename Pool>
+void RunExpertsOn(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
+                  int64_t k, const ExpertActivation& act, float* y, Pool& pool) {
   thread_local Groups groups;
   GroupRoutes(ids, weights, T, k, &groups);
   if (groups.expert.empty()) {
@@ -228,6 +232,18 @@ void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, cons
   } else {
     RunTyped<float, float>(m, x, groups, T, act, y, pool);
   }
+}
+
+}  // namespace
+
+void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
+                int64_t k, const ExpertActivation& act, float* y, xla::ffi::ThreadPool& pool) {
+  RunExpertsOn(m, x, ids, weights, T, k, act, y, pool);
+}
+
+void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
+                int64_t k, const ExpertActivation& act, float* y, WorkerPool& pool) {
+  RunExpertsOn(m, x, ids, weights, T, k, act, y, pool);
 }
 
 const char* KernelIsa() { return UseAvx2() ? "avx2" : "generic"; }

@@ -29,6 +29,8 @@
 
 namespace ft_jax {
 
+class WorkerPool;  // worker_pool.h
+
 enum class Activation { kSilu, kGeluTanh, kSwigluOai };
 
 // "silu", "gelu_tanh" or "swiglu_oai"; returns false for anything else.
@@ -67,9 +69,12 @@ std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, c
 
 // x: f32 [T, H]; ids: i32 [T, k] (< 0 = skip, otherwise < num_experts: call CheckExpertIds first);
 // weights: f32 [T, k]; y: f32 [T, H], overwritten. Weight and bias dtypes must be kF32 or kBF16. Runs on `pool`
-// (the FFI caller's XLA thread pool, see parallel.h) when the call reads at least 1 MiB of weights.
+// (the FFI caller's XLA thread pool, see parallel.h; or the WorkerPool of the CUDA host_experts path) when the call
+// reads at least 1 MiB of weights.
 void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
                 int64_t k, const ExpertActivation& act, float* y, xla::ffi::ThreadPool& pool);
+void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
+                int64_t k, const ExpertActivation& act, float* y, WorkerPool& pool);
 
 // Which inner loop the kernels use: "avx2" (x86-64 with AVX2+FMA, chosen at run time) or "generic" (other CPUs, or
 // FT_JAX_KERNEL=generic in the environment).

@@ -16,6 +16,9 @@
 #include "xla_ffi/ffi_handlers.h"
 #include "xla_ffi/host_bank.h"
 #include "xla_ffi/bank_state.h"
+#ifdef FT_JAX_CUDA
+#include "xla_ffi/cuda_handlers.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -62,6 +65,68 @@ NB_MODULE(_ffi, m) {
         return d;
       },
       "dict type name -> {type_id, type_info} PyCapsules of the FFI state types (register before the targets).");
+
+  m.def("cuda_built", [] {
+#ifdef FT_JAX_CUDA
+    return true;
+#else
+    return false;
+#endif
+  }, "True when the extension was built with the CUDA handlers (CMake found nvcc).");
+
+#ifdef FT_JAX_CUDA
+  m.def(
+      "cuda_registrations",
+      [] {
+        auto capsule = [](auto fn) { return nb::capsule(reinterpret_cast<void*>(fn)); };
+        auto staged = [&](auto instantiate, auto execute) {
+          nb::dict stages;
+          stages["instantiate"] = capsule(instantiate);
+          stages["execute"] = capsule(execute);
+          return stages;
+        };
+        nb::dict d;
+        d["ft_jax_slot_fill"] = staged(FtJaxSlotFillCudaInstantiate, FtJaxSlotFillCuda);
+        d["ft_jax_host_experts_submit"] = staged(FtJaxHostExpertsSubmitInstantiate, FtJaxHostExpertsSubmit);
+        d["ft_jax_host_experts_wait"] = capsule(FtJaxHostExpertsWait);
+        return d;
+      },
+      "dict target name -> PyCapsule (or dict stage -> PyCapsule) of the CUDA-platform handlers.");
+
+  m.def(
+      "cuda_types",
+      [] {
+        auto info = [](void* id, void* type_info) {
+          nb::dict d;
+          d["type_id"] = nb::capsule(id);
+          d["type_info"] = nb::capsule(type_info);
+          return d;
+        };
+        nb::dict d;
+        d["ft_jax_cuda_slot_fill_state"] =
+            info(ft_jax::CudaSlotFillStateTypeId(), ft_jax::CudaSlotFillStateTypeInfo());
+        d["ft_jax_cuda_host_channel"] = info(ft_jax::HostChannelTypeId(), ft_jax::HostChannelTypeInfo());
+        return d;
+      },
+      "dict type name -> {type_id, type_info} of the CUDA handlers' states (register before the targets).");
+
+  m.def(
+      "cuda_counters",
+      [] {
+        const ft_jax::CudaCounters& c = ft_jax::GetCudaCounters();
+        nb::dict d;
+        d["slot_fill_records"] = c.slot_fill_records.load();
+        d["submit_records"] = c.submit_records.load();
+        d["wait_records"] = c.wait_records.load();
+        d["host_submits"] = c.host_submits.load();
+        d["host_waits"] = c.host_waits.load();
+        d["host_route_errors"] = c.host_route_errors.load();
+        d["bounce_fills"] = c.bounce_fills.load();
+        return d;
+      },
+      "Process-wide counts of the CUDA handlers (cuda_handlers.h): handler bodies run (records) and host-function "
+      "nodes run (every execution, command buffer replays included), host GEMVs skipped for bad ids, bounce rounds.");
+#endif
 
   m.def(
       "dtype_codes",

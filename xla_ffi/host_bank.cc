@@ -75,7 +75,17 @@ Bank::Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t
   data_ = static_cast<uint8_t*>(p);
 }
 
-Bank::~Bank() { munmap(data_, mapped_bytes_); }
+Bank::~Bank() {
+  mapping_.reset();  // unregisters the memory from the device runtime before it goes away
+  munmap(data_, mapped_bytes_);
+}
+
+const BankDeviceMapping& Bank::DeviceMapping(
+    const std::function<std::unique_ptr<BankDeviceMapping>(const Bank&)>& make) {
+  std::lock_guard<std::mutex> lock(mapping_mu_);
+  if (!mapping_) mapping_ = make(*this);
+  return *mapping_;
+}
 
 std::string Bank::Describe() const {
   std::ostringstream s;

@@ -23,7 +23,9 @@
 
 #ifdef __cplusplus
 #include <atomic>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -47,6 +49,15 @@ size_t BankDTypeSize(int32_t dtype_code);
 std::string BankDTypeName(int32_t dtype_code);
 
 constexpr size_t kBankAlignment = 4096;  // page size: rows of page-multiple size stay page aligned
+
+// What a device runtime attached to a bank (CUDA builds: the page-locked, device-mapped registration made by
+// host_bank_cuda.cc). Destroyed by the bank before its memory is unmapped.
+class BankDeviceMapping {
+ public:
+  virtual ~BankDeviceMapping() = default;
+  // Device address of row 0, or nullptr when the bank could not be mapped (the caller falls back).
+  virtual uint8_t* device_data() const = 0;
+};
 
 class Bank {
  public:
@@ -72,6 +83,8 @@ class Bank {
   // True once ReleaseBank dropped it from the registry (holders may still read it; handlers report an error).
   bool released() const { return released_.load(std::memory_order_acquire); }
   void MarkReleased() { released_.store(true, std::memory_order_release); }
+  // The bank's device mapping: made by `make` on the first call (under a lock), the same object afterwards.
+  const BankDeviceMapping& DeviceMapping(const std::function<std::unique_ptr<BankDeviceMapping>(const Bank&)>& make);
 
  private:
   int64_t id_;
@@ -83,6 +96,8 @@ class Bank {
   size_t mapped_bytes_;
   uint8_t* data_;
   std::atomic<bool> released_{false};
+  std::mutex mapping_mu_;
+  std::unique_ptr<BankDeviceMapping> mapping_;
 };
 
 // Creates a bank and registers it; returns the registered shared_ptr (ids start at 1 and are never reused).

@@ -1,5 +1,6 @@
 // ParallelFor over the caller's XLA thread pool (the FFI's Ctx<ThreadPool>: on the CPU backend, XLA's intra-op
-// pool, sized by XLA from the process's CPU affinity).
+// pool, sized by XLA from the process's CPU affinity) or over a WorkerPool (worker_pool.h: the CUDA host_experts
+// path). Pool is any type with num_threads() and Schedule(callable), as both have.
 //
 // ParallelFor(pool, n, fn) runs fn(0), ..., fn(n-1) and returns when all n calls have returned. The calling thread
 // claims tasks too, so the loop finishes even when every pool thread is busy elsewhere (for example with another
@@ -26,7 +27,8 @@
 namespace ft_jax {
 
 // Threads a loop may use: XLA's pool size (0 if it has none) capped by FT_JAX_NUM_THREADS; at least 1.
-inline int64_t LoopThreads(xla::ffi::ThreadPool& pool) {
+template <typename Pool>
+int64_t LoopThreads(Pool& pool) {
   static const int64_t cap = [] {
     const char* env = std::getenv("FT_JAX_NUM_THREADS");
     const long v = env ? std::strtol(env, nullptr, 10) : 0;
@@ -36,8 +38,8 @@ inline int64_t LoopThreads(xla::ffi::ThreadPool& pool) {
   return cap ? std::min(n, cap) : n;
 }
 
-template <typename Fn>
-void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
+template <typename Pool, typename Fn>
+void ParallelFor(Pool& pool, int64_t n, const Fn& fn) {
   const int64_t threads = std::min(LoopThreads(pool), n);
   if (threads <= 1) {
     for (int64_t i = 0; i < n; ++i) fn(i);

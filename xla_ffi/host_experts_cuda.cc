@@ -1,0 +1,290 @@
+// host_experts on the CUDA platform as two custom calls with the device experts' work between them (cuda_handlers.h):
+//
+//   submit (stream): D2H x, flat_ids, weights -> pinned staging of this call site | host node: hand the GEMV to the
+//                    CPU WorkerPool and return
+//   ... device work (the slot experts) runs meanwhile ...
+//   wait   (stream): host node: block until the WorkerPool finished that GEMV | H2D y <- pinned staging
+//
+// The submit's instantiate state (a HostChannel) owns the staging buffers, the bound banks and the expert layout;
+// its sizes come from the tokens / top_k attributes and the banks, so nothing is allocated while a command buffer is
+// recorded. The wait finds the channel through the ticket operand: the submit's execute stage files its channel
+// under the ticket buffer's device address, which the wait receives as its operand. Host functions touch only the
+// channel (no CUDA API), and every per-step value reaches them through stream-ordered copies, so a recorded graph
+// replays correctly: each replay runs both host nodes once.
+#include <cuda_runtime.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/cuda_handlers.h"
+#include "xla_ffi/expert_kernel.h"
+#include "xla_ffi/host_bank.h"
+#include "xla_ffi/worker_pool.h"
+
+namespace ffi = xla::ffi;
+
+namespace ft_jax {
+namespace {
+
+using I32Matrix = ffi::Buffer<ffi::DataType::S32, 2>;
+using F32Matrix = ffi::Buffer<ffi::DataType::F32, 2>;
+using TicketResult = ffi::ResultBuffer<ffi::DataType::U8, 0>;
+using Ticket = ffi::Buffer<ffi::DataType::U8, 0>;
+
+struct PinnedDeleter {
+  void operator()(void* p) const { cudaFreeHost(p); }
+};
+using PinnedPtr = std::unique_ptr<void, PinnedDeleter>;
+
+bool IsWeightDType(int32_t code) {
+  return code == static_cast<int32_t>(BankDType::kF32) || code == static_cast<int32_t>(BankDType::kBF16);
+}
+
+struct HostChannel {
+  std::vector<std::shared_ptr<Bank>> banks;
+  ExpertWeights m{};
+  ExpertActivation act;
+  int64_t T = 0, k = 0, H = 0;
+  int32_t x_dtype = static_cast<int32_t>(BankDType::kF32);  // set by the execute stage before the host node runs
+  PinnedPtr x_stage, ids_stage, w_stage, y_stage;            // [T, H] (f32 capacity), [T, k], [T, k], [T, H] f32
+  std::vector<float> x32;                                    // bf16 x widened, [T, H]
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t submitted = 0, completed = 0;  // generations, under mu
+
+  // The GEMV of the staged inputs into y_stage (on a WorkerPool thread).
+  void Run() {
+    float* y = static_cast<float*>(y_stage.get());
+    const int32_t* ids = static_cast<const int32_t*>(ids_stage.get());
+    bool ok = CheckExpertIds(ids, T * k, m.num_experts, "").empty();
+    for (const auto& b : banks) ok &= !b->released();
+    if (!ok) {
+      std::memset(y, 0, sizeof(float) * T * H);
+      GetCudaCounters().host_route_errors.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    const float* x = static_cast<const float*>(x_stage.get());
+    if (x_dtype == static_cast<int32_t>(BankDType::kBF16)) {
+      const uint16_t* src = static_cast<const uint16_t*>(x_stage.get());
+      for (int64_t i = 0; i < T * H; ++i) {
+        uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+        std::memcpy(&x32[i], &bits, sizeof(float));
+      }
+      x = x32.data();
+    }
+    RunExperts(m, x, ids, static_cast<const float*>(w_stage.get()), T, k, act, y, WorkerPool::Shared());
+  }
+};
+
+// The submit's instantiate state.
+struct HostChannelState {
+  static ffi::TypeId id;
+  std::shared_ptr<HostChannel> channel;
+};
+ffi::TypeId HostChannelState::id = {};
+
+// Ticket device address -> the channel of the submit that produced it (filed by the submit's execute stage).
+std::mutex tickets_mu;
+std::unordered_map<const void*, std::weak_ptr<HostChannel>>& Tickets() {
+  static auto* tickets = new std::unordered_map<const void*, std::weak_ptr<HostChannel>>();
+  return *tickets;
+}
+
+void CUDART_CB SubmitNode(void* data) {
+  HostChannel* ch = static_cast<HostChannel*>(data);
+  {
+    std::lock_guard<std::mutex> lock(ch->mu);
+    ++ch->submitted;
+  }
+  GetCudaCounters().host_submits.fetch_add(1, std::memory_order_relaxed);
+  WorkerPool::Shared().Schedule([ch] {
+    ch->Run();
+    {
+      std::lock_guard<std::mutex> lock(ch->mu);
+      ++ch->completed;
+    }
+    ch->cv.notify_all();
+  });
+}
+
+void CUDART_CB WaitNode(void* data) {
+  HostChannel* ch = static_cast<HostChannel*>(data);
+  std::unique_lock<std::mutex> lock(ch->mu);
+  ch->cv.wait(lock, [ch] { return ch->completed == ch->submitted; });
+  GetCudaCounters().host_waits.fetch_add(1, std::memory_order_relaxed);
+}
+
+ffi::Error CudaError(const char* op, const char* what, cudaError_t err) {
+  cudaGetLastError();
+  return ffi::Error::Internal(std::string(op) + ": " + what + ": " + cudaGetErrorString(err));
+}
+
+std::string Shape2(int64_t a, int64_t b) { return "[" + std::to_string(a) + ", " + std::to_string(b) + "]"; }
+
+ffi::ErrorOr<std::unique_ptr<HostChannelState>> SubmitInstantiate(ffi::Span<const int64_t> bank_ids,
+                                                                   std::string_view activation, float alpha,
+                                                                   float limit, int64_t tokens, int64_t top_k) {
+  constexpr const char* kOp = "host_experts_submit (CUDA)";
+  auto fail = [&](const std::string& msg) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(kOp) + ": " + msg));
+  };
+  auto ch = std::make_shared<HostChannel>();
+  if (!ParseActivation(activation, &ch->act.kind)) return fail("unknown activation '" + std::string(activation) + "'");
+  ch->act.alpha = alpha;
+  ch->act.limit = limit;
+  if (bank_ids.size() != 2 && bank_ids.size() != 4) return fail("expected 2 or 4 banks");
+  if (tokens < 1 || top_k < 1) return fail("tokens and top_k must be >= 1");
+  for (int64_t id : bank_ids) {
+    auto bank = FindBank(id);
+    if (!bank) return fail(MissingBankMessage(id));
+    if (!IsWeightDType(bank->dtype_code())) return fail(bank->Describe() + " must be float32 or bfloat16");
+    ch->banks.push_back(std::move(bank));
+  }
+  const Bank &gu = *ch->banks[0], &dn = *ch->banks[1];
+  const auto& gs = gu.row_shape();
+  if (gs.size() != 2 || gs[0] % 2) return fail("gate_up " + gu.Describe() + " must have rows [2I, H]");
+  const int64_t H = gs[1], I = gs[0] / 2;
+  if (dn.row_shape() != std::vector<int64_t>{H, I} || dn.num_rows() != gu.num_rows()) {
+    return fail("down " + dn.Describe() + " must hold rows [H, I] = " + Shape2(H, I) + " for every row of " +
+                gu.Describe());
+  }
+  ch->T = tokens;
+  ch->k = top_k;
+  ch->H = H;
+  ch->m = ExpertWeights{gu.data(), gu.row_bytes(), gu.dtype_code(), dn.data(), dn.row_bytes(), dn.dtype_code(),
+                        gu.num_rows(), H, I};
+  if (ch->banks.size() == 4) {
+    const Bank &gb = *ch->banks[2], &db = *ch->banks[3];
+    if (gb.row_shape() != std::vector<int64_t>{2 * I} || db.row_shape() != std::vector<int64_t>{H} ||
+        gb.num_rows() != gu.num_rows() || db.num_rows() != gu.num_rows()) {
+      return fail("bias banks " + gb.Describe() + " and " + db.Describe() + " must hold rows [2I] and [H]");
+    }
+    ch->m.gate_up_bias = gb.data();
+    ch->m.gate_up_bias_stride = gb.row_bytes();
+    ch->m.gate_up_bias_dtype = gb.dtype_code();
+    ch->m.down_bias = db.data();
+    ch->m.down_bias_stride = db.row_bytes();
+    ch->m.down_bias_dtype = db.dtype_code();
+  }
+  const size_t th = static_cast<size_t>(tokens * H), tk = static_cast<size_t>(tokens * top_k);
+  PinnedPtr* bufs[] = {&ch->x_stage, &ch->ids_stage, &ch->w_stage, &ch->y_stage};
+  const size_t sizes[] = {th * sizeof(float), tk * sizeof(int32_t), tk * sizeof(float), th * sizeof(float)};
+  for (int i = 0; i < 4; ++i) {
+    void* p = nullptr;
+    cudaError_t err = cudaHostAlloc(&p, sizes[i], cudaHostAllocPortable);
+    if (err != cudaSuccess) return ffi::Unexpected(CudaError(kOp, "cudaHostAlloc of the staging", err));
+    bufs[i]->reset(p);
+  }
+  ch->x32.resize(th);
+  auto state = std::make_unique<HostChannelState>();
+  state->channel = std::move(ch);
+  return state;
+}
+
+ffi::Error SubmitExecute(cudaStream_t stream, HostChannelState* state, ffi::AnyBuffer x, I32Matrix ids,
+                         F32Matrix weights, TicketResult ticket, ffi::Span<const int64_t> /*banks*/,
+                         std::string_view /*activation*/, float /*alpha*/, float /*limit*/, int64_t /*tokens*/,
+                         int64_t /*top_k*/) {
+  constexpr const char* kOp = "host_experts_submit (CUDA)";
+  GetCudaCounters().submit_records.fetch_add(1, std::memory_order_relaxed);
+  HostChannel& ch = *state->channel;
+  const auto xd = x.dimensions();
+  const int32_t xt = static_cast<int32_t>(x.element_type());
+  if (xd.size() != 2 || xd[0] != ch.T || xd[1] != ch.H || !IsWeightDType(xt) || ids.dimensions()[0] != ch.T ||
+      ids.dimensions()[1] != ch.k || weights.dimensions()[0] != ch.T || weights.dimensions()[1] != ch.k) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": expected x f32|bf16 " + Shape2(ch.T, ch.H) +
+                                       " and ids / weights " + Shape2(ch.T, ch.k) + " (the tokens, top_k "
+                                       "attributes and the banks)");
+  }
+  ch.x_dtype = xt;
+  {
+    std::lock_guard<std::mutex> lock(tickets_mu);
+    Tickets()[ticket->untyped_data()] = state->channel;
+  }
+  cudaError_t err = cudaMemcpyAsync(ch.x_stage.get(), x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToHost, stream);
+  if (err == cudaSuccess) {
+    err = cudaMemcpyAsync(ch.ids_stage.get(), ids.typed_data(), sizeof(int32_t) * ch.T * ch.k, cudaMemcpyDeviceToHost,
+                          stream);
+  }
+  if (err == cudaSuccess) {
+    err = cudaMemcpyAsync(ch.w_stage.get(), weights.typed_data(), sizeof(float) * ch.T * ch.k, cudaMemcpyDeviceToHost,
+                          stream);
+  }
+  if (err != cudaSuccess) return CudaError(kOp, "cudaMemcpyAsync to the staging", err);
+  err = cudaLaunchHostFunc(stream, SubmitNode, &ch);
+  if (err != cudaSuccess) return CudaError(kOp, "cudaLaunchHostFunc", err);
+  return ffi::Error::Success();
+}
+
+ffi::Error WaitExecute(cudaStream_t stream, Ticket ticket, F32Matrix after, ffi::Result<F32Matrix> y) {
+  constexpr const char* kOp = "host_experts_wait (CUDA)";
+  GetCudaCounters().wait_records.fetch_add(1, std::memory_order_relaxed);
+  std::shared_ptr<HostChannel> ch;
+  {
+    std::lock_guard<std::mutex> lock(tickets_mu);
+    auto it = Tickets().find(ticket.untyped_data());
+    if (it != Tickets().end()) ch = it->second.lock();
+  }
+  if (!ch) return ffi::Error::InvalidArgument(std::string(kOp) + ": the ticket operand comes from no live submit");
+  if (y->dimensions()[0] != ch->T || y->dimensions()[1] != ch->H) {
+    return ffi::Error::InvalidArgument(std::string(kOp) + ": y must be f32 " + Shape2(ch->T, ch->H));
+  }
+  cudaError_t err = cudaLaunchHostFunc(stream, WaitNode, ch.get());
+  if (err != cudaSuccess) return CudaError(kOp, "cudaLaunchHostFunc", err);
+  err = cudaMemcpyAsync(y->typed_data(), ch->y_stage.get(), sizeof(float) * ch->T * ch->H, cudaMemcpyHostToDevice,
+                        stream);
+  if (err != cudaSuccess) return CudaError(kOp, "cudaMemcpyAsync of y", err);
+  return ffi::Error::Success();
+}
+
+#if XLA_FFI_API_MINOR >= 2
+const auto kChannelTypeInfo = ffi::MakeTypeInfo<HostChannelState>();
+#else
+const auto kChannelTypeInfo = ffi::TypeInfo<HostChannelState>();
+#endif
+
+}  // namespace
+
+void* HostChannelTypeId() { return &HostChannelState::id; }
+void* HostChannelTypeInfo() { return const_cast<void*>(static_cast<const void*>(&kChannelTypeInfo)); }
+
+}  // namespace ft_jax
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxHostExpertsSubmitInstantiate, ft_jax::SubmitInstantiate,
+                              ffi::Ffi::BindInstantiate()
+                                  .Attr<ffi::Span<const int64_t>>("banks")
+                                  .Attr<std::string_view>("activation")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit")
+                                  .Attr<int64_t>("tokens")
+                                  .Attr<int64_t>("top_k"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxHostExpertsSubmit, ft_jax::SubmitExecute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::State<ft_jax::HostChannelState>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ft_jax::I32Matrix>()
+                                  .Arg<ft_jax::F32Matrix>()
+                                  .Ret<ft_jax::Ticket>()
+                                  .Attr<ffi::Span<const int64_t>>("banks")
+                                  .Attr<std::string_view>("activation")
+                                  .Attr<float>("alpha")
+                                  .Attr<float>("limit")
+                                  .Attr<int64_t>("tokens")
+                                  .Attr<int64_t>("top_k"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxHostExpertsWait, ft_jax::WaitExecute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ft_jax::Ticket>()
+                                  .Arg<ft_jax::F32Matrix>()
+                                  .Ret<ft_jax::F32Matrix>(),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,50 @@
+// WorkerPool: a fixed set of CPU threads for work handed over from outside XLA's own thread pools (the CUDA
+// host_experts path: a cudaLaunchHostFunc node schedules the host expert GEMV here and returns at once).
+//
+// Sized from the process's CPU affinity (sched_getaffinity: what taskset / cgroup cpusets allow), not from
+// std::thread::hardware_concurrency (every core of the machine), capped by FT_JAX_NUM_THREADS. Idle workers sleep
+// on a condition variable (no spinning), so the pool costs nothing between steps. Schedule() and num_threads() have
+// the signatures of xla::ffi::ThreadPool's, so parallel.h's ParallelFor runs on either.
+#ifndef FT_JAX_XLA_FFI_WORKER_POOL_H_
+#define FT_JAX_XLA_FFI_WORKER_POOL_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ft_jax {
+
+// CPUs this process may run on (sched_getaffinity; 1 if the call fails or on other systems).
+int64_t AffinityCpuCount();
+
+class WorkerPool {
+ public:
+  explicit WorkerPool(int64_t num_threads);  // num_threads >= 1
+  ~WorkerPool();                             // finishes the queued tasks, then joins the workers
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  // The process-wide pool: AffinityCpuCount() threads (capped by FT_JAX_NUM_THREADS), started on first use.
+  static WorkerPool& Shared();
+
+  int64_t num_threads() const { return static_cast<int64_t>(threads_.size()); }
+  // Queues f to run on a worker; never runs it on the caller (the caller may be a CUDA host-function thread).
+  void Schedule(std::function<void()> f);
+
+ private:
+  void Loop();
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace ft_jax
+
+#endif  // FT_JAX_XLA_FFI_WORKER_POOL_H_
