@@ -12,7 +12,11 @@ HostBank, bundled_model_path; __version__. They are imported on first use.
 
 Importing the package registers every XLA FFI target of the compiled extension ``ft_jax._ffi`` for the CPU
 platform: ``ft_jax_slot_fill``, ``ft_jax_host_experts``, ``ft_jax_slot_experts``, ``ft_jax_linear`` (see
-ft_jax/offload/ffi_ops.py).
+ft_jax/offload/ffi_ops.py). When the extension was built with CUDA (CMake found nvcc) and jax has a CUDA backend, it
+also registers the CUDA handlers for platform "CUDA": ``ft_jax_slot_fill`` (same name and signature) and
+``ft_jax_host_experts_submit`` / ``ft_jax_host_experts_wait`` (xla_ffi/cuda_handlers.h); ``CUDA_ENABLED`` says
+whether it did. The wrappers in ffi_ops pick the platform's form at lowering time (jax.lax.platform_dependent), so
+the decode step code is the same on both.
 """
 
 import jax
@@ -34,7 +38,7 @@ _PUBLIC = {
     "parse_policy": "ft_jax.offload.policy", "load_checkpoint": "ft_jax.checkpoint", "load_config": "ft_jax.config",
     "load_tokenizer": "ft_jax.tokenizer", "HostBank": "ft_jax.offload.host_bank",
 }
-__all__ = sorted(_PUBLIC) + ["__version__"]
+__all__ = sorted(_PUBLIC) + ["__version__", "CUDA_ENABLED"]
 
 
 def __getattr__(name: str):
@@ -53,4 +57,20 @@ for _name, _type in _ffi.types().items():
     jax.ffi.register_ffi_type(_name, _type, platform="cpu")
 for _name, _handler in _ffi.registrations().items():
     jax.ffi.register_ffi_target(_name, _handler, platform="cpu")
+
+
+def _has_cuda_backend() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:  # jax without a CUDA plugin, or no GPU / driver
+        return False
+
+
+#: True when the CUDA FFI handlers are registered: the extension was built with nvcc and jax has a CUDA backend.
+CUDA_ENABLED = _ffi.cuda_built() and _has_cuda_backend()
+if CUDA_ENABLED:  # the CUDA client exists now (jax.devices above): types first, then the targets
+    for _name, _type in _ffi.cuda_types().items():
+        jax.ffi.register_ffi_type(_name, _type, platform="CUDA")
+    for _name, _handler in _ffi.cuda_registrations().items():
+        jax.ffi.register_ffi_target(_name, _handler, platform="CUDA")
 del _name, _type, _handler

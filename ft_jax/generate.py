@@ -427,7 +427,7 @@ class Engine:
         first, kv_cache, self.expert_state = prefill_step(*prefill_args)
         first = np.asarray(first)  # i32[B]
         t_first = time.perf_counter()
-        stats_after_prefill = np.asarray(self.expert_state.cache.stats)  # one sync
+        stats_after_prefill = self.decode_backend.read_stats(self.expert_state)  # one sync
         self._check_finite(first, 0)
         out: list[list[int]] = [[int(t)] for t in first]
         done = np.array([int(t) in eos for t in first])
@@ -437,7 +437,7 @@ class Engine:
         steps, kv_cache, key = self._decode_n_tokens(decode_step, first, np.asarray(lengths, np.int32), done,
                                                      max_new_tokens - 1, kv_cache, key, ops, eos, out, on_tokens,
                                                      routing)
-        stats_end = np.asarray(self.expert_state.cache.stats)
+        stats_end = self.decode_backend.read_stats(self.expert_state)
         t_end = time.perf_counter()
         stats = self._stats(prompts, out, steps, t0, t_first, t_end, tally, kv_len, stats_end - stats_after_prefill)
         if routing is not None:

@@ -2,6 +2,8 @@
 //   pool_p[slot_ids[n]] = bank_p[flat_ids[n]] for every pool p and every n with flat_ids[n] >= 0, slot_ids[n] >= 0.
 // operands: flat_ids i32[N], slot_ids i32[N], pool_0 .. pool_{P-1} ([S, *row_shape_p], aliased to result p);
 // attribute banks: i64[P] bank ids (bound once per executable at the instantiate stage, bank_state.h).
+// Results: the P pools, then optionally an error count i32[] (the CUDA handler's signature, slot_fill_cuda.cc, so
+// one step serves both platforms): always 0 here, because out-of-range ids are an FFI error on the CPU.
 // With the pools donated XLA passes the same buffers in and out, so only the N rows move; a call whose ids are all
 // padding returns at once. CPU: one copy per row; rows of at least
 // 256 KiB use non-temporal (streaming) stores on x86-64 with AVX2, which skip the read-for-ownership of the
@@ -102,11 +104,18 @@ ffi::Error SlotFillImpl(BoundBanks* bound, I32Vector flat_ids, I32Vector slot_id
   }
   const int32_t* fid = flat_ids.typed_data();
   const int32_t* sid = slot_ids.typed_data();
+  const size_t num_pools = bound->banks.size();
+  if (outs.size() == num_pools + 1) {  // the error count
+    auto errors = outs.get<ffi::AnyBuffer>(num_pools);
+    if (!errors.has_value() || (*errors)->element_type() != ffi::DataType::S32 || (*errors)->element_count() != 1) {
+      return ffi::Error::InvalidArgument("slot_fill: the result after the pools must be the error count i32[]");
+    }
+    *static_cast<int32_t*>((*errors)->untyped_data()) = 0;
+  }
   int64_t valid = 0;
   for (int64_t i = 0; i < n; ++i) valid += fid[i] >= 0 && sid[i] >= 0;
   if (valid == 0) return ffi::Error::Success();  // nothing to copy: the pools are aliased, already in place
-  const size_t num_pools = bound->banks.size();
-  if (pools.size() != num_pools || outs.size() != num_pools) {
+  if (pools.size() != num_pools || (outs.size() != num_pools && outs.size() != num_pools + 1)) {
     return ffi::Error::InvalidArgument("slot_fill: " + std::to_string(pools.size()) + " pools for " +
                                        std::to_string(num_pools) + " banks");
   }

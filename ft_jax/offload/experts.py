@@ -11,6 +11,12 @@
   6. output = device part + host part (each route is computed exactly once: the slot and host route masks partition
      the routes)
 
+On a GPU (ft_jax.CUDA_ENABLED) steps 4 and 5 become host_experts_submit -> slot_experts (Pallas) -> host_experts_wait,
+so the CPU GEMV of the host misses runs while the GPU computes the resident ones; the wait takes the device part as an
+operand and the submit is tied before the device part with an optimization barrier, so XLA keeps that order. The
+slot fill's error count (entries skipped for an out-of-range id: GPU only, the CPU raises) is summed on the device in
+OffloadState.fill_errors and checked by read_stats.
+
 All shapes depend only on (T, k, E, S, model dims), never on the miss count or F, so the step compiles once.
 The slot arrays are carried in exactly the shape the FFI calls consume ([S, 2I, H] and [S, H, I]) so that, under a jit
 that donates them, XLA fills them in place (no reshape, no copy; docs/DESIGN.md sec. 5).
@@ -24,6 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+import ft_jax
 from ft_jax.offload import expert_cache, ffi_ops
 from ft_jax.offload.host_bank import HostBank
 from ft_jax.offload.policy import Policy
@@ -38,6 +45,7 @@ class OffloadState(NamedTuple):
         down_slots: [S, H, I] slot pool for the down projections (bank dtype).
         gate_up_bias_slots: [S, 2I] and down_bias_slots: [S, H] bias pools (bias bank dtype), or None for experts
             without biases.
+        fill_errors: i32[] slot fill entries skipped for an out-of-range id since init_state (read_stats checks it).
     """
 
     cache: expert_cache.CacheState
@@ -45,6 +53,7 @@ class OffloadState(NamedTuple):
     down_slots: jax.Array
     gate_up_bias_slots: jax.Array | None = None
     down_bias_slots: jax.Array | None = None
+    fill_errors: jax.Array | None = None
 
     @property
     def pools(self) -> tuple[jax.Array, ...]:
@@ -106,12 +115,35 @@ class OffloadedExperts:
         L, E = self.num_layers, self.num_experts
         if self.policy.kind == "resident":
             cache = expert_cache.init_cache_state_resident(L, E)
-            return OffloadState(cache, *(jnp.asarray(bank.numpy()) for bank in self.banks))
+            return self._state(cache, [jnp.asarray(bank.numpy()) for bank in self.banks], jnp.zeros((), jnp.int32))
         if num_slots < 1:
             raise ValueError(f"offload: the device budget must hold at least one expert slot, got {num_slots} slots")
         cache = expert_cache.init_cache_state(L, E, num_slots)
         # [S, 2I, H], [S, H, I] (and the bias pools [S, 2I], [S, H])
-        return OffloadState(cache, *(jnp.zeros((num_slots, *bank.row_shape), bank.dtype) for bank in self.banks))
+        pools = [jnp.zeros((num_slots, *bank.row_shape), bank.dtype) for bank in self.banks]
+        return self._state(cache, pools, jnp.zeros((), jnp.int32))
+
+    @staticmethod
+    def _state(cache, pools, fill_errors) -> OffloadState:
+        return OffloadState(cache, *pools, *([None, None] if len(pools) == 2 else []), fill_errors=fill_errors)
+
+    def read_stats(self, state: OffloadState):
+        """The per-layer statistics, read from the device (one transfer; call it once per generate, never per step).
+
+        Args:
+            state: OffloadState.
+        Returns:
+            numpy i32[L, 6] = state.cache.stats (columns expert_cache.STAT_FIELDS).
+        Raises:
+            RuntimeError: the GPU slot fill skipped entries with an out-of-range flat id or slot id (the cache plan
+                produced ids outside the banks / slots: a bug); the count says how many.
+        """
+        stats, errors = jax.device_get((state.cache.stats, state.fill_errors))
+        if int(errors):
+            raise RuntimeError(f"slot_fill: {int(errors)} slot fill entries had a flat id >= {self.gate_up_bank.num_rows}"
+                               f" or a slot id >= the slot count and were skipped (the GPU kernel counts what the CPU "
+                               f"handler raises for)")
+        return stats
 
     def __call__(self, moe_layer, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
                  state: OffloadState) -> tuple[jax.Array, OffloadState]:
@@ -133,26 +165,46 @@ class OffloadedExperts:
         cache, plan = expert_cache.plan_layer(state.cache, moe_layer, active, self.policy,
                                               max_active=topk_ids.size)
 
+        fill_errors = state.fill_errors
         if self.policy.kind in ("host-all", "resident"):
             # Never fetches: no slot_fill. A fill whose ids are constants does not depend on the previous layer's
             # slot_experts read, so XLA copied the whole pool before every fill (8 copies per step on 4 layers).
             pools = state.pools
         else:  # [S, 2I, H], [S, H, I] (+ [S, 2I], [S, H]): one call for every pool, in place
-            pools = ffi_ops.slot_fill(state.pools, plan.fill_flat_ids, plan.fill_slot_ids, self.banks)
+            pools, errors = ffi_ops.slot_fill_with_errors(state.pools, plan.fill_flat_ids, plan.fill_slot_ids,
+                                                          self.banks)
+            fill_errors = fill_errors + errors
         gate = dict(alpha=self.swiglu_alpha, limit=self.swiglu_limit)
+        host_banks = dict(gate_up_bias=self.gate_up_bias_bank, down_bias=self.down_bias_bank)
+        bias_pools = dict(gate_up_bias_slots=pools[2], down_bias_slots=pools[3]) if len(pools) == 4 else {}
 
         routed = topk_ids >= 0  # bool[N, k]; -1 = padding token, no expert
         ids = jnp.where(routed, topk_ids, 0)  # i32[N, k], safe to index with
+        route_slot = jnp.where(routed, plan.device_slot_of_expert[ids], -1)  # i32[N, k], -1 = not in a slot
+        route_host = jnp.where(routed & plan.host_mask[ids], moe_layer * E + ids, -1)  # i32[N, k] flat ids
+
+        def device_part(x):  # f32[N, H]
+            return ffi_ops.slot_experts(x, route_slot, topk_weights, pools[0], pools[1], self.activation,
+                                        **bias_pools, **gate)
+
+        def host_part(x):  # f32[N, H]
+            return ffi_ops.host_experts(x, route_host, topk_weights, self.gate_up_bank, self.down_bank,
+                                        self.activation, **host_banks, **gate)
+
+        def overlapped(x):  # GPU: submit, device part, wait (module docstring)
+            ticket = ffi_ops.host_experts_submit(x, route_host, topk_weights, self.gate_up_bank, self.down_bank,
+                                                 self.activation, **host_banks, **gate)
+            ticket, x = jax.lax.optimization_barrier((ticket, x))
+            y_device = device_part(x)
+            return y_device + ffi_ops.host_experts_wait(ticket, y_device)
+
         # Static skips: under host-all no expert is ever in a slot; under resident none is ever on the host.
-        y_device = y_host = jnp.zeros(x.shape, jnp.float32)  # f32[N, H]
-        if self.policy.kind != "host-all":
-            route_slot = jnp.where(routed, plan.device_slot_of_expert[ids], -1)  # i32[N, k], -1 = not in a slot
-            bias_pools = dict(gate_up_bias_slots=pools[2], down_bias_slots=pools[3]) if len(pools) == 4 else {}
-            y_device = ffi_ops.slot_experts(x, route_slot, topk_weights, pools[0], pools[1], self.activation,
-                                            **bias_pools, **gate)  # f32[N, H]
-        if self.policy.kind != "resident":
-            route_host = jnp.where(routed & plan.host_mask[ids], moe_layer * E + ids, -1)  # i32[N, k] flat ids
-            y_host = ffi_ops.host_experts(x, route_host, topk_weights, self.gate_up_bank, self.down_bank,
-                                          self.activation, gate_up_bias=self.gate_up_bias_bank,
-                                          down_bias=self.down_bias_bank, **gate)  # f32[N, H]
-        return y_device + y_host, OffloadState(cache, *pools)
+        if self.policy.kind == "host-all":
+            y = host_part(x)
+        elif self.policy.kind == "resident":
+            y = device_part(x)
+        elif ft_jax.CUDA_ENABLED:
+            y = jax.lax.platform_dependent(x, cpu=lambda x: device_part(x) + host_part(x), cuda=overlapped)
+        else:
+            y = device_part(x) + host_part(x)
+        return y, self._state(cache, pools, fill_errors)

@@ -1,4 +1,9 @@
-"""JAX wrappers of the ft_jax XLA FFI handlers (registered for the CPU platform by ``import ft_jax``).
+"""JAX wrappers of the ft_jax XLA FFI handlers (registered by ``import ft_jax``: CPU, and CUDA where built and present).
+
+On a GPU (ft_jax.CUDA_ENABLED) slot_fill is the same call (its CUDA handler: a kernel reading the ids on the device),
+host_experts lowers to host_experts_submit + host_experts_wait (host-function nodes around the CPU GEMV), and
+slot_experts to the Pallas kernels of ft_jax.offload.device_experts; jax.lax.platform_dependent picks the form when
+the step is lowered, so callers write one step for both.
 
 Per-step data (ids, weights, activations, slot arrays, layer indices) are operands; host banks are compile-time
 attributes (their integer ids, bound to the executable once at XLA's instantiate stage), so one compiled step
@@ -24,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import ft_jax  # noqa: F401  (registers the FFI targets)
+import ft_jax  # registers the FFI targets; CUDA_ENABLED
+from ft_jax.offload import device_experts
 from ft_jax.offload.host_bank import HostBank
 
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
@@ -64,6 +70,15 @@ def _expect_activation(op: str, activation: str) -> str:
 
 
 def slot_fill(pools, flat_ids, slot_ids, banks):
+    """slot_fill_with_errors without the error count (tools and tests that check their ids themselves).
+
+    Returns:
+      tuple of P pools with the rows replaced.
+    """
+    return slot_fill_with_errors(pools, flat_ids, slot_ids, banks)[0]
+
+
+def slot_fill_with_errors(pools, flat_ids, slot_ids, banks):
     """Copies host bank rows into slot pools, one call for every pool: pools[p][slot_ids[n]] = banks[p][flat_ids[n]]
     for every n with both ids >= 0 (e.g. pools = (gate_up_slots, down_slots), banks = (gate_up_bank, down_bank)).
 
@@ -76,13 +91,16 @@ def slot_fill(pools, flat_ids, slot_ids, banks):
       banks: sequence of P live HostBanks.
 
     Returns:
-      tuple of P pools with the rows replaced (same shapes and dtypes). A call whose ids are all padding returns at
-      once.
+      (tuple of P pools with the rows replaced (same shapes and dtypes), errors i32[]: entries skipped because an id
+      was out of range). A call whose ids are all padding returns at once. On the CPU an out-of-range id is a run-time
+      error instead (errors is then always 0); on a GPU the kernel cannot stop the step without a host sync, so it
+      skips the entry and counts it: accumulate errors on the device and check it when statistics are read
+      (OffloadedExperts.read_stats).
 
     Raises:
       TypeError / ValueError at trace time for wrong dtypes or shapes, a pool count that differs from the bank count
-      or a released bank. Out-of-range ids fail at run time (JAX runtime error naming the id and the bank); the pools
-      are left untouched then.
+      or a released bank. On the CPU out-of-range ids fail at run time (JAX runtime error naming the id and the
+      bank); the pools are left untouched then.
     """
     op = "slot_fill"
     pools, banks = tuple(pools), tuple(banks)
@@ -105,10 +123,12 @@ def slot_fill(pools, flat_ids, slot_ids, banks):
     if n != n2:
         raise ValueError(f"{op}: flat_ids has {n} entries but slot_ids has {n2}")
     call = jax.ffi.ffi_call(
-        "ft_jax_slot_fill", tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pools),
+        "ft_jax_slot_fill",
+        (*(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pools), jax.ShapeDtypeStruct((), jnp.int32)),
         input_output_aliases={2 + p: p for p in range(len(pools))},
     )
-    return tuple(call(flat_ids, slot_ids, *pools, banks=np.array([b.id for b in banks], np.int64)))
+    *filled, errors = call(flat_ids, slot_ids, *pools, banks=np.array([b.id for b in banks], np.int64))
+    return tuple(filled), errors
 
 
 def linear(x, w, layer=0):
@@ -173,6 +193,8 @@ def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activa
                  gate_up_bias: HostBank | None = None, down_bias: HostBank | None = None,
                  alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT):
     """Routed experts computed on the CPU straight from the host banks (multi-threaded GEMV, f32 accumulation).
+    On a GPU: host_experts_submit then host_experts_wait (x, ids and weights copied to pinned host memory, the GEMV
+    on ft_jax's CPU worker pool, y copied back), all stream-ordered.
 
     Args:
       x: f32 or bf16 [T, H] token activations.
@@ -193,7 +215,63 @@ def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activa
       activation, one bias bank without the other, a non-finite alpha / limit); an out-of-range id fails at run
       time with an error naming it and the bank.
     """
-    op = "host_experts"
+    T, H, _, attrs = _host_experts_attrs("host_experts", x, flat_ids, weights, gate_up, down, activation,
+                                         gate_up_bias, down_bias, alpha, limit)
+
+    def cpu(x, flat_ids, weights):
+        return jax.ffi.ffi_call("ft_jax_host_experts", jax.ShapeDtypeStruct((T, H), jnp.float32))(
+            x, flat_ids, weights, **attrs)
+
+    if not ft_jax.CUDA_ENABLED:
+        return cpu(x, flat_ids, weights)
+
+    def cuda(x, flat_ids, weights):
+        ticket = host_experts_submit(x, flat_ids, weights, gate_up, down, activation, gate_up_bias=gate_up_bias,
+                                     down_bias=down_bias, alpha=alpha, limit=limit)
+        return host_experts_wait(ticket, jnp.zeros((T, H), jnp.float32))
+
+    return jax.lax.platform_dependent(x, flat_ids, weights, cpu=cpu, cuda=cuda)
+
+
+def host_experts_submit(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activation: str = "silu", *,
+                        gate_up_bias: HostBank | None = None, down_bias: HostBank | None = None,
+                        alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT):
+    """GPU only: starts host_experts (same arguments): stream-ordered D2H copies of x, flat_ids and weights into the
+    call site's pinned staging, then a host-function node that queues the GEMV on the CPU worker pool and returns.
+    Device work issued after it overlaps the CPU work; host_experts_wait(ticket, after) collects y.
+
+    Returns:
+      ticket u8[]: pass it to host_experts_wait (its value means nothing; XLA orders the wait after the submit).
+
+    Raises:
+      as host_experts at trace time; lowering it for the CPU fails (no CPU handler: use host_experts).
+    """
+    T, _, k, attrs = _host_experts_attrs("host_experts_submit", x, flat_ids, weights, gate_up, down, activation,
+                                         gate_up_bias, down_bias, alpha, limit)
+    call = jax.ffi.ffi_call("ft_jax_host_experts_submit", jax.ShapeDtypeStruct((), jnp.uint8))
+    return call(x, flat_ids, weights, tokens=np.int64(T), top_k=np.int64(k), **attrs)
+
+
+def host_experts_wait(ticket, after):
+    """GPU only: finishes the host_experts started by host_experts_submit: a host-function node that blocks until the
+    CPU worker pool has computed it, then the H2D copy of y.
+
+    Args:
+      ticket: u8[] from host_experts_submit.
+      after: f32[T, H], any value the wait must come after (the device experts' output): XLA cannot move the wait,
+        and so the blocking host node, ahead of the device work it should overlap.
+
+    Returns:
+      f32[T, H]: the host experts' output.
+    """
+    shape, dtype = _shape_dtype(after, "host_experts_wait", "after")
+    if len(shape) != 2 or dtype != np.dtype(np.float32):
+        raise ValueError(f"host_experts_wait: after must be f32[T, H], got {dtype.name}{list(shape)}")
+    return jax.ffi.ffi_call("ft_jax_host_experts_wait", jax.ShapeDtypeStruct(shape, jnp.float32))(ticket, after)
+
+
+def _host_experts_attrs(op, x, flat_ids, weights, gate_up, down, activation, gate_up_bias, down_bias, alpha, limit):
+    """host_experts' trace-time checks; returns (T, H, k, attributes of the FFI call)."""
     gate_up = _expect_bank(op, "gate_up bank", gate_up)
     down = _expect_bank(op, "down bank", down)
     activation = _expect_activation(op, activation)
@@ -219,16 +297,15 @@ def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activa
     if gate_up_bias is not None:
         ids.append(_check_bias_bank(op, "gate_up_bias", gate_up_bias, gate_up.num_rows, 2 * inter, "[2I]").id)
         ids.append(_check_bias_bank(op, "down_bias", down_bias, gate_up.num_rows, H, "[H]").id)
-    call = jax.ffi.ffi_call("ft_jax_host_experts", jax.ShapeDtypeStruct((T, H), jnp.float32))
-    return call(x, flat_ids, weights, banks=np.array(ids, np.int64), activation=activation, alpha=alpha,
-                limit=limit)
+    return T, H, k, dict(banks=np.array(ids, np.int64), activation=activation, alpha=alpha, limit=limit)
 
 
 def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: str = "silu", *,
                  gate_up_bias_slots=None, down_bias_slots=None, alpha: float = SWIGLU_ALPHA,
                  limit: float = SWIGLU_LIMIT):
-    """Routed experts computed from the slot pool arrays (on the CPU backend: the host_experts kernel pointed at
-    the slot buffers, reading each routed expert's weights once, no gather copy).
+    """Routed experts computed from the slot pool arrays, reading each routed expert's weights once (no gather copy):
+    on the CPU backend the host_experts kernel pointed at the slot buffers; on a GPU the Pallas kernels of
+    ft_jax.offload.device_experts.
 
     Args:
       x: f32 or bf16 [T, H].
@@ -268,9 +345,20 @@ def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: st
             raise ValueError(f"{op}: bias pools must be [S, 2I] = {(S, 2 * inter)} and [S, H] = {(S, H)}, got {gb} "
                              f"and {db}")
         biases = (gate_up_bias_slots, down_bias_slots)
-    call = jax.ffi.ffi_call("ft_jax_slot_experts", jax.ShapeDtypeStruct((T, H), jnp.float32))
-    return call(x, slot_ids, weights, gate_up_slots, down_slots, *biases, activation=activation, alpha=alpha,
-                limit=limit)
+    def cpu(x, slot_ids, weights, gate_up_slots, down_slots, *biases):
+        return jax.ffi.ffi_call("ft_jax_slot_experts", jax.ShapeDtypeStruct((T, H), jnp.float32))(
+            x, slot_ids, weights, gate_up_slots, down_slots, *biases, activation=activation, alpha=alpha, limit=limit)
+
+    operands = (x, slot_ids, weights, gate_up_slots, down_slots, *biases)
+    if not ft_jax.CUDA_ENABLED:
+        return cpu(*operands)
+
+    def cuda(x, slot_ids, weights, gate_up_slots, down_slots, *biases):
+        bias_pools = dict(zip(("gate_up_bias_slots", "down_bias_slots"), biases))
+        return device_experts.slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation, alpha=alpha,
+                                           limit=limit, **bias_pools)
+
+    return jax.lax.platform_dependent(*operands, cpu=cpu, cuda=cuda)
 
 
 def bank_desc_shape(bank: HostBank) -> str:
