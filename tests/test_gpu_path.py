@@ -1,0 +1,160 @@
+"""The GPU path's pieces that run without a GPU: the Pallas device experts (Pallas' interpreter against a float64
+numpy reference; their CUDA lowering: the slot pools go into the two Triton kernels and nowhere else, so no gathered
+copy of the routed experts), the slot fill's error count on the CPU, OffloadedExperts.read_stats, and whether the
+build has the CUDA handlers. tests/test_gpu.py runs the rest on a GPU."""
+
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ft_jax
+from ft_jax import _ffi
+from ft_jax.offload import device_experts, ffi_ops
+from ft_jax.offload.experts import OffloadedExperts
+from ft_jax.offload.host_bank import HostBank
+from ft_jax.offload.policy import Policy
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _glu(g, u, activation, alpha=1.702, limit=7.0):
+    if activation == "silu":
+        return g / (1 + np.exp(-g)) * u
+    if activation == "gelu_tanh":
+        return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) * u
+    g = np.minimum(g, limit)
+    u = np.clip(u, -limit, limit)
+    return (u + 1) * g / (1 + np.exp(-alpha * g))
+
+
+def _reference(x, ids, w, gu, dn, activation, gb=None, db=None):
+    """float64: y[t] = sum_j w[t, j] * (dn_e @ glu(gu_e[:I] x + bg, gu_e[I:] x + bu) + bd), e = ids[t, j] >= 0."""
+    x, gu, dn = (np.asarray(a, np.float64) for a in (x, gu, dn))
+    inter = gu.shape[1] // 2
+    y = np.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if e < 0:
+                continue
+            h = gu[e] @ x[t] + (0 if gb is None else np.asarray(gb[e], np.float64))
+            d = dn[e] @ _glu(h[:inter], h[inter:], activation) + (0 if db is None else np.asarray(db[e], np.float64))
+            y[t] += w[t, j] * d
+    return y
+
+
+def _case(rng, T, k, S, H, inter, dtype, x_dtype, bias):
+    x = rng.standard_normal((T, H)).astype(np.float32).astype(x_dtype)
+    gu = (rng.standard_normal((S, 2 * inter, H)) * 0.1).astype(np.float32).astype(dtype)
+    dn = (rng.standard_normal((S, H, inter)) * 0.1).astype(np.float32).astype(dtype)
+    ids = np.stack([rng.permutation(S)[:k] for _ in range(T)]).astype(np.int32)  # distinct slots per token
+    ids[0, -1] = -1  # a skipped route
+    w = rng.random((T, k)).astype(np.float32)
+    biases = {}
+    if bias:
+        biases = dict(gate_up_bias_slots=(rng.standard_normal((S, 2 * inter)) * 0.1).astype(dtype),
+                      down_bias_slots=(rng.standard_normal((S, H)) * 0.1).astype(dtype))
+    return x, ids, w, gu, dn, biases
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "swiglu_oai"])
+@pytest.mark.parametrize("dtype,x_dtype,bias,T", [(np.float32, np.float32, False, 1), (np.float32, np.float32, True, 5),
+                                                   (BF16, BF16, True, 3), (BF16, np.float32, False, 2)])
+def test_pallas_slot_experts_match_float64(activation, dtype, x_dtype, bias, T):
+    rng = np.random.default_rng(T)
+    x, ids, w, gu, dn, biases = _case(rng, T, 2, 4, 64, 48, dtype, x_dtype, bias)  # tokens share the 4 slots
+    got = device_experts.slot_experts(x, ids, w, gu, dn, activation, interpret=True, **biases)
+    want = _reference(x, ids, w, gu, dn, activation, biases.get("gate_up_bias_slots"),
+                      biases.get("down_bias_slots"))
+    assert got.shape == (T, 64) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    assert np.all(np.asarray(got)[[t for t in range(T) if (ids[t] < 0).all()]] == 0)
+
+
+def test_pallas_slot_experts_no_route_is_zero():
+    rng = np.random.default_rng(1)
+    x, ids, w, gu, dn, _ = _case(rng, 2, 2, 3, 32, 16, np.float32, np.float32, False)
+    y = device_experts.slot_experts(x, np.full_like(ids, -1), w, gu, dn, interpret=True)
+    assert np.all(np.asarray(y) == 0)
+
+
+def test_pallas_slot_experts_rejects_dims_not_multiple_of_16():
+    x = np.zeros((1, 24), np.float32)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        device_experts.slot_experts(x, np.zeros((1, 2), np.int32), np.ones((1, 2), np.float32),
+                                    np.zeros((2, 64, 24), np.float32), np.zeros((2, 24, 32), np.float32))
+
+
+def test_pallas_cuda_lowering_reads_the_pools_in_place():
+    """Lowered for CUDA (no GPU needed): each slot pool is an operand of exactly one op, its Triton kernel; nothing
+    gathers, slices or copies it (the only gathers act on the i32[T*k] route vectors)."""
+    T, k, S, H, inter = 2, 2, 6, 256, 512
+    args = (jax.ShapeDtypeStruct((T, H), jnp.bfloat16), jax.ShapeDtypeStruct((T, k), jnp.int32),
+            jax.ShapeDtypeStruct((T, k), jnp.float32), jax.ShapeDtypeStruct((S, 2 * inter, H), jnp.bfloat16),
+            jax.ShapeDtypeStruct((S, H, inter), jnp.bfloat16))
+    text = jax.jit(device_experts.slot_experts).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    body = [line for line in text.splitlines() if "=" in line]
+    for arg, name in (("%arg3", "ft_jax_slot_experts_gate_up"), ("%arg4", "ft_jax_slot_experts_down")):
+        users = [line for line in body if re.search(arg + r"\b", line.split("=", 1)[1])]
+        assert len(users) == 1, users
+        assert "__gpu$xla.gpu.triton" in users[0] and f'name = "{name}"' in users[0]
+    for line in body:
+        if "gather" in line or "dynamic_slice" in line:
+            assert f"x{H}" not in line.split("->")[-1], line  # only small index vectors
+
+
+# ------------------------------------------------------------------------------------------ error count, read_stats
+def test_cpu_slot_fill_error_count_is_zero_and_bad_ids_still_raise():
+    rows = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)
+    bank = HostBank.from_numpy(rows)
+    fill = jax.jit(lambda s, f, i: ffi_ops.slot_fill_with_errors((s,), f, i, (bank,)), donate_argnums=0)
+    (slots,), errors = fill(jnp.zeros((3, 8), jnp.float32), jnp.array([2, -1], jnp.int32),
+                            jnp.array([1, 0], jnp.int32))
+    assert int(errors) == 0 and errors.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(slots), np.stack([np.zeros(8), rows[2], np.zeros(8)]))
+    with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="out of range"):
+        jax.block_until_ready(fill(jnp.zeros((3, 8), jnp.float32), jnp.array([4], jnp.int32),
+                                   jnp.array([0], jnp.int32)))
+
+
+def _backend(policy="fetch-all"):
+    gu = HostBank.from_numpy(np.zeros((2 * 4, 32, 16), np.float32))
+    dn = HostBank.from_numpy(np.zeros((2 * 4, 16, 16), np.float32))
+    return OffloadedExperts(gu, dn, num_experts=4, policy=Policy(policy))
+
+
+def test_read_stats_returns_the_stats_and_raises_on_fill_errors():
+    backend = _backend()
+    state = backend.init_state(3)
+    assert int(state.fill_errors) == 0
+    x = jnp.ones((1, 16), jnp.float32)
+    step = jax.jit(lambda s: backend(0, x, jnp.array([[1, 2]], jnp.int32), jnp.full((1, 2), 0.5), s)[1])
+    state = step(state)
+    stats = backend.read_stats(state)
+    np.testing.assert_array_equal(stats, np.asarray(state.cache.stats))
+    assert stats[0].tolist()[:4] == [2, 0, 2, 2]  # active, hits, misses, fetched (fetch-all, cold cache)
+    assert int(state.fill_errors) == 0
+    with pytest.raises(RuntimeError, match="3 slot fill entries"):
+        backend.read_stats(state._replace(fill_errors=jnp.int32(3)))
+
+
+# ------------------------------------------------------------------------------------------------------------ build
+def test_cuda_handlers_built_when_nvcc_was_found():
+    """The extension has the CUDA handlers iff the build found nvcc (CMake's AUTO); without a GPU none is registered."""
+    assert _ffi.cuda_built() == (shutil.which("nvcc") is not None)
+    try:
+        has_gpu = bool(jax.devices("cuda"))
+    except RuntimeError:
+        has_gpu = False
+    assert ft_jax.CUDA_ENABLED == (_ffi.cuda_built() and has_gpu)
+    if _ffi.cuda_built():
+        assert set(_ffi.cuda_registrations()) == {"ft_jax_slot_fill", "ft_jax_host_experts_submit",
+                                                  "ft_jax_host_experts_wait"}
+        assert set(_ffi.cuda_types()) == {"ft_jax_cuda_slot_fill_state", "ft_jax_cuda_host_channel"}
+        if not ft_jax.CUDA_ENABLED:
+            assert all(v == 0 for v in _ffi.cuda_counters().values())
