@@ -113,13 +113,14 @@ def test_cpu_slot_fill_error_count_is_zero_and_bad_ids_still_raise():
     rows = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)
     bank = HostBank.from_numpy(rows)
     fill = jax.jit(lambda s, f, i: ffi_ops.slot_fill_with_errors((s,), f, i, (bank,)), donate_argnums=0)
-    (slots,), errors = fill(jnp.zeros((3, 8), jnp.float32), jnp.array([2, -1], jnp.int32),
-                            jnp.array([1, 0], jnp.int32))
-    assert int(errors) == 0 and errors.dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(slots), np.stack([np.zeros(8), rows[2], np.zeros(8)]))
-    with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="out of range"):
-        jax.block_until_ready(fill(jnp.zeros((3, 8), jnp.float32), jnp.array([4], jnp.int32),
-                                   jnp.array([0], jnp.int32)))
+    with jax.default_device(jax.devices("cpu")[0]):  # the CPU handler, also on a machine with a GPU
+        (slots,), errors = fill(jnp.zeros((3, 8), jnp.float32), jnp.array([2, -1], jnp.int32),
+                                jnp.array([1, 0], jnp.int32))
+        assert int(errors) == 0 and errors.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(slots), np.stack([np.zeros(8), rows[2], np.zeros(8)]))
+        with pytest.raises((jax.errors.JaxRuntimeError, ValueError), match="out of range"):
+            jax.block_until_ready(fill(jnp.zeros((3, 8), jnp.float32), jnp.array([4], jnp.int32),
+                                       jnp.array([0], jnp.int32)))
 
 
 def _backend(policy="fetch-all"):
@@ -158,3 +159,33 @@ def test_cuda_handlers_built_when_nvcc_was_found():
         assert set(_ffi.cuda_types()) == {"ft_jax_cuda_slot_fill_state", "ft_jax_cuda_host_channel"}
         if not ft_jax.CUDA_ENABLED:
             assert all(v == 0 for v in _ffi.cuda_counters().values())
+
+
+# ------------------------------------------------------------------------------------- the decode step lowered for CUDA
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss", "deepseek_v3"])
+def test_decode_step_lowered_for_cuda_uses_only_the_cuda_forms(family, monkeypatch):
+    """With the CUDA forms switched on (as import ft_jax does on a GPU), the same decode step lowers for CUDA here:
+    slot_fill, host_experts_submit / _wait (with the optimization barrier tying the submit before the device part) and
+    the Pallas kernels; none of the CPU-only targets (ft_jax_host_experts, ft_jax_slot_experts, ft_jax_linear)."""
+    import os
+
+    from ft_jax.checkpoint import load_checkpoint
+    from ft_jax.generate import Engine, Sampling
+
+    monkeypatch.setattr(ft_jax, "CUDA_ENABLED", True)
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny", family)
+    ckpt = load_checkpoint(path, dtype=jnp.float32)
+    expected = {
+        "qstar": {"ft_jax_slot_fill", "ft_jax_host_experts_submit", "ft_jax_host_experts_wait", "__gpu$xla.gpu.triton"},
+        "host-all": {"ft_jax_host_experts_submit", "ft_jax_host_experts_wait"},
+        "resident": {"__gpu$xla.gpu.triton"},
+    }
+    for kind, targets in expected.items():
+        engine = Engine(ckpt, policy=Policy(kind, frac=0.5) if kind == "qstar" else Policy(kind), num_slots=8)
+        kv = jax.eval_shape(lambda: engine.init_kv_cache(1, 64))
+        ids = jax.ShapeDtypeStruct((1,), jnp.int32)
+        traced = engine._decode.trace(engine.graphdef, engine.decode_backend, engine.params, ids, ids, kv,
+                                      engine.expert_state, jax.random.key(0), *Sampling().operands(), greedy=True)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert set(re.findall(r"custom_call @([\w$.]+)", text)) == targets, kind
+        assert ("optimization_barrier" in text) == (kind == "qstar"), kind

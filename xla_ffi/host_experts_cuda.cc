@@ -15,6 +15,7 @@
 
 #include <condition_variable>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -205,7 +206,11 @@ ffi::Error SubmitExecute(cudaStream_t stream, HostChannelState* state, ffi::AnyB
   ch.x_dtype = xt;
   {
     std::lock_guard<std::mutex> lock(tickets_mu);
-    Tickets()[ticket->untyped_data()] = state->channel;
+    auto& tickets = Tickets();
+    if (tickets.size() >= 4096) {  // drop the entries of executables that are gone
+      for (auto it = tickets.begin(); it != tickets.end();) it = it->second.expired() ? tickets.erase(it) : std::next(it);
+    }
+    tickets[ticket->untyped_data()] = state->channel;
   }
   cudaError_t err = cudaMemcpyAsync(ch.x_stage.get(), x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToHost, stream);
   if (err == cudaSuccess) {
