@@ -144,48 +144,37 @@ void RunTyped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, co
   }
   for (int64_t n = 0; n < routes; ++n) std::copy(x + g.token[n] * H, x + (g.token[n] + 1) * H, xg + n * H);
 
-  // Phase 1: tasks = (expert group, block of gate_up rows); each row is read once for all the group's routes.
-  const int64_t rpt1 = RowsPerTask(H * egu, 2 * I, 1, threads);
-  const int64_t blocks1 = (2 * I + rpt1 - 1) / rpt1;
+  // Phase 1: tasks = (expert group, block [i0, i1) of the I gate/up row pairs): the block's gate rows, then its up
+  // rows (two sequential streams, each row read once for all the group's routes), then a = glu(gate + b_gate,
+  // up + b_up) for the block: the activation runs on every thread, inside the tasks. A bf16 model rounds a to bf16
+  // (as transformers' bf16 expert computes it), kept as bits too for the bf16 x bf16 dots.
+  const int64_t rpt1 = RowsPerTask(2 * H * egu, I, 1, threads);
+  const int64_t blocks1 = (I + rpt1 - 1) / rpt1;
   run(G * blocks1, [&](int64_t task) {
     const int64_t grp = task / blocks1, blk = task % blocks1;
     const int64_t b = g.begin[grp], e = g.begin[grp + 1];
-    const WG* gu = reinterpret_cast<const WG*>(m.gate_up + static_cast<size_t>(g.expert[grp]) * m.gate_up_stride);
-    DotRows<WG>(isa, gu, H, blk * rpt1, std::min(2 * I, (blk + 1) * rpt1), xg + b * H,
-                xgb == nullptr ? nullptr : xgb + b * H, e - b, hb + b * 2 * I, 2 * I);
-  });
-  // a = glu(gate + b_gate, up + b_up), per route (on the pool only for prefill-sized calls: a handoff costs more
-  // than small ones). route_bias[n]: the gate_up bias [2I] of route n's expert, or nullptr.
-  thread_local std::vector<const uint8_t*> route_bias;
-  route_bias.assign(routes, nullptr);
-  if (m.gate_up_bias != nullptr) {
-    for (int64_t grp = 0; grp < G; ++grp)
-      for (int64_t n = g.begin[grp]; n < g.begin[grp + 1]; ++n)
-        route_bias[n] = m.gate_up_bias + static_cast<size_t>(g.expert[grp]) * m.gate_up_bias_stride;
-  }
-  auto activate = [&](int64_t n) {
-    const float* h = hb + n * 2 * I;
-    const uint8_t* bias = route_bias[n];
-    float* an = a + n * I;
-    if (bias == nullptr) {
-      for (int64_t i = 0; i < I; ++i) an[i] = Glu(act, h[i], h[I + i]);
-    } else {
-      for (int64_t i = 0; i < I; ++i)
-        an[i] = Glu(act, h[i] + BiasAt(bias, m.gate_up_bias_dtype, i), h[I + i] + BiasAt(bias, m.gate_up_bias_dtype, I + i));
-    }
-    if (bf16_model) {
-      for (int64_t i = 0; i < I; ++i) {
-        const uint16_t bits = ToBf16(an[i]);
-        an[i] = ToF32(bits);
-        if (ab != nullptr) ab[n * I + i] = bits;
+    const int64_t i0 = blk * rpt1, i1 = std::min(I, (blk + 1) * rpt1);
+    const size_t expert = static_cast<size_t>(g.expert[grp]);
+    const WG* gu = reinterpret_cast<const WG*>(m.gate_up + expert * m.gate_up_stride);
+    const uint16_t* xb = xgb == nullptr ? nullptr : xgb + b * H;
+    DotRows<WG>(isa, gu, H, i0, i1, xg + b * H, xb, e - b, hb + b * 2 * I, 2 * I);          // gate rows
+    DotRows<WG>(isa, gu, H, I + i0, I + i1, xg + b * H, xb, e - b, hb + b * 2 * I, 2 * I);  // up rows
+    const uint8_t* bias = m.gate_up_bias == nullptr ? nullptr : m.gate_up_bias + expert * m.gate_up_bias_stride;
+    for (int64_t n = b; n < e; ++n) {
+      const float* h = hb + n * 2 * I;
+      float* an = a + n * I;
+      for (int64_t i = i0; i < i1; ++i) {
+        an[i] = bias == nullptr ? Glu(act, h[i], h[I + i])
+                                : Glu(act, h[i] + BiasAt(bias, m.gate_up_bias_dtype, i),
+                                      h[I + i] + BiasAt(bias, m.gate_up_bias_dtype, I + i));
+        if (bf16_model) {
+          const uint16_t bits = ToBf16(an[i]);
+          an[i] = ToF32(bits);
+          if (ab != nullptr) ab[n * I + i] = bits;
+        }
       }
     }
-  };
-  if (threads > 1 && routes * I >= (int64_t{1} << 18)) {
-    ParallelFor(pool, routes, activate);
-  } else {
-    for (int64_t n = 0; n < routes; ++n) activate(n);
-  }
+  });
 
   // Phase 2: tasks = blocks of output rows h; inside a task every expert group in ascending order, routes in order,
   // so each y element is summed in one fixed order.
