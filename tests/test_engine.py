@@ -213,3 +213,16 @@ def test_gpt_oss_decode_step_bias_pools_in_place_and_reference_routing(policy):
     result = engine.generate([info["prompt_ids"]], max_new_tokens=16, record_routing=True)
     assert result.tokens[0] == info["greedy_continuation"] and result.stats["decode_compiles"] == 1
     np.testing.assert_array_equal(result.routing[0][:, :, 0], ref_ids)
+
+
+@pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"])
+def test_bf16_models_decode_alike_under_every_policy_and_cache_size(tmp_path, architecture):
+    """bf16 weights take the bf16 kernel paths (bf16 dots, activations rounded to bf16 before the down projection):
+    a slot-computed and a host-computed route must still give the same tokens. Random checkpoints from
+    ft_jax.testing, one per path family (plain SwiGLU, MLA with shared experts, biased clamped SwiGLU)."""
+    from ft_jax import testing
+
+    path = testing.write_random_checkpoint(tmp_path, testing.tiny_config(architecture), seed=2, std=0.2,
+                                           dtype="bfloat16")
+    tokens = testing.assert_policies_agree(path, [3, 1, 4, 1, 5, 9], max_new_tokens=6)
+    assert len(tokens) == 6

@@ -33,7 +33,9 @@ def _glu(g, u, activation, alpha=1.702, limit=7.0):
 
 
 def _reference(x, ids, w, gu, dn, activation, gb=None, db=None):
-    """float64: y[t] = sum_j w[t, j] * (dn_e @ glu(gu_e[:I] x + bg, gu_e[I:] x + bu) + bd), e = ids[t, j] >= 0."""
+    """float64: y[t] = sum_j w[t, j] * (dn_e @ a + bd), a = glu(gu_e[:I] x + bg, gu_e[I:] x + bu), e = ids[t, j] >= 0;
+    a rounded to bf16 when x is bf16 (a bf16 model, as the CPU kernel and transformers)."""
+    round_a = np.dtype(x.dtype) == BF16
     x, gu, dn = (np.asarray(a, np.float64) for a in (x, gu, dn))
     inter = gu.shape[1] // 2
     y = np.zeros(x.shape)
@@ -43,7 +45,9 @@ def _reference(x, ids, w, gu, dn, activation, gb=None, db=None):
             if e < 0:
                 continue
             h = gu[e] @ x[t] + (0 if gb is None else np.asarray(gb[e], np.float64))
-            d = dn[e] @ _glu(h[:inter], h[inter:], activation) + (0 if db is None else np.asarray(db[e], np.float64))
+            a = _glu(h[:inter], h[inter:], activation)
+            a = a.astype(np.float32).astype(BF16).astype(np.float64) if round_a else a
+            d = dn[e] @ a + (0 if db is None else np.asarray(db[e], np.float64))
             y[t] += w[t, j] * d
     return y
 

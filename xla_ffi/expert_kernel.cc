@@ -16,15 +16,22 @@
 
 namespace ft_jax {
 
-bool UseAvx2() {
+Isa KernelIsaLevel() {
+  static const Isa isa = [] {
 #if FT_JAX_HAVE_AVX2_PATH
-  // FT_JAX_KERNEL=generic (read once) forces the portable loops, e.g. to rule out the vector path when debugging.
-  static const bool use = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          !(std::getenv("FT_JAX_KERNEL") && std::string_view(std::getenv("FT_JAX_KERNEL")) == "generic");
-  return use;
+    // FT_JAX_KERNEL (read once): "generic" forces the portable loops, "avx2" stops there (e.g. to compare paths).
+    const char* env = std::getenv("FT_JAX_KERNEL");
+    const std::string_view cap = env ? env : "";
+    if (cap == "generic" || !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return Isa::kGeneric;
+    if (cap == "avx2" || !(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512bf16")))
+      return Isa::kAvx2;
+    return Isa::kAvx512Bf16;
 #else
-  return false;
+    return Isa::kGeneric;
 #endif
+  }();
+  return isa;
 }
 
 namespace {
@@ -93,9 +100,9 @@ int64_t RowsPerTask(size_t row_bytes, int64_t rows, int64_t multiple, int64_t th
 }
 
 template <typename WG, typename WD, typename Pool>
-void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T, const ExpertActivation& act,
-              float* y, Pool& pool) {
-  const bool avx2 = UseAvx2();
+void RunTyped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, const Groups& g, int64_t T,
+              const ExpertActivation& act, float* y, Pool& pool) {
+  const Isa isa = KernelIsaLevel();
   const int64_t H = m.hidden, I = m.inter;
   const int64_t G = static_cast<int64_t>(g.expert.size());
   const int64_t routes = g.begin.back();
@@ -110,51 +117,65 @@ void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T
     }
   };
 
+  // A bf16 model (x arrives in bf16): the activations a = glu(...) are rounded to bf16 before the down projection,
+  // as transformers' bf16 expert computes them, and bf16 weights then take the bf16 x bf16 dot where the CPU has it.
+  const bool bf16_model = x_bf16 != nullptr;
+  const bool bf16_dots = isa == Isa::kAvx512Bf16 && bf16_model;
+
   // Per-call buffers of the calling thread (tasks write disjoint parts): the routes' inputs side by side
-  // xg [routes, H], gate/up outputs hb [routes, 2I], activations a [routes, I], down outputs d [routes, H].
+  // xg [routes, H], gate/up outputs hb [routes, 2I], activations a [routes, I], down outputs d [routes, H]; with
+  // bf16 dots also xgb [routes, H] and ab [routes, I] as bf16 bits.
   thread_local std::vector<float> buf;
+  thread_local std::vector<uint16_t> buf16;
   const size_t need = static_cast<size_t>(routes) * static_cast<size_t>(2 * H + 3 * I);
   if (buf.size() < need) buf.resize(need);
   float* xg = buf.data();
   float* hb = xg + routes * H;
   float* a = hb + routes * 2 * I;
   float* d = a + routes * I;
+  uint16_t* xgb = nullptr;
+  uint16_t* ab = nullptr;
+  if (bf16_dots) {
+    const size_t need16 = static_cast<size_t>(routes) * static_cast<size_t>(H + I);
+    if (buf16.size() < need16) buf16.resize(need16);
+    xgb = buf16.data();
+    ab = xgb + routes * H;
+    for (int64_t n = 0; n < routes; ++n)
+      std::copy(x_bf16 + g.token[n] * H, x_bf16 + (g.token[n] + 1) * H, xgb + n * H);
+  }
   for (int64_t n = 0; n < routes; ++n) std::copy(x + g.token[n] * H, x + (g.token[n] + 1) * H, xg + n * H);
 
-  // Phase 1: tasks = (expert group, block of gate_up rows); each row is read once for all the group's routes.
-  const int64_t rpt1 = RowsPerTask(H * egu, 2 * I, 1, threads);
-  const int64_t blocks1 = (2 * I + rpt1 - 1) / rpt1;
+  // Phase 1: tasks = (expert group, block [i0, i1) of the I gate/up row pairs): the block's gate rows, then its up
+  // rows (two sequential streams, each row read once for all the group's routes), then a = glu(gate + b_gate,
+  // up + b_up) for the block: the activation runs on every thread, inside the tasks. A bf16 model rounds a to bf16
+  // (as transformers' bf16 expert computes it), kept as bits too for the bf16 x bf16 dots.
+  const int64_t rpt1 = RowsPerTask(2 * H * egu, I, 1, threads);
+  const int64_t blocks1 = (I + rpt1 - 1) / rpt1;
   run(G * blocks1, [&](int64_t task) {
     const int64_t grp = task / blocks1, blk = task % blocks1;
     const int64_t b = g.begin[grp], e = g.begin[grp + 1];
-    const WG* gu = reinterpret_cast<const WG*>(m.gate_up + static_cast<size_t>(g.expert[grp]) * m.gate_up_stride);
-    DotRows<WG>(avx2, gu, H, blk * rpt1, std::min(2 * I, (blk + 1) * rpt1), xg + b * H, e - b, hb + b * 2 * I, 2 * I);
-  });
-  // a = glu(gate + b_gate, up + b_up), per route (on the pool only for prefill-sized calls: a handoff costs more
-  // than small ones). route_bias[n]: the gate_up bias [2I] of route n's expert, or nullptr.
-  thread_local std::vector<const uint8_t*> route_bias;
-  route_bias.assign(routes, nullptr);
-  if (m.gate_up_bias != nullptr) {
-    for (int64_t grp = 0; grp < G; ++grp)
-      for (int64_t n = g.begin[grp]; n < g.begin[grp + 1]; ++n)
-        route_bias[n] = m.gate_up_bias + static_cast<size_t>(g.expert[grp]) * m.gate_up_bias_stride;
-  }
-  auto activate = [&](int64_t n) {
-    const float* h = hb + n * 2 * I;
-    const uint8_t* bias = route_bias[n];
-    if (bias == nullptr) {  // bias-free results unchanged bit for bit
-      for (int64_t i = 0; i < I; ++i) a[n * I + i] = Glu(act, h[i], h[I + i]);
-    } else {
-      for (int64_t i = 0; i < I; ++i)
-        a[n * I + i] = Glu(act, h[i] + BiasAt(bias, m.gate_up_bias_dtype, i),
-                           h[I + i] + BiasAt(bias, m.gate_up_bias_dtype, I + i));
+    const int64_t i0 = blk * rpt1, i1 = std::min(I, (blk + 1) * rpt1);
+    const size_t expert = static_cast<size_t>(g.expert[grp]);
+    const WG* gu = reinterpret_cast<const WG*>(m.gate_up + expert * m.gate_up_stride);
+    const uint16_t* xb = xgb == nullptr ? nullptr : xgb + b * H;
+    DotRows<WG>(isa, gu, H, i0, i1, xg + b * H, xb, e - b, hb + b * 2 * I, 2 * I);          // gate rows
+    DotRows<WG>(isa, gu, H, I + i0, I + i1, xg + b * H, xb, e - b, hb + b * 2 * I, 2 * I);  // up rows
+    const uint8_t* bias = m.gate_up_bias == nullptr ? nullptr : m.gate_up_bias + expert * m.gate_up_bias_stride;
+    for (int64_t n = b; n < e; ++n) {
+      const float* h = hb + n * 2 * I;
+      float* an = a + n * I;
+      for (int64_t i = i0; i < i1; ++i) {
+        an[i] = bias == nullptr ? Glu(act, h[i], h[I + i])
+                                : Glu(act, h[i] + BiasAt(bias, m.gate_up_bias_dtype, i),
+                                      h[I + i] + BiasAt(bias, m.gate_up_bias_dtype, I + i));
+        if (bf16_model) {
+          const uint16_t bits = ToBf16(an[i]);
+          an[i] = ToF32(bits);
+          if (ab != nullptr) ab[n * I + i] = bits;
+        }
+      }
     }
-  };
-  if (threads > 1 && routes * I >= (int64_t{1} << 18)) {
-    ParallelFor(pool, routes, activate);
-  } else {
-    for (int64_t n = 0; n < routes; ++n) activate(n);
-  }
+  });
 
   // Phase 2: tasks = blocks of output rows h; inside a task every expert group in ascending order, routes in order,
   // so each y element is summed in one fixed order.
@@ -166,7 +187,7 @@ void RunTyped(const ExpertWeights& m, const float* x, const Groups& g, int64_t T
     for (int64_t grp = 0; grp < G; ++grp) {
       const int64_t b = g.begin[grp], e = g.begin[grp + 1];
       const WD* dn = reinterpret_cast<const WD*>(m.down + static_cast<size_t>(g.expert[grp]) * m.down_stride);
-      DotRows<WD>(avx2, dn, I, h0, h1, a + b * I, e - b, d + b * H, H);
+      DotRows<WD>(isa, dn, I, h0, h1, a + b * I, ab == nullptr ? nullptr : ab + b * I, e - b, d + b * H, H);
       const uint8_t* bias = m.down_bias == nullptr ? nullptr
                                                    : m.down_bias + static_cast<size_t>(g.expert[grp]) * m.down_bias_stride;
       for (int64_t n = b; n < e; ++n) {
@@ -213,8 +234,8 @@ std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, c
 namespace {
 
 template <typename Pool>
-void RunExpertsOn(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
-                  int64_t k, const ExpertActivation& act, float* y, Pool& pool) {
+void RunExpertsOn(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, const int32_t* ids,
+                  const float* weights, int64_t T, int64_t k, const ExpertActivation& act, float* y, Pool& pool) {
   thread_local Groups groups;
   GroupRoutes(ids, weights, T, k, &groups);
   if (groups.expert.empty()) {
@@ -224,29 +245,40 @@ void RunExpertsOn(const ExpertWeights& m, const float* x, const int32_t* ids, co
   const bool gu_bf16 = m.gate_up_dtype == static_cast<int32_t>(BankDType::kBF16);
   const bool dn_bf16 = m.down_dtype == static_cast<int32_t>(BankDType::kBF16);
   if (gu_bf16 && dn_bf16) {
-    RunTyped<uint16_t, uint16_t>(m, x, groups, T, act, y, pool);
+    RunTyped<uint16_t, uint16_t>(m, x, x_bf16, groups, T, act, y, pool);
   } else if (gu_bf16) {
-    RunTyped<uint16_t, float>(m, x, groups, T, act, y, pool);
+    RunTyped<uint16_t, float>(m, x, x_bf16, groups, T, act, y, pool);
   } else if (dn_bf16) {
-    RunTyped<float, uint16_t>(m, x, groups, T, act, y, pool);
+    RunTyped<float, uint16_t>(m, x, x_bf16, groups, T, act, y, pool);
   } else {
-    RunTyped<float, float>(m, x, groups, T, act, y, pool);
+    RunTyped<float, float>(m, x, x_bf16, groups, T, act, y, pool);
   }
 }
 
 }  // namespace
 
-void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
-                int64_t k, const ExpertActivation& act, float* y, xla::ffi::ThreadPool& pool) {
-  RunExpertsOn(m, x, ids, weights, T, k, act, y, pool);
+void RunExperts(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, const int32_t* ids,
+                const float* weights, int64_t T, int64_t k, const ExpertActivation& act, float* y,
+                xla::ffi::ThreadPool& pool) {
+  RunExpertsOn(m, x, x_bf16, ids, weights, T, k, act, y, pool);
 }
 
-void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
-                int64_t k, const ExpertActivation& act, float* y, WorkerPool& pool) {
-  RunExpertsOn(m, x, ids, weights, T, k, act, y, pool);
+void RunExperts(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, const int32_t* ids,
+                const float* weights, int64_t T, int64_t k, const ExpertActivation& act, float* y,
+                WorkerPool& pool) {
+  RunExpertsOn(m, x, x_bf16, ids, weights, T, k, act, y, pool);
 }
 
-const char* KernelIsa() { return UseAvx2() ? "avx2" : "generic"; }
+const char* KernelIsa() {
+  switch (KernelIsaLevel()) {
+    case Isa::kAvx512Bf16:
+      return "avx512bf16";
+    case Isa::kAvx2:
+      return "avx2";
+    default:
+      return "generic";
+  }
+}
 
 
 }  // namespace ft_jax

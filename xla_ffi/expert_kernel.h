@@ -67,17 +67,21 @@ struct ExpertWeights {
 // id and its position; `what` names the id space in the message (e.g. "bank 3" or "slot pool").
 std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, const std::string& what);
 
-// x: f32 [T, H]; ids: i32 [T, k] (< 0 = skip, otherwise < num_experts: call CheckExpertIds first);
-// weights: f32 [T, k]; y: f32 [T, H], overwritten. Weight and bias dtypes must be kF32 or kBF16. Runs on `pool`
-// (the FFI caller's XLA thread pool, see parallel.h; or the WorkerPool of the CUDA host_experts path) when the call
-// reads at least 1 MiB of weights.
-void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
-                int64_t k, const ExpertActivation& act, float* y, xla::ffi::ThreadPool& pool);
-void RunExperts(const ExpertWeights& m, const float* x, const int32_t* ids, const float* weights, int64_t T,
-                int64_t k, const ExpertActivation& act, float* y, WorkerPool& pool);
+// x: f32 [T, H]; x_bf16: the same values as bf16 bits when the caller's x was bf16 (a bf16 model: the activations
+// between the gate/up and the down projection are then rounded to bf16, as transformers computes them, and bf16
+// weights use the bf16 x bf16 dot where the CPU has one), else nullptr; ids: i32 [T, k] (< 0 = skip, otherwise
+// < num_experts: call CheckExpertIds first); weights: f32 [T, k]; y: f32 [T, H], overwritten. Weight and bias dtypes
+// must be kF32 or kBF16. Runs on `pool` (the FFI caller's XLA thread pool, see parallel.h; or the WorkerPool of the
+// CUDA host_experts path) when the call reads at least 1 MiB of weights.
+void RunExperts(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, const int32_t* ids,
+                const float* weights, int64_t T, int64_t k, const ExpertActivation& act, float* y,
+                xla::ffi::ThreadPool& pool);
+void RunExperts(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, const int32_t* ids,
+                const float* weights, int64_t T, int64_t k, const ExpertActivation& act, float* y,
+                WorkerPool& pool);
 
-// Which inner loop the kernels use: "avx2" (x86-64 with AVX2+FMA, chosen at run time) or "generic" (other CPUs, or
-// FT_JAX_KERNEL=generic in the environment).
+// Which inner loops the kernels use: "avx512bf16" (x86-64 with AVX-512 BF16: bf16 x bf16 dots), "avx2" (AVX2+FMA),
+// or "generic" (other CPUs); chosen at run time, capped by FT_JAX_KERNEL=avx2 or FT_JAX_KERNEL=generic.
 const char* KernelIsa();
 
 }  // namespace ft_jax

@@ -193,5 +193,5 @@ NB_MODULE(_ffi, m) {
       },
       nb::arg("address"), nb::arg("nbytes"),
       "Back the 2 MiB-aligned interior of a buffer with transparent huge pages (Linux); True if collapsed.");
-  m.def("kernel_isa", &ft_jax::KernelIsa, "'avx2' or 'generic': the inner loop the expert kernel uses.");
+  m.def("kernel_isa", &ft_jax::KernelIsa, "'avx512bf16', 'avx2' or 'generic': the inner loops the kernels use.");
 }

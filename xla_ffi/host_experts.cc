@@ -34,6 +34,11 @@ std::string Dims(ffi::AnyBuffer::Dimensions d) {
   return s + "]";
 }
 
+// x's bf16 bits when x is bf16, else nullptr.
+const uint16_t* XBf16(ffi::AnyBuffer x) {
+  return x.element_type() == ffi::DataType::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
+}
+
 // Checks x [T, H] (f32 or bf16), ids [T, k], weights [T, k], y [T, H]; returns x as f32 (converted copy for
 // bf16, or the buffer itself). On error returns nullptr and sets *err.
 const float* PrepareInputs(const char* op, ffi::AnyBuffer x, I32Matrix ids, F32Matrix weights, F32MatrixResult& y,
@@ -170,7 +175,7 @@ ffi::Error HostExpertsImpl(ffi::ThreadPool pool, BoundBanks* bound, ffi::AnyBuff
     m.down_bias_stride = db->row_bytes();
     m.down_bias_dtype = db->dtype_code();
   }
-  RunExperts(m, x32, ids.typed_data(), weights.typed_data(), T, k, act, y->typed_data(), pool);
+  RunExperts(m, x32, XBf16(x), ids.typed_data(), weights.typed_data(), T, k, act, y->typed_data(), pool);
   return ffi::Error::Success();
 }
 
@@ -243,7 +248,7 @@ ffi::Error SlotExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, I32Matrix ids
     m.down_bias_stride = static_cast<size_t>(H) * BankDTypeSize(dbt);
     m.down_bias_dtype = dbt;
   }
-  RunExperts(m, x32, ids.typed_data(), weights.typed_data(), T, k, act, y->typed_data(), pool);
+  RunExperts(m, x32, XBf16(x), ids.typed_data(), weights.typed_data(), T, k, act, y->typed_data(), pool);
   return ffi::Error::Success();
 }
 

@@ -71,15 +71,16 @@ struct HostChannel {
       return;
     }
     const float* x = static_cast<const float*>(x_stage.get());
+    const uint16_t* x_bf16 = nullptr;  // as the CPU handler: the bf16 bits too when x is bf16 (expert_kernel.h)
     if (x_dtype == static_cast<int32_t>(BankDType::kBF16)) {
-      const uint16_t* src = static_cast<const uint16_t*>(x_stage.get());
+      x_bf16 = static_cast<const uint16_t*>(x_stage.get());
       for (int64_t i = 0; i < T * H; ++i) {
-        uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+        uint32_t bits = static_cast<uint32_t>(x_bf16[i]) << 16;
         std::memcpy(&x32[i], &bits, sizeof(float));
       }
       x = x32.data();
     }
-    RunExperts(m, x, ids, static_cast<const float*>(w_stage.get()), T, k, act, y, WorkerPool::Shared());
+    RunExperts(m, x, x_bf16, ids, static_cast<const float*>(w_stage.get()), T, k, act, y, WorkerPool::Shared());
   }
 };
 

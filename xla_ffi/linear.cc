@@ -34,12 +34,13 @@ constexpr size_t kParallelMinBytes = size_t{1} << 20;  // below: the caller alon
 constexpr size_t kTaskBytes = size_t{256} << 10;       // weight bytes per task (fits L2 while the tokens pass)
 
 template <typename W>
-void RunLinear(const W* w, const float* x, int64_t N, int64_t K, int64_t O, float* y, ffi::ThreadPool& pool) {
-  const bool avx2 = UseAvx2();
+void RunLinear(const W* w, const float* x, const uint16_t* xb, int64_t N, int64_t K, int64_t O, float* y,
+               ffi::ThreadPool& pool) {
+  const Isa isa = KernelIsaLevel();
   const size_t row_bytes = static_cast<size_t>(K) * sizeof(W);
   const int64_t threads = row_bytes * static_cast<size_t>(O) >= kParallelMinBytes ? LoopThreads(pool) : 1;
   if (threads <= 1) {
-    DotRows<W>(avx2, w, K, 0, O, x, N, y, O);
+    DotRows<W>(isa, w, K, 0, O, x, xb, N, y, O);
     return;
   }
   int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(kTaskBytes / row_bytes));
@@ -47,7 +48,7 @@ void RunLinear(const W* w, const float* x, int64_t N, int64_t K, int64_t O, floa
   rows = (std::max<int64_t>(rows, 1) + 3) / 4 * 4;
   const int64_t tasks = (O + rows - 1) / rows;
   ParallelFor(pool, tasks, [&](int64_t t) {
-    DotRows<W>(avx2, w, K, t * rows, std::min(O, (t + 1) * rows), x, N, y, O);
+    DotRows<W>(isa, w, K, t * rows, std::min(O, (t + 1) * rows), x, xb, N, y, O);
   });
 }
 
@@ -87,12 +88,17 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
                                        std::to_string(L) + " weights");
   }
   if (N == 0 || O == 0) return ffi::Error::Success();
-  const float* x32 = XAsF32(x, static_cast<size_t>(N * K));
   const size_t offset = static_cast<size_t>(l) * static_cast<size_t>(O * K);
+  const uint16_t* xb = x.element_type() == ffi::DataType::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
   if (IsBf16Bits(w.element_type())) {
-    RunLinear<uint16_t>(static_cast<const uint16_t*>(w.untyped_data()) + offset, x32, N, K, O, y->typed_data(), pool);
+    // bf16 x bf16 where the CPU has the dot: x is used as it is, no float32 copy.
+    const bool bf16_dots = xb != nullptr && KernelIsaLevel() == Isa::kAvx512Bf16;
+    const float* x32 = bf16_dots ? nullptr : XAsF32(x, static_cast<size_t>(N * K));
+    RunLinear<uint16_t>(static_cast<const uint16_t*>(w.untyped_data()) + offset, x32, xb, N, K, O, y->typed_data(),
+                        pool);
   } else {
-    RunLinear<float>(static_cast<const float*>(w.untyped_data()) + offset, x32, N, K, O, y->typed_data(), pool);
+    RunLinear<float>(static_cast<const float*>(w.untyped_data()) + offset, XAsF32(x, static_cast<size_t>(N * K)),
+                     nullptr, N, K, O, y->typed_data(), pool);
   }
   return ffi::Error::Success();
 }

@@ -16,7 +16,8 @@ as operands and each program loads only the tiles of its own slot:
 So every distinct slot's weights are read once per call whatever the number of tokens routed to it; the price is
 that every program computes all Tp = max(16, next power of two >= T) token columns (matrix units need >= 16), which
 decode (T = batch) does not notice and prefill pays in FLOPs, not bytes. bf16 weights with bf16 x use a bf16 x bf16
--> f32 dot (exact products, f32 sums, as the CPU kernel); otherwise both sides go to f32 (no TF32). The second dot
+-> f32 dot (exact products, f32 sums, as the CPU kernel); otherwise both sides go to f32 (no TF32). With bf16 x (a
+bf16 model) a is rounded to bf16 before the down projection, as the CPU kernel and transformers do; the second dot
 takes a in f32. Summation order differs from the CPU kernel, so results agree to rounding, not bit for bit.
 
 Requires H and I to be multiples of 16 (every released MoE model's are); raises ValueError otherwise.
@@ -89,7 +90,10 @@ def _gate_up_kernel(uniq_ref, x_ref, gu_ref, *rest, inter, bi, bh, has_bias, act
             bias_ref = rest[0]
             g = g + bias_ref[s, pl.ds(b * bi, bi)].astype(jnp.float32)[:, None]
             v = v + bias_ref[s, pl.ds(inter + b * bi, bi)].astype(jnp.float32)[:, None]
-        a_ref[u, pl.ds(b * bi, bi), :] = _glu(g, v, activation, alpha, limit)
+        a = _glu(g, v, activation, alpha, limit)
+        if x_ref.dtype == jnp.bfloat16:  # a bf16 model rounds a to bf16 before the down projection, as the CPU kernel
+            a = a.astype(jnp.bfloat16).astype(jnp.float32)
+        a_ref[u, pl.ds(b * bi, bi), :] = a
 
 
 def _down_kernel(uniq_ref, coef_ref, a_ref, dn_ref, *rest, bo, bk, has_bias):
