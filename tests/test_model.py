@@ -132,11 +132,13 @@ def test_prompt_logits_hidden_states_and_routing(loaded):
     kv = loaded.ckpt.model.init_kv_cache(1, MAX_LEN)
     logits, _, _, aux = loaded.run(loaded.prompt[None], np.arange(T)[None], kv)
     assert logits.shape == (1, T, loaded.cfg.vocab_size) and logits.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(logits[0]), ref["prompt_logits"], atol=1e-4, rtol=0)
-    np.testing.assert_allclose(np.asarray(aux.hidden_states[:, 0]), ref["prompt_hidden_states"], atol=1e-4, rtol=0)
+    # README: "prompt logits within 1e-5 of transformers" (measured 1.2e-6 .. 5e-6 over the fixtures; hidden states up
+    # to 3e-5 where gpt-oss's MXFP4 fixture reaches the SwiGLU clamp)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref["prompt_logits"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(aux.hidden_states[:, 0]), ref["prompt_hidden_states"], atol=5e-5, rtol=1e-5)
     assert aux.topk_ids.shape[0] == len(loaded.info["moe_layers"]) == loaded.cfg.num_moe_layers
     assert list(loaded.cfg.moe_layers) == loaded.info["moe_layers"]
-    np.testing.assert_allclose(np.asarray(aux.router_logits[:, 0]), ref["prompt_router_logits"], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(aux.router_logits[:, 0]), ref["prompt_router_logits"], atol=1e-5, rtol=0)
     assert_same_routing(loaded.family, aux.topk_ids[:, 0], aux.topk_weights[:, 0], ref["prompt_topk_ids"],
                         ref["prompt_topk_weights"])
 
