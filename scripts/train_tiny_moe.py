@@ -6,8 +6,9 @@ The model trained is ft_jax's own: ``ft_jax.models.decoder.MoETransformer`` buil
 writes (``hf_config``), called over full windows (positions 0..T-1, a fresh KV cache) with ``collect=True`` for the
 router logits. Its dense parameters (embedding, fused q/k/v and o projections, routers, RMSNorms, lm_head) are the
 model's nnx.Params; the routed experts come from ``TrainExperts``, an expert backend (decoder.ExpertBackend) holding
-the trainable expert weights gate/up [L, E, 2I, H] and down [L, E, H, I]. jax differentiates all of it: every
-projection of a training batch has far more than ft_jax.models.layers.FFI_MAX_ROWS rows, so ``linear`` uses XLA's dot.
+the trainable expert weights gate/up [L, E, 2I, H] and down [L, E, H, I]. jax differentiates all of it as long as
+every projection has more than ft_jax.models.layers.FFI_MAX_ROWS rows (then ``linear`` is XLA's dot, not the FFI
+GEMV): a training step needs batch x seq-len > FFI_MAX_ROWS tokens (8 x 256 by default); evaluation has no limit.
 
 Training loss: cross entropy (nats/byte) + router_aux_loss_coef * load-balancing loss (Switch Transformer / Mixtral:
 E * sum_e f_e * P_e, f_e = share of top-k assignments to expert e, P_e = mean router probability of e), computed per
@@ -47,6 +48,7 @@ from flax import nnx
 
 from ft_jax.config import MoEConfig, config_from_dict
 from ft_jax.models.decoder import MoETransformer
+from ft_jax.models.layers import FFI_MAX_ROWS
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -144,9 +146,11 @@ def build(cfg: MoEConfig, tensors: dict[str, np.ndarray]):
 
     The model's ParamFactory serves ``tensors`` by name; params = {"dense": nnx.State of the MoETransformer,
     "gate_up": f32[L, E, 2I, H] (cat(w1, w3) per expert), "down": f32[L, E, H, I] (w2)}.
-    Raises ValueError: a tensor the model asks for has another shape."""
+    Raises ValueError: a tensor the model asks for is missing or has another shape."""
 
     def make(name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"the model asks for tensor {name}, which the script does not have")
         if tensors[name].shape != tuple(shape):
             raise ValueError(f"tensor {name}: the model expects {tuple(shape)}, got {tensors[name].shape}")
         return np.asarray(tensors[name], np.float32)
@@ -611,6 +615,10 @@ def main(argv=None) -> int:
         return 0
 
     tokens_per_step = args.batch_size * args.seq_len
+    if tokens_per_step <= FFI_MAX_ROWS:
+        sys.exit(f"error: --batch-size x --seq-len = {tokens_per_step} bytes per step; training needs more than "
+                 f"{FFI_MAX_ROWS}: below that ft_jax.models.layers.linear runs the FFI GEMV, which jax cannot "
+                 "differentiate")
     capacity = (math.ceil(args.capacity_factor * tokens_per_step * cfg.top_k / cfg.num_experts)
                 if args.capacity_factor > 0 else 0)
     print(f"model: {num_params:,} parameters; {tokens_per_step} bytes per step; expert capacity "
