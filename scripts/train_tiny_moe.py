@@ -2,17 +2,13 @@
 """Train the small bundled Mixtral-architecture MoE on a byte-level text corpus (tinyshakespeare) and export it as a
 Hugging Face ``MixtralForCausalLM`` folder (config.json, generation_config.json, model.safetensors, README.md).
 
-Model math (the forward of transformers' ``MixtralForCausalLM``, eager attention):
-  x = embed_tokens[ids]
-  per layer:  h = x + o_proj(attn(RoPE(q_proj(n1)), RoPE(k_proj(n1)), v_proj(n1))),   n1 = RMSNorm(x)
-              x = h + MoE(n2),                                                        n2 = RMSNorm(h)
-  RMSNorm(x) = w * x / sqrt(mean(x^2) + eps) (in float32)
-  RoPE: inv_freq[j] = theta^(-2j/head_dim), angle = pos * inv_freq, cos/sin = cat(angle, angle),
-        x' = x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x[d/2:], x[:d/2])
-  attention: causal softmax(q k^T / sqrt(head_dim)) v in float32, GQA: query head h uses KV head h // (heads/kv_heads)
-  MoE: p = softmax(gate(x)) over E experts (float32); top-k of p; weights renormalised to sum 1;
-       out = sum_j w_j * w2_e(silu(w1_e x) * w3_e x)   (w1 = gate projection, w3 = up, w2 = down)
-  logits = lm_head(RMSNorm(x))  (lm_head not tied to embed_tokens)
+The model trained is ft_jax's own: ``ft_jax.models.decoder.MoETransformer`` built from the config.json this script
+writes (``hf_config``), called over full windows (positions 0..T-1, a fresh KV cache) with ``collect=True`` for the
+router logits. Its dense parameters (embedding, fused q/k/v and o projections, routers, RMSNorms, lm_head) are the
+model's nnx.Params; the routed experts come from ``TrainExperts``, an expert backend (decoder.ExpertBackend) holding
+the trainable expert weights gate/up [L, E, 2I, H] and down [L, E, H, I]. jax differentiates all of it as long as
+every projection has more than ft_jax.models.layers.FFI_MAX_ROWS rows (then ``linear`` is XLA's dot, not the FFI
+GEMV): a training step needs batch x seq-len > FFI_MAX_ROWS tokens (8 x 256 by default); evaluation has no limit.
 
 Training loss: cross entropy (nats/byte) + router_aux_loss_coef * load-balancing loss (Switch Transformer / Mixtral:
 E * sum_e f_e * P_e, f_e = share of top-k assignments to expert e, P_e = mean router probability of e), computed per
@@ -29,9 +25,10 @@ check always use the exact dense form.
 Tokenizer: token id = UTF-8 byte value (vocab 256), no BOS, no EOS; config.json carries the marker
 "ft_jax_tokenizer": "bytes" that ft_jax.tokenizer.load_tokenizer recognises.
 
-Example:
+Examples:
   nice -n 10 python scripts/train_tiny_moe.py ../shared/text/tinyshakespeare.txt \
       --out ft_jax/bundled/tiny_shakespeare --steps 2000
+  python scripts/train_tiny_moe.py ../shared/text/tinyshakespeare.txt --evaluate-only ft_jax/bundled/tiny_shakespeare
 """
 
 from __future__ import annotations
@@ -42,57 +39,44 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from ft_jax.config import MoEConfig, config_from_dict
+from ft_jax.models.decoder import MoETransformer
+from ft_jax.models.layers import FFI_MAX_ROWS
+
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
-@dataclass(frozen=True)
-class TinyMoEConfig:
-    """Model hyperparameters (the Mixtral config.json fields they become are named in ``hf_config``)."""
-
-    vocab_size: int = 256
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    num_experts: int = 8
-    top_k: int = 2
-    intermediate_size: int = 256
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    max_position_embeddings: int = 256
-    router_aux_loss_coef: float = 0.02
-    initializer_range: float = 0.02
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-
-def hf_config(cfg: TinyMoEConfig, torch_dtype: str) -> dict:
-    """config.json contents of a Hub-style ``MixtralForCausalLM`` checkpoint (rope_theta / torch_dtype spelling)."""
+def hf_config(args, torch_dtype: str) -> dict:
+    """config.json contents of a Hub-style ``MixtralForCausalLM`` checkpoint (rope_theta / torch_dtype spelling) for
+    the model flags of ``args`` (parse_args); ft_jax.config.config_from_dict of it is the MoEConfig trained."""
     return {
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
+        "vocab_size": 256,
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.hidden_size // args.heads,
         "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "initializer_range": cfg.initializer_range,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": args.seq_len,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": args.rope_theta,
         "sliding_window": None,
         "attention_dropout": 0.0,
-        "num_local_experts": cfg.num_experts,
-        "num_experts_per_tok": cfg.top_k,
+        "num_local_experts": args.experts,
+        "num_experts_per_tok": args.top_k,
         "output_router_logits": False,
-        "router_aux_loss_coef": cfg.router_aux_loss_coef,
+        "router_aux_loss_coef": args.aux_coef,
         "router_jitter_noise": 0.0,
         "tie_word_embeddings": False,
         "use_cache": True,
@@ -105,21 +89,27 @@ def hf_config(cfg: TinyMoEConfig, torch_dtype: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Parameters: a flat dict keyed by the Hugging Face tensor names, except that each layer's experts are stacked
-# ("model.layers.N.block_sparse_moe.experts.w1" [E, I, H]) for batched compute; ``export_tensors`` splits them.
+# Parameters. On disk and at the edges of training: a dict of Hub tensor names -> float32 numpy arrays (what
+# model.safetensors holds). In training: {"dense": the model's nnx.Param state, "gate_up": f32[L, E, 2I, H],
+# "down": f32[L, E, H, I]} (gate_up rows 0..I-1 = w1, the gate projection; I..2I-1 = w3, the up projection).
 
 
 def _pfx(layer: int) -> str:
     return f"model.layers.{layer}."
 
 
-def init_params(cfg: TinyMoEConfig, seed: int) -> dict:
-    """Random init: N(0, initializer_range) for matrices (output projections o_proj / w2 scaled by
-    1/sqrt(2 * num_layers), GPT-2 style), ones for RMSNorm weights. Returns dict name -> float32 jnp array."""
-    import jax
-    import jax.numpy as jnp
+def _expert(layer: int, e: int, w: str) -> str:
+    return f"{_pfx(layer)}block_sparse_moe.experts.{e}.{w}.weight"
 
-    H, I, E, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.head_dim
+
+def init_tensors(cfg: MoEConfig, seed: int) -> dict[str, np.ndarray]:
+    """Random init: N(0, initializer_range) for matrices (output projections o_proj / w2 scaled by
+    1/sqrt(2 * num_layers), GPT-2 style), ones for RMSNorm weights. Returns Hub name -> f32 numpy array.
+
+    The draws are the script's since its first version: one jax.random key per tensor, in sorted order of the names
+    with each layer's experts stacked ("...block_sparse_moe.experts.w1" [E, I, H]), so seed 0 gives the initial
+    weights of the bundled model's first run."""
+    H, I, E, D = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.head_dim
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, H), "lm_head.weight": (cfg.vocab_size, H)}
     for n in range(cfg.num_layers):
         p = _pfx(n)
@@ -133,203 +123,134 @@ def init_params(cfg: TinyMoEConfig, seed: int) -> dict:
             p + "block_sparse_moe.experts.w3": (E, I, H),
             p + "block_sparse_moe.experts.w2": (E, H, I),
         })
-    params = {}
+    tensors = {}
     keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
     out_scale = 1.0 / math.sqrt(2 * cfg.num_layers)
     for key, (name, shape) in zip(keys, sorted(shapes.items())):
         std = cfg.initializer_range * (out_scale if name.endswith(("o_proj.weight", "experts.w2")) else 1.0)
-        params[name] = std * jax.random.normal(key, shape, jnp.float32)
+        value = np.asarray(std * jax.random.normal(key, shape, jnp.float32))
+        if ".experts." in name:  # [E, ...] -> one tensor per expert
+            layer, w = int(name.split(".")[2]), name.rsplit(".", 1)[1]
+            tensors.update({_expert(layer, e, w): value[e] for e in range(E)})
+        else:
+            tensors[name] = value
     for n in range(cfg.num_layers):
-        params[_pfx(n) + "input_layernorm.weight"] = jnp.ones((H,), jnp.float32)
-        params[_pfx(n) + "post_attention_layernorm.weight"] = jnp.ones((H,), jnp.float32)
-    params["model.norm.weight"] = jnp.ones((H,), jnp.float32)
-    return params
+        tensors[_pfx(n) + "input_layernorm.weight"] = np.ones((H,), np.float32)
+        tensors[_pfx(n) + "post_attention_layernorm.weight"] = np.ones((H,), np.float32)
+    tensors["model.norm.weight"] = np.ones((H,), np.float32)
+    return tensors
 
 
-def export_tensors(params: dict, cfg: TinyMoEConfig, dtype) -> dict[str, np.ndarray]:
-    """Hub tensor names -> numpy arrays (contiguous, ``dtype``): experts split into
-    model.layers.N.block_sparse_moe.experts.E.{w1,w2,w3}.weight."""
-    out = {}
-    for name, value in params.items():
-        arr = np.asarray(value, dtype=np.float32)
-        if ".block_sparse_moe.experts." in name:
-            base, w = name.rsplit(".", 1)
-            for e in range(cfg.num_experts):
-                out[f"{base}.{e}.{w}.weight"] = np.ascontiguousarray(arr[e]).astype(dtype)
-        else:
-            out[name] = np.ascontiguousarray(arr).astype(dtype)
-    return out
+def build(cfg: MoEConfig, tensors: dict[str, np.ndarray]):
+    """Hub tensors (float32 numpy; shapes as ``init_tensors``) -> (graphdef, params) of ft_jax's model.
+
+    The model's ParamFactory serves ``tensors`` by name; params = {"dense": nnx.State of the MoETransformer,
+    "gate_up": f32[L, E, 2I, H] (cat(w1, w3) per expert), "down": f32[L, E, H, I] (w2)}.
+    Raises ValueError: a tensor the model asks for is missing or has another shape."""
+
+    def make(name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"the model asks for tensor {name}, which the script does not have")
+        if tensors[name].shape != tuple(shape):
+            raise ValueError(f"tensor {name}: the model expects {tuple(shape)}, got {tensors[name].shape}")
+        return np.asarray(tensors[name], np.float32)
+
+    model = MoETransformer(cfg, make)
+    graphdef, dense = nnx.split(model)
+    L, E = cfg.num_layers, cfg.num_experts
+    gate_up = np.stack([np.stack([np.concatenate([tensors[_expert(l, e, "w1")], tensors[_expert(l, e, "w3")]])
+                                  for e in range(E)]) for l in range(L)])  # [L, E, 2I, H]
+    down = np.stack([np.stack([tensors[_expert(l, e, "w2")] for e in range(E)]) for l in range(L)])  # [L, E, H, I]
+    return graphdef, {"dense": dense, "gate_up": jnp.asarray(gate_up), "down": jnp.asarray(down)}
 
 
-def import_tensors(tensors: dict[str, np.ndarray], cfg: TinyMoEConfig) -> dict:
-    """Inverse of ``export_tensors``: Hub tensor names -> training params (experts stacked, float32)."""
-    import jax.numpy as jnp
-
-    params = {}
-    expert_names = {}
-    for name, arr in tensors.items():
-        if ".block_sparse_moe.experts." in name:
-            base, e, w, _ = name.rsplit(".", 3)
-            expert_names.setdefault(f"{base}.{w}", {})[int(e)] = arr
-        else:
-            params[name] = jnp.asarray(arr, jnp.float32)
-    for name, per_expert in expert_names.items():
-        if sorted(per_expert) != list(range(cfg.num_experts)):
-            raise ValueError(f"{name}: expected experts 0..{cfg.num_experts - 1}, got {sorted(per_expert)}")
-        params[name] = jnp.asarray(np.stack([per_expert[e] for e in range(cfg.num_experts)]), jnp.float32)
-    return params
+def export_tensors(graphdef, params: dict, cfg: MoEConfig, dtype) -> dict[str, np.ndarray]:
+    """Inverse of ``build``: training params -> Hub tensor names -> contiguous numpy arrays of ``dtype``
+    (the fused q/k/v rows and the stacked layers of ft_jax's model split back into the Hub tensors)."""
+    model = nnx.merge(graphdef, params["dense"])
+    if len(model.stacks) != 1:
+        raise ValueError(f"expected one decoder stack (every layer MoE), got {len(model.stacks)}")
+    stack = model.stacks[0]
+    NHD, KVD, I = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.moe_intermediate_size
+    qkv = np.asarray(stack.attn.qkv[...])  # [L, NHD + 2 KVD, H]
+    gate_up, down = np.asarray(params["gate_up"]), np.asarray(params["down"])  # [L, E, 2I, H], [L, E, H, I]
+    out = {"model.embed_tokens.weight": model.embed_tokens[...], "model.norm.weight": model.norm[...],
+           "lm_head.weight": model.lm_head[...]}
+    for l in range(cfg.num_layers):
+        a, m = _pfx(l) + "self_attn.", _pfx(l) + "block_sparse_moe."
+        out.update({a + "q_proj.weight": qkv[l, :NHD], a + "k_proj.weight": qkv[l, NHD:NHD + KVD],
+                    a + "v_proj.weight": qkv[l, NHD + KVD:], a + "o_proj.weight": stack.attn.o[...][l],
+                    m + "gate.weight": stack.ffn.router[...][l],
+                    _pfx(l) + "input_layernorm.weight": stack.input_norm[...][l],
+                    _pfx(l) + "post_attention_layernorm.weight": stack.post_norm[...][l]})
+        for e in range(cfg.num_experts):
+            out.update({_expert(l, e, "w1"): gate_up[l, e, :I], _expert(l, e, "w3"): gate_up[l, e, I:],
+                        _expert(l, e, "w2"): down[l, e]})
+    return {k: np.ascontiguousarray(np.asarray(v, np.float32)).astype(dtype) for k, v in out.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Forward (jax). All shapes: B batch, T sequence, H hidden, D head_dim, E experts, I expert intermediate, N = B*T.
+# Forward: ft_jax's model with this script's expert backend. Shapes: B batch, T window, H hidden, E experts,
+# I expert intermediate, k top-k, N = B*T tokens, L MoE layers.
 
 
-def rms_norm(x, w, eps: float):
-    """x [..., H] f32, w [H] -> [..., H]: w * x / sqrt(mean(x^2) + eps) (MixtralRMSNorm)."""
-    import jax.numpy as jnp
+@dataclass(frozen=True)
+class TrainExperts:
+    """Expert backend (ft_jax.models.decoder.ExpertBackend) over trainable expert weights, built inside the traced
+    function so that jax differentiates through them.
 
-    var = jnp.mean(x * x, axis=-1, keepdims=True)
-    return w * (x * jnp.reciprocal(jnp.sqrt(var + eps)))
-
-
-def rope_cos_sin(positions, head_dim: int, theta: float):
-    """positions i32[T] -> cos, sin f32[T, D] (default RoPE, cat(angle, angle) layout)."""
-    import jax.numpy as jnp
-
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))  # [D/2]
-    angle = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
-    emb = jnp.concatenate([angle, angle], axis=-1)  # [T, D]
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x, cos, sin):
-    """x [B, T, heads, D]; cos/sin [T, D] -> x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1)."""
-    import jax.numpy as jnp
-
-    half = x.shape[-1] // 2
-    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[None, :, None, :] + rot * sin[None, :, None, :]
-
-
-def attention(params, layer: int, x, cos, sin, cfg: TinyMoEConfig):
-    """x [B, T, H] (normalised) -> [B, T, H]: causal GQA self-attention with RoPE, eager softmax in f32."""
-    import jax
-    import jax.numpy as jnp
-
-    B, T, _ = x.shape
-    D, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    rep = nh // nkv
-    p = _pfx(layer) + "self_attn."
-    q = (x @ params[p + "q_proj.weight"].T).reshape(B, T, nh, D)
-    k = (x @ params[p + "k_proj.weight"].T).reshape(B, T, nkv, D)
-    v = (x @ params[p + "v_proj.weight"].T).reshape(B, T, nkv, D)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    q = q.reshape(B, T, nkv, rep, D)  # query head h = kv * rep + r (transformers repeat_kv order)
-    scores = jnp.einsum("btgrd,bsgd->bgrts", q, k) * (1.0 / math.sqrt(D))  # [B, nkv, rep, T, T]
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bgrts,bsgd->btgrd", probs, v).reshape(B, T, nh * D)
-    return out @ params[p + "o_proj.weight"].T
-
-
-def route(router_logits, top_k: int):
-    """router_logits f32[N, E] -> (probs f32[N, E], topk_weights f32[N, k] renormalised, topk_ids i32[N, k])."""
-    import jax
-    import jax.numpy as jnp
-
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    w, ids = jax.lax.top_k(probs, top_k)
-    return probs, w / jnp.sum(w, axis=-1, keepdims=True), ids
-
-
-def moe_dense(params, layer: int, x, cfg: TinyMoEConfig):
-    """Exact Mixtral sparse MoE block, computed densely. x [N, H] -> (y [N, H], router_logits [N, E], ids [N, k]).
-
-    Every expert is evaluated on every token and weighted by the combine weight (0 for experts outside the top-k):
-    the same sum as evaluating only the top-k experts.
+    gate_up: f32[L, E, 2I, H]; down: f32[L, E, H, I]; capacity: 0 = exact dense form (every expert on every token,
+    weighted by its combine weight, 0 outside the top-k: the same sum as running only the top-k experts), else the
+    Switch-style fixed capacity C per expert: assignment (n, j) to expert e gets queue position = number of earlier
+    assignments (token-major order) to e, and positions >= C contribute 0. The expert state is f32[]: the sum over
+    the layers run so far of the share of top-k assignments dropped (0 for the dense form).
     """
-    import jax
-    import jax.numpy as jnp
 
-    p = _pfx(layer) + "block_sparse_moe."
-    N, H = x.shape
-    E, I = cfg.num_experts, cfg.intermediate_size
-    logits = x @ params[p + "gate.weight"].T  # [N, E]
-    _, w, ids = route(logits, cfg.top_k)
-    combine = jnp.sum(jax.nn.one_hot(ids, E, dtype=x.dtype) * w[..., None], axis=1)  # [N, E]
-    gate = (x @ params[p + "experts.w1"].reshape(E * I, H).T).reshape(N, E, I)
-    up = (x @ params[p + "experts.w3"].reshape(E * I, H).T).reshape(N, E, I)
-    h = (jax.nn.silu(gate) * up * combine[:, :, None]).reshape(N, E * I)
-    w2 = jnp.transpose(params[p + "experts.w2"], (1, 0, 2)).reshape(H, E * I)  # [H, E*I]
-    return h @ w2.T, logits, ids
+    gate_up: jax.Array
+    down: jax.Array
+    capacity: int = 0
 
-
-def moe_capacity(params, layer: int, x, cfg: TinyMoEConfig, capacity: int):
-    """Switch-style dispatch with a fixed capacity per expert (training speed). x [N, H] ->
-    (y [N, H], router_logits [N, E], ids [N, k], dropped f32[] = share of top-k assignments over capacity).
-
-    Assignment (t, j) to expert e gets queue position = number of earlier assignments (token-major order) to e;
-    positions >= capacity are dropped (contribute 0). Otherwise identical to ``moe_dense``.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    p = _pfx(layer) + "block_sparse_moe."
-    N, H = x.shape
-    E, k, C = cfg.num_experts, cfg.top_k, capacity
-    logits = x @ params[p + "gate.weight"].T  # [N, E]
-    _, w, ids = route(logits, k)
-    onehot = jax.nn.one_hot(ids.reshape(N * k), E, dtype=jnp.int32)  # [N*k, E]
-    pos = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=-1).reshape(N, k)  # queue position
-    keep = pos < C  # [N, k]
-    slot = jnp.where(keep, ids * C + pos, E * C)  # [N, k]; E*C = trash slot
-    token_of_slot = jnp.full((E * C + 1,), N, jnp.int32).at[slot.reshape(-1)].set(
-        jnp.repeat(jnp.arange(N, dtype=jnp.int32), k))[: E * C]  # [E*C]; N = empty (zero row)
-    x_pad = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])
-    xs = x_pad[token_of_slot].reshape(E, C, H)
-    gate = jnp.einsum("ech,eih->eci", xs, params[p + "experts.w1"])
-    up = jnp.einsum("ech,eih->eci", xs, params[p + "experts.w3"])
-    out = jnp.einsum("eci,ehi->ech", jax.nn.silu(gate) * up, params[p + "experts.w2"]).reshape(E * C, H)
-    out = jnp.concatenate([out, jnp.zeros((1, H), out.dtype)])
-    y = jnp.sum(out[slot] * (w * keep)[..., None], axis=1)  # [N, H]
-    return y, logits, ids, 1.0 - jnp.mean(keep.astype(jnp.float32))
+    def __call__(self, moe_layer, x, topk_ids, topk_weights, dropped):
+        """x f32[N, H]; topk_ids i32[N, k]; topk_weights f32[N, k] -> (y f32[N, H], dropped + this layer's share)."""
+        gate_up, down = self.gate_up[moe_layer], self.down[moe_layer]  # [E, 2I, H], [E, H, I]
+        N, H = x.shape
+        E, I, k, C = gate_up.shape[0], down.shape[-1], topk_ids.shape[-1], self.capacity
+        if not C:
+            combine = jnp.sum(jax.nn.one_hot(topk_ids, E, dtype=x.dtype) * topk_weights[..., None], axis=1)  # [N, E]
+            gu = jnp.einsum("nh,eoh->neo", x, gate_up, precision=HIGHEST)  # [N, E, 2I]
+            h = jax.nn.silu(gu[..., :I]) * gu[..., I:] * combine[:, :, None]  # [N, E, I]
+            return jnp.einsum("nei,ehi->nh", h, down, precision=HIGHEST), dropped
+        onehot = jax.nn.one_hot(topk_ids.reshape(N * k), E, dtype=jnp.int32)  # [N*k, E]
+        pos = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=-1).reshape(N, k)  # queue position
+        keep = pos < C  # [N, k]
+        slot = jnp.where(keep, topk_ids * C + pos, E * C)  # [N, k]; E*C = trash slot
+        token_of_slot = jnp.full((E * C + 1,), N, jnp.int32).at[slot.reshape(-1)].set(
+            jnp.repeat(jnp.arange(N, dtype=jnp.int32), k))[: E * C]  # [E*C]; N = empty (zero row)
+        xs = jnp.concatenate([x, jnp.zeros((1, H), x.dtype)])[token_of_slot].reshape(E, C, H)
+        gu = jnp.einsum("ech,eoh->eco", xs, gate_up, precision=HIGHEST)  # [E, C, 2I]
+        out = jnp.einsum("eci,ehi->ech", jax.nn.silu(gu[..., :I]) * gu[..., I:], down, precision=HIGHEST)
+        out = jnp.concatenate([out.reshape(E * C, H), jnp.zeros((1, H), out.dtype)])  # [E*C + 1, H]
+        y = jnp.sum(out[slot] * (topk_weights * keep)[..., None], axis=1)  # [N, H]
+        return y, dropped + 1.0 - jnp.mean(keep.astype(jnp.float32))
 
 
-def forward(params, tokens, cfg: TinyMoEConfig, capacity: int = 0):
-    """tokens i32[B, T] (positions 0..T-1) -> (logits f32[B, T, V], router_logits f32[L, N, E], ids i32[L, N, k],
-    dropped f32[] share of dropped assignments; 0 for the exact dense MoE, ``capacity`` = 0)."""
-    import jax.numpy as jnp
-
+def forward(graphdef, params: dict, tokens, capacity: int = 0):
+    """tokens i32[B, T] (positions 0..T-1, a fresh KV cache) -> (logits f32[B, T, V], router_logits f32[L, N, E],
+    topk_ids i32[L, N, k], dropped f32[] mean share of dropped assignments per layer; 0 for capacity 0)."""
+    model = nnx.merge(graphdef, params["dense"])
     B, T = tokens.shape
-    cos, sin = rope_cos_sin(jnp.arange(T), cfg.head_dim, cfg.rope_theta)
-    x = params["model.embed_tokens.weight"][tokens]  # [B, T, H]
-    all_logits, all_ids, dropped = [], [], []
-    for n in range(cfg.num_layers):
-        p = _pfx(n)
-        x = x + attention(params, n, rms_norm(x, params[p + "input_layernorm.weight"], cfg.rms_norm_eps), cos, sin,
-                          cfg)
-        h = rms_norm(x, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps).reshape(B * T, -1)
-        if capacity:
-            y, lg, ids, drop = moe_capacity(params, n, h, cfg, capacity)
-            dropped.append(drop)
-        else:
-            y, lg, ids = moe_dense(params, n, h, cfg)
-        x = x + y.reshape(B, T, -1)
-        all_logits.append(lg)
-        all_ids.append(ids)
-    x = rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps)
-    logits = x @ params["lm_head.weight"].T
-    drop = jnp.mean(jnp.stack(dropped)) if dropped else jnp.zeros(())
-    return logits, jnp.stack(all_logits), jnp.stack(all_ids), drop
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    experts = TrainExperts(params["gate_up"], params["down"], capacity)
+    logits, _, dropped, inter = model(tokens, positions, model.init_kv_cache(B, T), jnp.zeros((), jnp.float32),
+                                      experts, collect=True)
+    L, E = inter.router_logits.shape[0], inter.router_logits.shape[-1]
+    return (logits, inter.router_logits.reshape(L, B * T, E), inter.topk_ids.reshape(L, B * T, -1),
+            dropped / L)
 
 
 def load_balancing_loss(router_logits, ids, num_experts: int):
     """router_logits f32[L, N, E], ids i32[L, N, k] -> mean over layers of E * sum_e f_e * P_e (Switch/Mixtral);
     1.0 when routing is perfectly uniform."""
-    import jax
-    import jax.numpy as jnp
-
     probs = jax.nn.softmax(router_logits, axis=-1)  # [L, N, E]
     f = jnp.mean(jax.nn.one_hot(ids, num_experts), axis=(1, 2))  # [L, E] share of assignments
     P = jnp.mean(probs, axis=1)  # [L, E]
@@ -338,9 +259,6 @@ def load_balancing_loss(router_logits, ids, num_experts: int):
 
 def cross_entropy(logits, targets):
     """logits f32[B, T, V], targets i32[B, T] -> mean negative log-likelihood (nats)."""
-    import jax
-    import jax.numpy as jnp
-
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
@@ -382,36 +300,33 @@ def learning_rate(step: int, progress: float, peak: float, warmup: int) -> float
     return peak * (0.1 + 0.9 * c)
 
 
-def evaluate(eval_fn, params, windows: np.ndarray, batch: int, cfg: TinyMoEConfig):
-    """Exact (dense) forward over windows i32[M, T+1] -> (mean loss nats/byte, usage f64[L, E] share of top-k
-    assignments per expert)."""
-    losses, counts = [], np.zeros((cfg.num_layers, cfg.num_experts))
+def evaluate(eval_fn, params, windows: np.ndarray, batch: int, cfg: MoEConfig):
+    """Exact (dense) forward over windows i32[M, T+1] -> (mean loss nats/byte, mean load-balancing loss over the
+    batches, usage f64[L, E] share of top-k assignments per expert)."""
+    losses, auxes, counts = [], [], np.zeros((cfg.num_layers, cfg.num_experts))
     for i in range(0, len(windows), batch):
         chunk = windows[i: i + batch]
-        loss, ids = eval_fn(params, chunk)
+        loss, aux, ids = eval_fn(params, jnp.asarray(chunk))
         losses.append(float(loss) * len(chunk))
+        auxes.append(float(aux))
         ids = np.asarray(ids).reshape(cfg.num_layers, -1)  # [L, N*k]
         for n in range(cfg.num_layers):
             counts[n] += np.bincount(ids[n], minlength=cfg.num_experts)
-    return sum(losses) / len(windows), counts / counts.sum(axis=1, keepdims=True)
+    return sum(losses) / len(windows), float(np.mean(auxes)), counts / counts.sum(axis=1, keepdims=True)
 
 
-def sample(params, cfg: TinyMoEConfig, prompt: str, new_tokens: int, temperature: float, seed: int) -> str:
-    """Generate bytes with the exact dense forward (no KV cache: the whole window is recomputed each step).
-    temperature 0 = greedy. Returns prompt + continuation decoded as UTF-8 (errors replaced)."""
-    import jax
-    import jax.numpy as jnp
-
+def sample(logits_fn, params, cfg: MoEConfig, prompt: str, new_tokens: int, temperature: float, seed: int):
+    """Generate bytes with the exact dense forward over a [1, max_position_embeddings] window (no KV cache: the
+    window is recomputed each step, and slides once it is full). logits_fn(params, tokens i32[1, T]) -> f32[T, V].
+    temperature 0 = greedy. Returns (prompt + continuation decoded as UTF-8 (errors replaced), new ids)."""
     T = cfg.max_position_embeddings
     ids = list(prompt.encode("utf-8"))
-    step = jax.jit(lambda p, toks: forward(p, toks, cfg)[0][0])  # [bucket, V]; one compile per bucket (multiple of 32)
     rng = np.random.default_rng(seed)
     for _ in range(new_tokens):
         window = ids[-T:]
-        bucket = min(T, 32 * math.ceil(len(window) / 32))
-        buf = np.zeros((1, bucket), np.int32)
+        buf = np.zeros((1, T), np.int32)
         buf[0, : len(window)] = window  # causal: padding after the last token does not change its logits
-        logits = np.asarray(step(params, jnp.asarray(buf))[len(window) - 1], np.float64)
+        logits = np.asarray(logits_fn(params, jnp.asarray(buf))[len(window) - 1], np.float64)
         if temperature <= 0:
             nxt = int(np.argmax(logits))
         else:
@@ -419,7 +334,7 @@ def sample(params, cfg: TinyMoEConfig, prompt: str, new_tokens: int, temperature
             prob = np.exp(z - z.max())
             nxt = int(rng.choice(len(prob), p=prob / prob.sum()))
         ids.append(nxt)
-    return bytes(ids).decode("utf-8", errors="replace")
+    return bytes(ids).decode("utf-8", errors="replace"), ids[len(prompt.encode("utf-8")):]
 
 
 def usage_table(usage: np.ndarray) -> str:
@@ -443,8 +358,9 @@ def usage_bars(usage: np.ndarray) -> str:
     return "\n".join(out)
 
 
-def write_model_card(out: str, args, cfg: TinyMoEConfig, results: dict) -> None:
-    """README.md model card with training details, losses, expert-usage histograms and samples."""
+def write_model_card(out: str, args, cfg: MoEConfig, results: dict) -> None:
+    """README.md model card with training details, losses, expert-usage histograms and samples (``results``: the
+    dict main() builds)."""
     r = results
     mib = 2**20
     step_bytes = args.batch_size * args.seq_len
@@ -460,7 +376,8 @@ def write_model_card(out: str, args, cfg: TinyMoEConfig, results: dict) -> None:
     text = f"""# tiny_shakespeare: a small Mixtral-architecture MoE bundled with ft_jax
 
 A byte-level `MixtralForCausalLM` checkpoint trained from scratch by `scripts/train_tiny_moe.py` on
-tinyshakespeare (karpathy/char-rnn, MIT; {r['data_bytes']:,} bytes). It ships inside the package so that
+tinyshakespeare (karpathy/char-rnn, MIT; {r['data_bytes']:,} bytes); the forward it trains is ft_jax's own model
+(`ft_jax.models.decoder.MoETransformer` with the script's expert backend). It ships inside the package so that
 `ft-jax generate` works with no download. It is a toy: it writes Shakespeare-like text, not sense.
 
 ## Architecture (config.json)
@@ -471,7 +388,7 @@ tinyshakespeare (karpathy/char-rnn, MIT; {r['data_bytes']:,} bytes). It ships in
 | hidden_size / head_dim | {cfg.hidden_size} / {cfg.head_dim} |
 | layers, heads, KV heads | {cfg.num_layers}, {cfg.num_heads}, {cfg.num_kv_heads} (GQA) |
 | experts (num_local_experts), top-k | {cfg.num_experts}, {cfg.top_k} (softmax router, renormalised top-k) |
-| expert intermediate_size | {cfg.intermediate_size} (SwiGLU: w1 gate, w3 up, w2 down) |
+| expert intermediate_size | {cfg.moe_intermediate_size} (SwiGLU: w1 gate, w3 up, w2 down) |
 | rope_theta, rms_norm_eps | {cfg.rope_theta:g}, {cfg.rms_norm_eps:g} |
 | max_position_embeddings | {cfg.max_position_embeddings} (the training context) |
 | lm_head | untied |
@@ -507,7 +424,7 @@ other work, under `nice -n {r['niceness']}`; {r['step_ms']:.0f} ms per step on a
 - optimiser: optax AdamW (b1 0.9, b2 0.95, weight decay {args.weight_decay} on matrices only), peak learning rate
   {args.lr:g}, {args.warmup} warm-up steps, cosine decay to {args.lr * 0.1:g} over {schedule},
   gradient clipping at global norm 1.0, seed {args.seed}.
-{continued}- loss: cross entropy + {cfg.router_aux_loss_coef} x load-balancing loss (Switch/Mixtral \
+{continued}- loss: cross entropy + {args.aux_coef} x load-balancing loss (Switch/Mixtral \
 `E * sum_e f_e P_e`, per MoE
   layer, averaged over layers; 1.0 = uniform).
 - expert dispatch while training: {dispatch}.
@@ -532,7 +449,7 @@ uniform = {100 / cfg.num_experts:.1f}%):
 {usage_bars(np.asarray(r['val_usage']))}
 ```
 
-## Samples (this checkpoint, exact forward, {args.sample_tokens} new bytes)
+## Samples (this checkpoint, the training script's exact forward, {args.sample_tokens} new bytes)
 Greedy (temperature 0), prompt `{r['sample_prompt']!r}`:
 ```
 {r['sample_greedy']}
@@ -543,11 +460,72 @@ Temperature {args.sample_temperature}, seed {args.seed}:
 ```
 
 ## Export check
-After writing model.safetensors the script reloads it and compares the logits of the reloaded tensors with the
-training forward on validation text: max |difference| = {r['export_max_abs_diff']:.2e}.
+After writing the folder the script loads it with `ft_jax.load` (float32, host-all policy): its dense parameters and
+expert banks differ from the trained ones (in the stored dtype) by at most {r['export_max_abs_diff']:.2e}, and its
+greedy decode of the prompt (offloaded experts, KV cache) gives the same {r['export_greedy_tokens']} bytes as the
+training forward.
 """
     with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def read_checkpoint(folder: str, expected: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """folder/model.safetensors -> Hub name -> f32 numpy array. Raises ValueError naming the first tensor whose name
+    or shape differs from ``expected`` (init_tensors of the model flags); FileNotFoundError without the file."""
+    from safetensors.numpy import load_file
+
+    path = os.path.join(folder, "model.safetensors")
+    tensors = {k: np.asarray(v, np.float32) for k, v in load_file(path).items()}
+    for name in sorted(set(tensors) | set(expected)):
+        got = tensors[name].shape if name in tensors else "missing"
+        want = expected[name].shape if name in expected else "not in the model"
+        if got != want:
+            raise ValueError(f"{path} does not match the model flags: tensor {name}: expected {want}, got {got}")
+    return tensors
+
+
+def final_evaluation(eval_fn, params, train_windows: np.ndarray, val_windows: np.ndarray, batch: int,
+                     cfg: MoEConfig) -> dict:
+    """Exact forward over the fixed evaluation windows of both splits; prints the losses (nats and bits per byte,
+    the card's Results), the validation load-balancing loss and expert usage. Returns train_loss, val_loss, val_aux,
+    val_usage (f64[L, E])."""
+    train_loss, _, _ = evaluate(eval_fn, params, train_windows, batch, cfg)
+    val_loss, val_aux, val_usage = evaluate(eval_fn, params, val_windows, batch, cfg)
+    bits = 1 / math.log(2)
+    print(f"final train loss {train_loss:.4f} nats/byte ({train_loss * bits:.3f} bits/byte), validation loss "
+          f"{val_loss:.4f} nats/byte ({val_loss * bits:.3f} bits/byte); {len(val_windows)} windows of "
+          f"{val_windows.shape[1] - 1} bytes per split, exact forward")
+    print(f"load-balancing loss on validation {val_aux:.4f} (1.0 = uniform)")
+    print("expert usage on validation (share of top-k assignments):")
+    print(usage_table(val_usage))
+    print(usage_bars(val_usage))
+    return {"train_loss": train_loss, "val_loss": val_loss, "val_aux": val_aux, "val_usage": val_usage}
+
+
+def export_check(out: str, stored: dict, cfg: MoEConfig, prompt_ids: list[int], greedy_ids: list[int]):
+    """Loads the exported folder with ft_jax.load (float32, host-all policy) and compares it with the training side.
+
+    stored: the trained params rounded to the stored dtype; greedy_ids: the training
+    forward's greedy continuation of prompt_ids. Returns (max |difference| of the dense parameters and expert banks,
+    number of greedy bytes compared: the continuation, capped by the context). Exits with an error when a parameter
+    differs or the greedy decode of the loaded model differs."""
+    import ft_jax
+
+    loaded = ft_jax.load(out, dtype="float32", policy="host-all", measure=False)
+    ckpt = loaded.checkpoint
+    got = jax.tree.leaves(nnx.split(ckpt.model)[1]) + [ckpt.gate_up_bank.numpy(), ckpt.down_bank.numpy()]
+    want = jax.tree.leaves(stored["dense"]) + [np.reshape(stored[k], ckpt.gate_up_bank.shape if k == "gate_up" else
+                                                          ckpt.down_bank.shape) for k in ("gate_up", "down")]
+    diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) for a, b in zip(got, want))
+    if diff or len(got) != len(want):
+        sys.exit(f"error: the parameters ft_jax.load reads from {out} differ from the trained ones by {diff:.3e}")
+    n = min(len(greedy_ids), cfg.max_position_embeddings - len(prompt_ids))
+    decoded = loaded.generate(prompt_ids, max_new_tokens=n, temperature=0.0).token_ids[0]
+    if decoded != greedy_ids[:n]:
+        first = next(i for i, (a, b) in enumerate(zip(decoded + [-1] * n, greedy_ids)) if a != b)
+        sys.exit(f"error: ft_jax.load({out}) decodes greedy byte {first} as {decoded[first: first + 1]}, the training "
+                 f"forward as {greedy_ids[first]}")
+    return diff, n
 
 
 def parse_args(argv=None):
@@ -557,7 +535,10 @@ def parse_args(argv=None):
                     "README.md).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("text", help="training text file (e.g. ../shared/text/tinyshakespeare.txt); read as bytes")
-    ap.add_argument("--out", required=True, help="output folder (created)")
+    ap.add_argument("--out", help="output folder (created); required unless --evaluate-only")
+    ap.add_argument("--evaluate-only", default="", metavar="FOLDER",
+                    help="only evaluate the checkpoint FOLDER (it must match the model flags) on the final "
+                         "evaluation windows of the text, print the losses and expert usage, and exit")
     ap.add_argument("--steps", type=int, default=2000, help="optimiser steps (the cap, with --time-budget)")
     ap.add_argument("--time-budget", type=float, default=0.0,
                     help="minutes of training wall time: stop when spent, and run the cosine schedule over wall time "
@@ -588,59 +569,77 @@ def parse_args(argv=None):
     ap.add_argument("--sample-tokens", type=int, default=200)
     ap.add_argument("--sample-temperature", type=float, default=0.8)
     ap.add_argument("--max-file-mb", type=float, default=16.0, help="refuse to export a larger model.safetensors")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if not args.out and not args.evaluate_only:
+        ap.error("--out is required (unless --evaluate-only)")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import jax
-    import jax.numpy as jnp
     import ml_dtypes
     import optax
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import save_file
     from tqdm import tqdm
 
-    cfg = TinyMoEConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
-                        num_kv_heads=args.kv_heads, num_experts=args.experts, top_k=args.top_k,
-                        intermediate_size=args.intermediate_size, rope_theta=args.rope_theta,
-                        max_position_embeddings=args.seq_len, router_aux_loss_coef=args.aux_coef)
-    if cfg.hidden_size % cfg.num_heads or cfg.num_heads % cfg.num_kv_heads or cfg.head_dim % 2:
-        sys.exit(f"error: hidden {cfg.hidden_size}, heads {cfg.num_heads}, kv heads {cfg.num_kv_heads}: need "
+    if args.hidden_size % args.heads or args.heads % args.kv_heads or (args.hidden_size // args.heads) % 2:
+        sys.exit(f"error: hidden {args.hidden_size}, heads {args.heads}, kv heads {args.kv_heads}: need "
                  "hidden % heads == 0, heads % kv_heads == 0 and an even head_dim")
+    cfg = config_from_dict(hf_config(args, "float32"), source="the model flags")
     data = load_bytes(args.text)
     split = int(data.size * (1 - args.val_fraction))
     train, val = data[:split], data[split:]
     print(f"data: {data.size:,} bytes, train {train.size:,}, validation {val.size:,}", flush=True)
 
-    params = init_params(cfg, args.seed)
-    if args.init_from:
-        init_tensors = load_file(os.path.join(args.init_from, "model.safetensors"))
-        loaded = import_tensors(init_tensors, cfg)
-        bad = sorted(k for k in params if k not in loaded or loaded[k].shape != params[k].shape)
-        if bad or len(loaded) != len(params):
-            sys.exit(f"error: {args.init_from}/model.safetensors does not match the model flags (first mismatching "
-                     f"tensor: {(bad or sorted(set(loaded) - set(params)))[0]})")
-        params = loaded
-        print(f"initialised from {args.init_from}/model.safetensors (optimizer state starts fresh)", flush=True)
-    num_params = sum(int(np.prod(v.shape)) for v in params.values())
+    tensors = init_tensors(cfg, args.seed)
+    source = args.evaluate_only or args.init_from
+    if source:
+        try:
+            tensors = read_checkpoint(source, tensors)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+        print(f"weights from {source}/model.safetensors" + ("" if args.evaluate_only else
+                                                            " (optimizer state starts fresh)"), flush=True)
+    graphdef, params = build(cfg, tensors)
+    num_params = sum(v.size for v in tensors.values())
+
+    @jax.jit
+    def eval_fn(p, batch):
+        logits, router_logits, ids, _ = forward(graphdef, p, batch[:, :-1])
+        return cross_entropy(logits, batch[:, 1:]), load_balancing_loss(router_logits, ids, cfg.num_experts), ids
+
+    val_windows = fixed_windows(val, args.eval_windows, args.seq_len)
+    train_windows = fixed_windows(train, args.eval_windows, args.seq_len)
+    if args.evaluate_only:
+        final_evaluation(eval_fn, params, train_windows, val_windows, args.batch_size, cfg)
+        return 0
+
     tokens_per_step = args.batch_size * args.seq_len
+    if tokens_per_step <= FFI_MAX_ROWS:
+        sys.exit(f"error: --batch-size x --seq-len = {tokens_per_step} bytes per step; training needs more than "
+                 f"{FFI_MAX_ROWS}: below that ft_jax.models.layers.linear runs the FFI GEMV, which jax cannot "
+                 "differentiate")
     capacity = (math.ceil(args.capacity_factor * tokens_per_step * cfg.top_k / cfg.num_experts)
                 if args.capacity_factor > 0 else 0)
     print(f"model: {num_params:,} parameters; {tokens_per_step} bytes per step; expert capacity "
           f"{capacity or 'dense'}", flush=True)
 
     # AdamW at learning rate 1; the step scales the update by the scheduled rate (see learning_rate()), so the
-    # schedule can follow wall time (--time-budget) as well as the step count.
-    decay_mask = {k: v.ndim >= 2 and "embed_tokens" not in k for k, v in params.items()}
+    # schedule can follow wall time (--time-budget) as well as the step count. Weight decay on the matrices: every
+    # parameter but the embedding and the RMSNorm weights.
+    def decays(path, _):
+        return not {"embed_tokens", "norm", "input_norm", "post_norm"} & {getattr(k, "key", None) for k in path}
+
     opt = optax.chain(optax.clip_by_global_norm(1.0),
-                      optax.adamw(1.0, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask))
+                      optax.adamw(1.0, b1=0.9, b2=0.95, weight_decay=args.weight_decay,
+                                  mask=lambda p: jax.tree_util.tree_map_with_path(decays, p)))
     opt_state = opt.init(params)
 
     def loss_fn(p, batch):
-        logits, router_logits, ids, drop = forward(p, batch[:, :-1], cfg, capacity)
+        logits, router_logits, ids, drop = forward(graphdef, p, batch[:, :-1], capacity)
         ce = cross_entropy(logits, batch[:, 1:])
         aux = load_balancing_loss(router_logits, ids, cfg.num_experts)
-        return ce + cfg.router_aux_loss_coef * aux, (ce, aux, drop)
+        return ce + args.aux_coef * aux, (ce, aux, drop)
 
     @jax.jit
     def train_step(p, s, batch, lr):
@@ -649,21 +648,9 @@ def main(argv=None) -> int:
         updates = jax.tree.map(lambda u: lr * u, updates)
         return optax.apply_updates(p, updates), s, ce, aux, drop
 
-    @jax.jit
-    def eval_fn(p, batch):
-        logits, router_logits, ids, _ = forward(p, batch[:, :-1], cfg)
-        return cross_entropy(logits, batch[:, 1:]), ids
-
-    @jax.jit
-    def eval_aux(p, batch):
-        _, router_logits, ids, _ = forward(p, batch[:, :-1], cfg)
-        return load_balancing_loss(router_logits, ids, cfg.num_experts)
-
     rng = np.random.default_rng(args.seed)
-    val_windows = fixed_windows(val, args.eval_windows, args.seq_len)
-    train_windows = fixed_windows(train, args.eval_windows, args.seq_len)
     quick_val = val_windows[:: max(1, len(val_windows) // args.batch_size)][: args.batch_size]
-    history, drops = [], []
+    drops = []
     budget_s = 60.0 * args.time_budget
     t0 = time.time()
     bar = tqdm(total=None if budget_s else args.steps, desc="train", unit="step", dynamic_ncols=True)
@@ -680,70 +667,60 @@ def main(argv=None) -> int:
         ema = ce if ema is None else 0.98 * ema + 0.02 * ce
         post = {"loss": f"{ema:.3f}", "aux": f"{aux:.3f}", "drop": f"{100 * drop:.1f}%"}
         if args.eval_every and step % args.eval_every == 0:
-            vl, _ = eval_fn(params, jnp.asarray(quick_val))
-            history.append((step, ema, float(vl)))
-            post["val"] = f"{float(vl):.3f}"
-            tqdm.write(f"step {step}: train (EMA) {ema:.4f}  val {float(vl):.4f}  aux {aux:.4f}  "
+            vl = float(eval_fn(params, jnp.asarray(quick_val))[0])
+            post["val"] = f"{vl:.3f}"
+            tqdm.write(f"step {step}: train (EMA) {ema:.4f}  val {vl:.4f}  aux {aux:.4f}  "
                        f"dropped {100 * drop:.2f}%  {time.time() - t0:.0f} s")
         bar.set_postfix(post)
     bar.close()
     train_seconds = time.time() - t0
     steps = step
+    if not steps:
+        sys.exit("error: no training step ran (--steps 0 or --time-budget spent); nothing to export")
 
-    eval_batch = args.batch_size
-    train_loss, _ = evaluate(eval_fn, params, train_windows, eval_batch, cfg)
-    val_loss, val_usage = evaluate(eval_fn, params, val_windows, eval_batch, cfg)
-    val_aux = float(np.mean([float(eval_aux(params, jnp.asarray(val_windows[i: i + eval_batch])))
-                             for i in range(0, len(val_windows), eval_batch)]))
-    print(f"final train loss {train_loss:.4f} nats/byte, validation loss {val_loss:.4f} nats/byte "
-          f"(load-balancing {val_aux:.4f})")
-    print("expert usage on validation (share of top-k assignments):")
-    print(usage_bars(val_usage))
+    final = final_evaluation(eval_fn, params, train_windows, val_windows, args.batch_size, cfg)
 
     # Export.
     os.makedirs(args.out, exist_ok=True)
     np_dtype = np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16
-    tensors = export_tensors(params, cfg, np_dtype)
+    out_tensors = export_tensors(graphdef, params, cfg, np_dtype)
     st_path = os.path.join(args.out, "model.safetensors")
-    save_file(tensors, st_path, metadata={"format": "pt"})
+    save_file(out_tensors, st_path, metadata={"format": "pt"})
     file_bytes = os.path.getsize(st_path)
     if file_bytes > args.max_file_mb * 2**20:
         sys.exit(f"error: {st_path} is {file_bytes / 2**20:.2f} MiB > --max-file-mb {args.max_file_mb}")
     with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(hf_config(cfg, args.dtype), f, indent=2)
+        json.dump(hf_config(args, args.dtype), f, indent=2)
         f.write("\n")
     with open(os.path.join(args.out, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}, f, indent=2)
         f.write("\n")
 
-    # Export check: the reloaded tensors (in the stored dtype) give the training forward's logits.
-    reloaded = import_tensors(load_file(st_path), cfg)
-    stored = {k: jnp.asarray(np.asarray(v).astype(np_dtype).astype(np.float32)) for k, v in params.items()}
-    chk = jnp.asarray(val_windows[:2, :-1])
-    export_diff = float(jnp.max(jnp.abs(forward(reloaded, chk, cfg)[0] - forward(stored, chk, cfg)[0])))
-    print(f"export check: max |logits(reloaded) - logits(trained)| = {export_diff:.3e}")
-    if export_diff > 1e-4:
-        sys.exit("error: the exported checkpoint does not reproduce the trained model")
-
-    sample_greedy = sample(reloaded, cfg, args.sample_prompt, args.sample_tokens, 0.0, args.seed)
-    sample_temp = sample(reloaded, cfg, args.sample_prompt, args.sample_tokens, args.sample_temperature, args.seed)
+    # Samples from the trained model in the stored dtype, then the export check against ft_jax.load.
+    stored = jax.tree.map(lambda v: jnp.asarray(np.asarray(v).astype(np_dtype).astype(np.float32)), params)
+    logits_fn = jax.jit(lambda p, toks: forward(graphdef, p, toks)[0][0])  # [T, V]
+    sample_greedy, greedy_ids = sample(logits_fn, stored, cfg, args.sample_prompt, args.sample_tokens, 0.0, args.seed)
+    sample_temp, _ = sample(logits_fn, stored, cfg, args.sample_prompt, args.sample_tokens, args.sample_temperature,
+                            args.seed)
     print("--- greedy sample ---\n" + sample_greedy)
     print(f"--- temperature {args.sample_temperature} sample ---\n" + sample_temp)
+    export_diff, greedy_n = export_check(args.out, stored, cfg, list(args.sample_prompt.encode("utf-8")), greedy_ids)
+    print(f"export check: ft_jax.load({args.out}): max |parameter difference| = {export_diff:.3e}; its greedy "
+          f"decode of {greedy_n} bytes equals the training forward's")
 
     niceness = os.nice(0)  # this process's scheduling niceness, written into the card's command
-    expert_row_bytes = 3 * cfg.hidden_size * cfg.intermediate_size * np.dtype(np_dtype).itemsize
+    expert_row_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * np.dtype(np_dtype).itemsize
     results = {
         "data_bytes": int(data.size), "train_bytes": int(train.size), "steps": steps,
         "train_seconds": train_seconds, "step_ms": 1000 * train_seconds / steps, "cores": os.cpu_count(),
         "niceness": niceness,
         "command": f"nice -n {niceness} python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:] if argv is None
                                                            else [os.path.relpath(__file__)] + list(argv)),
-        "train_loss": train_loss, "val_loss": val_loss, "val_aux": val_aux, "val_usage": val_usage.tolist(),
-        "drop_tail": float(np.mean(drops[-100:])), "eval_windows": len(val_windows),
+        **final, "drop_tail": float(np.mean(drops[-100:])), "eval_windows": len(val_windows),
         "num_params": num_params, "file_bytes": file_bytes, "dtype": args.dtype,
         "expert_row_bytes": expert_row_bytes, "expert_total_bytes": expert_row_bytes * cfg.num_layers * cfg.num_experts,
         "sample_prompt": args.sample_prompt, "sample_greedy": sample_greedy, "sample_temp": sample_temp,
-        "export_max_abs_diff": export_diff, "history": history, "config": asdict(cfg),
+        "export_max_abs_diff": export_diff, "export_greedy_tokens": greedy_n,
     }
     write_model_card(args.out, args, cfg, results)
     print(f"wrote {args.out}: model.safetensors {file_bytes / 2**20:.2f} MiB, config.json, generation_config.json, "
