@@ -61,7 +61,7 @@ def auto_layer_time(costs, misses: int, hits: int, fetched: int) -> int:
 
 def auto_count(costs, misses: int, hits: int, cap: int, realized_gain: int, realized_fills: int) -> int:
     """auto's F: the smallest F in [0, cap] minimising layer time - credit * F (credit from the reuse estimate)."""
-    prior = 16
+    prior = 2  # AUTO_PRIOR_HITS
     num = realized_gain + 32 * prior
     den = realized_fills + 32
     per_fill_q4 = max(num, 0) * 16 // den

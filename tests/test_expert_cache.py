@@ -280,7 +280,8 @@ def test_auto_reuse_bookkeeping_by_hand():
     """L=1, E=4, S=1, auto: hits raise the slot's gain, a miss on the expert its fill evicted (its ghost) lowers
     it; when a fill that had replaced an expert is itself evicted, its gain (x32) joins the decayed sums (a fill
     into the empty slot, while warming up, is left out)."""
-    policy = policy_of("auto")  # every miss here is worth fetching: credit 16 hits x a host GEMV > the fill
+    # Every miss here is worth fetching: a fill costs what a host GEMV does (BP = BH), credit 2 hits x a GEMV.
+    policy = parse_policy("auto").with_costs(auto_costs(10**9, 8.0, 8.0, device_bandwidth=50.0))
     state = init_cache_state(1, 4, 1)
     only = lambda *e: jnp.asarray(np.isin(np.arange(4), e))  # noqa: E731
     state, plan = plan_static(state, 0, only(1), policy)  # fill expert 1 into the empty slot 0

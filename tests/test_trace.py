@@ -105,9 +105,9 @@ def test_bad_traces_name_file_and_line(tmp_path):
             tr.read_trace(str(path), num_layers=2 if "all 2" in msg else None, num_experts=8)
 
 
-def _auto(expert_bytes=GB, **kw):
+def _auto(expert_bytes=GB, bp=2.0, **kw):
     """auto bound to a cost model in which both paths and the reuse credit matter."""
-    model = tr.CostModel(expert_bytes=expert_bytes, bp=2.0, bh=8.0, device_bandwidth=50.0, **kw)
+    model = tr.CostModel(expert_bytes=expert_bytes, bp=bp, bh=8.0, device_bandwidth=50.0, **kw)
     return tr.bind_policy(parse_policy("auto"), model), model
 
 
@@ -255,7 +255,8 @@ def test_replayed_trace_makes_the_decode_steps_decisions(tmp_path, rows):
 
     ckpt = load_checkpoint(os.path.join(FIXTURES, "mixtral"), dtype=jnp.float32)
     cfg = ckpt.config
-    auto, _ = _auto(expert_bytes=ckpt.gate_up_bank.row_bytes + ckpt.down_bank.row_bytes)
+    # A fill costs two host GEMVs here: top-2 of 8 experts gives auto layers worth fetching and layers not.
+    auto, _ = _auto(expert_bytes=ckpt.gate_up_bank.row_bytes + ckpt.down_bank.row_bytes, bp=4.0)
     prompts = [[1, 17, 42, 5], [3, 9, 11, 2]][:rows]
     for policy in (auto, Policy("fetch-all")):
         start, result, end = _routing_of_decode(ckpt, policy, 5, 24, prompts)

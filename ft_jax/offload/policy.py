@@ -135,7 +135,7 @@ AUTO_TICKS = 1024  # the largest of the solo per-expert times (fill, host, devic
 AUTO_MAX_TICKS = 1 << 20  # cap of any tick value (a contended bandwidth near 0 gives a huge per-expert time)
 AUTO_GAIN_CLAMP = 127  # |net hits| of one fill counted at most (keeps the int32 estimator exact, see auto_credit)
 AUTO_DECAY_SHIFT = 10  # realized fills decay by 1/1024 per eviction: the estimate spans the last ~1000 evictions
-AUTO_PRIOR_HITS = 16  # prior: one pseudo-fill with this many net hits, so that a cold cache warms up
+AUTO_PRIOR_HITS = 2  # prior: one pseudo-fill with this many net hits (docs/policies.md: why 2, not more)
 AUTO_MAX_FIXED = 1 << 18  # cap of a fixed cost in ticks
 AUTO_MAX_CREDIT = 1 << 22  # cap of the reuse credit in ticks (credit * F stays in int32 for F <= 256)
 
