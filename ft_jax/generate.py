@@ -33,6 +33,7 @@ step. A non-finite logit is reported (NonFiniteLogitsError naming the step and r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from typing import Callable, Iterable, Sequence
@@ -258,6 +259,15 @@ def decode_one_token(graphdef, backend, params, tokens, positions, kv_cache, exp
     return nxt, kv_cache, expert_state, key, (out[3].topk_ids[:, :, 0], out[3].topk_weights[:, :, 0])
 
 
+def _engine_own(step):
+    """A new function object that calls step (same signature, via functools.wraps), for one Engine's jax.jit."""
+    @functools.wraps(step)
+    def call(*args, **kwargs):
+        return step(*args, **kwargs)
+
+    return call
+
+
 class Engine:
     """Prefill + decode with experts in host banks and a device slot pool (module docstring).
 
@@ -293,9 +303,15 @@ class Engine:
         use_huge_pages((self.params, self.expert_state))  # the dense weights and slot pools, read every step
         # Donated: the KV cache (5) and the expert state (6) of f(graphdef, backend, params, tokens, positions, kv_cache,
         # expert_state, key, temperature, top_k, top_p).
-        self._prefill = jax.jit(prefill, static_argnums=(0, 1), static_argnames=("greedy",), donate_argnums=(5, 6))
-        self._decode = jax.jit(decode_one_token, static_argnums=(0, 1), static_argnames=("greedy", "record_routing"),
-                               donate_argnums=(5, 6))
+        # jit over a function object of this Engine's own: JAX's tracing and compilation caches are keyed weakly on
+        # the function and hold the static arguments (the backends, with their host banks) and the executables
+        # strongly, so with the module-level functions every Engine ever built stayed alive until jax.clear_caches():
+        # its host-bank references and its executables' JIT code (about 500 memory mappings per Engine of a tiny
+        # model; Linux refuses a process more than vm.max_map_count = 65530).
+        self._prefill = jax.jit(_engine_own(prefill), static_argnums=(0, 1), static_argnames=("greedy",),
+                                donate_argnums=(5, 6))
+        self._decode = jax.jit(_engine_own(decode_one_token), static_argnums=(0, 1),
+                               static_argnames=("greedy", "record_routing"), donate_argnums=(5, 6))
         self._executables: dict[tuple, object] = {}
         self._lock = threading.Lock()
         _CompileCounter.install()

@@ -6,12 +6,9 @@ insertion, buffer aliasing: the in-place checks still see the production pipelin
 set before JAX creates its CPU backend, hence here. A caller's own XLA_FLAGS are kept.
 
 Every test runs with XDG_CACHE_HOME in a fresh temporary folder (subprocesses inherit it), so the user's bandwidth
-profiles and compilation cache are never read or written. `ft-jax` subprocesses use JAX's persistent compilation
-cache there, as the CLI does by default. In this process it stays off, even where a test calls cli.main (which
-turns it on): after some hundreds of XLA:CPU compiles in one process (jaxlib 0.10.2), a failing
-executable.serialize() of the cache write throws a C++ exception whose unwinding segfaults in libgcc's
-_Unwind_Find_FDE (the whole suite died at the DeepSeek-V3 bf16 policy test; that test alone writes its entries
-fine). docs/DESIGN.md sec. 5 has the details.
+profiles and compilation cache are never read or written. JAX's persistent compilation cache is on for the session
+in that folder, as the CLI has it by default: steps that many tests build alike (same fixture, shapes and policy)
+are compiled once.
 """
 
 import os
@@ -22,4 +19,5 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="ft_jax_tests_")
 
 import jax  # noqa: E402
 
-jax.config.update("jax_enable_compilation_cache", False)  # in this process only: see above
+jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["XDG_CACHE_HOME"], "ft_jax", "compile"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

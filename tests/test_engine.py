@@ -128,6 +128,26 @@ def test_no_recompile_for_another_length_or_temperature_in_the_same_buckets(mixt
     assert engine.generate([prompt], max_new_tokens=53).stats["kv_cache_len"] == 128  # 12 + 53 > 64: next bucket
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts Linux memory mappings")
+def test_a_dropped_engine_releases_its_executables_memory_mappings(mixtral):
+    """XLA:CPU keeps each executable's JIT code in mappings of its own. JAX's caches must not keep a dropped
+    Engine's executables alive: a suite of many Engines once reached vm.max_map_count (65530) and crashed."""
+    import gc
+
+    def mappings():
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    before = mappings()
+    engine = Engine(mixtral, policy=Policy("fetch-all"), num_slots=3)
+    engine.generate([[1, 2, 3]], max_new_tokens=3)
+    built = mappings() - before
+    del engine
+    gc.collect()
+    left = mappings() - before
+    assert built > 100 and left < built // 4, (built, left)
+
+
 def test_buckets():
     assert [prefill_bucket(n) for n in (1, 16, 17, 33, 100)] == [16, 16, 32, 64, 128]
     assert [kv_bucket(n, 4096) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
