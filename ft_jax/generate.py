@@ -33,7 +33,6 @@ step. A non-finite logit is reported (NonFiniteLogitsError naming the step and r
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import time
 from typing import Callable, Iterable, Sequence
@@ -259,11 +258,17 @@ def decode_one_token(graphdef, backend, params, tokens, positions, kv_cache, exp
     return nxt, kv_cache, expert_state, key, (out[3].topk_ids[:, :, 0], out[3].topk_weights[:, :, 0])
 
 
-def _engine_own(step):
-    """A new function object that calls step (same signature, via functools.wraps), for one Engine's jax.jit."""
-    @functools.wraps(step)
-    def call(*args, **kwargs):
-        return step(*args, **kwargs)
+def _bound_step(step, graphdef, backend):
+    """step (prefill or decode_one_token) with its graphdef and backend bound: a function object of one Engine's
+    own, f(params, tokens, positions, kv_cache, expert_state, key, temperature, top_k, top_p, **static), for its
+    jax.jit. JAX's tracing and compilation caches are keyed weakly on the jitted function and hold its static
+    arguments and executables strongly: with jax.jit over the module-level functions and the backends (which hold
+    the host banks) as static arguments, every Engine ever built stayed alive, with its executables' JIT code
+    (about 500 memory mappings per Engine of a tiny model; Linux refuses a process more than vm.max_map_count =
+    65530) and its host-bank references."""
+    def call(params, tokens, positions, kv_cache, expert_state, key, temperature, top_k, top_p, **static):
+        return step(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key, temperature, top_k,
+                    top_p, **static)
 
     return call
 
@@ -301,17 +306,12 @@ class Engine:
         self.expert_bytes = sum(bank.row_bytes for bank in self.decode_backend.banks)  # weights (+ biases)
         self.expert_state = self.decode_backend.init_state(self.num_slots)
         use_huge_pages((self.params, self.expert_state))  # the dense weights and slot pools, read every step
-        # Donated: the KV cache (5) and the expert state (6) of f(graphdef, backend, params, tokens, positions, kv_cache,
-        # expert_state, key, temperature, top_k, top_p).
-        # jit over a function object of this Engine's own: JAX's tracing and compilation caches are keyed weakly on
-        # the function and hold the static arguments (the backends, with their host banks) and the executables
-        # strongly, so with the module-level functions every Engine ever built stayed alive until jax.clear_caches():
-        # its host-bank references and its executables' JIT code (about 500 memory mappings per Engine of a tiny
-        # model; Linux refuses a process more than vm.max_map_count = 65530).
-        self._prefill = jax.jit(_engine_own(prefill), static_argnums=(0, 1), static_argnames=("greedy",),
-                                donate_argnums=(5, 6))
-        self._decode = jax.jit(_engine_own(decode_one_token), static_argnums=(0, 1),
-                               static_argnames=("greedy", "record_routing"), donate_argnums=(5, 6))
+        # Donated: the KV cache (3) and the expert state (4) of f(params, tokens, positions, kv_cache, expert_state,
+        # key, temperature, top_k, top_p); see _bound_step.
+        self._prefill = jax.jit(_bound_step(prefill, self.graphdef, self.prefill_backend),
+                                static_argnames=("greedy",), donate_argnums=(3, 4))
+        self._decode = jax.jit(_bound_step(decode_one_token, self.graphdef, self.decode_backend),
+                               static_argnames=("greedy", "record_routing"), donate_argnums=(3, 4))
         self._executables: dict[tuple, object] = {}
         self._lock = threading.Lock()
         _CompileCounter.install()
@@ -335,7 +335,7 @@ class Engine:
         """
         kv_cache = jax.eval_shape(lambda: self.init_kv_cache(batch_size, kv_len))
         ids = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
-        return self._decode.lower(self.graphdef, self.decode_backend, self.params, ids, ids, kv_cache,
+        return self._decode.lower(self.params, ids, ids, kv_cache,
                                   self.expert_state, jax.random.key(0), *sampling.operands(), greedy=sampling.greedy)
 
     def _executable(self, kind: str, args: tuple, greedy: bool, what: str, tally: dict, record_routing: bool = False):
@@ -351,8 +351,7 @@ class Engine:
         compiles_before, hits_before = _CompileCounter.snapshot()
         t0 = time.perf_counter()
         extra = {} if kind == "prefill" else {"record_routing": record_routing}
-        exe = step.lower(self.graphdef, self.prefill_backend if kind == "prefill" else self.decode_backend, *args,
-                         greedy=greedy, **extra).compile()
+        exe = step.lower(*args, greedy=greedy, **extra).compile()
         seconds = time.perf_counter() - t0
         compiles, hits = (a - b for a, b in zip(_CompileCounter.snapshot(), (compiles_before, hits_before)))
         tally["compile_s"] += seconds

@@ -131,8 +131,10 @@ def test_no_recompile_for_another_length_or_temperature_in_the_same_buckets(mixt
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts Linux memory mappings")
 def test_a_dropped_engine_releases_its_executables_memory_mappings(mixtral):
     """XLA:CPU keeps each executable's JIT code in mappings of its own. JAX's caches must not keep a dropped
-    Engine's executables alive: a suite of many Engines once reached vm.max_map_count (65530) and crashed."""
+    Engine's executables alive (a suite of many Engines once reached vm.max_map_count, 65530, and crashed), nor its
+    backends, which hold the host banks."""
     import gc
+    import weakref
 
     def mappings():
         with open("/proc/self/maps") as f:
@@ -142,10 +144,12 @@ def test_a_dropped_engine_releases_its_executables_memory_mappings(mixtral):
     engine = Engine(mixtral, policy=Policy("fetch-all"), num_slots=3)
     engine.generate([[1, 2, 3]], max_new_tokens=3)
     built = mappings() - before
+    backends = [weakref.ref(engine.decode_backend), weakref.ref(engine.prefill_backend)]
     del engine
     gc.collect()
     left = mappings() - before
     assert built > 100 and left < built // 4, (built, left)
+    assert [r() for r in backends] == [None, None]
 
 
 def test_buckets():
