@@ -30,15 +30,7 @@ ffi::Error CheckBanksLive(const char* op, const BoundBanks& bound) {
 
 }  // namespace ft_jax
 
-namespace {
-#if XLA_FFI_API_MINOR >= 2
-const auto kBoundBanksTypeInfo = xla::ffi::MakeTypeInfo<ft_jax::BoundBanks>();
-#else
-const auto kBoundBanksTypeInfo = xla::ffi::TypeInfo<ft_jax::BoundBanks>();
-#endif
-}  // namespace
-
 extern "C" {
 void* FtJaxBoundBanksTypeId() { return &ft_jax::BoundBanks::id; }
-void* FtJaxBoundBanksTypeInfo() { return const_cast<void*>(static_cast<const void*>(&kBoundBanksTypeInfo)); }
+void* FtJaxBoundBanksTypeInfo() { return ft_jax::StateTypeInfo<ft_jax::BoundBanks>(); }
 }

@@ -28,6 +28,17 @@ xla::ffi::ErrorOr<std::unique_ptr<BoundBanks>> BindBanks(const char* op, xla::ff
 // The execute stage's check: Success, or an error naming the op and the first released bank.
 xla::ffi::Error CheckBanksLive(const char* op, const BoundBanks& bound);
 
+// The TypeInfo (deleter) of an FFI state type T, as the void* that jax.ffi.register_ffi_type takes (one per T).
+template <typename T>
+void* StateTypeInfo() {
+#if XLA_FFI_API_MINOR >= 2
+  static const auto info = xla::ffi::MakeTypeInfo<T>();
+#else
+  static const auto info = xla::ffi::TypeInfo<T>();
+#endif
+  return const_cast<void*>(static_cast<const void*>(&info));
+}
+
 }  // namespace ft_jax
 
 // Type registration for Python (nanobind module) and ctypes users: the TypeId and its TypeInfo (deleter).

@@ -30,6 +30,20 @@ std::shared_ptr<ft_jax::Bank> LiveBank(int64_t id) {
   return bank;
 }
 
+// A handler symbol as the PyCapsule jax.ffi.register_ffi_target takes; a staged handler as {stage: capsule}.
+template <typename Fn>
+nb::capsule Capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+template <typename Instantiate, typename Execute>
+nb::dict Staged(Instantiate* instantiate, Execute* execute) {
+  nb::dict stages;
+  stages["instantiate"] = Capsule(instantiate);
+  stages["execute"] = Capsule(execute);
+  return stages;
+}
+
 }  // namespace
 
 NB_MODULE(_ffi, m) {
@@ -38,18 +52,11 @@ NB_MODULE(_ffi, m) {
   m.def(
       "registrations",
       [] {
-        auto capsule = [](auto fn) { return nb::capsule(reinterpret_cast<void*>(fn)); };
-        auto staged = [&](auto instantiate, auto execute) {
-          nb::dict stages;
-          stages["instantiate"] = capsule(instantiate);
-          stages["execute"] = capsule(execute);
-          return stages;
-        };
         nb::dict d;
-        d["ft_jax_slot_fill"] = staged(FtJaxSlotFillInstantiate, FtJaxSlotFill);
-        d["ft_jax_host_experts"] = staged(FtJaxHostExpertsInstantiate, FtJaxHostExperts);
-        d["ft_jax_slot_experts"] = capsule(FtJaxSlotExperts);
-        d["ft_jax_linear"] = capsule(FtJaxLinear);
+        d["ft_jax_slot_fill"] = Staged(FtJaxSlotFillInstantiate, FtJaxSlotFill);
+        d["ft_jax_host_experts"] = Staged(FtJaxHostExpertsInstantiate, FtJaxHostExperts);
+        d["ft_jax_slot_experts"] = Capsule(FtJaxSlotExperts);
+        d["ft_jax_linear"] = Capsule(FtJaxLinear);
         return d;
       },
       "dict target name -> PyCapsule of the XLA FFI handler, or a dict stage -> PyCapsule (CPU platform).");
@@ -78,17 +85,10 @@ NB_MODULE(_ffi, m) {
   m.def(
       "cuda_registrations",
       [] {
-        auto capsule = [](auto fn) { return nb::capsule(reinterpret_cast<void*>(fn)); };
-        auto staged = [&](auto instantiate, auto execute) {
-          nb::dict stages;
-          stages["instantiate"] = capsule(instantiate);
-          stages["execute"] = capsule(execute);
-          return stages;
-        };
         nb::dict d;
-        d["ft_jax_slot_fill"] = staged(FtJaxSlotFillCudaInstantiate, FtJaxSlotFillCuda);
-        d["ft_jax_host_experts_submit"] = staged(FtJaxHostExpertsSubmitInstantiate, FtJaxHostExpertsSubmit);
-        d["ft_jax_host_experts_wait"] = capsule(FtJaxHostExpertsWait);
+        d["ft_jax_slot_fill"] = Staged(FtJaxSlotFillCudaInstantiate, FtJaxSlotFillCuda);
+        d["ft_jax_host_experts_submit"] = Staged(FtJaxHostExpertsSubmitInstantiate, FtJaxHostExpertsSubmit);
+        d["ft_jax_host_experts_wait"] = Capsule(FtJaxHostExpertsWait);
         return d;
       },
       "dict target name -> PyCapsule (or dict stage -> PyCapsule) of the CUDA-platform handlers.");

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/bank_state.h"
 #include "xla_ffi/cuda_handlers.h"
 #include "xla_ffi/expert_kernel.h"
 #include "xla_ffi/host_bank.h"
@@ -249,16 +250,10 @@ ffi::Error WaitExecute(cudaStream_t stream, Ticket ticket, F32Matrix after, ffi:
   return ffi::Error::Success();
 }
 
-#if XLA_FFI_API_MINOR >= 2
-const auto kChannelTypeInfo = ffi::MakeTypeInfo<HostChannelState>();
-#else
-const auto kChannelTypeInfo = ffi::TypeInfo<HostChannelState>();
-#endif
-
 }  // namespace
 
 void* HostChannelTypeId() { return &HostChannelState::id; }
-void* HostChannelTypeInfo() { return const_cast<void*>(static_cast<const void*>(&kChannelTypeInfo)); }
+void* HostChannelTypeInfo() { return StateTypeInfo<HostChannelState>(); }
 
 }  // namespace ft_jax
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/bank_state.h"
 #include "xla_ffi/cuda_handlers.h"
 #include "xla_ffi/host_bank.h"
 #include "xla_ffi/host_bank_cuda.h"
@@ -220,16 +221,10 @@ ffi::Error Execute(cudaStream_t stream, CudaSlotFillState* s, I32Vector flat_ids
   return ffi::Error::Success();
 }
 
-#if XLA_FFI_API_MINOR >= 2
-const auto kStateTypeInfo = ffi::MakeTypeInfo<CudaSlotFillState>();
-#else
-const auto kStateTypeInfo = ffi::TypeInfo<CudaSlotFillState>();
-#endif
-
 }  // namespace
 
 void* CudaSlotFillStateTypeId() { return &CudaSlotFillState::id; }
-void* CudaSlotFillStateTypeInfo() { return const_cast<void*>(static_cast<const void*>(&kStateTypeInfo)); }
+void* CudaSlotFillStateTypeInfo() { return StateTypeInfo<CudaSlotFillState>(); }
 
 }  // namespace ft_jax
 
