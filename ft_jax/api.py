@@ -263,14 +263,34 @@ class Model:
         Returns:
             Generation.
         Raises:
+            TypeError: prompts, max_new_tokens, temperature, top_p or on_text of the wrong type (naming it).
             ValueError: an empty / out-of-vocabulary / too long prompt, a bad sampling value or seed, text without a
                 tokenizer, stop strings without a tokenizer, chat without a chat template.
             ft_jax.generate.NonFiniteLogitsError: the model produced NaN or infinite logits.
         """
         from ft_jax.generate import Sampling, check_request
 
+        def token_ids(p) -> bool:
+            return isinstance(p, (list, tuple)) and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p)
+
+        if not isinstance(prompts, (str, list, tuple)):
+            raise TypeError(f"prompts must be a text, a list of token ids or a list of texts / id lists, got "
+                            f"{type(prompts).__name__}")
         one = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
-        ids = [self.encode(p, chat=chat) for p in ([prompts] if one else list(prompts))]
+        rows = [prompts] if one else list(prompts)
+        bad = [p for p in rows if not (isinstance(p, str) or token_ids(p))]
+        if bad:
+            raise TypeError(f"each prompt must be a text or a list of integer token ids, got {bad[0]!r}")
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or
+                                           not isinstance(max_new_tokens, (int, np.integer))):
+            raise TypeError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+        for name, value in (("temperature", temperature), ("top_p", top_p)):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+        if on_text is not None and not callable(on_text):
+            raise TypeError(f"on_text must be callable with (row, text), got {on_text!r}")
+        ids = [self.encode(p, chat=chat) for p in rows]
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
             raise ValueError(f"seed must be an integer in [0, 2^32), got {seed!r}")
         stop = tuple(s for s in ([stop] if isinstance(stop, str) else stop))
@@ -345,13 +365,14 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
     cfg = load_config(path)
     if not isinstance(policy, Policy):
         policy = parse_policy(policy)  # errors before any loading
-    if cache is not None:
-        num_slots_for(cache, cfg.num_moe_layers * cfg.num_experts, 1)  # the form and range, before loading
+    dtype = model_dtype(dtype, cfg.dtype)
+    if cache is not None:  # the form and range before loading; a byte budget against the expert's weights
+        weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size * jnp.dtype(dtype).itemsize  # gate, up, down
+        num_slots_for(cache, cfg.num_moe_layers * cfg.num_experts, weights)
     try:
         tokenizer = load_tokenizer(path)
     except TokenizerNotFoundError:
         tokenizer = None
-    dtype = model_dtype(dtype, cfg.dtype)
     checkpoint = load_checkpoint(path, dtype=jnp.dtype(dtype))
     expert_bytes = sum(bank.row_bytes for bank in checkpoint.expert_banks.values())  # weights (+ biases)
     slots = num_slots_for(cache, checkpoint.gate_up_bank.num_rows, expert_bytes)

@@ -330,6 +330,12 @@ def run_generate(args: argparse.Namespace) -> int:
         Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.record_trace is not None:  # checked before loading: the trace is written after the whole generation
+        folder = os.path.dirname(os.path.abspath(args.record_trace))
+        if os.path.isdir(args.record_trace):
+            raise UsageError(f"--record-trace {args.record_trace}: is a directory, expected a file name")
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise UsageError(f"--record-trace {args.record_trace}: folder {folder} does not exist or is not writable")
     cache = args.cache_slots if args.cache_slots is not None else (
         args.cache_fraction if args.cache_fraction is not None else args.device_memory)
 

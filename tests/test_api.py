@@ -80,6 +80,20 @@ def test_stop_strings_cut_the_text_and_end_the_row(bundled):
     assert free.finish_reasons == ["length"]
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompts=123), "prompts must be a text, a list of token ids or a list of texts / id lists, got int"),
+    (dict(prompts=[1.5, 2]), "each prompt must be a text or a list of integer token ids, got 1.5"),
+    (dict(prompts=[True, 2]), "each prompt must be a text or a list of integer token ids, got [True, 2]"),
+    (dict(prompts=[1, 2], max_new_tokens=2.5), "max_new_tokens must be an integer, got 2.5"),
+    (dict(prompts=[1, 2], temperature="hot"), "temperature must be a number, got 'hot'"),
+    (dict(prompts=[1, 2], on_text=5), "on_text must be callable with (row, text), got 5"),
+])
+def test_wrong_argument_types_name_the_argument(bundled, kwargs, message):
+    with pytest.raises(TypeError) as e:
+        bundled.generate(kwargs.pop("prompts"), **kwargs)
+    assert str(e.value) == message
+
+
 def test_batch_of_text_prompts_each_equal_alone(bundled):
     both = bundled.generate(["ROMEO:", "JULIET:"], max_new_tokens=12, temperature=0)
     assert both.texts[1] == bundled.generate("JULIET:", max_new_tokens=12, temperature=0).text

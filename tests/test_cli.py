@@ -96,7 +96,9 @@ def test_error_prompt_longer_than_context(capsys):
 
 def test_error_device_budget_below_one_slot(capsys):
     line = _error(capsys, "--model", os.path.join(FIXTURES, "olmoe"), "--prompt-ids", "1", "--device-memory", "1KiB")
-    assert "smaller than one expert slot" in line
+    cfg = json.load(open(os.path.join(FIXTURES, "olmoe", "config.json")))
+    expert_bytes = 3 * cfg["hidden_size"] * cfg["intermediate_size"] * 4  # float32 gate, up and down weights
+    assert "smaller than one expert slot" in line and f"({expert_bytes} bytes:" in line
 
 
 def test_error_unknown_policy(capsys):

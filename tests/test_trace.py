@@ -224,7 +224,13 @@ def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):
         same = next(r for r in rec["results"] if r["bound"] == alt["policy"] and
                     r["cache_slots"] == rec["best"]["cache_slots"])
         assert alt["speedup"] == pytest.approx(same["ms_per_token"] / rec["best"]["ms_per_token"])
-    assert plan.recommend(trace, model, L * E * GB, policies)["resident"]
+    assert plan.recommend(trace, model, L * E * GB, policies)["resident"]  # the device is 6x the host here
+    # A CPU-like device (its hits cost what a host GEMV does): with every expert fitting, resident is a candidate,
+    # not the answer; the two paths side by side are faster than hits only.
+    cpu_like = tr.CostModel(expert_bytes=GB, bp=8.0, bh=8.0, device_bandwidth=8.0)
+    fits = plan.recommend(trace, cpu_like, 2 * L * E * GB, policies)
+    resident = next(r for r in fits["results"] if r["policy"] == "resident")
+    assert not fits["resident"] and fits["best"]["ms_per_token"] < resident["ms_per_token"]
     with pytest.raises(ValueError, match="holds no expert"):
         plan.recommend(trace, model, GB // 2, policies)
     assert cli.main(["plan", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),
@@ -288,3 +294,15 @@ def test_generate_record_trace_flag(tmp_path, capsys):
     for t in range(5):
         for layer in range(trace.num_layers):
             assert np.flatnonzero(trace.sequences[0].active[t, layer]).tolist() == sorted(ref_ids[t, layer])
+
+
+@pytest.mark.parametrize("where", ["folder", "missing"])
+def test_generate_refuses_a_record_trace_path_before_loading(tmp_path, capsys, where):
+    """A --record-trace target that cannot be written is refused up front (the trace is written only after the
+    whole generation), with the flag named."""
+    target = tmp_path if where == "folder" else tmp_path / "no" / "t.jsonl"
+    assert cli.main(["generate", "--model", os.path.join(FIXTURES, "mixtral"), "--prompt-ids", "1,2",
+                     "--record-trace", str(target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "compiling" not in captured.err
+    assert f"--record-trace {target}: " + ("is a directory" if where == "folder" else "folder") in captured.err

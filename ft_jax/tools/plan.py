@@ -27,32 +27,33 @@ def recommend(trace: tr.Trace, model: tr.CostModel, budget_bytes: int, policies,
         trace, model: from ft_jax.tools.trace.load_inputs. budget_bytes: device memory for expert slots, bytes.
         policies: candidate Policy objects (unbound). carry_cache, batch: as in replay.
     Returns:
-        {"budget_bytes", "budget_slots", "resident": bool (every expert fits), "results" (evaluate's rows),
+        {"budget_bytes", "budget_slots", "resident": bool (resident is the recommendation; a candidate only when
+         every expert fits), "results" (evaluate's rows),
          "best": the recommended row, "alternatives": [{"policy", "ms_per_token", "speedup"} at the best's size,
          speedup = their ms / the best's]}.
     Raises:
         ValueError: the budget holds no expert slot.
     """
+    from ft_jax.offload.policy import Policy
+
     total = trace.num_layers * trace.num_experts
     slots = budget_bytes // model.expert_bytes
     if slots < 1:
         raise ValueError(f"the device budget of {budget_bytes} bytes holds no expert of {model.expert_bytes} bytes")
-    if slots >= total:
-        from ft_jax.offload.policy import Policy
-
-        rows = tr.evaluate(trace, [Policy("resident")], [total], model, carry_cache=carry_cache, batch=batch)
-        return {"budget_bytes": budget_bytes, "budget_slots": int(slots), "resident": True, "results": rows,
-                "best": rows[0], "alternatives": []}
-    sizes = sorted({max(1, int(slots * f)) for f in SIZE_STEPS})
+    # Every expert fitting makes resident one more candidate, not the answer: on a CPU device the host path beside
+    # the slots can still be faster than hits only.
+    sizes = sorted({max(1, int(min(slots, total) * f)) for f in SIZE_STEPS})
     rows = tr.evaluate(trace, policies, sizes, model, carry_cache=carry_cache, batch=batch)
+    if slots >= total:
+        rows += tr.evaluate(trace, [Policy("resident")], [total], model, carry_cache=carry_cache, batch=batch)
     fastest = min(r["ms_per_token"] for r in rows)
     best = min((r for r in rows if r["ms_per_token"] <= WITHIN * fastest),
                key=lambda r: (r["cache_slots"], r["ms_per_token"]))
     alternatives = [{"policy": r["bound"], "ms_per_token": r["ms_per_token"],
                      "speedup": r["ms_per_token"] / best["ms_per_token"] if best["ms_per_token"] > 0 else 1.0}
                     for r in rows if r["cache_slots"] == best["cache_slots"] and r is not best]
-    return {"budget_bytes": budget_bytes, "budget_slots": int(slots), "resident": False, "results": rows,
-            "best": best, "alternatives": alternatives}
+    return {"budget_bytes": budget_bytes, "budget_slots": int(slots), "resident": best["policy"] == "resident",
+            "results": rows, "best": best, "alternatives": alternatives}
 
 
 def add_plan_arguments(sub) -> None:
@@ -96,13 +97,13 @@ def run_plan(args) -> int:
     best = rec["best"]
     total = trace.num_layers * trace.num_experts
     if rec["resident"]:
-        print(f"recommendation: resident: the budget holds {rec['budget_slots']} experts, all {total} fit "
-              f"({best['ms_per_token']:.2f} ms/token, hits only)")
-        return 0
-    gib = best["cache_slots"] * model.expert_bytes / 2**30
-    print(f"recommendation: --policy {best['policy']} --cache-slots {best['cache_slots']} ({gib:.2f} GiB, "
-          f"{100 * best['cache_fraction']:.1f}% of the {total} experts; budget {rec['budget_slots']} slots): "
-          f"{best['ms_per_token']:.2f} ms/token modelled, hit rate {100 * best['hit_rate']:.1f}%")
+        print(f"recommendation: --policy resident: the budget holds {rec['budget_slots']} experts, all {total} fit "
+              f"({best['ms_per_token']:.2f} ms/token modelled, hits only)")
+    else:
+        gib = best["cache_slots"] * model.expert_bytes / 2**30
+        print(f"recommendation: --policy {best['policy']} --cache-slots {best['cache_slots']} ({gib:.2f} GiB, "
+              f"{100 * best['cache_fraction']:.1f}% of the {total} experts; budget {rec['budget_slots']} slots): "
+              f"{best['ms_per_token']:.2f} ms/token modelled, hit rate {100 * best['hit_rate']:.1f}%")
     for alt in sorted(rec["alternatives"], key=lambda a: a["speedup"]):
         print(f"  beats {alt['policy']:<16} ({alt['ms_per_token']:.2f} ms/token) by {alt['speedup']:.3f}x")
     print()
