@@ -132,7 +132,7 @@ def resolve_policy(policy, checkpoint, *, profile: str | None = None, measure: b
         ValueError: an unknown policy name.
     """
     from ft_jax.offload.policy import Policy, parse_policy
-    from ft_jax.tools import bandwidth
+    from ft_jax.offload import profile as bandwidth
 
     if not isinstance(policy, Policy):
         policy = parse_policy(policy)
@@ -224,7 +224,7 @@ class _StopWatch:
 
 class Model:
     """A loaded model ready to generate (ft_jax.load). Attributes: path, config (MoEConfig), tokenizer (or None),
-    checkpoint (LoadedCheckpoint), engine (ft_jax.generate.Engine), policy, dtype, note (the bandwidth-profile
+    checkpoint (LoadedCheckpoint), engine (ft_jax.engine.engine.Engine), policy, dtype, note (the bandwidth-profile
     message, or None)."""
 
     def __init__(self, path, config, tokenizer, checkpoint, engine, dtype: str, note: str | None):
@@ -254,7 +254,7 @@ class Model:
         Args:
             prompts: a text, a list of token ids, or a list of texts / id lists (decoded together as one batch).
             max_new_tokens: per prompt (default DEFAULT_NEW_TOKENS, or what the model's context leaves).
-            temperature, top_k, top_p: sampling (ft_jax.generate.Sampling; temperature 0 = greedy).
+            temperature, top_k, top_p: sampling (ft_jax.engine.engine.Sampling; temperature 0 = greedy).
             seed: sampling seed, an integer in [0, 2^32).
             stop: stop strings: a row ends once its text contains one; the text is cut where it starts.
             chat: render each text prompt with the checkpoint's chat template (tokenizer_config.json) first.
@@ -266,9 +266,9 @@ class Model:
             TypeError: prompts, max_new_tokens, temperature, top_p or on_text of the wrong type (naming it).
             ValueError: an empty / out-of-vocabulary / too long prompt, a bad sampling value or seed, text without a
                 tokenizer, stop strings without a tokenizer, chat without a chat template.
-            ft_jax.generate.NonFiniteLogitsError: the model produced NaN or infinite logits.
+            ft_jax.engine.engine.NonFiniteLogitsError: the model produced NaN or infinite logits.
         """
-        from ft_jax.generate import Sampling, check_request
+        from ft_jax.engine.engine import Sampling, check_request
 
         def token_ids(p) -> bool:
             return isinstance(p, (list, tuple)) and all(
@@ -357,7 +357,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
 
     from ft_jax.checkpoint import load_checkpoint
     from ft_jax.config import load_config
-    from ft_jax.generate import Engine
+    from ft_jax.engine.engine import Engine
     from ft_jax.offload.policy import Policy, parse_policy
     from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 

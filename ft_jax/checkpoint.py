@@ -584,7 +584,7 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
             scale of 255 or one that overflows float32 included; names the file and the tensor).
         ConfigError / NotImplementedError: from :func:`ft_jax.config.load_config`.
     """
-    from ft_jax.offload.host_bank import HostBank
+    from ft_jax.offload.banks import HostBank
 
     cfg = load_config(model_dir)
     dense_dtype = _np_dtype(dtype)

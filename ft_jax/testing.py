@@ -141,7 +141,7 @@ def assert_policies_agree(model_dir: str | os.PathLike, prompt_ids: Sequence[int
     from ft_jax.api import model_dtype
     from ft_jax.checkpoint import load_checkpoint
     from ft_jax.config import load_config
-    from ft_jax.generate import Engine
+    from ft_jax.engine.engine import Engine
     from ft_jax.offload.policy import auto_costs, parse_policy
 
     cfg = load_config(model_dir)

@@ -44,9 +44,9 @@ def build_engine(cfg, policy: str, cache_fraction: float):
     import ml_dtypes
 
     from ft_jax.checkpoint import LoadedCheckpoint
-    from ft_jax.generate import Engine
+    from ft_jax.engine.engine import Engine
     from ft_jax.models.decoder import MoETransformer
-    from ft_jax.offload.host_bank import HostBank
+    from ft_jax.offload.banks import HostBank
     from ft_jax.offload.policy import parse_policy
 
     bf16 = np.dtype(ml_dtypes.bfloat16)

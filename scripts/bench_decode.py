@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Decode throughput of the real ft_jax engine under each expert policy, measured side by side in one run.
 
-One checkpoint is loaded once (dense weights on the device, experts in host banks); one ft_jax.generate.Engine is
+One checkpoint is loaded once (dense weights on the device, experts in host banks); one ft_jax.engine.engine.Engine is
 built per policy over the same banks:
 
   resident     every expert in a device slot (S = L*E): the no-offload reference
   fetch-all    every miss copied into a slot (classic LRU offload)
   host-all     every miss computed on the CPU from the host bank; the cache never changes after prefill
   qstar:FRAC   q* = m * FRAC misses fetched, the rest on the CPU (FRAC from --frac, else the stored bandwidth profile
-               of this machine and expert size via ft_jax.tools.bandwidth.get_or_measure_profile, else 0.25)
+               of this machine and expert size via ft_jax.offload.profile.get_or_measure_profile, else 0.25)
   fixed-cap:1  at most one miss fetched per MoE layer
 
 Every offloading policy gets the same S = max(1, round(--cache-fraction * L * E)) slots.
@@ -78,7 +78,7 @@ def qstar_fraction(args: argparse.Namespace, checkpoint) -> tuple[float, str]:
     Raises:
         SystemExit: --frac outside [0, 1].
     """
-    from ft_jax.tools import bandwidth
+    from ft_jax.offload import profile as bandwidth
 
     if args.frac is not None:
         if not 0.0 <= args.frac <= 1.0:
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
     from ft_jax.checkpoint import load_checkpoint
     from ft_jax.api import bundled_model_path
     from ft_jax.config import load_config
-    from ft_jax.generate import Engine, Sampling
+    from ft_jax.engine.engine import Engine, Sampling
     from ft_jax.offload.policy import Policy
 
     if args.new_tokens < 2:

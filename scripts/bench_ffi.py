@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark of the ft_jax FFI handlers against numpy baselines, measured side by side in one run.
 
-Uses the bandwidth profile's measuring harness (ft_jax.tools.bandwidth: ``Bench`` for the banks, slots, jitted
+Uses the bandwidth profile's measuring harness (ft_jax.offload.profile: ``Bench`` for the banks, slots, jitted
 production calls and the row rotation past twice the last-level cache; ``measure_rates`` for alternating timed
 windows). Prints three tables:
   1. slot_fill GB/s (n experts per call copied from the host banks into donated slot arrays inside jax.jit) divided
@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ft_jax import _ffi
-from ft_jax.offload import ffi_ops
-from ft_jax.offload.host_bank import HostBank
-from ft_jax.tools.bandwidth import Bench, measure_rates
+from ft_jax.kernels import ffi_ops
+from ft_jax.offload.banks import HostBank
+from ft_jax.offload.profile import Bench, measure_rates
 
 MiB = 1 << 20
 

@@ -13,7 +13,7 @@ Prints four tables (and writes them as JSON to --out/bench_gpu.json):
   4. Decode tokens/s of a synthetic Mixtral-shaped bf16 model (scripts/synthetic_checkpoint.py: H 4096, I 14336,
      8 experts top-2, --layers layers) for resident, fetch-all, host-all, qstar and auto at a --cache-fraction cache,
      the policies interleaved round by round; qstar's fraction and auto's costs come from a quick bandwidth profile
-     measured here (ft_jax.tools.bandwidth, stored in --out). Target: qstar >= 1.2 x max(fetch-all, host-all).
+     measured here (ft_jax.offload.profile, stored in --out). Target: qstar >= 1.2 x max(fetch-all, host-all).
      Greedy tokens must be identical across the policies (checked).
 
 Medians over the rounds, spreads (min-max) in brackets; the load average is printed. Needs a GPU, jax with CUDA,
@@ -73,8 +73,8 @@ def bench_fill_and_host(args, gpu, cpu):
     import ml_dtypes
     import numpy as np
 
-    from ft_jax.offload import ffi_ops
-    from ft_jax.offload.host_bank import HostBank
+    from ft_jax.kernels import ffi_ops
+    from ft_jax.offload.banks import HostBank
 
     H, inter, E = 4096, 14336, 8
     bf16 = np.dtype(ml_dtypes.bfloat16)
@@ -166,7 +166,7 @@ def bench_decode(args, synth_dir):
     from ft_jax import _ffi
     from ft_jax.api import resolve_policy
     from ft_jax.checkpoint import load_checkpoint
-    from ft_jax.generate import Engine
+    from ft_jax.engine.engine import Engine
 
     ckpt = load_checkpoint(synth_dir, dtype=jnp.bfloat16)
     L_E = ckpt.gate_up_bank.num_rows

@@ -12,7 +12,7 @@ kv_lora_rank 512, q_proj without a q LoRA; random bf16 weights) decodes one toke
      expanded form (every cached latent expanded through kv_b_proj to NH keys and values each step, as transformers
      computes it), milliseconds per step. Goal: absorbed faster, increasingly so with the context.
 
-Figures are medians over --repeats timed windows of --min-time seconds (ft_jax.tools.bandwidth.measure_rates, the
+Figures are medians over --repeats timed windows of --min-time seconds (ft_jax.offload.profile.measure_rates, the
 variants alternating window by window), spread (min-max) in brackets; the ratio divides the medians. The load average
 is printed with the results.
 """
@@ -30,7 +30,7 @@ from ft_jax.config import config_from_dict
 from ft_jax.models.decoder import Stacked, attention_inputs, random_param_factory
 from ft_jax.models.layers import HIGHEST, linear
 from ft_jax.models.mla import MultiHeadLatentAttention, per_head_linear
-from ft_jax.tools.bandwidth import measure_rates
+from ft_jax.offload.profile import measure_rates
 
 V2_LITE = {"architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 1024, "hidden_size": 2048,
            "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,

@@ -1,4 +1,4 @@
-"""Tests of ft_jax.tools.bandwidth (measurement, store, fraction) and the `ft-jax profile` command.
+"""Tests of ft_jax.offload.profile (measurement, store, fraction) and the `ft-jax profile` command.
 
 Every test writes only under tmp_path (XDG_CACHE_HOME points there): the real user cache is never touched.
 Measurements use small experts (H=64, I=128) and quick mode; nothing asserts on timing.
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from ft_jax import api, cli
-from ft_jax.tools import bandwidth
-from ft_jax.tools.bandwidth import Profile
+from ft_jax.offload import profile as bandwidth
+from ft_jax.offload.profile import Profile
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_tiny"
 BUNDLED = Path(api.bundled_model_path())
@@ -196,7 +196,7 @@ def test_two_processes_saving_at_once_keep_every_entry(tmp_path):
     path = tmp_path / "p.json"
     script = textwrap.dedent(f"""
         import os, sys, time
-        from ft_jax.tools.bandwidth import Profile, save_profile
+        from ft_jax.offload.profile import Profile, save_profile
         open({str(tmp_path)!r} + "/ready." + sys.argv[1], "w").close()
         while not all(os.path.exists({str(tmp_path)!r} + "/ready." + n) for n in "ab"):  # start together
             time.sleep(0.001)

@@ -158,7 +158,7 @@ def test_bazel_sources_match_cmake():
 
 def test_coexists_with_pip_extension(lib):
     """Both libraries export the same symbols; each handler must read its own bank registry (no interposition)."""
-    host_bank = pytest.importorskip("ft_jax.offload.host_bank")
+    host_bank = pytest.importorskip("ft_jax.offload.banks")
     pip_bank = host_bank.HostBank(3, (5,), np.float32)  # lives in ft_jax._ffi's registry, not the Bazel library's
     try:
         rows = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)  # [R=4, 8]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ft_jax.checkpoint import load_checkpoint
-from ft_jax.generate import Engine, NonFiniteLogitsError, Sampling, kv_bucket, prefill_bucket, sample_next
+from ft_jax.engine.engine import Engine, NonFiniteLogitsError, Sampling, kv_bucket, prefill_bucket, sample_next
 from ft_jax.offload.policy import Policy
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")

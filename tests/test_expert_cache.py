@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ft_jax.offload.expert_cache import (STAT_FIELDS, CacheState, active_from_topk, init_cache_state,
+from ft_jax.offload.cache import (STAT_FIELDS, CacheState, active_from_topk, init_cache_state,
                                  init_cache_state_resident, plan_layer)
 from ft_jax.offload.policy import auto_costs, parse_policy
 from cache_reference import ReferenceCache

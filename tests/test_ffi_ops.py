@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from ft_jax import _ffi
-from ft_jax.offload import ffi_ops
-from ft_jax.offload.host_bank import HostBank
+from ft_jax.kernels import ffi_ops
+from ft_jax.offload.banks import HostBank
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # An FFI error raised while a compiled step runs reaches Python as JaxRuntimeError, or as ValueError when jit's C++
@@ -330,8 +330,8 @@ def test_skipped_routes_contribute_nothing():
 _SUBPROCESS_SCRIPT = """
 import sys, numpy as np, jax.numpy as jnp
 import ml_dtypes
-from ft_jax.offload import ffi_ops
-from ft_jax.offload.host_bank import HostBank
+from ft_jax.kernels import ffi_ops
+from ft_jax.offload.banks import HostBank
 x, ids, w, gu, dn, gb, db, out = sys.argv[1:9]
 banks = HostBank.from_numpy(np.load(gu)), HostBank.from_numpy(np.load(dn))
 biases = dict(gate_up_bias=HostBank.from_numpy(np.load(gb)), down_bias=HostBank.from_numpy(np.load(db))) \\
@@ -562,8 +562,8 @@ def test_bf16_weights_and_activations_on_every_kernel_path(kernel, tmp_path):
     script = """
 import sys, numpy as np, jax.numpy as jnp, ml_dtypes
 from ft_jax import _ffi
-from ft_jax.offload import ffi_ops
-from ft_jax.offload.host_bank import HostBank
+from ft_jax.kernels import ffi_ops
+from ft_jax.offload.banks import HostBank
 d = sys.argv[1]
 load = lambda n: (lambda a: a.view(ml_dtypes.bfloat16) if a.dtype == np.uint16 else a)(np.load(f"{d}/{n}.npy"))
 banks = HostBank.from_numpy(load("gu")), HostBank.from_numpy(load("dn"))

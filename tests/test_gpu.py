@@ -61,7 +61,7 @@ def _run_case(case: str, xla_flags: str, **env) -> dict:
 def _fill_inputs(seed: int):
     """Banks of three kinds (f32 [R, 6, 40], bf16 [R, 24, 8], bf16 vectors [R, 10]: 20-byte rows, no 16-byte
     vectors), slot pools of S = 5, and fills with padding on either side."""
-    from ft_jax.offload.host_bank import HostBank
+    from ft_jax.offload.banks import HostBank
 
     rng = np.random.default_rng(seed)
     rows = [rng.standard_normal((9, 6, 40)).astype(np.float32),
@@ -80,7 +80,7 @@ def _fill_inputs(seed: int):
 
 def _fill_on(device, banks, pools, fills):
     """Pools after every fill in turn, on `device`; the error count of each call."""
-    from ft_jax.offload import ffi_ops
+    from ft_jax.kernels import ffi_ops
 
     fill = jax.jit(lambda p, f, s: ffi_ops.slot_fill_with_errors(p, f, s, banks), donate_argnums=0)
     state = tuple(jax.device_put(p, device) for p in pools)
@@ -103,7 +103,7 @@ def test_cuda_slot_fill_bit_exact_against_cpu():
 
 
 def test_cuda_slot_fill_counts_and_skips_out_of_range_ids():
-    from ft_jax.offload import ffi_ops
+    from ft_jax.kernels import ffi_ops
 
     _, gpu = _devices()
     banks, pools, _ = _fill_inputs(1)
@@ -130,8 +130,8 @@ def test_cuda_slot_fill_bounce_fallback_bit_exact():
                                                 (BF16, np.float32, False)])
 def test_gpu_host_experts_equal_the_cpu_handler(dtype, x_dtype, bias):
     """Same kernel, same inputs, fixed summation order: the GPU path (staging, worker pool) is bit-identical."""
-    from ft_jax.offload import ffi_ops
-    from ft_jax.offload.host_bank import HostBank
+    from ft_jax.kernels import ffi_ops
+    from ft_jax.offload.banks import HostBank
 
     cpu, gpu = _devices()
     rng = np.random.default_rng(2)
@@ -191,8 +191,8 @@ def _case_bounce() -> dict:
 def _case_counters(calls: int = 20) -> dict:
     """host_experts inside a jit with a few device ops around it, called `calls` times with new inputs."""
     from ft_jax import _ffi
-    from ft_jax.offload import ffi_ops
-    from ft_jax.offload.host_bank import HostBank
+    from ft_jax.kernels import ffi_ops
+    from ft_jax.offload.banks import HostBank
 
     cpu, gpu = _devices()
     rng = np.random.default_rng(3)
@@ -223,7 +223,7 @@ def _case_greedy(new_tokens: int = 12) -> dict:
     """Greedy continuation of each fixture's prompt, qstar 0.5 with a quarter of the experts as slots (fills and
     host GEMVs in every step)."""
     from ft_jax.checkpoint import load_checkpoint
-    from ft_jax.generate import Engine
+    from ft_jax.engine.engine import Engine
     from ft_jax.offload.policy import Policy
 
     tokens, reference = {}, {}

@@ -14,9 +14,9 @@ import pytest
 
 import ft_jax
 from ft_jax import _ffi
-from ft_jax.offload import device_experts, ffi_ops
+from ft_jax.kernels import device_experts, ffi_ops
 from ft_jax.offload.experts import OffloadedExperts
-from ft_jax.offload.host_bank import HostBank
+from ft_jax.offload.banks import HostBank
 from ft_jax.offload.policy import Policy
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -174,7 +174,7 @@ def test_decode_step_lowered_for_cuda_uses_only_the_cuda_forms(family, monkeypat
     import os
 
     from ft_jax.checkpoint import load_checkpoint
-    from ft_jax.generate import Engine, Sampling
+    from ft_jax.engine.engine import Engine, Sampling
 
     monkeypatch.setattr(ft_jax, "CUDA_ENABLED", True)
     path = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny", family)

@@ -18,8 +18,8 @@ from flax import nnx
 from ft_jax.checkpoint import load_checkpoint
 from ft_jax.config import load_config
 from ft_jax.models.decoder import MoETransformer, random_param_factory
-from ft_jax.offload import ffi_ops
-from ft_jax.offload.host_bank import HostBank
+from ft_jax.kernels import ffi_ops
+from ft_jax.offload.banks import HostBank
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "deepseek_v2_group",

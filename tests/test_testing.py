@@ -12,7 +12,7 @@ import pytest
 
 import ft_jax
 from ft_jax import testing
-from ft_jax.generate import Engine
+from ft_jax.engine.engine import Engine
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILY_FIXTURE = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",

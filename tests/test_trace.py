@@ -16,7 +16,7 @@ import pytest
 
 from cache_reference import ReferenceCache
 from ft_jax import cli
-from ft_jax.offload.expert_cache import CacheState
+from ft_jax.offload.cache import CacheState
 from ft_jax.offload.policy import Policy, auto_layer_ticks, parse_policy
 from ft_jax.tools import trace as tr
 
@@ -242,7 +242,7 @@ def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):
 
 def _routing_of_decode(ckpt, policy, slots, steps, prompts):
     """(engine after a prefill-only call: its cache state, the routing and final state of a full generate)."""
-    from ft_jax.generate import Engine, Sampling
+    from ft_jax.engine.engine import Engine, Sampling
 
     sampling = Sampling(temperature=1.0)  # varied routing from step to step
     first = Engine(ckpt, policy=policy, num_slots=slots)

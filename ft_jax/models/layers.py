@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ft_jax.config import RopeScaling
-from ft_jax.offload import ffi_ops
+from ft_jax.kernels import ffi_ops
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -46,7 +46,7 @@ from flax import nnx
 
 from ft_jax.config import MoEConfig
 from ft_jax.models.layers import HIGHEST, apply_rope, cache_load, cache_store, linear, rms_norm, rope_cos_sin
-from ft_jax.offload import ffi_ops
+from ft_jax.kernels import ffi_ops
 
 if TYPE_CHECKING:
     from ft_jax.models.decoder import AttentionInputs, Stacked

@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 
 import ft_jax
-from ft_jax.offload import expert_cache, ffi_ops
-from ft_jax.offload.host_bank import HostBank
+from ft_jax.kernels import ffi_ops
+from ft_jax.offload import cache as expert_cache
+from ft_jax.offload.banks import HostBank
 from ft_jax.offload.policy import Policy
 
 

@@ -1,7 +1,7 @@
 """Routing traces: read and write them, replay them through the decode step's cache plan, model the MoE time per token.
 
 A routing trace says which experts every generated token routed to in every MoE layer; no weights are needed to
-replay it. ``ft-jax trace`` replays a trace through ``ft_jax.offload.expert_cache.plan_layer`` (the code the decode
+replay it. ``ft-jax trace`` replays a trace through ``ft_jax.offload.cache.plan_layer`` (the code the decode
 step runs: jit, lax.scan over the MoE layers with the layer index traced, ``max_active`` = rows x top-k) for lists of
 policies and cache sizes, and prices every MoE-layer call with the cost model below under a bandwidth profile.
 
@@ -402,7 +402,7 @@ def parse_bandwidth(spec: str) -> dict | None:
 def stored_profile(expert_bytes: int, dtype: str, path: str | None = None):
     """(Profile, how) of this machine from the bandwidth store: the entry for (dtype, expert_bytes), else this
     machine's entry with the closest expert size. Raises ValueError if the store has none of this machine."""
-    from ft_jax.tools import bandwidth
+    from ft_jax.offload import profile as bandwidth
 
     key = bandwidth.machine_key(dtype, expert_bytes)
     profiles, damaged = bandwidth.read_profiles(path)
@@ -456,7 +456,7 @@ def _replay_step(policy, max_active: int):
     import jax
     import jax.numpy as jnp
 
-    from ft_jax.offload.expert_cache import plan_layer
+    from ft_jax.offload.cache import plan_layer
 
     def run(state, active, valid):
         L = active.shape[1]
@@ -527,7 +527,7 @@ def replay(trace: Trace, policy, num_slots: int, *, carry_cache: bool = False, b
     import jax
     import jax.numpy as jnp
 
-    from ft_jax.offload.expert_cache import init_cache_state, init_cache_state_resident
+    from ft_jax.offload.cache import init_cache_state, init_cache_state_resident
 
     L, E = trace.num_layers, trace.num_experts
     if not isinstance(num_slots, int) or not 1 <= num_slots <= L * E:
@@ -695,12 +695,12 @@ def add_model_arguments(p) -> None:
 
 def load_inputs(args) -> tuple[Trace, CostModel]:
     """(Trace, CostModel) from the shared trace/plan arguments. Raises ValueError / OSError (one-line messages)."""
-    from ft_jax.tools.bandwidth import dtype_name
+    from ft_jax.offload.profile import dtype_name
 
     L, E, eb, dtype = args.num_layers, args.num_experts, args.expert_bytes, args.dtype
     if args.model:
         from ft_jax.config import load_config
-        from ft_jax.tools.bandwidth import expert_nbytes
+        from ft_jax.offload.profile import expert_nbytes
 
         cfg = load_config(args.model)
         dtype = dtype or ("float32" if str(cfg.dtype) == "float32" else "bfloat16")

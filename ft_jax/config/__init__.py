@@ -66,7 +66,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' layer_types values used by gpt-oss
 
-# Hugging Face ``hidden_act`` -> activation name used by the expert kernels (ft_jax.offload.ffi_ops).
+# Hugging Face ``hidden_act`` -> activation name used by the expert kernels (ft_jax.kernels.ffi_ops).
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}

@@ -161,8 +161,8 @@ class Bench:
         import jax.numpy as jnp
         import numpy as np
 
-        from ft_jax.offload import ffi_ops
-        from ft_jax.offload.host_bank import HostBank
+        from ft_jax.kernels import ffi_ops
+        from ft_jax.offload.banks import HostBank
 
         H, I = int(hidden_size), int(intermediate_size)
         if min(H, I, tokens) < 1:

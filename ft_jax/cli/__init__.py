@@ -297,7 +297,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """`ft-jax generate`: returns the exit status. Built on ft_jax.load / Model.generate (the Python API)."""
     from ft_jax import api
     from ft_jax.config import load_config
-    from ft_jax.generate import Sampling, check_request
+    from ft_jax.engine.engine import Sampling, check_request
     from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 
     # Everything that can be checked without the weights is checked first: errors come before any loading.
@@ -419,7 +419,7 @@ def recommendation(profile) -> str:
 
 
 def _profile_report(profile, q_star: dict[int, int], saved: str) -> str:
-    from ft_jax.tools.bandwidth import describe_machine
+    from ft_jax.offload.profile import describe_machine
 
     k, d = profile.key, profile.details
     rows = [("BP  slot fill", "bp"), ("BH  host expert GEMV", "bh"),
@@ -449,7 +449,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from ft_jax.offload.policy import fetch_count_np
-    from ft_jax.tools import bandwidth
+    from ft_jax.offload import profile as bandwidth
 
     if (args.hidden_size is None) != (args.intermediate_size is None):
         raise UsageError("give both --hidden-size and --intermediate-size (or --model)")

@@ -4,7 +4,7 @@ A bank holds one weight kind for all L x E experts (flat id = moe_layer_index * 
   gate_up bank: rows [2I, H] (rows 0..I-1 = gate_proj.weight [I, H], rows I..2I-1 = up_proj.weight [I, H];
                 Mixtral w1 = gate, w3 = up; the transformers ``experts.gate_up_proj`` [E, 2I, H] layout),
   down bank:    rows [H, I] (down_proj.weight, Mixtral w2).
-The FFI handlers (ft_jax.offload.ffi_ops) receive the bank's integer ``id`` as a compile-time attribute.
+The FFI handlers (ft_jax.kernels.ffi_ops) receive the bank's integer ``id`` as a compile-time attribute.
 
 Read-only once loaded: ``freeze()`` (called by the checkpoint loader when every row is filled) makes the bank
 read-only from Python, so weights that compiled decode steps read cannot be changed behind them: ``numpy()``

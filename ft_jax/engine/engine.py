@@ -43,9 +43,9 @@ import numpy as np
 from flax import nnx
 
 from ft_jax.checkpoint import LoadedCheckpoint
-from ft_jax.offload.expert_cache import STAT_FIELDS
+from ft_jax.offload.cache import STAT_FIELDS
 from ft_jax.offload.experts import OffloadedExperts
-from ft_jax.offload.host_bank import use_huge_pages
+from ft_jax.offload.banks import use_huge_pages
 from ft_jax.offload.policy import Policy
 
 MIN_PREFILL_BUCKET = 16

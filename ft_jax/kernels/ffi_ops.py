@@ -2,7 +2,7 @@
 
 On a GPU (ft_jax.CUDA_ENABLED) slot_fill is the same call (its CUDA handler: a kernel reading the ids on the device),
 host_experts lowers to host_experts_submit + host_experts_wait (host-function nodes around the CPU GEMV), and
-slot_experts to the Pallas kernels of ft_jax.offload.device_experts; jax.lax.platform_dependent picks the form when
+slot_experts to the Pallas kernels of ft_jax.kernels.device_experts; jax.lax.platform_dependent picks the form when
 the step is lowered, so callers write one step for both.
 
 Per-step data (ids, weights, activations, slot arrays, layer indices) are operands; host banks are compile-time
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ft_jax  # registers the FFI targets; CUDA_ENABLED
-from ft_jax.offload import device_experts
-from ft_jax.offload.host_bank import HostBank
+from ft_jax.kernels import device_experts
+from ft_jax.offload.banks import HostBank
 
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's defaults (transformers' GptOssConfig)
@@ -305,7 +305,7 @@ def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: st
                  limit: float = SWIGLU_LIMIT):
     """Routed experts computed from the slot pool arrays, reading each routed expert's weights once (no gather copy):
     on the CPU backend the host_experts kernel pointed at the slot buffers; on a GPU the Pallas kernels of
-    ft_jax.offload.device_experts.
+    ft_jax.kernels.device_experts.
 
     Args:
       x: f32 or bf16 [T, H].

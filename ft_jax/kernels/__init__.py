@@ -1,0 +1,42 @@
+"""The XLA FFI kernels of ft_jax: registration of the compiled extension's targets at import, and their wrappers.
+
+Importing this package registers every FFI target of ``ft_jax._ffi`` for the CPU platform (``ft_jax_slot_fill``,
+``ft_jax_host_experts``, ``ft_jax_slot_experts``, ``ft_jax_linear``: ffi_ops.py) and, when the extension was built
+with CUDA and jax has a CUDA backend, the CUDA handlers for platform "CUDA" (``CUDA_ENABLED`` says whether it did).
+"""
+
+import jax
+
+try:
+    from ft_jax import _ffi
+except ImportError as e:  # pragma: no cover - only without a build
+    raise ImportError(
+        "ft_jax._ffi (the compiled XLA FFI extension) is missing: build and install the package with "
+        "`pip install -e .` (or `pip install .`) from the repository root"
+    ) from e
+
+# The CPU client must exist before the FFI state types are registered: a client created later registers the pending
+# handlers before the pending types and refuses them (jaxlib 0.10 make_cpu_client). So importing ft_jax starts
+# JAX's CPU backend; set XLA_FLAGS before the import.
+jax.devices("cpu")
+for _name, _type in _ffi.types().items():
+    jax.ffi.register_ffi_type(_name, _type, platform="cpu")
+for _name, _handler in _ffi.registrations().items():
+    jax.ffi.register_ffi_target(_name, _handler, platform="cpu")
+
+
+def _has_cuda_backend() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:  # jax without a CUDA plugin, or no GPU / driver
+        return False
+
+
+#: True when the CUDA FFI handlers are registered: the extension was built with nvcc and jax has a CUDA backend.
+CUDA_ENABLED = _ffi.cuda_built() and _has_cuda_backend()
+if CUDA_ENABLED:  # the CUDA client exists now (jax.devices above): types first, then the targets
+    for _name, _type in _ffi.cuda_types().items():
+        jax.ffi.register_ffi_type(_name, _type, platform="CUDA")
+    for _name, _handler in _ffi.cuda_registrations().items():
+        jax.ffi.register_ffi_target(_name, _handler, platform="CUDA")
+del _name, _type, _handler
