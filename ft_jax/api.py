@@ -18,50 +18,23 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import os
-import re
 import warnings
 from typing import Callable, Sequence
 
 import numpy as np
+
+from ft_jax.units import model_dtype, parse_bytes
 
 BUNDLED_MODEL = "tiny_shakespeare"
 DEFAULT_POLICY = "auto"
 DEFAULT_CACHE_FRACTION = 0.5
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_NEW_TOKENS = 200
-_DTYPES = {"auto": "auto", "bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "float32": "float32"}
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "tib": 2**40}
 
 
 def bundled_model_path() -> str:
     """Folder of the small Mixtral-architecture model shipped in the package (ft_jax/bundled/tiny_shakespeare)."""
     return str(importlib.resources.files("ft_jax") / "bundled" / BUNDLED_MODEL)
-
-
-def parse_dtype(text: str) -> str:
-    """"auto", or bf16/bfloat16 -> "bfloat16", f32/float32 -> "float32" (any case). Raises ValueError otherwise."""
-    name = _DTYPES.get(str(text).strip().lower())
-    if name is None:
-        raise ValueError(f"dtype must be one of bf16, bfloat16, f32, float32 or auto, got {text!r}")
-    return name
-
-
-def parse_bytes(text: str) -> int:
-    """A byte count with an optional unit: "512MiB", "2GB", "1.5g", "4096". KB/MB/GB/TB are powers of 1000;
-    KiB/MiB/GiB/TiB (and K/M/G) powers of 1024. Raises ValueError for anything else."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a byte count: {text!r} (examples: 4096, 512MiB, 2GB)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-
-
-def model_dtype(dtype: str, checkpoint_dtype: str) -> str:
-    """The dtype to load with: ``dtype`` unless "auto", which is float32 for float32 checkpoints, else bfloat16."""
-    dtype = parse_dtype(dtype)
-    if dtype != "auto":
-        return dtype
-    return "float32" if checkpoint_dtype == "float32" else "bfloat16"
 
 
 def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:

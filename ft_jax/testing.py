@@ -138,7 +138,7 @@ def assert_policies_agree(model_dir: str | os.PathLike, prompt_ids: Sequence[int
     """
     import jax.numpy as jnp
 
-    from ft_jax.api import model_dtype
+    from ft_jax.units import model_dtype
     from ft_jax.checkpoint import load_checkpoint
     from ft_jax.config import load_config
     from ft_jax.engine.engine import Engine

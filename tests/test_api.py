@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ft_jax
-from ft_jax import api
+from ft_jax import api, units
 from ft_jax.chat import ChatTemplateError, load_chat_template
 from ft_jax.engine.engine import Engine, Sampling
 
@@ -37,9 +37,9 @@ def test_public_names_and_defaults_match_the_cli():
 
     args = cli.build_parser().parse_args(["generate"])
     assert args.temperature == api.DEFAULT_TEMPERATURE == 0.8
-    assert args.policy == api.DEFAULT_POLICY and args.dtype is None  # the API's "auto": the checkpoint's dtype
-    assert api.model_dtype("auto", "float32") == "float32" and api.model_dtype("auto", "bfloat16") == "bfloat16"
-    assert [api.parse_dtype(t) for t in ("bf16", "BFloat16", "f32", "float32")] == ["bfloat16", "bfloat16",
+    assert str(args.policy) == api.DEFAULT_POLICY and args.dtype is None  # the API's "auto": the checkpoint's dtype
+    assert units.model_dtype("auto", "float32") == "float32" and units.model_dtype("auto", "bfloat16") == "bfloat16"
+    assert [units.parse_dtype(t) for t in ("bf16", "BFloat16", "f32", "float32")] == ["bfloat16", "bfloat16",
                                                                                    "float32", "float32"]
     assert api.num_slots_for(None, 32, 10) == 16 and api.num_slots_for(0.25, 32, 10) == 8
     assert api.num_slots_for(5, 32, 10) == 5 and api.num_slots_for("45", 32, 10) == 4
@@ -56,7 +56,7 @@ def _run(*args, timeout=300):
 def test_version_and_flag_errors_name_the_flag():
     proc = _run("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"ft-jax {ft_jax.__version__}"
-    for flag, value, words in (("--top-p", "0", "--top-p must be in (0, 1]"), ("--top-k", "-3", "--top-k must be"),
+    for flag, value, words in (("--top-p", "0", "expected a number in (0, 1]"), ("--top-k", "-3", "expected an integer >= 0"),
                                ("--dtype", "fp8", "expected bf16, bfloat16, f32 or float32")):
         proc = _run("generate", flag, value)
         lines = proc.stderr.strip().splitlines()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ft_jax import api, cli
+from ft_jax import api, cli, units
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss",
@@ -109,12 +109,12 @@ def test_error_unknown_policy(capsys):
 
 
 def test_parse_bytes():
-    assert api.parse_bytes("4096") == 4096
-    assert api.parse_bytes("2GB") == 2 * 10**9
-    assert api.parse_bytes("512MiB") == 512 * 2**20
-    assert api.parse_bytes("1.5g") == int(1.5 * 2**30)
+    assert units.parse_bytes("4096") == 4096
+    assert units.parse_bytes("2GB") == 2 * 10**9
+    assert units.parse_bytes("512MiB") == 512 * 2**20
+    assert units.parse_bytes("1.5g") == int(1.5 * 2**30)
     with pytest.raises(Exception, match="byte count"):
-        api.parse_bytes("lots")
+        units.parse_bytes("lots")
 
 
 def test_python_dash_m_help():

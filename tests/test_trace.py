@@ -193,8 +193,12 @@ def test_trace_cli_errors(tmp_path, capsys):
     base = ["trace", str(tmp_path / "t.jsonl")]
     for extra, msg in [([], "give --model DIR or --expert-bytes"),
                        (["--expert-bytes", "10", "--bandwidth", "nope"], "expected 'stored', a preset"),
-                       (["--expert-bytes", "10", "--bandwidth", "1,2", "--cache-slots", "0"], "--cache-slots must be")]:
-        assert cli.main(base + extra) == 2
+                       (["--expert-bytes", "10", "--bandwidth", "1,2", "--cache-slots", "0"], "--cache-slots: expected an integer >= 1")]:
+        try:
+            status = cli.main(base + extra)
+        except SystemExit as e:  # argparse's own errors (a flag's type)
+            status = e.code
+        assert status == 2
         assert msg in capsys.readouterr().err
 
 

@@ -16,12 +16,12 @@ import argparse
 import fractions
 import json
 import os
-import math
-import re
 import sys
 import traceback
 import warnings
 from typing import Sequence
+
+from ft_jax.cli import arg_types
 
 POLICY_HELP = ("auto (default: per layer, the number of misses to fetch that minimises the modelled layer time minus "
                "the observed reuse of fetched experts; docs/policies.md), qstar (split misses by the measured "
@@ -49,113 +49,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _bytes(text: str) -> str:
-    """--device-memory: a byte count with a unit (checked here; ft_jax.load takes the text)."""
-    from ft_jax.api import parse_bytes
-
-    try:
-        parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
-def _prompt_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in re.split(r"[,\s]+", text.strip()) if t]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("--prompt-ids is empty")
-    return ids
-
-
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"--temperature must be a finite number >= 0, got {text!r}")
-    return value
-
-
-SEED_MAX = 2**32 - 1  # jax.random.key keeps 32 bits of a seed without jax_enable_x64: larger seeds would collide
-POLICY_CAP_MAX = 2**31 - 1  # the fetch budget is an int32 in the decode step
-
-
-def _seed(text: str) -> int:
-    """--seed: an integer in [0, 2^32 - 1]."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, {SEED_MAX}], got {text!r}") from None
-    if not 0 <= value <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, {SEED_MAX}] (32 bits), got {text}")
-    return value
-
-
-def _policy_name(text: str) -> str:
-    """--policy: checked with parse_policy (and a fixed-cap K <= 2^31 - 1) while parsing; returns the text."""
-    from ft_jax.offload.policy import parse_policy
-
-    try:
-        policy = parse_policy(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if policy.cap is not None and policy.cap > POLICY_CAP_MAX:
-        raise argparse.ArgumentTypeError(f"the cap in {text!r} must be at most {POLICY_CAP_MAX} (a count of "
-                                         "misses per layer)")
-    return text
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"--cache-fraction must be in (0, 1], got {text}")
-    return value
-
-
-def _dtype(text: str) -> str:
-    """--dtype: bf16/bfloat16 -> "bfloat16", f32/float32 -> "float32" (any case)."""
-    from ft_jax.api import parse_dtype
-
-    name = parse_dtype(text) if text.strip().lower() in ("bf16", "bfloat16", "f32", "float32") else None
-    if name is None:
-        raise argparse.ArgumentTypeError(f"expected bf16, bfloat16, f32 or float32, got {text!r}")
-    return name
-
-
-def _top_p(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"--top-p must be in (0, 1] (1 = off), got {text!r}")
-    return value
-
-
-def _top_k(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**31:
-        raise argparse.ArgumentTypeError(f"--top-k must be an integer >= 0 (0 = off), got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 PROFILE_EXAMPLES = """examples:
@@ -188,32 +81,32 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", action="append", metavar="TEXT",
                      help="prompt text; repeat for several prompts decoded together as one batch "
                           "(default: a single newline)")
-    src.add_argument("--prompt-ids", action="append", type=_prompt_ids, metavar="IDS",
+    src.add_argument("--prompt-ids", action="append", type=arg_types.token_ids, metavar="IDS",
                      help="prompt as comma-separated token ids (no tokenizer needed); repeatable")
     gen.add_argument("--max-new-tokens", type=int, default=None,
                      help=f"tokens to generate per prompt (default {api.DEFAULT_NEW_TOKENS}, or what the model's "
                           "context leaves after the prompt)")
-    gen.add_argument("--temperature", type=_temperature, default=api.DEFAULT_TEMPERATURE,
+    gen.add_argument("--temperature", type=arg_types.non_negative, default=api.DEFAULT_TEMPERATURE,
                      help=f"0 = greedy (default {api.DEFAULT_TEMPERATURE})")
-    gen.add_argument("--top-k", type=_top_k, default=0, help="sample from the k most likely tokens (0 = off)")
-    gen.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    gen.add_argument("--top-k", type=arg_types.top_k, default=0, help="sample from the k most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=arg_types.fraction, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     gen.add_argument("--stop", action="append", metavar="TEXT",
                      help="stop a sequence once its text contains TEXT (cut off there); repeatable")
     gen.add_argument("--chat", action="store_true",
                      help="render each --prompt as a user message with the checkpoint's chat template "
                           "(tokenizer_config.json or chat_template.jinja)")
-    gen.add_argument("--seed", type=_seed, default=0,
-                     help=f"sampling seed, an integer in [0, {SEED_MAX}] (32 bits; default 0)")
-    gen.add_argument("--dtype", type=_dtype, default=None,
+    gen.add_argument("--seed", type=arg_types.seed, default=0,
+                     help=f"sampling seed, an integer in [0, {arg_types.SEED_MAX}] (32 bits; default 0)")
+    gen.add_argument("--dtype", type=arg_types.dtype, default=None,
                      help="bf16/bfloat16 or f32/float32: dtype of the dense weights, the activations and the expert "
                           "host banks (default: float32 for float32 checkpoints, else bfloat16)")
     budget = gen.add_mutually_exclusive_group()
     budget.add_argument("--cache-slots", type=int, metavar="S", help="device expert slots shared by all layers")
-    budget.add_argument("--cache-fraction", type=_fraction, metavar="F",
+    budget.add_argument("--cache-fraction", type=arg_types.fraction, metavar="F",
                         help=f"slots as a fraction of all experts (default {api.DEFAULT_CACHE_FRACTION})")
-    budget.add_argument("--device-memory", type=_bytes, metavar="BYTES",
+    budget.add_argument("--device-memory", type=arg_types.byte_text, metavar="BYTES",
                         help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert)")
-    gen.add_argument("--policy", type=_policy_name, default=api.DEFAULT_POLICY, metavar="POLICY", help=POLICY_HELP)
+    gen.add_argument("--policy", type=arg_types.policy, default=api.DEFAULT_POLICY, metavar="POLICY", help=POLICY_HELP)
     gen.add_argument("--profile", metavar="PATH", help="bandwidth profile file for auto and qstar (default: the user "
                                                        "cache directory; see `ft-jax profile`)")
     gen.add_argument("--no-measure", action="store_true",
@@ -235,13 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         "FFI handlers at a model's expert size; print the q* fetch fraction and store the profile for generate.")
     prof.add_argument("--model", metavar="PATH", help="model folder whose config.json gives H, I and the dtype "
                                                       "(default: the bundled model)")
-    prof.add_argument("--hidden-size", type=_positive_int, metavar="H", help="expert hidden size (instead of --model)")
-    prof.add_argument("--intermediate-size", type=_positive_int, metavar="I",
+    prof.add_argument("--hidden-size", type=arg_types.positive_int, metavar="H", help="expert hidden size (instead of --model)")
+    prof.add_argument("--intermediate-size", type=arg_types.positive_int, metavar="I",
                       help="expert intermediate size (with --hidden-size)")
-    prof.add_argument("--dtype", type=_dtype, help="bf16/bfloat16 or f32/float32 (default: as generate would load "
+    prof.add_argument("--dtype", type=arg_types.dtype, help="bf16/bfloat16 or f32/float32 (default: as generate would load "
                                                    "the model; bfloat16 with --hidden-size)")
     prof.add_argument("--quick", action="store_true", help="quick profile (a few seconds)")
-    prof.add_argument("--repeats", type=_positive_int, help="timed windows per bandwidth (default 7, 3 with --quick)")
+    prof.add_argument("--repeats", type=arg_types.positive_int, help="timed windows per bandwidth (default 7, 3 with --quick)")
     prof.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     prof.add_argument("--profile", metavar="PATH", help="profile store (default: profiles.json in the user cache "
                                                         "directory, e.g. ~/.cache/ft_jax)")
@@ -460,9 +353,10 @@ def run_profile(args: argparse.Namespace) -> int:
     else:
         from ft_jax import api
         from ft_jax.config import load_config
+        from ft_jax.units import model_dtype
 
         cfg = load_config(args.model or api.bundled_model_path())
-        H, I, dtype = cfg.hidden_size, cfg.moe_intermediate_size, api.model_dtype(args.dtype or "auto", cfg.dtype)
+        H, I, dtype = cfg.hidden_size, cfg.moe_intermediate_size, model_dtype(args.dtype or "auto", cfg.dtype)
     if not args.no_save:
         bandwidth.read_profiles(args.profile)  # NotAStoreError before measuring, not after
     profile = bandwidth.measure_profile(H, I, dtype, quick=args.quick, repeats=args.repeats, progress=not args.json)

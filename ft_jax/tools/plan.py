@@ -58,20 +58,9 @@ def recommend(trace: tr.Trace, model: tr.CostModel, budget_bytes: int, policies,
 
 def add_plan_arguments(sub) -> None:
     """Register `ft-jax plan` on the CLI's subparsers."""
-    from ft_jax.api import parse_bytes
-    from ft_jax.offload.policy import parse_policy
+    from ft_jax.cli import arg_types
 
-    def nbytes(text):
-        try:
-            return parse_bytes(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    def policies(text):
-        try:
-            return [parse_policy(p) for p in tr._comma_list(text, str, "--candidates")]
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+    nbytes, policies = arg_types.byte_count, arg_types.policy_list("--candidates")
 
     p = sub.add_parser("plan", help="recommend a policy and cache size for a device memory budget from a trace",
                        formatter_class=argparse.RawDescriptionHelpFormatter,

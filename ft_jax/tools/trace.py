@@ -628,61 +628,25 @@ COST_MODEL_HELP = """cost model, per MoE layer with F fetched, H host-computed a
   Each sequence starts from a cold cache (a trace has no prompt), unless --carry-cache."""
 
 
-def _comma_list(text: str, kind, what: str) -> list:
-    import argparse
-
-    try:
-        values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values:
-        raise argparse.ArgumentTypeError(f"{what}: expected a comma-separated list, got {text!r}")
-    return values
-
-
 def add_model_arguments(p) -> None:
     """--model / --expert-bytes / --num-layers / --num-experts / --dtype and the cost-model flags (trace and plan)."""
-    import argparse
-
-    def positive_int(text):
-        try:
-            v = int(text)
-        except ValueError:
-            v = 0
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-        return v
-
-    def non_negative(text):
-        try:
-            v = float(text)
-        except ValueError:
-            v = float("nan")
-        if not (math.isfinite(v) and v >= 0):
-            raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-        return v
-
-    def positive(text):
-        v = non_negative(text)
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-        return v
+    from ft_jax.cli import arg_types
 
     p.add_argument("--model", metavar="DIR", help="Hugging Face model folder: expert bytes, MoE layers and experts "
                                                   "from its config.json (instead of the three flags below)")
-    p.add_argument("--expert-bytes", type=positive_int, metavar="B",
+    p.add_argument("--expert-bytes", type=arg_types.positive_int, metavar="B",
                    help="S_e, bytes of one expert (gate + up + down), e.g. 352321536 for Mixtral-8x7B in bf16")
-    p.add_argument("--num-layers", type=positive_int, metavar="L", help="MoE layers (default: from the trace)")
-    p.add_argument("--num-experts", type=positive_int, metavar="E", help="experts per layer (default: the trace)")
+    p.add_argument("--num-layers", type=arg_types.positive_int, metavar="L", help="MoE layers (default: from the trace)")
+    p.add_argument("--num-experts", type=arg_types.positive_int, metavar="E", help="experts per layer (default: the trace)")
     p.add_argument("--dtype", default=None, help="bf16/bfloat16 or f32/float32: the stored profile to look up "
                                                  "(default: the model's, else bfloat16)")
     p.add_argument("--bandwidth", default="stored", metavar="SPEC", help=BANDWIDTH_HELP)
     p.add_argument("--profile", metavar="PATH", help="bandwidth profile store (default: the user cache directory)")
-    p.add_argument("--device-bandwidth", type=positive, metavar="GBPS",
+    p.add_argument("--device-bandwidth", type=arg_types.positive, metavar="GBPS",
                    help=f"BD, GB/s at which the device computes experts in its slots (default: BH for a stored CPU "
                         f"profile, the slot experts run the host GEMV kernel; else an assumed {ASSUMED_DEVICE_GBPS:g})")
     for path in ("fill", "host", "device"):
-        p.add_argument(f"--{path}-fixed-ms", type=non_negative, default=0.0, metavar="MS",
+        p.add_argument(f"--{path}-fixed-ms", type=arg_types.non_negative, default=0.0, metavar="MS",
                        help=f"fixed cost of the {path} path per layer in which it runs (default 0; DESIGN.md sec. 5 "
                             "cites FreeToken PR #39 for 0.08 ms on its CPU path)" if path == "host" else
                        f"fixed cost of the {path} path per layer in which it runs (default 0)")
@@ -726,13 +690,9 @@ def add_trace_arguments(sub) -> None:
     """Register `ft-jax trace` on the CLI's subparsers."""
     import argparse
 
-    from ft_jax.offload.policy import parse_policy
+    from ft_jax.cli import arg_types
 
-    def policies(text):
-        try:
-            return [parse_policy(p) for p in _comma_list(text, str, "--policy")]
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+    policies = arg_types.policy_list("--policy")
 
     p = sub.add_parser("trace", help="replay a routing trace: hit rate, fetched/host experts and modelled ms per "
                                      "token for each policy and cache size",
@@ -744,9 +704,9 @@ def add_trace_arguments(sub) -> None:
     p.add_argument("--policy", type=policies, default=policies(DEFAULT_POLICIES), metavar="LIST",
                    help=f"comma-separated policies (default {DEFAULT_POLICIES})")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--cache-slots", type=lambda t: _comma_list(t, int, "--cache-slots"), metavar="LIST",
+    size.add_argument("--cache-slots", type=arg_types.comma_list(arg_types.positive_int, "--cache-slots"), metavar="LIST",
                       help="comma-separated cache sizes in slots (shared by all MoE layers)")
-    size.add_argument("--cache-fraction", type=lambda t: _comma_list(t, float, "--cache-fraction"), metavar="LIST",
+    size.add_argument("--cache-fraction", type=arg_types.comma_list(arg_types.fraction, "--cache-fraction"), metavar="LIST",
                       help=f"comma-separated cache sizes as fractions of the L*E experts (default {DEFAULT_FRACTIONS})")
     add_model_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -1,0 +1,139 @@
+"""Argument types shared by the subcommands: each parses one flag's text or raises argparse.ArgumentTypeError with a
+one-line message naming what was expected and what was given."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+from ft_jax import units
+
+SEED_MAX = 2**32 - 1  # jax.random.key keeps 32 bits of a seed without jax_enable_x64: larger seeds would collide
+INT32_MAX = 2**31 - 1  # top-k and a fixed-cap K are int32 operands of the decode step
+
+
+def _number(text: str, kind=float):
+    try:
+        return kind(text)
+    except ValueError:
+        return None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    value = _number(text, int)
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """A finite number >= 0."""
+    value = _number(text)
+    if value is None or not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def positive(text: str) -> float:
+    """A finite number > 0."""
+    value = _number(text)
+    if value is None or not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    value = _number(text)
+    if value is None or not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def top_k(text: str) -> int:
+    """An integer in [0, 2^31) (0 = off)."""
+    value = _number(text, int)
+    if value is None or not 0 <= value <= INT32_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 (0 = off), got {text!r}")
+    return value
+
+
+def seed(text: str) -> int:
+    """An integer in [0, 2^32 - 1]."""
+    value = _number(text, int)
+    if value is None or not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, {SEED_MAX}] (32 bits), got {text!r}")
+    return value
+
+
+def byte_count(text: str) -> int:
+    """A byte count with a unit (units.parse_bytes): "8GiB" -> 8589934592."""
+    try:
+        return units.parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def byte_text(text: str) -> str:
+    """A byte count with a unit, checked and kept as text (ft_jax.load's cache= takes "8GiB" as bytes, an int as
+    slots)."""
+    byte_count(text)
+    return text
+
+
+def dtype(text: str) -> str:
+    """bf16/bfloat16 -> "bfloat16", f32/float32 -> "float32" (any case; "auto" is the default, not a choice)."""
+    name = units.DTYPE_NAMES.get(text.strip().lower())
+    if name is None or name == "auto":
+        raise argparse.ArgumentTypeError(f"expected bf16, bfloat16, f32 or float32, got {text!r}")
+    return name
+
+
+def token_ids(text: str) -> list[int]:
+    """Comma- or space-separated integers: "1,17,42"."""
+    try:
+        ids = [int(t) for t in re.split(r"[,\s]+", text.strip()) if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected comma-separated integers, got nothing")
+    return ids
+
+
+def comma_list(kind, what: str):
+    """A type for a comma-separated list of `kind` values (each parsed by kind; ValueError -> a message naming
+    `what`)."""
+    def parse(text: str) -> list:
+        items = [v for v in text.split(",") if v.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{what}: expected a comma-separated list, got {text!r}")
+        values = []
+        for item in items:
+            try:
+                values.append(kind(item.strip()))
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                raise argparse.ArgumentTypeError(f"{what}: {e}") from None
+        return values
+
+    return parse
+
+
+def policy(text: str):
+    """A policy name (ft_jax.offload.policy.parse_policy), a fixed-cap K <= 2^31 - 1; returns the Policy."""
+    from ft_jax.offload.policy import parse_policy
+
+    try:
+        value = parse_policy(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value.cap is not None and value.cap > INT32_MAX:
+        raise argparse.ArgumentTypeError(f"the cap in {text!r} must be at most {INT32_MAX} (a count of misses per "
+                                         "layer)")
+    return value
+
+
+def policy_list(what: str):
+    """A type for a comma-separated list of policies."""
+    return comma_list(policy, what)

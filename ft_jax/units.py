@@ -1,0 +1,34 @@
+"""Units of what users type: byte counts ("8GiB") and dtype names ("bf16"), parsed in one place."""
+
+from __future__ import annotations
+
+import re
+
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30, "tib": 2**40}
+DTYPE_NAMES = {"auto": "auto", "bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "float32": "float32"}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count with an optional unit: "512MiB", "2GB", "1.5g", "4096". KB/MB/GB/TB are powers of 1000;
+    KiB/MiB/GiB/TiB (and K/M/G) powers of 1024. Raises ValueError for anything else."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in SIZE_UNITS:
+        raise ValueError(f"not a byte count: {text!r} (examples: 4096, 512MiB, 2GB)")
+    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+
+
+def parse_dtype(text: str) -> str:
+    """"auto", or bf16/bfloat16 -> "bfloat16", f32/float32 -> "float32" (any case). Raises ValueError otherwise."""
+    name = DTYPE_NAMES.get(str(text).strip().lower())
+    if name is None:
+        raise ValueError(f"dtype must be one of bf16, bfloat16, f32, float32 or auto, got {text!r}")
+    return name
+
+
+def model_dtype(dtype: str, checkpoint_dtype: str) -> str:
+    """The dtype to load with: ``dtype`` unless "auto", which is float32 for float32 checkpoints, else bfloat16."""
+    dtype = parse_dtype(dtype)
+    if dtype != "auto":
+        return dtype
+    return "float32" if checkpoint_dtype == "float32" else "bfloat16"
