@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ft_jax.config import config_from_dict
-from ft_jax.models.decoder import Stacked, attention_inputs, random_param_factory
+from ft_jax.models.layers import Stacked, attention_inputs, random_param_factory
 from ft_jax.models.layers import HIGHEST, linear
 from ft_jax.models.mla import MultiHeadLatentAttention, per_head_linear
 from ft_jax.offload.profile import measure_rates

@@ -5,7 +5,7 @@ Hugging Face ``MixtralForCausalLM`` folder (config.json, generation_config.json,
 The model trained is ft_jax's own: ``ft_jax.models.decoder.MoETransformer`` built from the config.json this script
 writes (``hf_config``), called over full windows (positions 0..T-1, a fresh KV cache) with ``collect=True`` for the
 router logits. Its dense parameters (embedding, fused q/k/v and o projections, routers, RMSNorms, lm_head) are the
-model's nnx.Params; the routed experts come from ``TrainExperts``, an expert backend (decoder.ExpertBackend) holding
+model's nnx.Params; the routed experts come from ``TrainExperts``, an expert backend (ft_jax.models.moe.ExpertBackend) holding
 the trainable expert weights gate/up [L, E, 2I, H] and down [L, E, H, I]. jax differentiates all of it as long as
 every projection has more than ft_jax.models.layers.FFI_MAX_ROWS rows (then ``linear`` is XLA's dot, not the FFI
 GEMV): a training step needs batch x seq-len > FFI_MAX_ROWS tokens (8 x 256 by default); evaluation has no limit.
@@ -196,7 +196,7 @@ def export_tensors(graphdef, params: dict, cfg: MoEConfig, dtype) -> dict[str, n
 
 @dataclass(frozen=True)
 class TrainExperts:
-    """Expert backend (ft_jax.models.decoder.ExpertBackend) over trainable expert weights, built inside the traced
+    """Expert backend (ft_jax.models.moe.ExpertBackend) over trainable expert weights, built inside the traced
     function so that jax differentiates through them.
 
     gate_up: f32[L, E, 2I, H]; down: f32[L, E, H, I]; capacity: 0 = exact dense form (every expert on every token,

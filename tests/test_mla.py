@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ft_jax.config import RopeScaling, load_config
-from ft_jax.models.decoder import MoETransformer, Stacked, attention_inputs, random_param_factory
-from ft_jax.models.layers import rope_frequencies
+from ft_jax.models.decoder import MoETransformer
+from ft_jax.models.layers import Stacked, attention_inputs, random_param_factory, rope_frequencies
 from ft_jax.models.mla import MultiHeadLatentAttention, _heads_dot, _heads_ffi, mla_softmax_scale, per_head_linear
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")

@@ -17,7 +17,8 @@ from flax import nnx
 
 from ft_jax.checkpoint import load_checkpoint
 from ft_jax.config import load_config
-from ft_jax.models.decoder import MoETransformer, random_param_factory
+from ft_jax.models.decoder import MoETransformer
+from ft_jax.models.layers import random_param_factory
 from ft_jax.kernels import ffi_ops
 from ft_jax.offload.banks import HostBank
 

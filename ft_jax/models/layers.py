@@ -1,17 +1,20 @@
-"""Building blocks shared by the model families: dense projection, RMSNorm, activations, rotary embeddings.
+"""Building blocks shared by the model families: parameter stacks, attention inputs, dense projection, RMSNorm,
+activations, rotary embeddings.
 
 Weights keep Hugging Face layouts ([out, in]); a stack of like layers adds a leading axis ([n, out, in]) and is
-indexed with a traced layer index inside the scanned decoder (ft_jax/models/decoder.py).
+indexed with a traced layer index inside the scanned decoder (ft_jax/models/decoder.py). Activations are
+[B, T, H] (batch, tokens, hidden) or [N, H] with N = B * T. Design notes: docs/DESIGN.md (models).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from ft_jax.config import RopeScaling
 from ft_jax.kernels import ffi_ops
@@ -19,11 +22,76 @@ from ft_jax.kernels import ffi_ops
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-# Rows (tokens) up to which the CPU backend uses the FFI GEMV: weight-read bound below, compute bound above, where
-# XLA's own dot (YNNPACK for bf16) is faster. Measured on the 2-core dev VM, 4 stacked [5632, 2048] weights under
-# lax.scan, XLA time / FFI time: bf16 9.5 (8 rows), 5.0 (16), 3.0 (32), 1.4 (64), 0.74 (256); f32 2.9, 2.1, 1.6,
-# 1.2, 0.77.
+# Rows (tokens) up to which the CPU backend uses the FFI GEMV (weight-read bound below, compute bound above, where
+# XLA's own dot is faster; measurements: docs/DESIGN.md, models).
 FFI_MAX_ROWS = 128
+
+ParamFactory = Callable[[str, tuple[int, ...], str], np.ndarray]
+"""make(hf_name, shape, kind) -> host (numpy) array of that shape in the model dtype (float32 or ml_dtypes.bfloat16).
+kind: "weight" | "norm" | "bias", or "weight_f32" | "bias_f32": the same, kept in float32 whatever the model dtype
+(transformers' _keep_in_fp32_modules_strict: DeepSeek's router weight and e_score_correction_bias). ``hf_name`` is
+the Hugging Face (Hub) tensor name, e.g. "model.layers.0.self_attn.q_proj.weight"."""
+
+
+def random_param_factory(seed: int = 0, dtype=np.float32, std: float = 0.02) -> ParamFactory:
+    """Param factory for an untrained model: weights ~ N(0, std^2), norms 1, biases 0, drawn with numpy
+    (deterministic in seed and parameter creation order) and cast to ``dtype`` (float32 or bfloat16)."""
+    rng = np.random.default_rng(seed)
+    model_dtype = np.dtype(jnp.dtype(dtype))
+
+    def make(name: str, shape: tuple[int, ...], kind: str) -> np.ndarray:
+        np_dtype = np.dtype(np.float32) if kind.endswith("_f32") else model_dtype
+        kind = kind.removesuffix("_f32")
+        if kind == "norm":
+            return np.ones(shape, np_dtype)
+        if kind == "bias":
+            return np.zeros(shape, np_dtype)
+        return (std * rng.standard_normal(shape, dtype=np.float32)).astype(np_dtype)
+
+    return make
+
+
+class Stacked:
+    """Reads one parameter of every layer of a stack and stacks them: nnx.Param [n, *shape] on the device.
+
+    Args: make: ParamFactory; layers: decoder layer indices of the stack (names "model.layers.{l}.{suffix}").
+    """
+
+    def __init__(self, make: ParamFactory, layers: tuple[int, ...]):
+        self.make, self.layers = make, layers
+
+    def __call__(self, suffix: str, shape: tuple[int, ...], kind: str = "weight") -> nnx.Param:
+        return nnx.Param(jnp.asarray(np.stack([self.make(f"model.layers.{l}.{suffix}", shape, kind)
+                                               for l in self.layers])))
+
+    def rows(self, parts: list[tuple[str, tuple[int, ...]]], kind: str = "weight") -> nnx.Param:
+        """Concatenates several tensors of each layer along their first axis (fused q/k/v or gate/up)."""
+        return nnx.Param(jnp.asarray(np.stack([
+            np.concatenate([self.make(f"model.layers.{l}.{s}", shape, kind) for s, shape in parts])
+            for l in self.layers])))
+
+
+class AttentionInputs(NamedTuple):
+    """What every layer's attention needs from the step's positions (computed once per forward).
+
+    positions: i32[B, T] (-1 = padding); write_idx: i32[B, T] cache index per token (max_len = dropped: padding);
+    causal: bool[B, T, S] keys each query may see (before any sliding window); rows: i32[B, T] batch row of each
+    token.
+    """
+
+    positions: jax.Array
+    write_idx: jax.Array
+    causal: jax.Array
+    rows: jax.Array
+
+
+def attention_inputs(positions: jax.Array, max_len: int) -> AttentionInputs:
+    """Cache write indices and the causal mask for positions i32[B, T] and a KV cache of max_len entries."""
+    B, T = positions.shape
+    write_idx = jnp.where(positions >= 0, positions, max_len)  # [B, T]; max_len is out of range: dropped
+    causal = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]; all False for padding
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    return AttentionInputs(positions, write_idx, causal, rows)
 
 
 def linear(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:

@@ -1,55 +1,23 @@
-"""Multi-head Latent Attention (MLA) of DeepSeek-V2/V3 for a stack of scanned decoder layers.
+"""Multi-head Latent Attention (MLA) of DeepSeek-V2/V3 for a stack of scanned decoder layers, in the absorbed form
+(W_uk applied to the query, W_uv after the attention-weighted latents).
 
-Formulas (DeepSeek-V2 paper, arXiv 2405.04434, sec. 2.1.2-2.1.3; transformers 5.24 DeepseekV2Attention /
-DeepseekV3Attention), per token x [H], heads h = 1..NH, widths dn = qk_nope_head_dim, dr = qk_rope_head_dim,
-dv = v_head_dim, C = kv_lora_rank, Q = q_lora_rank::
-
-    q          = q_b_proj(RMSNorm_qa(q_a_proj(x)))    or q_proj(x) when q_lora_rank is null   [NH, dn + dr]
-    q_nope, q_pe = q[h, :dn], RoPE(q[h, dn:])
-    c, k_pe    = RMSNorm_kva(kv_a_proj_with_mqa(x)[:C]), RoPE(kv_a_proj_with_mqa(x)[C:])   [C], [dr] (shared by heads)
-    k_nope[h]  = W_uk[h] c,   v[h] = W_uv[h] c          (kv_b_proj = [W_uk[1]; W_uv[1]; W_uk[2]; ...] [NH (dn + dv), C])
-    score[h, s] = (q_nope[h] . k_nope[h, s] + q_pe[h] . k_pe[s]) * scale,   scale = (dn + dr)^-0.5 * m^2
-    out        = o_proj(concat_h(sum_s softmax(score[h])[s] v[h, s]))
-
-with m = 0.1 * mscale_all_dim * ln(factor) + 1 for YaRN rope scaling that sets mscale_all_dim (transformers'
-yarn_apply_mscale; 1 otherwise). RoPE is applied with the scaled cos/sin of ft_jax.models.layers.rope_cos_sin over dr
-dimensions; with rope_interleave (always for V2, whose transformers code rotates complex pairs) the pairs are
-(x0, x1), (x2, x3), ...: the dimensions are de-interleaved (even ones, then odd ones) before the rotate-half rotation,
-as transformers' apply_rotary_pos_emb_interleave does (V2's complex product differs only by that permutation of
-q_pe and k_pe alike, which leaves every dot product unchanged).
-
-KV cache: what each token leaves is the latent c (after kv_a_layernorm) and the shared rope key k_pe, so a stack
-keeps (latent [n, B, S, C], rope_key [n, B, S, dr]) in the model dtype: (C + dr) * itemsize bytes per token and
-layer, against NH * (dn + dr + dv) * itemsize for a plain cache of the same heads' keys and values. DeepSeek-V3
-(NH 128, C 512, dr 64, dn 128, dv 128): 576 vs 40,960 elements, 1,152 vs 81,920 bytes in bf16 (71x smaller);
-DeepSeek-V2-Lite (NH 16): 576 vs 5,120 elements (8.9x).
-
-Attention over the cache uses the absorbed form (paper sec. 2.1.2, "we can absorb W_UK into W_Q, and W_UV into
-W_O"): W_uk is applied to the query, q_lat[h] = W_uk[h]^T q_nope[h] [C], so score[h, s] = q_lat[h] . c[s] +
-q_pe[h] . k_pe[s]; the probabilities weigh the latents, o_lat[h] = sum_s p[h, s] c[s] [C], and W_uv comes after,
-out[h] = W_uv[h] o_lat[h] [dv]. Both are the same sums as the expanded form, regrouped: a step reads the cache once
-(S (C + dr) per head) and W_uk / W_uv once (NH C (dn + dv)) instead of expanding every cached token to NH (dn + dv)
-keys and values (S C NH (dn + dv) multiply-adds per layer and step, growing with the context). The fixtures agree
-with transformers' expanded form to float32 rounding (tests/test_model.py), so the absorbed form is the only one.
-The per-head products W_uk[h]^T q and W_uv[h] o go through :func:`per_head_linear` (on the CPU one ft_jax_linear
-GEMV per head reading the stacked weight in place).
+Widths: dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim, C = kv_lora_rank, Q = q_lora_rank; x [B, T, H],
+q [B, T, NH, dn + dr]; the KV cache of a stack is (latent [n, B, S, C], rope_key [n, B, S, dr]) in the model dtype.
+Formulas, cache sizes and the derivation of the absorbed form: docs/DESIGN.md (models, mla.py).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ft_jax.config import MoEConfig
-from ft_jax.models.layers import HIGHEST, apply_rope, cache_load, cache_store, linear, rms_norm, rope_cos_sin
 from ft_jax.kernels import ffi_ops
-
-if TYPE_CHECKING:
-    from ft_jax.models.decoder import AttentionInputs, Stacked
+from ft_jax.models.layers import (HIGHEST, AttentionInputs, Stacked, apply_rope, cache_load, cache_store, linear,
+                                  rms_norm, rope_cos_sin)
 
 
 def mla_softmax_scale(cfg: MoEConfig) -> float:
@@ -99,7 +67,8 @@ def _deinterleave(x: jax.Array) -> jax.Array:
 
 
 class MultiHeadLatentAttention(nnx.Module):
-    """MLA self-attention of a stack of n DeepSeek-V2/V3 layers (module docstring), parameters [n, ...].
+    """MLA self-attention of a stack of n DeepSeek-V2/V3 layers (formulas: docs/DESIGN.md, models, mla.py), parameters
+    [n, ...].
 
     Parameters (Hub names under model.layers.{l}.self_attn): with q_lora_rank Q, q_a_proj [Q, H] and
     kv_a_proj_with_mqa [C + dr, H] fused into one [n, Q + C + dr, H] projection (+ bias with attention_bias),

@@ -1,30 +1,9 @@
-"""Router rules of the supported MoE families (docs/DESIGN.md section 6).
+"""Router rules of the supported MoE families: :func:`route` (Mixtral, Qwen2/3-MoE, OLMoE: softmax then top-k;
+gpt-oss: top-k of the logits then softmax) and :func:`route_deepseek` (DeepSeek-V2 softmax / V3 sigmoid with the
+correction bias, group-limited top-k, routed_scaling_factor).
 
-Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE share one rule with one switch, as in transformers 5.x
-(MixtralTopKRouter, Qwen2MoeTopKRouter, Qwen3MoeTopKRouter, OlmoeTopKRouter):
-
-    probs  = softmax(logits, axis=-1)            (float32, over all E experts)
-    w, ids = top_k(probs, k)                     (descending; ties -> lower expert id)
-    w      = w / sum(w)   if norm_topk_prob      (Mixtral's config always sets it)
-
-gpt-oss (transformers' GptOssTopKRouter; the logits already include the router bias):
-
-    w, ids = top_k(logits, k)                    (top-k over the raw logits, descending)
-    w      = softmax(w)                          (float32, over the k chosen logits only)
-
-The combine weights returned are the ones the experts' outputs are multiplied by.
-
-DeepSeek-V2 / V3 (:func:`route_deepseek`; transformers 5.24 DeepseekV2TopkRouter / DeepseekV3TopkRouter; DeepSeek-V3
-report arXiv 2412.19437 sec. 2.1.2 and 2.1.3), logits computed in float32 from a float32 router weight:
-
-    V2: s = softmax(logits)                                    choice = s
-    V3: s = sigmoid(logits)                                    choice = s + e_score_correction_bias
-    groups (V2 group_limited_greedy, V3): E experts in n_group equal groups; a group scores max(choice) (V2) or the
-        sum of its two best choices (V3); every expert outside the topk_group best groups gets choice -inf
-    ids = top_k(choice, k)                                     (descending choice; ties -> lower expert id)
-    w   = s[ids]                                               (the bias only selects; it never weighs)
-    w   = w / (sum(w) + 1e-20)  if V3 and norm_topk_prob       (transformers' V2 router never renormalises)
-    w   = w * routed_scaling_factor
+Shapes: logits f32[N, E] -> Routing(logits f32[N, E], topk_ids i32[N, k], topk_weights f32[N, k]). The formulas of
+each rule: docs/DESIGN.md (models, routing.py) and section 6.
 """
 
 from __future__ import annotations
@@ -51,7 +30,7 @@ class Routing(NamedTuple):
 
 
 def route(cfg: MoEConfig, logits: jax.Array, valid: jax.Array | None = None) -> Routing:
-    """Route N tokens with the family rule of ``cfg`` (module docstring).
+    """Route N tokens with the family rule of ``cfg`` (formulas: docs/DESIGN.md, models, routing.py).
 
     Args:
         cfg: model config (family, top_k, norm_topk_prob).
@@ -94,7 +73,7 @@ def _group_mask(cfg: MoEConfig, choice: jax.Array, group_score: str) -> jax.Arra
 
 def route_deepseek(cfg: MoEConfig, logits: jax.Array, valid: jax.Array | None = None,
                    score_bias: jax.Array | None = None) -> Routing:
-    """Route N tokens with DeepSeek-V2's or V3's rule (module docstring), chosen by cfg.scoring_func.
+    """Route N tokens with DeepSeek-V2's or V3's rule (formulas: docs/DESIGN.md, models, routing.py), chosen by cfg.scoring_func.
 
     Masked groups are -inf, not 0 (transformers' V2 router fills 0, the same choice for softmax scores, all > 0),
     so a token whose biased scores are all negative still picks inside its groups

@@ -1,0 +1,132 @@
+"""Grouped-query self-attention (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss) of a stack of scanned decoder layers, with
+q/k norms, clip, RoPE, gpt-oss's attention sinks and per-layer sliding windows.
+
+Shapes: x [B, T, H]; q [B, T, NH, D], k/v [B, T, KVH, D]; the KV cache of a stack is (k, v), each [n, B, S, KVH, D]
+with the cache index = the token's position (ft_jax/models/decoder.py states the positions/padding rule).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ft_jax.config import MoEConfig
+from ft_jax.models.layers import (HIGHEST, AttentionInputs, Stacked, apply_rope, cache_load, cache_store, linear,
+                                  rms_norm, rope_cos_sin)
+
+
+class GroupedQueryAttention(nnx.Module):
+    """Grouped-query self-attention of a stack of n layers (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss), parameters
+    [n, ...].
+
+    q/k/v are one fused projection [n, (NH + 2 KVH) D, H] (+ bias), then q/k norms per config (per head: Qwen3-MoE;
+    over the whole projection: OLMoE), optional clip (OLMoE), RoPE (default or YaRN), the KV cache update, softmax
+    attention in float32 over the visible keys, and the o projection (+ bias). KV cache of the stack: (k, v), each
+    [n, B, S, KVH, D].
+
+    gpt-oss: attention sinks ``self_attn.sinks`` [n, NH]: a learned logit per head joins each query's softmax over
+    the keys and is dropped after it (transformers' eager_attention_forward: softmax(concat(scores, sink))[:-1]), so
+    the weights of a row sum to less than 1. Sliding windows per layer (MoEConfig.attention_window): the layers of
+    one scanned stack may differ (gpt-oss alternates sliding and full attention), so the window is read from a
+    constant per-layer table at the traced layer index; a stack whose layers share one window uses it as a constant.
+    """
+
+    def __init__(self, cfg: MoEConfig, p: Stacked):
+        H, D, NH, KVH = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.cfg = cfg
+        a = "self_attn"
+        qkv = [(f"{a}.q_proj.weight", (NH * D, H)), (f"{a}.k_proj.weight", (KVH * D, H)),
+               (f"{a}.v_proj.weight", (KVH * D, H))]
+        self.qkv = p.rows(qkv)  # [n, (NH + 2 KVH) D, H]
+        self.qkv_bias = p.rows([(n.replace(".weight", ".bias"), (s[0],)) for n, s in qkv], "bias") \
+            if cfg.qkv_bias else None  # [n, (NH + 2 KVH) D]
+        self.o = p(f"{a}.o_proj.weight", (H, NH * D))  # [n, H, NH D]
+        self.o_bias = p(f"{a}.o_proj.bias", (H,), "bias") if cfg.o_bias else None
+        if cfg.qk_norm == "per_head":  # Qwen3-MoE: RMSNorm over D of each head, after the head split
+            self.q_norm, self.k_norm = p(f"{a}.q_norm.weight", (D,), "norm"), p(f"{a}.k_norm.weight", (D,), "norm")
+        elif cfg.qk_norm == "full":  # OLMoE: RMSNorm over the whole projection, before the head split
+            self.q_norm = p(f"{a}.q_norm.weight", (NH * D,), "norm")
+            self.k_norm = p(f"{a}.k_norm.weight", (KVH * D,), "norm")
+        else:
+            self.q_norm = self.k_norm = None
+        self.sinks = p(f"{a}.sinks", (NH,), "bias") if cfg.attention_sinks else None  # [n, NH]
+        self.windows = tuple(cfg.attention_window(l) for l in p.layers)  # per layer: int or None (full)
+
+    def init_cache(self, num_layers: int, batch_size: int, max_len: int, dtype) -> tuple[jax.Array, ...]:
+        """Zero (k, v) caches [n, B, max_len, KVH, D] of the model dtype (bf16 kept as its uint16 bits:
+        layers.cache_store): 2 * n * B * max_len * KVH * D * itemsize bytes."""
+        shape = (num_layers, batch_size, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return cache_store(jnp.zeros(shape, dtype)), cache_store(jnp.zeros(shape, dtype))
+
+    def __call__(self, i, x, ctx: AttentionInputs, cache: tuple[jax.Array, ...]):
+        """Layer i's self-attention. x: [B, T, H]; cache: (k, v) [n, B, S, KVH, D] (layer i updated in place).
+        Returns (out [B, T, H] in x.dtype, cache)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        NH, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, k, v = self._qkv(i, x, ctx.positions)  # [B, T, NH, D], [B, T, KVH, D], [B, T, KVH, D]
+        k_cache, v_cache = cache
+        k_cache = k_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(k), mode="drop")
+        v_cache = v_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(v), mode="drop")
+        keys, values = cache_load(k_cache[i], q.dtype), cache_load(v_cache[i], q.dtype)  # [B, S, KVH, D]
+
+        G = NH // KVH  # query head h uses KV head h // G (transformers' repeat_kv)
+        qg = q.reshape(B, T, KVH, G, D)
+        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, precision=HIGHEST) * (D ** -0.5)
+        scores = scores.astype(jnp.float32)  # [B, KVH, G, T, S]
+        # finfo.min (not -inf): a padding query that sees no key gets finite (uniform) weights instead of NaN.
+        scores = jnp.where(self._mask(i, ctx)[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = self._softmax(i, scores).astype(q.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, values, precision=HIGHEST)  # [B, T, KVH, G, D]
+        o = linear(out.reshape(B, T, NH * D), self.o[...], i)  # f32[B, T, H]
+        if self.o_bias is not None:
+            o = o + self.o_bias[...][i].astype(jnp.float32)
+        return o.astype(x.dtype), (k_cache, v_cache)
+
+    def _qkv(self, i, x, positions):
+        """Layer i's fused q/k/v projection (+ bias), q/k norms, clip and RoPE. x: [B, T, H]; positions: i32[B, T].
+        Returns q [B, T, NH, D], k, v [B, T, KVH, D] in x.dtype."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        NH, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = linear(x, self.qkv[...], i)  # f32[B, T, (NH + 2 KVH) D]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias[...][i].astype(jnp.float32)
+        qkv = qkv.astype(x.dtype)
+        q, k, v = qkv[..., :NH * D], qkv[..., NH * D:(NH + KVH) * D], qkv[..., (NH + KVH) * D:]
+        if cfg.qk_norm == "full":
+            q = rms_norm(q, self.q_norm[...][i], cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm[...][i], cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (jnp.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q = q.reshape(B, T, NH, D)
+        k = k.reshape(B, T, KVH, D)
+        v = v.reshape(B, T, KVH, D)
+        if cfg.qk_norm == "per_head":
+            q = rms_norm(q, self.q_norm[...][i], cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm[...][i], cfg.rms_norm_eps)
+        cos, sin = rope_cos_sin(jnp.maximum(positions, 0), D, cfg.rope_theta, cfg.rope_scaling)  # f32[B, T, D]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _mask(self, i, ctx: AttentionInputs) -> jax.Array:
+        """bool[B, T, S]: the causal mask, narrowed to layer i's sliding window when it has one."""
+        mask = ctx.causal  # [B, T, S]
+        if all(w is None for w in self.windows):
+            return mask
+        S = mask.shape[-1]
+        if len(set(self.windows)) == 1:
+            window = self.windows[0]
+        else:  # a window of S keys is no limit: every visible key is at a position > p - S
+            window = jnp.asarray([S if w is None else w for w in self.windows], jnp.int32)[i]
+        key_pos = jnp.arange(S)[None, None, :]
+        return mask & (key_pos > ctx.positions[:, :, None] - window)
+
+    def _softmax(self, i, scores: jax.Array) -> jax.Array:
+        """f32 softmax of scores f32[B, KVH, G, T, S] over the keys, with layer i's sink logits joining it (gpt-oss)."""
+        if self.sinks is None:
+            return jax.nn.softmax(scores, axis=-1)
+        B, KVH, G, T, _ = scores.shape
+        sink = self.sinks[...][i].astype(jnp.float32).reshape(KVH, G)  # query head h = kv head * G + g
+        sink = jnp.broadcast_to(sink[None, :, :, None, None], (B, KVH, G, T, 1))
+        return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
