@@ -156,7 +156,8 @@ class MoETransformer(nnx.Module):
     """Decoder-only MoE language model (dense parameters only; routed experts live in an expert backend).
 
     Construct with a :data:`ParamFactory` (``ft_jax.checkpoint.load_checkpoint`` passes one that reads the
-    checkpoint; ft_jax.models.layers.random_param_factory gives an untrained model). Parameters are in the factory's dtype.
+    checkpoint; ft_jax.models.layers.random_param_factory gives an untrained model). Parameters are in the
+    factory's dtype.
     """
 
     def __init__(self, cfg: MoEConfig, make: ParamFactory):

@@ -73,7 +73,8 @@ def _group_mask(cfg: MoEConfig, choice: jax.Array, group_score: str) -> jax.Arra
 
 def route_deepseek(cfg: MoEConfig, logits: jax.Array, valid: jax.Array | None = None,
                    score_bias: jax.Array | None = None) -> Routing:
-    """Route N tokens with DeepSeek-V2's or V3's rule (formulas: docs/DESIGN.md, models, routing.py), chosen by cfg.scoring_func.
+    """Route N tokens with DeepSeek-V2's or V3's rule, chosen by cfg.scoring_func (formulas: docs/DESIGN.md,
+    models, routing.py).
 
     Masked groups are -inf, not 0 (transformers' V2 router fills 0, the same choice for softmax scores, all > 0),
     so a token whose biased scores are all negative still picks inside its groups
