@@ -126,6 +126,28 @@ def test_unimplemented_features_raise(change):
         config_from_dict(raw)
 
 
+@pytest.mark.parametrize("change,names", [
+    # issue 18: a Hub rope_scaling beside transformers 5's rope_parameters was ignored (decoded with default RoPE)
+    ({"rope_scaling": {"type": "dynamic", "factor": 4.0}},
+     ["rope_scaling {'type': 'dynamic', 'factor': 4.0} (type 'dynamic')", "rope_parameters {", "(type 'default')"]),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, ["(type 'linear')", "(type 'default')"]),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0},
+      "rope_scaling": {"type": "yarn", "factor": 8.0}},
+     ["rope_scaling.factor=8.0 disagrees with rope_parameters.factor=4.0"]),
+    ({"rope_theta": 1e4}, ["rope_theta=10000.0 disagrees with rope_parameters.rope_theta=1000000.0"]),
+])
+def test_rope_keys_that_disagree_are_refused(tmp_path, change, names):
+    """rope_scaling beside rope_parameters with another type (or value), and rope_theta beside
+    rope_parameters.rope_theta, are refused with one line naming the file and both keys with their values."""
+    msg = _load_error(tmp_path, {**_raw("mixtral"), **change})
+    assert msg.startswith(f"{tmp_path / 'config.json'}: ")
+    for name in names:
+        assert name in msg, msg
+    # keys that agree are accepted: the same type (and values) in both, or rope_theta equal to the dict's
+    same = {**_raw("mixtral"), "rope_scaling": {"type": "default"}, "rope_theta": 1e6}
+    assert config_from_dict(same) == config_from_dict(_raw("mixtral"))
+
+
 def test_qwen_sliding_window_not_implemented():
     with pytest.raises(NotImplementedError, match="use_sliding_window"):
         config_from_dict({**_raw("qwen3_moe"), "use_sliding_window": True})
@@ -338,7 +360,8 @@ def test_yarn_rope_parameters_and_frequencies():
     ds = RopeScaling(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0)
     assert rope_frequencies(D, 1e4, ds)[1] == pytest.approx(1.0)
     inv0, one = rope_frequencies(D, 1e4)
-    np.testing.assert_allclose(inv0, 1e4 ** (-np.arange(0, D, 2) / D)) and one == 1.0
+    np.testing.assert_allclose(inv0, 1e4 ** (-np.arange(0, D, 2) / D))
+    assert one == 1.0
 
 
 # --- DeepSeek-V2 / V3 (issue 10) ------------------------------------------------------------------------------
