@@ -1,12 +1,14 @@
 """config.json parsing: the four fixtures, both key styles, layer selection and clear errors."""
 
 import json
+import math
 import os
 
 import numpy as np
 import pytest
 
 from ft_jax.config import SUPPORTED_ARCHITECTURES, ConfigError, RopeScaling, config_from_dict, load_config
+from ft_jax.models.layers import rope_frequencies
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 
@@ -332,11 +334,6 @@ def test_unreadable_folder_and_file_say_permission_denied(tmp_path):
 def test_yarn_rope_parameters_and_frequencies():
     """YaRN from gpt-oss's rope_parameters; the frequencies keep the fast dimensions, divide the slow ones by the
     factor, ramp linearly between (Peng et al. 2023, eq. 17-18), and scale cos/sin by 0.1 ln(s) + 1."""
-    import math
-
-    from ft_jax.config import RopeScaling, config_from_dict
-    from ft_jax.models.layers import rope_frequencies
-
     raw = {**_raw("mixtral"), "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
                                                    "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                    "original_max_position_embeddings": 4096}}
@@ -483,8 +480,6 @@ def test_deepseek_q_lora_rank_must_be_present_and_unimplemented_fields_raise(tmp
 def test_gpt_oss_configs():
     """The shared gpt_oss fixture (transformers 5 key style) and gpt_oss_mxfp4 (Hub style: rope_theta + rope_scaling,
     torch_dtype, quantization_config mxfp4)."""
-    from ft_jax.config import RopeScaling
-
     cfg = load_config(os.path.join(FIXTURES, "gpt_oss"))
     assert cfg.family == "gpt_oss" and cfg.architecture == "GptOssForCausalLM"
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (64, 4, 4, 2, 16)
@@ -504,8 +499,6 @@ def test_gpt_oss_configs():
 def test_gpt_oss_defaults_are_transformers_gpt_oss_config():
     """Absent fields take GptOssConfig's defaults: layer_types alternate from sliding, YaRN (factor 32, 4096,
     truncate false) with rope_theta 150000, attention_bias true, swiglu 1.702 / 7.0."""
-    from ft_jax.config import RopeScaling
-
     raw = {k: v for k, v in _raw("gpt_oss").items()
            if k not in ("layer_types", "rope_parameters", "attention_bias", "swiglu_alpha", "swiglu_limit")}
     cfg = config_from_dict({**raw, "num_hidden_layers": 3})
@@ -537,8 +530,6 @@ def test_yarn_frequencies_equal_transformers():
     written by scripts/make_gpt_oss_references.py): gpt-oss-20b's rope (truncate off and on), the tiny fixture's,
     DeepSeek's mscale pair, an mscale ratio, an explicit attention_factor, and original_max_position_embeddings
     absent (the config's max_position_embeddings), at the top level (it wins) and in the rope dict."""
-    from ft_jax.models.layers import rope_frequencies
-
     with open(os.path.join(os.path.dirname(__file__), "fixtures", "rope_yarn_reference.json")) as f:
         ref = json.load(f)
     for name, case in ref["cases"].items():

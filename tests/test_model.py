@@ -225,10 +225,31 @@ def test_last_logits_only_and_cache_reuse():
     np.testing.assert_array_equal(np.asarray(logits2), np.asarray(logits))
 
 
+# bf16 logit error bound, derived from the format. bf16 keeps p = 8 significant bits (7 stored + the implicit one),
+# so one round-to-nearest has a relative error of at most u = 2^-8 (half an ulp of 2^-7). Along the path from the
+# embedding to a logit the bf16 forward rounds, per decoder layer: the input RMSNorm (normalise, scale: 2), the q/k/v
+# projection (1), q/k norms (<= 2), RoPE (cos/sin cast, x cos, rot sin, sum: 4), scores (1), probabilities (1),
+# attention output (1), o projection (1), residual add (1); the post-attention RMSNorm (2), the expert's gate/up (1),
+# activation and product (2), down projection (1), the combined expert output (1), residual add (1): 22 per layer,
+# plus 4 outside the layers (embedding and head weights, final RMSNorm). Model: each rounding adds an independent
+# error uniform in [-u, u] of the logit scale (the token's max |logit|), so the logit error has std
+# u * sqrt(n / 3) for n = 22 L + 4 rounded ops; the bound is 5 std (a Gaussian tail of 6e-7 per logit, ~3000 logits
+# per fixture). For L = 3 / 4 layers that is 24.2 u / 27.7 u of max |logit|; measured (dev VM, this tree): at most
+# 8.5 u (gpt_oss_mxfp4: error 0.0969 at max |logit| 2.92, bound 0.275), 4.1-7.3 u for the other fixtures.
+BF16_U = 2.0 ** -8
+BF16_ROUNDED_OPS_PER_LAYER, BF16_ROUNDED_OPS_OUTSIDE = 22, 4
+
+
+def bf16_logit_error_bound(num_layers: int, logit_scale: np.ndarray) -> np.ndarray:
+    """5 std of the rounding-error model above: 5 u sqrt(n / 3) * logit_scale, n = 22 num_layers + 4."""
+    n = BF16_ROUNDED_OPS_PER_LAYER * num_layers + BF16_ROUNDED_OPS_OUTSIDE
+    return 5 * BF16_U * np.sqrt(n / 3) * logit_scale
+
+
 def test_bfloat16_load_is_close(loaded):
     """bfloat16 dense weights and host banks: the banks hold the rounded float32 weights; routing agrees for most
     tokens (router ties closer than bf16 noise may flip: info.json min margins are ~1e-4) and the logits of
-    tokens whose routing did not change stay within bf16 error."""
+    tokens whose routing did not change stay within the bf16 rounding bound (bf16_logit_error_bound)."""
     ck = load_checkpoint(loaded.dir, dtype=jnp.bfloat16)
     assert ck.model.dtype == jnp.bfloat16
     for bank, ref_bank in ((ck.gate_up_bank, loaded.ckpt.gate_up_bank), (ck.down_bank, loaded.ckpt.down_bank)):
@@ -245,8 +266,10 @@ def test_bfloat16_load_is_close(loaded):
         ids, ref_ids = np.sort(ids, -1), np.sort(ref_ids, -1)
     same = np.all(ids == ref_ids, axis=(0, 2))  # [T]
     assert same.mean() >= 0.75, same
-    err = np.abs(np.asarray(logits[0]) - loaded.ref["prompt_logits"]).max(-1)  # [T]
-    assert np.all(err[same] < 0.1), err
+    ref_logits = loaded.ref["prompt_logits"]  # [T, V]
+    err = np.abs(np.asarray(logits[0]) - ref_logits).max(-1)  # [T]
+    bound = bf16_logit_error_bound(loaded.cfg.num_layers, np.abs(ref_logits).max(-1))  # [T]
+    assert np.all(err[same] < bound[same]), (err, bound)
     for bank in ck.expert_banks.values():
         bank.release()
 
