@@ -19,7 +19,8 @@ import pytest
 import ft_jax
 from ft_jax import api, units
 from ft_jax.chat import ChatTemplateError, load_chat_template
-from ft_jax.engine.engine import Engine, Sampling
+from ft_jax.engine.engine import Engine
+from ft_jax.engine.sampling import Sampling
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT = os.path.join(os.path.dirname(__file__), "fixtures", "chat")
