@@ -14,7 +14,7 @@ from ft_jax.checkpoint import load_checkpoint
 from engine_helpers import decode_cache_size, lower_decode_step
 from ft_jax.engine.engine import Engine, kv_bucket, prefill_bucket
 from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, sample_next
-from ft_jax.offload.policy import Policy
+from ft_jax.offload.policy import Policy, auto_costs
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 
@@ -83,11 +83,22 @@ def test_long_decode_stays_finite_and_equal_to_resident(mixtral):
     assert offloaded.stats["decode_compiles"] == 1
 
 
-def test_batch_of_prompts_equals_each_alone():
-    ckpt = load_checkpoint(os.path.join(FIXTURES, "qwen2_moe"), dtype=jnp.float32)
+@pytest.fixture(scope="module")
+def qwen2_moe():
+    return load_checkpoint(os.path.join(FIXTURES, "qwen2_moe"), dtype=jnp.float32)
+
+
+def _auto(ckpt):
+    """auto with costs under which a layer both fetches and host-computes misses (equal bandwidths)."""
+    return Policy("auto", costs=auto_costs(ckpt.gate_up_bank.row_bytes + ckpt.down_bank.row_bytes, 10.0, 10.0))
+
+
+@pytest.mark.parametrize("policy", ["fetch-all", "qstar", "auto"])
+def test_batch_of_prompts_equals_each_alone(qwen2_moe, policy):
     info = _info("qwen2_moe")
     prompts = [info["prompt_ids"], [9, 8, 7]]
-    engine = Engine(ckpt, policy=Policy("fetch-all"), num_slots=4)
+    policy = {"fetch-all": Policy("fetch-all"), "qstar": Policy("qstar", frac=0.5), "auto": _auto(qwen2_moe)}[policy]
+    engine = Engine(qwen2_moe, policy=policy, num_slots=4)
     batch = engine.generate(prompts, max_new_tokens=8).tokens
     assert batch[0] == info["greedy_continuation"][:8]
     assert batch[1] == engine.generate([prompts[1]], max_new_tokens=8).tokens[0]

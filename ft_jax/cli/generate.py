@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from ft_jax import defaults
+from ft_jax import defaults, units
 from ft_jax.cli import arg_types
 from ft_jax.cli.usage import UsageError, escaped_text
 from ft_jax.config import SUPPORTED_ARCHITECTURES, load_config
@@ -125,6 +125,17 @@ def _cache(args: argparse.Namespace, cfg, note) -> int | float | str | None:
         args.cache_fraction if args.cache_fraction is not None else args.device_memory)
 
 
+def _device_memory_note(args: argparse.Namespace, cfg, expert_bytes: int, note) -> None:
+    """A --device-memory that holds more than every expert is clamped to all of them: said in a note."""
+    experts = cfg.num_moe_layers * cfg.num_experts
+    if args.device_memory is None or str(args.policy) == "resident":
+        return
+    fits = units.parse_bytes(args.device_memory) // expert_bytes
+    if fits > experts:
+        note(f"note: --device-memory {args.device_memory} holds {fits} experts, more than the {experts} experts; "
+             f"using {experts}")
+
+
 def run(args: argparse.Namespace) -> int:
     """`ft-jax generate`: returns the exit status. Everything that can be checked without the weights is checked
     first (api.make_request, --record-trace): errors come before any loading."""
@@ -155,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         if "slot" in str(e) or "cache" in str(e):
             raise UsageError(f"--cache-slots / --cache-fraction / --device-memory: {e}") from None
         raise
+    _device_memory_note(args, cfg, model.engine.expert_bytes, note)
     streaming = not args.json and len(request.prompt_ids) == 1
     echoed = []
 
