@@ -8,7 +8,8 @@ generation requests are checked (make_request / check_request, used by Model.gen
     (True, True)
 
 Defaults as ``ft-jax generate``: the checkpoint's dtype, the auto policy (costs from the stored bandwidth profile of
-this machine, or a quick one), half of all experts as device slots, temperature 0.8 (docs/design_parts/engine.md).
+this machine, or a quick one), half of all experts as device slots, temperature 0.8 (docs/DESIGN.md, "Engine, API
+and CLI").
 """
 
 from __future__ import annotations

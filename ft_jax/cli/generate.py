@@ -69,7 +69,8 @@ def add_arguments(sub) -> None:
                         help=f"slots as a fraction of all experts (default {defaults.DEFAULT_CACHE_FRACTION})")
     budget.add_argument("--device-memory", type=arg_types.byte_text, metavar="BYTES",
                         help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert)")
-    gen.add_argument("--policy", type=arg_types.policy, default=defaults.DEFAULT_POLICY, metavar="POLICY", help=POLICY_HELP)
+    gen.add_argument("--policy", type=arg_types.policy, default=defaults.DEFAULT_POLICY, metavar="POLICY",
+                     help=POLICY_HELP)
     gen.add_argument("--profile", metavar="PATH", help="bandwidth profile file for auto and qstar (default: the user "
                                                        "cache directory; see `ft-jax profile`)")
     gen.add_argument("--no-measure", action="store_true",
