@@ -248,6 +248,11 @@ def test_cache_slots_above_the_experts_are_clamped_with_a_note():
     assert notes == [f"ft-jax: note: --cache-slots 1000000000000 is more than the {experts} experts; using "
                      f"{experts}"], proc.stderr
     assert f"expert slots         {experts} x" in proc.stderr
+    proc = _run("--model", FIXTURE, *REQUEST[:3], "fetch-all", *REQUEST[4:], "--device-memory", "1GiB")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stderr.splitlines() if "--device-memory" in line]
+    assert len(notes) == 1 and notes[0].startswith("ft-jax: note: --device-memory 1GiB holds ") and notes[0].endswith(
+        f"experts, more than the {experts} experts; using {experts}"), proc.stderr
 
 
 def test_stop_escapes_are_processed_like_llama_cpp():
