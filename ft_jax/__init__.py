@@ -6,7 +6,7 @@
     >>> len(out.token_ids[0]), out.finish_reasons
     (40, ['length'])
 
-Public names: load, Model, Generation (ft_jax/api.py); Engine, Sampling, GenerationResult, NonFiniteLogitsError
+Public names: load, Model, Generation, Request (ft_jax/api.py); Engine, Sampling, GenerationResult, NonFiniteLogitsError
 (ft_jax/engine/); Policy, parse_policy (ft_jax/offload/policy.py); load_checkpoint, load_config, load_tokenizer,
 HostBank, bundled_model_path; __version__. They are imported on first use.
 
@@ -14,14 +14,17 @@ Importing the package registers the XLA FFI targets of the compiled extension (f
 ``CUDA_ENABLED`` says whether the CUDA handlers were registered too.
 """
 
+import importlib
+
 from ft_jax.kernels import CUDA_ENABLED  # registers the FFI targets (ft_jax/kernels/__init__.py)
 
 __version__ = "0.2.0"
 
 _PUBLIC = {
-    "load": "ft_jax.api", "Model": "ft_jax.api", "Generation": "ft_jax.api", "bundled_model_path": "ft_jax.api",
-    "Engine": "ft_jax.engine.engine", "Sampling": "ft_jax.engine.engine", "GenerationResult": "ft_jax.engine.engine",
-    "NonFiniteLogitsError": "ft_jax.engine.engine", "Policy": "ft_jax.offload.policy",
+    "load": "ft_jax.api", "Model": "ft_jax.api", "Generation": "ft_jax.api", "Request": "ft_jax.api",
+    "bundled_model_path": "ft_jax.defaults",
+    "Engine": "ft_jax.engine.engine", "Sampling": "ft_jax.engine.sampling", "GenerationResult": "ft_jax.engine.engine",
+    "NonFiniteLogitsError": "ft_jax.engine.sampling", "Policy": "ft_jax.offload.policy",
     "parse_policy": "ft_jax.offload.policy", "load_checkpoint": "ft_jax.checkpoint", "load_config": "ft_jax.config",
     "load_tokenizer": "ft_jax.tokenizer", "HostBank": "ft_jax.offload.banks",
 }
@@ -32,6 +35,4 @@ def __getattr__(name: str):
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'ft_jax' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(module), name)

@@ -1,4 +1,5 @@
-"""The one-call Python API: ``ft_jax.load`` a model folder, then ``generate`` text from it.
+"""The one-call Python API: ``ft_jax.load`` a model folder, then ``generate`` text from it; the one place where
+generation requests are checked (make_request / check_request, used by Model.generate and, before loading, the CLI).
 
     >>> import ft_jax
     >>> model = ft_jax.load(cache=0.25)                      # the bundled tiny Shakespeare MoE
@@ -6,35 +7,34 @@
     >>> out.finish_reasons[0] in ("stop", "length"), isinstance(out.text, str)
     (True, True)
 
-``load`` does what ``ft-jax generate`` does before decoding, with the same defaults: the checkpoint's dtype, the
-qstar policy with its fraction from the stored bandwidth profile of this machine (or a quick profile, about a second
-of measuring, stored for next time), and half of all experts as device slots. ``Model.generate`` takes text (or token
-ids, or a list of either for a batch), samples at temperature 0.8 by default, stops at the model's EOS ids and at any
-stop string, and can render the checkpoint's chat template. The CLI is built on these two calls.
+Defaults as ``ft-jax generate``: the checkpoint's dtype, the auto policy (costs from the stored bandwidth profile of
+this machine, or a quick one), half of all experts as device slots, temperature 0.8 (docs/DESIGN.md, "Engine, API
+and CLI").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
 import os
 import warnings
 from typing import Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import platformdirs
 
+from ft_jax.chat import load_chat_template
+from ft_jax import checkpoint as checkpoint_lib
+from ft_jax.config import load_config
+from ft_jax.engine.engine import Engine
+from ft_jax.engine.sampling import Sampling
+from ft_jax.offload.policy import Policy, parse_policy
+from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 from ft_jax.units import model_dtype, parse_bytes
 
-BUNDLED_MODEL = "tiny_shakespeare"
-DEFAULT_POLICY = "auto"
-DEFAULT_CACHE_FRACTION = 0.5
-DEFAULT_TEMPERATURE = 0.8
-DEFAULT_NEW_TOKENS = 200
-
-
-def bundled_model_path() -> str:
-    """Folder of the small Mixtral-architecture model shipped in the package (ft_jax/bundled/tiny_shakespeare)."""
-    return str(importlib.resources.files("ft_jax") / "bundled" / BUNDLED_MODEL)
+from ft_jax.defaults import (BUNDLED_MODEL, DEFAULT_CACHE_FRACTION, DEFAULT_NEW_TOKENS, DEFAULT_POLICY,  # noqa: F401
+                             DEFAULT_TEMPERATURE, bundled_model_path)
 
 
 def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
@@ -73,8 +73,6 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
 def enable_compile_cache(path: str) -> None:
     """Turn on JAX's persistent compilation cache in ``path`` for every executable (even ones that compile in under a
     second); call before the first compilation of the process. Raises OSError if the folder cannot be created."""
-    import jax
-
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -83,8 +81,6 @@ def enable_compile_cache(path: str) -> None:
 
 def default_compile_cache_dir() -> str:
     """compile/ in the user cache directory ($XDG_CACHE_HOME/ft_jax or ~/.cache/ft_jax)."""
-    import platformdirs
-
     return os.path.join(platformdirs.user_cache_dir("ft_jax", appauthor=False), "compile")
 
 
@@ -136,10 +132,11 @@ class Generation:
     Attributes:
         texts: generated text per prompt (stop strings cut off), or None when the model folder has no tokenizer.
         token_ids: generated ids per prompt (ending with the EOS id or the token that completed a stop string).
-        prompt_ids: the token ids each prompt was encoded to (after the chat template, with --chat).
+        prompt_ids: the token ids each prompt was encoded to (after the chat template, with chat=True).
         finish_reasons: per prompt, "eos", "stop" (a stop string) or "length" (max_new_tokens).
         stats: Engine.generate's statistics (decode tokens/s, hit rate, compile counts, ...).
         routing: with record_routing, (topk ids i32[steps, L_moe, B, k], weights f32[...]) of every decode step.
+        single: generate was given one prompt (a text or one id list), not a list of prompts.
     """
 
     texts: list[str] | None
@@ -148,11 +145,143 @@ class Generation:
     finish_reasons: list[str]
     stats: dict
     routing: tuple | None = None
+    single: bool = True
 
     @property
     def text(self) -> str | None:
-        """The first prompt's generated text (the usual single-prompt case)."""
+        """The generated text of the one prompt (None without a tokenizer).
+
+        Raises:
+            ValueError: generate was given a list of prompts: their texts are ``texts``.
+        """
+        if not self.single:
+            raise ValueError(f"text is the text of a single prompt; this generation had a list of "
+                             f"{len(self.token_ids)} prompt(s): use .texts (one text per prompt)")
         return None if self.texts is None else self.texts[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A checked generation request (make_request): what Model.run_request decodes.
+
+    Attributes:
+        prompt_ids: B lists of token ids (non-empty, in the vocabulary, fitting the context with max_new_tokens).
+        max_new_tokens: tokens to generate per prompt (>= 1). sampling: the Sampling rule. seed: in [0, 2^32).
+        stop: stop strings (non-empty; only with a tokenizer). single: one prompt was given, not a list.
+    """
+
+    prompt_ids: list[list[int]]
+    max_new_tokens: int
+    sampling: Sampling
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    single: bool = True
+
+
+def check_request(config, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Validate token-id prompts against a model config before any work is done.
+
+    Args:
+        config: ft_jax.config.MoEConfig (vocab_size, max_position_embeddings).
+        prompts: B lists of token ids.
+        max_new_tokens: tokens to generate per prompt.
+    Raises:
+        ValueError: no prompt, an empty prompt, an id outside [0, vocab), max_new_tokens < 1, or a prompt plus the
+            new tokens longer than the context (max_position_embeddings); the message names the prompt and values.
+    """
+    if not prompts:
+        raise ValueError("no prompt given")
+    for i, p in enumerate(prompts):
+        if not len(p):
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= int(t) < config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    longest, context = max(len(p) for p in prompts), config.max_position_embeddings
+    if longest + max_new_tokens > context:
+        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context of "
+                         f"{context} tokens (max_position_embeddings)")
+
+
+def default_new_tokens(config, prompts: Sequence[Sequence[int]]) -> int:
+    """max_new_tokens when none is given: DEFAULT_NEW_TOKENS, or what the context leaves after the longest prompt.
+    Raises ValueError if the longest prompt already fills the context (no room for one new token)."""
+    longest, context = max(len(p) for p in prompts), config.max_position_embeddings
+    if longest >= context:
+        raise ValueError(f"prompt of {longest} tokens fills the model's context of {context} tokens "
+                         "(max_position_embeddings): no room for a new token")
+    return min(DEFAULT_NEW_TOKENS, context - longest)
+
+
+def encode_prompt(path: str, tokenizer, prompt, *, chat: bool = False) -> list[int]:
+    """Token ids of one prompt: ids are kept as they are; text is encoded by the tokenizer, after the chat template of
+    the model folder ``path`` with chat=True. Raises ValueError without a tokenizer for text; ChatTemplateError
+    without a chat template."""
+    if not isinstance(prompt, str):
+        return [int(t) for t in prompt]
+    if tokenizer is None:
+        raise ValueError(f"{path} has no tokenizer (no tokenizer.json): pass token ids instead of text")
+    if chat:
+        template = load_chat_template(path)
+        return tokenizer.encode(template.render([{"role": "user", "content": prompt}]), add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+def _prompt_rows(prompts) -> tuple[list, bool]:
+    """(the prompts as a list, whether one prompt was given); TypeError / ValueError naming a bad one."""
+    def token_ids(p) -> bool:
+        return isinstance(p, (list, tuple)) and all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p)
+
+    if not isinstance(prompts, (str, list, tuple)):
+        raise TypeError(f"prompts must be a text, a list of token ids or a list of texts / id lists, got "
+                        f"{type(prompts).__name__}")
+    if not len(prompts):
+        raise ValueError("prompts is empty: give a text, a list of token ids, or a list of texts / id lists")
+    one = isinstance(prompts, str) or isinstance(prompts[0], (int, np.integer))
+    rows = [prompts] if one else list(prompts)
+    bad = [p for p in rows if not (isinstance(p, str) or token_ids(p))]
+    if bad:
+        raise TypeError(f"each prompt must be a text or a list of integer token ids, got {bad[0]!r}")
+    return rows, one
+
+
+def _check_types(max_new_tokens, temperature, top_p, seed, stop) -> tuple[str, ...]:
+    """The argument types of a request (TypeError / ValueError naming the argument); returns the stop strings."""
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or
+                                       not isinstance(max_new_tokens, (int, np.integer))):
+        raise TypeError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an integer in [0, 2^32), got {seed!r}")
+    stop = tuple(s for s in ([stop] if isinstance(stop, str) else stop))
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+    return stop
+
+
+def make_request(path: str, config, tokenizer, prompts, *, max_new_tokens: int | None = None,
+                 temperature: float = DEFAULT_TEMPERATURE, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 stop: Sequence[str] = (), chat: bool = False) -> Request:
+    """Every check of a generation request, in one place: needs only the config and the tokenizer, so the CLI calls
+    it before loading the weights, and Model.generate calls it too. Arguments as Model.generate; path: the model
+    folder (for the chat template and messages). Returns a Request. Raises TypeError / ValueError naming the
+    argument (see Model.generate), ChatTemplateError for chat without a chat template."""
+    rows, single = _prompt_rows(prompts)
+    stop = _check_types(max_new_tokens, temperature, top_p, seed, stop)
+    if stop and tokenizer is None:
+        raise ValueError(f"{path} has no tokenizer (no tokenizer.json): stop strings need one")
+    ids = [encode_prompt(path, tokenizer, p, chat=chat) for p in rows]
+    if max_new_tokens is None:
+        max_new_tokens = default_new_tokens(config, ids) if all(ids) else DEFAULT_NEW_TOKENS
+    check_request(config, ids, int(max_new_tokens))
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    return Request(prompt_ids=ids, max_new_tokens=int(max_new_tokens), sampling=sampling, seed=seed, stop=stop,
+                   single=single)
 
 
 class _StopWatch:
@@ -205,19 +334,13 @@ class Model:
         self.policy, self.dtype, self.note = engine.policy, dtype, note
 
     def encode(self, prompt, *, chat: bool = False) -> list[int]:
-        """Token ids of one prompt: ids are kept as they are; text is encoded by the tokenizer, after the chat
-        template with chat=True. Raises ValueError without a tokenizer for text, or without a chat template."""
-        if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
-        if self.tokenizer is None:
-            raise ValueError(f"{self.path} has no tokenizer (no tokenizer.json): pass token ids instead of text")
-        if chat:
-            from ft_jax.chat import load_chat_template
+        """Token ids of one prompt (encode_prompt with this model's folder and tokenizer)."""
+        return encode_prompt(self.path, self.tokenizer, prompt, chat=chat)
 
-            template = load_chat_template(self.path)
-            return self.tokenizer.encode(template.render([{"role": "user", "content": prompt}]),
-                                         add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+    def request(self, prompts, **kwargs) -> Request:
+        """make_request for this model: the checked Request of Model.generate's arguments (but on_text and
+        record_routing)."""
+        return make_request(self.path, self.config, self.tokenizer, prompts, **kwargs)
 
     def generate(self, prompts, *, max_new_tokens: int | None = None, temperature: float = DEFAULT_TEMPERATURE,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: Sequence[str] = (), chat: bool = False,
@@ -225,9 +348,10 @@ class Model:
         """Generate from one prompt or a batch.
 
         Args:
-            prompts: a text, a list of token ids, or a list of texts / id lists (decoded together as one batch).
+            prompts: a text or a list of token ids (one prompt: Generation.text is its text), or a list of texts / id
+                lists (decoded together as one batch: Generation.texts, one per prompt).
             max_new_tokens: per prompt (default DEFAULT_NEW_TOKENS, or what the model's context leaves).
-            temperature, top_k, top_p: sampling (ft_jax.engine.engine.Sampling; temperature 0 = greedy).
+            temperature, top_k, top_p: sampling (ft_jax.engine.sampling.Sampling; temperature 0 = greedy).
             seed: sampling seed, an integer in [0, 2^32).
             stop: stop strings: a row ends once its text contains one; the text is cut where it starts.
             chat: render each text prompt with the checkpoint's chat template (tokenizer_config.json) first.
@@ -237,46 +361,21 @@ class Model:
             Generation.
         Raises:
             TypeError: prompts, max_new_tokens, temperature, top_p or on_text of the wrong type (naming it).
-            ValueError: an empty / out-of-vocabulary / too long prompt, a bad sampling value or seed, text without a
-                tokenizer, stop strings without a tokenizer, chat without a chat template.
-            ft_jax.engine.engine.NonFiniteLogitsError: the model produced NaN or infinite logits.
+            ValueError: no prompt, an empty / out-of-vocabulary / too long prompt, a bad sampling value or seed, text
+                without a tokenizer, stop strings without a tokenizer, chat without a chat template.
+            ft_jax.engine.sampling.NonFiniteLogitsError: the model produced NaN or infinite logits.
         """
-        from ft_jax.engine.engine import Sampling, check_request
+        request = self.request(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                               top_p=top_p, seed=seed, stop=stop, chat=chat)
+        return self.run_request(request, on_text=on_text, record_routing=record_routing)
 
-        def token_ids(p) -> bool:
-            return isinstance(p, (list, tuple)) and all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p)
-
-        if not isinstance(prompts, (str, list, tuple)):
-            raise TypeError(f"prompts must be a text, a list of token ids or a list of texts / id lists, got "
-                            f"{type(prompts).__name__}")
-        one = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
-        rows = [prompts] if one else list(prompts)
-        bad = [p for p in rows if not (isinstance(p, str) or token_ids(p))]
-        if bad:
-            raise TypeError(f"each prompt must be a text or a list of integer token ids, got {bad[0]!r}")
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or
-                                           not isinstance(max_new_tokens, (int, np.integer))):
-            raise TypeError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
-        for name, value in (("temperature", temperature), ("top_p", top_p)):
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-                raise TypeError(f"{name} must be a number, got {value!r}")
+    def run_request(self, request: Request, *, on_text: Callable[[int, str], None] | None = None,
+                    record_routing: bool = False) -> Generation:
+        """Decode a checked Request (make_request / Model.request); on_text and record_routing as Model.generate."""
         if on_text is not None and not callable(on_text):
             raise TypeError(f"on_text must be callable with (row, text), got {on_text!r}")
-        ids = [self.encode(p, chat=chat) for p in rows]
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-            raise ValueError(f"seed must be an integer in [0, 2^32), got {seed!r}")
-        stop = tuple(s for s in ([stop] if isinstance(stop, str) else stop))
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
-        if stop and self.tokenizer is None:
-            raise ValueError(f"{self.path} has no tokenizer: stop strings need one")
-        if max_new_tokens is None:
-            room = self.config.max_position_embeddings - max(len(p) for p in ids)
-            max_new_tokens = min(DEFAULT_NEW_TOKENS, room) if room > 0 else DEFAULT_NEW_TOKENS
-        check_request(self.config, ids, max_new_tokens)
-        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
-        watches = [_StopWatch(self.tokenizer, stop) for _ in ids] if self.tokenizer is not None else None
+        ids = request.prompt_ids
+        watches = [_StopWatch(self.tokenizer, request.stop) for _ in ids] if self.tokenizer is not None else None
         eos = set(self.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
         stopped = [False] * len(ids)
 
@@ -290,8 +389,9 @@ class Model:
                 stopped[row] = watches[row].cut is not None
             return stopped
 
-        result = self.engine.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                                      eos_token_ids=eos, on_tokens=on_tokens, record_routing=record_routing)
+        result = self.engine.generate(ids, max_new_tokens=request.max_new_tokens, sampling=request.sampling,
+                                      seed=request.seed, eos_token_ids=eos, on_tokens=on_tokens,
+                                      record_routing=record_routing)
         texts = None
         if watches is not None:
             for row, w in enumerate(watches):
@@ -302,7 +402,7 @@ class Model:
         reasons = ["stop" if stopped[r] else "eos" if t and t[-1] in eos else "length"
                    for r, t in enumerate(result.tokens)]
         return Generation(texts=texts, token_ids=result.tokens, prompt_ids=ids, finish_reasons=reasons,
-                          stats=result.stats, routing=result.routing)
+                          stats=result.stats, routing=result.routing, single=request.single)
 
 
 def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=DEFAULT_POLICY, cache=None,
@@ -326,14 +426,6 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
         ConfigError, CheckpointError, NotImplementedError: the folder cannot be used (the message names the file).
         ValueError: a bad dtype, policy or cache budget.
     """
-    import jax.numpy as jnp
-
-    from ft_jax.checkpoint import load_checkpoint
-    from ft_jax.config import load_config
-    from ft_jax.engine.engine import Engine
-    from ft_jax.offload.policy import Policy, parse_policy
-    from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
-
     path = os.fspath(path) if path is not None else bundled_model_path()
     cfg = load_config(path)
     if not isinstance(policy, Policy):
@@ -342,11 +434,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
     if cache is not None:  # the form and range before loading; a byte budget against the expert's weights
         weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size * jnp.dtype(dtype).itemsize  # gate, up, down
         num_slots_for(cache, cfg.num_moe_layers * cfg.num_experts, weights)
-    try:
-        tokenizer = load_tokenizer(path)
-    except TokenizerNotFoundError:
-        tokenizer = None
-    checkpoint = load_checkpoint(path, dtype=jnp.dtype(dtype))
+    tokenizer = load_tokenizer_or_none(path)
+    checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype))
     expert_bytes = sum(bank.row_bytes for bank in checkpoint.expert_banks.values())  # weights (+ biases)
     slots = num_slots_for(cache, checkpoint.gate_up_bank.num_rows, expert_bytes)
     policy, note = resolve_policy(policy, checkpoint, profile=profile, measure=measure)
@@ -354,3 +443,11 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
         on_message(note)
     engine = Engine(checkpoint, policy=policy, num_slots=slots, on_compile=on_compile)
     return Model(path, checkpoint.config, tokenizer, checkpoint, engine, dtype, note)
+
+
+def load_tokenizer_or_none(path: str):
+    """The model folder's tokenizer (ft_jax.tokenizer.load_tokenizer), or None when the folder has none."""
+    try:
+        return load_tokenizer(path)
+    except TokenizerNotFoundError:
+        return None

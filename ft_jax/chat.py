@@ -16,6 +16,9 @@ import datetime
 import json
 import os
 
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from ft_jax.config import check_regular_file, file_present, read_json_file
 
 
@@ -42,9 +45,6 @@ class ChatTemplate:
             ChatTemplateError: the template does not parse or raised (e.g. roles that do not alternate); the message
                 names the source file.
         """
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
 

@@ -27,6 +27,9 @@ import stat
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
+from tokenizers import Tokenizer as _Tok
+from tokenizers.decoders import DecodeStream
+
 from ft_jax.config import check_regular_file, file_present, os_error_cause, read_json_file, read_special_ids
 
 BYTE_TOKENIZER_MARKER_KEY = "ft_jax_tokenizer"
@@ -137,8 +140,6 @@ class _HFStreamDecoder:
     """Wraps ``tokenizers.decoders.DecodeStream`` (which buffers ids until they decode to complete text)."""
 
     def __init__(self, tok) -> None:
-        from tokenizers.decoders import DecodeStream
-
         self._tok = tok
         self._stream = DecodeStream(skip_special_tokens=False)
         self._pending: list[int] = []
@@ -169,8 +170,6 @@ class HFTokenizer(Tokenizer):
     """
 
     def __init__(self, path: str, bos_token_id: int | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
-        from tokenizers import Tokenizer as _Tok
-
         try:
             self._tok = _Tok.from_file(path)
         except Exception as e:  # the tokenizers library raises a bare Exception for malformed files

@@ -115,9 +115,10 @@ def run(args: argparse.Namespace) -> dict:
     import jax.numpy as jnp
 
     from ft_jax.checkpoint import load_checkpoint
-    from ft_jax.api import bundled_model_path
+    from ft_jax.defaults import bundled_model_path
     from ft_jax.config import load_config
-    from ft_jax.engine.engine import Engine, Sampling
+    from ft_jax.engine.engine import Engine
+    from ft_jax.engine.sampling import Sampling
     from ft_jax.offload.policy import Policy
 
     if args.new_tokens < 2:
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
 
     def generate(engine: Engine) -> dict:
         engine.expert_state = engine.decode_backend.init_state(engine.num_slots)  # cold cache: identical repeats
-        return engine.generate([prompt], max_new_tokens=args.new_tokens, sampling=sampling, eos_token_id=None)
+        return engine.generate([prompt], max_new_tokens=args.new_tokens, sampling=sampling)
 
     runs: list[list[dict]] = [[] for _ in engines]  # runs[policy][repeat] = Engine.generate stats
     tokens: list[list[int] | None] = [None] * len(engines)
@@ -178,7 +179,7 @@ def run(args: argparse.Namespace) -> dict:
             "fetched_per_step": last["fetched_per_step"],
             "host_per_step": last["host_per_step"],
             "decode_steps": last["decode_steps"],
-            "decode_compiles": engine.decode_cache_size(),
+            "decode_compiles": sum(1 for key in engine._executables if key[0] == "decode"),  # executables built
         })
     base = next(r for r in rows if r["policy"] == "fetch-all")["decode_tokens_per_s"]
     for r in rows:

@@ -19,7 +19,8 @@ import pytest
 import ft_jax
 from ft_jax import api, units
 from ft_jax.chat import ChatTemplateError, load_chat_template
-from ft_jax.engine.engine import Engine, Sampling
+from ft_jax.engine.engine import Engine
+from ft_jax.engine.sampling import Sampling
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT = os.path.join(os.path.dirname(__file__), "fixtures", "chat")
@@ -98,7 +99,19 @@ def test_batch_of_text_prompts_each_equal_alone(bundled):
     both = bundled.generate(["ROMEO:", "JULIET:"], max_new_tokens=12, temperature=0)
     assert both.texts[1] == bundled.generate("JULIET:", max_new_tokens=12, temperature=0).text
     ids = bundled.tokenizer.encode("ROMEO:")
-    assert bundled.generate(ids, max_new_tokens=12, temperature=0).token_ids == both.token_ids[:1]
+    one = bundled.generate(ids, max_new_tokens=12, temperature=0)
+    assert one.token_ids == both.token_ids[:1]
+    # one prompt: .text is its text; a list of prompts: .texts, and .text says so
+    assert one.text == both.texts[0] and isinstance(one.text, str)
+    with pytest.raises(ValueError, match=r"a list of 2 prompt\(s\): use \.texts"):
+        both.text
+    assert bundled.generate(["ROMEO:"], max_new_tokens=2).texts[0] == bundled.generate("ROMEO:", max_new_tokens=2).text
+
+
+def test_no_prompt_is_a_value_error_naming_the_prompts(bundled):
+    for empty in ([], ()):
+        with pytest.raises(ValueError, match="^prompts is empty: give a text, a list of token ids"):
+            bundled.generate(empty)
 
 
 def test_chat_templates_from_real_checkpoints():

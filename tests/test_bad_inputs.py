@@ -214,3 +214,66 @@ def test_symlink_loops_are_named(tmp_path):
         assert path in line and "symbolic link loop" in line and "no " not in line, line
         os.remove(path)
         os.rename(path + ".bak", path)
+
+
+# --- nothing accepted silently (issue 18, item 4) -----------------------------------------------------------------
+
+
+def test_chat_with_prompt_ids_is_refused():
+    line = _error_line("--model", FIXTURE, *REQUEST, "--chat")
+    assert line == ("ft-jax generate: error: --chat renders text prompts with the chat template: it cannot be used "
+                    "with --prompt-ids (see --help)"), line
+
+
+@pytest.mark.parametrize("value", ["1e308", "1e-300"])
+def test_temperature_that_overflows_float32_is_refused(value):
+    line = _error_line("--model", FIXTURE, *REQUEST[:-2], "--temperature", value)
+    assert line.startswith("ft-jax generate: error: --temperature: temperature ") and f"{float(value):g}" in line
+    assert "[1e-10, 1e+10]" in line and "overflow" in line, line
+
+
+def test_full_context_without_max_new_tokens_says_the_prompt_fills_it():
+    context = json.load(open(os.path.join(FIXTURE, "config.json")))["max_position_embeddings"]
+    line = _error_line("--model", FIXTURE, "--prompt-ids", ",".join(["1"] * context), "--policy", "host-all")
+    assert line == (f"ft-jax generate: error: prompt of {context} tokens fills the model's context of {context} "
+                    "tokens (max_position_embeddings): no room for a new token"), line
+
+
+def test_cache_slots_above_the_experts_are_clamped_with_a_note():
+    cfg = json.load(open(os.path.join(FIXTURE, "config.json")))
+    experts = cfg["num_hidden_layers"] * cfg["num_local_experts"]
+    proc = _run("--model", FIXTURE, *REQUEST[:3], "fetch-all", *REQUEST[4:], "--cache-slots", "1000000000000")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stderr.splitlines() if "--cache-slots" in line]
+    assert notes == [f"ft-jax: note: --cache-slots 1000000000000 is more than the {experts} experts; using "
+                     f"{experts}"], proc.stderr
+    assert f"expert slots         {experts} x" in proc.stderr
+    proc = _run("--model", FIXTURE, *REQUEST[:3], "fetch-all", *REQUEST[4:], "--device-memory", "1GiB")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stderr.splitlines() if "--device-memory" in line]
+    assert len(notes) == 1 and notes[0].startswith("ft-jax: note: --device-memory 1GiB holds ") and notes[0].endswith(
+        f"experts, more than the {experts} experts; using {experts}"), proc.stderr
+
+
+def test_stop_escapes_are_processed_like_llama_cpp():
+    """--stop "\\n" (backslash, n: what a shell passes for the --help example) stops at a newline: the text is cut
+    before the first one and the row ends with reason "stop"."""
+    proc = _run("--prompt", "KING:", "--max-new-tokens", "60", "--temperature", "0", "--policy", "host-all",
+                "--stop", "\\n", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["settings"]["stop"] == ["\n"] and out["finish_reasons"] == ["stop"]
+    assert "\n" not in out["text"][0] and len(out["generated_ids"][0]) < 60
+
+
+def test_a_closed_stdout_pipe_ends_quietly():
+    """`ft-jax generate ... | head -c 20`: the reader goes away while tokens stream; exit 0 or 141, no message."""
+    proc = subprocess.Popen([sys.executable, "-m", "ft_jax", "generate", "--prompt", "KING:", "--max-new-tokens",
+                             "120", "--temperature", "0", "--policy", "host-all"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
+    head = proc.stdout.read(20)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=TIMEOUT_S)
+    assert head.startswith(b"KING:") and proc.returncode in (0, 141), (proc.returncode, err[-3000:])
+    assert "error" not in err and "Traceback" not in err and "Exception" not in err, err[-3000:]

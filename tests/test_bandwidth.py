@@ -86,11 +86,11 @@ def test_fraction_from_a_hand_worked_pair():
     assert make_profile(bp=8.0, bh=4.0).fraction() == 1.0  # BH <= BP: fetch everything
     # f = round(0.25 * 65536) = 16384; m=3: lo=0, cost(0) = 49152 = cost(1) -> 0; m=8: lo=2, cost(2)=98304 -> 2
     assert [q_star_reference(m, 0.25) for m in range(1, 9)] == [0, 0, 0, 1, 1, 1, 1, 2]
-    text = cli.recommendation(contended)
+    text = cli.profile.recommendation(contended)
     assert text == ("the host path is 3.1x faster than the fill (while both run): compute about 3 of every 4 misses "
                     "on the CPU (fetch the other 1 into device slots)")
-    assert cli.recommendation(make_profile(bp=8.0, bh=8.6)).startswith("the host path is about as fast as the fill")
-    assert cli.recommendation(make_profile(bp=8.0, bh=4.0)).endswith("fetch every miss into device slots (like "
+    assert cli.profile.recommendation(make_profile(bp=8.0, bh=8.6)).startswith("the host path is about as fast as the fill")
+    assert cli.profile.recommendation(make_profile(bp=8.0, bh=4.0)).endswith("fetch every miss into device slots (like "
                                                                      "fetch-all)")
 
 

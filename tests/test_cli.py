@@ -194,3 +194,15 @@ def test_compile_notes_come_before_the_stream(tmp_path):
     assert proc.stdout.startswith("KING:")
     assert "expert slots         none used (host-all" in proc.stderr
 
+
+
+def test_stop_escapes_follow_llama_cpp():
+    """--stop processes escapes as llama.cpp's string_process_escapes: \\n \\r \\t \\' \\" \\\\ \\xHH; any other
+    backslash stays."""
+    from ft_jax.cli.usage import process_escapes
+
+    cases = {r"\n\n": "\n\n", r"a\tb\r": "a\tb\r", r"\\n": "\\n", r"\'\"": "'\"", r"\x41\x4": "A\\x4",
+             r"\q": "\\q", "end\\": "end\\", "plain": "plain"}
+    assert {k: process_escapes(k) for k in cases} == cases
+    args = cli.build_parser().parse_args(["generate", "--stop", r"\n\n", "--stop", "x"])
+    assert args.stop == ["\n\n", "x"]

@@ -1,1 +1,2 @@
-"""Generation: the jit-compiled prefill and decode steps over offloaded experts, and the Engine that runs them."""
+"""Generation: sampling.py (the sampling rule), steps.py (prefill, decode_one_token, decode_n_tokens), engine.py (the
+Engine: compiled-step cache + generate) and stats.py (statistics, compile counter)."""

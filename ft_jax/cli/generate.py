@@ -1,0 +1,246 @@
+"""`ft-jax generate`: its flags, run (built on ft_jax.api: make_request before loading, load, Model.run_request) and
+the statistics table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ft_jax import defaults, units
+from ft_jax.cli import arg_types
+from ft_jax.cli.usage import UsageError, escaped_text
+from ft_jax.config import SUPPORTED_ARCHITECTURES, load_config
+from ft_jax.tools.trace import routing_records, write_trace
+
+POLICY_HELP = ("auto (default: per layer, the number of misses to fetch that minimises the modelled layer time minus "
+               "the observed reuse of fetched experts; docs/policies.md), qstar (split misses by the measured "
+               "bandwidths; qstar:FRAC fixes the fetch fraction), fetch-all (classic LRU offload: every miss is copied "
+               "into a slot), host-all (every miss computed on the CPU; the cache never changes), fixed-cap:K (fetch "
+               "at most K misses per layer), resident (every expert on the device)")
+EXAMPLES = """examples:
+  ft-jax generate --prompt "ROMEO:"                          # the bundled tiny Shakespeare MoE
+  ft-jax generate --prompt "KING:" --temperature 0 --max-new-tokens 50 --stop "\\n\\n"
+  ft-jax generate --model ~/models/Mixtral-8x7B-Instruct-v0.1 --chat --prompt "Write a haiku" --cache-fraction 0.25
+  ft-jax generate --model ~/models/Qwen3-30B-A3B --device-memory 8GiB --policy host-all --json
+  ft-jax generate --model DIR --prompt-ids 1,17,42 --temperature 0     # no tokenizer needed
+
+Supported architectures: {architectures}. Compiled steps are kept in JAX's persistent compilation cache under the
+user cache directory (see --no-compile-cache); the qstar policy uses the bandwidth profile stored there (see
+`ft-jax profile`)."""
+
+
+def add_arguments(sub) -> None:
+    """The `generate` subparser on the subparsers object ``sub``."""
+    gen = sub.add_parser("generate", help="generate text (default model: the bundled tiny Shakespeare MoE)",
+                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog=EXAMPLES.format(architectures=", ".join(SUPPORTED_ARCHITECTURES)),
+                         description="Generate text from a Hugging Face MoE checkpoint folder (config.json + "
+                         "safetensors) or the bundled model, streaming tokens, then print offload statistics.")
+    gen.add_argument("--model", metavar="PATH", help="Hugging Face model folder (default: the bundled model)")
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", metavar="TEXT",
+                     help="prompt text; repeat for several prompts decoded together as one batch "
+                          "(default: a single newline)")
+    src.add_argument("--prompt-ids", action="append", type=arg_types.token_ids, metavar="IDS",
+                     help="prompt as comma-separated token ids (no tokenizer needed); repeatable")
+    gen.add_argument("--max-new-tokens", type=int, default=None,
+                     help=f"tokens to generate per prompt (default {defaults.DEFAULT_NEW_TOKENS}, or what the model's "
+                          "context leaves after the prompt)")
+    gen.add_argument("--temperature", type=arg_types.non_negative, default=defaults.DEFAULT_TEMPERATURE,
+                     help=f"0 = greedy (default {defaults.DEFAULT_TEMPERATURE})")
+    gen.add_argument("--top-k", type=arg_types.top_k, default=0, help="sample from the k most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=arg_types.fraction, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    gen.add_argument("--stop", action="append", metavar="TEXT", type=escaped_text,
+                     help="stop a sequence once its text contains TEXT (cut off there); repeatable; escapes \\n, "
+                          "\\r, \\t, \\\\, \\', \\\" and \\xHH are processed as llama.cpp does")
+    gen.add_argument("--chat", action="store_true",
+                     help="render each --prompt as a user message with the checkpoint's chat template "
+                          "(tokenizer_config.json or chat_template.jinja)")
+    gen.add_argument("--seed", type=arg_types.seed, default=0,
+                     help=f"sampling seed, an integer in [0, {arg_types.SEED_MAX}] (32 bits; default 0)")
+    gen.add_argument("--dtype", type=arg_types.dtype, default=None,
+                     help="bf16/bfloat16 or f32/float32: dtype of the dense weights, the activations and the expert "
+                          "host banks (default: float32 for float32 checkpoints, else bfloat16)")
+    budget = gen.add_mutually_exclusive_group()
+    budget.add_argument("--cache-slots", type=int, metavar="S", help="device expert slots shared by all layers")
+    budget.add_argument("--cache-fraction", type=arg_types.fraction, metavar="F",
+                        help=f"slots as a fraction of all experts (default {defaults.DEFAULT_CACHE_FRACTION})")
+    budget.add_argument("--device-memory", type=arg_types.byte_text, metavar="BYTES",
+                        help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert)")
+    gen.add_argument("--policy", type=arg_types.policy, default=defaults.DEFAULT_POLICY, metavar="POLICY",
+                     help=POLICY_HELP)
+    gen.add_argument("--profile", metavar="PATH", help="bandwidth profile file for auto and qstar (default: the user "
+                                                       "cache directory; see `ft-jax profile`)")
+    gen.add_argument("--no-measure", action="store_true",
+                     help="auto or qstar without a stored profile: do not run a quick profile, fall back to fixed-cap:1")
+    gen.add_argument("--record-trace", metavar="FILE",
+                     help="write the routing of every decode step to FILE as a routing trace (JSON lines, or .npz "
+                          "by name) for `ft-jax trace` / `ft-jax plan`")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (ids, text, statistics) instead")
+    gen.add_argument("--no-compile-cache", action="store_true",
+                     help="do not use JAX's persistent compilation cache (default: compiled steps are kept in "
+                          "compile/ under the user cache directory, e.g. ~/.cache/ft_jax, so the next run with the "
+                          "same model and shapes loads them instead of compiling)")
+    gen.add_argument("--verbose", action="store_true", help="show tracebacks")
+
+
+def flag_conflicts(args: argparse.Namespace) -> str | None:
+    """A combination of flags that cannot mean anything (reported by the parser), or None."""
+    if args.chat and args.prompt_ids is not None:
+        return "--chat renders text prompts with the chat template: it cannot be used with --prompt-ids"
+    return None
+
+
+def _request(args: argparse.Namespace, api, path: str, cfg, tokenizer):
+    """The checked request (api.make_request) from the flags, before any loading; UsageError naming the problem."""
+    prompts = args.prompt_ids if args.prompt_ids is not None else (args.prompt or ["Hello" if args.chat else "\n"])
+    try:
+        return api.make_request(path, cfg, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                stop=args.stop or (), chat=args.chat)
+    except ValueError as e:
+        flag = next((f for word, f in (("temperature", "--temperature"), ("stop string", "--stop")) if word in str(e)),
+                    None)
+        raise UsageError(f"{flag}: {e}" if flag else str(e)) from None
+
+
+def _check_record_trace(file: str | None) -> None:
+    """--record-trace is checked before loading: the trace is written after the whole generation."""
+    if file is None:
+        return
+    folder = os.path.dirname(os.path.abspath(file))
+    if os.path.isdir(file):
+        raise UsageError(f"--record-trace {file}: is a directory, expected a file name")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise UsageError(f"--record-trace {file}: folder {folder} does not exist or is not writable")
+
+
+def _cache(args: argparse.Namespace, cfg, note) -> int | float | str | None:
+    """The cache budget of the flags for api.load; a --cache-slots above the number of experts is said in a note."""
+    experts = cfg.num_moe_layers * cfg.num_experts
+    if args.cache_slots is not None and args.cache_slots > experts and str(args.policy) != "resident":
+        note(f"note: --cache-slots {args.cache_slots} is more than the {experts} experts; using {experts}")
+    return args.cache_slots if args.cache_slots is not None else (
+        args.cache_fraction if args.cache_fraction is not None else args.device_memory)
+
+
+def _device_memory_note(args: argparse.Namespace, cfg, expert_bytes: int, note) -> None:
+    """A --device-memory that holds more than every expert is clamped to all of them: said in a note."""
+    experts = cfg.num_moe_layers * cfg.num_experts
+    if args.device_memory is None or str(args.policy) == "resident":
+        return
+    fits = units.parse_bytes(args.device_memory) // expert_bytes
+    if fits > experts:
+        note(f"note: --device-memory {args.device_memory} holds {fits} experts, more than the {experts} experts; "
+             f"using {experts}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`ft-jax generate`: returns the exit status. Everything that can be checked without the weights is checked
+    first (api.make_request, --record-trace): errors come before any loading."""
+    from ft_jax import api  # the model code (flax, checkpoint): imported on use, so `ft-jax --help` stays fast
+    from ft_jax.tokenizer import load_tokenizer
+
+    path = args.model or defaults.bundled_model_path()
+    cfg = load_config(path)
+    tokenizer = load_tokenizer(path) if args.prompt_ids is None else api.load_tokenizer_or_none(path)
+    request = _request(args, api, path, cfg, tokenizer)
+    _check_record_trace(args.record_trace)
+
+    def note(text: str) -> None:
+        if not args.json:
+            print(f"ft-jax: {text}", file=sys.stderr)
+
+    def on_compile(text: str, finished: bool) -> None:
+        if not args.json:
+            print(text if finished else f"ft-jax: {text}", end="\n" if finished else "", file=sys.stderr, flush=True)
+
+    cache = _cache(args, cfg, note)
+    if not args.no_compile_cache:
+        api.enable_compile_cache(api.default_compile_cache_dir())
+    try:
+        model = api.load(path, dtype=args.dtype or "auto", policy=args.policy, cache=cache, profile=args.profile,
+                         measure=not args.no_measure, on_message=note, on_compile=on_compile)
+    except ValueError as e:
+        if "slot" in str(e) or "cache" in str(e):
+            raise UsageError(f"--cache-slots / --cache-fraction / --device-memory: {e}") from None
+        raise
+    _device_memory_note(args, cfg, model.engine.expert_bytes, note)
+    streaming = not args.json and len(request.prompt_ids) == 1
+    echoed = []
+
+    def on_text(row: int, text: str) -> None:
+        if not echoed and tokenizer is not None:  # the prompt echo comes after the compile notes
+            sys.stdout.write(tokenizer.decode(request.prompt_ids[0]))
+            echoed.append(True)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    out = model.run_request(request, on_text=on_text if streaming else None,
+                            record_routing=args.record_trace is not None)
+    if args.record_trace is not None:
+        write_trace(args.record_trace, routing_records(*out.routing, dataset=os.path.basename(os.path.normpath(path))))
+    _print_result(args, path, model, request, out, streaming, tokenizer)
+    return 0
+
+
+def _print_result(args, path: str, model, request, out, streamed: bool, tokenizer) -> None:
+    """The api.Request and its api.Generation as the JSON object (--json), or the end of the stream / the batch's
+    texts and the statistics table."""
+    if args.json:
+        settings = {"max_new_tokens": request.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+                    "top_p": args.top_p, "seed": args.seed, "dtype": model.dtype, "policy": str(model.policy),
+                    "stop": list(request.stop), "chat": bool(args.chat)}
+        print(json.dumps({"model": path, "prompt_ids": request.prompt_ids, "generated_ids": out.token_ids,
+                          "text": out.texts, "finish_reasons": out.finish_reasons, "settings": settings,
+                          "profile_message": model.note, "stats": out.stats}))
+        return
+    if streamed and tokenizer is None:
+        print(" ".join(str(t) for t in out.token_ids[0]), end="")
+    if len(request.prompt_ids) > 1:
+        for i, (p, t) in enumerate(zip(request.prompt_ids, out.token_ids)):
+            shown = tokenizer.decode(p) + out.texts[i] if tokenizer is not None else f"{p} -> {t}"
+            print(f"--- [{i}] ---\n{shown}")
+    print(file=sys.stdout)
+    print(stats_table(out.stats), file=sys.stderr)
+
+
+def _slots_row(stats: dict) -> str:
+    size = f"{stats['num_slots']} x {stats['expert_bytes'] / 2**20:.2f} MiB"
+    if stats["policy"] == "host-all":
+        return "none used (host-all computes every miss on the CPU from the host banks)"
+    if stats["policy"] == "resident":
+        return f"{size} (resident: every expert on the device; the cache budget does not apply)"
+    return size
+
+
+def stats_table(stats: dict) -> str:
+    """The statistics of Engine.generate as the aligned table printed after the text."""
+    def num(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
+    def mib(v):
+        return "-" if v is None else f"{v / 2**20:.2f} MiB"
+
+    rows = [
+        ("policy", stats["policy"]),
+        ("expert slots", _slots_row(stats)),
+        ("time to first token", f"{stats['ttft_s'] * 1e3:.1f} ms (compilation included)"),
+        ("prefill", f"{stats['prompt_tokens']} tokens, {num(stats['prefill_tokens_per_s'], '{:.1f}')} tokens/s"
+                    " (compilation excluded)"),
+        ("decode", f"{stats['decode_tokens']} tokens after the first, {stats['decode_steps']} steps, "
+                   f"{num(stats['decode_tokens_per_s'], '{:.1f}')} tokens/s (compilation excluded)"),
+        ("compile time", f"{stats['compile_s']:.2f} s ({stats['prefill_compiles'] + stats['decode_compiles']} steps "
+                         f"built: {stats['xla_compiles']} compiled by XLA, {stats['cache_hits']} loaded from the "
+                         "compilation cache)"),
+        ("hit rate", num(None if stats["hit_rate"] is None else 100 * stats["hit_rate"], "{:.1f} %")),
+        ("experts per step", f"active {num(stats['active_per_step'])}, hits {num(stats['hits_per_step'])}, "
+                             f"fetched {num(stats['fetched_per_step'])}, "
+                             f"host-computed {num(stats['host_per_step'])} (summed over MoE layers)"),
+        ("bytes per step", f"H2D slot fills {mib(stats['h2d_bytes_per_step'])}, "
+                           f"host GEMV reads {mib(stats['host_bytes_per_step'])}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

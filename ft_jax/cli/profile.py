@@ -1,0 +1,140 @@
+"""`ft-jax profile`: its flags, run (measure BP / BH with the production FFI handlers and store the profile) and the
+report with its plain-words recommendation."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fractions
+import json
+import sys
+import warnings
+
+from ft_jax import defaults
+from ft_jax.cli import arg_types
+from ft_jax.cli.usage import UsageError
+from ft_jax.config import load_config
+from ft_jax.offload import profile as bandwidth
+from ft_jax.offload.policy import fetch_count_np
+from ft_jax.units import model_dtype
+
+EXAMPLES = """examples:
+  ft-jax profile                                   # the bundled model's expert size (full profile, ~10 s)
+  ft-jax profile --quick --no-save                 # a few seconds, print only
+  ft-jax profile --model ~/models/Mixtral-8x7B-v0.1
+  ft-jax profile --hidden-size 4096 --intermediate-size 14336 --dtype bf16 --json
+
+The profile is stored in the user cache directory (see --profile) and `ft-jax generate --policy qstar` uses it."""
+
+
+def add_arguments(sub) -> None:
+    """The `profile` subparser on the subparsers object ``sub``."""
+    prof = sub.add_parser(
+        "profile", help="measure slot-fill (BP) and host GEMV (BH) bandwidths for q*", epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Measure BP (slot fill), BH (host expert GEMV) and the pair while both run, with the production "
+        "FFI handlers at a model's expert size; print the q* fetch fraction and store the profile for generate.")
+    prof.add_argument("--model", metavar="PATH", help="model folder whose config.json gives H, I and the dtype "
+                                                      "(default: the bundled model)")
+    prof.add_argument("--hidden-size", type=arg_types.positive_int, metavar="H",
+                      help="expert hidden size (instead of --model)")
+    prof.add_argument("--intermediate-size", type=arg_types.positive_int, metavar="I",
+                      help="expert intermediate size (with --hidden-size)")
+    prof.add_argument("--dtype", type=arg_types.dtype, help="bf16/bfloat16 or f32/float32 (default: as generate "
+                                                           "would load the model; bfloat16 with --hidden-size)")
+    prof.add_argument("--quick", action="store_true", help="quick profile (a few seconds)")
+    prof.add_argument("--repeats", type=arg_types.positive_int,
+                      help="timed windows per bandwidth (default 7, 3 with --quick)")
+    prof.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    prof.add_argument("--profile", metavar="PATH", help="profile store (default: profiles.json in the user cache "
+                                                        "directory, e.g. ~/.cache/ft_jax)")
+    prof.add_argument("--no-save", action="store_true", help="do not store the profile")
+    prof.add_argument("--verbose", action="store_true", help="show tracebacks")
+
+
+def recommendation(profile) -> str:
+    """Plain advice from the bandwidth pair the fetch fraction uses (the contended one when present), e.g. "the host
+    path is 3.1x faster than the fill (while both run): compute about 3 of every 4 misses on the CPU (fetch the other
+    1 into device slots)". Within a factor 1.1 the two are "about as fast"; the CPU share 1 - fraction is rounded to
+    a fraction with denominator <= 8."""
+    contended = profile.bp_contended is not None
+    bp, bh = (profile.bp_contended, profile.bh_contended) if contended else (profile.bp, profile.bh)
+    which = "while both run" if contended else "measured alone"
+    if max(bp, bh) / min(bp, bh) < 1.1:
+        speed = f"the host path is about as fast as the fill ({which})"
+    elif bh > bp:
+        speed = f"the host path is {bh / bp:.1f}x faster than the fill ({which})"
+    else:
+        speed = f"the fill is {bp / bh:.1f}x faster than the host path ({which})"
+    host = 1.0 - profile.fraction()
+    share = fractions.Fraction(host).limit_denominator(8)
+    if share == 0 or host < 1 / 16:
+        return f"{speed}: fetch every miss into device slots (like fetch-all)"
+    if share == 1 or host > 15 / 16:
+        return f"{speed}: compute every miss on the CPU (like host-all)"
+    num, den = share.numerator, share.denominator
+    return (f"{speed}: compute about {num} of every {den} misses on the CPU "
+            f"(fetch the other {den - num} into device slots)")
+
+
+def report(profile, q_star: dict[int, int], saved: str) -> str:
+    """The profile as the printed report: bandwidths with their spread, q*, the recommendation, where it was saved."""
+    k, d = profile.key, profile.details
+    rows = [("BP  slot fill", "bp"), ("BH  host expert GEMV", "bh"),
+            ("BPc slot fill, contended", "bp_contended"), ("BHc host GEMV, contended", "bh_contended")]
+    lines = [
+        f"ft_jax bandwidth profile ({'quick' if profile.quick else 'full'}, median of {profile.repeats} repeats "
+        f"[min, max], {d['seconds']:.1f} s; GB/s = 1e9 bytes/s, MiB = 2^20 bytes)",
+        f"  machine  {bandwidth.describe_machine(k)}",
+        f"  expert   H={profile.hidden_size} I={profile.intermediate_size} {k['dtype']}: "
+        f"{k['expert_bytes'] / 2**20:.2f} MiB; working set {d['working_set_bytes'] / 2**20:.0f} MiB "
+        f"(last-level cache {d['llc_bytes'] / 2**20:.0f} MiB)",
+        *(f"  {label:<26}{getattr(profile, name):8.2f} GB/s  [{profile.spreads[name][0]:.2f}, "
+          f"{profile.spreads[name][1]:.2f}]" for label, name in rows),
+        f"  fetch fraction q*/m = {profile.fraction():.3f} (BPc / (BPc + BHc))",
+        "  q* for m = 1..8:  " + "  ".join(f"m={m}:{q}" for m, q in q_star.items()),
+        f"  recommendation: {recommendation(profile)}",
+    ]
+    if d["load_average_1m"] > k["cpu_count"]:
+        lines.append(f"  note: load average {d['load_average_1m']:.1f} on {k['cpu_count']} cores while measuring: "
+                     "other processes competed for the CPU, so these figures may be low and noisy")
+    return "\n".join(lines + [f"  {saved}"])
+
+
+def _expert_shape(args: argparse.Namespace) -> tuple[int, int, str]:
+    """(H, I, dtype) from --hidden-size / --intermediate-size / --dtype or the model's config.json."""
+    if (args.hidden_size is None) != (args.intermediate_size is None):
+        raise UsageError("give both --hidden-size and --intermediate-size (or --model)")
+    if args.hidden_size is not None:
+        if args.model:
+            raise UsageError("give either --model PATH or --hidden-size and --intermediate-size, not both")
+        return args.hidden_size, args.intermediate_size, args.dtype or "bfloat16"
+    cfg = load_config(args.model or defaults.bundled_model_path())
+    return cfg.hidden_size, cfg.moe_intermediate_size, model_dtype(args.dtype or "auto", cfg.dtype)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`ft-jax profile`: returns the exit status (0 measured, and saved unless --no-save; 1 measured and printed
+    but not saved). Bad arguments, --model or --profile raise UsageError / ConfigError / OSError before measuring."""
+    H, I, dtype = _expert_shape(args)
+    if not args.no_save:
+        bandwidth.read_profiles(args.profile)  # NotAStoreError before measuring, not after
+    profile = bandwidth.measure_profile(H, I, dtype, quick=args.quick, repeats=args.repeats, progress=not args.json)
+    saved_to, saved, status = None, "not saved", 0
+    if not args.no_save:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a damaged store moved aside is part of the message
+                saved_to, note = bandwidth.save_profile(profile, args.profile)
+            saved = f"saved to {saved_to}{note}"
+        except OSError as e:
+            print(f"ft-jax profile: error: could not save the profile: {e}", file=sys.stderr)
+            status = 1
+    q_star = {m: fetch_count_np(m, profile.fraction()) for m in range(1, 9)}
+    if args.json:
+        print(json.dumps({"profile": dataclasses.asdict(profile), "fraction": profile.fraction(), "q_star": q_star,
+                          "recommendation": recommendation(profile),
+                          "saved_to": str(saved_to) if saved_to else None}))
+    else:
+        print(report(profile, q_star, saved))
+    return status

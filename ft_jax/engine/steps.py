@@ -1,0 +1,94 @@
+"""The three steps of generation, in the shape of gpt-fast's generate.py: ``prefill`` (the prompt batch, jitted),
+``decode_one_token`` (one token per row, jitted) and ``decode_n_tokens`` (the host loop over the compiled decode
+step: one dispatch and one device-to-host read of the new tokens per step). Why the shapes never depend on the
+routing, and why prefill uses fetch-all: docs/DESIGN.md, "Engine, API and CLI"."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ft_jax.engine.sampling import check_finite, sample_next
+
+
+def _forward(graphdef, params, backend, tokens, positions, kv_cache, expert_state, last_logits_only: bool,
+             collect: bool = False):
+    model = nnx.merge(graphdef, params)
+    return model(tokens, positions, kv_cache, expert_state, backend, last_logits_only=last_logits_only,
+                 collect=collect)
+
+
+def prefill(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key, temperature, top_k, top_p, *,
+            greedy: bool):
+    """The prompt step: tokens, positions i32[B, Tb] (left-padded, position -1 = padding).
+    Returns (first tokens i32[B] (-1: non-finite logits), kv_cache, expert_state)."""
+    logits, kv_cache, expert_state = _forward(graphdef, params, backend, tokens, positions, kv_cache, expert_state,
+                                              last_logits_only=True)  # logits f32[B, 1, V]
+    return sample_next(logits[:, 0], key, temperature, top_k, top_p, greedy=greedy), kv_cache, expert_state
+
+
+def decode_one_token(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key, temperature, top_k,
+                     top_p, *, greedy: bool, record_routing: bool = False):
+    """One decode step: tokens, positions i32[B] (position -1 = finished row, skipped).
+    Returns (next tokens i32[B] (-1: non-finite logits), kv_cache, expert_state, the key for the next step) and, with
+    record_routing (static), the routing of the fed tokens: (topk ids i32[L_moe, B, k], weights f32[L_moe, B, k])."""
+    out = _forward(graphdef, params, backend, tokens[:, None], positions[:, None], kv_cache, expert_state,
+                   last_logits_only=False, collect=record_routing)  # logits f32[B, 1, V], ...
+    logits, kv_cache, expert_state = out[:3]
+    key, sub = jax.random.split(key)
+    nxt = sample_next(logits[:, 0], sub, temperature, top_k, top_p, greedy=greedy)
+    if not record_routing:
+        return nxt, kv_cache, expert_state, key
+    return nxt, kv_cache, expert_state, key, (out[3].topk_ids[:, :, 0], out[3].topk_weights[:, :, 0])
+
+
+def decode_n_tokens(decode_step, params, kv_cache, expert_state, key, ops, last, pos, done, n, eos, out, on_tokens,
+                    routing):
+    """Up to n decode steps of the compiled decode_one_token, until every row is done.
+
+    Args:
+        decode_step: the compiled decode step (Engine._executable). params, kv_cache, expert_state, key: its state
+            (the last three donated and replaced every step). ops: Sampling.operands().
+        last: i32[B] the tokens to feed; pos: i32[B] their positions; done: bool[B] finished rows (updated).
+        eos: ids that end a row. out: per row, the generated ids (appended to). on_tokens: see Engine.generate.
+        routing: a list that receives each step's recorded routing, or None.
+    Returns:
+        (steps run, kv_cache, expert_state, key).
+    Raises:
+        NonFiniteLogitsError: a row's logits were not finite (naming the step and rows).
+    """
+    steps = 0
+    for i in range(1, n + 1):
+        if done.all():
+            break
+        feed_tokens = np.where(done, 0, last).astype(np.int32)
+        feed_pos = np.where(done, -1, pos).astype(np.int32)
+        nxt, kv_cache, expert_state, key, *recorded = decode_step(params, feed_tokens, feed_pos, kv_cache,
+                                                                  expert_state, key, *ops)
+        nxt = np.asarray(nxt)  # the one host sync per step: the tokens to stream
+        if routing is not None:
+            routing.append(tuple(np.asarray(a) for a in recorded[0]))
+        steps += 1
+        check_finite(np.where(done, 0, nxt), i)
+        new: list[int | None] = [None if done[b] else int(nxt[b]) for b in range(len(out))]
+        for b, token in enumerate(new):
+            if token is not None:
+                out[b].append(token)
+                done[b] = token in eos
+        pos, last = pos + 1, nxt
+        if on_tokens is not None:
+            done |= np.asarray(on_tokens(i, new) or False, bool)
+    return steps, kv_cache, expert_state, key
+
+
+def bound_step(step, graphdef, backend):
+    """step (prefill or decode_one_token) with its graphdef and backend bound, f(params, tokens, positions, kv_cache,
+    expert_state, key, temperature, top_k, top_p, **static): a function object of one Engine's own for its jax.jit,
+    so that JAX's caches (keyed weakly on the function, holding static arguments strongly) never keep a dropped
+    Engine's executables and host banks alive (docs/DESIGN.md, "Engine, API and CLI")."""
+    def call(params, tokens, positions, kv_cache, expert_state, key, temperature, top_k, top_p, **static):
+        return step(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key, temperature, top_k,
+                    top_p, **static)
+
+    return call

@@ -1,0 +1,26 @@
+"""Test-only views of an Engine: how many decode executables it built, and its decode step lowered (for HLO checks)."""
+
+import jax
+import jax.numpy as jnp
+
+from ft_jax.engine.engine import Engine
+from ft_jax.engine.sampling import Sampling
+
+
+def decode_cache_size(engine: Engine) -> int:
+    """How many decode-step executables the Engine has compiled (1 after any number of steps of one shape)."""
+    return sum(1 for key in engine._executables if key[0] == "decode")
+
+
+def lower_decode_step(engine: Engine, batch_size: int, kv_len: int,
+                      sampling: Sampling = Sampling()) -> jax.stages.Lowered:
+    """The Engine's decode step for a batch and KV-cache length, lowered (not compiled): ``.compile().as_text()``
+    gives the optimized HLO XLA runs, e.g. to check that the slot pools and the KV cache are updated in place.
+
+    Args:
+        batch_size: B >= 1. kv_len: KV-cache length S >= 1. sampling: greedy or sampled (two executables).
+    """
+    kv_cache = jax.eval_shape(lambda: engine.init_kv_cache(batch_size, kv_len))
+    ids = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
+    return engine._decode.lower(engine.params, ids, ids, kv_cache, engine.expert_state, jax.random.key(0),
+                                *sampling.operands(), greedy=sampling.greedy)
