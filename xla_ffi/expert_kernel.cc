@@ -108,8 +108,8 @@ void RunTyped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, co
 
   // Per-call buffers of the calling thread (tasks write disjoint parts): the routes' inputs side by side
   // xg [routes, H], gate/up outputs hb [routes, 2I], activations a [routes, I], down outputs d [routes, H]; with
-  // bf16 dots also xgb [routes, H] and ab [routes, I] as bf16 bits.
-  // Scratch: trimmed to kScratchKeepBytes after the call (common.h; the bound is in docs/design_parts/cpp.md).
+  // bf16 dots also xgb [routes, H] and ab [routes, I] as bf16 bits. Freed after the call when above
+  // kScratchKeepBytes (common.h Scratch; the bound: docs/design_parts/cpp.md).
   thread_local std::vector<float> buf_storage;
   thread_local std::vector<uint16_t> buf16_storage;
   Scratch<float> buf(buf_storage, static_cast<size_t>(routes) * static_cast<size_t>(2 * H + 3 * I));
@@ -131,7 +131,8 @@ void RunTyped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, co
   // Phase 1: tasks = (expert group, block [i0, i1) of the I gate/up row pairs): the block's gate rows, then its up
   // rows (two sequential streams, each row read once for all the group's routes), then a = glu(gate + b_gate,
   // up + b_up) for the block: the activation runs on every thread, inside the tasks. A bf16 model rounds a to bf16
-  // (as transformers' bf16 expert computes it), kept as bits too for the bf16 x bf16 dots.
+  // (as transformers' bf16 expert computes it), kept as bits too for the bf16 x bf16 dots. A task whose expert id
+  // is out of range throws ExpertIdError before reading anything (ParallelFor hands it to the caller).
   const int64_t rpt1 = RowsPerTask(2 * H * egu, I, 1, threads);
   const int64_t blocks1 = (I + rpt1 - 1) / rpt1;
   run(G * blocks1, [&](int64_t task) {

@@ -101,7 +101,9 @@ ffi::Error HostExpertsBody(ffi::ThreadPool pool, BoundBanks* bound, ffi::AnyBuff
 ffi::Error HostExpertsImpl(ffi::ThreadPool pool, BoundBanks* bound, ffi::AnyBuffer x, I32Matrix ids,
                            F32Matrix weights, F32MatrixResult y, ffi::Span<const int64_t> banks,
                            std::string_view activation, float alpha, float limit) {
-  return Guarded(kOp, [&] { return HostExpertsBody(pool, bound, x, ids, weights, y, banks, activation, alpha, limit); });
+  return Guarded(kOp, [&] {
+    return HostExpertsBody(pool, bound, x, ids, weights, y, banks, activation, alpha, limit);
+  });
 }
 
 }  // namespace

@@ -94,7 +94,9 @@ ffi::Error SlotExpertsBody(ffi::ThreadPool pool, ffi::AnyBuffer x, I32Matrix ids
 ffi::Error SlotExpertsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, I32Matrix ids, F32Matrix weights,
                            ffi::AnyBuffer gate_up_slots, ffi::AnyBuffer down_slots, ffi::RemainingArgs bias_slots,
                            F32MatrixResult y, std::string_view activation, float alpha, float limit) {
-  return Guarded(kOp, [&] { return SlotExpertsBody(pool, x, ids, weights, gate_up_slots, down_slots, bias_slots, y, activation, alpha, limit); });
+  return Guarded(kOp, [&] {
+    return SlotExpertsBody(pool, x, ids, weights, gate_up_slots, down_slots, bias_slots, y, activation, alpha, limit);
+  });
 }
 
 }  // namespace
