@@ -153,7 +153,14 @@ def _bazel_sources() -> list[str]:
 def test_bazel_sources_match_cmake():
     """BUILD.bazel compiles exactly the C++ sources of CMake's ft_jax_ffi_core (no nanobind module)."""
     assert sorted(_bazel_sources()) == sorted(_cmake_core_sources())
-    assert "xla_ffi/ffi_module.cc" not in _bazel_sources()
+    assert "xla_ffi/module.cc" not in _bazel_sources()
+
+
+def test_exports_every_handler_and_the_state_type(lib):
+    """Every CPU handler symbol of xla_ffi/ffi_handlers.h and the BoundBanks type hooks are exported (export.h)."""
+    for name in ("FtJaxSlotFill", "FtJaxSlotFillInstantiate", "FtJaxHostExperts", "FtJaxHostExpertsInstantiate",
+                 "FtJaxSlotExperts", "FtJaxLinear", "FtJaxBoundBanksTypeId", "FtJaxBoundBanksTypeInfo"):
+        assert hasattr(lib, name), name
 
 
 def test_coexists_with_pip_extension(lib):

@@ -1,10 +1,6 @@
-// Host banks bound to a compiled executable once, at XLA FFI's instantiate stage.
-//
-// Handlers that read host banks name them by integer id (compile-time attributes). Looking an id up in the bank
-// registry takes its mutex, so the instantiate stage does it once per executable and keeps the banks alive in a
-// BoundBanks state; the execute stage reads the state (no lock, no allocation) and only checks each bank's
-// `released` flag, so a step that runs after HostBank.release() still returns an error naming the bank instead of
-// reading memory the user gave up.
+// Host banks bound to a compiled executable once, at XLA FFI's instantiate stage: the ids (compile-time attributes)
+// are looked up in the registry there and the banks kept alive in a BoundBanks state. The execute stage only checks
+// each bank's `released` flag, so a step run after HostBank.release() returns an error naming the bank.
 #ifndef FT_JAX_XLA_FFI_BANK_STATE_H_
 #define FT_JAX_XLA_FFI_BANK_STATE_H_
 
@@ -13,6 +9,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/export.h"
 #include "xla_ffi/host_bank.h"
 
 namespace ft_jax {
@@ -43,8 +40,8 @@ void* StateTypeInfo() {
 
 // Type registration for Python (nanobind module) and ctypes users: the TypeId and its TypeInfo (deleter).
 extern "C" {
-__attribute__((visibility("default"))) void* FtJaxBoundBanksTypeId();
-__attribute__((visibility("default"))) void* FtJaxBoundBanksTypeInfo();
+FT_JAX_EXPORT void* FtJaxBoundBanksTypeId();
+FT_JAX_EXPORT void* FtJaxBoundBanksTypeInfo();
 }
 
 #endif  // FT_JAX_XLA_FFI_BANK_STATE_H_

@@ -23,14 +23,13 @@
 #include <cstdint>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/export.h"
 
-#pragma GCC visibility push(default)
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FtJaxSlotFillCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FtJaxSlotFillCudaInstantiate);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FtJaxHostExpertsSubmit);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FtJaxHostExpertsSubmitInstantiate);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FtJaxHostExpertsWait);
-#pragma GCC visibility pop
+FT_JAX_DECLARE_HANDLER(FtJaxSlotFillCuda);
+FT_JAX_DECLARE_HANDLER(FtJaxSlotFillCudaInstantiate);
+FT_JAX_DECLARE_HANDLER(FtJaxHostExpertsSubmit);
+FT_JAX_DECLARE_HANDLER(FtJaxHostExpertsSubmitInstantiate);
+FT_JAX_DECLARE_HANDLER(FtJaxHostExpertsWait);
 
 namespace ft_jax {
 

@@ -3,17 +3,17 @@
 // DotRow<W>(avx2, row, x, len) = dot(row[0:len], x[0:len]) for one weight row of type W (float, or uint16_t holding
 // bfloat16 bits) and a float32 activation vector; DotRowBf16 the same for bf16 weights and bf16 activations with
 // AVX-512 BF16 (VDPBF16PS: pairs of bf16 products summed into float32); DotRows applies them to a block of rows and
-// a batch of tokens. Weights are read one row at a time, front to back: on the 2-core dev VM (AMD EPYC, 4 KiB pages)
-// a bf16 matrix-vector product reached 23.6 GB/s that way against 15.4 GB/s reading 4 rows side by side (25.4 GB/s
-// for a plain read of the same bytes); with huge pages and 2 threads, 30.0 GB/s (AVX2) and 32.1 GB/s (AVX-512 BF16)
-// against 31.4 GB/s for the plain read. Accumulation is float32 in a fixed order (8 independent partial sums, then a
-// fixed reduction tree), so results do not depend on threads, scheduling or the other tokens of a call. The paths
-// (chosen at run time, see KernelIsaLevel) may differ in the last bits (fused vs separate multiply-add, pairs).
+// a batch of tokens. Weights are read one row at a time, front to back (why: docs/design_parts/cpp.md).
+// Accumulation is float32 in a fixed order (8 independent partial sums, then a fixed reduction tree), so results do
+// not depend on threads, scheduling or the other tokens of a call. The paths (chosen at run time, isa.h) may differ
+// in the last bits (fused vs separate multiply-add, pairs).
 #ifndef FT_JAX_XLA_FFI_DOT_KERNELS_H_
 #define FT_JAX_XLA_FFI_DOT_KERNELS_H_
 
 #include <cstdint>
 #include <cstring>
+
+#include "xla_ffi/isa.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -26,10 +26,6 @@
 
 namespace ft_jax {
 
-// The inner loops the kernels run, chosen once per process from the CPU's features, capped by FT_JAX_KERNEL
-// ("generic" or "avx2"; unset: the best the CPU has).
-enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512Bf16 = 2 };
-Isa KernelIsaLevel();
 
 inline float ToF32(float v) { return v; }
 inline float ToF32(uint16_t bf16) {

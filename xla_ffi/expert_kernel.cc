@@ -3,11 +3,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <string_view>
 #include <vector>
 
+#include "xla_ffi/common.h"
 #include "xla_ffi/dot_kernels.h"
 #include "xla_ffi/host_bank.h"
 #include "xla_ffi/parallel.h"
@@ -15,24 +15,6 @@
 
 
 namespace ft_jax {
-
-Isa KernelIsaLevel() {
-  static const Isa isa = [] {
-#if FT_JAX_HAVE_AVX2_PATH
-    // FT_JAX_KERNEL (read once): "generic" forces the portable loops, "avx2" stops there (e.g. to compare paths).
-    const char* env = std::getenv("FT_JAX_KERNEL");
-    const std::string_view cap = env ? env : "";
-    if (cap == "generic" || !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return Isa::kGeneric;
-    if (cap == "avx2" || !(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512bf16")))
-      return Isa::kAvx2;
-    return Isa::kAvx512Bf16;
-#else
-    return Isa::kGeneric;
-#endif
-  }();
-  return isa;
-}
 
 namespace {
 
@@ -66,6 +48,7 @@ struct Groups {
   std::vector<int32_t> expert;   // [G] ascending
   std::vector<int64_t> begin;    // [G + 1]
   std::vector<int64_t> token;    // [routes] token index per grouped route
+  std::vector<int64_t> route;    // [routes] route index t * k + j (error messages)
   std::vector<float> weight;     // [routes]
 };
 
@@ -78,6 +61,7 @@ void GroupRoutes(const int32_t* ids, const float* weights, int64_t T, int64_t k,
   g->expert.clear();
   g->begin.clear();
   g->token.resize(order.size());
+  g->route.assign(order.begin(), order.end());
   g->weight.resize(order.size());
   for (size_t n = 0; n < order.size(); ++n) {
     int32_t e = ids[order[n]];
@@ -124,11 +108,12 @@ void RunTyped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, co
 
   // Per-call buffers of the calling thread (tasks write disjoint parts): the routes' inputs side by side
   // xg [routes, H], gate/up outputs hb [routes, 2I], activations a [routes, I], down outputs d [routes, H]; with
-  // bf16 dots also xgb [routes, H] and ab [routes, I] as bf16 bits.
-  thread_local std::vector<float> buf;
-  thread_local std::vector<uint16_t> buf16;
-  const size_t need = static_cast<size_t>(routes) * static_cast<size_t>(2 * H + 3 * I);
-  if (buf.size() < need) buf.resize(need);
+  // bf16 dots also xgb [routes, H] and ab [routes, I] as bf16 bits. Freed after the call when above
+  // kScratchKeepBytes (common.h Scratch; the bound: docs/design_parts/cpp.md).
+  thread_local std::vector<float> buf_storage;
+  thread_local std::vector<uint16_t> buf16_storage;
+  Scratch<float> buf(buf_storage, static_cast<size_t>(routes) * static_cast<size_t>(2 * H + 3 * I));
+  Scratch<uint16_t> buf16(buf16_storage, bf16_dots ? static_cast<size_t>(routes) * static_cast<size_t>(H + I) : 0);
   float* xg = buf.data();
   float* hb = xg + routes * H;
   float* a = hb + routes * 2 * I;
@@ -136,8 +121,6 @@ void RunTyped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, co
   uint16_t* xgb = nullptr;
   uint16_t* ab = nullptr;
   if (bf16_dots) {
-    const size_t need16 = static_cast<size_t>(routes) * static_cast<size_t>(H + I);
-    if (buf16.size() < need16) buf16.resize(need16);
     xgb = buf16.data();
     ab = xgb + routes * H;
     for (int64_t n = 0; n < routes; ++n)
@@ -148,13 +131,15 @@ void RunTyped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, co
   // Phase 1: tasks = (expert group, block [i0, i1) of the I gate/up row pairs): the block's gate rows, then its up
   // rows (two sequential streams, each row read once for all the group's routes), then a = glu(gate + b_gate,
   // up + b_up) for the block: the activation runs on every thread, inside the tasks. A bf16 model rounds a to bf16
-  // (as transformers' bf16 expert computes it), kept as bits too for the bf16 x bf16 dots.
+  // (as transformers' bf16 expert computes it), kept as bits too for the bf16 x bf16 dots. A task whose expert id
+  // is out of range throws ExpertIdError before reading anything (ParallelFor hands it to the caller).
   const int64_t rpt1 = RowsPerTask(2 * H * egu, I, 1, threads);
   const int64_t blocks1 = (I + rpt1 - 1) / rpt1;
   run(G * blocks1, [&](int64_t task) {
     const int64_t grp = task / blocks1, blk = task % blocks1;
     const int64_t b = g.begin[grp], e = g.begin[grp + 1];
     const int64_t i0 = blk * rpt1, i1 = std::min(I, (blk + 1) * rpt1);
+    if (g.expert[grp] >= m.num_experts) throw ExpertIdError(g.expert[grp], g.route[b], m.num_experts);
     const size_t expert = static_cast<size_t>(g.expert[grp]);
     const WG* gu = reinterpret_cast<const WG*>(m.gate_up + expert * m.gate_up_stride);
     const uint16_t* xb = xgb == nullptr ? nullptr : xgb + b * H;
@@ -221,12 +206,14 @@ bool ParseActivation(std::string_view name, Activation* out) {
   return false;
 }
 
+std::string ExpertIdError::Describe(const std::string& id_space) const {
+  return "id " + std::to_string(id) + " at position " + std::to_string(position) + " is out of range for " +
+         id_space + " (expected -1 or 0.." + std::to_string(num_experts - 1) + ")";
+}
+
 std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, const std::string& what) {
   for (int64_t i = 0; i < n; ++i) {
-    if (ids[i] >= num_experts) {
-      return "id " + std::to_string(ids[i]) + " at position " + std::to_string(i) + " is out of range for " + what +
-             " (expected -1 or 0.." + std::to_string(num_experts - 1) + ")";
-    }
+    if (ids[i] >= num_experts) return ExpertIdError(ids[i], i, num_experts).Describe(what);
   }
   return "";
 }
@@ -268,17 +255,5 @@ void RunExperts(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
                 WorkerPool& pool) {
   RunExpertsOn(m, x, x_bf16, ids, weights, T, k, act, y, pool);
 }
-
-const char* KernelIsa() {
-  switch (KernelIsaLevel()) {
-    case Isa::kAvx512Bf16:
-      return "avx512bf16";
-    case Isa::kAvx2:
-      return "avx2";
-    default:
-      return "generic";
-  }
-}
-
 
 }  // namespace ft_jax

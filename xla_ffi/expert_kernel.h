@@ -12,16 +12,14 @@
 // Weights and biases are float32 or bfloat16 (each tensor kind independently); activations and accumulation are
 // float32.
 //
-// Every expert's weights are read once per call whatever the number of tokens routed to it: routes are grouped by
-// expert, then phase 1 computes gate x and up x for all routes of an expert while streaming its gate_up rows one at a
-// time (dot_kernels.h DotRows), a = act(gate x) * up x, and phase 2 streams the down rows and accumulates y. Both phases are split over output rows across
-// the caller's XLA thread pool; every output element is produced by one task with a fixed summation order (experts in
-// ascending id, routes in (t, j) order), so results do not depend on thread count or scheduling.
+// Every expert's weights are read once per call whatever the number of tokens routed to it, and every output element
+// is summed in one fixed order, so results do not depend on threads or scheduling (docs/design_parts/cpp.md).
 #ifndef FT_JAX_XLA_FFI_EXPERT_KERNEL_H_
 #define FT_JAX_XLA_FFI_EXPERT_KERNEL_H_
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <string_view>
 
@@ -63,14 +61,27 @@ struct ExpertWeights {
   int32_t down_bias_dtype = 0;
 };
 
+// Thrown by RunExperts, inside the task that would read the expert, for an id >= num_experts (ParallelFor carries
+// it to the caller; the handler turns it into an FFI error). position = t * k + j of the expert's first route.
+struct ExpertIdError : std::exception {
+  ExpertIdError(int32_t id, int64_t position, int64_t num_experts)
+      : id(id), position(position), num_experts(num_experts) {}
+  const char* what() const noexcept override { return "expert id out of range"; }
+  // "id 9 at position 3 is out of range for <id_space> (expected -1 or 0..N-1)"
+  std::string Describe(const std::string& id_space) const;
+  int32_t id;
+  int64_t position;
+  int64_t num_experts;
+};
+
 // Checks ids (>= num_experts is an error; < 0 = skip). Returns "" if fine, else a message naming the first bad
 // id and its position; `what` names the id space in the message (e.g. "bank 3" or "slot pool").
 std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, const std::string& what);
 
 // x: f32 [T, H]; x_bf16: the same values as bf16 bits when the caller's x was bf16 (a bf16 model: the activations
 // between the gate/up and the down projection are then rounded to bf16, as transformers computes them, and bf16
-// weights use the bf16 x bf16 dot where the CPU has one), else nullptr; ids: i32 [T, k] (< 0 = skip, otherwise
-// < num_experts: call CheckExpertIds first); weights: f32 [T, k]; y: f32 [T, H], overwritten. Weight and bias dtypes
+// weights use the bf16 x bf16 dot where the CPU has one), else nullptr; ids: i32 [T, k] (< 0 = skip; an id >=
+// num_experts throws ExpertIdError); weights: f32 [T, k]; y: f32 [T, H], overwritten. Weight and bias dtypes
 // must be kF32 or kBF16. Runs on `pool` (the FFI caller's XLA thread pool, see parallel.h; or the WorkerPool of the
 // CUDA host_experts path) when the call reads at least 1 MiB of weights.
 void RunExperts(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, const int32_t* ids,
@@ -79,10 +90,6 @@ void RunExperts(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
 void RunExperts(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, const int32_t* ids,
                 const float* weights, int64_t T, int64_t k, const ExpertActivation& act, float* y,
                 WorkerPool& pool);
-
-// Which inner loops the kernels use: "avx512bf16" (x86-64 with AVX-512 BF16: bf16 x bf16 dots), "avx2" (AVX2+FMA),
-// or "generic" (other CPUs); chosen at run time, capped by FT_JAX_KERNEL=avx2 or FT_JAX_KERNEL=generic.
-const char* KernelIsa();
 
 }  // namespace ft_jax
 

@@ -15,11 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(_WIN32)
-#define FT_JAX_EXPORT __declspec(dllexport)
-#else
-#define FT_JAX_EXPORT __attribute__((visibility("default")))
-#endif
+#include "xla_ffi/export.h"
 
 #ifdef __cplusplus
 #include <atomic>
@@ -42,6 +38,10 @@ enum class BankDType : int32_t {
   kF8E5M2 = 19,
   kF8E4M3FN = 20,
 };
+
+// Every supported bank dtype (the nanobind module's dtype_codes table).
+constexpr BankDType kBankDTypes[] = {BankDType::kS8,  BankDType::kU8,     BankDType::kF16,     BankDType::kF32,
+                                     BankDType::kBF16, BankDType::kF8E5M2, BankDType::kF8E4M3FN};
 
 // Bytes per element, or 0 for a code that is not a supported bank dtype.
 size_t BankDTypeSize(int32_t dtype_code);

@@ -24,6 +24,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/bank_state.h"
+#include "xla_ffi/common.h"
 #include "xla_ffi/cuda_handlers.h"
 #include "xla_ffi/expert_kernel.h"
 #include "xla_ffi/host_bank.h"
@@ -43,10 +44,6 @@ struct PinnedDeleter {
   void operator()(void* p) const { cudaFreeHost(p); }
 };
 using PinnedPtr = std::unique_ptr<void, PinnedDeleter>;
-
-bool IsWeightDType(int32_t code) {
-  return code == static_cast<int32_t>(BankDType::kF32) || code == static_cast<int32_t>(BankDType::kBF16);
-}
 
 struct HostChannel {
   std::vector<std::shared_ptr<Bank>> banks;
@@ -75,10 +72,7 @@ struct HostChannel {
     const uint16_t* x_bf16 = nullptr;  // as the CPU handler: the bf16 bits too when x is bf16 (expert_kernel.h)
     if (x_dtype == static_cast<int32_t>(BankDType::kBF16)) {
       x_bf16 = static_cast<const uint16_t*>(x_stage.get());
-      for (int64_t i = 0; i < T * H; ++i) {
-        uint32_t bits = static_cast<uint32_t>(x_bf16[i]) << 16;
-        std::memcpy(&x32[i], &bits, sizeof(float));
-      }
+      WidenBf16(x_bf16, x32.data(), static_cast<size_t>(T * H));
       x = x32.data();
     }
     RunExperts(m, x, x_bf16, ids, static_cast<const float*>(w_stage.get()), T, k, act, y, WorkerPool::Shared());

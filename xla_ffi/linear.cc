@@ -3,12 +3,9 @@
 // operands: x f32|bf16 [N, K]; w f32|bf16 (or u16 bf16 bits) [L, O, K] (a stack of L like layers; [O, K]: L = 1);
 //           layer s32[] (which matrix of the stack)
 // result:   y f32 [N, O] (float32 accumulation)
-// Why a handler: XLA:CPU runs a bf16 matrix-vector product at memory bandwidth only in narrow cases (a fused
-// vector of < 16 KiB, or a YNNPACK dot with at least 2 rows), and a dynamic slice of a stacked bf16 weight (one layer
-// of a lax.scan) is converted to float32 as a whole, outside the loop (docs/DESIGN.md sec. 5). This handler takes the
-// whole stack and the layer index as operands, so the scanned decode step reads each layer's weights in place.
-// Output rows are split over the caller's XLA thread pool; each task reads its rows one at a time (dot_kernels.h
-// DotRows), all tokens in turn, so a prefill of N tokens reads each row from memory once.
+// The whole stack and the layer index are operands, so a scanned decode step reads each layer's weights in place
+// (why a handler: docs/design_parts/cpp.md). Output rows are split over the caller's XLA thread pool; each task reads
+// its rows once for all N tokens (dot_kernels.h DotRows).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -16,6 +13,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common.h"
 #include "xla_ffi/dot_kernels.h"
 #include "xla_ffi/ffi_handlers.h"
 #include "xla_ffi/host_bank.h"
@@ -52,28 +50,21 @@ void RunLinear(const W* w, const float* x, const uint16_t* xb, int64_t N, int64_
   });
 }
 
-// x as float32: the buffer itself, or a converted copy of bf16 data in a per-thread buffer.
-const float* XAsF32(ffi::AnyBuffer x, size_t n) {
+// x as float32: the buffer itself, or bf16 data widened into `scratch`.
+const float* XAsF32(ffi::AnyBuffer x, size_t n, Scratch<float>& scratch) {
   if (x.element_type() == ffi::DataType::F32) return static_cast<const float*>(x.untyped_data());
-  thread_local std::vector<float> x32;
-  if (x32.size() < n) x32.resize(n);
-  const uint16_t* src = static_cast<const uint16_t*>(x.untyped_data());
-  for (size_t i = 0; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(&x32[i], &bits, sizeof(float));
-  }
-  return x32.data();
+  WidenBf16(static_cast<const uint16_t*>(x.untyped_data()), scratch.data(), n);
+  return scratch.data();
 }
 
-bool IsWeightType(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 // Weights may also arrive as uint16 holding bf16 bits (how ft_jax keeps a bf16 embedding table: a tied lm_head).
 bool IsBf16Bits(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::U16; }
 
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, I32Scalar layer, F32MatrixResult y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || !IsWeightType(x.element_type()) ||
-      !(IsWeightType(w.element_type()) || IsBf16Bits(w.element_type()))) {
+  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || !IsWeightDType(x.element_type()) ||
+      !(IsWeightDType(w.element_type()) || IsBf16Bits(w.element_type()))) {
     return ffi::Error::InvalidArgument("linear: x must be f32|bf16 [N, K] and w f32|bf16 [L, O, K] or [O, K]");
   }
   const int64_t L = wd.size() == 3 ? wd[0] : 1, O = wd[wd.size() - 2], K = wd[wd.size() - 1], N = xd[0];
@@ -90,17 +81,21 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   if (N == 0 || O == 0) return ffi::Error::Success();
   const size_t offset = static_cast<size_t>(l) * static_cast<size_t>(O * K);
   const uint16_t* xb = x.element_type() == ffi::DataType::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
-  if (IsBf16Bits(w.element_type())) {
-    // bf16 x bf16 where the CPU has the dot: x is used as it is, no float32 copy.
-    const bool bf16_dots = xb != nullptr && KernelIsaLevel() == Isa::kAvx512Bf16;
-    const float* x32 = bf16_dots ? nullptr : XAsF32(x, static_cast<size_t>(N * K));
-    RunLinear<uint16_t>(static_cast<const uint16_t*>(w.untyped_data()) + offset, x32, xb, N, K, O, y->typed_data(),
-                        pool);
-  } else {
-    RunLinear<float>(static_cast<const float*>(w.untyped_data()) + offset, XAsF32(x, static_cast<size_t>(N * K)),
-                     nullptr, N, K, O, y->typed_data(), pool);
-  }
-  return ffi::Error::Success();
+  // bf16 x bf16 where the CPU has the dot: x is used as it is, no float32 copy.
+  const bool bf16_dots = IsBf16Bits(w.element_type()) && xb != nullptr && KernelIsaLevel() == Isa::kAvx512Bf16;
+  const size_t n = static_cast<size_t>(N * K);
+  return Guarded("linear", [&] {
+    thread_local std::vector<float> x32_storage;
+    Scratch<float> x32(x32_storage, xb != nullptr && !bf16_dots ? n : 0);  // trimmed after the call (common.h)
+    if (IsBf16Bits(w.element_type())) {
+      RunLinear<uint16_t>(static_cast<const uint16_t*>(w.untyped_data()) + offset,
+                          bf16_dots ? nullptr : XAsF32(x, n, x32), xb, N, K, O, y->typed_data(), pool);
+    } else {
+      RunLinear<float>(static_cast<const float*>(w.untyped_data()) + offset, XAsF32(x, n, x32), nullptr, N, K, O,
+                       y->typed_data(), pool);
+    }
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace

@@ -1,16 +1,15 @@
-// ParallelFor over the caller's XLA thread pool (the FFI's Ctx<ThreadPool>: on the CPU backend, XLA's intra-op
-// pool, sized by XLA from the process's CPU affinity) or over a WorkerPool (worker_pool.h: the CUDA host_experts
-// path). Pool is any type with num_threads() and Schedule(callable), as both have.
+// ParallelFor over the caller's XLA thread pool (the FFI's Ctx<ThreadPool>) or over a WorkerPool (worker_pool.h).
+// Pool is any type with num_threads() and Schedule(callable), as both have.
 //
-// ParallelFor(pool, n, fn) runs fn(0), ..., fn(n-1) and returns when all n calls have returned. The calling thread
-// claims tasks too, so the loop finishes even when every pool thread is busy elsewhere (for example with another
-// FFI call of the same step that XLA runs concurrently): helpers are only an offer, never waited for. Helpers that
-// start after the work is gone find nothing to claim and return; they touch only the reference-counted shared
-// state, never the caller's stack. Tasks are handed out dynamically, so callers must make every task write
-// disjoint outputs with a fixed order of arithmetic; then results do not depend on the number of threads or on
-// which thread ran which task (the kernels rely on this for determinism).
+// ParallelFor(pool, n, fn) runs fn(0), ..., fn(n-1) and returns when every task has returned. The calling thread
+// claims tasks too, so the loop finishes even when every pool thread is busy elsewhere; helpers are an offer, never
+// waited for, and touch only the reference-counted shared state. Tasks are handed out dynamically: callers make every
+// task write disjoint outputs with a fixed order of arithmetic, so results do not depend on the threads.
 //
-// FT_JAX_NUM_THREADS (read once per process, >= 1) caps the threads used per loop, the caller included.
+// A task that throws: the exception is caught on the thread that ran it, the tasks not yet started are skipped (the
+// ones running finish), and once every task is accounted for ParallelFor rethrows, on the caller, the exception of
+// the lowest-numbered failing task (deterministic whatever the scheduling). Handlers turn it into an FFI error
+// (common.h Guarded): a throwing task never leaves its caller waiting.
 #ifndef FT_JAX_XLA_FFI_PARALLEL_H_
 #define FT_JAX_XLA_FFI_PARALLEL_H_
 
@@ -18,25 +17,65 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
+#include <exception>
 #include <memory>
 #include <mutex>
 
-#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common.h"
 
 namespace ft_jax {
 
-// Threads a loop may use: XLA's pool size (0 if it has none) capped by FT_JAX_NUM_THREADS; at least 1.
+// Threads a loop may use: the pool's size capped by FT_JAX_NUM_THREADS (common.h); at least 1.
 template <typename Pool>
 int64_t LoopThreads(Pool& pool) {
-  static const int64_t cap = [] {
-    const char* env = std::getenv("FT_JAX_NUM_THREADS");
-    const long v = env ? std::strtol(env, nullptr, 10) : 0;
-    return v >= 1 ? static_cast<int64_t>(v) : int64_t{0};
-  }();
-  int64_t n = std::max<int64_t>(pool.num_threads(), 1);
-  return cap ? std::min(n, cap) : n;
+  const int64_t n = std::max<int64_t>(pool.num_threads(), 1);
+  return NumThreadsCap() ? std::min(n, NumThreadsCap()) : n;
 }
+
+namespace internal {
+
+// The state a ParallelFor shares with its helpers (kept alive by them until they return).
+template <typename Fn>
+struct ParallelShared {
+  ParallelShared(int64_t n, const Fn* fn) : n(n), fn(fn) {}
+  const int64_t n;
+  const Fn* fn;  // valid until done == n (the caller waits for that before returning)
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;  // guards error, error_task; with cv, the caller's wait
+  std::condition_variable cv;
+  std::exception_ptr error;
+  int64_t error_task = -1;
+
+  void Fail(int64_t task, std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (error_task < 0 || task < error_task) {
+      error = std::move(e);
+      error_task = task;
+    }
+    failed.store(true, std::memory_order_release);
+  }
+  // Claims and runs tasks until none is left (after a failure: claims and skips them); true if this call
+  // accounted for the last task.
+  bool Work() {
+    int64_t finished = 0;
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      if (!failed.load(std::memory_order_acquire)) {
+        try {
+          (*fn)(i);
+        } catch (...) {
+          Fail(i, std::current_exception());
+        }
+      }
+      ++finished;
+    }
+    return finished && done.fetch_add(finished, std::memory_order_acq_rel) + finished == n;
+  }
+};
+
+}  // namespace internal
 
 template <typename Pool, typename Fn>
 void ParallelFor(Pool& pool, int64_t n, const Fn& fn) {
@@ -45,26 +84,7 @@ void ParallelFor(Pool& pool, int64_t n, const Fn& fn) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  struct Shared {
-    explicit Shared(int64_t n, const Fn* fn) : n(n), fn(fn) {}
-    const int64_t n;
-    const Fn* fn;  // valid until done == n (the caller waits for that before returning)
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-    // Claims and runs tasks until none is left; returns true if this call finished the last task.
-    bool Work() {
-      int64_t finished = 0;
-      for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
-           i = next.fetch_add(1, std::memory_order_relaxed)) {
-        (*fn)(i);
-        ++finished;
-      }
-      return finished && done.fetch_add(finished, std::memory_order_acq_rel) + finished == n;
-    }
-  };
-  auto shared = std::make_shared<Shared>(n, &fn);
+  auto shared = std::make_shared<internal::ParallelShared<Fn>>(n, &fn);
   for (int64_t t = 1; t < threads; ++t) {
     pool.Schedule([shared] {
       if (shared->Work()) {
@@ -74,9 +94,12 @@ void ParallelFor(Pool& pool, int64_t n, const Fn& fn) {
     });
   }
   shared->Work();
-  if (shared->done.load(std::memory_order_acquire) == n) return;
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load(std::memory_order_acquire) == n; });
+  if (shared->done.load(std::memory_order_acquire) != n) {
+    std::unique_lock<std::mutex> lock(shared->mu);
+    shared->cv.wait(lock, [&] { return shared->done.load(std::memory_order_acquire) == n; });
+  }
+  std::lock_guard<std::mutex> lock(shared->mu);
+  if (shared->error) std::rethrow_exception(shared->error);
 }
 
 }  // namespace ft_jax

@@ -1,13 +1,8 @@
-// slot_fill: copies host bank rows into device slot pools, in place, for any number of pools at once.
-//   pool_p[slot_ids[n]] = bank_p[flat_ids[n]] for every pool p and every n with flat_ids[n] >= 0, slot_ids[n] >= 0.
-// operands: flat_ids i32[N], slot_ids i32[N], pool_0 .. pool_{P-1} ([S, *row_shape_p], aliased to result p);
-// attribute banks: i64[P] bank ids (bound once per executable at the instantiate stage, bank_state.h).
-// Results: the P pools, then optionally an error count i32[] (the CUDA handler's signature, slot_fill_cuda.cc, so
-// one step serves both platforms): always 0 here, because out-of-range ids are an FFI error on the CPU.
-// With the pools donated XLA passes the same buffers in and out, so only the N rows move; a call whose ids are all
-// padding returns at once. CPU: one copy per row; rows of at least
-// 256 KiB use non-temporal (streaming) stores on x86-64 with AVX2, which skip the read-for-ownership of the
-// destination (about 7 GB/s here against 5.5 GB/s for memcpy), smaller rows use memcpy.
+// slot_fill: pool_p[slot_ids[n]] = bank_p[flat_ids[n]] for every pool p and every n with both ids >= 0, in place.
+// Operands flat_ids i32[N], slot_ids i32[N], pool_0 .. pool_{P-1} ([S, *row_shape_p]), each aliased to result p
+// (a pool that is not aliased is refused: only the N rows are written); then optionally an error count i32[] (the
+// CUDA handler's signature, so one step serves both platforms; always 0 here: bad ids are an FFI error on the CPU).
+// Attribute banks: i64[P], bound at the instantiate stage (bank_state.h). Design notes: docs/design_parts/cpp.md.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -18,6 +13,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/bank_state.h"
+#include "xla_ffi/common.h"
 #include "xla_ffi/ffi_handlers.h"
 #include "xla_ffi/host_bank.h"
 
@@ -28,7 +24,7 @@ namespace {
 
 using I32Vector = ffi::Buffer<ffi::DataType::S32, 1>;
 
-constexpr size_t kStreamMinBytes = size_t{256} << 10;
+constexpr size_t kStreamMinBytes = size_t{256} << 10;  // rows from here on take streaming stores (cpp.md)
 
 #if defined(__x86_64__)
 // dst and n must be multiples of 32 bytes (checked by the caller); src may be unaligned.
@@ -88,61 +84,70 @@ ffi::Error CheckPool(size_t p, ffi::AnyBuffer pool, const Bank& bank) {
             static_cast<int32_t>(pool.element_type()) == bank.dtype_code();
   for (size_t i = 1; ok && i < dims.size(); ++i) ok = dims[i] == bank.row_shape()[i - 1];
   if (ok) return ffi::Error::Success();
-  std::string shape = "[";
-  for (size_t i = 0; i < dims.size(); ++i) shape += (i ? ", " : "") + std::to_string(dims[i]);
-  return ffi::Error::InvalidArgument("slot_fill: pool " + std::to_string(p) + " " + shape + "] " +
-                                     BankDTypeName(static_cast<int32_t>(pool.element_type())) +
-                                     " does not hold rows of " + bank.Describe());
+  return InvalidArgument("slot_fill", "pool " + std::to_string(p) + " " + Dims(dims) + " " +
+                                          BankDTypeName(static_cast<int32_t>(pool.element_type())) +
+                                          " does not hold rows of " + bank.Describe());
+}
+
+// Every pool must be its result's buffer (input_output_aliases): the handler writes the N rows only.
+ffi::Error CheckAliased(ffi::RemainingArgs pools, ffi::RemainingRets outs, size_t num_pools) {
+  if (pools.size() != num_pools || (outs.size() != num_pools && outs.size() != num_pools + 1)) {
+    return InvalidArgument("slot_fill", std::to_string(pools.size()) + " pools and " + std::to_string(outs.size()) +
+                                            " results for " + std::to_string(num_pools) + " banks");
+  }
+  for (size_t p = 0; p < num_pools; ++p) {
+    auto in = pools.get<ffi::AnyBuffer>(p);
+    auto out = outs.get<ffi::AnyBuffer>(p);
+    if (!in.has_value() || !out.has_value()) return InvalidArgument("slot_fill", "bad pool operand");
+    if ((*out)->untyped_data() != in->untyped_data()) {
+      return InvalidArgument("slot_fill", "pool " + std::to_string(p) + " is not aliased to result " +
+                                              std::to_string(p) + " (call it with input_output_aliases {" +
+                                              std::to_string(2 + p) + ": " + std::to_string(p) + "})");
+    }
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error SlotFillImpl(BoundBanks* bound, I32Vector flat_ids, I32Vector slot_ids, ffi::RemainingArgs pools,
                         ffi::RemainingRets outs, ffi::Span<const int64_t> /*banks: in `bound`*/) {
   const int64_t n = static_cast<int64_t>(flat_ids.element_count());
   if (slot_ids.element_count() != static_cast<size_t>(n)) {
-    return ffi::Error::InvalidArgument("slot_fill: flat_ids has " + std::to_string(n) + " entries but slot_ids has " +
-                                       std::to_string(slot_ids.element_count()));
+    return InvalidArgument("slot_fill", "flat_ids has " + std::to_string(n) + " entries but slot_ids has " +
+                                            std::to_string(slot_ids.element_count()));
   }
   const int32_t* fid = flat_ids.typed_data();
   const int32_t* sid = slot_ids.typed_data();
   const size_t num_pools = bound->banks.size();
+  if (ffi::Error err = CheckAliased(pools, outs, num_pools); err.failure()) return err;
   if (outs.size() == num_pools + 1) {  // the error count
     auto errors = outs.get<ffi::AnyBuffer>(num_pools);
     if (!errors.has_value() || (*errors)->element_type() != ffi::DataType::S32 || (*errors)->element_count() != 1) {
-      return ffi::Error::InvalidArgument("slot_fill: the result after the pools must be the error count i32[]");
+      return InvalidArgument("slot_fill", "the result after the pools must be the error count i32[]");
     }
     *static_cast<int32_t*>((*errors)->untyped_data()) = 0;
   }
   int64_t valid = 0;
   for (int64_t i = 0; i < n; ++i) valid += fid[i] >= 0 && sid[i] >= 0;
-  if (valid == 0) return ffi::Error::Success();  // nothing to copy: the pools are aliased, already in place
-  if (pools.size() != num_pools || (outs.size() != num_pools && outs.size() != num_pools + 1)) {
-    return ffi::Error::InvalidArgument("slot_fill: " + std::to_string(pools.size()) + " pools for " +
-                                       std::to_string(num_pools) + " banks");
-  }
+  if (valid == 0) return ffi::Error::Success();  // nothing to copy: the (aliased) pools are already the results
   if (ffi::Error err = CheckBanksLive("slot_fill", *bound); err.failure()) return err;
   for (size_t p = 0; p < num_pools; ++p) {
-    auto in = pools.get<ffi::AnyBuffer>(p);
-    auto out = outs.get<ffi::AnyBuffer>(p);
-    if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("slot_fill: bad pool operand");
+    ffi::AnyBuffer pool = *pools.get<ffi::AnyBuffer>(p);
     const Bank& bank = *bound->banks[p];
-    if (ffi::Error err = CheckPool(p, *in, bank); err.failure()) return err;
-    const int64_t num_slots = in->dimensions()[0];
+    if (ffi::Error err = CheckPool(p, pool, bank); err.failure()) return err;
+    const int64_t num_slots = pool.dimensions()[0];
     // Validate everything before the first copy so a bad call leaves the pools untouched.
     for (int64_t i = 0; i < n; ++i) {
       if (fid[i] < 0 || sid[i] < 0) continue;
       if (fid[i] >= bank.num_rows() || sid[i] >= num_slots) {
-        return ffi::Error::InvalidArgument(
-            "slot_fill: entry " + std::to_string(i) + ": flat id " + std::to_string(fid[i]) + " / slot id " +
-            std::to_string(sid[i]) + " out of range for " + bank.Describe() + " and " + std::to_string(num_slots) +
-            " slots (expected -1 or 0..num_rows-1 / 0..slots-1)");
+        return InvalidArgument(
+            "slot_fill", "entry " + std::to_string(i) + ": flat id " + std::to_string(fid[i]) + " / slot id " +
+                             std::to_string(sid[i]) + " out of range for " + bank.Describe() + " and " +
+                             std::to_string(num_slots) + " slots (expected -1 or 0..num_rows-1 / 0..slots-1)");
       }
     }
   }
   for (size_t p = 0; p < num_pools; ++p) {
-    ffi::AnyBuffer in = *pools.get<ffi::AnyBuffer>(p);
-    uint8_t* dst = static_cast<uint8_t*>((*outs.get<ffi::AnyBuffer>(p))->untyped_data());
-    if (dst != in.untyped_data()) std::memcpy(dst, in.untyped_data(), in.size_bytes());  // not aliased: stay functional
-    CopyRows(dst, *bound->banks[p], fid, sid, n);
+    CopyRows(static_cast<uint8_t*>(pools.get<ffi::AnyBuffer>(p)->untyped_data()), *bound->banks[p], fid, sid, n);
   }
   return ffi::Error::Success();
 }

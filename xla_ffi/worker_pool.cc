@@ -1,11 +1,12 @@
 #include "xla_ffi/worker_pool.h"
 
+#include "xla_ffi/common.h"
+
 #if defined(__linux__)
 #include <sched.h>
 #endif
 
 #include <algorithm>
-#include <cstdlib>
 #include <utility>
 
 namespace ft_jax {
@@ -36,11 +37,8 @@ WorkerPool::~WorkerPool() {
 WorkerPool& WorkerPool::Shared() {
   // Leaked on purpose: host-function nodes of executables that outlive static destruction may still schedule.
   static WorkerPool* pool = [] {
-    int64_t n = AffinityCpuCount();
-    const char* env = std::getenv("FT_JAX_NUM_THREADS");
-    const long cap = env ? std::strtol(env, nullptr, 10) : 0;
-    if (cap >= 1) n = std::min<int64_t>(n, cap);
-    return new WorkerPool(n);
+    const int64_t n = AffinityCpuCount();
+    return new WorkerPool(NumThreadsCap() ? std::min(n, NumThreadsCap()) : n);
   }();
   return *pool;
 }

@@ -1,10 +1,7 @@
 // WorkerPool: a fixed set of CPU threads for work handed over from outside XLA's own thread pools (the CUDA
-// host_experts path: a cudaLaunchHostFunc node schedules the host expert GEMV here and returns at once).
-//
-// Sized from the process's CPU affinity (sched_getaffinity: what taskset / cgroup cpusets allow), not from
-// std::thread::hardware_concurrency (every core of the machine), capped by FT_JAX_NUM_THREADS. Idle workers sleep
-// on a condition variable (no spinning), so the pool costs nothing between steps. Schedule() and num_threads() have
-// the signatures of xla::ffi::ThreadPool's, so parallel.h's ParallelFor runs on either.
+// host_experts path: a cudaLaunchHostFunc node schedules the host expert GEMV here and returns at once). Sized from
+// the process's CPU affinity (what taskset / cgroup cpusets allow), capped by FT_JAX_NUM_THREADS; idle workers sleep
+// on a condition variable. Schedule() and num_threads() match xla::ffi::ThreadPool's, so ParallelFor runs on either.
 #ifndef FT_JAX_XLA_FFI_WORKER_POOL_H_
 #define FT_JAX_XLA_FFI_WORKER_POOL_H_
 

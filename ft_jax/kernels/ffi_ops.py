@@ -7,11 +7,12 @@ the step is lowered, so callers write one step for both.
 
 Per-step data (ids, weights, activations, slot arrays, layer indices) are operands; host banks are compile-time
 attributes (their integer ids, bound to the executable once at XLA's instantiate stage), so one compiled step
-replays for any routing. The handlers run on the caller's XLA thread pool. Every wrapper checks shapes, dtypes and bank
-liveness at trace time and raises TypeError / ValueError naming the problem; the C++ handlers repeat the checks
-and also reject out-of-range ids, which only exist at run time: the call then raises
-jax.errors.JaxRuntimeError (or ValueError when jit's C++ fast path dispatched it) with a message naming the id and
-the bank, nothing is written, and the process carries on.
+replays for any routing. The handlers run on the caller's XLA thread pool. Every wrapper checks shapes, dtypes, bank
+layouts and liveness at trace time and raises TypeError / ValueError naming the problem. The C++ side checks bank
+layouts once per executable (host_experts' instantiate stage; a guard for callers that bypass these wrappers), and
+rejects out-of-range ids, which only exist at run time: the call then raises jax.errors.JaxRuntimeError (or
+ValueError when jit's C++ fast path dispatched it) with a message naming the id and the bank, and the process
+carries on (slot_fill writes nothing then).
 
 Expert math (host_experts and slot_experts), for every token t:
     y[t] = sum_j weights[t, j] * (down_e @ glu(gate_e @ x[t] + bg_e, up_e @ x[t] + bu_e) + bd_e),  e = ids[t, j] >= 0

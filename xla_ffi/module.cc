@@ -1,21 +1,22 @@
-// nanobind module ft_jax._ffi: FFI handler capsules and the host bank functions used by ft_jax/host_bank.py.
+// nanobind module ft_jax._ffi: the FFI registration tables (handler capsules, state types) and the bindings of the
+// host bank registry (host_bank.h), the ISA query (isa.h) and huge-page advice (huge_pages.h). No logic of its own.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <sys/mman.h>
-
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "xla_ffi/expert_kernel.h"
+#include "xla_ffi/bank_state.h"
 #include "xla_ffi/ffi_handlers.h"
 #include "xla_ffi/host_bank.h"
-#include "xla_ffi/bank_state.h"
+#include "xla_ffi/huge_pages.h"
+#include "xla_ffi/isa.h"
 #ifdef FT_JAX_CUDA
 #include "xla_ffi/cuda_handlers.h"
 #endif
@@ -44,6 +45,14 @@ nb::dict Staged(Instantiate* instantiate, Execute* execute) {
   return stages;
 }
 
+// {type_id, type_info} capsules of an FFI state type, as jax.ffi.register_ffi_type takes them.
+nb::dict TypeInfo(void* id, void* type_info) {
+  nb::dict d;
+  d["type_id"] = nb::capsule(id);
+  d["type_info"] = nb::capsule(type_info);
+  return d;
+}
+
 }  // namespace
 
 NB_MODULE(_ffi, m) {
@@ -64,11 +73,8 @@ NB_MODULE(_ffi, m) {
   m.def(
       "types",
       [] {
-        nb::dict info;
-        info["type_id"] = nb::capsule(FtJaxBoundBanksTypeId());
-        info["type_info"] = nb::capsule(FtJaxBoundBanksTypeInfo());
         nb::dict d;
-        d["ft_jax_bound_banks"] = info;
+        d["ft_jax_bound_banks"] = TypeInfo(FtJaxBoundBanksTypeId(), FtJaxBoundBanksTypeInfo());
         return d;
       },
       "dict type name -> {type_id, type_info} PyCapsules of the FFI state types (register before the targets).");
@@ -96,16 +102,10 @@ NB_MODULE(_ffi, m) {
   m.def(
       "cuda_types",
       [] {
-        auto info = [](void* id, void* type_info) {
-          nb::dict d;
-          d["type_id"] = nb::capsule(id);
-          d["type_info"] = nb::capsule(type_info);
-          return d;
-        };
         nb::dict d;
         d["ft_jax_cuda_slot_fill_state"] =
-            info(ft_jax::CudaSlotFillStateTypeId(), ft_jax::CudaSlotFillStateTypeInfo());
-        d["ft_jax_cuda_host_channel"] = info(ft_jax::HostChannelTypeId(), ft_jax::HostChannelTypeInfo());
+            TypeInfo(ft_jax::CudaSlotFillStateTypeId(), ft_jax::CudaSlotFillStateTypeInfo());
+        d["ft_jax_cuda_host_channel"] = TypeInfo(ft_jax::HostChannelTypeId(), ft_jax::HostChannelTypeInfo());
         return d;
       },
       "dict type name -> {type_id, type_info} of the CUDA handlers' states (register before the targets).");
@@ -132,9 +132,7 @@ NB_MODULE(_ffi, m) {
       "dtype_codes",
       [] {
         nb::dict d;
-        for (auto c : {ft_jax::BankDType::kS8, ft_jax::BankDType::kU8, ft_jax::BankDType::kF16,
-                       ft_jax::BankDType::kF32, ft_jax::BankDType::kBF16, ft_jax::BankDType::kF8E5M2,
-                       ft_jax::BankDType::kF8E4M3FN}) {
+        for (ft_jax::BankDType c : ft_jax::kBankDTypes) {
           d[nb::str(ft_jax::BankDTypeName(static_cast<int32_t>(c)).c_str())] = static_cast<int32_t>(c);
         }
         return d;
@@ -174,24 +172,7 @@ NB_MODULE(_ffi, m) {
       },
       nb::arg("id"), "Writable uint8 numpy view [nbytes] of the bank memory (keeps it alive). ValueError if not live.");
 
-  m.def(
-      "use_huge_pages",
-      [](uintptr_t address, size_t nbytes) {
-#if defined(__linux__)
-        // The 2 MiB-aligned interior of [address, address + nbytes): MADV_HUGEPAGE for what is mapped later and
-        // MADV_COLLAPSE (Linux >= 6.1) to move what is already there onto huge pages now. Advisory: errors (an
-        // older kernel, transparent huge pages off) leave the memory as it was.
-        constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-        const uintptr_t begin = (address + kHuge - 1) & ~(kHuge - 1), end = (address + nbytes) & ~(kHuge - 1);
-        if (end <= begin) return false;
-        void* p = reinterpret_cast<void*>(begin);
-        madvise(p, end - begin, MADV_HUGEPAGE);
-        return madvise(p, end - begin, 25 /* MADV_COLLAPSE */) == 0;
-#else
-        return false;
-#endif
-      },
-      nb::arg("address"), nb::arg("nbytes"),
-      "Back the 2 MiB-aligned interior of a buffer with transparent huge pages (Linux); True if collapsed.");
+  m.def("use_huge_pages", &ft_jax::UseHugePages, nb::arg("address"), nb::arg("nbytes"),
+        "Back the 2 MiB-aligned interior of a buffer with transparent huge pages (Linux); True if collapsed.");
   m.def("kernel_isa", &ft_jax::KernelIsa, "'avx512bf16', 'avx2' or 'generic': the inner loops the kernels use.");
 }

@@ -1,0 +1,95 @@
+// What every CPU handler shares: dtype tests, bf16 widening, shape text and FFI errors named after the op, the
+// exception guard of a handler body, FT_JAX_NUM_THREADS, and per-thread scratch that is bounded between calls.
+#ifndef FT_JAX_XLA_FFI_COMMON_H_
+#define FT_JAX_XLA_FFI_COMMON_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/host_bank.h"
+
+namespace ft_jax {
+
+// Expert weights, biases and activations are float32 or bfloat16 (codes are XLA FFI data type codes).
+inline bool IsWeightDType(int32_t code) {
+  return code == static_cast<int32_t>(BankDType::kF32) || code == static_cast<int32_t>(BankDType::kBF16);
+}
+inline bool IsWeightDType(xla::ffi::DataType t) { return IsWeightDType(static_cast<int32_t>(t)); }
+
+// dst[i] = src[i] for bf16 bits src (exact: a bf16 value is a float32 with the low 16 bits zero).
+inline void WidenBf16(const uint16_t* src, float* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(&dst[i], &bits, sizeof(float));
+  }
+}
+
+// "[2, 8, 4]" for error messages.
+inline std::string Dims(xla::ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+// "op: message" as an FFI error (InvalidArgument: the caller's inputs; Internal: anything else).
+inline xla::ffi::Error InvalidArgument(const char* op, const std::string& message) {
+  return xla::ffi::Error::InvalidArgument(std::string(op) + ": " + message);
+}
+
+// Runs a handler body; an exception (a task of ParallelFor included, parallel.h) becomes an FFI error naming the op
+// instead of unwinding into XLA.
+template <typename Body>
+xla::ffi::Error Guarded(const char* op, const Body& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return xla::ffi::Error(xla::ffi::ErrorCode::kResourceExhausted, std::string(op) + ": out of memory");
+  } catch (const std::exception& e) {
+    return xla::ffi::Error::Internal(std::string(op) + ": " + e.what());
+  } catch (...) {
+    return xla::ffi::Error::Internal(std::string(op) + ": unknown exception");
+  }
+}
+
+// FT_JAX_NUM_THREADS (read once per process): the most threads a loop or the worker pool uses; 0 when unset/invalid.
+inline int64_t NumThreadsCap() {
+  static const int64_t cap = [] {
+    const char* env = std::getenv("FT_JAX_NUM_THREADS");
+    const long v = env ? std::strtol(env, nullptr, 10) : 0;
+    return v >= 1 ? static_cast<int64_t>(v) : int64_t{0};
+  }();
+  return cap;
+}
+
+// Per-thread scratch kept between calls: at most this many bytes per buffer (docs/design_parts/cpp.md).
+constexpr size_t kScratchKeepBytes = size_t{16} << 20;
+
+// A call's view of a thread_local buffer: grown to n elements for the call, freed at the end of the call (also on
+// error) when it holds more than kScratchKeepBytes, so a large prefill does not pin its scratch on every thread.
+template <typename T>
+class Scratch {
+ public:
+  Scratch(std::vector<T>& storage, size_t n) : storage_(storage) {
+    if (storage_.size() < n) storage_.resize(n);
+  }
+  ~Scratch() {
+    if (storage_.capacity() * sizeof(T) > kScratchKeepBytes) std::vector<T>().swap(storage_);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  T* data() { return storage_.data(); }
+
+ private:
+  std::vector<T>& storage_;
+};
+
+}  // namespace ft_jax
+
+#endif  // FT_JAX_XLA_FFI_COMMON_H_
