@@ -325,10 +325,14 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
     Raises:
         ConfigError, CheckpointError, NotImplementedError: the folder cannot be used (the message names the file).
         ValueError: a bad dtype, policy or cache budget.
+        ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
+            available (checked from the headers before anything is allocated).
     """
+    import jax
     import jax.numpy as jnp
 
-    from ft_jax.checkpoint import load_checkpoint
+    from ft_jax.checkpoint import SafetensorsCheckpoint, load_checkpoint
+    from ft_jax.memory import check_host_memory
     from ft_jax.config import load_config
     from ft_jax.engine.engine import Engine
     from ft_jax.offload.policy import Policy, parse_policy
@@ -346,6 +350,10 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
         tokenizer = load_tokenizer(path)
     except TokenizerNotFoundError:
         tokenizer = None
+    with SafetensorsCheckpoint(path) as headers:  # headers only: memory is checked before anything is allocated
+        weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size * jnp.dtype(dtype).itemsize
+        check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), num_slots_for(
+            cache, cfg.num_moe_layers * cfg.num_experts, weights), slots_in_host=jax.default_backend() == "cpu")
     checkpoint = load_checkpoint(path, dtype=jnp.dtype(dtype))
     expert_bytes = sum(bank.row_bytes for bank in checkpoint.expert_banks.values())  # weights (+ biases)
     slots = num_slots_for(cache, checkpoint.gate_up_bank.num_rows, expert_bytes)

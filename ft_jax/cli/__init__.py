@@ -21,6 +21,7 @@ import traceback
 import warnings
 from typing import Sequence
 
+from ft_jax import interrupts
 from ft_jax.cli import arg_types
 
 POLICY_HELP = ("auto (default: per layer, the number of misses to fetch that minimises the modelled layer time minus "
@@ -266,7 +267,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.record_trace is not None:
         from ft_jax.tools.trace import routing_records, write_trace
 
-        write_trace(args.record_trace, routing_records(*out.routing, dataset=os.path.basename(os.path.normpath(path))))
+        with interrupts.deferred_exit():  # never a half-written trace
+            write_trace(args.record_trace, routing_records(*out.routing, dataset=os.path.basename(os.path.normpath(path))))
     if args.json:
         settings = {"max_new_tokens": max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                     "top_p": args.top_p, "seed": args.seed, "dtype": model.dtype, "policy": str(model.policy),
@@ -387,8 +389,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    interrupts.set_label(f"ft-jax {args.command}")  # the Ctrl-C line (ft_jax/interrupts.py)
     # Problems with what the user gave; config.ConfigError is a ValueError, TokenizerNotFoundError an OSError.
-    user_errors: tuple[type[BaseException], ...] = (UsageError, NotImplementedError, ValueError, OSError)
+    user_errors: tuple[type[BaseException], ...] = (UsageError, NotImplementedError, ValueError, OSError,
+                                                     MemoryError)  # ft_jax.memory.InsufficientMemoryError
     if args.command == "generate":
         from ft_jax.checkpoint import CheckpointError
 
