@@ -70,12 +70,17 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
     raise ValueError(f"cache must be slots (int), a fraction (float) or bytes ('8GiB'), got {cache!r}")
 
 
-def enable_compile_cache(path: str) -> None:
+def enable_compile_cache(path: str) -> str | None:
     """Turn on JAX's persistent compilation cache in ``path`` for every executable (even ones that compile in under a
-    second); call before the first compilation of the process. Raises OSError if the folder cannot be created."""
+    second); call before the first compilation of the process. Returns None, or a one-line note when the folder
+    cannot be created or written: the cache then stays off (and JAX never warns about failed cache writes)."""
     import jax
 
-    os.makedirs(path, exist_ok=True)
+    from ft_jax.cache_dirs import folder_problem
+
+    problem = folder_problem(path)
+    if problem is not None:
+        return f"the compilation cache is off: {path} cannot be created or written ({problem})"
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

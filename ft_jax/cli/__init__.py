@@ -242,7 +242,9 @@ def run_generate(args: argparse.Namespace) -> int:
             print(text if finished else f"ft-jax: {text}", end="\n" if finished else "", file=sys.stderr, flush=True)
 
     if not args.no_compile_cache:
-        api.enable_compile_cache(api.default_compile_cache_dir())
+        off = api.enable_compile_cache(api.default_compile_cache_dir())
+        if off:
+            note(off)
     try:
         model = api.load(path, dtype=args.dtype or "auto", policy=args.policy, cache=cache, profile=args.profile,
                          measure=not args.no_measure, on_message=note, on_compile=on_compile)

@@ -37,6 +37,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from ft_jax.cache_dirs import folder_problem
 from ft_jax.interrupts import deferred_exit
 
 GB = 1e9  # bandwidths are GB/s = 1e9 bytes/s
@@ -419,7 +420,10 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
         warnings.warn(msg, stacklevel=2)
         return None, msg
     where = ""
-    if save:
+    problem = folder_problem(store.parent) if save else None
+    if problem is not None:
+        where = f", not saved: the profile store is off, {store.parent} cannot be created or written ({problem})"
+    elif save:
         try:
             where = ", saved to {}{}".format(*save_profile(profile, store))
         except OSError as e:  # includes NotAStoreError: decoding goes on with the unsaved profile
