@@ -24,7 +24,8 @@ class InsufficientMemoryError(MemoryError):
 class HostNeed:
     """Host bytes a load takes. banks: the expert host banks (weights + biases); dense: the non-expert weights at
     the load dtype; slots: device expert slots when they live in host memory (CPU backend), else 0; temporary: the
-    largest single tensor (the loader's one read buffer)."""
+    loader's one read buffer (the largest dense tensor, or expert tensor stored in another dtype, at 4 bytes per
+    value)."""
 
     banks: int
     dense: int
@@ -107,7 +108,10 @@ def host_need(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool) ->
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     expert = 3 * H * I + ((2 * I + H) if cfg.expert_bias else 0)  # gate_up [2I, H] + down [H, I] (+ biases)
     dense = sum(_elements(t) for name, t in tensors.items() if ".experts." not in name) * itemsize
-    largest = max((_elements(t) for t in tensors.values()), default=0) * max(itemsize, 4)
+    # The loader's one read buffer: a dense tensor's host copy, or an expert tensor stored in another dtype.
+    load = np.dtype(dtype)
+    largest = max((_elements(t) for name, t in tensors.items()
+                   if ".experts." not in name or np.dtype(t.dtype) != load), default=0) * max(itemsize, 4)
     return HostNeed(banks=cfg.num_moe_layers * E * expert * itemsize, dense=dense,
                     slots=num_slots * expert * itemsize if slots_in_host else 0, temporary=largest)
 
@@ -120,7 +124,9 @@ def refusal(need: HostNeed, available: int, source: str, *, dtype: str, expert_b
         return None
     parts = f"expert banks {need.banks // MIB} MiB, dense weights {need.dense // MIB} MiB"
     if need.slots:
-        parts += f", {num_slots} device slots {need.slots // MIB} MiB (host memory on the CPU backend)"
+        parts += f", {num_slots} device slots {need.slots // MIB} MiB (in host memory on the CPU backend)"
+    if need.temporary:
+        parts += f", a read buffer {need.temporary // MIB} MiB"
     fits = []
     if slots_in_host and need.slots:
         room = available - (need.total - need.slots)
