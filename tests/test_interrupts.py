@@ -36,6 +36,22 @@ def _wait_for(proc, stream, text: bytes, seen: bytearray, timeout: float = 90.0)
     return text in seen
 
 
+def _wait_handled(pid: int, timeout: float = 60.0) -> bool:
+    """Wait until process ``pid`` catches SIGTERM (SigCgt in /proc/PID/status): ft_jax.interrupts is installed.
+    A signal before that (the interpreter's own start-up, site-packages .pth files) gets Python's defaults."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+        except (OSError, StopIteration):
+            return False
+        if caught & (1 << (signal.SIGTERM - 1)):
+            return True
+        time.sleep(0.005)
+    return False
+
+
 def interrupt_run(tmp_path, phase: str, sig=signal.SIGINT, rng=random):
     """Start `python -m ft_jax generate`, send ``sig`` during ``phase`` (startup: during the imports; compile: while
     XLA compiles the prefill step; decode: once the decode step is built), return (returncode, stderr text)."""
@@ -44,8 +60,9 @@ def interrupt_run(tmp_path, phase: str, sig=signal.SIGINT, rng=random):
     proc = subprocess.Popen([sys.executable, *GENERATE], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, preexec_fn=_default_sigint)
     seen = bytearray()
-    if phase == "startup":
-        time.sleep(rng.uniform(0.15, 1.0))
+    if phase == "startup":  # once ft_jax's first import line has run, while jax and the model are imported
+        assert _wait_handled(proc.pid), "the handlers were never installed"
+        time.sleep(rng.uniform(0.0, 0.8))
     elif phase == "compile":
         assert _wait_for(proc, proc.stderr, b"compiling the prefill", seen), bytes(seen)
         time.sleep(rng.uniform(0.0, 0.5))
