@@ -5,6 +5,7 @@ a worker thread; the interpreter then finalized, destroyed the PjRtClient, and t
 interrupt was swallowed by _xla_gc_callback and the run went on (docs/design_parts/reliab.md).
 """
 
+import contextlib
 import os
 import random
 import select
@@ -20,8 +21,18 @@ GENERATE = ["-m", "ft_jax", "generate", "--no-compile-cache", "--no-measure", "-
             "--max-new-tokens", "250"]
 
 
-def _default_sigint():
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a background job may have SIGINT ignored; a terminal has not
+@contextlib.contextmanager
+def _sigint_not_ignored():
+    """A background job may have SIGINT ignored (and children inherit SIG_IGN); a terminal has not. Caught handlers
+    are reset to the default at exec, so the child starts as from a terminal (no preexec_fn: JAX warns on fork)."""
+    before = signal.getsignal(signal.SIGINT)
+    if before is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if before is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, before)
 
 
 def _wait_for(proc, stream, text: bytes, seen: bytearray, timeout: float = 90.0) -> bool:
@@ -57,8 +68,9 @@ def interrupt_run(tmp_path, phase: str, sig=signal.SIGINT, rng=random):
     XLA compiles the prefill step; decode: once the decode step is built), return (returncode, stderr text)."""
     env = dict(os.environ, PYTHONPATH=REPO, XDG_CACHE_HOME=str(tmp_path / "cache"))
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.Popen([sys.executable, *GENERATE], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, preexec_fn=_default_sigint)
+    with _sigint_not_ignored():
+        proc = subprocess.Popen([sys.executable, *GENERATE], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
     seen = bytearray()
     if phase == "startup":  # once ft_jax's first import line has run, while jax and the model are imported
         assert _wait_handled(proc.pid), "the handlers were never installed"
@@ -114,8 +126,9 @@ time.sleep(10)
 print("not reached")
 """
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO),
-                       preexec_fn=_default_sigint, timeout=60)
+    with _sigint_not_ignored():
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONPATH=REPO), timeout=60)
     assert r.returncode == 130 and r.stderr.strip() == "ft-jax test: interrupted", r.stderr
     assert out.read_text() == "complete" and "not reached" not in r.stdout
     assert time.monotonic() - t0 < 8
