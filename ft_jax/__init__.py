@@ -16,7 +16,11 @@ Importing the package registers the XLA FFI targets of the compiled extension (f
 
 import importlib
 
-from ft_jax.kernels import CUDA_ENABLED  # registers the FFI targets (ft_jax/kernels/__init__.py)
+from ft_jax import interrupts as _interrupts
+
+_interrupts.install_for_command_line()  # `ft-jax` only, before jax is imported: Ctrl-C at any moment (interrupts.py)
+
+from ft_jax.kernels import CUDA_ENABLED  # noqa: E402  # registers the FFI targets (ft_jax/kernels/__init__.py)
 
 __version__ = "0.2.0"
 

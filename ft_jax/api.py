@@ -24,11 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 import platformdirs
 
+from ft_jax.cache_dirs import folder_problem
 from ft_jax.chat import load_chat_template
 from ft_jax import checkpoint as checkpoint_lib
 from ft_jax.config import load_config
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
+from ft_jax.memory import check_host_memory
 from ft_jax.offload.policy import Policy, parse_policy
 from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 from ft_jax.units import model_dtype, parse_bytes
@@ -70,10 +72,13 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
     raise ValueError(f"cache must be slots (int), a fraction (float) or bytes ('8GiB'), got {cache!r}")
 
 
-def enable_compile_cache(path: str) -> None:
+def enable_compile_cache(path: str) -> str | None:
     """Turn on JAX's persistent compilation cache in ``path`` for every executable (even ones that compile in under a
-    second); call before the first compilation of the process. Raises OSError if the folder cannot be created."""
-    os.makedirs(path, exist_ok=True)
+    second); call before the first compilation of the process. Returns None, or a one-line note when the folder
+    cannot be created or written: the cache then stays off (and JAX never warns about failed cache writes)."""
+    problem = folder_problem(path)
+    if problem is not None:
+        return f"the compilation cache is off: {path} cannot be created or written ({problem})"
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -425,6 +430,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
     Raises:
         ConfigError, CheckpointError, NotImplementedError: the folder cannot be used (the message names the file).
         ValueError: a bad dtype, policy or cache budget.
+        ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
+            available (checked from the headers before anything is allocated).
     """
     path = os.fspath(path) if path is not None else bundled_model_path()
     cfg = load_config(path)
@@ -435,6 +442,10 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
         weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size * jnp.dtype(dtype).itemsize  # gate, up, down
         num_slots_for(cache, cfg.num_moe_layers * cfg.num_experts, weights)
     tokenizer = load_tokenizer_or_none(path)
+    with checkpoint_lib.SafetensorsCheckpoint(path) as headers:  # headers only: checked before anything is allocated
+        weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size * jnp.dtype(dtype).itemsize
+        check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), num_slots_for(
+            cache, cfg.num_moe_layers * cfg.num_experts, weights), slots_in_host=jax.default_backend() == "cpu")
     checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype))
     expert_bytes = sum(bank.row_bytes for bank in checkpoint.expert_banks.values())  # weights (+ biases)
     slots = num_slots_for(cache, checkpoint.gate_up_bank.num_rows, expert_bytes)

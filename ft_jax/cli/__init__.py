@@ -16,7 +16,7 @@ import sys
 import traceback
 from typing import Sequence
 
-from ft_jax import __version__
+from ft_jax import __version__, interrupts
 from ft_jax.cli import generate, profile
 from ft_jax.cli.usage import Parser, UsageError
 from ft_jax.tools import plan, trace
@@ -58,7 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ft-jax {args.command}: error: {conflict} (see --help)", file=sys.stderr)
         return 2
     # Problems with what the user gave; config.ConfigError is a ValueError, TokenizerNotFoundError an OSError.
-    user_errors: tuple[type[BaseException], ...] = (UsageError, NotImplementedError, ValueError, OSError)
+    interrupts.set_label(f"ft-jax {args.command}")  # the Ctrl-C line (ft_jax/interrupts.py)
+    user_errors: tuple[type[BaseException], ...] = (UsageError, NotImplementedError, ValueError, OSError,
+                                                     MemoryError)  # ft_jax.memory.InsufficientMemoryError
     if args.command == "generate":
         from ft_jax.checkpoint import CheckpointError  # the model code: not loaded for --help or another command
 

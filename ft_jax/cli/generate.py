@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from ft_jax import defaults, units
+from ft_jax import defaults, interrupts, units
 from ft_jax.cli import arg_types
 from ft_jax.cli.usage import UsageError, escaped_text
 from ft_jax.config import SUPPORTED_ARCHITECTURES, load_config
@@ -159,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
 
     cache = _cache(args, cfg, note)
     if not args.no_compile_cache:
-        api.enable_compile_cache(api.default_compile_cache_dir())
+        off = api.enable_compile_cache(api.default_compile_cache_dir())
+        if off:
+            note(off)
     try:
         model = api.load(path, dtype=args.dtype or "auto", policy=args.policy, cache=cache, profile=args.profile,
                          measure=not args.no_measure, on_message=note, on_compile=on_compile)
@@ -181,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
     out = model.run_request(request, on_text=on_text if streaming else None,
                             record_routing=args.record_trace is not None)
     if args.record_trace is not None:
-        write_trace(args.record_trace, routing_records(*out.routing, dataset=os.path.basename(os.path.normpath(path))))
+        with interrupts.deferred_exit():  # never a half-written trace
+            write_trace(args.record_trace, routing_records(*out.routing,
+                                                           dataset=os.path.basename(os.path.normpath(path))))
     _print_result(args, path, model, request, out, streaming, tokenizer)
     return 0
 

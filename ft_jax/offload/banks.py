@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from ft_jax import _ffi
+from ft_jax.memory import InsufficientMemoryError
 
 _DTYPE_CODES: dict[str, int] = dict(_ffi.dtype_codes())
 
@@ -62,14 +63,20 @@ class HostBank:
     Memory is an anonymous mmap (4096-byte aligned, committed on first write).
 
     Raises:
-      TypeError: unsupported dtype. ValueError: non-positive num_rows or row dimension. MemoryError.
+      TypeError: unsupported dtype. ValueError: non-positive num_rows or row dimension.
+      ft_jax.memory.InsufficientMemoryError (a MemoryError): the allocation failed.
     """
 
     def __init__(self, num_rows: int, row_shape: Sequence[int], dtype):
         self._dtype = _bank_dtype(dtype)
         num_rows = int(num_rows)
         row_shape = tuple(int(d) for d in row_shape)
-        self._id = int(_ffi.bank_create(num_rows, list(row_shape), _DTYPE_CODES[self._dtype.name]))
+        try:
+            self._id = int(_ffi.bank_create(num_rows, list(row_shape), _DTYPE_CODES[self._dtype.name]))
+        except MemoryError:  # std::bad_alloc: the same one-line error as the pre-load check
+            need = num_rows * math.prod(row_shape) * self._dtype.itemsize
+            raise InsufficientMemoryError(f"could not allocate a host bank of {num_rows} x {list(row_shape)} "
+                                          f"{self._dtype.name} ({need // 2**20} MiB): out of host memory") from None
         self._num_rows = num_rows
         self._row_shape = row_shape
         self._frozen = False

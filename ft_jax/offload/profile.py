@@ -37,6 +37,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+from ft_jax.cache_dirs import folder_problem
+from ft_jax.interrupts import deferred_exit
+
 GB = 1e9  # bandwidths are GB/s = 1e9 bytes/s
 KEY_FIELDS = ("platform", "device_kind", "cpu_model", "cpu_count", "dtype", "expert_bytes")
 MODES = {"quick": {"repeats": 3, "min_time": 0.04, "call_bytes": 16 << 20},
@@ -364,14 +367,15 @@ def save_profile(profile: Profile, path: str | os.PathLike | None = None) -> tup
             note = f" (moved the damaged store to {aside})"
             warnings.warn(f"{damaged}: moved it to {aside}", stacklevel=2)
         entries = [dataclasses.asdict(p) for p in profiles if p.key != profile.key] + [dataclasses.asdict(profile)]
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"schema_version": 1, "profiles": entries}, f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        with deferred_exit():  # a signal never cuts the write nor leaves the temporary file (ft_jax/interrupts.py)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump({"schema_version": 1, "profiles": entries}, f, indent=1)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
     return path, note
 
 
@@ -416,7 +420,10 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
         warnings.warn(msg, stacklevel=2)
         return None, msg
     where = ""
-    if save:
+    problem = folder_problem(store.parent) if save else None
+    if problem is not None:
+        where = f", not saved: the profile store is off, {store.parent} cannot be created or written ({problem})"
+    elif save:
         try:
             where = ", saved to {}{}".format(*save_profile(profile, store))
         except OSError as e:  # includes NotAStoreError: decoding goes on with the unsaved profile

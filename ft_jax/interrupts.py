@@ -1,0 +1,124 @@
+"""Ctrl-C (SIGINT) and SIGTERM for the `ft-jax` command line: exit 130 / 143 with one line, at any moment.
+
+No exception is ever raised asynchronously into running code. The Python-level handlers only record the signal;
+``signal.set_wakeup_fd`` makes the C-level handler (run in whichever thread the kernel picked) write the signal
+number to a pipe, and a watcher thread blocked on that pipe ends the process with ``os._exit(128 + signum)`` after
+writing one line to stderr -- at once, even while the main thread sits in an XLA compile that runs no Python.
+``os._exit`` skips interpreter finalization, so no Python state is torn down under XLA's threads.
+
+Why not KeyboardInterrupt: raised wherever the main thread next runs bytecode, it lands inside callbacks that C++
+calls during a compile (jax's monitoring listeners, jaxlib's ``_xla_gc_callback``), where it is swallowed ("Exception
+ignored in: _xla_gc_callback") or unwinds through the compiler; when it does reach main, the interpreter finalizes
+while XLA threads still run and the process dies with SIGSEGV (see docs/design_parts/reliab.md).
+
+Writes that must not be cut in half (JAX's persistent-cache entries, which it writes in place; the bandwidth
+profile store) run inside ``deferred_exit()``: the watcher waits for them to finish before exiting.
+
+Only the command line installs this (``install``): a library must not take over a program's signals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_state = {"label": "ft-jax", "installed": False}
+_busy = threading.Condition()
+_writers = [0]  # threads inside deferred_exit()
+
+
+def _record(signum, frame) -> None:
+    """Python-level handler: nothing to do, the watcher thread acts (the handler must exist for the wakeup fd)."""
+
+
+def _watch(read_fd: int) -> None:
+    while True:
+        try:
+            data = os.read(read_fd, 1)
+        except InterruptedError:
+            continue
+        if not data:
+            return
+        signum = data[0]
+        if signum in _SIGNALS:
+            exit_now(signum)
+
+
+def exit_now(signum: int) -> None:
+    """Wait for deferred_exit() blocks to finish, write "ft-jax CMD: interrupted" to stderr, exit 128 + signum."""
+    with _busy:
+        _busy.wait_for(lambda: _writers[0] == 0)
+        name = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+        # "\n" first: a progress line ("compiling ... ") may be waiting for its end.
+        os.write(2, f"\n{_state['label']}: {name}\n".encode())
+        os._exit(128 + signum)
+
+
+def install(label: str = "ft-jax") -> bool:
+    """Handle SIGINT and SIGTERM as described above; ``label`` starts the line printed (set_label changes it).
+
+    Call from the main thread. A signal already ignored (nohup, a background job) stays ignored. Returns whether
+    it was installed (False off the main thread or if already installed)."""
+    if _state["installed"] or threading.current_thread() is not threading.main_thread():
+        return False
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    handled = [s for s in _SIGNALS if signal.getsignal(s) is not signal.SIG_IGN]
+    for s in handled:
+        signal.signal(s, _record)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(read_fd,), name="ft_jax-signals", daemon=True).start()
+    _state.update(label=label, installed=True)
+    return True
+
+
+def set_label(label: str) -> None:
+    """The start of the interrupt line, e.g. "ft-jax generate"."""
+    _state["label"] = label
+
+
+@contextlib.contextmanager
+def deferred_exit():
+    """A block a signal does not cut: an exit requested meanwhile happens when the block ends."""
+    with _busy:
+        _writers[0] += 1
+    try:
+        yield
+    finally:
+        with _busy:
+            _writers[0] -= 1
+            _busy.notify_all()
+
+
+def protect_compile_cache_writes() -> None:
+    """Run JAX's persistent-cache writes (jax._src.compilation_cache.put_executable_and_time, which writes the
+    entry file in place) inside deferred_exit(), so an interrupt never leaves a truncated entry. No-op when that
+    private function is absent (another JAX version): exits then happen at any moment, as before."""
+    try:
+        from jax._src import compilation_cache
+    except ImportError:
+        return
+    put = getattr(compilation_cache, "put_executable_and_time", None)
+    if put is None or getattr(put, "_ft_jax_deferred", False):
+        return
+
+    def guarded(*args, **kwargs):
+        with deferred_exit():
+            return put(*args, **kwargs)
+
+    guarded._ft_jax_deferred = True
+    compilation_cache.put_executable_and_time = guarded
+
+
+def install_for_command_line() -> None:
+    """install() when this process is the `ft-jax` command (`ft-jax ...` or `python -m ft_jax ...`), from the
+    package's first import line, so that a signal during the imports (about a second of jax) is handled too."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
+    as_module = any(a == "-m" and b in ("ft_jax", "ft_jax.__main__") for a, b in zip(argv, argv[1:]))
+    if (script in ("ft-jax", "ft_jax") or as_module) and install():
+        protect_compile_cache_writes()

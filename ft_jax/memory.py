@@ -1,0 +1,160 @@
+"""Host memory: what loading a checkpoint will take, what the machine (or its cgroup) has, and the one-line refusal.
+
+``check_host_memory`` runs before anything is allocated (ft_jax.load calls it first): it needs only the config and
+the safetensors headers (shapes, stored dtypes; never the tensor data), so it takes milliseconds and a few MB for a
+checkpoint of any size. An allocation that fails anyway (HostBank's std::bad_alloc) becomes the same
+InsufficientMemoryError (ft_jax.offload.banks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+MIB = 2**20
+
+
+class InsufficientMemoryError(MemoryError):
+    """Loading needs more host memory than is available; the message names both figures and what would fit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostNeed:
+    """Host bytes a load takes. banks: the expert host banks (weights + biases); dense: the non-expert weights at
+    the load dtype; slots: device expert slots when they live in host memory (CPU backend), else 0; temporary: the
+    loader's one read buffer (the largest dense tensor, or expert tensor stored in another dtype, at 4 bytes per
+    value)."""
+
+    banks: int
+    dense: int
+    slots: int
+    temporary: int
+
+    @property
+    def total(self) -> int:
+        return self.banks + self.dense + self.slots + self.temporary
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None  # "max" (no limit) -> None
+
+
+def _cgroup_room() -> tuple[int, str] | None:
+    """Bytes left under this process's cgroup memory limit (v2 memory.max - memory.current, or v1
+    memory.limit_in_bytes - memory.usage_in_bytes), or None when no limit is set or readable."""
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for line in lines:
+        _, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
+        rel = rel.lstrip("/")
+        if controllers == "":  # cgroup v2 unified hierarchy
+            for folder in (os.path.join("/sys/fs/cgroup", rel), "/sys/fs/cgroup"):
+                limit, used = _read_int(f"{folder}/memory.max"), _read_int(f"{folder}/memory.current")
+                if limit is not None and used is not None:
+                    return max(0, limit - used), "cgroup memory.max - memory.current"
+        elif "memory" in controllers.split(","):
+            for folder in (os.path.join("/sys/fs/cgroup/memory", rel), "/sys/fs/cgroup/memory"):
+                limit = _read_int(f"{folder}/memory.limit_in_bytes")
+                used = _read_int(f"{folder}/memory.usage_in_bytes")
+                if limit is not None and used is not None and limit < 2**60:  # v1's "no limit" is ~2^63
+                    return max(0, limit - used), "cgroup memory.limit_in_bytes - memory.usage_in_bytes"
+    return None
+
+
+def available_host_memory() -> tuple[int, str] | None:
+    """(bytes, source): the smaller of MemAvailable (/proc/meminfo) and the room left under a cgroup limit; None
+    when neither can be read (not Linux)."""
+    found = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append((int(line.split()[1]) * 1024, "MemAvailable"))
+                    break
+    except (OSError, UnicodeDecodeError, ValueError, IndexError):
+        pass
+    room = _cgroup_room()
+    if room is not None:
+        found.append(room)
+    return min(found) if found else None
+
+
+def _elements(info) -> int:
+    return int(np.prod(info.shape, dtype=np.int64)) if info.shape else 1
+
+
+def host_need(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool) -> HostNeed:
+    """Host bytes of a load, from the config and the headers.
+
+    Args:
+        cfg: MoEConfig. tensors: {name: TensorInfo} (SafetensorsCheckpoint.tensors: shapes and stored dtypes).
+        dtype: the load dtype (float32 or bfloat16) of the banks and dense weights.
+        num_slots: device expert slots. slots_in_host: True on a CPU backend (the slots are host arrays).
+    Returns:
+        HostNeed. Expert tensors are those with ".experts." in their name; every other tensor counts as dense at
+        the load dtype (MXFP4 blocks would be 2 values per byte, but experts are sized from the config anyway).
+    """
+    itemsize = np.dtype(dtype).itemsize
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    expert = 3 * H * I + ((2 * I + H) if cfg.expert_bias else 0)  # gate_up [2I, H] + down [H, I] (+ biases)
+    dense = sum(_elements(t) for name, t in tensors.items() if ".experts." not in name) * itemsize
+    # The loader's one read buffer: a dense tensor's host copy, or an expert tensor stored in another dtype.
+    load = np.dtype(dtype)
+    largest = max((_elements(t) for name, t in tensors.items()
+                   if ".experts." not in name or np.dtype(t.dtype) != load), default=0) * max(itemsize, 4)
+    return HostNeed(banks=cfg.num_moe_layers * E * expert * itemsize, dense=dense,
+                    slots=num_slots * expert * itemsize if slots_in_host else 0, temporary=largest)
+
+
+def refusal(need: HostNeed, available: int, source: str, *, dtype: str, expert_bytes: int, num_slots: int,
+            slots_in_host: bool) -> str | None:
+    """The one-line refusal when ``need.total`` exceeds ``available`` bytes, else None. It names both figures and
+    what would fit: fewer device slots (--cache-slots), bfloat16 instead of float32, or a machine with more memory."""
+    if need.total <= available:
+        return None
+    parts = f"expert banks {need.banks // MIB} MiB, dense weights {need.dense // MIB} MiB"
+    if need.slots:
+        parts += f", {num_slots} device slots {need.slots // MIB} MiB (in host memory on the CPU backend)"
+    if need.temporary:
+        parts += f", a read buffer {need.temporary // MIB} MiB"
+    fits = []
+    if slots_in_host and need.slots:
+        room = available - (need.total - need.slots)
+        if room >= expert_bytes:
+            fits.append(f"--cache-slots {room // expert_bytes} (a smaller cache)")
+    if dtype == "float32" and need.total // 2 <= available:
+        fits.append("--dtype bf16 (half the bytes of float32)")
+    fits.append(f"a machine with more than {-(-need.total // MIB)} MiB available")
+    return (f"loading needs {-(-need.total // MIB)} MiB of host memory ({parts}) but only {available // MIB} MiB "
+            f"is available ({source}); what would fit: {' or '.join(fits)}")
+
+
+def check_host_memory(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool) -> HostNeed:
+    """Refuse a load that cannot fit, before anything is allocated (arguments as host_need).
+
+    Returns:
+        HostNeed (when it fits, or when the available memory cannot be read).
+    Raises:
+        InsufficientMemoryError: one line naming the need, the available memory and what would fit.
+    """
+    need = host_need(cfg, tensors, dtype, num_slots, slots_in_host)
+    found = available_host_memory()
+    if found is not None:
+        itemsize = np.dtype(dtype).itemsize
+        expert_bytes = (3 * cfg.hidden_size * cfg.moe_intermediate_size +
+                        ((2 * cfg.moe_intermediate_size + cfg.hidden_size) if cfg.expert_bias else 0)) * itemsize
+        message = refusal(need, found[0], found[1], dtype=np.dtype(dtype).name, expert_bytes=expert_bytes,
+                          num_slots=num_slots, slots_in_host=slots_in_host)
+        if message is not None:
+            raise InsufficientMemoryError(message)
+    return need
