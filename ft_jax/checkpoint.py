@@ -53,6 +53,7 @@ import numpy as np
 
 from ft_jax.config import MoEConfig, check_regular_file, file_present, load_config, read_json_file
 from ft_jax.models.decoder import MoETransformer
+from ft_jax.offload.banks import ExpertBanks, HostBank
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -403,28 +404,25 @@ class LoadedCheckpoint:
     """Result of :func:`load_checkpoint`.
 
     config: MoEConfig; model: MoETransformer (dense parameters on the device);
-    gate_up_bank: HostBank [L_moe*E, 2I, H]; down_bank: HostBank [L_moe*E, H, I];
-    checkpoint_bytes: total size of the safetensors files;
-    gate_up_bias_bank: HostBank [L_moe*E, 2I] (gate bias then up bias) and down_bias_bank: HostBank [L_moe*E, H]
-    for families whose experts have biases (MoEConfig.expert_bias: gpt-oss), else None.
+    banks: ExpertBanks: gate_up [L_moe*E, 2I, H], down [L_moe*E, H, I] and, for families whose experts have biases
+    (MoEConfig.expert_bias: gpt-oss), gate_up_bias [L_moe*E, 2I] (gate bias then up bias) and down_bias [L_moe*E, H];
+    checkpoint_bytes: total size of the safetensors files.
     """
 
     config: MoEConfig
     model: MoETransformer
-    gate_up_bank: Any
-    down_bank: Any
+    banks: ExpertBanks
     checkpoint_bytes: int
-    gate_up_bias_bank: Any = None
-    down_bias_bank: Any = None
 
     @property
-    def expert_banks(self) -> dict[str, Any]:
-        """The expert backends' bank arguments: {"gate_up_bank", "down_bank"} plus, with expert biases,
-        {"gate_up_bias_bank", "down_bias_bank"} (ft_jax.offload.experts.OffloadedExperts fields)."""
-        banks = {"gate_up_bank": self.gate_up_bank, "down_bank": self.down_bank}
-        if self.gate_up_bias_bank is not None:
-            banks.update(gate_up_bias_bank=self.gate_up_bias_bank, down_bias_bank=self.down_bias_bank)
-        return banks
+    def gate_up_bank(self) -> HostBank:
+        """banks.gate_up, HostBank [L_moe*E, 2I, H]."""
+        return self.banks.gate_up
+
+    @property
+    def down_bank(self) -> HostBank:
+        """banks.down, HostBank [L_moe*E, H, I]."""
+        return self.banks.down
 
 
 def _np_dtype(dtype) -> np.dtype:
@@ -571,9 +569,8 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
         dtype: dense parameter dtype on the device (jnp.float32 or jnp.bfloat16).
         expert_dtype: host-bank dtype (float32 or bfloat16); default ``dtype``.
     Returns:
-        LoadedCheckpoint(config, model, gate_up_bank HostBank [L_moe*E, 2I, H], down_bank HostBank [L_moe*E, H, I],
-        checkpoint_bytes, and for gpt-oss gate_up_bias_bank [L_moe*E, 2I] and down_bias_bank [L_moe*E, H] in the
-        expert dtype).
+        LoadedCheckpoint(config, model, banks, checkpoint_bytes): banks = ExpertBanks(gate_up [L_moe*E, 2I, H],
+        down [L_moe*E, H, I], and for gpt-oss gate_up_bias [L_moe*E, 2I], down_bias [L_moe*E, H]) in the expert dtype.
     Memory: expert tensors are read one at a time directly into the bank rows (plus one tensor-sized temporary
     when the stored dtype differs from expert_dtype; gpt-oss tensors, transposed or MXFP4, one expert at a time);
     dense tensors pass through one host copy each. Peak host memory is about banks + dense weights + one tensor.
@@ -584,8 +581,6 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
             scale of 255 or one that overflows float32 included; names the file and the tensor).
         ConfigError / NotImplementedError: from :func:`ft_jax.config.load_config`.
     """
-    from ft_jax.offload.banks import HostBank
-
     cfg = load_config(model_dir)
     dense_dtype = _np_dtype(dtype)
     bank_dtype = dense_dtype if expert_dtype is None else _np_dtype(expert_dtype)
@@ -615,5 +610,4 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
                 bank.release()
             raise
         nbytes = ckpt.nbytes
-    return LoadedCheckpoint(cfg, model, host["gate_up"], host["down"], nbytes, host.get("gate_up_bias"),
-                            host.get("down_bias"))
+    return LoadedCheckpoint(cfg, model, ExpertBanks(**host), nbytes)

@@ -77,7 +77,7 @@ def jit_forward(model, *, collect=False, last_logits_only=False):
 
 
 def _experts_of(ck):
-    return HostBankExperts(ck.gate_up_bank, ck.down_bank, ck.config, (ck.gate_up_bias_bank, ck.down_bias_bank))
+    return HostBankExperts(ck.gate_up_bank, ck.down_bank, ck.config, (ck.banks.gate_up_bias, ck.banks.down_bias))
 
 
 class Loaded:
@@ -246,7 +246,7 @@ def test_bfloat16_load_is_close(loaded):
     assert same.mean() >= 0.75, same
     err = np.abs(np.asarray(logits[0]) - loaded.ref["prompt_logits"]).max(-1)  # [T]
     assert np.all(err[same] < 0.1), err
-    for bank in ck.expert_banks.values():
+    for bank in ck.banks.banks:
         bank.release()
 
 
@@ -256,7 +256,7 @@ def test_float32_model_with_bfloat16_banks(loaded):
     for bank, ref_bank in ((ck.gate_up_bank, loaded.ckpt.gate_up_bank), (ck.down_bank, loaded.ckpt.down_bank)):
         assert bank.numpy().dtype == jnp.bfloat16
         np.testing.assert_array_equal(bank.numpy(), ref_bank.numpy().astype(jnp.bfloat16))
-    for bank in ck.expert_banks.values():
+    for bank in ck.banks.banks:
         bank.release()
 
 

@@ -46,7 +46,7 @@ from ft_jax.checkpoint import LoadedCheckpoint
 from ft_jax.offload.cache import STAT_FIELDS
 from ft_jax.offload.experts import OffloadedExperts
 from ft_jax.offload.banks import use_huge_pages
-from ft_jax.offload.policy import Policy
+from ft_jax.offload.policy import Policy, PolicyKind
 
 MIN_PREFILL_BUCKET = 16
 MIN_KV_BUCKET = 64
@@ -297,13 +297,14 @@ class Engine:
         self.policy = policy
         self.on_compile = on_compile
         self.graphdef, self.params = nnx.split(checkpoint.model)
-        experts = dict(checkpoint.expert_banks, num_experts=cfg.num_experts, activation=cfg.activation,
+        experts = dict(banks=checkpoint.banks, num_experts=cfg.num_experts, activation=cfg.activation,
                        swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
         self.decode_backend = OffloadedExperts(**experts, policy=policy)
-        prefill_policy = policy if policy.kind in ("resident", "host-all") else Policy("fetch-all")
+        prefill_policy = policy if not policy.kind.fetches else Policy(PolicyKind.FETCH_ALL)
         self.prefill_backend = OffloadedExperts(**experts, policy=prefill_policy)
-        self.num_slots = cfg.num_experts * self.decode_backend.num_layers if policy.kind == "resident" else num_slots
-        self.expert_bytes = sum(bank.row_bytes for bank in self.decode_backend.banks)  # weights (+ biases)
+        resident = policy.kind is PolicyKind.RESIDENT
+        self.num_slots = cfg.num_experts * self.decode_backend.num_layers if resident else num_slots
+        self.expert_bytes = checkpoint.banks.expert_bytes
         self.expert_state = self.decode_backend.init_state(self.num_slots)
         use_huge_pages((self.params, self.expert_state))  # the dense weights and slot pools, read every step
         # Donated: the KV cache (3) and the expert state (4) of f(params, tokens, positions, kv_cache, expert_state,
@@ -510,7 +511,7 @@ class Engine:
         per_step = (lambda v: v / steps if steps else None)
         return {
             "policy": str(self.policy),
-            "fraction": self.policy.frac if self.policy.kind == "qstar" else None,
+            "fraction": self.policy.frac if self.policy.kind is PolicyKind.QSTAR else None,
             "num_slots": self.num_slots,
             "expert_bytes": self.expert_bytes,
             "batch_size": B,
