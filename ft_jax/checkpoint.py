@@ -1,40 +1,13 @@
 """Load a Hugging Face MoE checkpoint: dense weights to the device, expert weights streamed into host banks.
 
-Files: ``model.safetensors`` (single file) or ``model.safetensors.index.json`` (sharded; its ``weight_map``
-names the shard of every tensor: plain file names in the model folder). The safetensors format
-(github.com/huggingface/safetensors, README "Format"): 8-byte little-endian header length N, N bytes of UTF-8 JSON
-``{name: {dtype, shape, data_offsets: [begin, end]}, ..., "__metadata__": {...}}``, then the data section (offsets
-are relative to its start, byte 8 + N). The README's rules are enforced as the reference reader does: no duplicate
-keys, a header of at most 100 MB, and "the byte buffer needs to be entirely indexed, and cannot contain holes":
-the tensors' byte ranges, sorted, tile the data section exactly (no overlap, no gap, nothing after the last one).
-
-Non-finite weights: the README notes that "tensor values are not checked against, in particular NaN and +/-Inf
-could be in the file". A NaN or Inf weight silently turns every logit into NaN (greedy decoding then emits token 0),
-so every float tensor is checked as it is read: a bit test on the raw exponent field (all ones = Inf or NaN in
-IEEE 754 binary16/32/64 and bfloat16), done as two max reductions over the raw bits (no temporary, no float math)
-on each 1 MiB piece right after it lands in memory, while it is still in cache (see _has_non_finite and
-scripts/bench_finite_check.py).
-
-Tensors are read with plain positioned reads straight into their destination (a host-bank row or a temporary
-numpy array of one tensor), not through a memory map: a mapped checkpoint's pages count in the process RSS while
-the map is open, which would make the peak host memory of a load about 2x the checkpoint instead of ~1x.
-
-Expert tensor names (per MoE layer l, expert e; prefix ``model.layers.{l}.``):
-  * Mixtral (Hub): ``block_sparse_moe.experts.{e}.w1.weight`` (gate [I, H]), ``.w3.`` (up [I, H]),
-    ``.w2.`` (down [H, I]); router ``block_sparse_moe.gate.weight`` [E, H].
-  * Qwen2-MoE / Qwen3-MoE / OLMoE (Hub): ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj``;
-    router ``mlp.gate.weight``.
-  * Fused (transformers 5 in-memory names, any family but gpt-oss): ``mlp.experts.gate_up_proj`` [E, 2I, H] and
-    ``mlp.experts.down_proj`` [E, H, I]; router ``mlp.gate.weight``.
-  * gpt-oss (transformers' GptOssExperts, used as x @ W): ``mlp.experts.gate_up_proj`` [E, H, 2I] with gate and up
-    interleaved on the last axis (gate = [..., 0::2], up = [..., 1::2]), ``gate_up_proj_bias`` [E, 2I] (interleaved
-    alike), ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]; router ``mlp.router.weight`` [E, H] and
-    ``mlp.router.bias`` [E]. The Hub checkpoints (openai/gpt-oss-20b, -120b) store the two weights in MXFP4:
-    ``gate_up_proj_blocks`` u8[E, 2I, H/32, 16] + ``gate_up_proj_scales`` u8[E, 2I, H/32] and ``down_proj_blocks``
-    u8[E, H, I/32, 16] + ``down_proj_scales`` u8[E, H, I/32] ([out, in] order: rows are output features), dequantized
-    while loading (:func:`dequantize_mxfp4`), one expert at a time, into the banks.
-Host-bank rows (contracts.md): gate_up row = [gate; up] [2I, H], down row [H, I]; flat id = moe_layer * E + e.
-gpt-oss also fills bias banks: gate_up bias row [2I] (gate bias then up bias), down bias row [H].
+``model.safetensors`` or a sharded ``model.safetensors.index.json``; the safetensors rules are enforced as the
+reference reader does (no duplicate keys, header <= 100 MB, the tensors tile the data section exactly). Every float
+tensor is checked for NaN/Inf as it is read (a bit test on the exponent field). Tensors are read with positioned
+reads straight into their destination (a bank row or one tensor-sized temporary), not through a memory map, so
+peak host memory is about 1x the checkpoint. Expert tensor names per family (Mixtral, Qwen2/3-MoE, OLMoE, fused,
+gpt-oss incl. MXFP4) and the bank row layout: docs/design_parts/offload.md ("checkpoint.py"); the banks are one
+ExpertBanks (ft_jax.offload.banks): gate_up row = [gate; up] [2I, H], down row [H, I], flat id = moe_layer * E + e,
+and for gpt-oss gate_up_bias [2I] (gate bias then up bias), down_bias [H].
 """
 
 from __future__ import annotations

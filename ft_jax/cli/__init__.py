@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--no-save", action="store_true", help="do not store the profile")
     prof.add_argument("--verbose", action="store_true", help="show tracebacks")
 
-    from ft_jax.tools import plan, trace
+    from ft_jax.cli import plan, trace
 
     trace.add_trace_arguments(sub)
     plan.add_plan_arguments(sub)
@@ -264,7 +264,7 @@ def run_generate(args: argparse.Namespace) -> int:
                          top_p=args.top_p, seed=args.seed, stop=args.stop or (),
                          on_text=on_text if streaming else None, record_routing=args.record_trace is not None)
     if args.record_trace is not None:
-        from ft_jax.tools.trace import routing_records, write_trace
+        from ft_jax.tools.trace_io import routing_records, write_trace
 
         write_trace(args.record_trace, routing_records(*out.routing, dataset=os.path.basename(os.path.normpath(path))))
     if args.json:
@@ -397,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         user_errors += (ImportError,)  # --plot without matplotlib
     try:
         if args.command in ("trace", "plan"):
-            from ft_jax.tools import plan, trace
+            from ft_jax.cli import plan, trace
 
             return trace.run_trace(args) if args.command == "trace" else plan.run_plan(args)
         return run_profile(args) if args.command == "profile" else run_generate(args)

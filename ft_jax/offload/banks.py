@@ -22,6 +22,7 @@ import math
 import weakref
 from typing import Sequence
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -302,9 +303,8 @@ def use_huge_pages(tree) -> int:
     """Back the CPU buffers of the jax arrays in ``tree`` (>= 4 MiB each) with transparent huge pages.
 
     Host banks get huge pages when they are created; XLA's own buffers (the dense weights, the slot pools, a long KV
-    cache) are plain 4 KiB pages, which cost the streaming GEMVs a TLB miss every 4 KiB: on the 2-core dev VM a bf16
-    matrix-vector product read a 131 MB weight at 18.7 GB/s on 4 KiB pages and 21.1 GB/s after MADV_COLLAPSE (a plain
-    read: 25.4 vs 29.8 GB/s). Linux >= 6.1 with transparent huge pages in "madvise" or "always" mode; elsewhere, and
+    cache) are plain 4 KiB pages, which cost the streaming GEMVs a TLB miss every 4 KiB (measurements:
+    docs/design_parts/offload.md, "offload/banks.py"). Linux >= 6.1 with transparent huge pages in "madvise" or "always" mode; elsewhere, and
     for arrays on other devices, nothing happens.
 
     Args:
@@ -312,8 +312,6 @@ def use_huge_pages(tree) -> int:
     Returns:
         how many buffers were moved onto huge pages.
     """
-    import jax
-
     moved = 0
     for leaf in jax.tree_util.tree_leaves(tree):
         if not isinstance(leaf, jax.Array) or leaf.nbytes < HUGE_PAGE_MIN_BYTES or leaf.is_deleted():

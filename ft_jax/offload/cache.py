@@ -1,33 +1,16 @@
 """Expert slot cache: device-side tables and the per-MoE-layer plan, as pure static-shape jnp (docs/DESIGN.md sec. 1-3).
 
-One pool of S device slots is shared by all L MoE layers. On every MoE-layer call `plan_layer` takes the layer's
-active-expert mask, splits the active experts into hits (resident in a slot), fetched misses (copied into a slot by
-the slot-fill FFI call) and host misses (computed on the CPU from the host bank), picks victim slots with a global
-LRU, and updates the tables. All shapes depend only on (L, E, S): one compiled decode step replays for any routing.
+One pool of S device slots is shared by all L MoE layers. On every MoE-layer call `plan_layer` splits the layer's
+active experts into hits (resident in a slot), fetched misses (copied into a slot by the slot-fill FFI call) and host
+misses (computed on the CPU from the host bank), picks victim slots with a global LRU, and updates the tables. All
+shapes depend only on (L, E, S): one compiled decode step replays for any routing.
 
-Rules (docs/DESIGN.md sec. 1 and sec. 3 steps 2-4):
-  hit = active & resident; miss = active & ~resident; m = sum(miss); F = fetch_budget(policy, m).
-  Misses are ranked most recently active first (recency = global step of the last activation), ties to the lower
-  expert id, never-seen (recency -1) last; the F best-ranked are fetched, the rest go to the host.
-  Victim slots: smallest usage (global step of the last hit or fill; -1 for a never-used slot), ties to the lowest
-  slot, never a slot whose expert is active in the current layer. If fewer slots are eligible than F (e.g. S < k,
-  or every slot holds an active expert of this layer), F is capped by the number of eligible slots and the rest of
-  the misses go to the host. An evicted expert becomes non-resident (no stale hit).
-  Hits and fills set usage = step; every active expert gets recency = step; then step += 1 (once per MoE-layer call).
-
-The auto policy (docs/policies.md) also keeps the observed reuse of fetched experts (other policies leave these
-fields at their initial values): each slot's net hits since its fill (+1 per hit, -1 per miss on the expert that
-fill evicted, its "ghost"; clamped to +-AUTO_GAIN_CLAMP), and the decayed sums of the net hits and the count of the
-fills evicted so far (x32, decay 1/1024 per eviction, in fill order). Per call: first the ghost misses and the hits
-update the slot gains; then F = argmin over F of the modelled layer time minus F times the reuse credit
-(policy.auto_fetch_count, policy.auto_credit); then each fill that evicts an expert adds that slot's gain to the
-sums if that fill had itself replaced an expert (fills into empty slots while the cache warms up are not marginal
-and are left out), and the slot starts again at gain 0 with the evicted expert as its ghost.
-
-Integer width: jax runs with x64 off, so the global step, usage, recency and stats are int32. step wraps after
-2^31 - 1 MoE-layer calls (about 67 million decoded tokens with 32 MoE layers); past that the LRU and recency
-orders are no longer meaningful (the outputs stay correct: every route is still computed exactly once). The stats
-counters wrap likewise.
+Rules: hit = active & resident; miss = active & ~resident; F = policy.fetch_split (the policy's split). Misses are
+fetched most recently active first (ties to the lower id, never-seen last); victims are the least recently used
+slots (ties to the lowest slot), never one holding an expert active in this layer; F is capped by the eligible
+slots. Hits and fills set usage = step; active experts get recency = step; step += 1 per call (int32: wraps after
+2^31 - 1 calls, after which the LRU order is no longer meaningful but outputs stay correct). The auto policy's reuse
+bookkeeping (slot gains, ghosts, decayed sums) and the full rules: docs/design_parts/offload.md ("offload/cache.py").
 """
 
 from __future__ import annotations

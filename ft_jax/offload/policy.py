@@ -1,12 +1,10 @@
 """Expert fetch policies: how many of a layer's m cache misses are copied into device slots.
 
-The q* policy and its Q16 min-max integer rule are defined in docs/DESIGN.md sec. 1 ("The q* policy (bandwidth-balanced
-split)"). Every implementation (this jnp version, the plain Python version and the numpy test reference) follows
-the same integer arithmetic, so the split is bit-identical everywhere.
-
-A policy is chosen once, when the decode step is built: `Policy` is a frozen (hashable) dataclass that is passed as a
-static argument, and `fetch_budget` picks its branch in Python at trace time. The per-step miss count m is the only
-traced input, so a step never retraces because of the policy.
+`Policy` (kind: `PolicyKind`) is frozen and hashable: it is a static argument of the compiled step, and
+`fetch_split` -- the policy's split of one layer, the one function plan_layer calls -- picks its branch in Python at
+trace time: the q* Q16 min-max integer rule (docs/DESIGN.md sec. 1; the same integer arithmetic here in jnp, in
+plain Python and in the numpy test reference, so the split is bit-identical everywhere), fetch-all, host-all,
+fixed-cap, or auto's argmin of the cost model (ft_jax.offload.cost_model) minus its reuse credit (docs/policies.md).
 """
 
 from __future__ import annotations
