@@ -82,8 +82,7 @@ def test_outputs_independent_of_policy_and_cache_size(loaded):
     sizes = sorted({1, k, L * E // 2, L * E})
     runs = [(Policy("resident"), L * E)]
     # auto with a device 10x faster than both paths: its reuse credit makes it fetch some misses and host others.
-    auto = Policy("auto", costs=auto_costs(ckpt.banks.expert_bytes, 10.0, 10.0,
-                                           device_bandwidth=100.0))
+    auto = Policy("auto", costs=auto_costs(ckpt.banks.expert_bytes, 10.0, 10.0, device_bandwidth=100.0))
     runs += [(p, s) for p in (Policy("fetch-all"), Policy("host-all"), Policy("qstar", frac=0.415), auto)
              for s in sizes]
     for policy, slots in runs:
