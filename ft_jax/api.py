@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -32,6 +31,7 @@ from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
 from ft_jax.memory import check_host_memory
 from ft_jax.offload.policy import Policy, parse_policy
+from ft_jax.offload.profile import resolve_policy
 from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 from ft_jax.units import model_dtype, parse_bytes
 
@@ -87,47 +87,6 @@ def enable_compile_cache(path: str) -> str | None:
 def default_compile_cache_dir() -> str:
     """compile/ in the user cache directory ($XDG_CACHE_HOME/ft_jax or ~/.cache/ft_jax)."""
     return os.path.join(platformdirs.user_cache_dir("ft_jax", appauthor=False), "compile")
-
-
-def resolve_policy(policy, checkpoint, *, profile: str | None = None, measure: bool = True,
-                   progress: bool = False):
-    """The decode Policy and a one-line note: auto takes its costs, and a qstar policy without a fraction its fraction,
-    from the stored bandwidth profile of this machine, or a quick profile (stored), or, with measure=False and none
-    stored, falls back to fixed-cap:1 (the note says so). auto's device bandwidth: BH on a CPU device (the slot
-    experts run the host kernel), else ft_jax.tools.trace.ASSUMED_DEVICE_GBPS.
-
-    Args:
-        policy: a policy name (parse_policy) or a Policy. checkpoint: LoadedCheckpoint.
-        profile: the profile store path (default: profiles.json in the user cache directory).
-        measure: allow the quick profile. progress: show its progress on stderr.
-    Returns:
-        (Policy, note or None).
-    Raises:
-        ValueError: an unknown policy name.
-    """
-    from ft_jax.offload.policy import Policy, parse_policy
-    from ft_jax.offload import profile as bandwidth
-
-    if not isinstance(policy, Policy):
-        policy = parse_policy(policy)
-    if policy.kind not in ("qstar", "auto") or policy.frac is not None:
-        return policy, None
-    cfg, bank = checkpoint.config, checkpoint.gate_up_bank
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the note says it
-        found, note = bandwidth.get_or_measure_profile(cfg.hidden_size, cfg.moe_intermediate_size, bank.dtype,
-                                                       allow_measure=measure, path=profile, progress=progress)
-    if found is None:
-        return Policy("fixed-cap", cap=1), note
-    if policy.kind == "auto":
-        from ft_jax.offload.policy import auto_costs
-        from ft_jax.tools.trace import ASSUMED_DEVICE_GBPS
-
-        expert_bytes = sum(bank.row_bytes for bank in checkpoint.expert_banks.values())  # weights (+ biases)
-        device = found.bh if found.key["platform"] == "cpu" else ASSUMED_DEVICE_GBPS
-        return policy.with_costs(auto_costs(expert_bytes, found.bp, found.bh, found.bp_contended, found.bh_contended,
-                                            device)), note
-    return policy.with_frac(found.fraction()), note
 
 
 @dataclasses.dataclass
@@ -447,9 +406,10 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
         check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), num_slots_for(
             cache, cfg.num_moe_layers * cfg.num_experts, weights), slots_in_host=jax.default_backend() == "cpu")
     checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype))
-    expert_bytes = sum(bank.row_bytes for bank in checkpoint.expert_banks.values())  # weights (+ biases)
-    slots = num_slots_for(cache, checkpoint.gate_up_bank.num_rows, expert_bytes)
-    policy, note = resolve_policy(policy, checkpoint, profile=profile, measure=measure)
+    banks = checkpoint.banks
+    slots = num_slots_for(cache, banks.num_rows, banks.expert_bytes)
+    policy, note = resolve_policy(policy, banks, cfg.hidden_size, cfg.moe_intermediate_size, profile=profile,
+                                  measure=measure)
     if note and on_message is not None:
         on_message(note)
     engine = Engine(checkpoint, policy=policy, num_slots=slots, on_compile=on_compile)

@@ -1,40 +1,13 @@
 """Load a Hugging Face MoE checkpoint: dense weights to the device, expert weights streamed into host banks.
 
-Files: ``model.safetensors`` (single file) or ``model.safetensors.index.json`` (sharded; its ``weight_map``
-names the shard of every tensor: plain file names in the model folder). The safetensors format
-(github.com/huggingface/safetensors, README "Format"): 8-byte little-endian header length N, N bytes of UTF-8 JSON
-``{name: {dtype, shape, data_offsets: [begin, end]}, ..., "__metadata__": {...}}``, then the data section (offsets
-are relative to its start, byte 8 + N). The README's rules are enforced as the reference reader does: no duplicate
-keys, a header of at most 100 MB, and "the byte buffer needs to be entirely indexed, and cannot contain holes":
-the tensors' byte ranges, sorted, tile the data section exactly (no overlap, no gap, nothing after the last one).
-
-Non-finite weights: the README notes that "tensor values are not checked against, in particular NaN and +/-Inf
-could be in the file". A NaN or Inf weight silently turns every logit into NaN (greedy decoding then emits token 0),
-so every float tensor is checked as it is read: a bit test on the raw exponent field (all ones = Inf or NaN in
-IEEE 754 binary16/32/64 and bfloat16), done as two max reductions over the raw bits (no temporary, no float math)
-on each 1 MiB piece right after it lands in memory, while it is still in cache (see _has_non_finite and
-scripts/bench_finite_check.py).
-
-Tensors are read with plain positioned reads straight into their destination (a host-bank row or a temporary
-numpy array of one tensor), not through a memory map: a mapped checkpoint's pages count in the process RSS while
-the map is open, which would make the peak host memory of a load about 2x the checkpoint instead of ~1x.
-
-Expert tensor names (per MoE layer l, expert e; prefix ``model.layers.{l}.``):
-  * Mixtral (Hub): ``block_sparse_moe.experts.{e}.w1.weight`` (gate [I, H]), ``.w3.`` (up [I, H]),
-    ``.w2.`` (down [H, I]); router ``block_sparse_moe.gate.weight`` [E, H].
-  * Qwen2-MoE / Qwen3-MoE / OLMoE (Hub): ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj``;
-    router ``mlp.gate.weight``.
-  * Fused (transformers 5 in-memory names, any family but gpt-oss): ``mlp.experts.gate_up_proj`` [E, 2I, H] and
-    ``mlp.experts.down_proj`` [E, H, I]; router ``mlp.gate.weight``.
-  * gpt-oss (transformers' GptOssExperts, used as x @ W): ``mlp.experts.gate_up_proj`` [E, H, 2I] with gate and up
-    interleaved on the last axis (gate = [..., 0::2], up = [..., 1::2]), ``gate_up_proj_bias`` [E, 2I] (interleaved
-    alike), ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]; router ``mlp.router.weight`` [E, H] and
-    ``mlp.router.bias`` [E]. The Hub checkpoints (openai/gpt-oss-20b, -120b) store the two weights in MXFP4:
-    ``gate_up_proj_blocks`` u8[E, 2I, H/32, 16] + ``gate_up_proj_scales`` u8[E, 2I, H/32] and ``down_proj_blocks``
-    u8[E, H, I/32, 16] + ``down_proj_scales`` u8[E, H, I/32] ([out, in] order: rows are output features), dequantized
-    while loading (:func:`dequantize_mxfp4`), one expert at a time, into the banks.
-Host-bank rows (contracts.md): gate_up row = [gate; up] [2I, H], down row [H, I]; flat id = moe_layer * E + e.
-gpt-oss also fills bias banks: gate_up bias row [2I] (gate bias then up bias), down bias row [H].
+``model.safetensors`` or a sharded ``model.safetensors.index.json``; the safetensors rules are enforced as the
+reference reader does (no duplicate keys, header <= 100 MB, the tensors tile the data section exactly). Every float
+tensor is checked for NaN/Inf as it is read (a bit test on the exponent field). Tensors are read with positioned
+reads straight into their destination (a bank row or one tensor-sized temporary), not through a memory map, so
+peak host memory is about 1x the checkpoint. Expert tensor names per family (Mixtral, Qwen2/3-MoE, OLMoE, fused,
+gpt-oss incl. MXFP4) and the bank row layout: docs/design_parts/offload.md ("checkpoint.py"); the banks are one
+ExpertBanks (ft_jax.offload.banks): gate_up row = [gate; up] [2I, H], down row [H, I], flat id = moe_layer * E + e,
+and for gpt-oss gate_up_bias [2I] (gate bias then up bias), down_bias [H].
 """
 
 from __future__ import annotations
@@ -53,6 +26,7 @@ import numpy as np
 
 from ft_jax.config import MoEConfig, check_regular_file, file_present, load_config, read_json_file
 from ft_jax.models.decoder import MoETransformer
+from ft_jax.offload.banks import ExpertBanks, HostBank
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -403,28 +377,25 @@ class LoadedCheckpoint:
     """Result of :func:`load_checkpoint`.
 
     config: MoEConfig; model: MoETransformer (dense parameters on the device);
-    gate_up_bank: HostBank [L_moe*E, 2I, H]; down_bank: HostBank [L_moe*E, H, I];
-    checkpoint_bytes: total size of the safetensors files;
-    gate_up_bias_bank: HostBank [L_moe*E, 2I] (gate bias then up bias) and down_bias_bank: HostBank [L_moe*E, H]
-    for families whose experts have biases (MoEConfig.expert_bias: gpt-oss), else None.
+    banks: ExpertBanks: gate_up [L_moe*E, 2I, H], down [L_moe*E, H, I] and, for families whose experts have biases
+    (MoEConfig.expert_bias: gpt-oss), gate_up_bias [L_moe*E, 2I] (gate bias then up bias) and down_bias [L_moe*E, H];
+    checkpoint_bytes: total size of the safetensors files.
     """
 
     config: MoEConfig
     model: MoETransformer
-    gate_up_bank: Any
-    down_bank: Any
+    banks: ExpertBanks
     checkpoint_bytes: int
-    gate_up_bias_bank: Any = None
-    down_bias_bank: Any = None
 
     @property
-    def expert_banks(self) -> dict[str, Any]:
-        """The expert backends' bank arguments: {"gate_up_bank", "down_bank"} plus, with expert biases,
-        {"gate_up_bias_bank", "down_bias_bank"} (ft_jax.offload.experts.OffloadedExperts fields)."""
-        banks = {"gate_up_bank": self.gate_up_bank, "down_bank": self.down_bank}
-        if self.gate_up_bias_bank is not None:
-            banks.update(gate_up_bias_bank=self.gate_up_bias_bank, down_bias_bank=self.down_bias_bank)
-        return banks
+    def gate_up_bank(self) -> HostBank:
+        """banks.gate_up, HostBank [L_moe*E, 2I, H]."""
+        return self.banks.gate_up
+
+    @property
+    def down_bank(self) -> HostBank:
+        """banks.down, HostBank [L_moe*E, H, I]."""
+        return self.banks.down
 
 
 def _np_dtype(dtype) -> np.dtype:
@@ -571,9 +542,8 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
         dtype: dense parameter dtype on the device (jnp.float32 or jnp.bfloat16).
         expert_dtype: host-bank dtype (float32 or bfloat16); default ``dtype``.
     Returns:
-        LoadedCheckpoint(config, model, gate_up_bank HostBank [L_moe*E, 2I, H], down_bank HostBank [L_moe*E, H, I],
-        checkpoint_bytes, and for gpt-oss gate_up_bias_bank [L_moe*E, 2I] and down_bias_bank [L_moe*E, H] in the
-        expert dtype).
+        LoadedCheckpoint(config, model, banks, checkpoint_bytes): banks = ExpertBanks(gate_up [L_moe*E, 2I, H],
+        down [L_moe*E, H, I], and for gpt-oss gate_up_bias [L_moe*E, 2I], down_bias [L_moe*E, H]) in the expert dtype.
     Memory: expert tensors are read one at a time directly into the bank rows (plus one tensor-sized temporary
     when the stored dtype differs from expert_dtype; gpt-oss tensors, transposed or MXFP4, one expert at a time);
     dense tensors pass through one host copy each. Peak host memory is about banks + dense weights + one tensor.
@@ -584,8 +554,6 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
             scale of 255 or one that overflows float32 included; names the file and the tensor).
         ConfigError / NotImplementedError: from :func:`ft_jax.config.load_config`.
     """
-    from ft_jax.offload.banks import HostBank
-
     cfg = load_config(model_dir)
     dense_dtype = _np_dtype(dtype)
     bank_dtype = dense_dtype if expert_dtype is None else _np_dtype(expert_dtype)
@@ -615,5 +583,4 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
                 bank.release()
             raise
         nbytes = ckpt.nbytes
-    return LoadedCheckpoint(cfg, model, host["gate_up"], host["down"], nbytes, host.get("gate_up_bias"),
-                            host.get("down_bias"))
+    return LoadedCheckpoint(cfg, model, ExpertBanks(**host), nbytes)

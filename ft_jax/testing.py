@@ -21,7 +21,17 @@ import json
 import os
 from typing import Sequence
 
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+
+from ft_jax.checkpoint import load_checkpoint
+from ft_jax.config import config_from_dict, load_config
+from ft_jax.engine.engine import Engine
+from ft_jax.models.decoder import MoETransformer
+from ft_jax.offload.cost_model import auto_costs
+from ft_jax.offload.policy import PolicyKind, parse_policy
+from ft_jax.units import model_dtype
 
 _COMMON = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
            "num_key_value_heads": 2, "num_experts_per_tok": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
@@ -82,11 +92,7 @@ def write_random_checkpoint(path: str | os.PathLike, config: dict | None = None,
     Raises:
         ConfigError: the config does not describe a supported model. ImportError: safetensors is not installed.
     """
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
-    from ft_jax.config import config_from_dict
-    from ft_jax.models.decoder import MoETransformer
+    from safetensors.numpy import save_file  # lazy: safetensors is optional (the ``test`` extra)
 
     config = dict(tiny_config() if config is None else config)
     config["torch_dtype"] = dtype
@@ -136,26 +142,18 @@ def assert_policies_agree(model_dir: str | os.PathLike, prompt_ids: Sequence[int
     Raises:
         AssertionError: naming the policy, the cache size and the first position where the tokens differ.
     """
-    import jax.numpy as jnp
-
-    from ft_jax.units import model_dtype
-    from ft_jax.checkpoint import load_checkpoint
-    from ft_jax.config import load_config
-    from ft_jax.engine.engine import Engine
-    from ft_jax.offload.policy import auto_costs, parse_policy
-
     cfg = load_config(model_dir)
     ckpt = load_checkpoint(model_dir, dtype=jnp.dtype(model_dtype(dtype, cfg.dtype)))
-    expert_bytes = ckpt.gate_up_bank.row_bytes + ckpt.down_bank.row_bytes
-    total = ckpt.gate_up_bank.num_rows
+    expert_bytes = ckpt.banks.expert_bytes
+    total = ckpt.banks.num_rows
     reference, where = None, None
     for name in policies:
         policy = parse_policy(name)
-        if policy.kind == "qstar" and policy.frac is None:
+        if policy.kind is PolicyKind.QSTAR and policy.frac is None:
             policy = policy.with_frac(0.5)
-        if policy.kind == "auto":
+        if policy.kind is PolicyKind.AUTO:
             policy = policy.with_costs(auto_costs(expert_bytes, 10.0, 20.0, device_bandwidth=100.0))
-        for slots in ([total] if policy.kind == "resident" else cache_slots):
+        for slots in ([total] if policy.kind is PolicyKind.RESIDENT else cache_slots):
             slots = max(1, total // 2) if slots is None else slots
             tokens = Engine(ckpt, policy=policy, num_slots=slots).generate(
                 [list(prompt_ids)], max_new_tokens=max_new_tokens).tokens[0]

@@ -46,14 +46,14 @@ def build_engine(cfg, policy: str, cache_fraction: float):
     from ft_jax.checkpoint import LoadedCheckpoint
     from ft_jax.engine.engine import Engine
     from ft_jax.models.decoder import MoETransformer
-    from ft_jax.offload.banks import HostBank
+    from ft_jax.offload.banks import ExpertBanks, HostBank
     from ft_jax.offload.policy import parse_policy
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     model = MoETransformer(cfg, lambda name, shape, kind: np.zeros(shape, bf16))
     rows, H, I = cfg.num_moe_layers * cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    gate_up, down = HostBank(rows, (2 * I, H), bf16), HostBank(rows, (H, I), bf16)
-    ckpt = LoadedCheckpoint(cfg, model, gate_up, down, 0)
+    banks = ExpertBanks(HostBank(rows, (2 * I, H), bf16), HostBank(rows, (H, I), bf16))
+    ckpt = LoadedCheckpoint(cfg, model, banks, 0)
     policy = parse_policy(policy if policy != "qstar" else "qstar:0.4")
     return Engine(ckpt, policy=policy, num_slots=max(1, round(cache_fraction * rows)))
 
@@ -76,8 +76,7 @@ def compile_seconds(cfg, policy: str, cache_fraction: float, kv_len: int) -> flo
     t0 = time.perf_counter()
     lower_decode_step(engine, kv_len).compile()
     seconds = time.perf_counter() - t0
-    engine.decode_backend.gate_up_bank.release()
-    engine.decode_backend.down_bank.release()
+    engine.decode_backend.banks.release()
     return seconds
 
 

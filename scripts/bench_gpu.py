@@ -164,7 +164,7 @@ def bench_decode(args, synth_dir):
     import jax.numpy as jnp
 
     from ft_jax import _ffi
-    from ft_jax.api import resolve_policy
+    from ft_jax.offload.profile import resolve_policy
     from ft_jax.checkpoint import load_checkpoint
     from ft_jax.engine.engine import Engine
 
@@ -174,7 +174,8 @@ def bench_decode(args, synth_dir):
     profile = os.path.join(args.out, "profiles.json")
     engines, notes = {}, {}
     for name in ("resident", "fetch-all", "host-all", "qstar", "auto"):
-        policy, note = resolve_policy(name, ckpt, profile=profile, measure=True)
+        policy, note = resolve_policy(name, ckpt.banks, ckpt.config.hidden_size, ckpt.config.moe_intermediate_size,
+                                      profile=profile, measure=True)
         notes[name] = f"{policy}" + (f" ({note})" if note else "")
         engines[name] = Engine(ckpt, policy=policy, num_slots=slots)
     prompt = [[1, 17, 42, 99, 123, 7, 250, 3]]

@@ -33,7 +33,7 @@ import sys
 
 import numpy as np
 
-from ft_jax.tools.trace import write_trace
+from ft_jax.tools.trace_io import write_trace
 
 SHAPES = ("uniform", "skewed", "reused", "local", "drift")
 # Per-shape defaults: (Zipf exponent s, reuse probability p); s = 0 is uniform, p = 0 no temporal reuse.

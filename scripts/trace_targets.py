@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The issue-14 targets on a routing trace: auto's modelled ms/token against the pure policies.
 
-For every trace file (each replayed on its own), bandwidth (the presets of ft_jax.tools.trace and, with --profile or
+For every trace file (each replayed on its own), bandwidth (the presets of ft_jax.offload.cost_model and, with --profile or
 a stored profile, this machine's) and cache fraction, replays fetch-all, host-all, qstar, fixed-cap:1 and auto
 through the decode step's cache plan and prints auto / best pure policy (target <= 1.02) and auto / qstar (target
 <= 0.85 somewhere), then the per-case ratio table of every trace and the worst ratio. No timing: the figures are
@@ -19,8 +19,11 @@ import json
 import os
 import sys
 
+from ft_jax.offload.cost_model import PRESETS
 from ft_jax.offload.policy import parse_policy
-from ft_jax.tools import trace as tr
+from ft_jax.offload.profile import cost_model_for
+from ft_jax.tools.replay import evaluate
+from ft_jax.tools.trace_io import read_trace
 
 PURE = ("fetch-all", "host-all", "qstar", "fixed-cap:1")
 
@@ -30,19 +33,19 @@ def targets(path: str, expert_bytes: int, fractions, bandwidths, profile=None, h
     """One row per (bandwidth, cache fraction) of one trace file: every policy's ms/token, the best pure policy,
     auto / best and auto / qstar. A bandwidth spec that cannot be priced (no stored profile) is skipped with a
     message on stderr."""
-    trace = tr.read_trace(path)
+    trace = read_trace(path)
     total = trace.num_layers * trace.num_experts
     sizes = [max(1, round(float(f) * total)) for f in fractions]
     policies = [parse_policy(n) for n in PURE + ("auto",)]
     rows = []
     for spec in bandwidths:
         try:
-            model = tr.cost_model(spec, expert_bytes, profile_path=profile, host_fixed_ms=host_fixed_ms)
+            model = cost_model_for(spec, expert_bytes, profile_path=profile, host_fixed_ms=host_fixed_ms)
         except ValueError as e:
             print(f"skipping {spec}: {e}", file=sys.stderr)
             continue
         for r_size in sizes:
-            res = {r["policy"]: r for r in tr.evaluate(trace, policies, [r_size], model)}
+            res = {r["policy"]: r for r in evaluate(trace, policies, [r_size], model)}
             best = min(PURE, key=lambda n: res[n]["ms_per_token"])
             auto = res["auto"]["ms_per_token"]
             rows.append({"trace": path, "bandwidth": spec, "cache_slots": r_size, "cache_fraction": r_size / total,
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("trace", nargs="+", help="routing trace files, each replayed on its own")
     p.add_argument("--expert-bytes", type=int, required=True)
     p.add_argument("--fractions", default="0.1,0.25,0.5")
-    p.add_argument("--bandwidths", default=",".join(tr.PRESETS) + ",stored",
+    p.add_argument("--bandwidths", default=",".join(PRESETS) + ",stored",
                    help="comma list of --bandwidth specs ('stored' is skipped when this machine has no profile)")
     p.add_argument("--profile", help="bandwidth profile store for 'stored'")
     p.add_argument("--host-fixed-ms", type=float, default=0.0)

@@ -324,3 +324,42 @@ def test_generate_goes_on_past_a_damaged_store(tmp_path):
     assert f"(moved the damaged store to {store}.corrupt)" in proc.stderr
     assert (store.parent / "profiles.json.corrupt").read_text().endswith('{"key"')
     assert len(json.loads(store.read_text())["profiles"]) == 1
+
+
+# --- resolve_policy: the policy bound to this machine's profile ---------------------------------------------------------
+
+
+def _banks():
+    """float32 ExpertBanks of one layer of 2 experts of (H, I): 98304 bytes per expert (no biases)."""
+    import numpy as np
+
+    from ft_jax.offload.banks import ExpertBanks, HostBank
+
+    return ExpertBanks(HostBank(2, (2 * I, H), np.float32), HostBank(2, (H, I), np.float32))
+
+
+def test_resolve_policy_takes_the_stored_profile(tmp_path):
+    from ft_jax.offload import cost_model
+    from ft_jax.offload.policy import Policy
+
+    path = tmp_path / "p.json"
+    bandwidth.save_profile(make_profile(bp=2.0, bh=8.0, bpc=1.5, bhc=6.0, **here()), path)
+    banks = _banks()
+    qstar, note = bandwidth.resolve_policy("qstar", banks, H, I, profile=path, measure=False)
+    assert qstar == Policy("qstar", frac=1.5 / 7.5) and "stored" in note
+    auto, _ = bandwidth.resolve_policy(Policy("auto"), banks, H, I, profile=path, measure=False)
+    device = 8.0 if here()["platform"] == "cpu" else cost_model.ASSUMED_DEVICE_GBPS
+    assert auto == Policy("auto", costs=cost_model.auto_costs(banks.expert_bytes, 2.0, 8.0, 1.5, 6.0, device))
+
+
+def test_resolve_policy_without_a_profile_falls_back_to_fixed_cap_1(tmp_path):
+    policy, note = bandwidth.resolve_policy("auto", _banks(), H, I, profile=tmp_path / "none.json", measure=False)
+    assert str(policy) == "fixed-cap:1" and "fixed-cap 1" in note
+
+
+def test_resolve_policy_passes_a_bound_policy_through(tmp_path):
+    from ft_jax.offload.policy import Policy
+
+    for policy in (Policy("qstar", frac=0.3), Policy("fetch-all"), Policy("fixed-cap", cap=2)):
+        assert bandwidth.resolve_policy(policy, _banks(), H, I, profile=tmp_path / "none.json",
+                                        measure=False) == (policy, None)

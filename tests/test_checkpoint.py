@@ -551,7 +551,7 @@ def test_deepseek_hub_layout_loads(family, tmp_path):
     _release(ck)
     _release(ck2)
 def _release_all(ck):
-    for bank in ck.expert_banks.values():
+    for bank in ck.banks.banks:
         bank.release()
 
 
@@ -563,8 +563,7 @@ def test_gpt_oss_fused_experts_are_deinterleaved_into_the_bank_layout():
     cfg = ck.config
     E, I = cfg.num_experts, cfg.moe_intermediate_size
     tensors = load_file(os.path.join(d, "model.safetensors"))
-    gu, dn, gb, db = (ck.expert_banks[k].numpy() for k in ("gate_up_bank", "down_bank", "gate_up_bias_bank",
-                                                          "down_bias_bank"))
+    gu, dn, gb, db = (getattr(ck.banks, k).numpy() for k in ("gate_up", "down", "gate_up_bias", "down_bias"))
     assert gb.shape == (4 * E, 2 * I) and db.shape == (4 * E, cfg.hidden_size)
     for layer in range(4):
         p = f"model.layers.{layer}.mlp.experts"

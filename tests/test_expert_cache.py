@@ -8,7 +8,8 @@ import pytest
 
 from ft_jax.offload.cache import (STAT_FIELDS, CacheState, active_from_topk, init_cache_state,
                                  init_cache_state_resident, plan_layer)
-from ft_jax.offload.policy import auto_costs, parse_policy
+from ft_jax.offload.cost_model import auto_costs
+from ft_jax.offload.policy import parse_policy
 from cache_reference import ReferenceCache
 
 POLICIES = ("qstar:0.415", "fetch-all", "host-all", "fixed-cap:2", "auto")

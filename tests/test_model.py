@@ -78,7 +78,7 @@ def jit_forward(model, *, collect=False, last_logits_only=False):
 
 
 def _experts_of(ck):
-    return HostBankExperts(ck.gate_up_bank, ck.down_bank, ck.config, (ck.gate_up_bias_bank, ck.down_bias_bank))
+    return HostBankExperts(ck.gate_up_bank, ck.down_bank, ck.config, (ck.banks.gate_up_bias, ck.banks.down_bias))
 
 
 class Loaded:
@@ -270,7 +270,7 @@ def test_bfloat16_load_is_close(loaded):
     err = np.abs(np.asarray(logits[0]) - ref_logits).max(-1)  # [T]
     bound = bf16_logit_error_bound(loaded.cfg.num_layers, np.abs(ref_logits).max(-1))  # [T]
     assert np.all(err[same] < bound[same]), (err, bound)
-    for bank in ck.expert_banks.values():
+    for bank in ck.banks.banks:
         bank.release()
 
 
@@ -280,7 +280,7 @@ def test_float32_model_with_bfloat16_banks(loaded):
     for bank, ref_bank in ((ck.gate_up_bank, loaded.ckpt.gate_up_bank), (ck.down_bank, loaded.ckpt.down_bank)):
         assert bank.numpy().dtype == jnp.bfloat16
         np.testing.assert_array_equal(bank.numpy(), ref_bank.numpy().astype(jnp.bfloat16))
-    for bank in ck.expert_banks.values():
+    for bank in ck.banks.banks:
         bank.release()
 
 

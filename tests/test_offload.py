@@ -15,7 +15,8 @@ from flax import nnx
 
 from ft_jax.checkpoint import load_checkpoint
 from ft_jax.offload.experts import OffloadedExperts
-from ft_jax.offload.policy import Policy, auto_costs
+from ft_jax.offload.cost_model import auto_costs
+from ft_jax.offload.policy import Policy
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss",
@@ -40,7 +41,7 @@ def loaded(request):
 def _backend(ckpt, policy):
     """OffloadedExperts of a loaded checkpoint (its bias banks and clamped-SwiGLU parameters included)."""
     cfg = ckpt.config
-    return OffloadedExperts(**ckpt.expert_banks, num_experts=cfg.num_experts, policy=policy,
+    return OffloadedExperts(ckpt.banks, num_experts=cfg.num_experts, policy=policy,
                             activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
 
 
@@ -81,8 +82,7 @@ def test_outputs_independent_of_policy_and_cache_size(loaded):
     sizes = sorted({1, k, L * E // 2, L * E})
     runs = [(Policy("resident"), L * E)]
     # auto with a device 10x faster than both paths: its reuse credit makes it fetch some misses and host others.
-    auto = Policy("auto", costs=auto_costs(ckpt.gate_up_bank.row_bytes + ckpt.down_bank.row_bytes, 10.0, 10.0,
-                                           device_bandwidth=100.0))
+    auto = Policy("auto", costs=auto_costs(ckpt.banks.expert_bytes, 10.0, 10.0, device_bandwidth=100.0))
     runs += [(p, s) for p in (Policy("fetch-all"), Policy("host-all"), Policy("qstar", frac=0.415), auto)
              for s in sizes]
     for policy, slots in runs:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ft_jax.offload import cost_model as cm
 from ft_jax.offload import policy as pol
 from cache_reference import q16_fetch_count
 
@@ -60,18 +61,18 @@ def test_frac_to_q16():
 
 
 def test_fraction_from_bandwidth():
-    assert pol.fraction_from_bandwidth(5.0, 12.0) == pytest.approx(5.0 / 12.0)
-    assert pol.fraction_from_bandwidth(12.0, 5.0) == 1.0  # BH <= BP: fetch everything
-    assert pol.fraction_from_bandwidth(6.0, 6.0) == 1.0
+    assert cm.fraction_from_bandwidth(5.0, 12.0) == pytest.approx(5.0 / 12.0)
+    assert cm.fraction_from_bandwidth(12.0, 5.0) == 1.0  # BH <= BP: fetch everything
+    assert cm.fraction_from_bandwidth(6.0, 6.0) == 1.0
     # contended pair wins over the single measurements: BPc / (BPc + BHc)
-    assert pol.fraction_from_bandwidth(6.0, 12.0, 3.0, 4.0) == pytest.approx(3.0 / 7.0)
-    assert pol.fraction_from_bandwidth(12.0, 5.0, 3.0, 4.0) == pytest.approx(3.0 / 7.0)
+    assert cm.fraction_from_bandwidth(6.0, 12.0, 3.0, 4.0) == pytest.approx(3.0 / 7.0)
+    assert cm.fraction_from_bandwidth(12.0, 5.0, 3.0, 4.0) == pytest.approx(3.0 / 7.0)
     with pytest.raises(ValueError, match="both"):
-        pol.fraction_from_bandwidth(6.0, 12.0, 3.0)
+        cm.fraction_from_bandwidth(6.0, 12.0, 3.0)
     with pytest.raises(ValueError, match="bh"):
-        pol.fraction_from_bandwidth(6.0, 0.0)
+        cm.fraction_from_bandwidth(6.0, 0.0)
     with pytest.raises(ValueError, match="bp_contended"):
-        pol.fraction_from_bandwidth(6.0, 12.0, -1.0, 4.0)
+        cm.fraction_from_bandwidth(6.0, 12.0, -1.0, 4.0)
 
 
 def test_parse_policy():
@@ -120,7 +121,7 @@ def test_auto_parsing_and_binding():
     assert pol.parse_policy("auto") == pol.Policy("auto")
     with pytest.raises(ValueError, match="takes no argument"):
         pol.parse_policy("auto:1")
-    costs = pol.auto_costs(10**9, 1.0, 4.0, device_bandwidth=10.0)
+    costs = cm.auto_costs(10**9, 1.0, 4.0, device_bandwidth=10.0)
     assert pol.Policy("auto").with_costs(costs) == pol.Policy("auto", costs=costs)
     hash(pol.Policy("auto", costs=costs))  # a static jit argument
     with pytest.raises(ValueError, match="takes no costs"):
@@ -130,19 +131,19 @@ def test_auto_parsing_and_binding():
     with pytest.raises(ValueError, match="cache state"):
         pol.fetch_budget(pol.Policy("auto", costs=costs), jnp.int32(2))
     with pytest.raises(ValueError, match="both contended"):
-        pol.auto_costs(10**9, 1.0, 4.0, 0.5)
+        cm.auto_costs(10**9, 1.0, 4.0, 0.5)
 
 
 def test_auto_costs_worked_values():
     # 1 GB experts: fill 1000 ms alone (the slowest solo time: 1024 ticks, tick = 1000/1024 ms), host 250 ms -> 256,
     # device 100 ms -> 102.4 -> 102; no pair: BPc = BP (1024), BHc = BH - BP = 3 GB/s: 333.3 ms -> 341.3 -> 341;
     # fixed 0.5 ms -> 0.512 -> 1 tick.
-    c = pol.auto_costs(10**9, 1.0, 4.0, device_bandwidth=10.0, host_fixed_ms=0.5)
+    c = cm.auto_costs(10**9, 1.0, 4.0, device_bandwidth=10.0, host_fixed_ms=0.5)
     assert c.tick_ms == pytest.approx(1000 / 1024)
     assert (c.fill_solo, c.fill_cont, c.host_solo, c.host_cont, c.device) == (1024, 1024, 256, 341, 102)
     assert (c.fill_fixed, c.host_fixed, c.device_fixed) == (0, 1, 0)
     # BH <= BP: the host gets nothing while the fill runs (capped tick value).
-    assert pol.auto_costs(10**9, 4.0, 2.0).host_cont == pol.AUTO_MAX_TICKS
+    assert cm.auto_costs(10**9, 4.0, 2.0).host_cont == cm.AUTO_MAX_TICKS
 
 
 def test_auto_fetch_count_matches_reference_rule():
@@ -150,9 +151,9 @@ def test_auto_fetch_count_matches_reference_rule():
     auto_count over a grid of layers and reuse sums, for three machines (one with fixed costs)."""
     from cache_reference import auto_count, auto_layer_time
 
-    machines = [pol.auto_costs(10**9, 2.0, 8.0, device_bandwidth=50.0),
-                pol.auto_costs(10**9, 14.8 * 25.2 / 14.8, 65.9, 14.8, 71.5, device_bandwidth=1000.0),
-                pol.auto_costs(10**8, 1.0, 1.5, 0.7, 0.9, host_fixed_ms=30.0, fill_fixed_ms=5.0)]
+    machines = [cm.auto_costs(10**9, 2.0, 8.0, device_bandwidth=50.0),
+                cm.auto_costs(10**9, 14.8 * 25.2 / 14.8, 65.9, 14.8, 71.5, device_bandwidth=1000.0),
+                cm.auto_costs(10**8, 1.0, 1.5, 0.7, 0.9, host_fixed_ms=30.0, fill_fixed_ms=5.0)]
     rng = np.random.default_rng(5)
     for costs in machines:
         fn = jax.jit(lambda m, h, cap, g, n, c=costs: pol.auto_fetch_count(
@@ -165,4 +166,4 @@ def test_auto_fetch_count_matches_reference_rule():
             want = auto_count(costs, m, h, cap, gain, fills)
             assert int(fn(m, h, cap, gain, fills)) == want, (costs, m, h, cap, gain, fills)
             for F in range(m + 1):
-                assert int(pol.auto_layer_ticks(costs, m, h, F)) == auto_layer_time(costs, m, h, F)
+                assert int(cm.auto_layer_ticks(costs, m, h, F)) == auto_layer_time(costs, m, h, F)

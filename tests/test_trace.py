@@ -1,4 +1,4 @@
-"""ft_jax/tools/trace.py and plan.py: trace files, replay against the plain-Python cache reference, the cost model
+"""ft_jax/tools (trace_io, replay, plan) and ft_jax/offload/cost_model.py: trace files, replay against the plain-Python cache reference, the cost model
 worked by hand, the `ft-jax trace` / `ft-jax plan` commands, and a trace recorded by the decode step replayed.
 
 Traces here are synthetic (written to tmp_path in the shared trace's JSON-lines format) or recorded from the tiny
@@ -18,7 +18,10 @@ from cache_reference import ReferenceCache
 from ft_jax import cli
 from ft_jax.offload.cache import CacheState
 from ft_jax.offload.policy import Policy, auto_layer_ticks, parse_policy
-from ft_jax.tools import trace as tr
+from ft_jax.offload.cost_model import CostModel
+from ft_jax.offload.policy import bind_policy
+from ft_jax.tools.replay import replay
+from ft_jax.tools.trace_io import read_trace, routing_records, write_trace
 
 L, E, K = 3, 60, 4  # 60 experts top-4 (the held-back model's shape), 3 MoE layers
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
@@ -48,7 +51,7 @@ def _write(path, routing, drop=()):
     recs = [{"dataset": "synthetic", "problem_id": p, "layer": layer, "token_idx": t,
              "experts": [int(e) for e in ids[t, layer]], "gating_probs": [1 / K] * K}
             for p, ids in routing.items() for layer in range(L) for t in range(len(ids)) if (p, t, layer) not in drop]
-    tr.write_trace(str(path), recs)
+    write_trace(str(path), recs)
     return recs
 
 
@@ -69,7 +72,7 @@ def _reference_stats(routing_list, policy, S, carry=False):
 def test_read_skips_incomplete_tokens_and_npz_roundtrip(tmp_path):
     routing = _routing(0)
     recs = _write(tmp_path / "t.jsonl", routing, drop={(0, 8, 2), (1, 2, 0)})  # last token of 0, middle of 1
-    t = tr.read_trace(str(tmp_path / "t.jsonl"))
+    t = read_trace(str(tmp_path / "t.jsonl"))
     assert [s.name for s in t.sequences] == ["synthetic/0", "synthetic/1"]
     assert [s.skipped for s in t.sequences] == [1, 1] and t.skipped_tokens == 2 and t.tokens == 8 + 5
     assert t.sequences[1].token_idx.tolist() == [0, 1, 3, 4, 5]
@@ -78,8 +81,8 @@ def test_read_skips_incomplete_tokens_and_npz_roundtrip(tmp_path):
     want = np.zeros(t.num_experts, bool)
     want[routing[1][3, 1]] = True
     np.testing.assert_array_equal(t.sequences[1].active[2, 1], want)
-    tr.write_trace(str(tmp_path / "t.npz"), recs)
-    z = tr.read_trace(str(tmp_path / "t.npz"), num_experts=E)
+    write_trace(str(tmp_path / "t.npz"), recs)
+    z = read_trace(str(tmp_path / "t.npz"), num_experts=E)
     assert [s.name for s in z.sequences] == [s.name for s in t.sequences]
     for a, b in zip(z.sequences, t.sequences):
         np.testing.assert_array_equal(a.token_idx, b.token_idx)
@@ -102,13 +105,13 @@ def test_bad_traces_name_file_and_line(tmp_path):
     for text, msg in cases:
         path.write_text(text)
         with pytest.raises(ValueError, match=msg):
-            tr.read_trace(str(path), num_layers=2 if "all 2" in msg else None, num_experts=8)
+            read_trace(str(path), num_layers=2 if "all 2" in msg else None, num_experts=8)
 
 
 def _auto(expert_bytes=GB, bp=2.0, **kw):
     """auto bound to a cost model in which both paths and the reuse credit matter."""
-    model = tr.CostModel(expert_bytes=expert_bytes, bp=bp, bh=8.0, device_bandwidth=50.0, **kw)
-    return tr.bind_policy(parse_policy("auto"), model), model
+    model = CostModel(expert_bytes=expert_bytes, bp=bp, bh=8.0, device_bandwidth=50.0, **kw)
+    return bind_policy(parse_policy("auto"), model), model
 
 
 @pytest.mark.parametrize("carry", [False, True])
@@ -122,9 +125,9 @@ def test_replay_matches_reference_step_by_step(tmp_path, carry):
     for seed, hot in ((1, None), (2, 0.7)):
         routing = _routing(seed, hot=hot)
         _write(tmp_path / "t.jsonl", routing)
-        trace = tr.read_trace(str(tmp_path / "t.jsonl"), num_experts=E)
+        trace = read_trace(str(tmp_path / "t.jsonl"), num_experts=E)
         for policy in policies:
-            got = tr.replay(trace, policy, S, carry_cache=carry)
+            got = replay(trace, policy, S, carry_cache=carry)
             want, ref = _reference_stats([routing[0], routing[1]], policy, S, carry)
             np.testing.assert_array_equal(got.stats, want, err_msg=f"{policy} hot={hot} carry={carry}")
             for name, value in ref.arrays().items():  # the last sequence's final tables
@@ -142,7 +145,7 @@ def test_cost_model_two_layers_by_hand():
     device then takes 5 + 2 * 100 = 205: layer 1715 ms.
     Layer 1: F=0, H=1, 2 hits: host 250 + 20 = 270, device 5 + 200 = 205 from t = 0: layer 270 ms.
     Token: 1985 ms."""
-    m = tr.CostModel(expert_bytes=GB, bp=1.0, bh=4.0, bp_contended=0.5, bh_contended=2.0, device_bandwidth=10.0,
+    m = CostModel(expert_bytes=GB, bp=1.0, bh=4.0, bp_contended=0.5, bh_contended=2.0, device_bandwidth=10.0,
                      fill_fixed_ms=10.0, host_fixed_ms=20.0, device_fixed_ms=5.0)
     assert m.paths_ms(1, 2) == pytest.approx((1510.0, 1020.0))
     assert m.layer_ms(1, 2, 2) == pytest.approx(1715.0)
@@ -153,9 +156,9 @@ def test_cost_model_two_layers_by_hand():
     # 4 GB at 4 GB/s take 1000 ms: host end 3000 + 20.
     assert m.paths_ms(1, 8) == pytest.approx((2010.0, 3020.0))
     # No measured pair: BPc = BP, BHc = BH - BP.
-    assert tr.CostModel(expert_bytes=GB, bp=1.0, bh=4.0).pair == (1.0, 3.0)
+    assert CostModel(expert_bytes=GB, bp=1.0, bh=4.0).pair == (1.0, 3.0)
     # auto decides with the same model in integer ticks (tick = 1000 / 1024 ms here).
-    costs = tr.bind_policy(parse_policy("auto"), m).costs
+    costs = bind_policy(parse_policy("auto"), m).costs
     assert costs.tick_ms == pytest.approx(1000 / 1024)
     for F, H, hits in ((1, 2, 1), (0, 1, 2), (1, 8, 0), (3, 0, 1), (2, 2, 0)):
         ticks = int(auto_layer_ticks(costs, F + H, hits, F))
@@ -214,8 +217,8 @@ def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):
     from ft_jax.tools import plan
 
     _write(tmp_path / "t.jsonl", _routing(6, hot=0.6))
-    trace = tr.read_trace(str(tmp_path / "t.jsonl"), num_experts=E)
-    model = tr.CostModel(expert_bytes=GB, bp=2.0, bh=8.0, device_bandwidth=50.0)
+    trace = read_trace(str(tmp_path / "t.jsonl"), num_experts=E)
+    model = CostModel(expert_bytes=GB, bp=2.0, bh=8.0, device_bandwidth=50.0)
     policies = [parse_policy(p) for p in ("auto", "fetch-all", "host-all")]
     rec = plan.recommend(trace, model, 16 * GB, policies)
     assert rec["budget_slots"] == 16 and sorted({r["cache_slots"] for r in rec["results"]}) == [4, 8, 16]
@@ -231,7 +234,7 @@ def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):
     assert plan.recommend(trace, model, L * E * GB, policies)["resident"]  # the device is 6x the host here
     # A CPU-like device (its hits cost what a host GEMV does): with every expert fitting, resident is a candidate,
     # not the answer; the two paths side by side are faster than hits only.
-    cpu_like = tr.CostModel(expert_bytes=GB, bp=8.0, bh=8.0, device_bandwidth=8.0)
+    cpu_like = CostModel(expert_bytes=GB, bp=8.0, bh=8.0, device_bandwidth=8.0)
     fits = plan.recommend(trace, cpu_like, 2 * L * E * GB, policies)
     resident = next(r for r in fits["results"] if r["policy"] == "resident")
     assert not fits["resident"] and fits["best"]["ms_per_token"] < resident["ms_per_token"]
@@ -271,10 +274,10 @@ def test_replayed_trace_makes_the_decode_steps_decisions(tmp_path, rows):
     for policy in (auto, Policy("fetch-all")):
         start, result, end = _routing_of_decode(ckpt, policy, 5, 24, prompts)
         path = tmp_path / f"rec{rows}.jsonl"
-        tr.write_trace(str(path), tr.routing_records(*result.routing))
-        trace = tr.read_trace(str(path), cfg.num_moe_layers, cfg.num_experts)
+        write_trace(str(path), routing_records(*result.routing))
+        trace = read_trace(str(path), cfg.num_moe_layers, cfg.num_experts)
         assert trace.tokens == rows * 24
-        got = tr.replay(trace, policy, 5, batch=True, initial_state=start)
+        got = replay(trace, policy, 5, batch=True, initial_state=start)
         for name in CacheState._fields:
             np.testing.assert_array_equal(np.asarray(getattr(got.state, name)), getattr(end, name),
                                           err_msg=f"{policy} rows={rows}: {name}")
@@ -292,7 +295,7 @@ def test_generate_record_trace_flag(tmp_path, capsys):
                      ",".join(map(str, info["prompt_ids"])), "--temperature", "0", "--max-new-tokens", "6",
                      "--policy", "fetch-all", "--cache-slots", "3", "--record-trace", str(path), "--json"]) == 0
     capsys.readouterr()
-    trace = tr.read_trace(str(path))
+    trace = read_trace(str(path))
     ref_ids = np.load(os.path.join(FIXTURES, "mixtral", "reference", "decode_topk_ids.npy"))  # [15, L, k]
     assert trace.tokens == 5 and trace.sequences[0].name == "mixtral/0"
     for t in range(5):

@@ -17,9 +17,8 @@ import traceback
 from typing import Sequence
 
 from ft_jax import __version__, interrupts
-from ft_jax.cli import generate, profile
+from ft_jax.cli import generate, plan, profile, trace
 from ft_jax.cli.usage import Parser, UsageError
-from ft_jax.tools import plan, trace
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,8 @@ from ft_jax import defaults, interrupts, units
 from ft_jax.cli import arg_types
 from ft_jax.cli.usage import UsageError, escaped_text
 from ft_jax.config import SUPPORTED_ARCHITECTURES, load_config
-from ft_jax.tools.trace import routing_records, write_trace
+from ft_jax.offload.policy import PolicyKind
+from ft_jax.tools.trace_io import routing_records, write_trace
 
 POLICY_HELP = ("auto (default: per layer, the number of misses to fetch that minimises the modelled layer time minus "
                "the observed reuse of fetched experts; docs/policies.md), qstar (split misses by the measured "
@@ -120,7 +121,7 @@ def _check_record_trace(file: str | None) -> None:
 def _cache(args: argparse.Namespace, cfg, note) -> int | float | str | None:
     """The cache budget of the flags for api.load; a --cache-slots above the number of experts is said in a note."""
     experts = cfg.num_moe_layers * cfg.num_experts
-    if args.cache_slots is not None and args.cache_slots > experts and str(args.policy) != "resident":
+    if args.cache_slots is not None and args.cache_slots > experts and args.policy.kind is not PolicyKind.RESIDENT:
         note(f"note: --cache-slots {args.cache_slots} is more than the {experts} experts; using {experts}")
     return args.cache_slots if args.cache_slots is not None else (
         args.cache_fraction if args.cache_fraction is not None else args.device_memory)
@@ -129,7 +130,7 @@ def _cache(args: argparse.Namespace, cfg, note) -> int | float | str | None:
 def _device_memory_note(args: argparse.Namespace, cfg, expert_bytes: int, note) -> None:
     """A --device-memory that holds more than every expert is clamped to all of them: said in a note."""
     experts = cfg.num_moe_layers * cfg.num_experts
-    if args.device_memory is None or str(args.policy) == "resident":
+    if args.device_memory is None or args.policy.kind is PolicyKind.RESIDENT:
         return
     fits = units.parse_bytes(args.device_memory) // expert_bytes
     if fits > experts:
@@ -213,9 +214,9 @@ def _print_result(args, path: str, model, request, out, streamed: bool, tokenize
 
 def _slots_row(stats: dict) -> str:
     size = f"{stats['num_slots']} x {stats['expert_bytes'] / 2**20:.2f} MiB"
-    if stats["policy"] == "host-all":
+    if stats["policy"] == PolicyKind.HOST_ALL:
         return "none used (host-all computes every miss on the CPU from the host banks)"
-    if stats["policy"] == "resident":
+    if stats["policy"] == PolicyKind.RESIDENT:
         return f"{size} (resident: every expert on the device; the cache budget does not apply)"
     return size
 

@@ -27,7 +27,7 @@ from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, check_finite
 from ft_jax.engine.steps import bound_step, decode_n_tokens, decode_one_token, prefill
 from ft_jax.offload.banks import use_huge_pages
 from ft_jax.offload.experts import OffloadedExperts
-from ft_jax.offload.policy import Policy
+from ft_jax.offload.policy import Policy, PolicyKind
 
 __all__ = ["Engine", "GenerationResult", "NonFiniteLogitsError", "Sampling", "kv_bucket", "prefill_bucket"]
 
@@ -104,13 +104,14 @@ class Engine:
         self.policy = policy
         self.on_compile = on_compile
         self.graphdef, self.params = nnx.split(checkpoint.model)
-        experts = dict(checkpoint.expert_banks, num_experts=cfg.num_experts, activation=cfg.activation,
+        experts = dict(banks=checkpoint.banks, num_experts=cfg.num_experts, activation=cfg.activation,
                        swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
         self.decode_backend = OffloadedExperts(**experts, policy=policy)
-        prefill_policy = policy if policy.kind in ("resident", "host-all") else Policy("fetch-all")
+        prefill_policy = policy if not policy.kind.fetches else Policy(PolicyKind.FETCH_ALL)
         self.prefill_backend = OffloadedExperts(**experts, policy=prefill_policy)
-        self.num_slots = cfg.num_experts * self.decode_backend.num_layers if policy.kind == "resident" else num_slots
-        self.expert_bytes = sum(bank.row_bytes for bank in self.decode_backend.banks)  # weights (+ biases)
+        resident = policy.kind is PolicyKind.RESIDENT
+        self.num_slots = cfg.num_experts * self.decode_backend.num_layers if resident else num_slots
+        self.expert_bytes = checkpoint.banks.expert_bytes
         self.expert_state = self.decode_backend.init_state(self.num_slots)
         use_huge_pages((self.params, self.expert_state))  # the dense weights and slot pools, read every step
         # Donated: the KV cache (3) and the expert state (4) of f(params, tokens, positions, kv_cache, expert_state,

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from ft_jax.offload.cache import STAT_FIELDS
+from ft_jax.offload.policy import PolicyKind
 
 
 class CompileCounter:
@@ -82,7 +83,7 @@ def generation_stats(engine, prompts, out, steps: int, times: tuple[float, float
     policy = engine.policy
     return {
         "policy": str(policy),
-        "fraction": policy.frac if policy.kind == "qstar" else None,
+        "fraction": policy.frac if policy.kind is PolicyKind.QSTAR else None,
         "num_slots": engine.num_slots,
         "expert_bytes": engine.expert_bytes,
         "batch_size": B,

@@ -1,1 +1,2 @@
-"""Offload machinery: host banks, the FFI ops, the slot cache and its policies, the offloaded expert backend."""
+"""Offload machinery: host banks and their ExpertBanks bundle, the slot cache and its policies, the one cost model, the
+bandwidth profile, the offloaded expert backend."""

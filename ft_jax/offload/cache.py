@@ -1,33 +1,16 @@
 """Expert slot cache: device-side tables and the per-MoE-layer plan, as pure static-shape jnp (docs/DESIGN.md sec. 1-3).
 
-One pool of S device slots is shared by all L MoE layers. On every MoE-layer call `plan_layer` takes the layer's
-active-expert mask, splits the active experts into hits (resident in a slot), fetched misses (copied into a slot by
-the slot-fill FFI call) and host misses (computed on the CPU from the host bank), picks victim slots with a global
-LRU, and updates the tables. All shapes depend only on (L, E, S): one compiled decode step replays for any routing.
+One pool of S device slots is shared by all L MoE layers. On every MoE-layer call `plan_layer` splits the layer's
+active experts into hits (resident in a slot), fetched misses (copied into a slot by the slot-fill FFI call) and host
+misses (computed on the CPU from the host bank), picks victim slots with a global LRU, and updates the tables. All
+shapes depend only on (L, E, S): one compiled decode step replays for any routing.
 
-Rules (docs/DESIGN.md sec. 1 and sec. 3 steps 2-4):
-  hit = active & resident; miss = active & ~resident; m = sum(miss); F = fetch_budget(policy, m).
-  Misses are ranked most recently active first (recency = global step of the last activation), ties to the lower
-  expert id, never-seen (recency -1) last; the F best-ranked are fetched, the rest go to the host.
-  Victim slots: smallest usage (global step of the last hit or fill; -1 for a never-used slot), ties to the lowest
-  slot, never a slot whose expert is active in the current layer. If fewer slots are eligible than F (e.g. S < k,
-  or every slot holds an active expert of this layer), F is capped by the number of eligible slots and the rest of
-  the misses go to the host. An evicted expert becomes non-resident (no stale hit).
-  Hits and fills set usage = step; every active expert gets recency = step; then step += 1 (once per MoE-layer call).
-
-The auto policy (docs/policies.md) also keeps the observed reuse of fetched experts (other policies leave these
-fields at their initial values): each slot's net hits since its fill (+1 per hit, -1 per miss on the expert that
-fill evicted, its "ghost"; clamped to +-AUTO_GAIN_CLAMP), and the decayed sums of the net hits and the count of the
-fills evicted so far (x32, decay 1/1024 per eviction, in fill order). Per call: first the ghost misses and the hits
-update the slot gains; then F = argmin over F of the modelled layer time minus F times the reuse credit
-(policy.auto_fetch_count, policy.auto_credit); then each fill that evicts an expert adds that slot's gain to the
-sums if that fill had itself replaced an expert (fills into empty slots while the cache warms up are not marginal
-and are left out), and the slot starts again at gain 0 with the evicted expert as its ghost.
-
-Integer width: jax runs with x64 off, so the global step, usage, recency and stats are int32. step wraps after
-2^31 - 1 MoE-layer calls (about 67 million decoded tokens with 32 MoE layers); past that the LRU and recency
-orders are no longer meaningful (the outputs stay correct: every route is still computed exactly once). The stats
-counters wrap likewise.
+Rules: hit = active & resident; miss = active & ~resident; F = policy.fetch_split (the policy's split). Misses are
+fetched most recently active first (ties to the lower id, never-seen last); victims are the least recently used
+slots (ties to the lowest slot), never one holding an expert active in this layer; F is capped by the eligible
+slots. Hits and fills set usage = step; active experts get recency = step; step += 1 per call (int32: wraps after
+2^31 - 1 calls, after which the LRU order is no longer meaningful but outputs stay correct). The auto policy's reuse
+bookkeeping (slot gains, ghosts, decayed sums) and the full rules: docs/design_parts/offload.md ("offload/cache.py").
 """
 
 from __future__ import annotations
@@ -37,8 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ft_jax.offload.policy import (AUTO_DECAY_SHIFT, AUTO_GAIN_CLAMP, Policy, auto_credit, auto_fetch_count,
-                                   fetch_budget)
+from ft_jax.offload.policy import AUTO_DECAY_SHIFT, AUTO_GAIN_CLAMP, Policy, PolicyKind, fetch_split
 
 # Columns of CacheState.stats (per MoE layer); LayerPlan.stats holds the first five for one call.
 STAT_FIELDS = ("active", "hits", "misses", "fetched", "host", "steps")
@@ -183,14 +165,154 @@ def _best_first(keys, count: int, largest: bool):
     return jnp.stack(picked)
 
 
+class _Layer(NamedTuple):
+    """This layer's view of the cache (step 1 of plan_layer). E experts, S slots."""
+
+    base: jax.Array  # i32[] flat id of expert 0 of this layer
+    row: jax.Array  # i32[E] slot of each expert of this layer, -1 = not resident
+    hit: jax.Array  # bool[E] active & resident
+    miss: jax.Array  # bool[E] active & not resident
+    m: jax.Array  # i32[] number of misses
+    n_hits: jax.Array  # i32[]
+
+
+class _Fills(NamedTuple):
+    """The chosen fetches and their victim slots (step 3 of plan_layer). P = the plan's fill bound."""
+
+    take: jax.Array  # bool[P] entry i is a fill (i < F)
+    victims: jax.Array  # i32[P] victim slot of each entry, least recently used first
+    evicted: jax.Array  # i32[P] flat id each victim slot held before (-1 = empty)
+    flat_ids: jax.Array  # i32[P] bank rows to copy, -1 = padding
+    slot_ids: jax.Array  # i32[P] destination slots, -1 = padding
+    fetch: jax.Array  # bool[E] the fetched misses
+
+
+def _check_plan(state: CacheState, layer, active, policy: Policy, max_active: int | None) -> int:
+    """Trace-time checks of plan_layer's arguments (its Raises). Returns P = min(E, S[, max_active])."""
+    L, E = state.slot_of_expert.shape
+    S = state.expert_of_slot.shape[0]
+    if max_active is not None and max_active < 1:
+        raise ValueError(f"expert_cache.plan_layer: max_active must be >= 1, got {max_active}")
+    if active.shape != (E,) or active.dtype != jnp.bool_:
+        raise ValueError(f"expert_cache.plan_layer: active must be bool[{E}], got {active.dtype}{list(active.shape)}")
+    if isinstance(layer, int):
+        if not 0 <= layer < L:
+            raise ValueError(f"expert_cache.plan_layer: layer must be in [0, {L}), got {layer}")
+    if jnp.shape(layer) != ():
+        raise ValueError(f"expert_cache.plan_layer: layer must be a scalar, got shape {list(jnp.shape(layer))}")
+    if policy.kind is PolicyKind.AUTO and policy.costs is None:
+        raise ValueError("expert_cache.plan_layer: the auto policy has no costs yet; set them from bandwidths "
+                         "(Policy.with_costs(auto_costs(...)))")
+    if policy.kind is PolicyKind.RESIDENT and S != L * E:
+        raise ValueError(f"expert_cache.plan_layer: resident policy needs S = L*E = {L * E} slots "
+                         f"(init_cache_state_resident), got S = {S}")
+    return min(E, S) if max_active is None else min(E, S, max_active)
+
+
+def _classify(state: CacheState, layer, active) -> _Layer:
+    """Step 1: hits (active and resident) and misses (active, not resident) of this layer."""
+    E = state.slot_of_expert.shape[1]
+    row = jax.lax.dynamic_index_in_dim(state.slot_of_expert, layer, keepdims=False)  # i32[E]
+    hit = active & (row >= 0)  # bool[E]
+    miss = active & (row < 0)  # bool[E]
+    return _Layer(layer * E, row, hit, miss, jnp.sum(miss, dtype=jnp.int32), jnp.sum(hit, dtype=jnp.int32))
+
+
+def _slots_in_layer(ids, base, E: int):
+    """(in_layer bool[S], local i32[S] clipped to [0, E)) of flat ids i32[S] relative to this layer."""
+    local = ids - base  # expert index within this layer (if in range)
+    return (ids >= 0) & (local >= 0) & (local < E), jnp.clip(local, 0, E - 1)
+
+
+def _observe_reuse(state: CacheState, lay: _Layer):
+    """auto, step 2a: each slot's net hits since its fill: +1 per hit, -1 per miss on the expert its fill evicted
+    (its ghost), clamped to +-AUTO_GAIN_CLAMP. Returns slot_gain i32[S]."""
+    E = lay.row.shape[0]
+    in_layer, local = _slots_in_layer(state.expert_of_slot, lay.base, E)
+    ghost_in_layer, ghost_local = _slots_in_layer(state.ghost_of_slot, lay.base, E)
+    ghost_miss = ghost_in_layer & lay.miss[ghost_local]  # bool[S]
+    slot_hit = in_layer & lay.hit[local]  # bool[S]
+    return jnp.clip(state.slot_gain + slot_hit.astype(jnp.int32) - ghost_miss.astype(jnp.int32),
+                    -AUTO_GAIN_CLAMP, AUTO_GAIN_CLAMP)
+
+
+def _eligible_slots(state: CacheState, lay: _Layer, active):
+    """Eligible victims: every slot except those holding an expert active in this layer. Returns bool[S]."""
+    in_layer, local = _slots_in_layer(state.expert_of_slot, lay.base, lay.row.shape[0])
+    return ~(in_layer & active[local])
+
+
+def _choose_fills(state: CacheState, layer, lay: _Layer, eligible, count, P: int) -> _Fills:
+    """Step 3: the `count` most recently active misses and the least recently used eligible slots.
+
+    Misses by recency, most recent first, ties to the lower id; never-seen (-1) after every seen one; other experts
+    last. Keys clamp to >= INT32_MIN + 2 so that they stay ahead of the non-misses after the wrap. Slots by usage,
+    least recently used first, ties to the lower slot; ineligible slots last."""
+    E = lay.row.shape[0]
+    int_max = jnp.iinfo(jnp.int32).max
+    recency = jax.lax.dynamic_index_in_dim(state.recency, layer, keepdims=False)  # i32[E]
+    floor = jnp.iinfo(jnp.int32).min + 1
+    fetched = _best_first(jnp.where(lay.miss, jnp.maximum(recency, floor + 1), floor), P, largest=True)  # i32[P]
+    victims = _best_first(jnp.where(eligible, jnp.minimum(state.usage, int_max - 1), int_max), P,
+                          largest=False)  # i32[P]
+    take = jnp.arange(P, dtype=jnp.int32) < count  # bool[P]; count <= min(m, eligible) <= P
+    flat_ids = jnp.where(take, lay.base + fetched, -1)  # i32[P]
+    fetch = jnp.any(take[:, None] & (fetched[:, None] == jnp.arange(E, dtype=jnp.int32)[None, :]), axis=0)  # bool[E]
+    return _Fills(take, victims, state.expert_of_slot[victims], flat_ids, jnp.where(take, victims, -1), fetch)
+
+
+def _apply_fills(state: CacheState, fills: _Fills):
+    """Step 4: the tables after the fills: evicted experts become non-resident, fetched ones point at their slot.
+    Returns (slot_of_expert i32[L, E], expert_of_slot i32[S])."""
+    L, E = state.slot_of_expert.shape
+    S = state.expert_of_slot.shape[0]
+    P = fills.take.shape[0]
+    # Out-of-range index = no-op (mode="drop"); -1 must not be used as an index (it would wrap).
+    flat_updates = jnp.concatenate([jnp.where(fills.take & (fills.evicted >= 0), fills.evicted, L * E),
+                                    jnp.where(fills.take, fills.flat_ids, L * E)])
+    slot_of_expert = state.slot_of_expert.reshape(L * E).at[flat_updates].set(
+        jnp.concatenate([jnp.full((P,), -1, jnp.int32), fills.victims]), mode="drop").reshape(L, E)
+    expert_of_slot = state.expert_of_slot.at[jnp.where(fills.take, fills.victims, S)].set(fills.flat_ids,
+                                                                                          mode="drop")
+    return slot_of_expert, expert_of_slot
+
+
+def _realize_reuse(state: CacheState, fills: _Fills, slot_gain):
+    """auto, step 4b: each fill that replaces an expert (its slot's previous fill had evicted one too) adds that slot's
+    gain to the decayed sums, in fill order; the filled slots start afresh with the evicted expert as their ghost.
+    Returns (slot_gain i32[S], ghost_of_slot i32[S], reuse i32[2])."""
+    S = state.expert_of_slot.shape[0]
+    take, victims, evicted = fills.take, fills.victims, fills.evicted
+
+    def realize(i, sums):
+        gain, count = sums
+        evicts = take[i] & (evicted[i] >= 0) & (state.ghost_of_slot[victims[i]] >= 0)  # a replacement
+        gain = jnp.where(evicts, gain - (gain >> AUTO_DECAY_SHIFT) + 32 * slot_gain[victims[i]], gain)
+        count = jnp.where(evicts, count - (count >> AUTO_DECAY_SHIFT) + 32, count)
+        return gain, count
+
+    reuse = jnp.stack(jax.lax.fori_loop(0, take.shape[0], realize, (state.reuse[0], state.reuse[1])))  # i32[2]
+    filled = jnp.where(take, victims, S)  # i32[P]
+    return slot_gain.at[filled].set(0, mode="drop"), state.ghost_of_slot.at[filled].set(evicted, mode="drop"), reuse
+
+
+def _layer_stats(state: CacheState, layer, active, lay: _Layer, count):
+    """Step 5: this call's (active, hits, misses, fetched, host) i32[5] and the per-layer counters i32[L, 6]."""
+    call_stats = jnp.stack([jnp.sum(active, dtype=jnp.int32), lay.n_hits, lay.m, count, lay.m - count])  # i32[5]
+    stats_row = jax.lax.dynamic_index_in_dim(state.stats, layer, keepdims=False) + \
+        jnp.concatenate([call_stats, jnp.ones((1,), jnp.int32)])  # i32[6]
+    return call_stats, jax.lax.dynamic_update_index_in_dim(state.stats, stats_row, layer, axis=0)
+
+
 def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int | None = None
                ) -> tuple[CacheState, LayerPlan]:
     """Plan one MoE layer's experts and update the cache tables (rules: module docstring, docs/DESIGN.md sec. 1-3).
 
-    Pure static-shape jnp, jit-compatible; `policy` must be static (it is a frozen, hashable dataclass) and its
-    branch is chosen in Python at trace time. host-all and resident never fetch, so they skip victim selection.
-    No sort for plans of at most 8 fills (decode): the fetched misses and their victim slots are found by repeated
-    argmax / argmin, and the tables are updated by three small scatters.
+    Steps: 1 classify hits and misses; 2 F from the policy's split (policy.fetch_split; auto first observes the
+    reuse of its fills); 3 choose the fetched misses and their victim slots; 4 update the tables (auto: realize the
+    evicted fills' reuse); 5 usage, recency and stats. host-all and resident never fetch (steps 2-4 skipped).
+    Pure static-shape jnp, jit-compatible; `policy` must be static (a frozen, hashable dataclass), its branch chosen
+    in Python at trace time. No sort for plans of at most 8 fills (decode): repeated argmax / argmin.
 
     Args:
         state: CacheState with shapes [L, E] / [S].
@@ -205,113 +327,42 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
         ValueError (trace time): active is not bool[E], layer out of range or not a scalar, resident policy with
         S != L*E, qstar policy without a fraction, auto policy without costs, max_active < 1.
     """
-    L, E = state.slot_of_expert.shape
-    S = state.expert_of_slot.shape[0]
-    if max_active is not None and max_active < 1:
-        raise ValueError(f"expert_cache.plan_layer: max_active must be >= 1, got {max_active}")
-    P = min(E, S) if max_active is None else min(E, S, max_active)
     active = jnp.asarray(active)
-    if active.shape != (E,) or active.dtype != jnp.bool_:
-        raise ValueError(f"expert_cache.plan_layer: active must be bool[{E}], got {active.dtype}{list(active.shape)}")
-    if isinstance(layer, int):
-        if not 0 <= layer < L:
-            raise ValueError(f"expert_cache.plan_layer: layer must be in [0, {L}), got {layer}")
+    P = _check_plan(state, layer, active, policy, max_active)
     layer = jnp.asarray(layer, jnp.int32)
-    if layer.shape != ():
-        raise ValueError(f"expert_cache.plan_layer: layer must be a scalar, got shape {list(layer.shape)}")
-    if policy.kind == "auto" and policy.costs is None:
-        raise ValueError("expert_cache.plan_layer: the auto policy has no costs yet; set them from bandwidths "
-                         "(Policy.with_costs(auto_costs(...)))")
-    if policy.kind == "resident" and S != L * E:
-        raise ValueError(f"expert_cache.plan_layer: resident policy needs S = L*E = {L * E} slots "
-                         f"(init_cache_state_resident), got S = {S}")
-
-    step = state.step
-    base = layer * E  # i32[] flat id of expert 0 of this layer
-    expert_ids = jnp.arange(E, dtype=jnp.int32)  # i32[E]
-    slot_ids = jnp.arange(S, dtype=jnp.int32)  # i32[S]
-    row = jax.lax.dynamic_index_in_dim(state.slot_of_expert, layer, keepdims=False)  # i32[E]
-    hit = active & (row >= 0)  # bool[E]
-    miss = active & (row < 0)  # bool[E]
-    m = jnp.sum(miss, dtype=jnp.int32)  # i32[]
-    int_max = jnp.iinfo(jnp.int32).max
-
+    S = state.expert_of_slot.shape[0]
+    lay = _classify(state, layer, active)  # 1
     slot_of_expert, expert_of_slot = state.slot_of_expert, state.expert_of_slot
     slot_gain, ghost_of_slot, reuse = state.slot_gain, state.ghost_of_slot, state.reuse  # auto updates them
-    if policy.kind in ("host-all", "resident"):
+    if not policy.kind.fetches:
         count = jnp.zeros((), jnp.int32)
-        fetch = jnp.zeros((E,), jnp.bool_)
+        fetch = jnp.zeros_like(active)
         fill_flat_ids = fill_slot_ids = jnp.full((P,), -1, jnp.int32)
-        usage_slots = jnp.where(hit, row, S)  # i32[E] slots to mark used (S = none)
+        usage_slots = jnp.where(lay.hit, lay.row, S)  # i32[E] slots to mark used (S = none)
     else:
-        # Eligible victims: every slot except those holding an expert active in this layer.
-        local = expert_of_slot - base  # i32[S] expert index within this layer (if in range)
-        in_layer = (expert_of_slot >= 0) & (local >= 0) & (local < E)  # bool[S]
-        eligible = ~(in_layer & active[jnp.clip(local, 0, E - 1)])  # bool[S]
-        n_eligible = jnp.sum(eligible, dtype=jnp.int32)  # i32[]
-        if policy.kind == "auto":
-            # Reuse observations of this call, then F from the cost model and the reuse credit.
-            ghost_local = state.ghost_of_slot - base  # i32[S]
-            ghost_miss = (state.ghost_of_slot >= 0) & (ghost_local >= 0) & (ghost_local < E) & \
-                miss[jnp.clip(ghost_local, 0, E - 1)]  # bool[S]
-            slot_hit = in_layer & hit[jnp.clip(local, 0, E - 1)]  # bool[S]
-            slot_gain = jnp.clip(state.slot_gain + slot_hit.astype(jnp.int32) - ghost_miss.astype(jnp.int32),
-                                 -AUTO_GAIN_CLAMP, AUTO_GAIN_CLAMP)  # i32[S]
-            credit = auto_credit(policy.costs, m, jnp.sum(hit, dtype=jnp.int32), state.reuse[0], state.reuse[1])
-            count = auto_fetch_count(policy.costs, m, jnp.sum(hit, dtype=jnp.int32), jnp.minimum(m, n_eligible),
-                                     credit, P)  # i32[] F
-        else:
-            count = jnp.minimum(fetch_budget(policy, m), n_eligible)  # i32[] F
-        # Misses by recency, most recent first, ties to the lower id; never-seen (-1) after every seen one; other
-        # experts last. Keys clamp to >= INT32_MIN + 2 so that they stay ahead of the non-misses after the wrap.
-        recency = jax.lax.dynamic_index_in_dim(state.recency, layer, keepdims=False)  # i32[E]
-        floor = jnp.iinfo(jnp.int32).min + 1
-        fetched = _best_first(jnp.where(miss, jnp.maximum(recency, floor + 1), floor), P, largest=True)  # i32[P]
-        # Eligible slots by usage, least recently used first, ties to the lower slot; ineligible slots last.
-        victims = _best_first(jnp.where(eligible, jnp.minimum(state.usage, int_max - 1), int_max), P,
-                              largest=False)  # i32[P]
-        take = jnp.arange(P, dtype=jnp.int32) < count  # bool[P]; count <= min(m, eligible) <= P
-        fill_flat_ids = jnp.where(take, base + fetched, -1)  # i32[P]
-        fill_slot_ids = jnp.where(take, victims, -1)  # i32[P]
-        fetch = jnp.any(take[:, None] & (fetched[:, None] == expert_ids[None, :]), axis=0)  # bool[E]
+        eligible = _eligible_slots(state, lay, active)  # bool[S]
+        if policy.kind is PolicyKind.AUTO:
+            slot_gain = _observe_reuse(state, lay)  # 2a
+        count = fetch_split(policy, lay.m, lay.n_hits, jnp.sum(eligible, dtype=jnp.int32), state.reuse, P)  # 2: F
+        fills = _choose_fills(state, layer, lay, eligible, count, P)  # 3
+        slot_of_expert, expert_of_slot = _apply_fills(state, fills)  # 4
+        if policy.kind is PolicyKind.AUTO:
+            slot_gain, ghost_of_slot, reuse = _realize_reuse(state, fills, slot_gain)  # 4b
+        fetch, fill_flat_ids, fill_slot_ids = fills.fetch, fills.flat_ids, fills.slot_ids
+        usage_slots = jnp.concatenate([jnp.where(lay.hit, lay.row, S), jnp.where(fills.take, fills.victims, S)])
 
-        # Out-of-range index = no-op (mode="drop"); -1 must not be used as an index (it would wrap).
-        evicted = expert_of_slot[victims]  # i32[P] flat id previously held by each victim slot
-        flat_updates = jnp.concatenate([jnp.where(take & (evicted >= 0), evicted, L * E),  # -> not resident
-                                        jnp.where(take, fill_flat_ids, L * E)])  # -> its victim slot
-        slot_of_expert = slot_of_expert.reshape(L * E).at[flat_updates].set(
-            jnp.concatenate([jnp.full((P,), -1, jnp.int32), victims]), mode="drop").reshape(L, E)
-        expert_of_slot = expert_of_slot.at[jnp.where(take, victims, S)].set(fill_flat_ids, mode="drop")
-        usage_slots = jnp.concatenate([jnp.where(hit, row, S), jnp.where(take, victims, S)])  # i32[E + P]
-        if policy.kind == "auto":
-            # Each fill that evicts an expert realizes that slot's gain, in fill order; its slot starts afresh.
-            def realize(i, sums):
-                gain, fills = sums
-                evicts = take[i] & (evicted[i] >= 0) & (state.ghost_of_slot[victims[i]] >= 0)  # a replacement
-                gain = jnp.where(evicts, gain - (gain >> AUTO_DECAY_SHIFT) + 32 * slot_gain[victims[i]], gain)
-                fills = jnp.where(evicts, fills - (fills >> AUTO_DECAY_SHIFT) + 32, fills)
-                return gain, fills
-
-            reuse = jnp.stack(jax.lax.fori_loop(0, P, realize, (state.reuse[0], state.reuse[1])))  # i32[2]
-            filled = jnp.where(take, victims, S)  # i32[P]
-            slot_gain = slot_gain.at[filled].set(0, mode="drop")
-            ghost_of_slot = state.ghost_of_slot.at[filled].set(evicted, mode="drop")
-
-    # Hits and fills: usage = step (one scatter; a hit's slot is unchanged by this call's fills).
+    # 5: hits and fills get usage = step (one scatter; a hit's slot is unchanged by this call's fills), every
+    # active expert recency = step.
+    step = state.step
     usage = state.usage.at[usage_slots].set(step, mode="drop")
     recency_row = jnp.where(active, step, jax.lax.dynamic_index_in_dim(state.recency, layer, keepdims=False))
     recency = jax.lax.dynamic_update_index_in_dim(state.recency, recency_row, layer, axis=0)
-    host_mask = miss & ~fetch  # bool[E]
     device_row = jax.lax.dynamic_index_in_dim(slot_of_expert, layer, keepdims=False)  # i32[E] after the fills
-    device_slot_of_expert = jnp.where(hit | fetch, device_row, -1)  # i32[E]
-    call_stats = jnp.stack([jnp.sum(active, dtype=jnp.int32), jnp.sum(hit, dtype=jnp.int32), m, count,
-                            m - count])  # i32[5]
-    stats_row = jax.lax.dynamic_index_in_dim(state.stats, layer, keepdims=False) + \
-        jnp.concatenate([call_stats, jnp.ones((1,), jnp.int32)])  # i32[6]
-    stats = jax.lax.dynamic_update_index_in_dim(state.stats, stats_row, layer, axis=0)
+    call_stats, stats = _layer_stats(state, layer, active, lay, count)
     new_state = CacheState(slot_of_expert=slot_of_expert, expert_of_slot=expert_of_slot, usage=usage,
                            recency=recency, step=step + 1, stats=stats, slot_gain=slot_gain,
                            ghost_of_slot=ghost_of_slot, reuse=reuse)
     plan = LayerPlan(fill_flat_ids=fill_flat_ids, fill_slot_ids=fill_slot_ids,
-                     device_slot_of_expert=device_slot_of_expert, host_mask=host_mask, stats=call_stats)
+                     device_slot_of_expert=jnp.where(lay.hit | fetch, device_row, -1), host_mask=lay.miss & ~fetch,
+                     stats=call_stats)
     return new_state, plan

@@ -1,25 +1,9 @@
-"""Offloaded expert execution: host banks + a device slot pool, split by the cache policy (docs/DESIGN.md sec. 3).
+"""Offloaded expert execution: host banks + a device slot pool, split by the cache policy.
 
-`OffloadedExperts` is the ExpertBackend the model calls for every MoE layer of a jit-compiled step. Per call:
-
-  1. active mask bool[E] from the router's top-k ids
-  2. expert_cache.plan_layer: hits, the F fetched misses (F from the policy), host misses, victim slots, tables
-  3. slot_fill FFI (in place): bank rows -> victim slots of the gate_up and the down slot arrays (and, for experts
-     with biases, the two bias pools), in one call
-  4. slot_experts FFI: every (t, j) route whose expert is in a slot, read straight from the slot arrays
-  5. host_experts FFI: every (t, j) route whose expert is a host miss, read straight from the host banks
-  6. output = device part + host part (each route is computed exactly once: the slot and host route masks partition
-     the routes)
-
-On a GPU (ft_jax.CUDA_ENABLED) steps 4 and 5 become host_experts_submit -> slot_experts (Pallas) -> host_experts_wait,
-so the CPU GEMV of the host misses runs while the GPU computes the resident ones; the wait takes the device part as an
-operand and the submit is tied before the device part with an optimization barrier, so XLA keeps that order. The
-slot fill's error count (entries skipped for an out-of-range id: GPU only, the CPU raises) is summed on the device in
-OffloadState.fill_errors and checked by read_stats.
-
-All shapes depend only on (T, k, E, S, model dims), never on the miss count or F, so the step compiles once.
-The slot arrays are carried in exactly the shape the FFI calls consume ([S, 2I, H] and [S, H, I]) so that, under a jit
-that donates them, XLA fills them in place (no reshape, no copy; docs/DESIGN.md sec. 5).
+`OffloadedExperts` is the ExpertBackend the model calls for every MoE layer of a jit-compiled step: the cache plan
+(ft_jax.offload.cache.plan_layer), one slot_fill for every pool, the slot experts and the host experts, summed (each
+route computed exactly once). The step-by-step description, the GPU overlap and why the pools are carried in the
+shape the FFI calls consume: docs/design_parts/offload.md ("offload/experts.py") and docs/DESIGN.md sec. 3 and 5.
 """
 
 from __future__ import annotations
@@ -33,8 +17,8 @@ import jax.numpy as jnp
 import ft_jax
 from ft_jax.kernels import ffi_ops
 from ft_jax.offload import cache as expert_cache
-from ft_jax.offload.banks import HostBank
-from ft_jax.offload.policy import Policy
+from ft_jax.offload.banks import ExpertBanks
+from ft_jax.offload.policy import Policy, PolicyKind
 
 
 class OffloadState(NamedTuple):
@@ -42,25 +26,14 @@ class OffloadState(NamedTuple):
 
     Attributes:
         cache: expert_cache.CacheState (tables, usage, recency, step, stats).
-        gate_up_slots: [S, 2I, H] slot pool for the gate and up projections (bank dtype).
-        down_slots: [S, H, I] slot pool for the down projections (bank dtype).
-        gate_up_bias_slots: [S, 2I] and down_bias_slots: [S, H] bias pools (bias bank dtype), or None for experts
-            without biases.
+        pools: {bank name: slot pool [S, *row_shape] (bank dtype)}, one per bank of the ExpertBanks, in its order:
+            gate_up [S, 2I, H], down [S, H, I] and, for experts with biases, gate_up_bias [S, 2I], down_bias [S, H].
         fill_errors: i32[] slot fill entries skipped for an out-of-range id since init_state (read_stats checks it).
     """
 
     cache: expert_cache.CacheState
-    gate_up_slots: jax.Array
-    down_slots: jax.Array
-    gate_up_bias_slots: jax.Array | None = None
-    down_bias_slots: jax.Array | None = None
-    fill_errors: jax.Array | None = None
-
-    @property
-    def pools(self) -> tuple[jax.Array, ...]:
-        """Every slot pool, in bank order (gate_up, down[, gate_up_bias, down_bias])."""
-        pools = (self.gate_up_slots, self.down_slots)
-        return pools if self.gate_up_bias_slots is None else (*pools, self.gate_up_bias_slots, self.down_bias_slots)
+    pools: dict[str, jax.Array]
+    fill_errors: jax.Array
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -68,40 +41,24 @@ class OffloadedExperts:
     """ExpertBackend computing routed experts from host banks and a device slot pool (module docstring).
 
     Attributes:
-        gate_up_bank: HostBank [L*E, 2I, H] (rows: gate_proj then up_proj), flat id = moe_layer * E + expert.
-        down_bank: HostBank [L*E, H, I].
+        banks: ExpertBanks (gate_up [L*E, 2I, H], down [L*E, H, I], optional biases), flat id = moe_layer * E + expert.
         num_experts: E.
         policy: Policy deciding how many misses are fetched (static: baked into the compiled step).
         activation: "silu" (SwiGLU), "gelu_tanh" or "swiglu_oai" (gpt-oss's clamped SwiGLU).
-        gate_up_bias_bank: HostBank [L*E, 2I] (gate bias then up bias) and down_bias_bank: HostBank [L*E, H], both
-            or neither (gpt-oss's expert biases; LoadedCheckpoint.expert_banks passes them).
         swiglu_alpha, swiglu_limit: the clamped SwiGLU's parameters (read by "swiglu_oai" only).
     """
 
-    gate_up_bank: HostBank
-    down_bank: HostBank
+    banks: ExpertBanks
     num_experts: int
     policy: Policy
     activation: str = "silu"
-    gate_up_bias_bank: HostBank | None = None
-    down_bias_bank: HostBank | None = None
     swiglu_alpha: float = ffi_ops.SWIGLU_ALPHA
     swiglu_limit: float = ffi_ops.SWIGLU_LIMIT
-
-    def __post_init__(self):
-        if (self.gate_up_bias_bank is None) != (self.down_bias_bank is None):
-            raise ValueError("offload: pass both expert bias banks (gate_up_bias_bank and down_bias_bank) or neither")
 
     @property
     def num_layers(self) -> int:
         """L, MoE layers held by the banks."""
-        return self.gate_up_bank.num_rows // self.num_experts
-
-    @property
-    def banks(self) -> tuple[HostBank, ...]:
-        """Every host bank, in the order of OffloadState.pools."""
-        banks = (self.gate_up_bank, self.down_bank)
-        return banks if self.gate_up_bias_bank is None else (*banks, self.gate_up_bias_bank, self.down_bias_bank)
+        return self.banks.num_rows // self.num_experts
 
     def init_state(self, num_slots: int) -> OffloadState:
         """Cold slot pool of `num_slots` slots (all zeros, no expert resident); resident policy: every expert loaded.
@@ -114,19 +71,16 @@ class OffloadedExperts:
             ValueError: num_slots < 1.
         """
         L, E = self.num_layers, self.num_experts
-        if self.policy.kind == "resident":
+        no_errors = jnp.zeros((), jnp.int32)
+        if self.policy.kind is PolicyKind.RESIDENT:
             cache = expert_cache.init_cache_state_resident(L, E)
-            return self._state(cache, [jnp.asarray(bank.numpy()) for bank in self.banks], jnp.zeros((), jnp.int32))
+            return OffloadState(cache, {name: jnp.asarray(bank.numpy()) for name, bank in self.banks.items()},
+                                no_errors)
         if num_slots < 1:
             raise ValueError(f"offload: the device budget must hold at least one expert slot, got {num_slots} slots")
         cache = expert_cache.init_cache_state(L, E, num_slots)
-        # [S, 2I, H], [S, H, I] (and the bias pools [S, 2I], [S, H])
-        pools = [jnp.zeros((num_slots, *bank.row_shape), bank.dtype) for bank in self.banks]
-        return self._state(cache, pools, jnp.zeros((), jnp.int32))
-
-    @staticmethod
-    def _state(cache, pools, fill_errors) -> OffloadState:
-        return OffloadState(cache, *pools, *([None, None] if len(pools) == 2 else []), fill_errors=fill_errors)
+        pools = {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in self.banks.pool_shapes(num_slots).items()}
+        return OffloadState(cache, pools, no_errors)
 
     def read_stats(self, state: OffloadState):
         """The per-layer statistics, read from the device (one transfer; call it once per generate, never per step).
@@ -141,7 +95,7 @@ class OffloadedExperts:
         """
         stats, errors = jax.device_get((state.cache.stats, state.fill_errors))
         if int(errors):
-            raise RuntimeError(f"slot_fill: {int(errors)} slot fill entries had a flat id >= {self.gate_up_bank.num_rows}"
+            raise RuntimeError(f"slot_fill: {int(errors)} slot fill entries had a flat id >= {self.banks.num_rows}"
                                f" or a slot id >= the slot count and were skipped (the GPU kernel counts what the CPU "
                                f"handler raises for)")
         return stats
@@ -167,17 +121,20 @@ class OffloadedExperts:
                                               max_active=topk_ids.size)
 
         fill_errors = state.fill_errors
-        if self.policy.kind in ("host-all", "resident"):
+        if not self.policy.kind.fetches:
             # Never fetches: no slot_fill. A fill whose ids are constants does not depend on the previous layer's
             # slot_experts read, so XLA copied the whole pool before every fill (8 copies per step on 4 layers).
             pools = state.pools
-        else:  # [S, 2I, H], [S, H, I] (+ [S, 2I], [S, H]): one call for every pool, in place
-            pools, errors = ffi_ops.slot_fill_with_errors(state.pools, plan.fill_flat_ids, plan.fill_slot_ids,
-                                                          self.banks)
-            fill_errors = fill_errors + errors
+        else:  # one call for every pool, in place
+            names = self.banks.names
+            filled, errors = ffi_ops.slot_fill_with_errors(tuple(state.pools[n] for n in names), plan.fill_flat_ids,
+                                                           plan.fill_slot_ids, self.banks.banks)
+            pools, fill_errors = dict(zip(names, filled)), fill_errors + errors
+        banks = self.banks
         gate = dict(alpha=self.swiglu_alpha, limit=self.swiglu_limit)
-        host_banks = dict(gate_up_bias=self.gate_up_bias_bank, down_bias=self.down_bias_bank)
-        bias_pools = dict(gate_up_bias_slots=pools[2], down_bias_slots=pools[3]) if len(pools) == 4 else {}
+        host_banks = dict(gate_up_bias=banks.gate_up_bias, down_bias=banks.down_bias)
+        bias_pools = dict(gate_up_bias_slots=pools["gate_up_bias"], down_bias_slots=pools["down_bias"]) \
+            if banks.has_bias else {}
 
         routed = topk_ids >= 0  # bool[N, k]; -1 = padding token, no expert
         ids = jnp.where(routed, topk_ids, 0)  # i32[N, k], safe to index with
@@ -185,27 +142,27 @@ class OffloadedExperts:
         route_host = jnp.where(routed & plan.host_mask[ids], moe_layer * E + ids, -1)  # i32[N, k] flat ids
 
         def device_part(x):  # f32[N, H]
-            return ffi_ops.slot_experts(x, route_slot, topk_weights, pools[0], pools[1], self.activation,
+            return ffi_ops.slot_experts(x, route_slot, topk_weights, pools["gate_up"], pools["down"], self.activation,
                                         **bias_pools, **gate)
 
         def host_part(x):  # f32[N, H]
-            return ffi_ops.host_experts(x, route_host, topk_weights, self.gate_up_bank, self.down_bank,
+            return ffi_ops.host_experts(x, route_host, topk_weights, banks.gate_up, banks.down,
                                         self.activation, **host_banks, **gate)
 
         def overlapped(x):  # GPU: submit, device part, wait (module docstring)
-            ticket = ffi_ops.host_experts_submit(x, route_host, topk_weights, self.gate_up_bank, self.down_bank,
+            ticket = ffi_ops.host_experts_submit(x, route_host, topk_weights, banks.gate_up, banks.down,
                                                  self.activation, **host_banks, **gate)
             ticket, x = jax.lax.optimization_barrier((ticket, x))
             y_device = device_part(x)
             return y_device + ffi_ops.host_experts_wait(ticket, y_device)
 
         # Static skips: under host-all no expert is ever in a slot; under resident none is ever on the host.
-        if self.policy.kind == "host-all":
+        if self.policy.kind is PolicyKind.HOST_ALL:
             y = host_part(x)
-        elif self.policy.kind == "resident":
+        elif self.policy.kind is PolicyKind.RESIDENT:
             y = device_part(x)
         elif ft_jax.CUDA_ENABLED:
             y = jax.lax.platform_dependent(x, cpu=lambda x: device_part(x) + host_part(x), cuda=overlapped)
         else:
             y = device_part(x) + host_part(x)
-        return y, self._state(cache, pools, fill_errors)
+        return y, OffloadState(cache, pools, fill_errors)

@@ -37,6 +37,15 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import platformdirs
+
+from ft_jax.kernels import ffi_ops
+from ft_jax.offload.banks import ExpertBanks, HostBank
+from ft_jax.offload.cost_model import PRESETS, CostModel, fraction_from_bandwidth, parse_bandwidth
+from ft_jax.offload.policy import Policy, PolicyKind, parse_policy
 from ft_jax.cache_dirs import folder_problem
 from ft_jax.interrupts import deferred_exit
 
@@ -54,8 +63,6 @@ def dtype_name(dtype: Any) -> str:
     """"bfloat16" or "float32" for "bf16"/"bfloat16"/"f32"/"float32" (any case) or a numpy/jax dtype.
 
     Raises ValueError for any other dtype."""
-    import numpy as np
-
     name = dtype.lower() if isinstance(dtype, str) else np.dtype(dtype).name
     name = {"bf16": "bfloat16", "f32": "float32"}.get(name, name)
     if name not in ("bfloat16", "float32"):
@@ -71,8 +78,6 @@ def expert_nbytes(hidden_size: int, intermediate_size: int, dtype: Any) -> int:
 def machine_key(dtype: Any, expert_bytes: int) -> dict[str, Any]:
     """Store key of this process: the first jax device's platform and device_kind, the host CPU model (first "model
     name" of /proc/cpuinfo, else platform.processor()), os.cpu_count(), the expert dtype name and bytes."""
-    import jax
-
     cpu = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -119,9 +124,7 @@ class Profile:
     def fraction(self) -> float:
         """Fetch fraction q*/m, ``policy.fraction_from_bandwidth``: BPc / (BPc + BHc) with the contended pair, else
         min(1, BP / BH). Raises ValueError for a bandwidth that is not a positive finite number."""
-        from ft_jax.offload import policy
-
-        return float(policy.fraction_from_bandwidth(self.bp, self.bh, self.bp_contended, self.bh_contended))
+        return float(fraction_from_bandwidth(self.bp, self.bh, self.bp_contended, self.bh_contended))
 
     def summary(self) -> str:
         """One line: BP, BH, the contended pair and the fetch fraction."""
@@ -160,13 +163,6 @@ class Bench:
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *,
                  call_bytes: int = 16 << 20, tokens: int = 1):
-        import jax
-        import jax.numpy as jnp
-        import numpy as np
-
-        from ft_jax.kernels import ffi_ops
-        from ft_jax.offload.banks import HostBank
-
         H, I = int(hidden_size), int(intermediate_size)
         if min(H, I, tokens) < 1:
             raise ValueError(f"bandwidth: H, I and tokens must be >= 1, got H={H}, I={I}, tokens={tokens}")
@@ -268,8 +264,6 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
     Returns a Profile keyed by machine_key (details["load_average_1m"]: 1-minute load average afterwards).
     Raises ValueError: bad sizes, dtype or repeats, or the working set does not fit (Bench).
     """
-    import jax
-
     mode = MODES["quick" if quick else "full"]
     repeats = mode["repeats"] if repeats is None else int(repeats)
     if repeats < 1:
@@ -308,8 +302,6 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
 
 def default_store_path() -> Path:
     """``platformdirs.user_cache_path("ft_jax") / "profiles.json"`` (Linux: $XDG_CACHE_HOME or ~/.cache)."""
-    import platformdirs
-
     return platformdirs.user_cache_path("ft_jax") / "profiles.json"
 
 
@@ -430,3 +422,81 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
             where = f", not saved: {e}"
     return profile, (f"{why}; ran a quick bandwidth profile ({profile.details['seconds']:.1f} s{where}): "
                      f"{profile.summary()}; run `ft-jax profile` for a full one")
+
+
+def stored_profile(expert_bytes: int, dtype: str, path: str | os.PathLike | None = None) -> tuple[Profile, str]:
+    """(Profile, how) of this machine from the bandwidth store: the entry for (dtype, expert_bytes), else this
+    machine's entry with the closest expert size. Raises ValueError if the store has none of this machine."""
+    key = machine_key(dtype, expert_bytes)
+    profiles, damaged = read_profiles(path)
+    here = [p for p in profiles if describe_machine(p.key) == describe_machine(key)]
+    exact = [p for p in here if p.key == key]
+    if exact:
+        return exact[-1], f"stored profile for this expert size, measured {exact[-1].measured_at}"
+    if not here:
+        where = path or default_store_path()
+        raise ValueError(f"no bandwidth profile of this machine ({describe_machine(key)}) in {where}"
+                         f"{' (' + damaged + ')' if damaged else ''}: run `ft-jax profile` or pass --bandwidth "
+                         f"BP,BH or a preset ({', '.join(PRESETS)})")
+    near = min(here, key=lambda p: abs(math.log(p.key["expert_bytes"] / expert_bytes)))
+    return near, (f"stored profile of this machine at the closest expert size ({near.key['dtype']}, "
+                  f"{near.key['expert_bytes'] / 2**20:.2f} MiB), measured {near.measured_at}")
+
+
+def _spec(profile: Profile, source: str) -> dict:
+    return {"bp": profile.bp, "bh": profile.bh, "bp_contended": profile.bp_contended,
+            "bh_contended": profile.bh_contended, "source": source}
+
+
+def cost_model_for(bandwidth: str, expert_bytes: int, *, dtype: str = "bfloat16", profile_path: str | None = None,
+                   device_bandwidth: float | None = None, fill_fixed_ms: float = 0.0, host_fixed_ms: float = 0.0,
+                   device_fixed_ms: float = 0.0) -> CostModel:
+    """The CostModel of a --bandwidth spec (cost_model.parse_bandwidth; "stored": stored_profile) at an expert size.
+
+    device_bandwidth None: BH for a stored profile of a CPU device, else ASSUMED_DEVICE_GBPS (CostModel.from_spec).
+    Raises ValueError (bad spec, no stored profile)."""
+    spec = parse_bandwidth(bandwidth)
+    platform_name = None
+    if spec is None:
+        profile, how = stored_profile(expert_bytes, dtype, profile_path)
+        spec, platform_name = _spec(profile, how), profile.key["platform"]
+    return CostModel.from_spec(spec, expert_bytes, platform=platform_name, device_bandwidth=device_bandwidth,
+                               fill_fixed_ms=fill_fixed_ms, host_fixed_ms=host_fixed_ms,
+                               device_fixed_ms=device_fixed_ms)
+
+
+def resolve_policy(policy, banks: ExpertBanks, hidden_size: int, intermediate_size: int, *,
+                   profile: str | os.PathLike | None = None, measure: bool = True,
+                   progress: bool = False) -> tuple[Policy, str | None]:
+    """The decode Policy bound to this machine's bandwidth profile, and a one-line note.
+
+    auto takes its costs, and a qstar policy without a fraction its fraction, from the stored profile of this machine
+    for experts (hidden_size, intermediate_size, the banks' dtype), or a quick profile (stored), or, with
+    measure=False and none stored, falls back to fixed-cap:1 (the note says so). The costs are those of
+    CostModel.from_spec at banks.expert_bytes: device bandwidth BH on a CPU device (the slot experts run the host
+    kernel), else cost_model.ASSUMED_DEVICE_GBPS. Other policies, and a qstar policy with its fraction, pass through.
+
+    Args:
+        policy: a policy name (parse_policy) or a Policy. banks: the loaded ExpertBanks.
+        hidden_size, intermediate_size: H and I of one expert (MoEConfig.hidden_size, .moe_intermediate_size).
+        profile: the profile store path (default: profiles.json in the user cache directory).
+        measure: allow the quick profile. progress: show its progress on stderr.
+    Returns:
+        (Policy, note or None).
+    Raises:
+        ValueError: an unknown policy name.
+    """
+    if not isinstance(policy, Policy):
+        policy = parse_policy(policy)
+    if policy.kind not in (PolicyKind.QSTAR, PolicyKind.AUTO) or policy.frac is not None:
+        return policy, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note says it
+        found, note = get_or_measure_profile(hidden_size, intermediate_size, banks.gate_up.dtype,
+                                             allow_measure=measure, path=profile, progress=progress)
+    if found is None:
+        return Policy(PolicyKind.FIXED_CAP, cap=1), note
+    model = CostModel.from_spec(_spec(found, note), banks.expert_bytes, platform=found.key["platform"])
+    if policy.kind is PolicyKind.AUTO:
+        return policy.with_costs(model.auto_costs()), note
+    return policy.with_frac(model.fraction), note

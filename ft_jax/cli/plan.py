@@ -1,0 +1,58 @@
+"""`ft-jax plan`: recommend a policy and a cache size for a device memory budget from a routing trace.
+
+The arguments and inputs are `ft-jax trace`'s (ft_jax.cli.trace); the recommendation is ft_jax.tools.plan.recommend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ft_jax.cli import arg_types
+from ft_jax.cli.trace import COST_MODEL_HELP, add_model_arguments, load_inputs
+from ft_jax.tools import plan
+from ft_jax.tools.report import format_table, report
+
+DEFAULT_CANDIDATES = "auto,qstar,fetch-all,host-all,fixed-cap:1,fixed-cap:2"
+
+
+def add_plan_arguments(sub) -> None:
+    """Register `ft-jax plan` on the CLI's subparsers."""
+    nbytes, policies = arg_types.byte_count, arg_types.policy_list("--candidates")
+
+    p = sub.add_parser("plan", help="recommend a policy and cache size for a device memory budget from a trace",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=COST_MODEL_HELP, description=plan.__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("trace", nargs="+", metavar="TRACE", help="routing trace file(s) (JSON lines or .npz)")
+    p.add_argument("--device-memory", type=nbytes, required=True, metavar="BYTES",
+                   help="device memory for expert slots, e.g. 24GiB")
+    p.add_argument("--candidates", type=policies, default=policies(DEFAULT_CANDIDATES), metavar="LIST",
+                   help=f"policies to compare (default {DEFAULT_CANDIDATES})")
+    add_model_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the recommendation")
+
+
+def run_plan(args) -> int:
+    """`ft-jax plan`: returns the exit status; bad input raises ValueError / OSError."""
+    trace, model = load_inputs(args)
+    rec = plan.recommend(trace, model, args.device_memory, args.candidates, carry_cache=args.carry_cache,
+                    batch=args.batch)
+    rep = report(trace, model, rec["results"], args.carry_cache, args.batch)
+    if args.json:
+        print(json.dumps({**rep, **{k: v for k, v in rec.items() if k != "results"}}, indent=1))
+        return 0
+    best = rec["best"]
+    total = trace.num_layers * trace.num_experts
+    if rec["resident"]:
+        print(f"recommendation: --policy resident: the budget holds {rec['budget_slots']} experts, all {total} fit "
+              f"({best['ms_per_token']:.2f} ms/token modelled, hits only)")
+    else:
+        gib = best["cache_slots"] * model.expert_bytes / 2**30
+        print(f"recommendation: --policy {best['policy']} --cache-slots {best['cache_slots']} ({gib:.2f} GiB, "
+              f"{100 * best['cache_fraction']:.1f}% of the {total} experts; budget {rec['budget_slots']} slots): "
+              f"{best['ms_per_token']:.2f} ms/token modelled, hit rate {100 * best['hit_rate']:.1f}%")
+    for alt in sorted(rec["alternatives"], key=lambda a: a["speedup"]):
+        print(f"  beats {alt['policy']:<16} ({alt['ms_per_token']:.2f} ms/token) by {alt['speedup']:.3f}x")
+    print()
+    print(format_table(rep))
+    return 0

@@ -1,0 +1,157 @@
+"""`ft-jax trace`: replay a routing trace for lists of policies and cache sizes and print the modelled ms per token.
+
+Also the arguments and inputs `ft-jax plan` shares (add_model_arguments, load_inputs). The work is done in
+ft_jax.tools (trace_io, replay, report) and priced by ft_jax.offload.cost_model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ft_jax.cli import arg_types
+from ft_jax.config import load_config
+from ft_jax.offload.cost_model import ASSUMED_DEVICE_GBPS, PRESETS, CostModel
+from ft_jax.offload.profile import cost_model_for, dtype_name, expert_nbytes
+from ft_jax.tools.replay import evaluate
+from ft_jax.tools.report import format_table, plot, report
+from ft_jax.tools.trace_io import Trace, read_trace
+
+
+BANDWIDTH_HELP = ("'stored' (default: this machine's profile from `ft-jax profile`, at the expert size or the "
+                  "closest one stored), BP,BH[,BPc,BHc] in GB/s, or a preset: " +
+                  "; ".join(f"{name}: BP {p['bp']:g}, BH {p['bh']:g}" +
+                            (f", BPc {p['bp_contended']:g}, BHc {p['bh_contended']:g}" if p["bp_contended"] else "")
+                            + f" GB/s ({p['source']})" for name, p in PRESETS.items()))
+
+COST_MODEL_HELP = """cost model, per MoE layer with F fetched, H host-computed and D = hits + F device experts of S_e bytes:
+  fill F*S_e bytes and host GEMV H*S_e bytes start together and share host memory at the contended pair
+  (BPc, BHc; without a measured pair BPc = BP, BHc = max(0, BH - BP)); when one ends the other goes on at its
+  solo bandwidth (BP or BH); each path that runs adds its fixed cost (--fill-fixed-ms, --host-fixed-ms);
+  the device computes its D experts after the fill: --device-fixed-ms + D*S_e/BD (BD = --device-bandwidth);
+  layer = max(fill end + device, host end); a token = the sum over its MoE layers (attention not counted).
+  Each sequence starts from a cold cache (a trace has no prompt), unless --carry-cache."""
+
+
+def add_model_arguments(p) -> None:
+    """--model / --expert-bytes / --num-layers / --num-experts / --dtype and the cost-model flags (trace and plan)."""
+    p.add_argument("--model", metavar="DIR", help="Hugging Face model folder: expert bytes, MoE layers and experts "
+                                                  "from its config.json (instead of the three flags below)")
+    p.add_argument("--expert-bytes", type=arg_types.positive_int, metavar="B",
+                   help="S_e, bytes of one expert (gate + up + down), e.g. 352321536 for Mixtral-8x7B in bf16")
+    p.add_argument("--num-layers", type=arg_types.positive_int, metavar="L", help="MoE layers (default: from the trace)")
+    p.add_argument("--num-experts", type=arg_types.positive_int, metavar="E", help="experts per layer (default: the trace)")
+    p.add_argument("--dtype", default=None, help="bf16/bfloat16 or f32/float32: the stored profile to look up "
+                                                 "(default: the model's, else bfloat16)")
+    p.add_argument("--bandwidth", default="stored", metavar="SPEC", help=BANDWIDTH_HELP)
+    p.add_argument("--profile", metavar="PATH", help="bandwidth profile store (default: the user cache directory)")
+    p.add_argument("--device-bandwidth", type=arg_types.positive, metavar="GBPS",
+                   help=f"BD, GB/s at which the device computes experts in its slots (default: BH for a stored CPU "
+                        f"profile, the slot experts run the host GEMV kernel; else an assumed {ASSUMED_DEVICE_GBPS:g})")
+    for path in ("fill", "host", "device"):
+        p.add_argument(f"--{path}-fixed-ms", type=arg_types.non_negative, default=0.0, metavar="MS",
+                       help=f"fixed cost of the {path} path per layer in which it runs (default 0; DESIGN.md sec. 5 "
+                            "cites FreeToken PR #39 for 0.08 ms on its CPU path)" if path == "host" else
+                       f"fixed cost of the {path} path per layer in which it runs (default 0)")
+    p.add_argument("--carry-cache", action="store_true", help="keep the cache across sequences (default: cold)")
+    p.add_argument("--batch", action="store_true",
+                   help="the sequences are the rows of one batch decoded together (a trace recorded by "
+                        "`ft-jax generate` with several prompts): token t of every row is one decode step")
+    p.add_argument("--verbose", action="store_true", help="show tracebacks")
+
+
+def load_inputs(args) -> tuple[Trace, CostModel]:
+    """(Trace, CostModel) from the shared trace/plan arguments. Raises ValueError / OSError (one-line messages)."""
+    L, E, eb, dtype = args.num_layers, args.num_experts, args.expert_bytes, args.dtype
+    if args.model:
+        cfg = load_config(args.model)
+        dtype = dtype or ("float32" if str(cfg.dtype) == "float32" else "bfloat16")
+        model_eb = expert_nbytes(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+        if eb is not None and eb != model_eb:
+            raise ValueError(f"--expert-bytes {eb} disagrees with --model ({model_eb} bytes per {dtype} expert)")
+        eb = model_eb
+        for name, given, value in (("--num-layers", L, cfg.num_moe_layers), ("--num-experts", E, cfg.num_experts)):
+            if given is not None and given != value:
+                raise ValueError(f"{name} {given} disagrees with --model ({value})")
+        L, E = cfg.num_moe_layers, cfg.num_experts
+    if eb is None:
+        raise ValueError("give --model DIR or --expert-bytes B (bytes of one expert) to price the replay")
+    dtype = dtype_name(dtype or "bfloat16")
+    trace = read_trace(args.trace, L, E)
+    model = cost_model_for(args.bandwidth, eb, dtype=dtype, profile_path=args.profile,
+                           device_bandwidth=args.device_bandwidth, fill_fixed_ms=args.fill_fixed_ms,
+                           host_fixed_ms=args.host_fixed_ms, device_fixed_ms=args.device_fixed_ms)
+    return trace, model
+
+
+def add_trace_arguments(sub) -> None:
+    """Register `ft-jax trace` on the CLI's subparsers."""
+    policies = arg_types.policy_list("--policy")
+
+    p = sub.add_parser("trace", help="replay a routing trace: hit rate, fetched/host experts and modelled ms per "
+                                     "token for each policy and cache size",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=COST_MODEL_HELP,
+                       description="Replay routing traces (JSON lines or .npz, see docs/policies.md) through the "
+                       "decode step's own cache plan for every policy and cache size, and model the MoE time per "
+                       "token under a bandwidth profile.")
+    p.add_argument("trace", nargs="+", metavar="TRACE", help="routing trace file(s)")
+    p.add_argument("--policy", type=policies, default=policies(DEFAULT_POLICIES), metavar="LIST",
+                   help=f"comma-separated policies (default {DEFAULT_POLICIES})")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--cache-slots", type=arg_types.comma_list(arg_types.positive_int, "--cache-slots"), metavar="LIST",
+                      help="comma-separated cache sizes in slots (shared by all MoE layers)")
+    size.add_argument("--cache-fraction", type=arg_types.comma_list(arg_types.fraction, "--cache-fraction"), metavar="LIST",
+                      help=f"comma-separated cache sizes as fractions of the L*E experts (default {DEFAULT_FRACTIONS})")
+    add_model_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--plot", metavar="FILE.png", help="also plot ms per token against the cache size (matplotlib: "
+                                                      "pip install 'ft-jax[plot]')")
+
+
+DEFAULT_POLICIES = "fetch-all,host-all,qstar,fixed-cap:1,auto"
+DEFAULT_FRACTIONS = "0.1,0.25,0.5"
+
+
+def slot_counts(args, trace: Trace) -> list[int]:
+    """Cache sizes in slots from --cache-slots or --cache-fraction (round(f * L*E), at least 1). Raises ValueError."""
+    total = trace.num_layers * trace.num_experts
+    if args.cache_slots is not None:
+        bad = [s for s in args.cache_slots if not 1 <= s <= total]
+        if bad:
+            raise ValueError(f"--cache-slots must be in [1, L*E = {total}], got {bad}")
+        return list(args.cache_slots)
+    fractions = args.cache_fraction or [float(f) for f in DEFAULT_FRACTIONS.split(",")]
+    bad = [f for f in fractions if not 0 < f <= 1]
+    if bad:
+        raise ValueError(f"--cache-fraction must be in (0, 1], got {bad}")
+    return [max(1, round(f * total)) for f in fractions]
+
+
+
+def run_trace(args) -> int:
+    """`ft-jax trace`: returns the exit status; bad input raises ValueError / OSError / ImportError."""
+    trace, model = load_inputs(args)
+    sizes = slot_counts(args, trace)
+    if args.plot:
+        try:  # lazy: matplotlib is optional; fail before the replay, not after
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ImportError("--plot needs matplotlib: pip install 'ft-jax[plot]' (or pip install matplotlib)") \
+                from None
+
+    def progress(done, total):
+        if not args.json and sys.stderr.isatty():
+            sys.stderr.write(f"\r\033[Kft-jax trace: replayed {done} of {total}")
+            sys.stderr.flush()
+
+    results = evaluate(trace, args.policy, sizes, model, carry_cache=args.carry_cache, batch=args.batch,
+                       progress=progress)
+    if not args.json and sys.stderr.isatty():
+        sys.stderr.write("\r\033[K")
+    rep = report(trace, model, results, args.carry_cache, args.batch)
+    if args.plot:
+        plot(rep, args.plot)
+    print(json.dumps(rep, indent=1) if args.json else format_table(rep))
+    return 0
+
