@@ -13,9 +13,10 @@
 
 On a GPU (ft_jax.CUDA_ENABLED) steps 4 and 5 become host_experts_submit -> slot_experts (Pallas) -> host_experts_wait,
 so the CPU GEMV of the host misses runs while the GPU computes the resident ones; the wait takes the device part as an
-operand and the submit is tied before the device part with an optimization barrier, so XLA keeps that order. The
-slot fill's error count (entries skipped for an out-of-range id: GPU only, the CPU raises) is summed on the device in
-OffloadState.fill_errors and checked by read_stats.
+operand and the submit is tied before the device part with an optimization barrier, so XLA keeps that order. The GPU
+forms cannot stop the stream on a bad id, so they count instead of raising (the CPU handlers raise): the slot fill's
+skipped entries are summed on the device in OffloadState.fill_errors, the host_experts calls zeroed for a bad route id
+or a released bank in OffloadState.host_route_errors, and read_stats checks both.
 
 All shapes depend only on (T, k, E, S, model dims), never on the miss count or F, so the step compiles once.
 The slot arrays are carried in exactly the shape the FFI calls consume ([S, 2I, H] and [S, H, I]) so that, under a jit
@@ -37,6 +38,11 @@ from ft_jax.offload.banks import HostBank
 from ft_jax.offload.policy import Policy
 
 
+def _no_errors() -> tuple[jax.Array, jax.Array]:
+    """(fill_errors, host_route_errors) of a fresh state: i32[] zeros."""
+    return jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+
+
 class OffloadState(NamedTuple):
     """What the offloaded backend threads through the decode step (a pytree of device arrays).
 
@@ -47,6 +53,8 @@ class OffloadState(NamedTuple):
         gate_up_bias_slots: [S, 2I] and down_bias_slots: [S, H] bias pools (bias bank dtype), or None for experts
             without biases.
         fill_errors: i32[] slot fill entries skipped for an out-of-range id since init_state (read_stats checks it).
+        host_route_errors: i32[] host_experts calls whose output was zeroed (a route id out of range or a released
+            bank: GPU only) since init_state (read_stats checks it).
     """
 
     cache: expert_cache.CacheState
@@ -55,6 +63,7 @@ class OffloadState(NamedTuple):
     gate_up_bias_slots: jax.Array | None = None
     down_bias_slots: jax.Array | None = None
     fill_errors: jax.Array | None = None
+    host_route_errors: jax.Array | None = None
 
     @property
     def pools(self) -> tuple[jax.Array, ...]:
@@ -116,17 +125,18 @@ class OffloadedExperts:
         L, E = self.num_layers, self.num_experts
         if self.policy.kind == "resident":
             cache = expert_cache.init_cache_state_resident(L, E)
-            return self._state(cache, [jnp.asarray(bank.numpy()) for bank in self.banks], jnp.zeros((), jnp.int32))
+            return self._state(cache, [jnp.asarray(bank.numpy()) for bank in self.banks], *_no_errors())
         if num_slots < 1:
             raise ValueError(f"offload: the device budget must hold at least one expert slot, got {num_slots} slots")
         cache = expert_cache.init_cache_state(L, E, num_slots)
         # [S, 2I, H], [S, H, I] (and the bias pools [S, 2I], [S, H])
         pools = [jnp.zeros((num_slots, *bank.row_shape), bank.dtype) for bank in self.banks]
-        return self._state(cache, pools, jnp.zeros((), jnp.int32))
+        return self._state(cache, pools, *_no_errors())
 
     @staticmethod
-    def _state(cache, pools, fill_errors) -> OffloadState:
-        return OffloadState(cache, *pools, *([None, None] if len(pools) == 2 else []), fill_errors=fill_errors)
+    def _state(cache, pools, fill_errors, host_route_errors) -> OffloadState:
+        return OffloadState(cache, *pools, *([None, None] if len(pools) == 2 else []), fill_errors=fill_errors,
+                            host_route_errors=host_route_errors)
 
     def read_stats(self, state: OffloadState):
         """The per-layer statistics, read from the device (one transfer; call it once per generate, never per step).
@@ -136,14 +146,21 @@ class OffloadedExperts:
         Returns:
             numpy i32[L, 6] = state.cache.stats (columns expert_cache.STAT_FIELDS).
         Raises:
-            RuntimeError: the GPU slot fill skipped entries with an out-of-range flat id or slot id (the cache plan
-                produced ids outside the banks / slots: a bug); the count says how many.
+            RuntimeError: the GPU slot fill skipped entries with an out-of-range flat id or slot id (fill_errors), or
+                the GPU host_experts zeroed calls for a route id out of range or a released bank (host_route_errors):
+                the cache plan produced ids outside the banks / slots, or a bank was released under the step (a bug).
+                The message names the counter and its count.
         """
-        stats, errors = jax.device_get((state.cache.stats, state.fill_errors))
-        if int(errors):
-            raise RuntimeError(f"slot_fill: {int(errors)} slot fill entries had a flat id >= {self.gate_up_bank.num_rows}"
-                               f" or a slot id >= the slot count and were skipped (the GPU kernel counts what the CPU "
-                               f"handler raises for)")
+        stats, fill_errors, route_errors = jax.device_get((state.cache.stats, state.fill_errors,
+                                                           state.host_route_errors))
+        if int(fill_errors):
+            raise RuntimeError(f"slot_fill: fill_errors = {int(fill_errors)}: {int(fill_errors)} slot fill entries had a "
+                               f"flat id >= {self.gate_up_bank.num_rows} or a slot id >= the slot count and were "
+                               f"skipped (the GPU kernel counts what the CPU handler raises for)")
+        if int(route_errors):
+            raise RuntimeError(f"host_experts: host_route_errors = {int(route_errors)}: {int(route_errors)} host_experts "
+                               f"calls had a flat id outside [0, {self.gate_up_bank.num_rows}) or a released bank and "
+                               f"returned zeros (the GPU host node counts what the CPU handler raises for)")
         return stats
 
     def __call__(self, moe_layer, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
@@ -188,24 +205,30 @@ class OffloadedExperts:
             return ffi_ops.slot_experts(x, route_slot, topk_weights, pools[0], pools[1], self.activation,
                                         **bias_pools, **gate)
 
-        def host_part(x):  # f32[N, H]
-            return ffi_ops.host_experts(x, route_host, topk_weights, self.gate_up_bank, self.down_bank,
-                                        self.activation, **host_banks, **gate)
+        def host_part(x):  # (f32[N, H], errors i32[])
+            return ffi_ops.host_experts_with_errors(x, route_host, topk_weights, self.gate_up_bank, self.down_bank,
+                                                    self.activation, **host_banks, **gate)
+
+        def both(x):  # (f32[N, H], errors i32[])
+            y_host, errors = host_part(x)
+            return device_part(x) + y_host, errors
 
         def overlapped(x):  # GPU: submit, device part, wait (module docstring)
             ticket = ffi_ops.host_experts_submit(x, route_host, topk_weights, self.gate_up_bank, self.down_bank,
                                                  self.activation, **host_banks, **gate)
             ticket, x = jax.lax.optimization_barrier((ticket, x))
             y_device = device_part(x)
-            return y_device + ffi_ops.host_experts_wait(ticket, y_device)
+            y_host, errors = ffi_ops.host_experts_wait(ticket, y_device)
+            return y_device + y_host, errors
 
         # Static skips: under host-all no expert is ever in a slot; under resident none is ever on the host.
+        route_errors = jnp.zeros((), jnp.int32)
         if self.policy.kind == "host-all":
-            y = host_part(x)
+            y, route_errors = host_part(x)
         elif self.policy.kind == "resident":
             y = device_part(x)
         elif ft_jax.CUDA_ENABLED:
-            y = jax.lax.platform_dependent(x, cpu=lambda x: device_part(x) + host_part(x), cuda=overlapped)
+            y, route_errors = jax.lax.platform_dependent(x, cpu=both, cuda=overlapped)
         else:
-            y = device_part(x) + host_part(x)
-        return y, self._state(cache, pools, fill_errors)
+            y, route_errors = both(x)
+        return y, self._state(cache, pools, fill_errors, state.host_route_errors + route_errors)
