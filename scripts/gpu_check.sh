@@ -54,7 +54,8 @@ if os.path.exists(bench):
         fill_over_memcpy=round(statistics.median(b["fill_host"]["fill_gbps"])
                                / statistics.median(b["fill_host"]["memcpy_gbps"]), 3),
         tokens_per_s={k: round(v, 2) for k, v in med.items()},
-        qstar_over_max_plain=round(med["qstar"] / best_plain, 3), auto_over_max_plain=round(med["auto"] / best_plain, 3),
+        qstar_over_max_plain=round(med["qstar"] / best_plain, 3),
+        auto_over_max_plain=round(med["auto"] / best_plain, 3),
         greedy_identical=b["decode"]["greedy_identical"],
         command_buffer_replays=c["host_submits"] > c["submit_records"])
 with open(os.path.join(out, "gpu_check.json"), "w") as f:

@@ -115,7 +115,9 @@ void FileChannel(int64_t pair, const std::shared_ptr<HostChannel>& ch, bool drop
   std::lock_guard<std::mutex> lock(channels_mu);
   auto& channels = Channels();
   if (drop_expired) {
-    for (auto it = channels.begin(); it != channels.end();) it = it->second.expired() ? channels.erase(it) : std::next(it);
+    for (auto it = channels.begin(); it != channels.end();) {
+      it = it->second.expired() ? channels.erase(it) : std::next(it);
+    }
   }
   channels[pair] = ch;
 }

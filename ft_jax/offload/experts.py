@@ -153,14 +153,15 @@ class OffloadedExperts:
         """
         stats, fill_errors, route_errors = jax.device_get((state.cache.stats, state.fill_errors,
                                                            state.host_route_errors))
-        if int(fill_errors):
-            raise RuntimeError(f"slot_fill: fill_errors = {int(fill_errors)}: {int(fill_errors)} slot fill entries had a "
-                               f"flat id >= {self.gate_up_bank.num_rows} or a slot id >= the slot count and were "
-                               f"skipped (the GPU kernel counts what the CPU handler raises for)")
-        if int(route_errors):
-            raise RuntimeError(f"host_experts: host_route_errors = {int(route_errors)}: {int(route_errors)} host_experts "
-                               f"calls had a flat id outside [0, {self.gate_up_bank.num_rows}) or a released bank and "
-                               f"returned zeros (the GPU host node counts what the CPU handler raises for)")
+        n_fill, n_route = int(fill_errors), int(route_errors)
+        if n_fill:
+            raise RuntimeError(f"slot_fill: fill_errors = {n_fill}: {n_fill} slot fill entries had a flat id >= "
+                               f"{self.gate_up_bank.num_rows} or a slot id >= the slot count and were skipped (the GPU "
+                               f"kernel counts what the CPU handler raises for)")
+        if n_route:
+            raise RuntimeError(f"host_experts: host_route_errors = {n_route}: {n_route} host_experts calls had a flat "
+                               f"id outside [0, {self.gate_up_bank.num_rows}) or a released bank and returned zeros "
+                               f"(the GPU host node counts what the CPU handler raises for)")
         return stats
 
     def __call__(self, moe_layer, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
