@@ -155,6 +155,38 @@ def test_gpu_host_experts_equal_the_cpu_handler(dtype, x_dtype, bias):
         np.testing.assert_array_equal(got, want)
 
 
+def test_gpu_host_experts_counts_a_bad_route_and_pairs_two_calls():
+    """A flat id past the banks: the GPU host node zeroes y and the wait's error count is 1 (host_route_errors counts
+    it too); two host_experts calls in one step each find their own submit's channel (pair ids)."""
+    from ft_jax import _ffi
+    from ft_jax.kernels import ffi_ops
+    from ft_jax.offload.banks import HostBank
+
+    cpu, gpu = _devices()
+    rng = np.random.default_rng(4)
+    E, H, inter = 4, 64, 32
+    gu = HostBank.from_numpy((rng.standard_normal((E, 2 * inter, H)) * 0.1).astype(np.float32))
+    dn = HostBank.from_numpy((rng.standard_normal((E, H, inter)) * 0.1).astype(np.float32))
+    f = jax.jit(lambda x, i, w: ffi_ops.host_experts_with_errors(x, i, w, gu, dn))
+    x = rng.standard_normal((2, H)).astype(np.float32)
+    w = rng.random((2, 2)).astype(np.float32)
+    good, bad = np.array([[0, 1], [2, 3]], np.int32), np.array([[0, 1], [2, E]], np.int32)
+    before = _ffi.cuda_counters()["host_route_errors"]
+    y, errors = f(*(jax.device_put(a, gpu) for a in (x, bad, w)))
+    assert int(errors) == 1 and np.all(np.asarray(y) == 0)
+    assert _ffi.cuda_counters()["host_route_errors"] == before + 1
+    y, errors = f(*(jax.device_put(a, gpu) for a in (x, good, w)))
+    assert int(errors) == 0
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(f(*(jax.device_put(a, cpu) for a in (x, good, w)))[0]))
+
+    two = jax.jit(lambda x, i, w: (ffi_ops.host_experts(x, i, w, gu, dn),
+                                   ffi_ops.host_experts(x * 2, i[:, ::-1], w, gu, dn)))
+    got = [np.asarray(a) for a in two(*(jax.device_put(a, gpu) for a in (x, good, w)))]
+    want = [np.asarray(a) for a in two(*(jax.device_put(a, cpu) for a in (x, good, w)))]
+    for g, wnt in zip(got, want):
+        np.testing.assert_array_equal(g, wnt)
+
+
 def test_host_node_runs_once_per_command_buffer_replay():
     got = _run_case("counters", CMD_BUFFERS_ON)
     n = got["calls"]

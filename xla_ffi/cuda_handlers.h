@@ -6,13 +6,16 @@
 //                              One kernel reads the ids from device memory and copies 16-byte vectors from the
 //                              device-mapped host banks (host_bank_cuda.h) into the slots; invalid entries are
 //                              skipped and counted in `errors`. Command-buffer compatible.
-//   FtJaxHostExpertsSubmit     x f32|bf16 [T, H], flat_ids i32[T, k], weights f32[T, k] -> ticket u8[] (a token
-//   (+ ...Instantiate)         for the wait); attrs banks, activation, alpha, limit (as FtJaxHostExperts), tokens
-//                              (T), top_k (k). Enqueues D2H copies into pinned staging and a host-function node that
-//                              hands the expert GEMV to the CPU WorkerPool. Command-buffer compatible.
+//   FtJaxHostExpertsSubmit     x f32|bf16 [T, H], flat_ids i32[T, k], weights f32[T, k] -> ticket u8[] (orders the
+//   (+ ...Instantiate)         wait after the submit); attrs banks, activation, alpha, limit (as FtJaxHostExperts),
+//                              tokens (T), top_k (k), pair (i64, the id shared with its wait, fixed at trace time).
+//                              Enqueues D2H copies into pinned staging and a host-function node that hands the expert
+//                              GEMV to the CPU WorkerPool. Command-buffer compatible.
 //   FtJaxHostExpertsWait       ticket u8[], after f32[T, H] (any value computed after the submit: orders the wait
-//                              after the device work) -> y f32[T, H]. A host-function node that blocks until the CPU
-//                              work of that ticket's submit is done, then the H2D copy of y. Command-buffer compatible.
+//                              after the device work) -> y f32[T, H], errors i32[]; attr pair (the submit's). A
+//                              host-function node that blocks until the CPU work of that pair's submit is done, then
+//                              the H2D copies of y and errors (1: a route id out of range or a released bank, y is
+//                              zeros; else 0). Command-buffer compatible.
 //
 // Host functions call no CUDA API; every per-step value (ids, weights, x) is read on the device or copied by
 // stream-ordered nodes, so the work the handlers enqueue replays correctly inside a CUDA graph.

@@ -26,6 +26,8 @@ gate_up_bias_e[I:], bd_e = down_bias_e (0 when absent), float32 accumulation, an
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -209,19 +211,36 @@ def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activa
       alpha, limit: the clamped SwiGLU's sigmoid gain and clamp (read by "swiglu_oai" only; limit > 0).
 
     Returns:
-      f32[T, H]: sum over routes of weight * expert(x) (formula in the module docstring).
+      f32[T, H]: sum over routes of weight * expert(x) (formula in the module docstring). On a GPU a bad id yields
+      zeros without an error: use host_experts_with_errors where that must not pass silently.
 
     Raises:
       TypeError / ValueError at trace time (dtypes, shapes, banks that do not match or were released, unknown
-      activation, one bias bank without the other, a non-finite alpha / limit); an out-of-range id fails at run
-      time with an error naming it and the bank.
+      activation, one bias bank without the other, a non-finite alpha / limit); on the CPU an out-of-range id fails
+      at run time with an error naming it and the bank.
+    """
+    return host_experts_with_errors(x, flat_ids, weights, gate_up, down, activation, gate_up_bias=gate_up_bias,
+                                    down_bias=down_bias, alpha=alpha, limit=limit)[0]
+
+
+def host_experts_with_errors(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activation: str = "silu", *,
+                             gate_up_bias: HostBank | None = None, down_bias: HostBank | None = None,
+                             alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT):
+    """host_experts (same arguments) and its error count.
+
+    Returns:
+      (y f32[T, H], errors i32[]). On the CPU errors is always 0 (an out-of-range id raises, as host_experts). On a GPU
+      the host node cannot stop the stream: a call with an out-of-range id or a bank released under the running step
+      has y = zeros and errors = 1; accumulate errors on the device and check it when statistics are read
+      (OffloadedExperts.read_stats, OffloadState.host_route_errors).
     """
     T, H, _, attrs = _host_experts_attrs("host_experts", x, flat_ids, weights, gate_up, down, activation,
                                          gate_up_bias, down_bias, alpha, limit)
 
     def cpu(x, flat_ids, weights):
-        return jax.ffi.ffi_call("ft_jax_host_experts", jax.ShapeDtypeStruct((T, H), jnp.float32))(
+        y = jax.ffi.ffi_call("ft_jax_host_experts", jax.ShapeDtypeStruct((T, H), jnp.float32))(
             x, flat_ids, weights, **attrs)
+        return y, jnp.zeros((), jnp.int32)
 
     if not ft_jax.CUDA_ENABLED:
         return cpu(x, flat_ids, weights)
@@ -234,41 +253,74 @@ def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activa
     return jax.lax.platform_dependent(x, flat_ids, weights, cpu=cpu, cuda=cuda)
 
 
+_pair_ids = itertools.count(1)  # host_experts_submit / _wait pair ids, one per traced submit (never reused)
+
+
+@jax.tree_util.register_pytree_node_class
+class HostTicket:
+    """What host_experts_submit returns and host_experts_wait takes: the ticket array (u8[], orders the wait after
+    the submit; its value means nothing) and the pair id both custom calls carry as their `pair` attribute (static:
+    pytree aux data, so the ticket passes through jax.lax.optimization_barrier and other pytree functions)."""
+
+    def __init__(self, ticket, pair: int):
+        self.ticket = ticket
+        self.pair = pair
+
+    def tree_flatten(self):
+        return (self.ticket,), self.pair
+
+    @classmethod
+    def tree_unflatten(cls, pair, children):
+        return cls(children[0], pair)
+
+
 def host_experts_submit(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activation: str = "silu", *,
                         gate_up_bias: HostBank | None = None, down_bias: HostBank | None = None,
-                        alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT):
+                        alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT) -> HostTicket:
     """GPU only: starts host_experts (same arguments): stream-ordered D2H copies of x, flat_ids and weights into the
     call site's pinned staging, then a host-function node that queues the GEMV on the CPU worker pool and returns.
     Device work issued after it overlaps the CPU work; host_experts_wait(ticket, after) collects y.
 
     Returns:
-      ticket u8[]: pass it to host_experts_wait (its value means nothing; XLA orders the wait after the submit).
+      HostTicket: pass it to host_experts_wait. Each call (each trace) takes a new pair id, so the submit / wait
+      custom calls of one pair carry the same `pair` attribute and distinct pairs distinct ones; the CUDA handlers
+      find the submit's channel by it.
 
     Raises:
       as host_experts at trace time; lowering it for the CPU fails (no CPU handler: use host_experts).
     """
     T, _, k, attrs = _host_experts_attrs("host_experts_submit", x, flat_ids, weights, gate_up, down, activation,
                                          gate_up_bias, down_bias, alpha, limit)
+    pair = next(_pair_ids)
     call = jax.ffi.ffi_call("ft_jax_host_experts_submit", jax.ShapeDtypeStruct((), jnp.uint8))
-    return call(x, flat_ids, weights, tokens=np.int64(T), top_k=np.int64(k), **attrs)
+    ticket = call(x, flat_ids, weights, tokens=np.int64(T), top_k=np.int64(k), pair=np.int64(pair), **attrs)
+    return HostTicket(ticket, pair)
 
 
-def host_experts_wait(ticket, after):
+def host_experts_wait(ticket: HostTicket, after):
     """GPU only: finishes the host_experts started by host_experts_submit: a host-function node that blocks until the
-    CPU worker pool has computed it, then the H2D copy of y.
+    CPU worker pool has computed it, then the H2D copies of y and the error count.
 
     Args:
-      ticket: u8[] from host_experts_submit.
+      ticket: HostTicket from host_experts_submit.
       after: f32[T, H], any value the wait must come after (the device experts' output): XLA cannot move the wait,
         and so the blocking host node, ahead of the device work it should overlap.
 
     Returns:
-      f32[T, H]: the host experts' output.
+      (y f32[T, H]: the host experts' output, errors i32[]: 1 when the GEMV was skipped (an id out of range or a
+      released bank; y is zeros then), else 0).
+
+    Raises:
+      TypeError: ticket is not a HostTicket; ValueError: after is not f32[T, H].
     """
+    if not isinstance(ticket, HostTicket):
+        raise TypeError(f"host_experts_wait: ticket must be the HostTicket of host_experts_submit, got "
+                        f"{type(ticket).__name__}")
     shape, dtype = _shape_dtype(after, "host_experts_wait", "after")
     if len(shape) != 2 or dtype != np.dtype(np.float32):
         raise ValueError(f"host_experts_wait: after must be f32[T, H], got {dtype.name}{list(shape)}")
-    return jax.ffi.ffi_call("ft_jax_host_experts_wait", jax.ShapeDtypeStruct(shape, jnp.float32))(ticket, after)
+    results = (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+    return jax.ffi.ffi_call("ft_jax_host_experts_wait", results)(ticket.ticket, after, pair=np.int64(ticket.pair))
 
 
 def _host_experts_attrs(op, x, flat_ids, weights, gate_up, down, activation, gate_up_bias, down_bias, alpha, limit):

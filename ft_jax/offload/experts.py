@@ -3,7 +3,8 @@
 `OffloadedExperts` is the ExpertBackend the model calls for every MoE layer of a jit-compiled step: the cache plan
 (ft_jax.offload.cache.plan_layer), one slot_fill for every pool, the slot experts and the host experts, summed (each
 route computed exactly once). The step-by-step description, the GPU overlap and why the pools are carried in the
-shape the FFI calls consume: docs/design_parts/offload.md ("offload/experts.py") and docs/DESIGN.md sec. 3 and 5.
+shape the FFI calls consume; the GPU forms count bad ids (fill_errors,
+host_route_errors, checked by read_stats) where the CPU handlers raise: docs/design_parts/offload.md ("offload/experts.py") and docs/DESIGN.md sec. 3 and 5.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from ft_jax.offload.banks import ExpertBanks
 from ft_jax.offload.policy import Policy, PolicyKind
 
 
+def _no_errors() -> tuple[jax.Array, jax.Array]:
+    """(fill_errors, host_route_errors) of a fresh state: i32[] zeros."""
+    return jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+
+
 class OffloadState(NamedTuple):
     """What the offloaded backend threads through the decode step (a pytree of device arrays).
 
@@ -29,11 +35,14 @@ class OffloadState(NamedTuple):
         pools: {bank name: slot pool [S, *row_shape] (bank dtype)}, one per bank of the ExpertBanks, in its order:
             gate_up [S, 2I, H], down [S, H, I] and, for experts with biases, gate_up_bias [S, 2I], down_bias [S, H].
         fill_errors: i32[] slot fill entries skipped for an out-of-range id since init_state (read_stats checks it).
+        host_route_errors: i32[] host_experts calls whose output was zeroed (a route id out of range or a released
+            bank: GPU only) since init_state (read_stats checks it).
     """
 
     cache: expert_cache.CacheState
     pools: dict[str, jax.Array]
     fill_errors: jax.Array
+    host_route_errors: jax.Array
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -71,16 +80,15 @@ class OffloadedExperts:
             ValueError: num_slots < 1.
         """
         L, E = self.num_layers, self.num_experts
-        no_errors = jnp.zeros((), jnp.int32)
         if self.policy.kind is PolicyKind.RESIDENT:
             cache = expert_cache.init_cache_state_resident(L, E)
             return OffloadState(cache, {name: jnp.asarray(bank.numpy()) for name, bank in self.banks.items()},
-                                no_errors)
+                                *_no_errors())
         if num_slots < 1:
             raise ValueError(f"offload: the device budget must hold at least one expert slot, got {num_slots} slots")
         cache = expert_cache.init_cache_state(L, E, num_slots)
         pools = {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in self.banks.pool_shapes(num_slots).items()}
-        return OffloadState(cache, pools, no_errors)
+        return OffloadState(cache, pools, *_no_errors())
 
     def read_stats(self, state: OffloadState):
         """The per-layer statistics, read from the device (one transfer; call it once per generate, never per step).
@@ -90,14 +98,22 @@ class OffloadedExperts:
         Returns:
             numpy i32[L, 6] = state.cache.stats (columns expert_cache.STAT_FIELDS).
         Raises:
-            RuntimeError: the GPU slot fill skipped entries with an out-of-range flat id or slot id (the cache plan
-                produced ids outside the banks / slots: a bug); the count says how many.
+            RuntimeError: the GPU slot fill skipped entries with an out-of-range flat id or slot id (fill_errors), or
+                the GPU host_experts zeroed calls for a route id out of range or a released bank (host_route_errors):
+                the cache plan produced ids outside the banks / slots, or a bank was released under the step (a bug).
+                The message names the counter and its count.
         """
-        stats, errors = jax.device_get((state.cache.stats, state.fill_errors))
-        if int(errors):
-            raise RuntimeError(f"slot_fill: {int(errors)} slot fill entries had a flat id >= {self.banks.num_rows}"
-                               f" or a slot id >= the slot count and were skipped (the GPU kernel counts what the CPU "
-                               f"handler raises for)")
+        stats, fill_errors, route_errors = jax.device_get((state.cache.stats, state.fill_errors,
+                                                           state.host_route_errors))
+        n_fill, n_route = int(fill_errors), int(route_errors)
+        if n_fill:
+            raise RuntimeError(f"slot_fill: fill_errors = {n_fill}: {n_fill} slot fill entries had a flat id >= "
+                               f"{self.banks.num_rows} or a slot id >= the slot count and were skipped (the GPU "
+                               f"kernel counts what the CPU handler raises for)")
+        if n_route:
+            raise RuntimeError(f"host_experts: host_route_errors = {n_route}: {n_route} host_experts calls had a flat "
+                               f"id outside [0, {self.banks.num_rows}) or a released bank and returned zeros "
+                               f"(the GPU host node counts what the CPU handler raises for)")
         return stats
 
     def __call__(self, moe_layer, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
@@ -145,24 +161,30 @@ class OffloadedExperts:
             return ffi_ops.slot_experts(x, route_slot, topk_weights, pools["gate_up"], pools["down"], self.activation,
                                         **bias_pools, **gate)
 
-        def host_part(x):  # f32[N, H]
-            return ffi_ops.host_experts(x, route_host, topk_weights, banks.gate_up, banks.down,
-                                        self.activation, **host_banks, **gate)
+        def host_part(x):  # (f32[N, H], errors i32[])
+            return ffi_ops.host_experts_with_errors(x, route_host, topk_weights, banks.gate_up, banks.down,
+                                                    self.activation, **host_banks, **gate)
+
+        def both(x):  # (f32[N, H], errors i32[])
+            y_host, errors = host_part(x)
+            return device_part(x) + y_host, errors
 
         def overlapped(x):  # GPU: submit, device part, wait (module docstring)
             ticket = ffi_ops.host_experts_submit(x, route_host, topk_weights, banks.gate_up, banks.down,
                                                  self.activation, **host_banks, **gate)
             ticket, x = jax.lax.optimization_barrier((ticket, x))
             y_device = device_part(x)
-            return y_device + ffi_ops.host_experts_wait(ticket, y_device)
+            y_host, errors = ffi_ops.host_experts_wait(ticket, y_device)
+            return y_device + y_host, errors
 
         # Static skips: under host-all no expert is ever in a slot; under resident none is ever on the host.
+        route_errors = jnp.zeros((), jnp.int32)
         if self.policy.kind is PolicyKind.HOST_ALL:
-            y = host_part(x)
+            y, route_errors = host_part(x)
         elif self.policy.kind is PolicyKind.RESIDENT:
             y = device_part(x)
         elif ft_jax.CUDA_ENABLED:
-            y = jax.lax.platform_dependent(x, cpu=lambda x: device_part(x) + host_part(x), cuda=overlapped)
+            y, route_errors = jax.lax.platform_dependent(x, cpu=both, cuda=overlapped)
         else:
-            y = device_part(x) + host_part(x)
-        return y, OffloadState(cache, pools, fill_errors)
+            y, route_errors = both(x)
+        return y, OffloadState(cache, pools, fill_errors, state.host_route_errors + route_errors)
