@@ -5,7 +5,7 @@ reference reader does (no duplicate keys, header <= 100 MB, the tensors tile the
 tensor is checked for NaN/Inf as it is read (a bit test on the exponent field). Tensors are read with positioned
 reads straight into their destination (a bank row or one tensor-sized temporary), not through a memory map, so
 peak host memory is about 1x the checkpoint. Expert tensor names per family (Mixtral, Qwen2/3-MoE, OLMoE, fused,
-gpt-oss incl. MXFP4) and the bank row layout: docs/design_parts/offload.md ("checkpoint.py"); the banks are one
+gpt-oss incl. MXFP4) and the bank row layout: docs/DESIGN.md sec. 12 ("checkpoint.py"); the banks are one
 ExpertBanks (ft_jax.offload.banks): gate_up row = [gate; up] [2I, H], down row [H, I], flat id = moe_layer * E + e,
 and for gpt-oss gate_up_bias [2I] (gate bias then up bias), down_bias [H].
 """

@@ -9,7 +9,7 @@ writing one line to stderr -- at once, even while the main thread sits in an XLA
 Why not KeyboardInterrupt: raised wherever the main thread next runs bytecode, it lands inside callbacks that C++
 calls during a compile (jax's monitoring listeners, jaxlib's ``_xla_gc_callback``), where it is swallowed ("Exception
 ignored in: _xla_gc_callback") or unwinds through the compiler; when it does reach main, the interpreter finalizes
-while XLA threads still run and the process dies with SIGSEGV (see docs/design_parts/reliab.md).
+while XLA threads still run and the process dies with SIGSEGV (see docs/DESIGN.md sec. 14).
 
 Writes that must not be cut in half (JAX's persistent-cache entries, which it writes in place; the bandwidth
 profile store) run inside ``deferred_exit()``: the watcher waits for them to finish before exiting.

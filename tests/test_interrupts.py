@@ -2,7 +2,7 @@
 
 Before the fix, a SIGINT while XLA compiled raised KeyboardInterrupt in the main thread while the compile went on in
 a worker thread; the interpreter then finalized, destroyed the PjRtClient, and the worker crashed (SIGSEGV), or the
-interrupt was swallowed by _xla_gc_callback and the run went on (docs/design_parts/reliab.md).
+interrupt was swallowed by _xla_gc_callback and the run went on (docs/DESIGN.md sec. 14).
 """
 
 import contextlib

@@ -68,7 +68,7 @@ inline int64_t NumThreadsCap() {
   return cap;
 }
 
-// Per-thread scratch kept between calls: at most this many bytes per buffer (docs/design_parts/cpp.md).
+// Per-thread scratch kept between calls: at most this many bytes per buffer (docs/DESIGN.md sec. 9).
 constexpr size_t kScratchKeepBytes = size_t{16} << 20;
 
 // A call's view of a thread_local buffer: grown to n elements for the call, freed at the end of the call (also on

@@ -3,7 +3,7 @@
 // DotRow<W>(avx2, row, x, len) = dot(row[0:len], x[0:len]) for one weight row of type W (float, or uint16_t holding
 // bfloat16 bits) and a float32 activation vector; DotRowBf16 the same for bf16 weights and bf16 activations with
 // AVX-512 BF16 (VDPBF16PS: pairs of bf16 products summed into float32); DotRows applies them to a block of rows and
-// a batch of tokens. Weights are read one row at a time, front to back (why: docs/design_parts/cpp.md).
+// a batch of tokens. Weights are read one row at a time, front to back (why: docs/DESIGN.md sec. 9).
 // Accumulation is float32 in a fixed order (8 independent partial sums, then a fixed reduction tree), so results do
 // not depend on threads, scheduling or the other tokens of a call. The paths (chosen at run time, isa.h) may differ
 // in the last bits (fused vs separate multiply-add, pairs).

@@ -109,7 +109,7 @@ void RunTyped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, co
   // Per-call buffers of the calling thread (tasks write disjoint parts): the routes' inputs side by side
   // xg [routes, H], gate/up outputs hb [routes, 2I], activations a [routes, I], down outputs d [routes, H]; with
   // bf16 dots also xgb [routes, H] and ab [routes, I] as bf16 bits. Freed after the call when above
-  // kScratchKeepBytes (common.h Scratch; the bound: docs/design_parts/cpp.md).
+  // kScratchKeepBytes (common.h Scratch; the bound: docs/DESIGN.md sec. 9).
   thread_local std::vector<float> buf_storage;
   thread_local std::vector<uint16_t> buf16_storage;
   Scratch<float> buf(buf_storage, static_cast<size_t>(routes) * static_cast<size_t>(2 * H + 3 * I));

@@ -13,7 +13,7 @@
 // float32.
 //
 // Every expert's weights are read once per call whatever the number of tokens routed to it, and every output element
-// is summed in one fixed order, so results do not depend on threads or scheduling (docs/design_parts/cpp.md).
+// is summed in one fixed order, so results do not depend on threads or scheduling (docs/DESIGN.md sec. 9).
 #ifndef FT_JAX_XLA_FFI_EXPERT_KERNEL_H_
 #define FT_JAX_XLA_FFI_EXPERT_KERNEL_H_
 

@@ -4,7 +4,7 @@
 //           layer s32[] (which matrix of the stack)
 // result:   y f32 [N, O] (float32 accumulation)
 // The whole stack and the layer index are operands, so a scanned decode step reads each layer's weights in place
-// (why a handler: docs/design_parts/cpp.md). Output rows are split over the caller's XLA thread pool; each task reads
+// (why a handler: docs/DESIGN.md sec. 9). Output rows are split over the caller's XLA thread pool; each task reads
 // its rows once for all N tokens (dot_kernels.h DotRows).
 #include <algorithm>
 #include <cstdint>

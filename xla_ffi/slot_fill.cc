@@ -2,7 +2,7 @@
 // Operands flat_ids i32[N], slot_ids i32[N], pool_0 .. pool_{P-1} ([S, *row_shape_p]), each aliased to result p
 // (a pool that is not aliased is refused: only the N rows are written); then optionally an error count i32[] (the
 // CUDA handler's signature, so one step serves both platforms; always 0 here: bad ids are an FFI error on the CPU).
-// Attribute banks: i64[P], bound at the instantiate stage (bank_state.h). Design notes: docs/design_parts/cpp.md.
+// Attribute banks: i64[P], bound at the instantiate stage (bank_state.h). Design notes: docs/DESIGN.md sec. 9.
 #include <algorithm>
 #include <cstring>
 #include <string>

@@ -1,5 +1,5 @@
 """The `ft-jax` command line: main and the parser, assembled from one module per subcommand (generate, profile,
-trace, plan; docs/DESIGN.md, "Engine, API and CLI").
+trace, plan; docs/DESIGN.md sec. 11, "Engine, API and CLI").
 
     ft-jax generate --prompt "ROMEO:"                  # the bundled tiny Shakespeare MoE
     ft-jax profile --model ~/models/Mixtral-8x7B

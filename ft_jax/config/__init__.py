@@ -3,7 +3,7 @@
 Modules: record.py (MoEConfig, RopeScaling, the supported architectures), files.py (file access with named
 errors, ConfigError), fields.py (typed readers, the fields every family shares), rope.py (RoPE keys of both
 styles), families.py (one builder per family), load.py (load_config, config_from_dict, read_special_ids). The
-supported architectures, key styles and family notes: docs/DESIGN.md section 6 and docs/DESIGN.md (models, config).
+supported architectures, key styles and family notes: docs/DESIGN.md section 6 and docs/DESIGN.md sec. 10 (models, config).
 """
 
 from ft_jax.config.files import (CONFIG_FILE, GENERATION_CONFIG_FILE, ConfigError, check_model_dir,

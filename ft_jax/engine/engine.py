@@ -7,7 +7,7 @@
     (32, 1)
 
 Requests are checked by ft_jax.api (check_request) before they reach the Engine. Buckets, donation, ahead-of-time
-compilation and the statistics reads: docs/DESIGN.md, "Engine, API and CLI".
+compilation and the statistics reads: docs/DESIGN.md sec. 11, "Engine, API and CLI".
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _left_padded(prompts: Sequence[Sequence[int]], bucket: int) -> tuple[np.ndar
 
 
 class Engine:
-    """Prefill + decode with experts in host banks and a device slot pool (docs/DESIGN.md, "Engine, API and CLI").
+    """Prefill + decode with experts in host banks and a device slot pool (docs/DESIGN.md sec. 11, "Engine, API and CLI").
 
     One generate call at a time: calls from several threads are serialised by a lock (the expert state is one cache
     that every call reads and updates).

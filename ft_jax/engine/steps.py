@@ -1,7 +1,7 @@
 """The three steps of generation, in the shape of gpt-fast's generate.py: ``prefill`` (the prompt batch, jitted),
 ``decode_one_token`` (one token per row, jitted) and ``decode_n_tokens`` (the host loop over the compiled decode
 step: one dispatch and one device-to-host read of the new tokens per step). Why the shapes never depend on the
-routing, and why prefill uses fetch-all: docs/DESIGN.md, "Engine, API and CLI"."""
+routing, and why prefill uses fetch-all: docs/DESIGN.md sec. 11, "Engine, API and CLI"."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def bound_step(step, graphdef, backend):
     """step (prefill or decode_one_token) with its graphdef and backend bound, f(params, tokens, positions, kv_cache,
     expert_state, key, temperature, top_k, top_p, **static): a function object of one Engine's own for its jax.jit,
     so that JAX's caches (keyed weakly on the function, holding static arguments strongly) never keep a dropped
-    Engine's executables and host banks alive (docs/DESIGN.md, "Engine, API and CLI")."""
+    Engine's executables and host banks alive (docs/DESIGN.md sec. 11, "Engine, API and CLI")."""
     def call(params, tokens, positions, kv_cache, expert_state, key, temperature, top_k, top_p, **static):
         return step(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key, temperature, top_k,
                     top_p, **static)

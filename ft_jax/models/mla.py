@@ -3,7 +3,7 @@
 
 Widths: dn = qk_nope_head_dim, dr = qk_rope_head_dim, dv = v_head_dim, C = kv_lora_rank, Q = q_lora_rank; x [B, T, H],
 q [B, T, NH, dn + dr]; the KV cache of a stack is (latent [n, B, S, C], rope_key [n, B, S, dr]) in the model dtype.
-Formulas, cache sizes and the derivation of the absorbed form: docs/DESIGN.md (models, mla.py).
+Formulas, cache sizes and the derivation of the absorbed form: docs/DESIGN.md sec. 10 (models, mla.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ gpt-oss: top-k of the logits then softmax) and :func:`route_deepseek` (DeepSeek-
 correction bias, group-limited top-k, routed_scaling_factor).
 
 Shapes: logits f32[N, E] -> Routing(logits f32[N, E], topk_ids i32[N, k], topk_weights f32[N, k]). The formulas of
-each rule: docs/DESIGN.md (models, routing.py) and section 6.
+each rule: docs/DESIGN.md sec. 10 (models, routing.py) and section 6.
 """
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ def use_huge_pages(tree) -> int:
 
     Host banks get huge pages when they are created; XLA's own buffers (the dense weights, the slot pools, a long KV
     cache) are plain 4 KiB pages, which cost the streaming GEMVs a TLB miss every 4 KiB (measurements:
-    docs/design_parts/offload.md, "offload/banks.py"). Linux >= 6.1 with transparent huge pages in "madvise" or "always" mode; elsewhere, and
+    docs/DESIGN.md sec. 12, "offload/banks.py"). Linux >= 6.1 with transparent huge pages in "madvise" or "always" mode; elsewhere, and
     for arrays on other devices, nothing happens.
 
     Args:

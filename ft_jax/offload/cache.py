@@ -10,7 +10,7 @@ fetched most recently active first (ties to the lower id, never-seen last); vict
 slots (ties to the lowest slot), never one holding an expert active in this layer; F is capped by the eligible
 slots. Hits and fills set usage = step; active experts get recency = step; step += 1 per call (int32: wraps after
 2^31 - 1 calls, after which the LRU order is no longer meaningful but outputs stay correct). The auto policy's reuse
-bookkeeping (slot gains, ghosts, decayed sums) and the full rules: docs/design_parts/offload.md ("offload/cache.py").
+bookkeeping (slot gains, ghosts, decayed sums) and the full rules: docs/DESIGN.md sec. 12 ("offload/cache.py").
 """
 
 from __future__ import annotations

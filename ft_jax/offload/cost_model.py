@@ -1,6 +1,6 @@
 """The one cost model of an offloaded MoE layer, in two number types: float ms (trace, plan) and int32 ticks (auto).
 
-``layer_time`` is the definition (docs/policies.md; docs/design_parts/offload.md, "offload/cost_model.py"): with F
+``layer_time`` is the definition (docs/policies.md; docs/DESIGN.md sec. 12, "offload/cost_model.py"): with F
 experts fetched into slots, H computed on the host and D = hits + F on the device, per-expert times fill_solo,
 fill_cont, host_solo, host_cont, device and per-layer fixed costs,
   * the fill (F > 0) and the host GEMV (H > 0) start together at the contended times; when one ends, the other goes

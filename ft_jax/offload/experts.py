@@ -4,7 +4,7 @@
 (ft_jax.offload.cache.plan_layer), one slot_fill for every pool, the slot experts and the host experts, summed (each
 route computed exactly once). The step-by-step description, the GPU overlap and why the pools are carried in the
 shape the FFI calls consume; the GPU forms count bad ids (fill_errors,
-host_route_errors, checked by read_stats) where the CPU handlers raise: docs/design_parts/offload.md ("offload/experts.py") and docs/DESIGN.md sec. 3 and 5.
+host_route_errors, checked by read_stats) where the CPU handlers raise: docs/DESIGN.md sec. 12 ("offload/experts.py") and docs/DESIGN.md sec. 3 and 5.
 """
 
 from __future__ import annotations
