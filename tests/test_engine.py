@@ -14,7 +14,8 @@ from ft_jax.checkpoint import load_checkpoint
 from engine_helpers import decode_cache_size, lower_decode_step
 from ft_jax.engine.engine import Engine, kv_bucket, prefill_bucket
 from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, sample_next
-from ft_jax.offload.policy import Policy, auto_costs
+from ft_jax.offload.cost_model import auto_costs
+from ft_jax.offload.policy import Policy
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 
