@@ -30,7 +30,7 @@ _PUBLIC = {
     "Engine": "ft_jax.engine.engine", "Sampling": "ft_jax.engine.sampling", "GenerationResult": "ft_jax.engine.engine",
     "NonFiniteLogitsError": "ft_jax.engine.sampling", "Policy": "ft_jax.offload.policy",
     "parse_policy": "ft_jax.offload.policy", "load_checkpoint": "ft_jax.checkpoint", "load_config": "ft_jax.config",
-    "load_tokenizer": "ft_jax.tokenizer", "HostBank": "ft_jax.offload.banks",
+    "load_tokenizer": "ft_jax.tokenizer", "HostBank": "ft_jax.kernels.host_bank",
 }
 __all__ = sorted(_PUBLIC) + ["__version__", "CUDA_ENABLED"]
 

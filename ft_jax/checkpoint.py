@@ -26,7 +26,8 @@ import numpy as np
 
 from ft_jax.config import MoEConfig, check_regular_file, file_present, load_config, read_json_file
 from ft_jax.models.decoder import MoETransformer
-from ft_jax.offload.banks import ExpertBanks, HostBank
+from ft_jax.kernels.host_bank import HostBank
+from ft_jax.offload.banks import ExpertBanks
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -386,16 +387,6 @@ class LoadedCheckpoint:
     model: MoETransformer
     banks: ExpertBanks
     checkpoint_bytes: int
-
-    @property
-    def gate_up_bank(self) -> HostBank:
-        """banks.gate_up, HostBank [L_moe*E, 2I, H]."""
-        return self.banks.gate_up
-
-    @property
-    def down_bank(self) -> HostBank:
-        """banks.down, HostBank [L_moe*E, H, I]."""
-        return self.banks.down
 
 
 def _np_dtype(dtype) -> np.dtype:

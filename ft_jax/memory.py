@@ -3,7 +3,7 @@
 ``check_host_memory`` runs before anything is allocated (ft_jax.load calls it first): it needs only the config and
 the safetensors headers (shapes, stored dtypes; never the tensor data), so it takes milliseconds and a few MB for a
 checkpoint of any size. An allocation that fails anyway (HostBank's std::bad_alloc) becomes the same
-InsufficientMemoryError (ft_jax.offload.banks).
+InsufficientMemoryError (ft_jax.kernels.host_bank).
 """
 
 from __future__ import annotations

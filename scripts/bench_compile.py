@@ -46,7 +46,8 @@ def build_engine(cfg, policy: str, cache_fraction: float):
     from ft_jax.checkpoint import LoadedCheckpoint
     from ft_jax.engine.engine import Engine
     from ft_jax.models.decoder import MoETransformer
-    from ft_jax.offload.banks import ExpertBanks, HostBank
+    from ft_jax.kernels.host_bank import HostBank
+    from ft_jax.offload.banks import ExpertBanks
     from ft_jax.offload.policy import parse_policy
 
     bf16 = np.dtype(ml_dtypes.bfloat16)

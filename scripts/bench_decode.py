@@ -84,7 +84,7 @@ def qstar_fraction(args: argparse.Namespace, checkpoint) -> tuple[float, str]:
         if not 0.0 <= args.frac <= 1.0:
             raise SystemExit(f"bench_decode: --frac must be in [0, 1], got {args.frac}")
         return args.frac, "--frac"
-    cfg, bank = checkpoint.config, checkpoint.gate_up_bank
+    cfg, bank = checkpoint.config, checkpoint.banks.gate_up
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the message is returned instead
         profile, message = bandwidth.get_or_measure_profile(
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> dict:
     dtype = args.dtype or ("float32" if str(cfg.dtype) == "float32" else "bfloat16")
     checkpoint = load_checkpoint(path, dtype=jnp.dtype(dtype))
     prompt = prompt_ids(args, path)
-    total_experts = checkpoint.gate_up_bank.num_rows  # L*E
+    total_experts = checkpoint.banks.gate_up.num_rows  # L*E
     num_slots = min(total_experts, max(1, round(args.cache_fraction * total_experts)))
     frac, frac_source = qstar_fraction(args, checkpoint)
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from ft_jax import _ffi
 from ft_jax.kernels import ffi_ops
-from ft_jax.offload.banks import HostBank
+from ft_jax.kernels.host_bank import HostBank
 from ft_jax.offload.profile import Bench, measure_rates
 
 MiB = 1 << 20

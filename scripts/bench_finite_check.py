@@ -95,8 +95,8 @@ def _load_rounds(parent: str | None, layers: int, bank_dtype: str, rounds: int) 
             t0 = time.perf_counter()
             ck = checkpoint.load_checkpoint(folder, dtype=jnp.float32, expert_dtype=getattr(jnp, bank_dtype))
             seconds = time.perf_counter() - t0
-            ck.gate_up_bank.release()
-            ck.down_bank.release()
+            ck.banks.gate_up.release()
+            ck.banks.down.release()
             return seconds
 
         load(True)  # page cache warm, first-call costs paid

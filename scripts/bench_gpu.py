@@ -74,7 +74,7 @@ def bench_fill_and_host(args, gpu, cpu):
     import numpy as np
 
     from ft_jax.kernels import ffi_ops
-    from ft_jax.offload.banks import HostBank
+    from ft_jax.kernels.host_bank import HostBank
 
     H, inter, E = 4096, 14336, 8
     bf16 = np.dtype(ml_dtypes.bfloat16)
@@ -169,7 +169,7 @@ def bench_decode(args, synth_dir):
     from ft_jax.engine.engine import Engine
 
     ckpt = load_checkpoint(synth_dir, dtype=jnp.bfloat16)
-    L_E = ckpt.gate_up_bank.num_rows
+    L_E = ckpt.banks.gate_up.num_rows
     slots = max(1, round(args.cache_fraction * L_E))
     profile = os.path.join(args.out, "profiles.json")
     engines, notes = {}, {}

@@ -106,9 +106,9 @@ def child(folder: str, expert_dtype: str) -> None:
     with SafetensorsCheckpoint(folder) as f:
         last = cfg.num_moe_layers * cfg.num_experts - 1
         w2 = f.read(f"model.layers.{cfg.moe_layers[-1]}.block_sparse_moe.experts.{cfg.num_experts - 1}.w2.weight")
-        assert np.array_equal(ck.down_bank.numpy()[last], w2.astype(ck.down_bank.dtype)), "bank row mismatch"
+        assert np.array_equal(ck.banks.down.numpy()[last], w2.astype(ck.banks.down.dtype)), "bank row mismatch"
     print(json.dumps({
-        "checkpoint_bytes": ck.checkpoint_bytes, "bank_bytes": ck.gate_up_bank.nbytes + ck.down_bank.nbytes,
+        "checkpoint_bytes": ck.checkpoint_bytes, "bank_bytes": ck.banks.gate_up.nbytes + ck.banks.down.nbytes,
         "peak_rss_bytes": peak_kb * 1024, "baseline_rss_bytes": baseline_kb * 1024,
         "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "rss_after_load_bytes": _status_kb("VmRSS") * 1024, "load_seconds": seconds}))

@@ -513,9 +513,9 @@ def export_check(out: str, stored: dict, cfg: MoEConfig, prompt_ids: list[int], 
 
     loaded = ft_jax.load(out, dtype="float32", policy="host-all", measure=False)
     ckpt = loaded.checkpoint
-    got = jax.tree.leaves(nnx.split(ckpt.model)[1]) + [ckpt.gate_up_bank.numpy(), ckpt.down_bank.numpy()]
-    want = jax.tree.leaves(stored["dense"]) + [np.reshape(stored[k], ckpt.gate_up_bank.shape if k == "gate_up" else
-                                                          ckpt.down_bank.shape) for k in ("gate_up", "down")]
+    got = jax.tree.leaves(nnx.split(ckpt.model)[1]) + [ckpt.banks.gate_up.numpy(), ckpt.banks.down.numpy()]
+    want = jax.tree.leaves(stored["dense"]) + [np.reshape(stored[k], ckpt.banks.gate_up.shape if k == "gate_up" else
+                                                          ckpt.banks.down.shape) for k in ("gate_up", "down")]
     diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) for a, b in zip(got, want))
     if diff or len(got) != len(want):
         sys.exit(f"error: the parameters ft_jax.load reads from {out} differ from the trained ones by {diff:.3e}")

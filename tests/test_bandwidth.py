@@ -333,7 +333,8 @@ def _banks():
     """float32 ExpertBanks of one layer of 2 experts of (H, I): 98304 bytes per expert (no biases)."""
     import numpy as np
 
-    from ft_jax.offload.banks import ExpertBanks, HostBank
+    from ft_jax.kernels.host_bank import HostBank
+    from ft_jax.offload.banks import ExpertBanks
 
     return ExpertBanks(HostBank(2, (2 * I, H), np.float32), HostBank(2, (H, I), np.float32))
 

@@ -165,7 +165,7 @@ def test_exports_every_handler_and_the_state_type(lib):
 
 def test_coexists_with_pip_extension(lib):
     """Both libraries export the same symbols; each handler must read its own bank registry (no interposition)."""
-    host_bank = pytest.importorskip("ft_jax.offload.banks")
+    host_bank = pytest.importorskip("ft_jax.kernels.host_bank")
     pip_bank = host_bank.HostBank(3, (5,), np.float32)  # lives in ft_jax._ffi's registry, not the Bazel library's
     try:
         rows = np.arange(4 * 8, dtype=np.float32).reshape(4, 8)  # [R=4, 8]

@@ -44,8 +44,8 @@ def _params(model):
 
 
 def _release(ck):
-    ck.gate_up_bank.release()
-    ck.down_bank.release()
+    ck.banks.gate_up.release()
+    ck.banks.down.release()
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_bank_rows_follow_the_contract_layout(family):
     cfg = ck.config
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     tensors = load_file(os.path.join(d, "model.safetensors"))
-    gu, dn = ck.gate_up_bank.numpy(), ck.down_bank.numpy()
+    gu, dn = ck.banks.gate_up.numpy(), ck.banks.down.numpy()
     assert gu.shape == (cfg.num_moe_layers * E, 2 * I, H) and dn.shape == (cfg.num_moe_layers * E, H, I)
     assert gu.dtype == np.float32 and dn.dtype == np.float32
     for m, layer in enumerate(cfg.moe_layers):
@@ -101,8 +101,8 @@ def test_sharded_checkpoint_equals_single_file(tmp_path, mixtral):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     shutil.copyfile(os.path.join(FIXTURES, "mixtral", "config.json"), tmp_path / "config.json")
     ck = load_checkpoint(tmp_path)
-    np.testing.assert_array_equal(ck.gate_up_bank.numpy(), mixtral.gate_up_bank.numpy())
-    np.testing.assert_array_equal(ck.down_bank.numpy(), mixtral.down_bank.numpy())
+    np.testing.assert_array_equal(ck.banks.gate_up.numpy(), mixtral.banks.gate_up.numpy())
+    np.testing.assert_array_equal(ck.banks.down.numpy(), mixtral.banks.down.numpy())
     a, b = _params(ck.model), _params(mixtral.model)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert ck.checkpoint_bytes == sum(os.path.getsize(tmp_path / f) for f in set(weight_map.values()))
@@ -138,8 +138,8 @@ def test_fused_transformers5_expert_names(tmp_path, mixtral):
     save_file(out, str(tmp_path / "model.safetensors"))
     shutil.copyfile(os.path.join(FIXTURES, "mixtral", "config.json"), tmp_path / "config.json")
     ck = load_checkpoint(tmp_path)
-    np.testing.assert_array_equal(ck.gate_up_bank.numpy(), mixtral.gate_up_bank.numpy())
-    np.testing.assert_array_equal(ck.down_bank.numpy(), mixtral.down_bank.numpy())
+    np.testing.assert_array_equal(ck.banks.gate_up.numpy(), mixtral.banks.gate_up.numpy())
+    np.testing.assert_array_equal(ck.banks.down.numpy(), mixtral.banks.down.numpy())
     a, b = _params(ck.model), _params(mixtral.model)
     assert all(np.array_equal(a[k], b[k]) for k in a)
     _release(ck)
@@ -151,9 +151,9 @@ def test_bfloat16_file_loads_into_float32_and_bfloat16(tmp_path, mixtral):
     shutil.copyfile(os.path.join(FIXTURES, "mixtral", "config.json"), tmp_path / "config.json")
     for dtype in (jnp.float32, jnp.bfloat16):
         ck = load_checkpoint(tmp_path, dtype=dtype)
-        assert ck.gate_up_bank.numpy().dtype == np.dtype(dtype) and ck.model.dtype == dtype
-        np.testing.assert_array_equal(ck.gate_up_bank.numpy().astype(np.float32),
-                                      mixtral.gate_up_bank.numpy().astype(ml_dtypes.bfloat16).astype(np.float32))
+        assert ck.banks.gate_up.numpy().dtype == np.dtype(dtype) and ck.model.dtype == dtype
+        np.testing.assert_array_equal(ck.banks.gate_up.numpy().astype(np.float32),
+                                      mixtral.banks.gate_up.numpy().astype(ml_dtypes.bfloat16).astype(np.float32))
         _release(ck)
 
 
@@ -480,7 +480,7 @@ def test_non_finite_weights_fail_the_load(tmp_path, tensor):
 
 
 def test_loaded_banks_are_read_only(mixtral):
-    for bank in (mixtral.gate_up_bank, mixtral.down_bank):
+    for bank in (mixtral.banks.gate_up, mixtral.banks.down):
         assert bank.frozen
         view = bank.numpy()
         assert not view.flags.writeable
@@ -508,7 +508,7 @@ def test_deepseek_hub_layout_loads(family, tmp_path):
     ck = load_checkpoint(d, dtype=jnp.bfloat16)
     cfg = ck.config
     E, NH, bf16 = cfg.num_experts, cfg.num_heads, ml_dtypes.bfloat16
-    gu, dn = ck.gate_up_bank.numpy(), ck.down_bank.numpy()
+    gu, dn = ck.banks.gate_up.numpy(), ck.banks.down.numpy()
     for m, layer in enumerate(cfg.moe_layers):
         for e in range(E):
             g, u, dw = _expert_names(family, layer, e)
@@ -546,8 +546,8 @@ def test_deepseek_hub_layout_loads(family, tmp_path):
     save_file(fused, str(tmp_path / "model.safetensors"))
     shutil.copyfile(os.path.join(d, "config.json"), tmp_path / "config.json")
     ck2 = load_checkpoint(tmp_path, dtype=jnp.bfloat16)
-    np.testing.assert_array_equal(ck2.gate_up_bank.numpy(), gu)
-    np.testing.assert_array_equal(ck2.down_bank.numpy(), dn)
+    np.testing.assert_array_equal(ck2.banks.gate_up.numpy(), gu)
+    np.testing.assert_array_equal(ck2.banks.down.numpy(), dn)
     _release(ck)
     _release(ck2)
 def _release_all(ck):
@@ -591,7 +591,7 @@ def test_mxfp4_experts_equal_transformers_dequantization(expert_dtype):
     gu_ref, dn_ref = ref["gate_up_proj"], ref["down_proj"]  # [E, H, 2I], [E, I, H]
     ck = load_checkpoint(d, expert_dtype=expert_dtype)
     E, I = ck.config.num_experts, ck.config.moe_intermediate_size
-    gu, dn = ck.gate_up_bank.numpy(), ck.down_bank.numpy()
+    gu, dn = ck.banks.gate_up.numpy(), ck.banks.down.numpy()
     assert gu.dtype == np.dtype(expert_dtype)
     for e in range(E):
         np.testing.assert_array_equal(gu[e, :I].astype(np.float32), gu_ref[e][:, 0::2].T)

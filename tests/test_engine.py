@@ -91,7 +91,7 @@ def qwen2_moe():
 
 def _auto(ckpt):
     """auto with costs under which a layer both fetches and host-computes misses (equal bandwidths)."""
-    return Policy("auto", costs=auto_costs(ckpt.gate_up_bank.row_bytes + ckpt.down_bank.row_bytes, 10.0, 10.0))
+    return Policy("auto", costs=auto_costs(ckpt.banks.gate_up.row_bytes + ckpt.banks.down.row_bytes, 10.0, 10.0))
 
 
 @pytest.mark.parametrize("policy", ["fetch-all", "qstar", "auto"])

@@ -14,7 +14,7 @@ import pytest
 
 from ft_jax import _ffi
 from ft_jax.kernels import ffi_ops
-from ft_jax.offload.banks import HostBank
+from ft_jax.kernels.host_bank import HostBank
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # An FFI error raised while a compiled step runs reaches Python as JaxRuntimeError, or as ValueError when jit's C++
@@ -342,7 +342,7 @@ _SUBPROCESS_SCRIPT = """
 import sys, numpy as np, jax.numpy as jnp
 import ml_dtypes
 from ft_jax.kernels import ffi_ops
-from ft_jax.offload.banks import HostBank
+from ft_jax.kernels.host_bank import HostBank
 x, ids, w, gu, dn, gb, db, out = sys.argv[1:9]
 banks = HostBank.from_numpy(np.load(gu)), HostBank.from_numpy(np.load(dn))
 biases = dict(gate_up_bias=HostBank.from_numpy(np.load(gb)), down_bias=HostBank.from_numpy(np.load(db))) \\
@@ -545,7 +545,7 @@ def test_host_experts_bank_layout_checked_at_instantiate(f32_banks):
 _THROWING_TASK_SCRIPT = """
 import numpy as np, jax
 from ft_jax.kernels import ffi_ops
-from ft_jax.offload.banks import HostBank
+from ft_jax.kernels.host_bank import HostBank
 rng = np.random.default_rng(0)
 E, H, I = 4, 256, 600  # 1.8 MiB of f32 weights per expert: the kernel runs its tasks on XLA's thread pool
 banks = (HostBank.from_numpy(rng.standard_normal((E, 2 * I, H)).astype(np.float32)),
@@ -638,7 +638,7 @@ def test_bf16_weights_and_activations_on_every_kernel_path(kernel, tmp_path):
 import sys, numpy as np, jax.numpy as jnp, ml_dtypes
 from ft_jax import _ffi
 from ft_jax.kernels import ffi_ops
-from ft_jax.offload.banks import HostBank
+from ft_jax.kernels.host_bank import HostBank
 d = sys.argv[1]
 load = lambda n: (lambda a: a.view(ml_dtypes.bfloat16) if a.dtype == np.uint16 else a)(np.load(f"{d}/{n}.npy"))
 banks = HostBank.from_numpy(load("gu")), HostBank.from_numpy(load("dn"))

@@ -61,7 +61,7 @@ def _run_case(case: str, xla_flags: str, **env) -> dict:
 def _fill_inputs(seed: int):
     """Banks of three kinds (f32 [R, 6, 40], bf16 [R, 24, 8], bf16 vectors [R, 10]: 20-byte rows, no 16-byte
     vectors), slot pools of S = 5, and fills with padding on either side."""
-    from ft_jax.offload.banks import HostBank
+    from ft_jax.kernels.host_bank import HostBank
 
     rng = np.random.default_rng(seed)
     rows = [rng.standard_normal((9, 6, 40)).astype(np.float32),
@@ -131,7 +131,7 @@ def test_cuda_slot_fill_bounce_fallback_bit_exact():
 def test_gpu_host_experts_equal_the_cpu_handler(dtype, x_dtype, bias):
     """Same kernel, same inputs, fixed summation order: the GPU path (staging, worker pool) is bit-identical."""
     from ft_jax.kernels import ffi_ops
-    from ft_jax.offload.banks import HostBank
+    from ft_jax.kernels.host_bank import HostBank
 
     cpu, gpu = _devices()
     rng = np.random.default_rng(2)
@@ -160,7 +160,7 @@ def test_gpu_host_experts_counts_a_bad_route_and_pairs_two_calls():
     it too); two host_experts calls in one step each find their own submit's channel (pair ids)."""
     from ft_jax import _ffi
     from ft_jax.kernels import ffi_ops
-    from ft_jax.offload.banks import HostBank
+    from ft_jax.kernels.host_bank import HostBank
 
     cpu, gpu = _devices()
     rng = np.random.default_rng(4)
@@ -224,7 +224,7 @@ def _case_counters(calls: int = 20) -> dict:
     """host_experts inside a jit with a few device ops around it, called `calls` times with new inputs."""
     from ft_jax import _ffi
     from ft_jax.kernels import ffi_ops
-    from ft_jax.offload.banks import HostBank
+    from ft_jax.kernels.host_bank import HostBank
 
     cpu, gpu = _devices()
     rng = np.random.default_rng(3)
@@ -263,7 +263,7 @@ def _case_greedy(new_tokens: int = 12) -> dict:
         path = os.path.join(FIXTURES, family)
         info = json.load(open(os.path.join(path, "reference", "info.json")))
         ckpt = load_checkpoint(path, dtype=jnp.float32)
-        slots = max(1, ckpt.gate_up_bank.num_rows // 4)
+        slots = max(1, ckpt.banks.gate_up.num_rows // 4)
         engine = Engine(ckpt, policy=Policy("qstar", frac=0.5), num_slots=slots)
         result = engine.generate([info["prompt_ids"]], max_new_tokens=new_tokens)
         tokens[family] = result.tokens[0]

@@ -17,7 +17,8 @@ import ft_jax
 from ft_jax import _ffi
 from ft_jax.kernels import device_experts, ffi_ops
 from ft_jax.offload.experts import OffloadedExperts
-from ft_jax.offload.banks import ExpertBanks, HostBank
+from ft_jax.kernels.host_bank import HostBank
+from ft_jax.offload.banks import ExpertBanks
 from ft_jax.offload.policy import Policy
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

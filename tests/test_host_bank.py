@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ft_jax import _ffi
-from ft_jax.offload.banks import HostBank
+from ft_jax.kernels.host_bank import HostBank
 
 
 @pytest.mark.parametrize("dtype, itemsize", [(np.float32, 4), (ml_dtypes.bfloat16, 2)])

@@ -16,7 +16,7 @@ from ft_jax import memory
 from ft_jax.api import bundled_model_path
 from ft_jax.checkpoint import SafetensorsCheckpoint
 from ft_jax.config import load_config
-from ft_jax.offload import banks
+from ft_jax.kernels import host_bank as banks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2**20

@@ -20,7 +20,7 @@ from ft_jax.config import load_config
 from ft_jax.models.decoder import MoETransformer
 from ft_jax.models.layers import random_param_factory
 from ft_jax.kernels import ffi_ops
-from ft_jax.offload.banks import HostBank
+from ft_jax.kernels.host_bank import HostBank
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "deepseek_v2_group",
@@ -78,7 +78,7 @@ def jit_forward(model, *, collect=False, last_logits_only=False):
 
 
 def _experts_of(ck):
-    return HostBankExperts(ck.gate_up_bank, ck.down_bank, ck.config, (ck.banks.gate_up_bias, ck.banks.down_bias))
+    return HostBankExperts(ck.banks.gate_up, ck.banks.down, ck.config, (ck.banks.gate_up_bias, ck.banks.down_bias))
 
 
 class Loaded:
@@ -252,7 +252,7 @@ def test_bfloat16_load_is_close(loaded):
     tokens whose routing did not change stay within the bf16 rounding bound (bf16_logit_error_bound)."""
     ck = load_checkpoint(loaded.dir, dtype=jnp.bfloat16)
     assert ck.model.dtype == jnp.bfloat16
-    for bank, ref_bank in ((ck.gate_up_bank, loaded.ckpt.gate_up_bank), (ck.down_bank, loaded.ckpt.down_bank)):
+    for bank, ref_bank in ((ck.banks.gate_up, loaded.ckpt.banks.gate_up), (ck.banks.down, loaded.ckpt.banks.down)):
         assert bank.numpy().dtype == jnp.bfloat16
         np.testing.assert_array_equal(bank.numpy(), ref_bank.numpy().astype(jnp.bfloat16))
     experts = _experts_of(ck)
@@ -277,7 +277,7 @@ def test_bfloat16_load_is_close(loaded):
 def test_float32_model_with_bfloat16_banks(loaded):
     ck = load_checkpoint(loaded.dir, dtype=jnp.float32, expert_dtype=jnp.bfloat16)
     assert ck.model.dtype == jnp.float32
-    for bank, ref_bank in ((ck.gate_up_bank, loaded.ckpt.gate_up_bank), (ck.down_bank, loaded.ckpt.down_bank)):
+    for bank, ref_bank in ((ck.banks.gate_up, loaded.ckpt.banks.gate_up), (ck.banks.down, loaded.ckpt.banks.down)):
         assert bank.numpy().dtype == jnp.bfloat16
         np.testing.assert_array_equal(bank.numpy(), ref_bank.numpy().astype(jnp.bfloat16))
     for bank in ck.banks.banks:

@@ -86,14 +86,14 @@ def test_checkpoint_has_hub_names_shapes_and_loads_with_ft_jax(sc, tiny):
     assert (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_layers, cfg.num_experts, cfg.top_k) == (H, I, 2, E, 2)
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, cfg.dtype) == (4, 2, D, V, "bfloat16")
     ckpt = load_checkpoint(folder, dtype=jnp.bfloat16)
-    gate_up, down = ckpt.gate_up_bank.numpy(), ckpt.down_bank.numpy()
+    gate_up, down = ckpt.banks.gate_up.numpy(), ckpt.banks.down.numpy()
     assert gate_up.shape == (2 * E, 2 * I, H) and down.shape == (2 * E, H, I)
     p = "model.layers.1.block_sparse_moe.experts.2"  # flat id 1 * E + 2
     np.testing.assert_array_equal(gate_up[E + 2],
                                   np.concatenate([tensors[f"{p}.w1.weight"], tensors[f"{p}.w3.weight"]]))
     np.testing.assert_array_equal(down[E + 2], tensors[f"{p}.w2.weight"])
-    ckpt.gate_up_bank.release()
-    ckpt.down_bank.release()
+    ckpt.banks.gate_up.release()
+    ckpt.banks.down.release()
 
 
 def test_weight_bytes_per_token_counts_the_tensors_one_token_reads(sc, tiny):

@@ -269,7 +269,7 @@ def test_replayed_trace_makes_the_decode_steps_decisions(tmp_path, rows):
     ckpt = load_checkpoint(os.path.join(FIXTURES, "mixtral"), dtype=jnp.float32)
     cfg = ckpt.config
     # A fill costs two host GEMVs here: top-2 of 8 experts gives auto layers worth fetching and layers not.
-    auto, _ = _auto(expert_bytes=ckpt.gate_up_bank.row_bytes + ckpt.down_bank.row_bytes, bp=4.0)
+    auto, _ = _auto(expert_bytes=ckpt.banks.gate_up.row_bytes + ckpt.banks.down.row_bytes, bp=4.0)
     prompts = [[1, 17, 42, 5], [3, 9, 11, 2]][:rows]
     for policy in (auto, Policy("fetch-all")):
         start, result, end = _routing_of_decode(ckpt, policy, 5, 24, prompts)

@@ -83,7 +83,7 @@ def test_training_loss_equals_loaded_checkpoint_cross_entropy(tm, run):
     train_side = float(tm.cross_entropy(logits, jnp.asarray(windows[:, 1:])))
 
     ckpt = ft_jax.load(run["out"], dtype="float32", policy="host-all", measure=False).checkpoint
-    gate_up, down = jnp.asarray(ckpt.gate_up_bank.numpy()), jnp.asarray(ckpt.down_bank.numpy())  # [L*E, 2I, H], ...
+    gate_up, down = jnp.asarray(ckpt.banks.gate_up.numpy()), jnp.asarray(ckpt.banks.down.numpy())  # [L*E, 2I, H], ...
     E, I = cfg.num_experts, cfg.moe_intermediate_size
 
     def topk_experts(moe_layer, x, ids, w, state):  # only the k chosen experts of each token, gathered by flat id

@@ -25,7 +25,7 @@ from ft_jax.checkpoint import LoadedCheckpoint
 from ft_jax.engine import stats as stats_lib
 from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, check_finite
 from ft_jax.engine.steps import bound_step, decode_n_tokens, decode_one_token, prefill
-from ft_jax.offload.banks import use_huge_pages
+from ft_jax.kernels.host_bank import use_huge_pages
 from ft_jax.offload.experts import OffloadedExperts
 from ft_jax.offload.policy import Policy, PolicyKind
 

@@ -34,7 +34,7 @@ import numpy as np
 
 import ft_jax  # registers the FFI targets; CUDA_ENABLED
 from ft_jax.kernels import device_experts
-from ft_jax.offload.banks import HostBank
+from ft_jax.kernels.host_bank import HostBank
 
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's defaults (transformers' GptOssConfig)

@@ -135,27 +135,35 @@ class OffloadedExperts:
         active = expert_cache.active_from_topk(topk_ids, E)  # bool[E]
         cache, plan = expert_cache.plan_layer(state.cache, moe_layer, active, self.policy,
                                               max_active=topk_ids.size)
+        pools, fill_errors = self._fill(state.pools, plan, state.fill_errors)
+        routed = topk_ids >= 0  # bool[N, k]; -1 = padding token, no expert
+        ids = jnp.where(routed, topk_ids, 0)  # i32[N, k], safe to index with
+        route_slot = jnp.where(routed, plan.device_slot_of_expert[ids], -1)  # i32[N, k], -1 = not in a slot
+        route_host = jnp.where(routed & plan.host_mask[ids], moe_layer * E + ids, -1)  # i32[N, k] flat ids
+        y, route_errors = self._compute(x, route_slot, route_host, topk_weights, pools)
+        return y, OffloadState(cache, pools, fill_errors, state.host_route_errors + route_errors)
 
-        fill_errors = state.fill_errors
+    def _fill(self, pools: dict[str, jax.Array], plan: expert_cache.LayerPlan, fill_errors: jax.Array):
+        """The plan's fills copied from the host banks into the slot pools: one slot_fill for every pool, in place.
+        Returns (pools, fill_errors + the call's error count)."""
         if not self.policy.kind.fetches:
             # Never fetches: no slot_fill. A fill whose ids are constants does not depend on the previous layer's
             # slot_experts read, so XLA copied the whole pool before every fill (8 copies per step on 4 layers).
-            pools = state.pools
-        else:  # one call for every pool, in place
-            names = self.banks.names
-            filled, errors = ffi_ops.slot_fill_with_errors(tuple(state.pools[n] for n in names), plan.fill_flat_ids,
-                                                           plan.fill_slot_ids, self.banks.banks)
-            pools, fill_errors = dict(zip(names, filled)), fill_errors + errors
+            return pools, fill_errors
+        names = self.banks.names
+        filled, errors = ffi_ops.slot_fill_with_errors(tuple(pools[n] for n in names), plan.fill_flat_ids,
+                                                       plan.fill_slot_ids, self.banks.banks)
+        return dict(zip(names, filled)), fill_errors + errors
+
+    def _compute(self, x, route_slot, route_host, topk_weights, pools: dict[str, jax.Array]):
+        """The slot experts (routes with a slot id) plus the host experts (routes with a flat id): each route is in
+        exactly one of the two. x f32|bf16[N, H]; route_slot, route_host i32[N, k] (-1 = not on that path).
+        Returns (y f32[N, H], host route errors i32[])."""
         banks = self.banks
         gate = dict(alpha=self.swiglu_alpha, limit=self.swiglu_limit)
         host_banks = dict(gate_up_bias=banks.gate_up_bias, down_bias=banks.down_bias)
         bias_pools = dict(gate_up_bias_slots=pools["gate_up_bias"], down_bias_slots=pools["down_bias"]) \
             if banks.has_bias else {}
-
-        routed = topk_ids >= 0  # bool[N, k]; -1 = padding token, no expert
-        ids = jnp.where(routed, topk_ids, 0)  # i32[N, k], safe to index with
-        route_slot = jnp.where(routed, plan.device_slot_of_expert[ids], -1)  # i32[N, k], -1 = not in a slot
-        route_host = jnp.where(routed & plan.host_mask[ids], moe_layer * E + ids, -1)  # i32[N, k] flat ids
 
         def device_part(x):  # f32[N, H]
             return ffi_ops.slot_experts(x, route_slot, topk_weights, pools["gate_up"], pools["down"], self.activation,
@@ -178,13 +186,10 @@ class OffloadedExperts:
             return y_device + y_host, errors
 
         # Static skips: under host-all no expert is ever in a slot; under resident none is ever on the host.
-        route_errors = jnp.zeros((), jnp.int32)
         if self.policy.kind is PolicyKind.HOST_ALL:
-            y, route_errors = host_part(x)
-        elif self.policy.kind is PolicyKind.RESIDENT:
-            y = device_part(x)
-        elif ft_jax.CUDA_ENABLED:
-            y, route_errors = jax.lax.platform_dependent(x, cpu=both, cuda=overlapped)
-        else:
-            y, route_errors = both(x)
-        return y, OffloadState(cache, pools, fill_errors, state.host_route_errors + route_errors)
+            return host_part(x)
+        if self.policy.kind is PolicyKind.RESIDENT:
+            return device_part(x), jnp.zeros((), jnp.int32)
+        if ft_jax.CUDA_ENABLED:
+            return jax.lax.platform_dependent(x, cpu=both, cuda=overlapped)
+        return both(x)

@@ -43,7 +43,8 @@ import numpy as np
 import platformdirs
 
 from ft_jax.kernels import ffi_ops
-from ft_jax.offload.banks import ExpertBanks, HostBank
+from ft_jax.kernels.host_bank import HostBank
+from ft_jax.offload.banks import ExpertBanks
 from ft_jax.offload.cost_model import PRESETS, CostModel, fraction_from_bandwidth, parse_bandwidth
 from ft_jax.offload.policy import Policy, PolicyKind, parse_policy
 from ft_jax.cache_dirs import folder_problem

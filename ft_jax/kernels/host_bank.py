@@ -1,0 +1,252 @@
+"""Host expert banks: page-aligned host memory owned by the C++ extension, one row per expert.
+
+A bank holds one weight kind for all L x E experts (flat id = moe_layer_index * E + expert_index), e.g.
+  gate_up bank: rows [2I, H] (rows 0..I-1 = gate_proj.weight [I, H], rows I..2I-1 = up_proj.weight [I, H];
+                Mixtral w1 = gate, w3 = up; the transformers ``experts.gate_up_proj`` [E, 2I, H] layout),
+  down bank:    rows [H, I] (down_proj.weight, Mixtral w2).
+The FFI handlers (ft_jax.kernels.ffi_ops) receive the bank's integer ``id`` as a compile-time attribute.
+
+Read-only once loaded: ``freeze()`` (called by the checkpoint loader when every row is filled) makes the bank
+read-only from Python, so weights that compiled decode steps read cannot be changed behind them: ``numpy()``
+returns read-only views and ``write_row`` raises. It cannot be undone.
+
+Lifetime: ``release()`` (or garbage collection of the HostBank) drops the bank from the C++ registry. A handler
+that is running keeps the memory alive until it returns, numpy views returned by ``numpy()`` keep it alive while
+they exist, and compiled steps that run after the release get an FFI error naming the bank instead of crashing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import weakref
+from typing import Sequence
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from ft_jax import _ffi
+from ft_jax.memory import InsufficientMemoryError
+
+_DTYPE_CODES: dict[str, int] = dict(_ffi.dtype_codes())
+
+# Rows copied per chunk by from_numpy: bounds the temporary memory when the source is a memory map or needs a cast.
+_COPY_CHUNK_BYTES = 64 << 20
+
+
+def _bank_dtype(dtype) -> np.dtype:
+    """np.dtype for a supported bank dtype (float32, bfloat16, float16, int8, uint8, float8_e4m3fn, float8_e5m2)."""
+    if isinstance(dtype, str) and hasattr(ml_dtypes, dtype):  # "bfloat16", "float8_e4m3fn"
+        dtype = getattr(ml_dtypes, dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"HostBank: {dtype!r} is not a dtype") from e
+    if dt.name not in _DTYPE_CODES:
+        raise TypeError(f"HostBank: unsupported dtype {dt.name}; supported: {', '.join(sorted(_DTYPE_CODES))}")
+    return dt
+
+
+def _release_if_live(bank_id: int) -> None:
+    if _ffi.bank_is_live(bank_id):
+        _ffi.bank_release(bank_id)
+
+
+class HostBank:
+    """A C++-owned host bank of ``num_rows`` rows of shape ``row_shape`` and dtype ``dtype``, zero-filled.
+
+    Args:
+      num_rows: number of rows (experts), >= 1.
+      row_shape: shape of one row, every dimension >= 1 (e.g. (2 * I, H) for gate_up, (H, I) for down).
+      dtype: np.float32 or jnp.bfloat16 / ml_dtypes.bfloat16 for expert weights; float16, int8, uint8,
+        float8_e4m3fn and float8_e5m2 banks can be created and slot-filled but the expert kernels reject them.
+
+    Memory is an anonymous mmap (4096-byte aligned, committed on first write).
+
+    Raises:
+      TypeError: unsupported dtype. ValueError: non-positive num_rows or row dimension.
+      ft_jax.memory.InsufficientMemoryError (a MemoryError): the allocation failed.
+    """
+
+    def __init__(self, num_rows: int, row_shape: Sequence[int], dtype):
+        self._dtype = _bank_dtype(dtype)
+        num_rows = int(num_rows)
+        row_shape = tuple(int(d) for d in row_shape)
+        try:
+            self._id = int(_ffi.bank_create(num_rows, list(row_shape), _DTYPE_CODES[self._dtype.name]))
+        except MemoryError:  # std::bad_alloc: the same one-line error as the pre-load check
+            need = num_rows * math.prod(row_shape) * self._dtype.itemsize
+            raise InsufficientMemoryError(f"could not allocate a host bank of {num_rows} x {list(row_shape)} "
+                                          f"{self._dtype.name} ({need // 2**20} MiB): out of host memory") from None
+        self._num_rows = num_rows
+        self._row_shape = row_shape
+        self._frozen = False
+        self._finalizer = weakref.finalize(self, _release_if_live, self._id)
+
+    @classmethod
+    def from_numpy(cls, array, dtype=None) -> "HostBank":
+        """New bank holding a copy of ``array`` [R, *row_shape] (numpy array or np.memmap).
+
+        Copies in chunks of rows, so a memory-mapped source is never materialised in full. ``dtype`` (default:
+        the array's dtype) may differ from the array's, e.g. float32 data into a bfloat16 bank (round to nearest
+        even, as ml_dtypes casts).
+
+        Raises:
+          ValueError: array rank < 1 or an empty dimension. TypeError: unsupported dtype.
+        """
+        src = np.asarray(array) if not isinstance(array, np.ndarray) else array
+        if src.ndim < 1:
+            raise ValueError(f"HostBank.from_numpy: array must be [R, *row_shape], got a scalar of shape {src.shape}")
+        bank = cls(src.shape[0], src.shape[1:], src.dtype if dtype is None else dtype)
+        dst = bank.numpy()
+        rows_per_chunk = max(1, _COPY_CHUNK_BYTES // max(1, bank.row_bytes))
+        for start in range(0, bank.num_rows, rows_per_chunk):
+            stop = min(bank.num_rows, start + rows_per_chunk)
+            dst[start:stop] = src[start:stop]
+        return bank
+
+    @property
+    def id(self) -> int:
+        """Integer id of the bank in the C++ registry (the FFI attribute)."""
+        return self._id
+
+    @property
+    def num_rows(self) -> int:
+        return self._num_rows
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self._row_shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(num_rows, *row_shape)."""
+        return (self._num_rows, *self._row_shape)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row."""
+        return math.prod(self._row_shape) * self._dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole bank (num_rows * row_bytes)."""
+        return self._num_rows * self.row_bytes
+
+    @property
+    def alive(self) -> bool:
+        """False once the bank has been released."""
+        return bool(_ffi.bank_is_live(self._id))
+
+    @property
+    def frozen(self) -> bool:
+        """True once :meth:`freeze` was called: the bank is read-only from Python."""
+        return self._frozen
+
+    def freeze(self) -> None:
+        """Make the bank read-only: later ``numpy()`` views are read-only and ``write_row`` raises ValueError.
+
+        Irreversible; calling it again is a no-op. Views taken before the call keep their own writability (numpy
+        cannot revoke it), which is why the loader fills the rows first and freezes last. The FFI handlers only
+        read banks, so they are unaffected. Raises ValueError if the bank was released.
+        """
+        self._check_alive("freeze")
+        self._frozen = True
+
+    def _check_alive(self, what: str) -> None:
+        if not self.alive:
+            raise ValueError(f"HostBank.{what}: bank {self._id} {self._describe_shape()} was released")
+
+    def _describe_shape(self) -> str:
+        return f"[{', '.join(str(d) for d in self.shape)}] {self._dtype.name}"
+
+    def numpy(self) -> np.ndarray:
+        """Zero-copy numpy view [num_rows, *row_shape] (bank dtype) of the bank memory; read-only once frozen.
+
+        The view keeps the memory alive even if the bank is released afterwards. Raises ValueError if released.
+        """
+        self._check_alive("numpy")
+        view = _ffi.bank_buffer(self._id).view(self._dtype).reshape(self.shape)
+        if self._frozen:
+            view.flags.writeable = False
+        return view
+
+    def write_row(self, i: int, array) -> None:
+        """Copies ``array`` (shape row_shape) into row ``i``; float data is cast to the bank dtype (f32 -> bf16).
+
+        Raises:
+          IndexError: i outside [0, num_rows). ValueError: wrong shape, released or frozen (read-only) bank.
+          TypeError: a non-float array into a float bank, or a dtype mismatch for an integer/fp8 bank.
+        """
+        self._check_alive("write_row")
+        if self._frozen:
+            raise ValueError(f"HostBank.write_row: bank {self._id} {self._describe_shape()} is read-only (frozen "
+                             "after loading: compiled decode steps read it)")
+        i = int(i)
+        if not 0 <= i < self._num_rows:
+            raise IndexError(f"HostBank.write_row: row {i} out of range for bank {self._id} with {self._num_rows} rows")
+        src = np.asarray(array)
+        if src.shape != self._row_shape:
+            raise ValueError(
+                f"HostBank.write_row: bank {self._id} rows have shape {self._row_shape}, got array of shape {src.shape}"
+            )
+        float_bank = self._dtype.kind == "f" or self._dtype.name == "bfloat16"
+        float_src = src.dtype.kind == "f" or src.dtype.name == "bfloat16"
+        if src.dtype != self._dtype and not (float_bank and float_src and self._dtype.itemsize >= 2):
+            raise TypeError(
+                f"HostBank.write_row: bank {self._id} is {self._dtype.name}, got a {src.dtype.name} array "
+                "(only float data is cast, and only into float32/bfloat16/float16 banks)"
+            )
+        self.numpy()[i] = src
+
+    def release(self) -> None:
+        """Drops the bank from the registry; later FFI calls with its id fail with an error naming it.
+
+        Raises ValueError if the bank was already released.
+        """
+        if not self._finalizer.alive or not self.alive:
+            raise ValueError(f"HostBank.release: bank {self._id} {self._describe_shape()} was already released")
+        self._finalizer.detach()
+        _ffi.bank_release(self._id)
+
+    def __enter__(self) -> "HostBank":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.alive:
+            self.release()
+
+    def __repr__(self) -> str:
+        state = ("" if self.alive else ", released") + (", frozen" if self._frozen else "")
+        return f"HostBank(id={self._id}, shape={self.shape}, dtype={self._dtype.name}{state})"
+
+
+HUGE_PAGE_MIN_BYTES = 4 << 20
+
+
+def use_huge_pages(tree) -> int:
+    """Back the CPU buffers of the jax arrays in ``tree`` (>= 4 MiB each) with transparent huge pages.
+
+    Host banks get huge pages when they are created; XLA's own buffers (the dense weights, the slot pools, a long KV
+    cache) are plain 4 KiB pages, which cost the streaming GEMVs a TLB miss every 4 KiB (measurements:
+    docs/DESIGN.md sec. 12, "offload/banks.py (use_huge_pages)"). Linux >= 6.1 with transparent huge pages in "madvise" or "always" mode; elsewhere, and
+    for arrays on other devices, nothing happens.
+
+    Args:
+        tree: a pytree of jax arrays (e.g. the nnx parameter state).
+    Returns:
+        how many buffers were moved onto huge pages.
+    """
+    moved = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if not isinstance(leaf, jax.Array) or leaf.nbytes < HUGE_PAGE_MIN_BYTES or leaf.is_deleted():
+            continue
+        if any(d.platform != "cpu" for d in leaf.devices()):
+            continue
+        moved += bool(_ffi.use_huge_pages(leaf.unsafe_buffer_pointer(), leaf.nbytes))
+    return moved
