@@ -277,3 +277,18 @@ def test_a_closed_stdout_pipe_ends_quietly():
     proc.wait(timeout=TIMEOUT_S)
     assert head.startswith(b"KING:") and proc.returncode in (0, 141), (proc.returncode, err[-3000:])
     assert "error" not in err and "Traceback" not in err and "Exception" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("kind, needle", [("binary", "is not a JSON-lines text file"), ("missing", "does not exist"),
+                                          ("folder", "is a directory")])
+def test_trace_file_errors_name_the_file(tmp_path, capsys, kind, needle):
+    from ft_jax import cli
+
+    path = tmp_path / "t.jsonl"
+    if kind == "binary":
+        path.write_bytes(bytes([0x9F, 0x00, 0xFF]) * 50)
+    elif kind == "folder":
+        path.mkdir()
+    assert cli.main(["trace", str(path), "--expert-bytes", "1000", "--bandwidth", "1,2"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0] and str(path) in lines[0], lines

@@ -115,6 +115,21 @@ def _records_npz(path: str):
         yield f"{path}: record {r}", str(names[seq[r]]), int(tok[r]), int(lay[r]), row
 
 
+def _named_errors(path: str, reader):
+    """reader(path)'s records; a file that cannot be opened or is not text becomes an error naming the file."""
+    if os.path.isdir(path):
+        raise ValueError(f"trace: {path} is a directory, expected a trace file (JSON lines or .npz)")
+    try:
+        yield from reader(path)
+    except FileNotFoundError:
+        raise ValueError(f"trace: {path} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"trace: {path} is not a JSON-lines text file (byte {e.start} is not UTF-8); a routing "
+                         "trace is JSON lines or .npz") from None
+    except PermissionError:
+        raise ValueError(f"trace: {path} cannot be read (permission denied)") from None
+
+
 def read_trace(paths: str | Seq[str], num_layers: int | None = None, num_experts: int | None = None) -> Trace:
     """Read routing traces (JSON lines, or .npz by file name) into per-sequence active masks (format: module docstring).
 
@@ -135,7 +150,7 @@ def read_trace(paths: str | Seq[str], num_layers: int | None = None, num_experts
     for path in paths:
         path = os.fspath(path)
         reader = _records_npz if path.endswith(".npz") else _records_jsonl
-        for where, name, token, layer, experts in reader(path):
+        for where, name, token, layer, experts in _named_errors(path, reader):
             if token < 0 or layer < 0:
                 raise ValueError(f"{where}: token_idx and layer must be >= 0, got {token}, {layer}")
             if not experts or min(experts) < 0:
