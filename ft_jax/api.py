@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -26,6 +27,7 @@ import platformdirs
 from ft_jax.cache_dirs import folder_problem
 from ft_jax.chat import load_chat_template
 from ft_jax import checkpoint as checkpoint_lib
+from ft_jax import kernels
 from ft_jax.config import load_config
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
@@ -393,6 +395,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
             available (checked from the headers before anything is allocated).
     """
     path = os.fspath(path) if path is not None else bundled_model_path()
+    if kernels.environment_problem():  # the CLI refuses it; the library says it once
+        warnings.warn(f"ft_jax: {kernels.environment_problem()}; it is ignored", stacklevel=2)
     cfg = load_config(path)
     if not isinstance(policy, Policy):
         policy = parse_policy(policy)  # errors before any loading

@@ -292,3 +292,42 @@ def test_trace_file_errors_name_the_file(tmp_path, capsys, kind, needle):
     assert cli.main(["trace", str(path), "--expert-bytes", "1000", "--bandwidth", "1,2"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0] and str(path) in lines[0], lines
+
+
+def test_closed_stdout_is_one_line():
+    proc = subprocess.run([sys.executable, "-m", "ft_jax", "generate", "--model", FIXTURE, *REQUEST],
+                          stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S, preexec_fn=lambda: os.close(1))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "stdout is closed" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("name, value", [("FT_JAX_KERNEL", "bogus"), ("FT_JAX_KERNEL", "AVX2"),
+                                         ("FT_JAX_NUM_THREADS", "abc"), ("FT_JAX_NUM_THREADS", "0")])
+def test_malformed_kernel_knobs_are_refused(name, value):
+    proc = subprocess.run([sys.executable, "-m", "ft_jax", "generate", "--model", FIXTURE, *REQUEST],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, name: value})
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and f"{name}={value!r}" in lines[0], proc.stderr
+
+
+def test_empty_list_items_are_refused():
+    line = _error_line("--model", FIXTURE, "--prompt-ids", "1,,2", "--max-new-tokens", "2")
+    assert "--prompt-ids" in line and "'1,,2'" in line, line
+
+
+def test_clamp_notes_reach_the_json(tmp_path):
+    proc = _run("--model", FIXTURE, "--prompt-ids", "1,2,3", "--policy", "host-all", "--max-new-tokens", "2",
+                "--temperature", "0", "--cache-fraction", "1e-9", "--json")
+    assert proc.returncode == 0, proc.stderr
+    notes = json.loads(proc.stdout)["notes"]
+    assert any("less than one slot; using 1" in n for n in notes), notes
+
+
+def test_a_damaged_npz_trace_is_one_line(tmp_path, capsys):
+    from ft_jax import cli
+
+    path = tmp_path / "t.npz"
+    path.write_bytes(b"PK\x03\x04garbage")
+    assert cli.main(["trace", str(path), "--expert-bytes", "1000", "--bandwidth", "1,2"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "not a readable .npz routing trace" in lines[0] and str(path) in lines[0], lines

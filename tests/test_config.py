@@ -541,3 +541,13 @@ def test_yarn_frequencies_equal_transformers():
         # transformers computes in float32: within a few float32 ulps
         np.testing.assert_allclose(inv, case["inv_freq"], rtol=3e-7, atol=0, err_msg=name)
         assert scale == pytest.approx(case["attention_factor"], rel=1e-12), name
+
+
+def test_special_ids_outside_the_vocabulary_are_refused(tmp_path):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny", "mixtral"), folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 999999}))
+    with pytest.raises(ConfigError, match=r"special token id 999999 .* outside the vocabulary"):
+        load_config(str(folder))

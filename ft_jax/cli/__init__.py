@@ -16,7 +16,7 @@ import sys
 import traceback
 from typing import Sequence
 
-from ft_jax import __version__, interrupts
+from ft_jax import __version__, interrupts, kernels
 from ft_jax.cli import generate, plan, profile, trace
 from ft_jax.cli.usage import Parser, UsageError
 
@@ -51,6 +51,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
+        return 2
+    if sys.stdout is None:  # started with stdout closed (`>&-`): nowhere to write the result
+        print(f"ft-jax {args.command}: error: stdout is closed; redirect it to a file or /dev/null", file=sys.stderr)
+        return 2
+    problem = kernels.environment_problem()
+    if problem:
+        print(f"ft-jax {args.command}: error: {problem}", file=sys.stderr)
         return 2
     conflict = generate.flag_conflicts(args) if args.command == "generate" else None
     if conflict:

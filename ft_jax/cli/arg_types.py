@@ -92,29 +92,29 @@ def dtype(text: str) -> str:
 
 
 def token_ids(text: str) -> list[int]:
-    """Comma- or space-separated integers: "1,17,42"."""
+    """Comma- or space-separated integers: "1,17,42" (an empty item, as in "1,,2", is refused)."""
+    items = re.split(r"\s*,\s*|\s+", text.strip())
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected comma-separated integers, got nothing")
     try:
-        ids = [int(t) for t in re.split(r"[,\s]+", text.strip()) if t]
+        return [int(t) for t in items]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("expected comma-separated integers, got nothing")
-    return ids
 
 
 def comma_list(kind, what: str):
     """A type for a comma-separated list of `kind` values (each parsed by kind; ValueError -> a message naming
     `what`)."""
     def parse(text: str) -> list:
-        items = [v for v in text.split(",") if v.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"{what}: expected a comma-separated list, got {text!r}")
+        items = text.split(",")
+        if not text.strip() or any(not item.strip() for item in items):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list without empty items, got {text!r}")
         values = []
         for item in items:
             try:
                 values.append(kind(item.strip()))
             except (ValueError, argparse.ArgumentTypeError) as e:
-                raise argparse.ArgumentTypeError(f"{what}: {e}") from None
+                raise argparse.ArgumentTypeError(str(e)) from None
         return values
 
     return parse

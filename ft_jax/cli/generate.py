@@ -65,7 +65,7 @@ def add_arguments(sub) -> None:
                      help="bf16/bfloat16 or f32/float32: dtype of the dense weights, the activations and the expert "
                           "host banks (default: float32 for float32 checkpoints, else bfloat16)")
     budget = gen.add_mutually_exclusive_group()
-    budget.add_argument("--cache-slots", type=int, metavar="S", help="device expert slots shared by all layers")
+    budget.add_argument("--cache-slots", type=arg_types.positive_int, metavar="S", help="device expert slots shared by all layers")
     budget.add_argument("--cache-fraction", type=arg_types.fraction, metavar="F",
                         help=f"slots as a fraction of all experts (default {defaults.DEFAULT_CACHE_FRACTION})")
     budget.add_argument("--device-memory", type=arg_types.byte_text, metavar="BYTES",
@@ -123,6 +123,9 @@ def _cache(args: argparse.Namespace, cfg, note) -> int | float | str | None:
     experts = cfg.num_moe_layers * cfg.num_experts
     if args.cache_slots is not None and args.cache_slots > experts and args.policy.kind is not PolicyKind.RESIDENT:
         note(f"note: --cache-slots {args.cache_slots} is more than the {experts} experts; using {experts}")
+    if args.cache_fraction is not None and round(args.cache_fraction * experts) < 1:
+        note(f"note: --cache-fraction {args.cache_fraction:g} of the {experts} experts is less than one slot; "
+             "using 1")
     return args.cache_slots if args.cache_slots is not None else (
         args.cache_fraction if args.cache_fraction is not None else args.device_memory)
 
@@ -150,8 +153,12 @@ def run(args: argparse.Namespace) -> int:
     request = _request(args, api, path, cfg, tokenizer)
     _check_record_trace(args.record_trace)
 
+    notes: list[str] = []  # --json: in the object instead of on stderr
+
     def note(text: str) -> None:
-        if not args.json:
+        if args.json:
+            notes.append(text)
+        else:
             print(f"ft-jax: {text}", file=sys.stderr)
 
     def on_compile(text: str, finished: bool) -> None:
@@ -187,11 +194,11 @@ def run(args: argparse.Namespace) -> int:
         with interrupts.deferred_exit():  # never a half-written trace
             write_trace(args.record_trace, routing_records(*out.routing,
                                                            dataset=os.path.basename(os.path.normpath(path))))
-    _print_result(args, path, model, request, out, streaming, tokenizer)
+    _print_result(args, path, model, request, out, streaming, tokenizer, notes)
     return 0
 
 
-def _print_result(args, path: str, model, request, out, streamed: bool, tokenizer) -> None:
+def _print_result(args, path: str, model, request, out, streamed: bool, tokenizer, notes: list[str]) -> None:
     """The api.Request and its api.Generation as the JSON object (--json), or the end of the stream / the batch's
     texts and the statistics table."""
     if args.json:
@@ -200,7 +207,7 @@ def _print_result(args, path: str, model, request, out, streamed: bool, tokenize
                     "stop": list(request.stop), "chat": bool(args.chat)}
         print(json.dumps({"model": path, "prompt_ids": request.prompt_ids, "generated_ids": out.token_ids,
                           "text": out.texts, "finish_reasons": out.finish_reasons, "settings": settings,
-                          "profile_message": model.note, "stats": out.stats}))
+                          "profile_message": model.note, "notes": notes, "stats": out.stats}))
         return
     if streamed and tokenizer is None:
         print(" ".join(str(t) for t in out.token_ids[0]), end="")

@@ -40,6 +40,10 @@ def load_config(model_dir: str | os.PathLike) -> MoEConfig:
         raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     cfg = config_from_dict(raw, source=path)
     bos, eos = read_special_ids(model_dir, config=raw)
+    outside = [i for i in (bos, *eos) if i is not None and i >= cfg.vocab_size]
+    if outside:  # an EOS id the model can never produce would never end a row
+        raise ConfigError(f"{model_dir}: special token id {outside[0]} (bos_token_id / eos_token_id of config.json or "
+                          f"generation_config.json) is outside the vocabulary [0, {cfg.vocab_size})")
     return dataclasses.replace(cfg, bos_token_id=bos, eos_token_ids=eos)
 
 

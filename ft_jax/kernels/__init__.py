@@ -5,6 +5,8 @@ Importing this package registers every FFI target of ``ft_jax._ffi`` for the CPU
 with CUDA and jax has a CUDA backend, the CUDA handlers for platform "CUDA" (``CUDA_ENABLED`` says whether it did).
 """
 
+import os
+
 import jax
 
 try:
@@ -23,6 +25,22 @@ for _name, _type in _ffi.types().items():
     jax.ffi.register_ffi_type(_name, _type, platform="cpu")
 for _name, _handler in _ffi.registrations().items():
     jax.ffi.register_ffi_target(_name, _handler, platform="cpu")
+
+
+KERNEL_CAPS = ("generic", "avx2")  # FT_JAX_KERNEL values (xla_ffi/isa.cc); unset = the best the CPU has
+
+
+def environment_problem() -> str | None:
+    """A one-line description of a malformed knob of the kernels, or None: FT_JAX_KERNEL must be one of KERNEL_CAPS
+    (the C++ side ignores anything else) and FT_JAX_NUM_THREADS an integer >= 1 (the C++ side ignores anything
+    else: xla_ffi/common.h). Both are read once per process."""
+    cap = os.environ.get("FT_JAX_KERNEL")
+    if cap is not None and cap not in KERNEL_CAPS:
+        return f"FT_JAX_KERNEL={cap!r} is not one of {', '.join(KERNEL_CAPS)} (unset it to use the best the CPU has)"
+    threads = os.environ.get("FT_JAX_NUM_THREADS")
+    if threads is not None and not (threads.strip().isdigit() and int(threads) >= 1):
+        return f"FT_JAX_NUM_THREADS={threads!r} is not an integer >= 1 (unset it to use XLA's CPU thread pool)"
+    return None
 
 
 def _has_cuda_backend() -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zipfile
 import os
 from typing import Iterable, Sequence as Seq
 
@@ -94,8 +95,9 @@ def _records_npz(path: str):
     try:
         with np.load(path, allow_pickle=False) as z:
             cols = {k: z[k] for k in z.files}
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable .npz routing trace ({e})") from None
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path}: not a readable .npz routing trace: a trace named .npz must be the zip of arrays "
+                         f"that routing_records/write_trace writes ({type(e).__name__})") from None
     missing = [k for k in ("names", "sequence", "token_idx", "layer", "experts") if k not in cols]
     if missing:
         raise ValueError(f"{path}: .npz routing trace lacks the arrays {missing} (expected names, sequence, "
