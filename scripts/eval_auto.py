@@ -97,6 +97,18 @@ def ratio_table(rows: list[dict], fractions) -> str:
     return "\n".join(lines)
 
 
+def compact_table(rows: list[dict]) -> str:
+    """Markdown: the worst auto / best over families, caches and seeds, per experts/top-k and bandwidth."""
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    bws = list(dict.fromkeys(r["bandwidth"] for r in rows))
+    lines = ["| bandwidth | " + " | ".join(models) + " |", "|---" * (len(models) + 1) + "|"]
+    for bw in bws:
+        cells = [max((r["auto_vs_best"] for r in rows if r["model"] == m and r["bandwidth"] == bw), default=None)
+                 for m in models]
+        lines.append(f"| {bw} | " + " | ".join("-" if c is None else f"{c:.3f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def worst(rows: list[dict], n: int = 5) -> str:
     out = []
     for r in sorted(rows, key=lambda r: -r["auto_vs_best"])[:n]:
@@ -131,7 +143,16 @@ def main(argv=None) -> int:
                                                   "(default 4; --quick 2)")
     p.add_argument("--tokens", type=int, help="tokens per sequence (default 500; --quick 150)")
     p.add_argument("--json", help="write every row (and the notes) to this file")
+    p.add_argument("--from-json", help="print the tables of a previous --json file (no replay)")
     args = p.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        for group in ("tune", "held-out"):
+            rows = [r for r in saved["rows"] if r["group"] == group]
+            print(summary(f"{group} seeds", rows))
+            print(compact_table(rows) + "\n")
+        return 0
     sequences = args.sequences or (2 if args.quick else 4)
     tokens = args.tokens or (150 if args.quick else 500)
     held = args.held_out_seeds or ("1" if args.quick else "1,2")
@@ -160,6 +181,8 @@ def main(argv=None) -> int:
     print(ratio_table(rows, fractions))
     for group in ("tune", "held-out"):
         print(summary(f"\n{group} seeds", [r for r in rows if r["group"] == group]))
+        print(f"worst auto / best per experts x top-k and bandwidth ({group} seeds):")
+        print(compact_table([r for r in rows if r["group"] == group]))
     ok = all(r["auto_vs_best"] <= 1.02 for r in rows) and any(r["auto_vs_qstar"] <= 0.85 for r in rows)
     print(f"\ntargets {'met' if ok else 'NOT met'} (auto/best <= 1.02 everywhere, auto/qstar <= 0.85 somewhere)")
     for n in notes:
