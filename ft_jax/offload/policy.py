@@ -119,7 +119,7 @@ def fetch_count(m, frac_q16: int):
 
 AUTO_GAIN_CLAMP = 127  # |net hits| of one fill counted at most (keeps the int32 estimator exact, see auto_credit)
 AUTO_DECAY_SHIFT = 10  # the decayed sums lose 1/1024 per update: the estimate spans the last ~1000 updates
-AUTO_PRIOR_HITS = 2  # prior: one pseudo-fill with this many net hits (docs/policies.md: why 2, not more)
+AUTO_PRIOR_HITS = 2  # prior of the repeat-miss estimate: 2 repeats per non-repeat, i.e. 2 hits per fill
 AUTO_MAX_CREDIT = 1 << 22  # cap of the reuse credit in ticks (credit * F stays in int32 for F <= 256)
 REUSE_FIELDS = ("gain", "fills", "repeat_misses", "misses")  # CacheState.reuse, the four decayed sums (x32)
 
