@@ -325,7 +325,8 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
 
     Steps: 1 classify hits and misses; 2 F from the policy's split (policy.fetch_split; auto first observes the
     reuse of its fills and its repeat misses); 3 choose the fetched misses and their victim slots; 4 update the
-    tables (auto: realize the evicted fills' reuse); 5 usage, recency and stats. host-all and resident never fetch (steps 2-4 skipped).
+    tables (auto: realize the evicted fills' reuse); 5 usage, recency and stats. host-all and resident never fetch
+    (steps 2-4 skipped).
     Pure static-shape jnp, jit-compatible; `policy` must be static (a frozen, hashable dataclass), its branch chosen
     in Python at trace time. No sort for plans of at most 8 fills (decode): repeated argmax / argmin.
 
