@@ -59,12 +59,17 @@ def auto_layer_time(costs, misses: int, hits: int, fetched: int) -> int:
     return max(fill_end + device, host_end)
 
 
-def auto_count(costs, misses: int, hits: int, cap: int, realized_gain: int, realized_fills: int) -> int:
+def auto_count(costs, misses: int, hits: int, cap: int, realized_gain: int, realized_fills: int,
+               repeat_misses: int = 0, seen_misses: int = 0) -> int:
     """auto's F: the smallest F in [0, cap] minimising layer time - credit * F (credit from the reuse estimate)."""
     prior = 2  # AUTO_PRIOR_HITS
-    num = realized_gain + 32 * prior
-    den = realized_fills + 32
-    per_fill_q4 = max(num, 0) * 16 // den
+    # Net hits per fill the misses suggest (Q4): p / (1 - p) with p the share of repeat misses, prior 2 : 1.
+    rest = seen_misses - repeat_misses
+    if rest < 0:
+        rest = 0
+    shadow_q4 = min(16 * (repeat_misses + 32 * prior) // (rest + 32), 16 * 127)
+    # ... as one pseudo-fill beside the evicted replacement fills.
+    per_fill_q4 = max(16 * realized_gain + 32 * shadow_q4, 0) // (realized_fills + 32)
     if misses > 0:  # what turning one of this layer's misses into a hit would save now
         saving = auto_layer_time(costs, misses, hits, 0) - auto_layer_time(costs, misses - 1, hits + 1, 0)
     else:
@@ -116,6 +121,8 @@ class ReferenceCache:
         self.ghost = [-1] * self.S  # auto: the flat id the slot's latest fill evicted
         self.realized_gain = 0  # auto: decayed (x32) sums over evicted fills
         self.realized_fills = 0
+        self.repeat_misses = 0  # auto: decayed (x32) sums over calls with misses
+        self.seen_misses = 0
         if resident:
             for layer in range(self.L):
                 for e in range(self.E):
@@ -165,9 +172,18 @@ class ReferenceCache:
             for e in hits:
                 slot = self.slot_of_expert[layer][e]
                 self.slot_gain[slot] = min(127, self.slot_gain[slot] + 1)
+            if m > 0:  # repeat misses: active since the least recently used slot's last use
+                oldest = min(self.usage)
+                repeats = 0
+                for e in misses:
+                    rec = self.recency[layer][e]
+                    if rec >= 0 and rec >= oldest:
+                        repeats += 1
+                self.repeat_misses = self.repeat_misses - (self.repeat_misses >> 10) + 32 * repeats
+                self.seen_misses = self.seen_misses - (self.seen_misses >> 10) + 32 * m
             evictable = sum(1 for slot in range(self.S) if not self._slot_blocked(slot, layer, active))
             budget = auto_count(policy.costs, m, len(hits), min(m, evictable), self.realized_gain,
-                                self.realized_fills)
+                                self.realized_fills, self.repeat_misses, self.seen_misses)
         else:
             budget = policy_budget(policy, m)
 
@@ -249,5 +265,6 @@ class ReferenceCache:
             "stats": np.array(self.stats, np.int32).reshape(self.L, 6),
             "slot_gain": np.array(self.slot_gain, np.int32),
             "ghost_of_slot": np.array(self.ghost, np.int32),
-            "reuse": np.array([self.realized_gain, self.realized_fills], np.int32),
+            "reuse": np.array([self.realized_gain, self.realized_fills, self.repeat_misses, self.seen_misses],
+                              np.int32),
         }

@@ -243,7 +243,7 @@ def test_victim_choice_safe_at_int32_limit():
                        recency=jnp.array([[4, -1, -1, 4]], jnp.int32),
                        step=jnp.array(int_max - 1, jnp.int32),
                        stats=jnp.zeros((1, 6), jnp.int32), slot_gain=jnp.zeros((2,), jnp.int32),
-                       ghost_of_slot=jnp.full((2,), -1, jnp.int32), reuse=jnp.zeros((2,), jnp.int32))
+                       ghost_of_slot=jnp.full((2,), -1, jnp.int32), reuse=jnp.zeros((4,), jnp.int32))
     state, plan = plan_static(state, 0, jnp.array([True, True, False, False]), parse_policy("fetch-all"))
     np.testing.assert_array_equal(np.asarray(plan.fill_slot_ids), [1, -1])
     np.testing.assert_array_equal(np.asarray(plan.device_slot_of_expert), [0, 1, -1, -1])
@@ -289,14 +289,30 @@ def test_auto_reuse_bookkeeping_by_hand():
     assert int(plan.stats[3]) == 1 and np.asarray(state.ghost_of_slot).tolist() == [-1]
     for _ in range(3):
         state, plan = plan_static(state, 0, only(1), policy)  # three hits
-    assert np.asarray(state.slot_gain).tolist() == [3] and np.asarray(state.reuse).tolist() == [0, 0]
+    # reuse = (realized gain, realized fills, repeat misses, misses), x32: one miss so far, not a repeat
+    assert np.asarray(state.slot_gain).tolist() == [3] and np.asarray(state.reuse).tolist() == [0, 0, 0, 32]
     state, plan = plan_static(state, 0, only(2), policy)  # fetch 2, evicting 1: a warm-up fill, not realized
-    assert int(plan.stats[3]) == 1 and np.asarray(state.reuse).tolist() == [0, 0]
+    assert int(plan.stats[3]) == 1 and np.asarray(state.reuse).tolist() == [0, 0, 0, 64]
     assert np.asarray(state.ghost_of_slot).tolist() == [1] and np.asarray(state.slot_gain).tolist() == [0]
-    state, plan = plan_static(state, 0, only(1, 2), policy)  # hit 2 (+1), ghost miss 1 (-1); slot busy: no fill
+    # hit 2 (+1), ghost miss 1 (-1); slot busy: no fill. 1 was last active at step 3, before the LRU slot's last use
+    # (the fill of 2 at step 4): not a repeat miss.
+    state, plan = plan_static(state, 0, only(1, 2), policy)
     assert int(plan.stats[3]) == 0 and np.asarray(state.slot_gain).tolist() == [0]
     for _ in range(2):
         state, plan = plan_static(state, 0, only(2), policy)  # two hits
     state, plan = plan_static(state, 0, only(3), policy)  # fetch 3, evicting the replacement fill of 2: gain 2
     assert int(plan.stats[3]) == 1
-    assert np.asarray(state.reuse).tolist() == [2 * 32, 32] and np.asarray(state.ghost_of_slot).tolist() == [2]
+    assert np.asarray(state.reuse).tolist() == [2 * 32, 32, 0, 4 * 32]
+    assert np.asarray(state.ghost_of_slot).tolist() == [2]
+
+
+def test_auto_repeat_misses_by_hand():
+    """L=1, E=4, S=1, auto with a fill 16x a host GEMV (never worth it at the prior): nothing is fetched, and a miss
+    on an expert active since the LRU slot's last use (here: the slot was never used) is a repeat miss."""
+    policy = parse_policy("auto").with_costs(auto_costs(10**9, 0.5, 8.0, device_bandwidth=50.0))
+    state = init_cache_state(1, 4, 1)
+    only = lambda *e: jnp.asarray(np.isin(np.arange(4), e))  # noqa: E731
+    state, plan = plan_static(state, 0, only(1), policy)  # never seen: not a repeat
+    assert int(plan.stats[3]) == 0 and np.asarray(state.reuse).tolist() == [0, 0, 0, 32]
+    state, plan = plan_static(state, 0, only(1, 3), policy)  # 1 again (a repeat), 3 new
+    assert int(plan.stats[3]) == 0 and np.asarray(state.reuse).tolist() == [0, 0, 32, 32 + 64]

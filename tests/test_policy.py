@@ -156,14 +156,17 @@ def test_auto_fetch_count_matches_reference_rule():
                 cm.auto_costs(10**8, 1.0, 1.5, 0.7, 0.9, host_fixed_ms=30.0, fill_fixed_ms=5.0)]
     rng = np.random.default_rng(5)
     for costs in machines:
-        fn = jax.jit(lambda m, h, cap, g, n, c=costs: pol.auto_fetch_count(
-            c, m, h, cap, pol.auto_credit(c, m, h, g, n), 8))
+        fn = jax.jit(lambda m, h, cap, reuse, c=costs: pol.auto_fetch_count(
+            c, m, h, cap, pol.auto_credit(c, m, h, reuse), 8))
         for _ in range(60):
             m = int(rng.integers(0, 9))
             h = int(rng.integers(0, 9))
             cap = int(rng.integers(0, m + 1))
             gain, fills = int(rng.integers(-20000, 200000)), int(rng.integers(0, 40000))
-            want = auto_count(costs, m, h, cap, gain, fills)
-            assert int(fn(m, h, cap, gain, fills)) == want, (costs, m, h, cap, gain, fills)
+            seen = int(rng.integers(0, 300000))
+            repeats = int(rng.integers(0, seen + 1))
+            want = auto_count(costs, m, h, cap, gain, fills, repeats, seen)
+            got = int(fn(m, h, cap, jnp.array([gain, fills, repeats, seen], jnp.int32)))
+            assert got == want, (costs, m, h, cap, gain, fills, repeats, seen)
             for F in range(m + 1):
                 assert int(cm.auto_layer_ticks(costs, m, h, F)) == auto_layer_time(costs, m, h, F)

@@ -242,9 +242,20 @@ def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):
         plan.recommend(trace, model, GB // 2, policies)
     assert cli.main(["plan", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),
                      "--bandwidth", "2,8", "--device-bandwidth", "50", "--device-memory", "16GB",
-                     "--candidates", "auto,fetch-all,host-all"]) == 0
+                     "--candidates", "auto,fetch-all,host-all", "--observed", "fetch-all@8=123.5,host-all@3=5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("recommendation: --policy ") and "beats" in out
+    # Measured figures are stated beside the modelled ones (item 4 of issue 21).
+    modelled = next(r["ms_per_token"] for r in rec["results"] if r["policy"] == "fetch-all" and r["cache_slots"] == 8)
+    assert (f"fetch-all at 8 slots: {modelled:.2f} ms/token modelled, 123.50 observed (modelled / observed "
+            f"{modelled / 123.5:.3f})") in out
+    assert "host-all at 3 slots: not replayed, 5.00 observed" in out
+    side = plan.recommend(trace, model, 16 * GB, policies, observed={("host-all", 8): 2.0})["observed"]
+    host8 = next(r["ms_per_token"] for r in rec["results"] if r["policy"] == "host-all" and r["cache_slots"] == 8)
+    assert side == [{"policy": "host-all", "cache_slots": 8, "modelled_ms": host8, "observed_ms": 2.0,
+                     "modelled_over_observed": host8 / 2.0}]
+    with pytest.raises(SystemExit):
+        cli.main(["plan", str(tmp_path / "t.jsonl"), "--device-memory", "16GB", "--observed", "qstar=3"])
 
 
 def _routing_of_decode(ckpt, policy, slots, steps, prompts):

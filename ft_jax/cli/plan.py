@@ -16,6 +16,22 @@ from ft_jax.tools.report import format_table, report
 DEFAULT_CANDIDATES = "auto,qstar,fetch-all,host-all,fixed-cap:1,fixed-cap:2"
 
 
+def observed_figures(text: str) -> dict:
+    """--observed: "POLICY@SLOTS=MS[,...]" -> {(policy name, slots): ms}. Raises argparse.ArgumentTypeError."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, at, rest = item.partition("@")
+        slots, eq, ms = rest.partition("=")
+        try:
+            key, value = (name.strip(), int(slots)), float(ms)
+        except ValueError:
+            key = value = None
+        if not (at and eq and key and key[0] and key[1] >= 1 and value is not None and value > 0):
+            raise argparse.ArgumentTypeError(f"--observed: expected POLICY@SLOTS=MS (e.g. qstar@64=12.5), got {item!r}")
+        out[key] = value
+    return out
+
+
 def add_plan_arguments(sub) -> None:
     """Register `ft-jax plan` on the CLI's subparsers."""
     nbytes, policies = arg_types.byte_count, arg_types.policy_list("--candidates")
@@ -28,6 +44,9 @@ def add_plan_arguments(sub) -> None:
                    help="device memory for expert slots, e.g. 24GiB")
     p.add_argument("--candidates", type=policies, default=policies(DEFAULT_CANDIDATES), metavar="LIST",
                    help=f"policies to compare (default {DEFAULT_CANDIDATES})")
+    p.add_argument("--observed", type=observed_figures, default={}, metavar="LIST",
+                   help="measured MoE ms per token to state beside the modelled ones: POLICY@SLOTS=MS[,...] "
+                        "(e.g. from ft-jax generate --json at that policy and cache size)")
     add_model_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the recommendation")
 
@@ -36,7 +55,7 @@ def run_plan(args) -> int:
     """`ft-jax plan`: returns the exit status; bad input raises ValueError / OSError."""
     trace, model = load_inputs(args)
     rec = plan.recommend(trace, model, args.device_memory, args.candidates, carry_cache=args.carry_cache,
-                    batch=args.batch)
+                    batch=args.batch, observed=args.observed)
     rep = report(trace, model, rec["results"], args.carry_cache, args.batch)
     if args.json:
         print(json.dumps({**rep, **{k: v for k, v in rec.items() if k != "results"}}, indent=1))
@@ -53,6 +72,11 @@ def run_plan(args) -> int:
               f"{best['ms_per_token']:.2f} ms/token modelled, hit rate {100 * best['hit_rate']:.1f}%")
     for alt in sorted(rec["alternatives"], key=lambda a: a["speedup"]):
         print(f"  beats {alt['policy']:<16} ({alt['ms_per_token']:.2f} ms/token) by {alt['speedup']:.3f}x")
+    for o in rec["observed"]:
+        modelled = "not replayed" if o["modelled_ms"] is None else f"{o['modelled_ms']:.2f} ms/token modelled"
+        r = o["modelled_over_observed"]
+        ratio = "" if r is None else f" (modelled / observed {r:.3f})"
+        print(f"  {o['policy']} at {o['cache_slots']} slots: {modelled}, {o['observed_ms']:.2f} observed{ratio}")
     print()
     print(format_table(rep))
     return 0

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ft_jax.offload.policy import AUTO_DECAY_SHIFT, AUTO_GAIN_CLAMP, Policy, PolicyKind, fetch_split
+from ft_jax.offload.policy import AUTO_DECAY_SHIFT, AUTO_GAIN_CLAMP, REUSE_FIELDS, Policy, PolicyKind, fetch_split
 
 # Columns of CacheState.stats (per MoE layer); LayerPlan.stats holds the first five for one call.
 STAT_FIELDS = ("active", "hits", "misses", "fetched", "host", "steps")
@@ -39,7 +39,9 @@ class CacheState(NamedTuple):
             fetched, host, steps); read once at the end, never synced per step.
         slot_gain: i32[S] auto only: net hits of the slot's expert since its fill (module docstring), 0 otherwise.
         ghost_of_slot: i32[S] auto only: flat id the slot's latest fill evicted, -1 = none.
-        reuse: i32[2] auto only: decayed sums (x32, 1/1024 per eviction) of the evicted fills' net hits and of their count.
+        reuse: i32[4] auto only: decayed sums (x32) policy.REUSE_FIELDS: the evicted replacement fills' net hits and
+            their count (1/1024 decay per eviction), this cache's repeat misses and misses (1/1024 decay per call
+            with a miss; docs/policies.md).
     The slot arrays themselves (e.g. gate_up [S, 2I, H], down [S, H, I]) live with the decode step, not here.
     """
 
@@ -102,7 +104,7 @@ def init_cache_state(num_layers: int, num_experts: int, num_slots: int) -> Cache
         stats=jnp.zeros((L, len(STAT_FIELDS)), jnp.int32),
         slot_gain=jnp.zeros((S,), jnp.int32),
         ghost_of_slot=jnp.full((S,), -1, jnp.int32),
-        reuse=jnp.zeros((2,), jnp.int32),
+        reuse=jnp.zeros((len(REUSE_FIELDS),), jnp.int32),
     )
 
 
@@ -126,7 +128,7 @@ def init_cache_state_resident(num_layers: int, num_experts: int) -> CacheState:
         stats=jnp.zeros((L, len(STAT_FIELDS)), jnp.int32),
         slot_gain=jnp.zeros((L * E,), jnp.int32),
         ghost_of_slot=jnp.full((L * E,), -1, jnp.int32),
-        reuse=jnp.zeros((2,), jnp.int32),
+        reuse=jnp.zeros((len(REUSE_FIELDS),), jnp.int32),
     )
 
 
@@ -236,6 +238,18 @@ def _observe_reuse(state: CacheState, lay: _Layer):
                     -AUTO_GAIN_CLAMP, AUTO_GAIN_CLAMP)
 
 
+def _observe_misses(state: CacheState, layer, lay: _Layer):
+    """auto, step 2b: the repeat misses: misses whose expert was active (recency >= 0) no earlier than the least
+    recently used slot's last use, i.e. that a fill at their previous activation would still hold under LRU. If the
+    layer has misses, the decayed sums (x32, 1/1024 per such call) of repeat misses and misses take them in.
+    Returns reuse i32[4] with entries 2 and 3 updated."""
+    recency = jax.lax.dynamic_index_in_dim(state.recency, layer, keepdims=False)  # i32[E]
+    repeat = lay.miss & (recency >= 0) & (recency >= jnp.min(state.usage))  # bool[E]
+    seen = state.reuse[2:] - (state.reuse[2:] >> AUTO_DECAY_SHIFT) + \
+        32 * jnp.stack([jnp.sum(repeat, dtype=jnp.int32), lay.m])  # i32[2]
+    return jnp.concatenate([state.reuse[:2], jnp.where(lay.m > 0, seen, state.reuse[2:])])
+
+
 def _eligible_slots(state: CacheState, lay: _Layer, active):
     """Eligible victims: every slot except those holding an expert active in this layer. Returns bool[S]."""
     in_layer, local = _slots_in_layer(state.expert_of_slot, lay.base, lay.row.shape[0])
@@ -277,10 +291,10 @@ def _apply_fills(state: CacheState, fills: _Fills):
     return slot_of_expert, expert_of_slot
 
 
-def _realize_reuse(state: CacheState, fills: _Fills, slot_gain):
+def _realize_reuse(state: CacheState, fills: _Fills, slot_gain, reuse):
     """auto, step 4b: each fill that replaces an expert (its slot's previous fill had evicted one too) adds that slot's
     gain to the decayed sums, in fill order; the filled slots start afresh with the evicted expert as their ghost.
-    Returns (slot_gain i32[S], ghost_of_slot i32[S], reuse i32[2])."""
+    Returns (slot_gain i32[S], ghost_of_slot i32[S], reuse i32[4] with entries 0 and 1 updated)."""
     S = state.expert_of_slot.shape[0]
     take, victims, evicted = fills.take, fills.victims, fills.evicted
 
@@ -291,7 +305,8 @@ def _realize_reuse(state: CacheState, fills: _Fills, slot_gain):
         count = jnp.where(evicts, count - (count >> AUTO_DECAY_SHIFT) + 32, count)
         return gain, count
 
-    reuse = jnp.stack(jax.lax.fori_loop(0, take.shape[0], realize, (state.reuse[0], state.reuse[1])))  # i32[2]
+    realized = jnp.stack(jax.lax.fori_loop(0, take.shape[0], realize, (reuse[0], reuse[1])))  # i32[2]
+    reuse = jnp.concatenate([realized, reuse[2:]])
     filled = jnp.where(take, victims, S)  # i32[P]
     return slot_gain.at[filled].set(0, mode="drop"), state.ghost_of_slot.at[filled].set(evicted, mode="drop"), reuse
 
@@ -309,8 +324,9 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
     """Plan one MoE layer's experts and update the cache tables (rules: module docstring, docs/DESIGN.md sec. 1-3).
 
     Steps: 1 classify hits and misses; 2 F from the policy's split (policy.fetch_split; auto first observes the
-    reuse of its fills); 3 choose the fetched misses and their victim slots; 4 update the tables (auto: realize the
-    evicted fills' reuse); 5 usage, recency and stats. host-all and resident never fetch (steps 2-4 skipped).
+    reuse of its fills and its repeat misses); 3 choose the fetched misses and their victim slots; 4 update the
+    tables (auto: realize the evicted fills' reuse); 5 usage, recency and stats. host-all and resident never fetch
+    (steps 2-4 skipped).
     Pure static-shape jnp, jit-compatible; `policy` must be static (a frozen, hashable dataclass), its branch chosen
     in Python at trace time. No sort for plans of at most 8 fills (decode): repeated argmax / argmin.
 
@@ -343,11 +359,12 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
         eligible = _eligible_slots(state, lay, active)  # bool[S]
         if policy.kind is PolicyKind.AUTO:
             slot_gain = _observe_reuse(state, lay)  # 2a
-        count = fetch_split(policy, lay.m, lay.n_hits, jnp.sum(eligible, dtype=jnp.int32), state.reuse, P)  # 2: F
+            reuse = _observe_misses(state, layer, lay)  # 2b
+        count = fetch_split(policy, lay.m, lay.n_hits, jnp.sum(eligible, dtype=jnp.int32), reuse, P)  # 2: F
         fills = _choose_fills(state, layer, lay, eligible, count, P)  # 3
         slot_of_expert, expert_of_slot = _apply_fills(state, fills)  # 4
         if policy.kind is PolicyKind.AUTO:
-            slot_gain, ghost_of_slot, reuse = _realize_reuse(state, fills, slot_gain)  # 4b
+            slot_gain, ghost_of_slot, reuse = _realize_reuse(state, fills, slot_gain, reuse)  # 4b
         fetch, fill_flat_ids, fill_slot_ids = fills.fetch, fills.flat_ids, fills.slot_ids
         usage_slots = jnp.concatenate([jnp.where(lay.hit, lay.row, S), jnp.where(fills.take, fills.victims, S)])
 

@@ -118,35 +118,51 @@ def fetch_count(m, frac_q16: int):
 # --- The auto policy (docs/policies.md) --------------------------------------------------------------------------------
 
 AUTO_GAIN_CLAMP = 127  # |net hits| of one fill counted at most (keeps the int32 estimator exact, see auto_credit)
-AUTO_DECAY_SHIFT = 10  # realized fills decay by 1/1024 per eviction: the estimate spans the last ~1000 evictions
-AUTO_PRIOR_HITS = 2  # prior: one pseudo-fill with this many net hits (docs/policies.md: why 2, not more)
+AUTO_DECAY_SHIFT = 10  # the decayed sums lose 1/1024 per update: the estimate spans the last ~1000 updates
+AUTO_PRIOR_HITS = 2  # prior of the repeat-miss estimate: 2 repeats per non-repeat, i.e. 2 hits per fill
 AUTO_MAX_CREDIT = 1 << 22  # cap of the reuse credit in ticks (credit * F stays in int32 for F <= 256)
+REUSE_FIELDS = ("gain", "fills", "repeat_misses", "misses")  # CacheState.reuse, the four decayed sums (x32)
 
 
-def auto_credit(costs: AutoCosts, misses, hits, realized_gain, realized_fills):
+def auto_shadow_hits(repeat_misses, misses):
+    """Net hits per fill estimated from the misses alone (Q4, int32 jnp): a miss is a repeat miss when its expert
+    was active since the least recently used slot's last use, i.e. when a fill at its previous activation would
+    still be resident under LRU (cache.plan_layer); with p the share of repeat misses, a fill starts a chain of
+    p / (1 - p) hits. From the decayed sums (x32) with a prior of 2 repeats per non-repeat (AUTO_PRIOR_HITS):
+    min(16 * (repeat_misses + 64) // (misses - repeat_misses + 32), 16 * AUTO_GAIN_CLAMP).
+    Returns i32[] >= 0."""
+    rep = jnp.asarray(repeat_misses, jnp.int32)
+    rest = jnp.maximum(jnp.asarray(misses, jnp.int32) - rep, 0)
+    return jnp.minimum(16 * (rep + 32 * AUTO_PRIOR_HITS) // (rest + 32), 16 * AUTO_GAIN_CLAMP).astype(jnp.int32)
+
+
+def auto_credit(costs: AutoCosts, misses, hits, reuse):
     """Reuse credit of one more fetch, ticks (int32 jnp): the expected net future hits of a fill times what one hit
     saves, taken as what turning one of this layer's misses into a hit would save now:
     max(0, auto_layer_ticks(misses, hits, 0) - auto_layer_ticks(misses - 1, hits + 1, 0)) (on a GPU about one host
     GEMV; on a CPU device, whose slot experts run beside the host path, what the parallel path takes off the
     slower one).
 
-    Net hits per fill (Q4, 1/16 hit): g = floor(16 * max(0, realized_gain + 32 * AUTO_PRIOR_HITS) /
-    (realized_fills + 32)), from the decayed sums (x32) over the fills evicted so far (the marginal fills: the
-    ones the cache gave up) and a prior of one pseudo-fill with AUTO_PRIOR_HITS net hits; credit =
-    min((g * saving) >> 4, AUTO_MAX_CREDIT). The sums stay below 32 * 1024 * (AUTO_GAIN_CLAMP + 1): exact in int32.
+    Net hits per fill (Q4, 1/16 hit): g = floor(max(0, 16 * gain + 32 * s) / (fills + 32)), from the decayed sums
+    (x32) of the evicted replacement fills' net hits and count (the marginal fills: the ones the cache gave up),
+    with one pseudo-fill whose net hits are s = auto_shadow_hits(repeat_misses, misses) (Q4): the estimate the
+    misses give from the first token on, in a cache of any size, whether or not anything is evicted; the evicted
+    fills take over as they accumulate. credit = min((g * saving) >> 4, AUTO_MAX_CREDIT). |gain| stays below
+    32 * 1024 * (AUTO_GAIN_CLAMP + 1): every product is exact in int32.
 
     Args:
-        costs: AutoCosts (static). misses (>= 1 when it matters), hits, realized_gain, realized_fills: int32 scalars.
+        costs: AutoCosts (static). misses (>= 1 when it matters), hits: int32 scalars.
+        reuse: i32[4] the decayed sums REUSE_FIELDS (CacheState.reuse).
     Returns:
         i32[] credit >= 0.
     """
     misses = jnp.asarray(misses, jnp.int32)
     hits = jnp.asarray(hits, jnp.int32)
+    reuse = jnp.asarray(reuse, jnp.int32)
     saving = jnp.maximum(auto_layer_ticks(costs, misses, hits, 0) -
                          auto_layer_ticks(costs, jnp.maximum(misses - 1, 0), hits + jnp.minimum(misses, 1), 0), 0)
-    num = jnp.asarray(realized_gain, jnp.int32) + 32 * AUTO_PRIOR_HITS
-    den = jnp.asarray(realized_fills, jnp.int32) + 32
-    g = jnp.maximum(num, 0) * 16 // den  # i32[] net hits per fill, Q4
+    shadow = auto_shadow_hits(reuse[2], reuse[3])  # i32[] Q4
+    g = jnp.maximum(16 * reuse[0] + 32 * shadow, 0) // (reuse[1] + 32)  # i32[] net hits per fill, Q4
     return jnp.minimum((g * saving) >> 4, AUTO_MAX_CREDIT).astype(jnp.int32)
 
 
@@ -321,13 +337,13 @@ def fetch_split(policy: Policy, misses, hits, cap, reuse, max_fetch: int):
     Args:
         policy: a bound Policy (static; qstar with its fraction, auto with its costs).
         misses: i32[] m. hits: i32[] active experts already in a slot. cap: i32[] evictable slots (F <= cap).
-        reuse: i32[2] the cache's decayed (net hits, fills) sums (CacheState.reuse; auto only).
+        reuse: i32[4] the cache's decayed sums REUSE_FIELDS (CacheState.reuse; auto only).
         max_fetch: static bound on F (the plan's P).
     Returns:
         i32[] F with 0 <= F <= min(m, cap).
     """
     if policy.kind is PolicyKind.AUTO:
-        credit = auto_credit(policy.costs, misses, hits, reuse[0], reuse[1])
+        credit = auto_credit(policy.costs, misses, hits, reuse)
         return auto_fetch_count(policy.costs, misses, hits, jnp.minimum(misses, cap), credit, max_fetch)
     return jnp.minimum(fetch_budget(policy, misses), cap)
 

@@ -18,18 +18,41 @@ SIZE_STEPS = (0.25, 0.5, 1.0)  # cache sizes tried, as fractions of the budget's
 WITHIN = 1.01  # a smaller cache within 1% of the best is preferred
 
 
+def side_by_side(rows: list[dict], observed: dict) -> list[dict]:
+    """Modelled and observed ms/token of the rows that have a measured figure.
+
+    Args:
+        rows: evaluate's rows. observed: {(policy name as given, cache slots): measured MoE ms per token}.
+    Returns:
+        [{"policy", "cache_slots", "modelled_ms", "observed_ms", "modelled_over_observed"}], in the rows' order;
+        a measured (policy, size) the replay did not run is listed with modelled_ms None.
+    """
+    out, seen = [], set()
+    for r in rows:
+        key = (r["policy"], r["cache_slots"])
+        if key in observed:
+            seen.add(key)
+            ms = observed[key]
+            out.append({"policy": key[0], "cache_slots": key[1], "modelled_ms": r["ms_per_token"], "observed_ms": ms,
+                        "modelled_over_observed": r["ms_per_token"] / ms if ms > 0 else None})
+    out += [{"policy": k[0], "cache_slots": k[1], "modelled_ms": None, "observed_ms": v,
+             "modelled_over_observed": None} for k, v in observed.items() if k not in seen]
+    return out
+
+
 def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, carry_cache: bool = False,
-              batch: bool = False) -> dict:
+              batch: bool = False, observed: dict | None = None) -> dict:
     """Replay the candidates and pick a (policy, cache size) for a device budget (module docstring).
 
     Args:
         trace, model: a Trace and a CostModel (e.g. from ft_jax.cli.trace.load_inputs). budget_bytes: device memory for expert slots, bytes.
         policies: candidate Policy objects (unbound). carry_cache, batch: as in replay.
+        observed: {(policy name, cache slots): measured MoE ms per token} to state beside the modelled figures.
     Returns:
         {"budget_bytes", "budget_slots", "resident": bool (resident is the recommendation; a candidate only when
          every expert fits), "results" (evaluate's rows),
          "best": the recommended row, "alternatives": [{"policy", "ms_per_token", "speedup"} at the best's size,
-         speedup = their ms / the best's]}.
+         speedup = their ms / the best's], "observed": side_by_side's rows ([] without observed)}.
     Raises:
         ValueError: the budget holds no expert slot.
     """
@@ -50,4 +73,5 @@ def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, ca
                      "speedup": r["ms_per_token"] / best["ms_per_token"] if best["ms_per_token"] > 0 else 1.0}
                     for r in rows if r["cache_slots"] == best["cache_slots"] and r is not best]
     return {"budget_bytes": budget_bytes, "budget_slots": int(slots), "resident": best["policy"] == PolicyKind.RESIDENT,
-            "results": rows, "best": best, "alternatives": alternatives}
+            "results": rows, "best": best, "alternatives": alternatives,
+            "observed": side_by_side(rows, observed or {})}
