@@ -93,7 +93,7 @@ def attention_inputs(positions: jax.Array, max_len: int) -> AttentionInputs:
 
 # Keys per block of the decode/prefill attention loop over the live part of the KV cache (measured: docs/DESIGN.md
 # sec. 11, "Attention over the live KV blocks").
-KV_BLOCK = 256
+KV_BLOCK = 128
 
 
 def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], layer, dtype,
@@ -106,7 +106,8 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
     softmax, with the sink logit as one more key when given); the second reads keys and values again and adds
     (exp(s - m) / l rounded to ``dtype``) @ values per block in float32. The weights are the ones a full softmax
     over the visible keys gives (normalised before the rounding to ``dtype``, as transformers does). A block that
-    would run past S is moved back to end at S, its keys already counted masked out.
+    would run past S is moved back to end at S, its keys already counted masked out. A cache of at most one block
+    is one plain softmax.
 
     Args:
         ctx: AttentionInputs (positions i32[B, T], -1 = padding). caches: arrays [n, B, S, ...] of the stack
@@ -145,6 +146,13 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
         s = load(j)[1]
         m_new = jnp.maximum(m, s.max(-1, keepdims=True))
         return m_new, l * jnp.exp(m - m_new) + jnp.exp(s - m_new).sum(-1, keepdims=True)
+
+    if blk == S:  # one block: a plain softmax over the cache (a loop here makes XLA copy the cache to update it)
+        blocks, s = load(0)
+        if sink is not None:
+            s = jnp.concatenate([s, jnp.broadcast_to(sink, s.shape[:-1] + (1,)).astype(jnp.float32)], axis=-1)
+        probs = jax.nn.softmax(s, axis=-1)[..., :S]
+        return values_fn(probs.astype(dtype), blocks)
 
     probe = jax.eval_shape(lambda: load(0)[1])
     stat_shape = probe.shape[:-1] + (1,)
