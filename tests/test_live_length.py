@@ -3,6 +3,7 @@ KV blocks (ft_jax.models.layers.attend_live_blocks) and prompts in chunks append
 (Engine.prefill_chunk) keep the transformers references, and a new prompt length compiles nothing new."""
 
 import dataclasses
+import io
 import os
 import re
 
@@ -13,6 +14,7 @@ import pytest
 
 from engine_helpers import lower_decode_step
 from ft_jax.checkpoint import load_checkpoint
+from ft_jax.cli.generate import PrefillProgress
 from ft_jax.engine.engine import Engine, prefill_bucket
 from ft_jax.models import layers
 from ft_jax.offload.policy import Policy
@@ -128,3 +130,35 @@ def test_decode_step_holds_nothing_of_the_kv_length(chunked_engine):
     long = {s for s in shapes if re.search(r"\b4096\b", s)}
     assert long and all(s.endswith(cache) for s in long), long
     assert not re.search(r"= \S+\[[0-9,]*\b4096\b[0-9,]*\]\{[^}]*\} copy(-start)?\(", hlo)
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_cli_prefill_progress_line(tty):
+    """Nothing in the first second; then on a terminal every chunk rewrites one line (carriage return, a newline at
+    the end), elsewhere a line per second or so and one at the end."""
+    stream = _Stream(tty)
+    progress = PrefillProgress(stream)
+    for done, seconds in ((256, 0.5), (512, 1.0), (768, 1.4), (1024, 2.1), (1280, 2.5), (1536, 3.0)):
+        progress(done, 1536, seconds)
+    if tty:
+        assert stream.getvalue() == ("\rft-jax: prefill 512/1536 tokens, 512.0 tokens/s"
+                                     "\rft-jax: prefill 768/1536 tokens, 548.6 tokens/s"
+                                     "\rft-jax: prefill 1024/1536 tokens, 487.6 tokens/s"
+                                     "\rft-jax: prefill 1280/1536 tokens, 512.0 tokens/s"
+                                     "\rft-jax: prefill 1536/1536 tokens, 512.0 tokens/s\n")
+    else:
+        assert stream.getvalue().splitlines() == ["ft-jax: prefill 512/1536 tokens, 512.0 tokens/s",
+                                                  "ft-jax: prefill 1024/1536 tokens, 487.6 tokens/s",
+                                                  "ft-jax: prefill 1536/1536 tokens, 512.0 tokens/s"]
+    quick = _Stream(tty)
+    PrefillProgress(quick)(512, 512, 0.4)  # a prefill under a second prints nothing
+    assert quick.getvalue() == ""
