@@ -69,6 +69,24 @@ def test_left_padded_chunks_give_each_row_its_own_logits(small_blocks):
         np.testing.assert_allclose(np.asarray(logits[r, -1]), np.asarray(alone[0, -1]), atol=1e-5, rtol=0)
 
 
+def test_long_prompt_first_token_logits_in_chunks_equal_one_call(small_blocks):
+    """A 120-token prompt in chunks of 16 (15 blocks of 8 keys live at the end) gives the last logits of one call."""
+    loaded = small_blocks
+    prompt = np.asarray(LONG_PROMPT, np.int32)[None] % loaded.cfg.vocab_size
+    positions = np.arange(prompt.shape[1])[None]
+    whole, _, _, _ = loaded.run(prompt, positions, loaded.ckpt.model.init_kv_cache(1, 128))
+    kv = loaded.ckpt.model.init_kv_cache(1, 128)
+    for c in range(0, 128, 16):  # left-padded to 128: the first chunk holds 8 padding slots
+        tokens = np.zeros((1, 16), np.int32)
+        pos = np.full((1, 16), -1, np.int32)
+        lo = max(c, 8)
+        tokens[0, lo - c:] = prompt[0, lo - 8:c + 16 - 8]
+        pos[0, lo - c:] = positions[0, lo - 8:c + 16 - 8]
+        logits, kv, _, _ = loaded.run(tokens, pos, kv)
+    np.testing.assert_allclose(np.asarray(logits[0, -1]), np.asarray(whole[0, -1]), atol=1e-5, rtol=0)
+    assert int(np.argmax(logits[0, -1])) == int(np.argmax(whole[0, -1]))
+
+
 @pytest.fixture(scope="module")
 def mixtral_long():
     ckpt = load_checkpoint(os.path.join(FIXTURES, "mixtral"), dtype=jnp.float32)
