@@ -8,6 +8,7 @@ DEFAULT_POLICY = "auto"
 DEFAULT_CACHE_FRACTION = 0.5
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_NEW_TOKENS = 200
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per prefill call (docs/DESIGN.md sec. 11, "Chunked prefill")
 
 
 def bundled_model_path() -> str:

@@ -12,6 +12,7 @@ from ft_jax import defaults, interrupts, units
 from ft_jax.cli import arg_types
 from ft_jax.cli.usage import UsageError, escaped_text
 from ft_jax.config import SUPPORTED_ARCHITECTURES, load_config
+from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
 from ft_jax.offload.policy import PolicyKind
 from ft_jax.tools.trace_io import routing_records, write_trace
 
@@ -79,6 +80,10 @@ def add_arguments(sub) -> None:
     gen.add_argument("--record-trace", metavar="FILE",
                      help="write the routing of every decode step to FILE as a routing trace (JSON lines, or .npz "
                           "by name) for `ft-jax trace` / `ft-jax plan`")
+    gen.add_argument("--prefill-chunk", type=arg_types.positive_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                     help=f"prompt tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}): a longer prompt is "
+                          "prefilled in chunks appended to the KV cache, bounding its memory, with one compiled step "
+                          "for every prompt length")
     gen.add_argument("--json", action="store_true", help="print one JSON object (ids, text, statistics) instead")
     gen.add_argument("--no-compile-cache", action="store_true",
                      help="do not use JAX's persistent compilation cache (default: compiled steps are kept in "
@@ -178,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--cache-slots / --cache-fraction / --device-memory: {e}") from None
         raise
     _device_memory_note(args, cfg, model.engine.expert_bytes, note)
+    model.engine.prefill_chunk = args.prefill_chunk
+    if not args.json:
+        model.engine.on_prefill = PrefillProgress(sys.stderr)
     streaming = not args.json and len(request.prompt_ids) == 1
     echoed = []
 
@@ -196,6 +204,27 @@ def run(args: argparse.Namespace) -> int:
                                                            dataset=os.path.basename(os.path.normpath(path))))
     _print_result(args, path, model, request, out, streaming, tokenizer, notes)
     return 0
+
+
+class PrefillProgress:
+    """Engine.on_prefill for the CLI: "ft-jax: prefill 1024/4096 tokens, 85.3 tokens/s" on ``stream`` once the
+    prefill has run a second, rewritten in place (carriage return) after every chunk on a terminal, else one line
+    per second or so and one at the end."""
+
+    def __init__(self, stream):
+        self.stream, self.shown = stream, None  # shown: seconds of the last line printed (None: none yet)
+
+    def __call__(self, done: int, total: int, seconds: float) -> None:
+        finished = done >= total
+        if seconds < 1.0 and not (finished and self.shown is not None):
+            return
+        tty = self.stream.isatty()
+        if not tty and not finished and self.shown is not None and seconds - self.shown < 1.0:
+            return
+        line = f"ft-jax: prefill {done}/{total} tokens, {done / seconds:.1f} tokens/s"
+        self.stream.write(("\r" + line + ("\n" if finished else "")) if tty else line + "\n")
+        self.stream.flush()
+        self.shown = None if finished else seconds
 
 
 def _print_result(args, path: str, model, request, out, streamed: bool, tokenizer, notes: list[str]) -> None:

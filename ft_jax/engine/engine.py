@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from ft_jax.checkpoint import LoadedCheckpoint
+from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
 from ft_jax.engine import stats as stats_lib
 from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, check_finite
 from ft_jax.engine.steps import bound_step, decode_n_tokens, decode_one_token, prefill
@@ -42,9 +43,11 @@ def _pow2_at_least(n: int, low: int) -> int:
     return b
 
 
-def prefill_bucket(length: int) -> int:
-    """Padded prompt length: the next power of two >= length, at least MIN_PREFILL_BUCKET."""
-    return _pow2_at_least(length, MIN_PREFILL_BUCKET)
+def prefill_bucket(length: int, chunk: int | None = None) -> int:
+    """Tokens per prefill call: the next power of two >= length, at least MIN_PREFILL_BUCKET, at most chunk (a
+    longer prompt is prefilled in ceil(length / chunk) calls of that one shape)."""
+    b = _pow2_at_least(length, MIN_PREFILL_BUCKET)
+    return b if chunk is None else min(b, chunk)
 
 
 def kv_bucket(needed: int, context: int) -> int:
@@ -71,7 +74,9 @@ class GenerationResult:
 
 
 def _left_padded(prompts: Sequence[Sequence[int]], bucket: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, positions) i32[B, bucket] of the prompts, left-padded (position -1 = padding)."""
+    """(tokens, positions) i32[B, n * bucket] of the prompts, left-padded to the smallest multiple of bucket that
+    holds the longest (position -1 = padding)."""
+    bucket = -(-max(len(p) for p in prompts) // bucket) * bucket
     tokens = np.zeros((len(prompts), bucket), np.int32)
     positions = np.full((len(prompts), bucket), -1, np.int32)
     for b, p in enumerate(prompts):
@@ -93,16 +98,24 @@ class Engine:
         on_compile: on_compile(text, finished) is called before each compilation with ("compiling the decode step
             (batch 1, KV cache 256) ...", False) and after it with (" done in 3.1 s" or " loaded from the compilation
             cache in 0.2 s", True): the two texts make one line.
+        prefill_chunk: prompt tokens per prefill call (>= 1; the attribute may be changed between calls): a longer
+            prompt is prefilled in chunks appended to the KV cache, all by one executable per (batch, KV bucket).
+        on_prefill: on_prefill(tokens done, tokens in all, seconds since the prefill began) after each chunk of a
+            prompt longer than one chunk (the attribute may be set later), or None.
     Raises:
-        ValueError: num_slots < 1 for an offloading policy.
+        ValueError: num_slots < 1 for an offloading policy, or prefill_chunk < 1.
     """
 
     def __init__(self, checkpoint: LoadedCheckpoint, *, policy: Policy, num_slots: int,
-                 on_compile: Callable[[str, bool], None] | None = None):
+                 on_compile: Callable[[str, bool], None] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 on_prefill: Callable[[int, int, float], None] | None = None):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         cfg = checkpoint.config
         self.config = cfg
         self.policy = policy
         self.on_compile = on_compile
+        self.prefill_chunk, self.on_prefill = prefill_chunk, on_prefill
         self.graphdef, self.params = nnx.split(checkpoint.model)
         experts = dict(banks=checkpoint.banks, num_experts=cfg.num_experts, activation=cfg.activation,
                        swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
@@ -188,12 +201,14 @@ class Engine:
             try:
                 kv_cache = self.init_kv_cache(B, kv_len)
                 use_huge_pages(kv_cache)
-                prefill_args = (self.params, *_left_padded(prompts, prefill_bucket(int(lengths.max()))), kv_cache,
-                                self.expert_state, sub, *ops)
+                chunk = prefill_bucket(int(lengths.max()), self.prefill_chunk)
+                tokens, positions = _left_padded(prompts, chunk)
+                prefill_args = (self.params, tokens[:, :chunk], positions[:, :chunk], kv_cache, self.expert_state,
+                                sub, *ops)
                 prefill_step, decode_step = self._compile_steps(prefill_args, kv_len, key, max_new_tokens > 1,
                                                                 sampling, record_routing, tally)
                 t0 = time.perf_counter()
-                first, kv_cache, self.expert_state = prefill_step(*prefill_args)
+                first, kv_cache = self._prefill_chunks(prefill_step, prefill_args, tokens, positions, chunk)
                 first = np.asarray(first)  # i32[B]
                 t_first = time.perf_counter()
                 stats_after_prefill = self.decode_backend.read_stats(self.expert_state)  # one sync
@@ -214,6 +229,22 @@ class Engine:
         stats = stats_lib.generation_stats(self, prompts, out, steps, (t0, t_first, time.perf_counter()), tally,
                                            kv_len, per_layer)
         return GenerationResult(tokens=out, stats=stats, routing=self._routing_arrays(routing, B))
+
+    def _prefill_chunks(self, prefill_step, args: tuple, tokens: np.ndarray, positions: np.ndarray, chunk: int):
+        """The prompt through prefill_step chunk by chunk (the chunks of tokens, positions i32[B, n * chunk] in order,
+        each appended to the KV cache): (first tokens i32[B] of the last chunk, kv_cache); self.expert_state updated.
+        A prompt of more than one chunk reports its progress to on_prefill."""
+        n = tokens.shape[1] // chunk
+        kv_cache, t0 = args[3], time.perf_counter()
+        for c in range(n):
+            part = slice(c * chunk, (c + 1) * chunk)
+            first, kv_cache, self.expert_state = prefill_step(args[0], tokens[:, part], positions[:, part], kv_cache,
+                                                              self.expert_state, *args[5:])
+            if self.on_prefill is not None and n > 1:
+                jax.block_until_ready(first)
+                done = int(np.maximum(positions[:, part].max(axis=1) + 1, 0).sum())
+                self.on_prefill(done, int((positions.max(axis=1) + 1).sum()), time.perf_counter() - t0)
+        return first, kv_cache
 
     def _compile_steps(self, prefill_args: tuple, kv_len: int, key, decodes: bool, sampling: Sampling,
                        record_routing: bool, tally: dict):

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ft_jax.config import MoEConfig
-from ft_jax.models.layers import (HIGHEST, AttentionInputs, Stacked, apply_rope, cache_load, cache_store, linear,
-                                  rms_norm, rope_cos_sin)
+from ft_jax.models.layers import (HIGHEST, AttentionInputs, Stacked, apply_rope, attend_live_blocks, cache_store,
+                                  linear, rms_norm, rope_cos_sin)
 
 
 class GroupedQueryAttention(nnx.Module):
@@ -22,7 +22,8 @@ class GroupedQueryAttention(nnx.Module):
 
     q/k/v are one fused projection [n, (NH + 2 KVH) D, H] (+ bias), then q/k norms per config (per head: Qwen3-MoE;
     over the whole projection: OLMoE), optional clip (OLMoE), RoPE (default or YaRN), the KV cache update, softmax
-    attention in float32 over the visible keys, and the o projection (+ bias). KV cache of the stack: (k, v), each
+    attention in float32 over the visible keys of the live KV blocks (layers.attend_live_blocks), and the o
+    projection (+ bias). KV cache of the stack: (k, v), each
     [n, B, S, KVH, D].
 
     gpt-oss: attention sinks ``self_attn.sinks`` [n, NH]: a learned logit per head joins each query's softmax over
@@ -69,16 +70,20 @@ class GroupedQueryAttention(nnx.Module):
         k_cache, v_cache = cache
         k_cache = k_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(k), mode="drop")
         v_cache = v_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(v), mode="drop")
-        keys, values = cache_load(k_cache[i], q.dtype), cache_load(v_cache[i], q.dtype)  # [B, S, KVH, D]
 
         G = NH // KVH  # query head h uses KV head h // G (transformers' repeat_kv)
         qg = q.reshape(B, T, KVH, G, D)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys, precision=HIGHEST) * (D ** -0.5)
-        scores = scores.astype(jnp.float32)  # [B, KVH, G, T, S]
-        # finfo.min (not -inf): a padding query that sees no key gets finite (uniform) weights instead of NaN.
-        scores = jnp.where(self._mask(i, ctx)[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        probs = self._softmax(i, scores).astype(q.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, values, precision=HIGHEST)  # [B, T, KVH, G, D]
+
+        def scores(blocks):  # keys [B, blk, KVH, D] -> f32[B, KVH, G, T, blk]
+            s = jnp.einsum("btkgd,bskd->bkgts", qg, blocks[0], precision=HIGHEST) * (D ** -0.5)
+            return s.astype(jnp.float32)
+
+        def values(probs, blocks):  # probs [B, KVH, G, T, blk], values [B, blk, KVH, D] -> f32[B, T, KVH, G, D]
+            return jnp.einsum("bkgts,bskd->btkgd", probs, blocks[1], precision=HIGHEST,
+                              preferred_element_type=jnp.float32)
+
+        out = attend_live_blocks(ctx, (k_cache, v_cache), i, q.dtype, scores, values, (B, T, KVH, G, D),
+                                 sink=self._sink(i), window=self._window(i, k_cache.shape[2])).astype(q.dtype)
         o = linear(out.reshape(B, T, NH * D), self.o[...], i)  # f32[B, T, H]
         if self.o_bias is not None:
             o = o + self.o_bias[...][i].astype(jnp.float32)
@@ -109,24 +114,18 @@ class GroupedQueryAttention(nnx.Module):
         cos, sin = rope_cos_sin(jnp.maximum(positions, 0), D, cfg.rope_theta, cfg.rope_scaling)  # f32[B, T, D]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def _mask(self, i, ctx: AttentionInputs) -> jax.Array:
-        """bool[B, T, S]: the causal mask, narrowed to layer i's sliding window when it has one."""
-        mask = ctx.causal  # [B, T, S]
+    def _window(self, i, S: int):
+        """Layer i's sliding window (int or i32[] at the traced layer index), or None: full attention."""
         if all(w is None for w in self.windows):
-            return mask
-        S = mask.shape[-1]
+            return None
         if len(set(self.windows)) == 1:
-            window = self.windows[0]
-        else:  # a window of S keys is no limit: every visible key is at a position > p - S
-            window = jnp.asarray([S if w is None else w for w in self.windows], jnp.int32)[i]
-        key_pos = jnp.arange(S)[None, None, :]
-        return mask & (key_pos > ctx.positions[:, :, None] - window)
+            return self.windows[0]
+        # a window of S keys is no limit: every visible key is at a position > p - S
+        return jnp.asarray([S if w is None else w for w in self.windows], jnp.int32)[i]
 
-    def _softmax(self, i, scores: jax.Array) -> jax.Array:
-        """f32 softmax of scores f32[B, KVH, G, T, S] over the keys, with layer i's sink logits joining it (gpt-oss)."""
+    def _sink(self, i):
+        """Layer i's sink logits f32[1, KVH, G, 1, 1] (query head h = kv head * G + g; gpt-oss), or None."""
         if self.sinks is None:
-            return jax.nn.softmax(scores, axis=-1)
-        B, KVH, G, T, _ = scores.shape
-        sink = self.sinks[...][i].astype(jnp.float32).reshape(KVH, G)  # query head h = kv head * G + g
-        sink = jnp.broadcast_to(sink[None, :, :, None, None], (B, KVH, G, T, 1))
-        return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+            return None
+        KVH = self.cfg.num_kv_heads
+        return self.sinks[...][i].astype(jnp.float32).reshape(1, KVH, -1, 1, 1)

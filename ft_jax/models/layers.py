@@ -74,24 +74,99 @@ class Stacked:
 class AttentionInputs(NamedTuple):
     """What every layer's attention needs from the step's positions (computed once per forward).
 
-    positions: i32[B, T] (-1 = padding); write_idx: i32[B, T] cache index per token (max_len = dropped: padding);
-    causal: bool[B, T, S] keys each query may see (before any sliding window); rows: i32[B, T] batch row of each
-    token.
+    positions: i32[B, T] (-1 = padding; a query sees the cache indices 0 .. its position); write_idx: i32[B, T]
+    cache index per token (max_len = dropped: padding); rows: i32[B, T] batch row of each token.
     """
 
     positions: jax.Array
     write_idx: jax.Array
-    causal: jax.Array
     rows: jax.Array
 
 
 def attention_inputs(positions: jax.Array, max_len: int) -> AttentionInputs:
-    """Cache write indices and the causal mask for positions i32[B, T] and a KV cache of max_len entries."""
+    """Cache write indices and batch rows for positions i32[B, T] and a KV cache of max_len entries."""
     B, T = positions.shape
     write_idx = jnp.where(positions >= 0, positions, max_len)  # [B, T]; max_len is out of range: dropped
-    causal = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]  # [B, T, S]; all False for padding
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    return AttentionInputs(positions, write_idx, causal, rows)
+    return AttentionInputs(positions, write_idx, rows)
+
+
+# Keys per block of the decode/prefill attention loop over the live part of the KV cache (measured: docs/DESIGN.md
+# sec. 11, "Attention over the live KV blocks").
+KV_BLOCK = 128
+
+
+def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], layer, dtype,
+                       scores_fn: Callable[..., jax.Array], values_fn: Callable[..., jax.Array], out_shape,
+                       sink: jax.Array | None = None, window=None, block: int | None = None) -> jax.Array:
+    """Softmax attention over the live KV blocks of layer ``layer``: keys 0 .. max(positions) of the cache only.
+
+    Two loops of ceil((max(positions) + 1) / block) iterations (a traced trip count: one executable for any live
+    length): the first reads the keys block by block and keeps each query's running max m and normaliser l (online
+    softmax, with the sink logit as one more key when given); the second reads keys and values again and adds
+    (exp(s - m) / l rounded to ``dtype``) @ values per block in float32. The weights are the ones a full softmax
+    over the visible keys gives (normalised before the rounding to ``dtype``, as transformers does). A block that
+    would run past S is moved back to end at S, its keys already counted masked out. A cache of at most one block
+    is one plain softmax.
+
+    Args:
+        ctx: AttentionInputs (positions i32[B, T], -1 = padding). caches: arrays [n, B, S, ...] of the stack
+            (cache_store form). layer: i32[] layer index. dtype: the activation dtype the blocks are loaded in.
+        scores_fn(blocks) -> f32[B, *heads, T, blk]: scaled scores of one block (blocks: the caches' slices
+            [B, blk, ...] in dtype). values_fn(probs [B, *heads, T, blk] in dtype, blocks) -> f32 out_shape.
+        out_shape: the shape values_fn returns. sink: f32 broadcastable to [B, *heads, T, 1], or None.
+        window: int or i32[] sliding window (keys at positions > p - window), or None. block: keys per block
+            (default KV_BLOCK, read at trace time).
+    Returns:
+        f32 out_shape: the attention output. A query that sees no key gets finite, meaningless values.
+    """
+    S = caches[0].shape[2]
+    blk = min(KV_BLOCK if block is None else block, S)
+    live = jnp.max(ctx.positions) + 1
+    num_blocks = jnp.maximum(1, (live + blk - 1) // blk)
+    fmin = jnp.finfo(jnp.float32).min
+
+    def load(j):
+        start = jnp.minimum(j * blk, S - blk)
+        blocks = tuple(cache_load(jax.lax.dynamic_slice(
+            c, (jnp.asarray(layer, jnp.int32), 0, start) + (0,) * (c.ndim - 3), (1, c.shape[1], blk) + c.shape[3:])[0],
+            dtype) for c in caches)
+        key_pos = start + jnp.arange(blk)  # [blk]
+        pos = ctx.positions[:, :, None]  # [B, T, 1]
+        visible = (key_pos <= pos) & (key_pos >= j * blk)  # [B, T, blk]
+        if window is not None:
+            visible &= key_pos > pos - window
+        s = scores_fn(blocks)  # f32[B, *heads, T, blk]
+        visible = visible.reshape(visible.shape[:1] + (1,) * (s.ndim - 3) + visible.shape[1:])
+        # finfo.min (not -inf): a query that sees no key gets finite (uniform) weights instead of NaN.
+        return blocks, jnp.where(visible, s, fmin)
+
+    def stats(j, ml):
+        m, l = ml
+        s = load(j)[1]
+        m_new = jnp.maximum(m, s.max(-1, keepdims=True))
+        return m_new, l * jnp.exp(m - m_new) + jnp.exp(s - m_new).sum(-1, keepdims=True)
+
+    if blk == S:  # one block: a plain softmax over the cache (a loop here makes XLA copy the cache to update it)
+        blocks, s = load(0)
+        if sink is not None:
+            s = jnp.concatenate([s, jnp.broadcast_to(sink, s.shape[:-1] + (1,)).astype(jnp.float32)], axis=-1)
+        probs = jax.nn.softmax(s, axis=-1)[..., :S]
+        return values_fn(probs.astype(dtype), blocks)
+
+    probe = jax.eval_shape(lambda: load(0)[1])
+    stat_shape = probe.shape[:-1] + (1,)
+    if sink is None:
+        ml0 = (jnp.full(stat_shape, fmin), jnp.zeros(stat_shape, jnp.float32))
+    else:
+        ml0 = (jnp.broadcast_to(sink, stat_shape).astype(jnp.float32), jnp.ones(stat_shape, jnp.float32))
+    m, l = jax.lax.fori_loop(0, num_blocks, stats, ml0)
+
+    def accumulate(j, acc):
+        blocks, s = load(j)
+        return acc + values_fn((jnp.exp(s - m) / l).astype(dtype), blocks)
+
+    return jax.lax.fori_loop(0, num_blocks, accumulate, jnp.zeros(out_shape, jnp.float32))
 
 
 def linear(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:

@@ -16,8 +16,8 @@ from flax import nnx
 
 from ft_jax.config import MoEConfig
 from ft_jax.kernels import ffi_ops
-from ft_jax.models.layers import (HIGHEST, AttentionInputs, Stacked, apply_rope, cache_load, cache_store, linear,
-                                  rms_norm, rope_cos_sin)
+from ft_jax.models.layers import (HIGHEST, AttentionInputs, Stacked, apply_rope, attend_live_blocks, cache_store,
+                                  linear, rms_norm, rope_cos_sin)
 
 
 def mla_softmax_scale(cfg: MoEConfig) -> float:
@@ -144,20 +144,23 @@ class MultiHeadLatentAttention(nnx.Module):
 
         latent_cache = latent_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(c.astype(x.dtype)), mode="drop")
         rope_cache = rope_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(k_pe.astype(x.dtype)), mode="drop")
-        latents = cache_load(latent_cache[i], x.dtype)  # [B, S, C]
-        rope_keys = cache_load(rope_cache[i], x.dtype)  # [B, S, dr]
 
         # absorbed W_uk: q_lat[h] = W_uk[h]^T q_nope[h]
         q_lat = per_head_linear(q_nope.reshape(B * T, NH, dn), self.w_uk_t[...], i, NH)  # f32[B T, NH, C]
         q_lat = q_lat.astype(x.dtype).reshape(B, T, NH, C)
-        scores = (jnp.einsum("bthc,bsc->bhts", q_lat, latents, precision=HIGHEST, preferred_element_type=jnp.float32)
-                  + jnp.einsum("bthr,bsr->bhts", q_pe, rope_keys, precision=HIGHEST,
-                               preferred_element_type=jnp.float32)) * self.scale  # f32[B, NH, T, S]
-        # finfo.min (not -inf): a padding query that sees no key gets finite (uniform) weights instead of NaN.
-        scores = jnp.where(ctx.causal[:, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        o_lat = jnp.einsum("bhts,bsc->bthc", probs, latents, precision=HIGHEST,
-                           preferred_element_type=jnp.float32).astype(x.dtype)  # [B, T, NH, C]
+
+        def scores(blocks):  # latents [B, blk, C], rope keys [B, blk, dr] -> f32[B, NH, T, blk]
+            latents, rope_keys = blocks
+            return (jnp.einsum("bthc,bsc->bhts", q_lat, latents, precision=HIGHEST, preferred_element_type=jnp.float32)
+                    + jnp.einsum("bthr,bsr->bhts", q_pe, rope_keys, precision=HIGHEST,
+                                 preferred_element_type=jnp.float32)) * self.scale
+
+        def values(probs, blocks):  # probs [B, NH, T, blk] -> f32[B, T, NH, C]
+            return jnp.einsum("bhts,bsc->bthc", probs, blocks[0], precision=HIGHEST,
+                              preferred_element_type=jnp.float32)
+
+        o_lat = attend_live_blocks(ctx, (latent_cache, rope_cache), i, x.dtype, scores, values,
+                                   (B, T, NH, C)).astype(x.dtype)  # [B, T, NH, C]
         # absorbed W_uv: out[h] = W_uv[h] o_lat[h]
         out = per_head_linear(o_lat.reshape(B * T, NH, C), self.w_uv[...], i, NH).astype(x.dtype)  # [B T, NH, dv]
         o = linear(out.reshape(B, T, NH * cfg.v_head_dim), self.o[...], i)  # f32[B, T, H]
