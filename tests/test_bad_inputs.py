@@ -4,6 +4,7 @@ with ONE stderr line naming the problem (file, tensor, field or flag and the rea
 
 import json
 import os
+import shlex
 import shutil
 import struct
 import subprocess
@@ -295,8 +296,9 @@ def test_trace_file_errors_name_the_file(tmp_path, capsys, kind, needle):
 
 
 def test_closed_stdout_is_one_line():
-    proc = subprocess.run([sys.executable, "-m", "ft_jax", "generate", "--model", FIXTURE, *REQUEST],
-                          stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S, preexec_fn=lambda: os.close(1))
+    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "ft_jax", "generate", "--model", FIXTURE, *REQUEST])
+    proc = subprocess.run(["bash", "-c", f"exec {command} >&-"], stderr=subprocess.PIPE, text=True,
+                          timeout=TIMEOUT_S)  # fd 1 closed by the shell (no fork from this multithreaded process)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "stdout is closed" in lines[0], proc.stderr
 
