@@ -31,7 +31,7 @@ from ft_jax import kernels
 from ft_jax.config import load_config
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
-from ft_jax.memory import check_host_memory
+from ft_jax.memory import check_host_memory, planned_expert_bytes
 from ft_jax.offload.policy import Policy, parse_policy
 from ft_jax.offload.profile import resolve_policy
 from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
@@ -401,14 +401,12 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
     if not isinstance(policy, Policy):
         policy = parse_policy(policy)  # errors before any loading
     dtype = model_dtype(dtype, cfg.dtype)
-    if cache is not None:  # the form and range before loading; a byte budget against the expert's weights
-        weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size * jnp.dtype(dtype).itemsize  # gate, up, down
-        num_slots_for(cache, cfg.num_moe_layers * cfg.num_experts, weights)
+    # The cache budget's form and range, and the host memory, before loading (the bytes per expert from the config).
+    planned_slots = num_slots_for(cache, cfg.num_moe_layers * cfg.num_experts, planned_expert_bytes(cfg, dtype))
     tokenizer = load_tokenizer_or_none(path)
     with checkpoint_lib.SafetensorsCheckpoint(path) as headers:  # headers only: checked before anything is allocated
-        weights = 3 * cfg.hidden_size * cfg.moe_intermediate_size * jnp.dtype(dtype).itemsize
-        check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), num_slots_for(
-            cache, cfg.num_moe_layers * cfg.num_experts, weights), slots_in_host=jax.default_backend() == "cpu")
+        check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), planned_slots,
+                          slots_in_host=jax.default_backend() == "cpu")
     checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype))
     banks = checkpoint.banks
     slots = num_slots_for(cache, banks.num_rows, banks.expert_bytes)

@@ -93,6 +93,14 @@ def _elements(info) -> int:
     return int(np.prod(info.shape, dtype=np.int64)) if info.shape else 1
 
 
+def planned_expert_bytes(cfg, dtype) -> int:
+    """Bytes one expert will take in host memory at load dtype ``dtype``, from the config alone (before any bank
+    exists): gate_up [2I, H] + down [H, I] (+ the biases [2I] and [H] of experts with biases). It equals the
+    loaded ExpertBanks.expert_bytes, which is the figure everywhere after loading."""
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    return (3 * H * I + ((2 * I + H) if cfg.expert_bias else 0)) * np.dtype(dtype).itemsize
+
+
 def host_need(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool) -> HostNeed:
     """Host bytes of a load, from the config and the headers.
 
@@ -105,15 +113,14 @@ def host_need(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool) ->
         the load dtype (MXFP4 blocks would be 2 values per byte, but experts are sized from the config anyway).
     """
     itemsize = np.dtype(dtype).itemsize
-    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    expert = 3 * H * I + ((2 * I + H) if cfg.expert_bias else 0)  # gate_up [2I, H] + down [H, I] (+ biases)
+    expert = planned_expert_bytes(cfg, dtype)
     dense = sum(_elements(t) for name, t in tensors.items() if ".experts." not in name) * itemsize
     # The loader's one read buffer: a dense tensor's host copy, or an expert tensor stored in another dtype.
     load = np.dtype(dtype)
     largest = max((_elements(t) for name, t in tensors.items()
                    if ".experts." not in name or np.dtype(t.dtype) != load), default=0) * max(itemsize, 4)
-    return HostNeed(banks=cfg.num_moe_layers * E * expert * itemsize, dense=dense,
-                    slots=num_slots * expert * itemsize if slots_in_host else 0, temporary=largest)
+    return HostNeed(banks=cfg.num_moe_layers * cfg.num_experts * expert, dense=dense,
+                    slots=num_slots * expert if slots_in_host else 0, temporary=largest)
 
 
 def refusal(need: HostNeed, available: int, source: str, *, dtype: str, expert_bytes: int, num_slots: int,
@@ -150,10 +157,8 @@ def check_host_memory(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: 
     need = host_need(cfg, tensors, dtype, num_slots, slots_in_host)
     found = available_host_memory()
     if found is not None:
-        itemsize = np.dtype(dtype).itemsize
-        expert_bytes = (3 * cfg.hidden_size * cfg.moe_intermediate_size +
-                        ((2 * cfg.moe_intermediate_size + cfg.hidden_size) if cfg.expert_bias else 0)) * itemsize
-        message = refusal(need, found[0], found[1], dtype=np.dtype(dtype).name, expert_bytes=expert_bytes,
+        message = refusal(need, found[0], found[1], dtype=np.dtype(dtype).name,
+                          expert_bytes=planned_expert_bytes(cfg, dtype),
                           num_slots=num_slots, slots_in_host=slots_in_host)
         if message is not None:
             raise InsufficientMemoryError(message)
