@@ -1,0 +1,268 @@
+"""Weight formats: how a weight matrix [rows, cols] (Hugging Face [out, in]) is stored, as one concept.
+
+Every format stores a matrix as ``data`` and, for the block formats, ``scales``:
+
+| name  | data                         | scales                                  | value of element (r, c)             |
+|-------|------------------------------|-----------------------------------------|-------------------------------------|
+| f32   | f32 [rows, cols]             | none                                    | data[r, c]                          |
+| bf16  | bf16 [rows, cols]            | none                                    | data[r, c]                          |
+| q8_0  | i8 [rows, cols]              | f16 [rows, cols / 32]                   | scales[r, c // 32] * data[r, c]     |
+| q4_0  | u8 [rows, cols / 2]          | f16 [rows, cols / 32]                   | scales[r, c // 32] * (q - 8)        |
+| mxfp4 | u8 [rows, cols / 2]          | u8 E8M0 [rows, cols / 32]               | FP4_E2M1[q] * 2^(scales - 127)      |
+| fp8   | f8e4m3fn [rows, cols]        | f32 [ceil(rows / br), ceil(cols / bc)]  | data[r, c] * scales[r // br, c // bc]|
+
+Packed 4-bit codes q: q4_0 as llama.cpp's block_q4_0 (ggml-common.h): byte j (0..15) of each 32-element block holds
+element j in its low nibble and element j + 16 in its high nibble. mxfp4 as the OCP Microscaling Formats v1.0 spec
+and the Hugging Face gpt-oss checkpoints (transformers integrations/mxfp4.py): byte j holds element 2j (low nibble)
+and 2j + 1 (high nibble). q8_0 / q4_0 keep llama.cpp's values (gguf's numpy quantizer, gguf/quants.py, gives the
+same bytes: :func:`quantize`), with the f16 scale of each block in a separate array instead of in front of the
+block (:func:`gguf_blocks` interleaves them back). fp8 is the block-scaled FP8 of DeepSeek-V3 and the Qwen3 *-FP8
+checkpoints (``weight_scale_inv`` per 128 x 128 block, ``quantization_config.weight_block_size``; edge blocks may be
+partial).
+
+A gate_up expert row [2I, H] holds two matrices (gate then up) of I rows each: the data of up starts at row I, its
+scales at row ``scale_rows(I)`` of the scale array (the two scale grids are stacked, so a block never spans both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import ml_dtypes
+import numpy as np
+
+QBLOCK = 32  # elements per block of q8_0, q4_0 and mxfp4
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+# FP4 E2M1 element values by 4-bit code (OCP Microscaling Formats v1.0; transformers' FP4_VALUES).
+FP4_E2M1 = np.array([+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """One storage format of a weight matrix (table in the module docstring).
+
+    Attributes:
+        name: "f32", "bf16", "q8_0", "q4_0", "mxfp4" or "fp8".
+        data_dtype: numpy dtype of the data array.
+        values_per_item: matrix elements per data element (2 for the packed 4-bit formats, else 1).
+        scale_dtype: numpy dtype of the scale array, or None (f32, bf16).
+        block: (rows, cols) of the matrix sharing one scale ((1, 32) for q8_0 / q4_0 / mxfp4, e.g. (128, 128) for
+            fp8); (1, 1) for f32 / bf16.
+    """
+
+    name: str
+    data_dtype: np.dtype
+    values_per_item: int = 1
+    scale_dtype: np.dtype | None = None
+    block: tuple[int, int] = (1, 1)
+
+    @property
+    def quantized(self) -> bool:
+        """True for the block formats (they have scales)."""
+        return self.scale_dtype is not None
+
+    @property
+    def kernel_name(self) -> str:
+        """The FFI handlers' ``weight_format`` attribute: "float" for f32 / bf16 (the buffer dtype tells), else name."""
+        return self.name if self.quantized else "float"
+
+    def check_cols(self, cols: int, what: str) -> None:
+        """Raises ValueError naming ``what`` (e.g. the tensor) when rows of ``cols`` elements do not fit the format:
+        q8_0, q4_0 and mxfp4 need cols % 32 == 0 (fp8's edge blocks may be partial)."""
+        if self.block[0] == 1 and cols % self.block[1]:
+            raise ValueError(f"{what}: rows of {cols} elements do not fit {self.name}'s blocks of {self.block[1]} "
+                             f"(the row length must be a multiple of {self.block[1]})")
+
+    def data_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        """Shape of the data array of a [rows, cols] matrix."""
+        self.check_cols(cols, f"a [{rows}, {cols}] matrix")
+        return rows, cols // self.values_per_item
+
+    def scale_rows(self, rows: int) -> int:
+        """Rows of the scale array of a matrix of ``rows`` rows (ceil(rows / block rows)); 0 without scales."""
+        return -(-rows // self.block[0]) if self.quantized else 0
+
+    def scale_shape(self, rows: int, cols: int) -> tuple[int, int] | None:
+        """Shape of the scale array of a [rows, cols] matrix, or None without scales."""
+        if not self.quantized:
+            return None
+        return self.scale_rows(rows), -(-cols // self.block[1])
+
+    def nbytes(self, rows: int, cols: int) -> int:
+        """Stored bytes of a [rows, cols] matrix: data plus scales (the "bytes per weight" of every budget)."""
+        data = math.prod(self.data_shape(rows, cols)) * self.data_dtype.itemsize
+        scales = self.scale_shape(rows, cols)
+        return data + (0 if scales is None else math.prod(scales) * self.scale_dtype.itemsize)
+
+    def bits_per_weight(self, rows: int, cols: int) -> float:
+        """nbytes * 8 / (rows * cols)."""
+        return self.nbytes(rows, cols) * 8 / (rows * cols)
+
+
+F32 = WeightFormat("f32", np.dtype(np.float32))
+BF16 = WeightFormat("bf16", np.dtype(ml_dtypes.bfloat16))
+Q8_0 = WeightFormat("q8_0", np.dtype(np.int8), 1, np.dtype(np.float16), (1, QBLOCK))
+Q4_0 = WeightFormat("q4_0", np.dtype(np.uint8), 2, np.dtype(np.float16), (1, QBLOCK))
+MXFP4 = WeightFormat("mxfp4", np.dtype(np.uint8), 2, np.dtype(np.uint8), (1, QBLOCK))
+
+
+def fp8(block: tuple[int, int] = (128, 128)) -> WeightFormat:
+    """The block-scaled FP8 (e4m3) format with ``block`` = (rows, cols) per scale (quantization_config's
+    weight_block_size; DeepSeek-V3 and Qwen3-FP8: [128, 128]). Raises ValueError for a non-positive block."""
+    br, bc = (int(b) for b in block)
+    if br < 1 or bc < 1:
+        raise ValueError(f"fp8: the block shape must be positive, got {list(block)}")
+    return WeightFormat("fp8", np.dtype(ml_dtypes.float8_e4m3fn), 1, np.dtype(np.float32), (br, bc))
+
+
+QUANTIZE_CHOICES = ("q8_0", "q4_0")  # what --quantize / load(quantize=...) makes from a float checkpoint
+_BY_NAME = {f.name: f for f in (F32, BF16, Q8_0, Q4_0, MXFP4)}
+
+
+def by_name(name: str) -> WeightFormat:
+    """The format called ``name`` ("f32", "bf16", "q8_0", "q4_0", "mxfp4", "fp8" = fp8 with 128 x 128 blocks).
+    Raises ValueError naming the supported ones."""
+    if name == "fp8":
+        return fp8()
+    if name not in _BY_NAME:
+        raise ValueError(f"unknown weight format {name!r}; supported: {', '.join([*_BY_NAME, 'fp8'])}")
+    return _BY_NAME[name]
+
+
+def float_format(dtype) -> WeightFormat:
+    """F32 or BF16 for a float32 / bfloat16 dtype. Raises ValueError for any other dtype."""
+    d = np.dtype(dtype)
+    for f in (F32, BF16):
+        if d == f.data_dtype:
+            return f
+    raise ValueError(f"no plain weight format holds {d.name} (expected float32 or bfloat16)")
+
+
+def _round_half_away(x: np.ndarray) -> np.ndarray:
+    """roundf (ties away from zero), as ggml-quants.c and gguf's np_roundf compute it."""
+    a = np.abs(x)
+    floored = np.floor(a)
+    return np.sign(x) * (floored + np.floor(2 * (a - floored)))
+
+
+def quantize(w: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize a float matrix to q8_0 or q4_0 with llama.cpp's reference rounding (ggml-quants.c
+    quantize_row_q8_0_ref / quantize_row_q4_0_ref; the bytes equal gguf.quants.quantize's, split as in the module
+    docstring).
+
+    Args:
+        w: float [..., rows, cols] (float32, bfloat16, float16; computed in float32), cols % 32 == 0.
+        fmt: Q8_0 or Q4_0.
+    Returns:
+        (data, scales): q8_0 i8 [..., rows, cols] and f16 [..., rows, cols / 32]; q4_0 u8 [..., rows, cols / 2] and
+        f16 [..., rows, cols / 32].
+    Raises:
+        ValueError: another format, or cols not a multiple of 32.
+    """
+    if fmt not in (Q8_0, Q4_0):
+        raise ValueError(f"quantize: {fmt.name} is not a quantization target (supported: {', '.join(QUANTIZE_CHOICES)})")
+    fmt.check_cols(w.shape[-1], f"quantize to {fmt.name}: a {list(w.shape)} tensor")
+    blocks = np.asarray(w, np.float32).reshape(*w.shape[:-1], -1, QBLOCK)  # f32[..., G, 32]
+    if fmt is Q8_0:
+        d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+        q = _round_half_away(blocks * inv).astype(np.int8)
+        return q.reshape(w.shape), d[..., 0].astype(np.float16)
+    imax = np.abs(blocks).argmax(axis=-1)[..., None]
+    d = np.take_along_axis(blocks, imax, axis=-1) / np.float32(-8)  # f32[..., G, 1]
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
+    q = np.trunc(blocks * inv + np.float32(8.5)).astype(np.uint8).clip(0, 15)  # u8[..., G, 32]
+    packed = q[..., :QBLOCK // 2] | (q[..., QBLOCK // 2:] << np.uint8(4))  # u8[..., G, 16]
+    return packed.reshape(*w.shape[:-1], -1), d[..., 0].astype(np.float16)
+
+
+def gguf_blocks(data: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> np.ndarray:
+    """q8_0 / q4_0 (data, scales) as the bytes of a GGUF tensor: u8 [..., rows, G * (2 + 32 / values_per_item)],
+    each block's f16 scale in front of its values (block_q8_0 / block_q4_0)."""
+    g = scales.shape[-1]
+    qs = data.view(np.uint8).reshape(*data.shape[:-1], g, -1)
+    return np.concatenate([scales.astype(np.float16).view(np.uint8).reshape(*scales.shape, 2), qs],
+                          axis=-1).reshape(*data.shape[:-1], -1)
+
+
+def dequantize(data: np.ndarray, scales: np.ndarray | None, fmt: WeightFormat, rows: int | None = None,
+               dtype=np.float32) -> np.ndarray:
+    """Stored (data, scales) of ``fmt`` back to values [..., rows, cols] in ``dtype`` (float32 or float64; exact for
+    every format: each value is one product of two floats).
+
+    Args:
+        data, scales: as :meth:`WeightFormat.data_shape` / :meth:`WeightFormat.scale_shape` give them, with any
+            leading axes (scales None for f32 / bf16).
+        rows: for a gate_up pair (two matrices of ``rows`` rows each, stacked; see the module docstring) the rows of
+            one matrix; default: data holds one matrix.
+    Raises:
+        ValueError: shapes that do not match the format.
+    """
+    if not fmt.quantized:
+        return np.asarray(data).astype(dtype)
+    n = data.shape[-2]
+    if rows is not None and rows * 2 == n and fmt.block[0] > 1:
+        sr = fmt.scale_rows(rows)
+        parts = [dequantize(data[..., :rows, :], scales[..., :sr, :], fmt, None, dtype),
+                 dequantize(data[..., rows:, :], scales[..., sr:, :], fmt, None, dtype)]
+        return np.concatenate(parts, axis=-2)
+    cols = data.shape[-1] * fmt.values_per_item
+    want = fmt.scale_shape(n, cols)
+    if scales.shape[-2:] != want or scales.shape[:-2] != data.shape[:-2]:
+        raise ValueError(f"dequantize {fmt.name}: data {list(data.shape)} needs scales [..., {want[0]}, {want[1]}], "
+                         f"got {list(scales.shape)}")
+    if fmt.name == "fp8":
+        s = np.repeat(np.repeat(scales.astype(dtype), fmt.block[0], -2)[..., :n, :], fmt.block[1], -1)[..., :cols]
+        return data.astype(dtype) * s
+    if fmt is Q8_0:
+        values = data.astype(dtype).reshape(*data.shape[:-1], -1, QBLOCK)
+        scale = scales.astype(dtype)
+    elif fmt is Q4_0:
+        b = data.reshape(*data.shape[:-1], -1, QBLOCK // 2)  # u8[..., G, 16]
+        values = np.concatenate([b & 0x0F, b >> 4], axis=-1).astype(dtype) - 8
+        scale = scales.astype(dtype)
+    else:  # mxfp4
+        b = data.reshape(*data.shape[:-1], -1, QBLOCK // 2)
+        codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(*b.shape[:-1], QBLOCK)  # element 2j, 2j + 1
+        values = FP4_E2M1.astype(dtype)[codes]
+        with np.errstate(over="ignore"):
+            scale = np.ldexp(np.ones((), dtype), scales.astype(np.int32) - 127)
+    return (values * scale[..., None]).reshape(*data.shape[:-1], cols)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+    """A (stack of) block-format weight matrices kept as stored: ``data`` and ``scales`` as the module docstring
+    gives them for ``fmt``, with any leading axes (a stack of L layers: data [L, *data_shape], scales
+    [L, *scale_shape]). A pytree (data and scales are its leaves; fmt is static), so it can be an nnx.Param's value
+    and a jit argument; numpy arrays while loading, jax arrays on the device.
+
+    ``t[...]`` returns ``t`` (how the models read a parameter: ``self.wq[...]``).
+    """
+
+    data: object
+    scales: object
+    fmt: WeightFormat = dataclasses.field(metadata=dict(static=True))
+
+    def __getitem__(self, key):
+        if key is Ellipsis:
+            return self
+        raise TypeError("QuantizedTensor: only t[...] is supported (index the data and scales instead)")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape (..., rows, cols) of the matrices."""
+        *lead, rows, cols = self.data.shape
+        return (*lead, rows, cols * self.fmt.values_per_item)
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes: data plus scales."""
+        return int(self.data.nbytes) + int(self.scales.nbytes)
