@@ -61,21 +61,17 @@ class ExpertBanks:
         rows = {name: bank.num_rows for name, bank in self.items()}
         if len(set(rows.values())) != 1:
             raise ValueError(f"ExpertBanks: every bank needs the same number of rows (L*E), got {rows}")
-        two_i, H = self.gate_up.row_shape[0], self.down.row_shape[0]
-        want = {"gate_up": (fmt.data_shape(two_i, H), fmt.data_dtype),
-                "down": (fmt.data_shape(H, two_i // 2), fmt.data_dtype)}
-        if fmt.quantized:
-            want["gate_up_scale"] = ((2 * fmt.scale_rows(two_i // 2), -(-H // fmt.block[1])), fmt.scale_dtype)
-            want["down_scale"] = (fmt.scale_shape(H, two_i // 2), fmt.scale_dtype)
-        for name, (shape, dtype) in want.items():
+        I, H = self.gate_up.row_shape[0] // 2, self.down.row_shape[0]
+        for name, (shape, dtype) in weight_formats.expert_rows(fmt, H, I).items():
             bank = getattr(self, name)
             if bank.row_shape != tuple(shape) or bank.dtype != dtype:
-                raise ValueError(f"ExpertBanks: {name} rows of format {fmt.name} (I={two_i // 2}, H={H}) must be "
+                raise ValueError(f"ExpertBanks: {name} rows of format {fmt.name} (H={H}, I={I}) must be "
                                  f"{list(shape)} {np.dtype(dtype).name}, got {list(bank.row_shape)} {bank.dtype.name}")
 
     @property
     def names(self) -> tuple[str, ...]:
-        """Names of the banks present, in pool order: ("gate_up", "down"[, "gate_up_bias", "down_bias"])."""
+        """Names of the banks present, in pool order: ("gate_up", "down"[, "gate_up_bias", "down_bias"][,
+        "gate_up_scale", "down_scale"])."""
         return self._REQUIRED + tuple(n for n in self._OPTIONAL if getattr(self, n) is not None)
 
     @property
