@@ -31,6 +31,7 @@ import numpy as np
 
 from ft_jax import weight_formats as wf
 from ft_jax.config import MoEConfig, check_regular_file, file_present, load_config, read_json_file
+from ft_jax.config.quantization import expert_format, quantize_applies
 from ft_jax.models.decoder import MoETransformer
 from ft_jax.kernels.host_bank import HostBank
 from ft_jax.offload.banks import ExpertBanks
@@ -401,29 +402,6 @@ def _np_dtype(dtype) -> np.dtype:
     return d
 
 
-def expert_weight_format(cfg: MoEConfig, expert_dtype, quantize: str | None = None) -> wf.WeightFormat:
-    """The weight format the expert banks of a checkpoint get: the checkpoint's own (fp8 with its
-    weight_block_size, gpt-oss's mxfp4), else ``quantize`` (q8_0 / q4_0, made while loading), else the float format
-    of ``expert_dtype`` (float32 or bfloat16).
-
-    Raises:
-        ValueError: ``quantize`` not None, "q8_0" or "q4_0".
-        CheckpointError: ``quantize`` given for a checkpoint that is already quantized (fp8 / mxfp4: used as stored).
-    """
-    if quantize is not None and quantize not in wf.QUANTIZE_CHOICES:
-        raise ValueError(f"quantize must be one of {', '.join(wf.QUANTIZE_CHOICES)} (or None), got {quantize!r}")
-    q = cfg.quantization
-    if quantize is not None and q is not None:
-        raise CheckpointError(f"--quantize {quantize}: this {cfg.architecture} checkpoint is already quantized "
-                              f"({q.method}, quantization_config of config.json) and is used as stored; --quantize "
-                              "makes q8_0 / q4_0 from a float (bf16 / f32) checkpoint only")
-    if quantize is not None:
-        return wf.by_name(quantize)
-    if q is not None:
-        return wf.fp8(q.block) if q.method == "fp8" else wf.MXFP4
-    return wf.float_format(_np_dtype(expert_dtype))
-
-
 def _fits(fmt: wf.WeightFormat, info: TensorInfo, name: str, cols: int) -> None:
     """CheckpointError naming the file and tensor when rows of ``cols`` elements do not fit fmt's blocks."""
     try:
@@ -476,7 +454,7 @@ def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.Weig
     length to fmt's blocks) before any reading.
 
     Args:
-        cfg: the MoEConfig. ckpt: the checkpoint's headers. fmt: the banks' weight format (expert_weight_format;
+        cfg: the MoEConfig. ckpt: the checkpoint's headers. fmt: the banks' weight format (config.quantization.expert_format;
             default the float format: float tensors as stored).
     Returns a list of (bank "gate_up" | "down" | "gate_up_bias" | "down_bias", first flat row, tensor name, part)
     where part is ("fused",) for an [E, ...] tensor covering rows first..first+E-1, ("rows", a, b) for one expert
@@ -556,8 +534,8 @@ def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_na
     (scale 254 with a code of magnitude >= 2: 2^127 * 2 > the float32 maximum). blocks u8 [rows, G, 16] and scales
     u8 [rows, G] of one expert."""
     if (scales == _E8M0_NAN).any():
-        raise CheckpointError(f"{ckpt.info(scales_name, dtypes=_U8).file}: tensor {scales_name!r} expert {expert} holds "
-                              "the E8M0 scale 255 (NaN): a corrupted MXFP4 checkpoint")
+        raise CheckpointError(f"{ckpt.info(scales_name, dtypes=_U8).file}: tensor {scales_name!r} expert {expert} "
+                              "holds the E8M0 scale 255 (NaN): a corrupted MXFP4 checkpoint")
     top = scales == 254  # bool[rows, G]
     if top.any():
         codes = np.stack([blocks[top] & 0x0F, blocks[top] >> 4])  # u8[2, n, 16]
@@ -657,26 +635,11 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
     return banks
 
 
-# Dense 2-D weights --quantize leaves as stored. As llama-quantize: the routers (its ffn_gate_inp; Qwen2-MoE's
-# one-row shared_expert_gate is a router-like gate, kept too). Unlike its --pure, the token embedding stays as stored
-# (the step gathers rows of it, no GEMV reads it); with tied embeddings lm_head is that table, so it stays too.
-# Norms, biases and the other 1-D tensors are never quantized.
-_ROUTER_SUFFIXES = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".mlp.router.weight",
-                    ".mlp.shared_expert_gate.weight")
-EMBEDDING = "model.embed_tokens.weight"
-
-
-def quantizes(name: str, shape: tuple[int, ...], kind: str) -> bool:
-    """Whether --quantize makes a dense tensor q8_0 / q4_0: every 2-D projection weight (kind "weight"), lm_head
-    included, but the routers and the embedding table (see _ROUTER_SUFFIXES)."""
-    return kind == "weight" and len(shape) == 2 and name != EMBEDDING and not name.endswith(_ROUTER_SUFFIXES)
-
-
 def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.WeightFormat | None = None):
     """ParamFactory reading dense tensors from the checkpoint as host arrays of ``dtype`` (float32 or bfloat16), or
     as numpy weight_formats.QuantizedTensor(data [rows, cols], scales, fmt): with fmt q8_0 / q4_0 the tensors
-    :func:`quantizes` selects, quantized while read; with an fp8 fmt every tensor stored as F8_E4M3 (with its
-    ``<name>_scale_inv``), as stored. Raises CheckpointError naming file and tensor (a row length that does not fit
+    ft_jax.config.quantization.quantize_applies selects (kind "weight"), quantized while read; with an fp8 fmt
+    every tensor stored as F8_E4M3 (with its ``<name>_scale_inv``), as stored. Raises CheckpointError naming file and tensor (a row length that does not fit
     the blocks, an FP8 tensor where a float one is needed, NaN)."""
 
     def make(name: str, shape: tuple[int, ...], kind: str):
@@ -690,7 +653,8 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.Weig
                                       f"{kind.removesuffix('_f32')} in float (quantization_config should list it in "
                                       "modules_to_not_convert)")
             return wf.QuantizedTensor(*_read_fp8(ckpt, name, f"{name}_scale_inv", shape, fmt), fmt)
-        if fmt is not None and fmt.name in wf.QUANTIZE_CHOICES and quantizes(name, shape, kind):
+        quantized = fmt is not None and fmt.name in wf.QUANTIZE_CHOICES
+        if quantized and kind == "weight" and quantize_applies(name, shape):
             _fits(fmt, ckpt.info(name, shape), name, shape[1])
             return wf.QuantizedTensor(*wf.quantize(ckpt.read(name, shape), fmt), fmt)
         return ckpt.read(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype, copy=False)
@@ -708,9 +672,9 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
         expert_dtype: host-bank dtype of float experts and of expert biases (float32 or bfloat16); default ``dtype``.
         quantize: None, "q8_0" or "q4_0": quantize a float checkpoint while loading (llama.cpp's rounding,
             weight_formats.quantize): the expert banks and every dense 2-D projection but the routers and the
-            embedding table (:func:`quantizes`). FP8 (quantization_config quant_method "fp8") and MXFP4 (gpt-oss)
-            checkpoints are always kept as stored: expert banks in that format, FP8 dense projections as
-            QuantizedTensor.
+            embedding table (ft_jax.config.quantization.quantize_applies). FP8 (quantization_config quant_method
+            "fp8") and MXFP4 (gpt-oss) checkpoints are always kept as stored: expert banks in that format, FP8
+            dense projections as QuantizedTensor.
     Returns:
         LoadedCheckpoint(config, model, banks, checkpoint_bytes); banks.format is the experts' weight format.
     Memory: expert tensors are read one at a time directly into the bank rows (plus one tensor-sized temporary when
@@ -721,14 +685,15 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
         CheckpointError: missing/unreadable/truncated/corrupted file (including headers that break the safetensors
             rules and unsafe shard names in the index), missing tensor, wrong shape or dtype, a NaN/Inf weight or
             scale (FP8 NaN, an MXFP4 scale of 255 or one that overflows float32 included), a row length that does
-            not fit the format's blocks, or --quantize on a quantized checkpoint (names the file and the tensor).
+            not fit the format's blocks (names the file and the tensor).
         ValueError: a dtype or quantize value not listed above.
-        ConfigError / NotImplementedError: from :func:`ft_jax.config.load_config` (an unsupported quant_method).
+        ConfigError / NotImplementedError: from :func:`ft_jax.config.load_config` (an unsupported quant_method), or
+            quantize given for an FP8 / MXFP4 checkpoint (ft_jax.config.quantization.expert_format).
     """
     cfg = load_config(model_dir)
     dense_dtype = _np_dtype(dtype)
     bank_dtype = dense_dtype if expert_dtype is None else _np_dtype(expert_dtype)
-    fmt = expert_weight_format(cfg, bank_dtype, quantize)
+    fmt = expert_format(cfg, bank_dtype, quantize)
     with SafetensorsCheckpoint(model_dir) as ckpt:
         plan = expert_tensor_plan(cfg, ckpt, fmt)
         model = MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None))

@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
+from ft_jax import weight_formats
 from ft_jax.config.files import ConfigError
 
 QUANT_METHODS = ("fp8", "mxfp4")
@@ -76,3 +79,46 @@ def read_quantization(raw: dict[str, Any], source: str, family: str) -> Quantiza
         raise ConfigError(f"{source}: quantization_config.weight_block_size should be [rows, cols], two positive "
                           f"integers (block-scaled FP8), got {block!r}")
     return Quantization("fp8", (block[0], block[1]), tuple(skip))
+
+
+# Dense 2-D weights --quantize leaves as stored. As llama-quantize: the routers (its ffn_gate_inp; Qwen2-MoE's one-row
+# shared_expert_gate is a router-like gate, kept too). Unlike its --pure, the token embedding stays as stored (the
+# step gathers rows of it, no GEMV reads it; with tied embeddings lm_head is that table, so it stays too). Norms,
+# biases and the other 1-D tensors are never quantized.
+ROUTER_SUFFIXES = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".mlp.router.weight",
+                   ".mlp.shared_expert_gate.weight")
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def quantize_applies(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether --quantize makes the dense tensor ``name`` (Hugging Face name, stored shape) q8_0 / q4_0: every 2-D
+    projection weight (``*.weight``), lm_head included, but the routers and the embedding table (ROUTER_SUFFIXES,
+    EMBEDDING)."""
+    return (len(shape) == 2 and name.endswith(".weight") and name != EMBEDDING
+            and not name.endswith(ROUTER_SUFFIXES))
+
+
+def expert_format(cfg, expert_dtype, quantize: str | None = None) -> weight_formats.WeightFormat:
+    """The weight format of a checkpoint's expert banks: the checkpoint's own (fp8 with its weight_block_size,
+    gpt-oss's mxfp4), else ``quantize`` (q8_0 / q4_0, made while loading), else the float format of ``expert_dtype``
+    (float32 or bfloat16).
+
+    Args:
+        cfg: MoEConfig (its quantization). expert_dtype: the float bank dtype. quantize: None, "q8_0" or "q4_0".
+    Raises:
+        ValueError: ``quantize`` not None, "q8_0" or "q4_0"; an expert_dtype other than float32 / bfloat16.
+        ConfigError: ``quantize`` given for a checkpoint that is already quantized (fp8 / mxfp4: used as stored).
+    """
+    if quantize is not None and quantize not in weight_formats.QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {', '.join(weight_formats.QUANTIZE_CHOICES)} (or None), got "
+                         f"{quantize!r}")
+    q = cfg.quantization
+    if quantize is not None and q is not None:
+        raise ConfigError(f"--quantize {quantize}: this {cfg.architecture} checkpoint is already quantized "
+                          f"({q.method}, quantization_config of config.json) and is used as stored; --quantize makes "
+                          "q8_0 / q4_0 from a float (bf16 / f32) checkpoint only")
+    if quantize is not None:
+        return weight_formats.by_name(quantize)
+    if q is not None:
+        return weight_formats.fp8(q.block) if q.method == "fp8" else weight_formats.MXFP4
+    return weight_formats.float_format(np.dtype(expert_dtype))
