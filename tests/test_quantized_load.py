@@ -417,3 +417,16 @@ def test_decode_of_quantized_experts_equals_the_dequantized_float_path(tmp_path,
     assert result.stats["expert_bytes"] == qbanks.expert_bytes
     for b in (qbanks, fbanks, ck.banks):
         b.release()
+
+
+def test_bandwidth_bench_fills_every_pool_of_a_quantized_format():
+    """The profile's Bench at q8_0: one slot pool per bank (the scale pools included), and a fill copies the stored
+    rows of every bank into the slots."""
+    with bandwidth.Bench(64, 32, "bfloat16", call_bytes=1 << 16, fmt=wf.Q8_0) as b:
+        assert b.expert_bytes == wf.Q8_0.nbytes(64, 64) + wf.Q8_0.nbytes(64, 32) == b.banks.expert_bytes
+        assert len(b._slots) == 4
+        b.fill()
+        rows = b.fill_rows[0]
+        for slots, bank in zip(b._slots, b.banks.banks):
+            np.testing.assert_array_equal(np.asarray(slots)[rows], bank.numpy()[rows])
+        b.gemv()
