@@ -259,3 +259,24 @@ def test_quantized_model_equals_the_dequantized_float_model(family, name, dtype)
         bound = bf16_logit_error_bound(cfg.num_layers, np.abs(want).max(-1, keepdims=True))
         assert np.all(np.abs(got - want) <= bound)
     assert fwd._cache_size() == 2  # the prefill and one decode step for the three decode calls
+
+
+def test_quantized_model_lowered_for_cuda_dequantizes_with_xla():
+    """Lowered for CUDA (no GPU needed), a quantized model's forward takes the XLA dequantize-and-dot form: no
+    ft_jax_linear call, and the stored q8_0 data (i8 [n, rows, cols]) are operands of the step, not a float copy."""
+    cfg = load_config(f"{FIXTURES}/mixtral")
+    model = MoETransformer(cfg, quantizing_factory(Q8_0, np.float32)[0])
+    graphdef, state = nnx.split(model)
+
+    def no_experts(moe_layer, x, ids, weights, expert_state):  # the routed experts are not under test here
+        return jnp.zeros(x.shape, jnp.float32), expert_state
+
+    def fwd(state, tokens, positions, kv):
+        return nnx.merge(graphdef, state)(tokens, positions, kv, None, no_experts)[0]
+
+    kv = jax.eval_shape(lambda: model.init_kv_cache(1, 16))
+    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    text = jax.jit(fwd).trace(state, ids, ids, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ft_jax_linear" not in text
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert "tensor<4x128x64xi8>" in main  # q/k/v of the 4 layers: (4 + 2 * 2) * 16 rows, 64 columns

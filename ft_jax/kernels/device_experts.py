@@ -20,7 +20,20 @@ decode (T = batch) does not notice and prefill pays in FLOPs, not bytes. bf16 we
 bf16 model) a is rounded to bf16 before the down projection, as the CPU kernel and transformers do; the second dot
 takes a in f32. Summation order differs from the CPU kernel, so results agree to rounding, not bit for bit.
 
-Requires H and I to be multiples of 16 (every released MoE model's are); raises ValueError otherwise.
+Quantized pools (``weight_format`` q8_0, q4_0, mxfp4 or fp8 blocks; layouts: ft_jax.weight_formats and the slot
+rows of the expert banks: gate_up data [S, *fmt.data_shape(2I, H)], its scales [S, 2 scale_rows(I), ceil(H / bc)]
+with the up matrix's scale grid after the gate's, down data [S, *fmt.data_shape(H, I)], scales [S, *scale_shape(H,
+I)]) are read as stored and dequantized per tile inside the kernels: each weight tile's scales are one gather from
+the scale pool at (scale row of the element's matrix row, scale column of its data column), the 8-bit values
+(i8, e4m3) are widened and multiplied, the 4-bit codes (q4_0: q - 8; mxfp4: the E2M1 value, computed from the code's
+bits) are split into the low-nibble and high-nibble tiles, each multiplied with the matching half of the activations
+(for q4_0 the elements j and j + 16 of every 32-block, for mxfp4 the even and odd elements; XLA slices of x and of
+a outside the kernels, so no in-kernel shuffle). The dots run in f32 (no TF32) for every block format, with f32
+accumulation: the dequantized weights are the numpy dequantize's float32 values exactly, and so the results agree
+with a float64 reference on those values to f32 rounding (tests/test_gpu_path.py).
+
+Requires H and I to be multiples of 16 (every released MoE model's are; 32 for q8_0, q4_0 and mxfp4, whose blocks
+span 32 columns); raises ValueError otherwise.
 ``interpret=True`` runs the same kernels through Pallas' interpreter on any backend (the CPU tests do).
 
 The kernels use Pallas' Triton backend, which JAX 0.11 deprecates (a DeprecationWarning at every lowering) in favour

@@ -92,8 +92,8 @@ def _stack(ts: list, what: str):
     """One tensor per layer -> [n, ...] on the device: a jax array, or a QuantizedTensor of stacked data / scales."""
     ts = _one_format(ts, what)
     if isinstance(ts[0], QuantizedTensor):
-        return QuantizedTensor(jnp.asarray(np.stack([t.data for t in ts])), jnp.asarray(np.stack([t.scales for t in ts])),
-                               ts[0].fmt)
+        data, scales = np.stack([t.data for t in ts]), np.stack([t.scales for t in ts])  # [n, ...] each
+        return QuantizedTensor(jnp.asarray(data), jnp.asarray(scales), ts[0].fmt)
     return jnp.asarray(np.stack(ts))
 
 
