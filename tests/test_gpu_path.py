@@ -170,6 +170,21 @@ def test_pallas_slot_experts_quantized_pools_match_float64(name, activation, x_d
     assert np.all(np.asarray(got)[T - 1] == 0)  # the unrouted token
 
 
+@pytest.mark.parametrize("name,inter", [("q4_0", 96), ("mxfp4", 96), ("q8_0", 96), ("fp8_24x40", 80)])
+def test_pallas_slot_experts_quantized_pools_over_several_tiles(name, inter):
+    """H = 256 (two 128-column steps of the gate/up loop, eight 32-row down programs) and I = 96 / 80 (several
+    gate/up programs and down steps; fp8 24 x 40 blocks cut by the tiles): the scale gathers follow the tiles."""
+    fmt = QUANTIZED[name]
+    rng = np.random.default_rng(9)
+    S, H = 3, 256
+    gu_data, gu_scales, dn_data, dn_scales, gu, dn = _quantized_pools(rng, fmt, S, H, inter)
+    x, ids, w, _, _, _ = _case(rng, 2, 2, S, H, inter, np.float32, np.float32, False)
+    got = device_experts.slot_experts(x, ids, w, gu_data, dn_data, "gelu_tanh", interpret=True,
+                                      gate_up_scale_slots=gu_scales, down_scale_slots=dn_scales, weight_format=fmt)
+    want = _reference(x, ids, w, gu, dn, "gelu_tanh")
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
 def test_pallas_slot_experts_rejects_mismatched_quantized_pools():
     rng = np.random.default_rng(8)
     gu_data, gu_scales, dn_data, dn_scales, _, _ = _quantized_pools(rng, Q8_0, 2, 64, 32)
