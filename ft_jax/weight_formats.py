@@ -277,9 +277,10 @@ def _e8m0_jnp(scales):
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def dequantize_jnp(t: QuantizedTensor, dtype=jnp.float32, rows: int | None = None):
-    """The jnp form of :func:`dequantize` (traceable: jit, scan, any backend): the values [..., rows, cols] of ``t``
-    (data and scales with any leading axes), computed in float32 and cast to ``dtype`` (float32 or bfloat16).
+def dequantize_jnp(t: QuantizedTensor, dtype=jnp.float32):
+    """The jnp form of :func:`dequantize` for one matrix (or a stack of them: data and scales with any leading axes;
+    traceable: jit, scan, any backend): the values [..., rows, cols] of ``t``, computed in float32 and cast to
+    ``dtype`` (float32 or bfloat16). (A gate_up pair with stacked fp8 scale grids is two matrices: dequantize each.)
 
     In float32 the values equal :func:`dequantize`'s bit for bit (each is one product of two floats, the same two),
     except where a backend flushes subnormal results to zero (XLA:CPU does): mxfp4 scales below 2^-126, or an
@@ -288,8 +289,6 @@ def dequantize_jnp(t: QuantizedTensor, dtype=jnp.float32, rows: int | None = Non
     Args:
         t: a QuantizedTensor of jax (or numpy) arrays.
         dtype: result dtype; bfloat16 rounds the float32 values once (round to nearest even).
-        rows: for a gate_up pair of fp8 matrices with stacked scale grids (module docstring) the rows of one matrix;
-            default: data holds one matrix.
     Returns:
         [..., rows, cols] in ``dtype``.
     Raises:
@@ -297,11 +296,6 @@ def dequantize_jnp(t: QuantizedTensor, dtype=jnp.float32, rows: int | None = Non
     """
     fmt, data, scales = t.fmt, jnp.asarray(t.data), jnp.asarray(t.scales)
     n = data.shape[-2]
-    if rows is not None and rows * 2 == n and fmt.block[0] > 1:
-        sr = fmt.scale_rows(rows)
-        parts = [dequantize_jnp(QuantizedTensor(data[..., :rows, :], scales[..., :sr, :], fmt), dtype),
-                 dequantize_jnp(QuantizedTensor(data[..., rows:, :], scales[..., sr:, :], fmt), dtype)]
-        return jnp.concatenate(parts, axis=-2)
     cols = data.shape[-1] * fmt.values_per_item
     want = fmt.scale_shape(n, cols)
     if scales.shape[-2:] != want or scales.shape[:-2] != data.shape[:-2]:
