@@ -74,7 +74,7 @@ class WeightFormat:
     def check_cols(self, cols: int, what: str) -> None:
         """Raises ValueError naming ``what`` (e.g. the tensor) when rows of ``cols`` elements do not fit the format:
         q8_0, q4_0 and mxfp4 need cols % 32 == 0 (fp8's edge blocks may be partial)."""
-        if self.block[0] == 1 and cols % self.block[1]:
+        if self.name != "fp8" and cols % self.block[1]:  # fp8((1, bc)) (fp8_rowwise) too may end partial
             raise ValueError(f"{what}: rows of {cols} elements do not fit {self.name}'s blocks of {self.block[1]} "
                              f"(the row length must be a multiple of {self.block[1]})")
 

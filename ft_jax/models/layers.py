@@ -250,9 +250,10 @@ def linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer=None) -> jax.Ar
     weight stack to float32 as a whole (measured: docs/DESIGN.md sec. 5). Larger calls (long prefills, training) and
     other backends use XLA's dot on ``w[layer]``, which is also the only path jax can differentiate.
 
-    A QuantizedTensor weight (any block format of ft_jax.weight_formats) is read as stored: XLA's path slices the
-    layer's data and scales, dequantizes them to x's dtype (weight_formats.dequantize_jnp: exact in float32, one
-    rounding in bfloat16) and takes the same dot; the CPU path is _quantized_linear_cpu.
+    A QuantizedTensor weight (any block format of ft_jax.weight_formats) is read as stored: the FFI call reads its
+    data and scales (ffi_ops.linear with scales and weight_format; dequantized in registers, xla_ffi/quant_dot.h);
+    XLA's path slices the layer's data and scales, dequantizes them to x's dtype (weight_formats.dequantize_jnp:
+    exact in float32, one rounding in bfloat16) and takes the same dot.
 
     Args:
         x: f32 | bf16 [..., K] activations.
@@ -281,7 +282,9 @@ def linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer=None) -> jax.Ar
         operands = (x2, w.data, w.scales, index)
         if x2.shape[0] > FFI_MAX_ROWS:
             return xla_q(*operands).reshape(*lead, O)
-        cpu_q = functools.partial(_quantized_linear_cpu, w.fmt)
+        def cpu_q(x2, data, scales, index):  # the GEMV reading the stored bytes (xla_ffi/quant_dot.h)
+            return ffi_ops.linear(x2, data, index, scales=scales, weight_format=w.fmt)
+
         return jax.lax.platform_dependent(*operands, cpu=cpu_q, default=xla_q).reshape(*lead, O)
 
     def xla_dot(x2, w, index):
@@ -304,13 +307,6 @@ def _quantized_dot(fmt, x2: jax.Array, data: jax.Array, scales: jax.Array, index
         scales = jax.lax.dynamic_index_in_dim(scales, index, keepdims=False)  # [O or ceil(O / br), Ks]
     wl = dequantize_jnp(QuantizedTensor(data, scales, fmt), x2.dtype)  # [O, K]
     return jax.lax.dot_general(x2, wl, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32)
-
-
-def _quantized_linear_cpu(fmt, x2: jax.Array, data: jax.Array, scales: jax.Array, index: jax.Array) -> jax.Array:
-    """The CPU backend's quantized projection up to FFI_MAX_ROWS rows: XLA's dequantize-and-dot (_quantized_dot)
-    until the ft_jax_linear handler reads the block formats (ffi_ops.linear(x2, data, index, scales=scales,
-    weight_format=fmt) then)."""
-    return _quantized_dot(fmt, x2, data, scales, index)
 
 
 def _bits(x: jax.Array) -> jax.Array:
