@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "xla_ffi/common.h"
 #include "xla_ffi/dot_kernels.h"
 #include "xla_ffi/host_bank.h"
 
@@ -192,74 +193,26 @@ FT_JAX_AVX2_F16C void DequantAvx2(const MatrixView& w, int64_t r, float* out) {
   }
 }
 
-// 16 codes (int32 lanes, low 4 bits used) looked up in the 16-entry table lutd.
-FT_JAX_AVX512 inline void Store16Lut(float* out, __m128i codes, __m512 lutd) {
-  _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), lutd));
+// The AVX-512 level. Blocks of 32 (q8_0, q4_0, mxfp4) decode to two vectors of 16: q8_0 and q4_0 in element order
+// (q4_0: low nibbles = elements 0..15, high = 16..31); mxfp4 as low nibbles (elements 0, 2, .., 30) then high
+// nibbles (1, 3, .., 31), its activations permuted alike once per call (PermuteMxfp4), so no lane shuffle per block.
+// A row's f16 / E8M0 scales are converted first (RowScales). With one token the decoded vectors go straight into the
+// fused multiply-adds (DotBlocks, DotFp8); with more, a row is decoded once into a buffer (DequantBlocks,
+// DequantAvx512) that DotRowAvx512 reads per token. Both run the same arithmetic in the same order (8 accumulators
+// of 16 lanes over chunks of 128 elements, then single vectors into accumulator 0, then TailSum), so a token's result
+// does not depend on how many tokens share the call.
+
+// The scalar tail of a dot: s + w[0] x[0] + ... + w[n-1] x[n-1], left to right (one function for every caller, so
+// every caller rounds it alike).
+__attribute__((noinline)) float TailSum(float s, const float* w, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) s += w[i] * x[i];
+  return s;
 }
 
-FT_JAX_AVX512 void DequantAvx512(const MatrixView& w, int64_t r, float* out) {
-  const Tables& tab = Tab();
-  const uint8_t* row = RowData(w, r);
-  const uint8_t* srow = ScaleRow(w, r);
-  const int64_t nb = w.cols / kQBlock;
-  const __m128i m4 = _mm_set1_epi8(0x0F);
-  switch (w.format) {
-    case WFormat::kQ8_0: {
-      const uint16_t* d = reinterpret_cast<const uint16_t*>(srow);
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m512 s = _mm512_set1_ps(HalfToFloat(d[b]));
-        for (int h = 0; h < 2; ++h) {
-          const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * b + 16 * h));
-          _mm512_storeu_ps(out + 32 * b + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s));
-        }
-      }
-      return;
-    }
-    case WFormat::kQ4_0: {
-      const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-      const uint16_t* d = reinterpret_cast<const uint16_t*>(srow);
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m512 lutd = _mm512_mul_ps(lut, _mm512_set1_ps(HalfToFloat(d[b])));  // exact: d * (q - 8)
-        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b)));
-        _mm512_storeu_ps(out + 32 * b, _mm512_permutexvar_ps(idx, lutd));  // low nibbles: elements 0..15
-        _mm512_storeu_ps(out + 32 * b + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lutd));
-      }
-      return;
-    }
-    case WFormat::kMxfp4: {
-      const __m512 lut = _mm512_loadu_ps(kFp4);
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m512 lutd = _mm512_mul_ps(lut, _mm512_set1_ps(tab.e8m0[srow[b]]));  // exact: a power of two
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
-        const __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
-        Store16Lut(out + 32 * b, _mm_unpacklo_epi8(lo, hi), lutd);  // elements 0..15 (2j, 2j + 1 interleaved)
-        Store16Lut(out + 32 * b + 16, _mm_unpackhi_epi8(lo, hi), lutd);
-      }
-      return;
-    }
-    case WFormat::kFp8: {
-      const float* sc = reinterpret_cast<const float*>(srow);
-      const __m256i low7 = _mm256_set1_epi16(0x7F);
-      const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
-      for (int64_t c0 = 0; c0 < w.cols; c0 += w.block_cols) {
-        const int64_t end = std::min(w.cols, c0 + w.block_cols);
-        const float s = sc[c0 / w.block_cols];
-        const __m512 s256 = _mm512_set1_ps(s * 256.0f);
-        int64_t c = c0;
-        for (; c + 16 <= end; c += 16) {
-          const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
-          const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(t, 8), 1),
-                                             _mm256_set1_epi16(static_cast<short>(0xBFFF)));
-          const __mmask16 is_nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(t, low7), low7);
-          _mm512_storeu_ps(out + c, _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_cvtph_ps(h), s256), is_nan, nan));
-        }
-        for (; c < end; ++c) out[c] = tab.e4m3[row[c]] * s;
-      }
-      return;
-    }
-    default:
-      return;
-  }
+FT_JAX_AVX512 inline float ReduceAcc(__m512* acc) {
+  for (int width = kAccumulators / 2; width >= 1; width /= 2)
+    for (int j = 0; j < width; ++j) acc[j] = _mm512_add_ps(acc[j], acc[j + width]);
+  return _mm512_reduce_add_ps(acc[0]);
 }
 
 // dot(w[0:len], x[0:len]) of float32 rows, 8 accumulators of 16 lanes (the AVX-512 level of the quantized paths).
@@ -272,17 +225,184 @@ FT_JAX_AVX512 float DotRowAvx512(const float* w, const float* x, int64_t len) {
     for (int a = 0; a < A; ++a)
       acc[a] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16 * a), _mm512_loadu_ps(x + i + 16 * a), acc[a]);
   for (; i + 16 <= len; i += 16) acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), acc[0]);
-  for (int width = A / 2; width >= 1; width /= 2)
-    for (int j = 0; j < width; ++j) acc[j] = _mm512_add_ps(acc[j], acc[j + width]);
-  float s = _mm512_reduce_add_ps(acc[0]);
-  for (; i < len; ++i) s += w[i] * x[i];
-  return s;
+  return TailSum(ReduceAcc(acc), w + i, x + i, len - i);
+}
+
+// The float32 scales of a row's nb blocks (q8_0 / q4_0: f16 through F16C, exact; mxfp4: 2^(s - 127)).
+FT_JAX_AVX512 void RowScales(WFormat f, const uint8_t* srow, int64_t nb, float* sf) {
+  if (f == WFormat::kMxfp4) {
+    const Tables& tab = Tab();
+    for (int64_t b = 0; b < nb; ++b) sf[b] = tab.e8m0[srow[b]];
+    return;
+  }
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(srow);
+  int64_t b = 0;
+  for (; b + 16 <= nb; b += 16)
+    _mm512_storeu_ps(sf + b, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b))));
+  for (; b < nb; ++b) sf[b] = _cvtsh_ss(d[b]);
+}
+
+// Block b of a row: its 32 values as two vectors (order: see above), scale sf[b].
+template <WFormat F>
+FT_JAX_AVX512 inline void DecodeBlock(const uint8_t* row, const float* sf, int64_t b, __m512* v0, __m512* v1) {
+  const __m512 s = _mm512_set1_ps(sf[b]);
+  if constexpr (F == WFormat::kQ8_0) {
+    const __m128i* q = reinterpret_cast<const __m128i*>(row + 32 * b);
+    *v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), s);
+    *v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), s);
+  } else {
+    const __m512 lut = F == WFormat::kQ4_0
+                           ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                           : _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
+                                            -2.0f, -3.0f, -4.0f, -6.0f);
+    const __m512 lutd = _mm512_mul_ps(lut, s);  // exact: d * (q - 8), or an FP4 value times a power of two
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b)));
+    *v0 = _mm512_permutexvar_ps(idx, lutd);  // vpermps reads the low 4 bits: the low nibbles
+    *v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lutd);
+  }
+}
+
+template <WFormat F>
+FT_JAX_AVX512 void DequantBlocks(const uint8_t* row, const float* sf, int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 v0, v1;
+    DecodeBlock<F>(row, sf, b, &v0, &v1);
+    _mm512_storeu_ps(out + 32 * b, v0);
+    _mm512_storeu_ps(out + 32 * b + 16, v1);
+  }
+}
+
+// DotRowAvx512(DequantBlocks(row), x) without the buffer.
+template <WFormat F>
+FT_JAX_AVX512 float DotBlocks(const uint8_t* row, const float* sf, int64_t nb, const float* x) {
+  __m512 acc[kAccumulators];
+  for (int a = 0; a < kAccumulators; ++a) acc[a] = _mm512_setzero_ps();
+  static_assert(kAccumulators == 8, "a chunk of 128 elements is 4 blocks");
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    for (int q = 0; q < 4; ++q) {
+      __m512 v0, v1;
+      DecodeBlock<F>(row, sf, b + q, &v0, &v1);
+      const float* xb = x + 32 * (b + q);
+      acc[2 * q] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xb), acc[2 * q]);
+      acc[2 * q + 1] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xb + 16), acc[2 * q + 1]);
+    }
+  }
+  for (; b < nb; ++b) {
+    __m512 v0, v1;
+    DecodeBlock<F>(row, sf, b, &v0, &v1);
+    acc[0] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + 32 * b), acc[0]);
+    acc[0] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + 32 * b + 16), acc[0]);
+  }
+  return ReduceAcc(acc);  // no tail: rows are whole blocks
+}
+
+// 16 float8_e4m3fn bytes at p times the scale s256 / 256 (see E4m3ToHalfScaled); NaN codes -> NaN.
+FT_JAX_AVX512 inline __m512 DecodeFp8(const uint8_t* p, __m512 s256) {
+  const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(t, 8), 1),
+                                     _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  const __m256i low7 = _mm256_set1_epi16(0x7F);
+  const __mmask16 is_nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(t, low7), low7);
+  return _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_cvtph_ps(h), s256), is_nan,
+                            _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
+
+FT_JAX_AVX512 void DequantFp8Avx512(const MatrixView& w, const uint8_t* row, const float* sc, float* out) {
+  const Tables& tab = Tab();
+  for (int64_t c0 = 0; c0 < w.cols; c0 += w.block_cols) {
+    const int64_t end = std::min(w.cols, c0 + w.block_cols);
+    const float s = sc[c0 / w.block_cols];
+    const __m512 s256 = _mm512_set1_ps(s * 256.0f);
+    int64_t c = c0;
+    for (; c + 16 <= end; c += 16) _mm512_storeu_ps(out + c, DecodeFp8(row + c, s256));
+    for (; c < end; ++c) out[c] = tab.e4m3[row[c]] * s;
+  }
+}
+
+// DotRowAvx512(DequantFp8Avx512(row), x) without the buffer, for block_cols a multiple of 128 (a chunk of 128
+// elements, and so every vector, then lies in one scale block).
+FT_JAX_AVX512 float DotFp8(const MatrixView& w, const uint8_t* row, const float* sc, const float* x) {
+  const int64_t bc = w.block_cols, len = w.cols;
+  __m512 acc[kAccumulators];
+  for (int a = 0; a < kAccumulators; ++a) acc[a] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 128 <= len; i += 128) {
+    const __m512 s256 = _mm512_set1_ps(sc[i / bc] * 256.0f);
+    for (int a = 0; a < kAccumulators; ++a)
+      acc[a] = _mm512_fmadd_ps(DecodeFp8(row + i + 16 * a, s256), _mm512_loadu_ps(x + i + 16 * a), acc[a]);
+  }
+  for (; i + 16 <= len; i += 16)
+    acc[0] = _mm512_fmadd_ps(DecodeFp8(row + i, _mm512_set1_ps(sc[i / bc] * 256.0f)), _mm512_loadu_ps(x + i), acc[0]);
+  float tail[16];
+  const Tables& tab = Tab();
+  for (int64_t c = i; c < len; ++c) tail[c - i] = tab.e4m3[row[c]] * sc[c / bc];
+  return TailSum(ReduceAcc(acc), tail, x + i, len - i);
+}
+
+// mxfp4 activations in the order its blocks decode: per block, elements 0, 2, .., 30 then 1, 3, .., 31.
+void PermuteMxfp4(const float* x, int64_t cols, float* xp) {
+  for (int64_t b = 0; b < cols / kQBlock; ++b)
+    for (int j = 0; j < 16; ++j) {
+      xp[32 * b + j] = x[32 * b + 2 * j];
+      xp[32 * b + 16 + j] = x[32 * b + 2 * j + 1];
+    }
+}
+
+template <WFormat F>
+FT_JAX_AVX512 void DotRowsBlocks(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
+                                 int64_t out_stride, float* sf, float* buf) {
+  const int64_t nb = w.cols / kQBlock;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = RowData(w, r);
+    RowScales(F, ScaleRow(w, r), nb, sf);
+    if (T == 1) {
+      out[r] = DotBlocks<F>(row, sf, nb, x);
+      continue;
+    }
+    DequantBlocks<F>(row, sf, nb, buf);
+    for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRowAvx512(buf, x + t * w.cols, w.cols);
+  }
+}
+
+// DotRowsView's block formats at the AVX-512 level.
+FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
+                                 int64_t out_stride) {
+  thread_local std::vector<float> storage;  // a row buffer [cols], row scales [cols / 32], mxfp4's x [T, cols]
+  const size_t cols = static_cast<size_t>(w.cols);
+  const size_t need = cols + cols / kQBlock + (w.format == WFormat::kMxfp4 ? static_cast<size_t>(T) * cols : 0);
+  Scratch<float> scratch(storage, need);
+  float* buf = scratch.data();
+  float* sf = buf + cols;
+  switch (w.format) {
+    case WFormat::kQ8_0:
+      return DotRowsBlocks<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride, sf, buf);
+    case WFormat::kQ4_0:
+      return DotRowsBlocks<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride, sf, buf);
+    case WFormat::kMxfp4: {
+      float* xp = sf + cols / kQBlock;
+      for (int64_t t = 0; t < T; ++t) PermuteMxfp4(x + t * w.cols, w.cols, xp + t * w.cols);
+      return DotRowsBlocks<WFormat::kMxfp4>(w, r0, r1, xp, T, out, out_stride, sf, buf);
+    }
+    default:
+      break;
+  }
+  const bool fused = T == 1 && w.block_cols % 128 == 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = RowData(w, r);
+    const float* sc = reinterpret_cast<const float*>(ScaleRow(w, r));
+    if (fused) {
+      out[r] = DotFp8(w, row, sc, x);
+      continue;
+    }
+    DequantFp8Avx512(w, row, sc, buf);
+    for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRowAvx512(buf, x + t * w.cols, w.cols);
+  }
 }
 #endif
 
 void DequantizeRow(Isa isa, const MatrixView& w, int64_t r, float* out) {
 #if FT_JAX_HAVE_AVX2_PATH
-  if (isa == Isa::kAvx512Bf16) return DequantAvx512(w, r, out);
   if (isa == Isa::kAvx2) return DequantAvx2(w, r, out);
 #endif
   DequantGeneric(w, r, out);
@@ -290,7 +410,6 @@ void DequantizeRow(Isa isa, const MatrixView& w, int64_t r, float* out) {
 
 float DotF32(Isa isa, const float* w, const float* x, int64_t len) {
 #if FT_JAX_HAVE_AVX2_PATH
-  if (isa == Isa::kAvx512Bf16) return DotRowAvx512(w, x, len);
   if (isa == Isa::kAvx2) return DotRowAvx2<float>(w, x, len);
 #endif
   return DotRowGeneric<float>(w, x, len);
@@ -437,6 +556,9 @@ void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const flo
     return DotRows<uint16_t>(isa, reinterpret_cast<const uint16_t*>(w.data), w.cols, r0, r1, x, xb, T, out,
                              out_stride);
   }
+#if FT_JAX_HAVE_AVX2_PATH
+  if (isa == Isa::kAvx512Bf16) return DotRowsAvx512(w, r0, r1, x, T, out, out_stride);
+#endif
   thread_local std::vector<float> row_storage;  // one dequantized row: cols floats (tens of KiB at most)
   if (row_storage.size() < static_cast<size_t>(w.cols)) row_storage.resize(w.cols);
   float* row = row_storage.data();
