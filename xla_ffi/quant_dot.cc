@@ -13,6 +13,7 @@
 #if FT_JAX_HAVE_AVX2_PATH
 #define FT_JAX_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 #define FT_JAX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define FT_JAX_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #endif
 
 namespace ft_jax {
@@ -365,6 +366,134 @@ FT_JAX_AVX512 void DotRowsBlocks(const MatrixView& w, int64_t r0, int64_t r1, co
   }
 }
 
+// q8_0 / q4_0 with int8 activations (AVX-512 VNNI), as llama.cpp's ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0: each token's
+// activations are quantized per block of 32 to int8 with a float32 scale dx = max |x| / 127 (round to nearest even),
+// a block's integer dot is exact (VPDPBUSD), then scaled by dw * dx in float32. Error (docs/design_parts/kern.md):
+// |x - dx q| <= dx / 2 per element, so a row adds at most sum_b (max_b |x| / 254) sum_{i in b} |w_i| to the float32
+// dot's own error.
+struct Int8Acts {
+  uint8_t* q;   // [T, cols]: q8_0: q + 128 (unsigned, element order); q4_0: q (signed) in the q4_0 pair order
+  float* dx;    // [T, nb] block scales
+  float* corr;  // [T, nb] q4_0: -8 dx_b sum_i q_i (the "- 8" of the weights, applied per row as a dot with dw)
+};
+
+// Block pair order of q4_0 activations (matches the weight bytes of blocks 2p, 2p + 1 split into low then high
+// nibbles): x[b0 0..15], x[b1 0..15], x[b0 16..31], x[b1 16..31]; an odd last block in element order.
+FT_JAX_VNNI void QuantizeActs(WFormat f, const float* x, int64_t cols, uint8_t* q, float* dx, float* corr) {
+  const int64_t nb = cols / kQBlock;
+  alignas(64) int8_t tmp[32];
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float d = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(d == 0.0f ? 0.0f : 1.0f / d);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + 16), _mm512_cvtsepi32_epi8(q1));
+    dx[b] = d;
+    if (f == WFormat::kQ8_0) {
+      for (int j = 0; j < 32; ++j) q[32 * b + j] = static_cast<uint8_t>(tmp[j] + 128);
+      continue;
+    }
+    corr[b] = -8.0f * d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    const int64_t pair = b / 2, odd = b % 2;
+    uint8_t* dst = q + 64 * pair;
+    if (b == nb - 1 && odd == 0) {  // an odd last block: element order
+      std::memcpy(q + 32 * b, tmp, 32);
+    } else {
+      std::memcpy(dst + 16 * odd, tmp, 16);
+      std::memcpy(dst + 32 + 16 * odd, tmp + 16, 16);
+    }
+  }
+}
+
+// dot of one q8_0 / q4_0 row with one token's int8 activations: sum_b sdx_b (w_b . q_b), sdx_b = dw_b dx_b
+// (q4_0: + sum_b dw_b corr_b).
+template <WFormat F>
+FT_JAX_VNNI float DotInt8(const uint8_t* row, const float* sw, const float* sdx, int64_t nb, const uint8_t* q,
+                          const float* corr) {
+  __m512 acc[4];
+  for (int a = 0; a < 4; ++a) acc[a] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  int64_t p = 0;
+  for (; 2 * p + 2 <= nb; ++p) {
+    __m512i isum;
+    __mmask16 second;  // lanes of block 2p + 1
+    if constexpr (F == WFormat::kQ8_0) {
+      const __m512i w = _mm512_loadu_si512(row + 64 * p);
+      const __m512i xu = _mm512_loadu_si512(q + 64 * p);
+      // (q + 128) . w - 128 sum(w): VPDPBUSD multiplies unsigned by signed bytes
+      isum = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xu, w),
+                              _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, _mm512_set1_epi8(1), w), 7));
+      second = 0xFF00;
+    } else {
+      const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * p));
+      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(wb, m4)),
+                                           _mm256_and_si256(_mm256_srli_epi16(wb, 4), m4), 1);
+      isum = _mm512_dpbusd_epi32(zero, w, _mm512_loadu_si512(q + 64 * p));
+      second = 0xF0F0;
+    }
+    const __m512 s = _mm512_mask_blend_ps(second, _mm512_set1_ps(sdx[2 * p]), _mm512_set1_ps(sdx[2 * p + 1]));
+    acc[p % 4] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[p % 4]);
+  }
+  if (2 * p < nb) {  // an odd last block
+    const int64_t b = 2 * p;
+    __m256i isum;
+    const __m256i z = _mm256_setzero_si256();
+    if constexpr (F == WFormat::kQ8_0) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
+      const __m256i xu = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
+      isum = _mm256_sub_epi32(_mm256_dpbusd_epi32(z, xu, w),
+                              _mm256_slli_epi32(_mm256_dpbusd_epi32(z, _mm256_set1_epi8(1), w), 7));
+    } else {
+      const __m128i wb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
+      const __m128i m4x = _mm_set1_epi8(0x0F);
+      const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(wb, 4), m4x), _mm_and_si128(wb, m4x));
+      isum = _mm256_dpbusd_epi32(z, w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b)));
+    }
+    const __m512 f = _mm512_zextps256_ps512(_mm256_cvtepi32_ps(isum));
+    acc[0] = _mm512_fmadd_ps(f, _mm512_set1_ps(sdx[b]), acc[0]);
+  }
+  acc[0] = _mm512_add_ps(acc[0], acc[2]);
+  acc[1] = _mm512_add_ps(acc[1], acc[3]);
+  float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+  if constexpr (F == WFormat::kQ4_0) sum += DotRowAvx512(sw, corr, nb);
+  return sum;
+}
+
+template <WFormat F>
+FT_JAX_VNNI void DotRowsInt8(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
+                             int64_t out_stride) {
+  const int64_t cols = w.cols, nb = cols / kQBlock;
+  // row scales [nb], their products with dx [nb], dx [T, nb], corr [T, nb], activations [T, cols] bytes
+  thread_local std::vector<float> storage;
+  Scratch<float> scratch(storage, static_cast<size_t>(nb * (2 + 2 * T) + (T * cols + 3) / 4));
+  float* sw = scratch.data();
+  float* sdx = sw + nb;
+  float* dx = sdx + nb;
+  float* corr = dx + T * nb;
+  uint8_t* q = reinterpret_cast<uint8_t*>(corr + T * nb);
+  for (int64_t t = 0; t < T; ++t) QuantizeActs(F, x + t * cols, cols, q + t * cols, dx + t * nb, corr + t * nb);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = RowData(w, r);
+    RowScales(F, ScaleRow(w, r), nb, sw);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* dxt = dx + t * nb;
+      int64_t b = 0;
+      for (; b + 16 <= nb; b += 16)
+        _mm512_storeu_ps(sdx + b, _mm512_mul_ps(_mm512_loadu_ps(sw + b), _mm512_loadu_ps(dxt + b)));
+      for (; b < nb; ++b) sdx[b] = sw[b] * dxt[b];
+      out[t * out_stride + r] = DotInt8<F>(row, sw, sdx, nb, q + t * cols, corr + t * nb);
+    }
+  }
+}
+
+bool HaveVnni() {
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  return vnni;
+}
+
 // DotRowsView's block formats at the AVX-512 level.
 FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
                                  int64_t out_stride) {
@@ -376,8 +505,10 @@ FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, co
   float* sf = buf + cols;
   switch (w.format) {
     case WFormat::kQ8_0:
+      if (HaveVnni()) return DotRowsInt8<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride);
       return DotRowsBlocks<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride, sf, buf);
     case WFormat::kQ4_0:
+      if (HaveVnni()) return DotRowsInt8<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride);
       return DotRowsBlocks<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride, sf, buf);
     case WFormat::kMxfp4: {
       float* xp = sf + cols / kQBlock;
