@@ -231,9 +231,19 @@ FT_JAX_AVX512 float DotRowAvx512(const float* w, const float* x, int64_t len) {
 
 // The float32 scales of a row's nb blocks (q8_0 / q4_0: f16 through F16C, exact; mxfp4: 2^(s - 127)).
 FT_JAX_AVX512 void RowScales(WFormat f, const uint8_t* srow, int64_t nb, float* sf) {
-  if (f == WFormat::kMxfp4) {
+  if (f == WFormat::kMxfp4) {  // 2^(s - 127) = the float32 of exponent field s, except s = 0 (2^-127) and 255 (NaN)
     const Tables& tab = Tab();
-    for (int64_t b = 0; b < nb; ++b) sf[b] = tab.e8m0[srow[b]];
+    int64_t b = 0;
+    for (; b + 16 <= nb; b += 16) {
+      const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(srow + b)));
+      __m512i bits = _mm512_slli_epi32(e, 23);
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                                   _mm512_set1_epi32(0x00400000));
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)),
+                                   _mm512_set1_epi32(0x7FC00000));
+      _mm512_storeu_ps(sf + b, _mm512_castsi512_ps(bits));
+    }
+    for (; b < nb; ++b) sf[b] = tab.e8m0[srow[b]];
     return;
   }
   const uint16_t* d = reinterpret_cast<const uint16_t*>(srow);
