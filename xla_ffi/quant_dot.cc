@@ -308,18 +308,32 @@ FT_JAX_AVX512 float DotBlocks(const uint8_t* row, const float* sf, int64_t nb, c
   return ReduceAcc(acc);  // no tail: rows are whole blocks
 }
 
-// 16 float8_e4m3fn bytes at p times the scale s256 / 256 (see E4m3ToHalfScaled); NaN codes -> NaN.
+// 16 float8_e4m3fn bytes at p times the scale s256 / 256, for rows without NaN codes (RowHasNan): sign-extended to
+// 16 bits and shifted by 7, a byte becomes the half of its value times 2^-8 once bit 14 (a copy of the sign) is
+// cleared (see E4m3ToHalfScaled).
 FT_JAX_AVX512 inline __m512 DecodeFp8(const uint8_t* p, __m512 s256) {
-  const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(t, 8), 1),
-                                     _mm256_set1_epi16(static_cast<short>(0xBFFF)));
-  const __m256i low7 = _mm256_set1_epi16(0x7F);
-  const __mmask16 is_nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(t, low7), low7);
-  return _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_cvtph_ps(h), s256), is_nan,
-                            _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+  const __m256i t = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(t, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), s256);
 }
 
-FT_JAX_AVX512 void DequantFp8Avx512(const MatrixView& w, const uint8_t* row, const float* sc, float* out) {
+// Whether a row of n float8_e4m3fn bytes holds a NaN code (0x7f or 0xff): such rows are decoded by the table
+// (DequantGeneric) so that NaN stays NaN; checkpoints have none, and the check costs a few instructions per 64 bytes.
+FT_JAX_AVX512 bool RowHasNan(const uint8_t* row, int64_t n) {
+  const __m512i low7 = _mm512_set1_epi8(0x7F);
+  __mmask64 any = 0;
+  int64_t c = 0;
+  for (; c + 64 <= n; c += 64)
+    any |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(_mm512_loadu_si512(row + c), low7), low7);
+  bool nan = any != 0;
+  for (; c < n; ++c) nan |= (row[c] & 0x7F) == 0x7F;
+  return nan;
+}
+
+FT_JAX_AVX512 void DequantFp8Avx512(const MatrixView& w, int64_t r, float* out) {
+  const uint8_t* row = RowData(w, r);
+  if (RowHasNan(row, w.cols)) return DequantGeneric(w, r, out);
+  const float* sc = reinterpret_cast<const float*>(ScaleRow(w, r));
   const Tables& tab = Tab();
   for (int64_t c0 = 0; c0 < w.cols; c0 += w.block_cols) {
     const int64_t end = std::min(w.cols, c0 + w.block_cols);
@@ -332,17 +346,26 @@ FT_JAX_AVX512 void DequantFp8Avx512(const MatrixView& w, const uint8_t* row, con
 }
 
 // DotRowAvx512(DequantFp8Avx512(row), x) without the buffer, for block_cols a multiple of 128 (a chunk of 128
-// elements, and so every vector, then lies in one scale block).
-FT_JAX_AVX512 float DotFp8(const MatrixView& w, const uint8_t* row, const float* sc, const float* x) {
+// elements, and so every vector, then lies in one scale block). Sets *nan (and the result means nothing) when the row
+// holds a NaN code: the caller then takes DequantFp8Avx512's table decode (the check rides on the decode's loads).
+FT_JAX_AVX512 float DotFp8(const MatrixView& w, const uint8_t* row, const float* sc, const float* x, bool* nan) {
   const int64_t bc = w.block_cols, len = w.cols;
+  const __m512i low7 = _mm512_set1_epi8(0x7F);
+  __mmask64 any = 0;
   __m512 acc[kAccumulators];
   for (int a = 0; a < kAccumulators; ++a) acc[a] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 128 <= len; i += 128) {
+    const __m512i b0 = _mm512_loadu_si512(row + i), b1 = _mm512_loadu_si512(row + i + 64);
+    any |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(b0, low7), low7) |
+           _mm512_cmpeq_epi8_mask(_mm512_and_si512(b1, low7), low7);
     const __m512 s256 = _mm512_set1_ps(sc[i / bc] * 256.0f);
     for (int a = 0; a < kAccumulators; ++a)
       acc[a] = _mm512_fmadd_ps(DecodeFp8(row + i + 16 * a, s256), _mm512_loadu_ps(x + i + 16 * a), acc[a]);
   }
+  bool has_nan = any != 0;
+  for (int64_t c = i; c < len; ++c) has_nan |= (row[c] & 0x7F) == 0x7F;
+  *nan = has_nan;
   for (; i + 16 <= len; i += 16)
     acc[0] = _mm512_fmadd_ps(DecodeFp8(row + i, _mm512_set1_ps(sc[i / bc] * 256.0f)), _mm512_loadu_ps(x + i), acc[0]);
   float tail[16];
@@ -530,13 +553,12 @@ FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, co
   }
   const bool fused = T == 1 && w.block_cols % 128 == 0;
   for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = RowData(w, r);
-    const float* sc = reinterpret_cast<const float*>(ScaleRow(w, r));
     if (fused) {
-      out[r] = DotFp8(w, row, sc, x);
-      continue;
+      bool nan;
+      out[r] = DotFp8(w, RowData(w, r), reinterpret_cast<const float*>(ScaleRow(w, r)), x, &nan);
+      if (!nan) continue;
     }
-    DequantFp8Avx512(w, row, sc, buf);
+    DequantFp8Avx512(w, r, buf);
     for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRowAvx512(buf, x + t * w.cols, w.cols);
   }
 }
