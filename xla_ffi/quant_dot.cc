@@ -421,13 +421,16 @@ FT_JAX_VNNI void QuantizeActs(WFormat f, const float* x, int64_t cols, uint8_t* 
     const float d = amax / 127.0f;
     const __m512 inv = _mm512_set1_ps(d == 0.0f ? 0.0f : 1.0f / d);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), _mm512_cvtsepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + 16), _mm512_cvtsepi32_epi8(q1));
+    const __m128i lo = _mm512_cvtsepi32_epi8(q0), hi = _mm512_cvtsepi32_epi8(q1);
     dx[b] = d;
-    if (f == WFormat::kQ8_0) {
-      for (int j = 0; j < 32; ++j) q[32 * b + j] = static_cast<uint8_t>(tmp[j] + 128);
+    if (f == WFormat::kQ8_0) {  // q + 128 = q ^ 0x80 as a byte
+      const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm_xor_si128(lo, flip));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm_xor_si128(hi, flip));
       continue;
     }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), lo);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + 16), hi);
     corr[b] = -8.0f * d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
     const int64_t pair = b / 2, odd = b % 2;
     uint8_t* dst = q + 64 * pair;
