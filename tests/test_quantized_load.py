@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from ft_jax import memory
+from ft_jax import checkpoint, memory
 from ft_jax import weight_formats as wf
 from ft_jax.checkpoint import (CheckpointError, SafetensorsCheckpoint, _dense_factory, expert_tensor_plan,
                                load_checkpoint, load_expert_banks)
@@ -70,10 +70,12 @@ def _load_parts(d, dtype, quantize=None):
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_0"])
-def test_quantize_while_loading_equals_gguf(tmp_path, name):
+def test_quantize_while_loading_equals_gguf(tmp_path, monkeypatch, name):
     """A bf16 Qwen3-MoE checkpoint loaded with quantize=q8_0 / q4_0: every bank row holds weight_formats.quantize of
     its tensors, whose bytes are gguf's (checked for every expert of one layer), expert_bytes is the stored size,
-    dense projections (lm_head included) are QuantizedTensor, routers, embeddings and norms stay as stored."""
+    dense projections (lm_head included) are QuantizedTensor, routers, embeddings and norms stay as stored. The
+    loader quantizes pieces of rows (here 100 values: one or two rows a piece) and gets the bytes of the whole."""
+    monkeypatch.setattr(checkpoint, "_QUANTIZE_PIECE_VALUES", 100)
     d = _bf16_copy("qwen3_moe", tmp_path / "ckpt")
     fmt = wf.by_name(name)
     cfg, banks, make, ckpt = _load_parts(d, ml_dtypes.bfloat16, name)
