@@ -23,8 +23,9 @@ existing fixture (same config, same tokenizer-free vocabulary of 256 ids):
   The reference model is the float32 eager transformers model of the source config with the weights DEQUANTIZED BY
   THIS SCRIPT in numpy from the bytes written (ft_jax.weight_formats.dequantize, cross-checked against an
   element-by-element decode), loaded with ``from_pretrained`` from a temporary float folder: transformers 5.24's
-  own FP8 reader is not used (its CPU dequantize derives the block size from the scale grid, wrong on partial edge
-  blocks, and it rejects DeepSeek-V3's kv_a_proj_with_mqa shape).
+  own FP8 reader is not used (its CPU dequantize derives the block from the scale grid and refuses partial edge
+  blocks: "Weight shape (64, 128) not divisible by scale grid (2, 3)"; it rejects DeepSeek-V3's kv_a_proj_with_mqa
+  [576, 7168] the same way).
 
 MXFP4 gpt-oss: tests/fixtures/hf_tiny/gpt_oss_mxfp4 already exists (scripts/make_gpt_oss_references.py: random
 MXFP4 codes in the Hub layout, gate_up rows interleaved gate/up, every bias non-zero, the SwiGLU clamp reached).
