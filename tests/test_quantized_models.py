@@ -21,10 +21,10 @@ import pytest
 from flax import nnx
 
 from engine_helpers import decode_cache_size
+from test_offload import _backend, _greedy_logits  # the float fixtures' harness: one compiled T=1 step
 from ft_jax.checkpoint import load_checkpoint
 from ft_jax.engine.engine import Engine
 from ft_jax.offload.cost_model import auto_costs
-from ft_jax.offload.experts import OffloadedExperts
 from ft_jax.offload.policy import Policy
 from ft_jax.weight_formats import MXFP4, QuantizedTensor, fp8
 
@@ -143,37 +143,6 @@ def test_fp8_dense_projections_are_kept_as_stored(fx):
     assert sum(math.prod(q.shape) for q in quantized) == stored_fp8
 
 
-def _backend(ckpt, policy):
-    cfg = ckpt.config
-    return OffloadedExperts(ckpt.banks, num_experts=cfg.num_experts, policy=policy, activation=cfg.activation,
-                            swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
-
-
-def _stepwise(ckpt, backend, num_slots, prompt, new_tokens):
-    """Feed the prompt token by token, then greedy-decode, through the KV cache with one compiled T=1 step.
-    Returns (generated tokens, logits f32[P + new_tokens - 1, V], top-k ids i32[same, L, k], expert state)."""
-    graphdef, params = nnx.split(ckpt.model)
-
-    @jax.jit
-    def step(params, token, position, kv, state):
-        return nnx.merge(graphdef, params)(token, position, kv, state, backend, collect=True)
-
-    T = len(prompt)
-    kv = ckpt.model.init_kv_cache(1, T + new_tokens)
-    state = backend.init_state(num_slots)
-    fed, rows, routing, generated = list(prompt), [], [], []
-    for pos in range(T + new_tokens - 1):
-        logits, kv, state, aux = step(params, jnp.asarray([[fed[pos]]], jnp.int32), jnp.asarray([[pos]], jnp.int32),
-                                      kv, state)
-        rows.append(np.asarray(logits[0, 0]))
-        routing.append(np.asarray(aux.topk_ids[:, 0, 0]))  # [L, k]
-        if pos >= T - 1:
-            generated.append(int(np.argmax(rows[-1])))
-            fed.append(generated[-1])
-    assert step._cache_size() == 1  # any routing, one compiled step
-    return generated, np.stack(rows), np.stack(routing), state
-
-
 def _runs(ckpt):
     """(policy, slots) pairs: resident, host-all (its cache never changes: one size), and fetch-all, qstar, auto,
     fixed-cap at 1 slot (k > S: routes on the host), half and all of the experts."""
@@ -194,7 +163,7 @@ def test_greedy_and_logits_under_every_policy_and_cache_size(fx):
     ref_routing = np.concatenate([fx.ref["prompt_topk_ids"].transpose(1, 0, 2), fx.ref["decode_topk_ids"]])
     first = None
     for policy, slots in _runs(ckpt):
-        tokens, logits, routing, state = _stepwise(ckpt, _backend(ckpt, policy), slots, prompt, len(want_tokens))
+        tokens, logits, routing, state = _greedy_logits(ckpt, _backend(ckpt, policy), slots, prompt, len(want_tokens))
         where = f"{fx.name} {policy} S={slots}"
         assert tokens == want_tokens, where
         np.testing.assert_array_equal(np.sort(routing, -1) if fx.as_sets else routing,
