@@ -22,6 +22,7 @@ from flax import nnx
 
 from engine_helpers import decode_cache_size
 from test_offload import _backend, _greedy_logits  # the float fixtures' harness: one compiled T=1 step
+from ft_jax import testing
 from ft_jax.checkpoint import load_checkpoint
 from ft_jax.engine.engine import Engine
 from ft_jax.offload.cost_model import auto_costs
@@ -219,3 +220,13 @@ def test_engine_batch_greedy_one_decode_compile(fx, policy):
     for (prompt, want, _), got in zip(cases, result.tokens):
         assert got == want, f"{fx.name} {policy}: prompt of {len(prompt)} tokens"
     assert result.stats["decode_compiles"] == 1 and decode_cache_size(engine) == 1
+
+
+def test_bfloat16_model_decodes_alike_on_slots_and_host(fx):
+    """Loaded with bfloat16 dense weights (how ft_jax loads the real FP8 / MXFP4 releases, whose float tensors are
+    bf16): the experts stay as stored, and a route computed from a slot gives the same tokens as one computed on
+    the host (host-all vs fetch-all with 1 slot, where k > S mixes both). bf16 rounding may leave transformers'
+    float32 continuation, so only the agreement is asserted."""
+    tokens = testing.assert_policies_agree(fx.dir, fx.info["prompt_ids"], policies=("host-all", "fetch-all"),
+                                           cache_slots=(1,), max_new_tokens=8, dtype="bfloat16")
+    assert len(tokens) == 8
