@@ -701,7 +701,7 @@ std::string CheckStoredMatrix(const WeightSpec& s, const std::string& what, int3
                               size_t ndims, const std::string& scale_what, int32_t scale_dtype,
                               const int64_t* scale_dims, size_t scale_ndims, int64_t rows, int64_t cols, bool pair) {
   const std::string fmt = s.name();
-  if (s.format != WFormat::kFp8 && cols % s.block_cols != 0) {  // fp8's edge blocks may be partial
+  if (s.format != WFormat::kFp8 && cols % s.block_cols != 0) {  // fp8 edge blocks may be partial, (1, bc) too
     return what + ": rows of " + std::to_string(cols) + " elements do not fit " + fmt + "'s blocks of " +
            std::to_string(s.block_cols) + " (the row length must be a multiple of " + std::to_string(s.block_cols) +
            ")";
