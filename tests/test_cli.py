@@ -236,3 +236,23 @@ def test_profile_measures_quantized_experts(capsys, tmp_path):
     assert cli.main(["profile", "--hidden-size", "48", "--intermediate-size", "128", "--quantize", "q8_0",
                      "--no-save"]) == 2
     assert "rows of 48 elements do not fit q8_0's blocks of 32" in capsys.readouterr().err
+
+
+def test_generate_quantized_while_loading(capsys):
+    """`ft-jax generate --quantize q4_0`: the statistics name the format, count experts at the stored size and the
+    weight bytes per token from it; one decode compile; the table's "weights" row says it."""
+    cfg = json.load(open(os.path.join(FIXTURES, "qwen3_moe", "config.json")))
+    H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    out = _generate_json(capsys, "--model", os.path.join(FIXTURES, "qwen3_moe"), "--prompt-ids", "1,2,3",
+                         "--temperature", "0", "--max-new-tokens", "4", "--quantize", "q4_0", "--cache-slots", "4",
+                         "--no-measure", "--policy", "fetch-all")
+    stats = out["stats"]
+    assert out["settings"]["quantize"] == "q4_0" and stats["weight_format"] == "q4_0"
+    assert stats["expert_bytes"] == wf.Q4_0.nbytes(2 * I, H) + wf.Q4_0.nbytes(H, I)
+    assert stats["decode_compiles"] == 1
+    assert stats["weight_bytes_per_token"] == pytest.approx(
+        stats["dense_weight_bytes"] + stats["active_per_step"] * stats["expert_bytes"])
+    status = cli.main(["generate", "--model", os.path.join(FIXTURES, "qwen3_moe"), "--prompt-ids", "1,2",
+                       "--max-new-tokens", "3", "--quantize", "q8_0", "--policy", "host-all"])
+    err = capsys.readouterr().err
+    assert status == 0 and re.search(r"weights\s+q8_0 experts of [\d.]+ MiB as stored; [\d.]+ MiB read per token", err)
