@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
 import os
 import struct
 from typing import Any
@@ -26,7 +27,8 @@ import numpy as np
 
 from ft_jax.config import MoEConfig, check_regular_file, file_present, load_config, read_json_file
 from ft_jax.models.decoder import MoETransformer
-from ft_jax.kernels.host_bank import HostBank
+from ft_jax import _ffi
+from ft_jax.kernels.host_bank import MAP_ALIGNMENT, HostBank
 from ft_jax.offload.banks import ExpertBanks
 
 SINGLE_FILE = "model.safetensors"
@@ -64,6 +66,9 @@ _EXPONENT_MASKS: dict[np.dtype, tuple[type, type, int]] = {
 # Bytes per positioned read: small enough that the finite check reads the piece from cache (L2 is 1-2 MiB on
 # current x86 cores), large enough that the per-read overhead is negligible.
 _READ_CHUNK_BYTES = 1 << 20
+# Tensors from this size up are mapped into a host bank destination when the offsets allow (smaller ones are copied:
+# a mapping costs a kernel call and a VMA, and is limited per process).
+_MAP_MIN_BYTES = 1 << 20
 
 
 class CheckpointError(Exception):
@@ -328,27 +333,112 @@ class SafetensorsCheckpoint:
         self._pread(name, info, out.reshape(-1).view(np.uint8))
         return out
 
-    def _pread(self, name: str, info: TensorInfo, dest: np.ndarray) -> None:
-        """Read the tensor's bytes into ``dest`` (u8[info.nbytes]) in pieces of _READ_CHUNK_BYTES, checking each
-        float piece for NaN/Inf right after it is read, while it is still in cache."""
-        fh = self._handles.get(info.file)
+    def page_offset(self, name: str, bank_offset: int = 0) -> int:
+        """The ``page_offset`` for a HostBank whose bytes at ``bank_offset`` the tensor ``name`` fills: its file
+        offset minus bank_offset, modulo MAP_ALIGNMENT (2 MiB). With it, read_into maps the file's pages into the
+        bank (no copy) for every tensor at a congruent offset, which in a safetensors file is every tensor whose
+        predecessors' sizes are multiples of the page size (4096 bytes). 0 for a tensor whose offset is not a
+        multiple of 8 bytes (bank rows stay element aligned). Raises CheckpointError for a missing tensor."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self._directory_file}: missing tensor {name!r}")
+        return (info.offset - bank_offset) % MAP_ALIGNMENT if info.offset % 8 == 0 else 0
+
+    def view(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """Tensor ``name`` as a read-only numpy array in its stored dtype that maps the file's pages (no copy; the
+        mapping goes away with the array), checked for NaN/Inf as :meth:`read_into` does, in the one pass that
+        brings the pages in. For data that is copied (stacked, cast, moved to a device) right after: the copy is
+        then the only one.
+
+        Raises CheckpointError as :meth:`read_into`."""
+        info = self.info(name, shape)
+        fh = self._file(info.file)
+        self._check_size(fh, name, info)
+        if info.nbytes == 0:
+            return np.empty(info.shape, info.dtype)
+        first = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            region = mmap.mmap(fh.fileno(), info.offset + info.nbytes - first, flags=mmap.MAP_PRIVATE,
+                               prot=mmap.PROT_READ, offset=first)
+        except OSError as e:
+            raise CheckpointError(f"{info.file}: cannot map tensor {name!r}: {e.strerror or e}") from None
+        out = np.frombuffer(region, info.dtype, math.prod(info.shape), info.offset - first).reshape(info.shape)
+        data, checked, found = out.reshape(-1).view(np.uint8), 0, False
+        while checked < info.nbytes and not found:
+            checked, found = _check_finite(info, data, checked, min(info.nbytes, checked + _READ_CHUNK_BYTES))
+        if found:
+            _raise_non_finite(name, info, data)
+        return out
+
+    def _file(self, path: str):
+        fh = self._handles.get(path)
         if fh is None:
-            fh = self._handles[info.file] = open(info.file, "rb", buffering=0)
-        fh.seek(info.offset)
-        view, done, checked, found = memoryview(dest), 0, 0, False
-        masks = _EXPONENT_MASKS.get(info.dtype)  # (unsigned, signed int type, exponent mask) of a float dtype
-        while done < info.nbytes:
-            got = fh.readinto(view[done:min(info.nbytes, done + _READ_CHUNK_BYTES)])
+            fh = self._handles[path] = open(path, "rb", buffering=0)
+        return fh
+
+    @staticmethod
+    def _check_size(fh, name: str, info: TensorInfo) -> None:
+        """The file still holds the tensor (it may have shrunk since its header was read: a mapped page past the end
+        of a file faults with SIGBUS instead of an error)."""
+        size = os.fstat(fh.fileno()).st_size
+        if size < info.offset + info.nbytes:
+            raise CheckpointError(f"{info.file}: truncated file while reading tensor {name!r}: it needs bytes "
+                                  f"{info.offset}..{info.offset + info.nbytes} but the file has {size} bytes")
+
+    def _pread(self, name: str, info: TensorInfo, dest: np.ndarray) -> None:
+        """Fill ``dest`` (u8[info.nbytes]) with the tensor's bytes, checking float tensors for NaN/Inf in the same
+        pass, piece by piece (_READ_CHUNK_BYTES) while each piece is in cache.
+
+        A destination inside a host bank at an address congruent with the file offset modulo the page size (a
+        HostBank made with SafetensorsCheckpoint.page_offset) gets the file's whole pages mapped there
+        (_ffi.bank_map_file: copy-on-write, the page cache's own pages, no copy); the partial pages at both ends and
+        any other destination are read with positioned reads."""
+        fh = self._file(info.file)
+        self._check_size(fh, name, info)
+        begin = end = 0  # the mapped part of dest
+        if info.nbytes >= _MAP_MIN_BYTES:
+            begin, end = _ffi.bank_map_file(dest.ctypes.data, info.nbytes, fh.fileno(), info.offset)
+        checked, found = 0, False
+        for lo, hi, mapped in ((0, begin, False), (begin, end, True), (end, info.nbytes, False)):
+            for piece in range(lo, hi, _READ_CHUNK_BYTES):
+                stop = min(hi, piece + _READ_CHUNK_BYTES)
+                if not mapped:
+                    self._read_exactly(fh, name, info, dest, piece, stop)
+                if not found:
+                    checked, found = _check_finite(info, dest, checked, stop)
+        if found:  # described once the whole tensor is in dest
+            _raise_non_finite(name, info, dest)
+
+    @staticmethod
+    def _read_exactly(fh, name: str, info: TensorInfo, dest: np.ndarray, start: int, stop: int) -> None:
+        """dest[start:stop] = the tensor's bytes start:stop (reads until complete; a read may return less)."""
+        view = memoryview(dest)
+        fh.seek(info.offset + start)
+        while start < stop:
+            got = fh.readinto(view[start:stop])
             if not got:
                 raise CheckpointError(f"{info.file}: truncated file while reading tensor {name!r} at byte "
-                                      f"{info.offset + done} (expected {info.nbytes} bytes)")
-            done += got
-            whole = done - done % info.dtype.itemsize  # bytes of complete elements read so far
-            if masks is not None and not found and whole > checked:
-                found = _has_non_finite(dest[checked:whole].view(masks[0]), masks[1], masks[2])
-                checked = whole
-        if found:  # described once the whole tensor is read
-            raise _non_finite_error(name, info, dest.view(masks[0]), masks[2])
+                                      f"{info.offset + start} (expected {info.nbytes} bytes)")
+            start += got
+
+
+def _check_finite(info: TensorInfo, data: np.ndarray, checked: int, stop: int) -> tuple[int, bool]:
+    """Check the complete elements of ``data`` (u8[info.nbytes], the tensor's bytes) from byte ``checked`` up to
+    byte ``stop`` for NaN/Inf when the tensor is a float one. Returns (the byte up to which it is checked: elements
+    split by ``stop`` are checked with the next piece, whether a non-finite element was found)."""
+    masks = _EXPONENT_MASKS.get(info.dtype)  # (unsigned, signed int type, exponent mask) of a float dtype
+    if masks is None:
+        return stop, False
+    whole = stop - stop % info.dtype.itemsize  # bytes of complete elements
+    if whole <= checked:
+        return checked, False
+    return whole, _has_non_finite(data[checked:whole].view(masks[0]), masks[1], masks[2])
+
+
+def _raise_non_finite(name: str, info: TensorInfo, data: np.ndarray) -> None:
+    """Raise the error for a tensor with Inf/NaN elements; data: all its bytes u8[info.nbytes]."""
+    masks = _EXPONENT_MASKS[info.dtype]
+    raise _non_finite_error(name, info, data.view(masks[0]), masks[2])
 
 
 def _has_non_finite(bits: np.ndarray, signed: type, mask: int) -> bool:
@@ -520,7 +610,7 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str):
         if name not in ckpt and family == "mixtral" and ".block_sparse_moe.gate." in name:
             alt = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # transformers-5 router name
             name = alt if alt in ckpt else name
-        return ckpt.read(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype, copy=False)
+        return ckpt.view(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype, copy=False)
 
     return make
 
@@ -553,7 +643,11 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     with SafetensorsCheckpoint(model_dir) as ckpt:
         plan = expert_tensor_plan(cfg, ckpt)
         model = MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family))
-        host = {"gate_up": HostBank(rows, (2 * I, H), bank_dtype), "down": HostBank(rows, (H, I), bank_dtype)}
+        # page_offset: the file offset of the tensor filling each bank's first bytes, so read_into maps the file
+        first = {bank: ckpt.page_offset(name) for bank, row, name, part in reversed(plan) if row == 0 and
+                 part[:2] in (("fused",), ("rows", 0))}
+        host = {"gate_up": HostBank(rows, (2 * I, H), bank_dtype, first.get("gate_up", 0)),
+                "down": HostBank(rows, (H, I), bank_dtype, first.get("down", 0))}
         if cfg.expert_bias:
             host.update(gate_up_bias=HostBank(rows, (2 * I,), bank_dtype), down_bias=HostBank(rows, (H,), bank_dtype))
         try:

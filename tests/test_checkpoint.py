@@ -444,6 +444,9 @@ class _ShortReads:
     def readinto(self, view):
         return self._f.readinto(view[:self._limit])
 
+    def fileno(self):
+        return self._f.fileno()
+
     def close(self):
         self._f.close()
 

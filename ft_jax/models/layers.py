@@ -18,6 +18,7 @@ from flax import nnx
 
 from ft_jax.config import RopeScaling
 from ft_jax.kernels import ffi_ops
+from ft_jax.kernels.host_bank import stack_on_huge_pages
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -61,14 +62,13 @@ class Stacked:
         self.make, self.layers = make, layers
 
     def __call__(self, suffix: str, shape: tuple[int, ...], kind: str = "weight") -> nnx.Param:
-        return nnx.Param(jnp.asarray(np.stack([self.make(f"model.layers.{l}.{suffix}", shape, kind)
-                                               for l in self.layers])))
+        return nnx.Param(stack_on_huge_pages([[self.make(f"model.layers.{l}.{suffix}", shape, kind)]
+                                              for l in self.layers]))
 
     def rows(self, parts: list[tuple[str, tuple[int, ...]]], kind: str = "weight") -> nnx.Param:
         """Concatenates several tensors of each layer along their first axis (fused q/k/v or gate/up)."""
-        return nnx.Param(jnp.asarray(np.stack([
-            np.concatenate([self.make(f"model.layers.{l}.{s}", shape, kind) for s, shape in parts])
-            for l in self.layers])))
+        return nnx.Param(stack_on_huge_pages([[self.make(f"model.layers.{l}.{s}", shape, kind) for s, shape in parts]
+                                              for l in self.layers]))
 
 
 class AttentionInputs(NamedTuple):
