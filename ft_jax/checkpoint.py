@@ -18,7 +18,7 @@ import math
 import mmap
 import os
 import struct
-from typing import Any
+from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -333,16 +333,35 @@ class SafetensorsCheckpoint:
         self._pread(name, info, out.reshape(-1).view(np.uint8))
         return out
 
-    def page_offset(self, name: str, bank_offset: int = 0) -> int:
-        """The ``page_offset`` for a HostBank whose bytes at ``bank_offset`` the tensor ``name`` fills: its file
-        offset minus bank_offset, modulo MAP_ALIGNMENT (2 MiB). With it, read_into maps the file's pages into the
-        bank (no copy) for every tensor at a congruent offset, which in a safetensors file is every tensor whose
-        predecessors' sizes are multiples of the page size (4096 bytes). 0 for a tensor whose offset is not a
-        multiple of 8 bytes (bank rows stay element aligned). Raises CheckpointError for a missing tensor."""
-        info = self.tensors.get(name)
-        if info is None:
-            raise CheckpointError(f"{self._directory_file}: missing tensor {name!r}")
-        return (info.offset - bank_offset) % MAP_ALIGNMENT if info.offset % 8 == 0 else 0
+    def page_offset(self, regions: Iterable[tuple[str, int]]) -> int:
+        """The ``page_offset`` for a HostBank that read_into fills with these tensors as stored, so that it maps the
+        most of them from the file (no copy).
+
+        Args:
+            regions: (tensor name, byte offset in the bank where read_into puts it) pairs.
+        Returns:
+            an offset in [0, MAP_ALIGNMENT) (2 MiB), a multiple of 8: a tensor maps when its file offset minus its
+            bank offset is congruent with it modulo the page size (4096 bytes), so the page-size residue shared by
+            the most bytes is chosen and, among those, the 2 MiB residue shared by the most (huge page table entries
+            where the page cache holds 2 MiB folios). In a safetensors file every tensor whose predecessors' sizes
+            are page multiples shares one residue; tensors at offsets that are not multiples of 8 are left out. 0
+            without any region.
+        Raises:
+            CheckpointError: a missing tensor.
+        """
+        by_page, by_huge = {}, {}  # bytes per residue modulo 4096 / modulo 2 MiB
+        for name, bank_offset in regions:
+            info = self.tensors.get(name)
+            if info is None:
+                raise CheckpointError(f"{self._directory_file}: missing tensor {name!r}")
+            if info.offset % 8 == 0:
+                residue = (info.offset - bank_offset) % MAP_ALIGNMENT
+                by_page[residue % mmap.PAGESIZE] = by_page.get(residue % mmap.PAGESIZE, 0) + info.nbytes
+                by_huge[residue] = by_huge.get(residue, 0) + info.nbytes
+        if not by_page:
+            return 0
+        page = max(by_page, key=by_page.get)
+        return max((r for r in by_huge if r % mmap.PAGESIZE == page), key=by_huge.get)
 
     def view(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """Tensor ``name`` as a read-only numpy array in its stored dtype that maps the file's pages (no copy; the
@@ -643,11 +662,15 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     with SafetensorsCheckpoint(model_dir) as ckpt:
         plan = expert_tensor_plan(cfg, ckpt)
         model = MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family))
-        # page_offset: the file offset of the tensor filling each bank's first bytes, so read_into maps the file
-        first = {bank: ckpt.page_offset(name) for bank, row, name, part in reversed(plan) if row == 0 and
-                 part[:2] in (("fused",), ("rows", 0))}
-        host = {"gate_up": HostBank(rows, (2 * I, H), bank_dtype, first.get("gate_up", 0)),
-                "down": HostBank(rows, (H, I), bank_dtype, first.get("down", 0))}
+        # Each bank's page_offset from the tensors read_into fills it with as stored, so that it maps them (no copy).
+        shapes = {"gate_up": (2 * I, H), "down": (H, I)}
+        row_bytes = {k: math.prod(shape) * bank_dtype.itemsize for k, shape in shapes.items()}
+        regions = {k: [] for k in shapes}  # bank -> [(tensor, byte offset in the bank)]
+        for bank, row, name, part in plan:
+            if bank in shapes and part[0] in ("fused", "rows"):
+                within = part[1] * row_bytes[bank] // shapes[bank][0] if part[0] == "rows" else 0
+                regions[bank].append((name, row * row_bytes[bank] + within))
+        host = {k: HostBank(rows, shape, bank_dtype, ckpt.page_offset(regions[k])) for k, shape in shapes.items()}
         if cfg.expert_bias:
             host.update(gate_up_bias=HostBank(rows, (2 * I,), bank_dtype), down_bias=HostBank(rows, (H,), bank_dtype))
         try:
