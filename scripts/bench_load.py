@@ -10,6 +10,7 @@ round, so no program always runs first):
   ft_jax     ``python -m ft_jax generate --model DIR --prompt-ids IDS --max-new-tokens N --temperature 0 --json``
              plus --ft-jax-args (default policy and cache, as a user runs it; the compilation cache and the stored
              bandwidth profile of earlier runs are used, as they are on a user's second run)
+  baseline   with --baseline-repo, the same ft_jax command from another checkout (e.g. /work/main): before/after
   llama.cpp  ``llama-bench -m MODEL-bf16.gguf -p 0 -n N -r 1 -t T --no-warmup -o json`` (the same weights as GGUF:
              load, N decoded tokens, exit), when the llama.cpp build of scripts/llama_cpp_build.py (the "peer"
              benchmark's, under --cache-dir) and the GGUF exist; skipped with a note otherwise
@@ -91,10 +92,10 @@ def find_llama_bench(cache_dir: Path) -> str | None:
     return None
 
 
-def ft_jax_run(model: Path, prompt: list[int], tokens: int, extra: list[str], timeout: float) -> dict:
+def ft_jax_run(model: Path, prompt: list[int], tokens: int, extra: list[str], timeout: float, repo: Path) -> dict:
     cmd = [sys.executable, "-m", "ft_jax", "generate", "--model", str(model), "--prompt-ids",
            ",".join(map(str, prompt)), "--max-new-tokens", str(tokens), "--temperature", "0", "--json", *extra]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     r = measure(cmd, env, timeout)
     if r["returncode"]:
         raise RuntimeError(f"ft-jax generate exited {r['returncode']}: {r['stderr_tail']}")
@@ -130,11 +131,15 @@ def summarize(runs: dict[str, list[dict]], file_bytes: dict[str, int]) -> dict:
         row["file_bytes"] = file_bytes[prog]
         row["other_cores"] = _spread([r["other_cores"] or 0.0 for r in rs])
         out[prog] = row
-    if out.get("ft_jax") and out.get("llama.cpp"):
-        f, l = out["ft_jax"], out["llama.cpp"]
-        out["ft_jax"]["wall_over_llama_cpp"] = f["wall_s"]["median"] / l["wall_s"]["median"]
-        out["ft_jax"]["wall_over_llama_cpp_per_round"] = _spread(
-            [a["wall_s"] / b["wall_s"] for a, b in zip(runs["ft_jax"], runs["llama.cpp"])])
+    for prog in ("ft_jax", "baseline"):
+        if out.get(prog) and out.get("llama.cpp"):
+            f, l = out[prog], out["llama.cpp"]
+            f["wall_over_llama_cpp"] = f["wall_s"]["median"] / l["wall_s"]["median"]
+            f["wall_over_llama_cpp_per_round"] = _spread(
+                [a["wall_s"] / b["wall_s"] for a, b in zip(runs[prog], runs["llama.cpp"])])
+    if out.get("ft_jax") and out.get("baseline"):
+        out["ft_jax"]["wall_over_baseline_per_round"] = _spread(
+            [a["wall_s"] / b["wall_s"] for a, b in zip(runs["ft_jax"], runs["baseline"])])
     return out
 
 
@@ -147,11 +152,15 @@ def format_table(summary: dict) -> str:
                      f"{row['peak_rss_bytes']['median'] / 1e9:12.2f} {row['peak_rss_over_file']['median']:7.2f} "
                      f"{row['minor_faults']['median']:13.0f} {row['user_s']['median']:7.2f} "
                      f"{row['sys_s']['median']:7.2f} {row['other_cores']['median']:7.2f}")
-    if "wall_over_llama_cpp" in summary.get("ft_jax", {}):
-        f = summary["ft_jax"]
-        lines.append(f"ft_jax wall / llama.cpp wall: {f['wall_over_llama_cpp']:.2f} (per round "
-                     f"{f['wall_over_llama_cpp_per_round']['min']:.2f}-{f['wall_over_llama_cpp_per_round']['max']:.2f}"
-                     "); target <= 3")
+    for prog in ("ft_jax", "baseline"):
+        f = summary.get(prog, {})
+        if "wall_over_llama_cpp" in f:
+            per = f["wall_over_llama_cpp_per_round"]
+            lines.append(f"{prog} wall / llama.cpp wall: {f['wall_over_llama_cpp']:.2f} (same rounds "
+                         f"{per['min']:.2f}-{per['max']:.2f}); target <= 3")
+    if "wall_over_baseline_per_round" in summary.get("ft_jax", {}):
+        per = summary["ft_jax"]["wall_over_baseline_per_round"]
+        lines.append(f"ft_jax wall / baseline wall, same rounds: {per['median']:.2f} [{per['min']:.2f}-{per['max']:.2f}]")
     return "\n".join(lines)
 
 
@@ -162,6 +171,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=4, help="ft_jax prompt length (default %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads (default: all cores)")
     p.add_argument("--ft-jax-args", default="", help="more `ft-jax generate` flags, e.g. '--policy host-all'")
+    p.add_argument("--ft-jax-repo", type=Path, default=REPO,
+                   help="checkout whose ft_jax runs (put first on PYTHONPATH; default: this one)")
+    p.add_argument("--baseline-repo", type=Path, default=None,
+                   help="also run the ft_jax of this checkout (e.g. /work/main) as program 'baseline', alternated with "
+                        "the others: a before/after comparison in the same rounds")
     p.add_argument("--model", type=Path, default=None,
                    help="HF model folder (default: the bench_peer model under --cache-dir, written if missing)")
     p.add_argument("--gguf", type=Path, default=None,
@@ -179,12 +193,12 @@ def main(argv=None) -> int:
     gguf = args.gguf or args.model / "model-bf16.gguf"
     checkpoint = checkpoint_files(args.model)
     bench = find_llama_bench(args.cache_dir)
-    programs = ["ft_jax"]
+    programs = ["ft_jax"] + (["baseline"] if args.baseline_repo else [])
     if bench and gguf.is_file():
         programs.append("llama.cpp")
     else:
         _log(f"llama.cpp skipped: {'no llama-bench build under ' + str(args.cache_dir) if not bench else 'no ' + str(gguf)}")
-    weight_files = {"ft_jax": checkpoint, "llama.cpp": [gguf]}
+    weight_files = {"ft_jax": checkpoint, "baseline": checkpoint, "llama.cpp": [gguf]}
     file_bytes = {prog: sum(f.stat().st_size for f in files) for prog, files in weight_files.items()
                   if all(f.is_file() for f in files)}
     prompt = bench_peer.prompt_ids(json.loads((args.model / "config.json").read_text())["vocab_size"],
@@ -192,7 +206,8 @@ def main(argv=None) -> int:
     extra = shlex.split(args.ft_jax_args)
     result = {"loadavg_start": bench_peer._loadavg(), "machine": platform.machine(), "cpus": os.cpu_count(),
               "model": str(args.model), "gguf": str(gguf) if "llama.cpp" in programs else None,
-              "tokens": args.tokens, "ft_jax_args": extra, "rounds": []}
+              "tokens": args.tokens, "ft_jax_args": extra, "ft_jax_repo": str(args.ft_jax_repo),
+              "baseline_repo": str(args.baseline_repo) if args.baseline_repo else None, "rounds": []}
     runs: dict[str, list[dict]] = {prog: [] for prog in programs}
     for rnd in range(args.rounds):
         order = programs[rnd % len(programs):] + programs[:rnd % len(programs)]
@@ -200,8 +215,11 @@ def main(argv=None) -> int:
         for prog in order:
             for f in weight_files[prog]:
                 bench_peer.warm_page_cache(f)
-            r = (ft_jax_run(args.model, prompt, args.tokens, extra, args.timeout) if prog == "ft_jax"
-                 else llama_run(bench, gguf, args.tokens, args.threads, args.timeout))
+            if prog == "llama.cpp":
+                r = llama_run(bench, gguf, args.tokens, args.threads, args.timeout)
+            else:
+                r = ft_jax_run(args.model, prompt, args.tokens, extra, args.timeout,
+                               args.ft_jax_repo if prog == "ft_jax" else args.baseline_repo)
             runs[prog].append(r)
             record[prog] = r
             _log(f"round {rnd + 1}/{args.rounds} {prog}: {r['wall_s']:.2f} s, peak RSS {r['peak_rss_bytes'] / 1e9:.2f} "

@@ -118,7 +118,7 @@ Bank::Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t
 Bank::~Bank() {
   mapping_.reset();  // unregisters the memory from the device runtime before it goes away
   munmap(map_begin_, map_bytes_);  // the file regions MapFile mapped included
-  file_segments_in_use.fetch_sub(file_segments_);
+  file_segments_in_use.fetch_sub(file_segments_.load());
 }
 
 MappedRange Bank::MapFile(size_t offset, size_t nbytes, int fd, uint64_t file_offset) {
@@ -148,7 +148,7 @@ MappedRange Bank::MapFile(size_t offset, size_t nbytes, int fd, uint64_t file_of
     }
     return {};
   }
-  ++file_segments_;
+  file_segments_.fetch_add(1);
   madvise(want, len, MADV_POPULATE_READ);  // page tables filled in one call; advisory (lazy faults otherwise)
   return {first - addr, last - addr};
 }

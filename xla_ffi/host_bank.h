@@ -122,7 +122,7 @@ class Bank {
   uint8_t* map_begin_;
   size_t map_bytes_;
   uint8_t* data_;
-  int64_t file_segments_ = 0;  // file regions MapFile mapped (counted against the process budget)
+  std::atomic<int64_t> file_segments_{0};  // file regions MapFile mapped (counted against the process budget)
   std::atomic<bool> released_{false};
   std::mutex mapping_mu_;
   std::unique_ptr<BankDeviceMapping> mapping_;

@@ -66,7 +66,7 @@ class HostBank:
       dtype: np.float32 or jnp.bfloat16 / ml_dtypes.bfloat16 for expert weights; float16, int8, uint8,
         float8_e4m3fn and float8_e5m2 banks can be created and slot-filled but the expert kernels reject them.
       page_offset: the data address modulo MAP_ALIGNMENT (2 MiB), in [0, MAP_ALIGNMENT). The checkpoint loader
-        passes the file offset of the tensor that fills row 0 (SafetensorsCheckpoint.page_offset) so that the
+        passes SafetensorsCheckpoint.page_offset of the tensors it fills the bank with, so that the
         tensors of a safetensors file, whose data offsets are rarely page aligned, land on pages congruent with the
         file's: SafetensorsCheckpoint.read_into then maps the file's pages into the bank instead of copying them.
 
