@@ -160,7 +160,8 @@ def format_table(summary: dict) -> str:
                          f"{per['min']:.2f}-{per['max']:.2f}); target <= 3")
     if "wall_over_baseline_per_round" in summary.get("ft_jax", {}):
         per = summary["ft_jax"]["wall_over_baseline_per_round"]
-        lines.append(f"ft_jax wall / baseline wall, same rounds: {per['median']:.2f} [{per['min']:.2f}-{per['max']:.2f}]")
+        lines.append(f"ft_jax wall / baseline wall, same rounds: {per['median']:.2f} "
+                     f"[{per['min']:.2f}-{per['max']:.2f}]")
     return "\n".join(lines)
 
 
@@ -197,7 +198,8 @@ def main(argv=None) -> int:
     if bench and gguf.is_file():
         programs.append("llama.cpp")
     else:
-        _log(f"llama.cpp skipped: {'no llama-bench build under ' + str(args.cache_dir) if not bench else 'no ' + str(gguf)}")
+        why = f"no llama-bench build under {args.cache_dir}" if not bench else f"no {gguf}"
+        _log(f"llama.cpp skipped: {why}")
     weight_files = {"ft_jax": checkpoint, "baseline": checkpoint, "llama.cpp": [gguf]}
     file_bytes = {prog: sum(f.stat().st_size for f in files) for prog, files in weight_files.items()
                   if all(f.is_file() for f in files)}

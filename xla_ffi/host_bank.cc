@@ -1,6 +1,7 @@
 #include "xla_ffi/host_bank.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
@@ -69,6 +70,15 @@ int64_t FileSegmentBudget() {
 
 std::atomic<int64_t> file_segments_in_use{0};
 
+// The system page size (4096 on x86-64; 16 or 64 KiB on some ARM64 kernels): what mmap and MAP_FIXED align to.
+size_t PageSize() {
+  static const size_t page = [] {
+    const long v = sysconf(_SC_PAGESIZE);
+    return v > 0 ? static_cast<size_t>(v) : kBankAlignment;
+  }();
+  return page;
+}
+
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22  // Linux >= 5.14; absent from older headers
 #endif
@@ -95,8 +105,9 @@ Bank::Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t
     row_elems_ *= static_cast<size_t>(d);
   }
   const size_t bytes = nbytes();
-  const size_t in_page = page_offset % kBankAlignment;
-  map_bytes_ = (in_page + bytes + kBankAlignment - 1) / kBankAlignment * kBankAlignment;
+  const size_t page = PageSize();
+  const size_t in_page = page_offset % page;
+  map_bytes_ = (in_page + bytes + page - 1) / page * page;
   // Anonymous mmap: zero-filled, committed lazily (a bank sized for a large model costs nothing until written),
   // returned to the OS on release. Reserved 2 MiB larger, then trimmed so that data_ = page_offset (mod 2 MiB).
   const size_t reserve = map_bytes_ + kBankMapAlignment;
@@ -127,9 +138,10 @@ MappedRange Bank::MapFile(size_t offset, size_t nbytes, int fd, uint64_t file_of
                             std::to_string(offset + nbytes) + ") outside " + Describe());
   }
   const uintptr_t addr = reinterpret_cast<uintptr_t>(data_) + offset;
-  if ((addr - file_offset) % kBankAlignment != 0) return {};  // no page of the file lands on a page of the bank
-  const uintptr_t first = (addr + kBankAlignment - 1) / kBankAlignment * kBankAlignment;
-  const uintptr_t last = (addr + nbytes) / kBankAlignment * kBankAlignment;
+  const size_t page = PageSize();
+  if ((addr - file_offset) % page != 0) return {};  // no page of the file lands on a page of the bank
+  const uintptr_t first = (addr + page - 1) / page * page;
+  const uintptr_t last = (addr + nbytes) / page * page;
   if (last <= first) return {};
   if (file_segments_in_use.fetch_add(1) >= FileSegmentBudget()) {
     file_segments_in_use.fetch_sub(1);

@@ -50,7 +50,8 @@ std::string BankDTypeName(int32_t dtype_code);
 
 constexpr size_t kBankAlignment = 4096;  // page size: rows of page-multiple size stay page aligned
 // A bank's data address is congruent to its page_offset modulo this (2 MiB, the x86-64 huge page): a file region at a
-// congruent offset can then be mapped into it, on huge page table entries where the page cache holds 2 MiB folios.
+// congruent offset (modulo the page size) can then be mapped into it, on huge page table entries where the page
+// cache holds 2 MiB folios.
 constexpr size_t kBankMapAlignment = size_t{2} << 20;
 
 // The part of a bank byte range [offset, offset + n) that MapFile mapped: [offset + begin, offset + end), begin ==
@@ -95,7 +96,7 @@ class Bank {
   // True once ReleaseBank dropped it from the registry (holders may still read it; handlers report an error).
   bool released() const { return released_.load(std::memory_order_acquire); }
   void MarkReleased() { released_.store(true, std::memory_order_release); }
-  // Page-aligned start and length of the bank's whole mapping (data() - map_begin() == page_offset % 4096).
+  // Page-aligned start and length of the bank's whole mapping (data() - map_begin() == page_offset % page size).
   uint8_t* map_begin() const { return map_begin_; }
   size_t map_bytes() const { return map_bytes_; }
   // Fills bank bytes [offset, offset + nbytes) from file bytes [file_offset, file_offset + nbytes) of the open file

@@ -75,8 +75,8 @@ class HostBank:
     writing to the bank never changes the file; docs/design_parts/loadspeed.md).
 
     Raises:
-      TypeError: unsupported dtype. ValueError: non-positive num_rows or row dimension, page_offset out of range or not a multiple of the
-        element size.
+      TypeError: unsupported dtype. ValueError: non-positive num_rows or row dimension, page_offset out of range or
+        not a multiple of the element size.
       ft_jax.memory.InsufficientMemoryError (a MemoryError): the allocation failed.
     """
 
