@@ -421,7 +421,7 @@ class SafetensorsCheckpoint:
         fh = self._file(info.file)
         self._check_size(fh, name, info)
         begin = end = 0  # the mapped part of dest
-        if info.nbytes >= _MAP_MIN_BYTES:
+        if info.nbytes >= _MAP_MIN_BYTES and dest.flags.writeable:  # never behind a read-only (frozen) view
             begin, end = _ffi.bank_map_file(dest.ctypes.data, info.nbytes, fh.fileno(), info.offset)
         checked, found = 0, False
         for lo, hi, mapped in ((0, begin, False), (begin, end, True), (end, info.nbytes, False)):

@@ -19,6 +19,7 @@ from ft_jax import weight_formats as wf
 from ft_jax.checkpoint import (CheckpointError, SafetensorsCheckpoint, load_checkpoint,
                                read_safetensors_header)
 from ft_jax.config import ConfigError
+from ft_jax.kernels.host_bank import HostBank
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
@@ -751,3 +752,16 @@ def test_page_offset_maps_the_most_bytes(tmp_path):
         assert ckpt.page_offset([]) == 0
         with pytest.raises(CheckpointError, match="missing tensor 'z'"):
             ckpt.page_offset([("z", 0)])
+
+
+def test_read_into_a_frozen_bank_view_is_refused_and_maps_nothing(tmp_path):
+    t = np.random.default_rng(5).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
+    save_file({"t": t}, str(tmp_path / "model.safetensors"))
+    path = str(tmp_path / "model.safetensors")
+    with SafetensorsCheckpoint(tmp_path) as ckpt:
+        bank = HostBank(1, (512, 1024), np.float32, page_offset=ckpt.page_offset([("t", 0)]))
+        bank.freeze()
+        with pytest.raises(TypeError, match="read-write"):  # as any read-only destination
+            ckpt.read_into("t", bank.numpy()[0])
+        assert not _mapped_ranges(path) and not bank.numpy().any()
+        bank.release()
