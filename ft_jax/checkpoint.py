@@ -27,7 +27,6 @@ import os
 import struct
 from typing import Any, Iterable
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
