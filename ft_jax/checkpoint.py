@@ -655,6 +655,19 @@ def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_na
                                   "checkpoint")
 
 
+# Rows quantized per weight_formats.quantize call: bounds its float32 temporaries (a few copies of the piece) to a few
+# times 16 MiB whatever the tensor (an lm_head of 150k x 4096 values would otherwise take ~7 GB of temporaries).
+_QUANTIZE_PIECE_VALUES = 4 << 20
+
+
+def _quantize_into(w: np.ndarray, fmt: wf.WeightFormat, data: np.ndarray, scales: np.ndarray) -> None:
+    """weight_formats.quantize of w [rows, cols] (float, any dtype) written into data / scales ([rows, ...]), a piece
+    of rows at a time (q8_0 / q4_0: every row is quantized on its own, so pieces give the same bytes)."""
+    step = max(1, _QUANTIZE_PIECE_VALUES // max(1, w.shape[1]))
+    for r in range(0, w.shape[0], step):
+        data[r:r + step], scales[r:r + step] = wf.quantize(w[r:r + step], fmt)
+
+
 class _BankWriter:
     """Writes matrices into the bank rows of one weight format: float ones cast to the bank dtype, or quantized with
     weight_formats.quantize (q8_0 / q4_0: one scale row per matrix row)."""
@@ -668,9 +681,8 @@ class _BankWriter:
         if not self.fmt.quantized:
             dst[row, first:first + w.shape[0]] = w.astype(dst.dtype, copy=False)
             return
-        data, scales = wf.quantize(w, self.fmt)
-        dst[row, first:first + w.shape[0]] = data
-        self.arrays[f"{bank}_scale"][row, first:first + w.shape[0]] = scales
+        n = w.shape[0]
+        _quantize_into(w, self.fmt, dst[row, first:first + n], self.arrays[f"{bank}_scale"][row, first:first + n])
 
 
 def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name: str, part: tuple,
@@ -737,7 +749,7 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
             elif part[0] == "rows" and not fmt.quantized:
                 ckpt.read_into(name, arr[row, part[1]:part[2]])
             elif part[0] == "rows":
-                out.put(bank, row, part[1], ckpt.read(name))
+                out.put(bank, row, part[1], ckpt.view(name))  # quantized: read once, never copied
             elif part[0] == "fp8_rows":
                 data, scales = _read_fp8(ckpt, name, part[3], (part[2] - part[1], arr.shape[-1]), fmt)
                 arr[row, part[1]:part[2]] = data
@@ -775,7 +787,11 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.Weig
         quantized = fmt is not None and fmt.name in wf.QUANTIZE_CHOICES
         if quantized and kind == "weight" and quantize_applies(name, shape):
             _fits(fmt, ckpt.info(name, shape), name, shape[1])
-            return wf.QuantizedTensor(*wf.quantize(ckpt.view(name, shape), fmt), fmt)
+            w = ckpt.view(name, shape)  # [rows, cols] as stored
+            data, scales = np.empty(fmt.data_shape(*shape), fmt.data_dtype), np.empty(fmt.scale_shape(*shape),
+                                                                                      fmt.scale_dtype)
+            _quantize_into(w, fmt, data, scales)
+            return wf.QuantizedTensor(data, scales, fmt)
         return ckpt.view(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype, copy=False)
 
     return make

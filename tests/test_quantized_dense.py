@@ -3,6 +3,8 @@ on QuantizedTensor weights against a float64 product, Stacked's fused rows (fp8 
 split get one scale row per matrix row), and whole tiny models built from quantized projections against the same
 models built from the dequantized weights as plain arrays (f32 and bf16), the decode step compiled once."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -16,7 +18,11 @@ from ft_jax.models.decoder import MoETransformer
 from ft_jax.models.layers import FFI_MAX_ROWS, Stacked, as_float, linear, random_param_factory
 from ft_jax.weight_formats import (FP4_E2M1, FP8_MAX, MXFP4, Q4_0, Q8_0, QuantizedTensor, dequantize, dequantize_jnp,
                                    fp8, quantize)
-from test_model import FIXTURES, HostBankExperts, bf16_logit_error_bound, jit_forward
+from ft_jax.checkpoint import load_checkpoint
+from ft_jax.engine.engine import Engine
+from ft_jax.offload.policy import Policy, PolicyKind
+from test_model import FIXTURES, HostBankExperts, _experts_of, bf16_logit_error_bound, jit_forward
+from test_quantized_load import _load_parts, _write_fp8_checkpoint
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -280,3 +286,36 @@ def test_quantized_model_lowered_for_cuda_dequantizes_with_xla():
     assert "ft_jax_linear" not in text
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     assert "tensor<4x128x64xi8>" in main  # q/k/v of the 4 layers: (4 + 2 * 2) * 16 rows, 64 columns
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "fp8"])
+def test_quantized_checkpoint_loads_and_decodes(tmp_path, name):
+    """load_checkpoint end to end: Qwen3-MoE with --quantize q8_0 / q4_0, and as a block-FP8 checkpoint (24 x 40
+    blocks, partial edges; tests/test_quantized_load.py writes it): the model keeps the projections as stored
+    QuantizedTensors and gives the logits (f32, teacher-forced, same routing) of the model built from the same
+    factory's tensors dequantized, to 1e-5, with the same quantized expert banks; the engine decodes with one
+    compiled step."""
+    d = os.path.join(FIXTURES, "qwen3_moe")
+    if name == "fp8":
+        d = str(tmp_path / "fp8")
+        _write_fp8_checkpoint(d)
+    quantize = None if name == "fp8" else name
+    ck = load_checkpoint(d, dtype=jnp.float32, quantize=quantize)
+    stack = ck.model.stacks[0]
+    for param in (stack.attn.qkv, stack.attn.o):
+        assert isinstance(param[...], QuantizedTensor) and param[...].fmt.name == name
+    cfg, banks, make, ckpt = _load_parts(d, np.float32, quantize)
+    plain = MoETransformer(cfg, lambda n, shape, kind: as_float(make(n, shape, kind), np.float32))
+    ckpt.close()
+    banks.release()
+    experts = _experts_of(ck)
+    tokens = np.array([[3, 17, 42, 5, 99, 7, 1, 60, 11]], np.int32)
+    got, got_ids, _ = _run(ck.model, experts, tokens, 6)
+    want, want_ids, _ = _run(plain, experts, tokens, 6)
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert np.abs(want).max() > 0.1
+    result = Engine(ck, policy=Policy(PolicyKind.FETCH_ALL), num_slots=ck.banks.num_rows // 2).generate(
+        [[3, 17, 42, 5, 99]], max_new_tokens=4)
+    assert result.stats["decode_compiles"] == 1
+    ck.banks.release()
