@@ -676,8 +676,8 @@ def _synthetic_bf16_mixtral(folder):
     whose every tensor is a multiple of the page size (hidden 2048: a norm is 4096 bytes), as Mixtral's are."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        "synthetic_checkpoint", os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "synthetic_checkpoint.py"))
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "synthetic_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("synthetic_checkpoint", script)
     sc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sc)
     config = sc.mixtral_config(hidden=2048, intermediate=256, layers=2, experts=2, heads=4, kv_heads=2, head_dim=64,
