@@ -68,7 +68,7 @@ uint8_t* MappedDeviceData(Bank& bank) {
     }
     return m;
   });
-  // Registered from the page-aligned start of the mapping; the data starts page_offset % 4096 bytes into it.
+  // Registered from the page-aligned start of the mapping; the data starts page_offset % page size bytes into it.
   uint8_t* base = mapping.device_data();
   return base == nullptr ? nullptr : base + (bank.data() - bank.map_begin());
 }
