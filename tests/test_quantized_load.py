@@ -452,3 +452,80 @@ def test_bandwidth_bench_fills_every_pool_of_a_quantized_format():
         for slots, bank in zip(b._slots, b.banks.banks):
             np.testing.assert_array_equal(np.asarray(slots)[rows], bank.numpy()[rows])
         b.gemv()
+
+
+def _dequantized_checkpoint(src: str, dst: str, fmt: wf.WeightFormat | None) -> str:
+    """A float32 copy of checkpoint ``src`` whose quantized weights hold their dequantized values: with fmt q8_0 /
+    q4_0 (``src`` float) every tensor the loader quantizes (experts, quantize_applies) replaced by
+    dequantize(quantize(w)); with fmt None (``src`` the written FP8 checkpoint) every FP8 tensor replaced by
+    data * scale_inv and the quantization_config dropped. Returns dst."""
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.pop("quantization_config", None)
+    cfg["torch_dtype"] = "float32"
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    t = load_file(os.path.join(src, "model.safetensors")) if fmt is not None else None
+    if t is None:  # FP8: the test wrote it, so read it with ft_jax's reader (safetensors' numpy API has no float8)
+        with SafetensorsCheckpoint(src) as ckpt:
+            t = {n: ckpt.read_rows(n, 0, i.shape[0], (i.dtype,)) for n, i in ckpt.tensors.items()}
+    out = {}
+    for n, w in t.items():
+        if n.endswith("_scale_inv"):
+            continue
+        if fmt is None and w.dtype == F8:
+            block = tuple(json.load(open(os.path.join(src, "config.json")))["quantization_config"]["weight_block_size"])
+            out[n] = wf.dequantize(w, t[f"{n}_scale_inv"].astype(np.float32), wf.fp8(block))
+        elif fmt is not None and (quantize_applies(n, w.shape) or ".experts." in n) and w.ndim == 2:
+            out[n] = wf.dequantize(*wf.quantize(w, fmt), fmt)
+        else:
+            out[n] = w.astype(np.float32)
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+# Per decoder layer two sublayers each round the activations twice on the int8 kernels (q/k/v then o; gate/up then
+# down), each rounding moving its projection by <= 1/254 of sum |w| |x|: 4 layers give <= 16/254 = 8/127 of the
+# logits' largest magnitude (same reasoning as INT8_ACTIVATION_LOGIT_TOLERANCE).
+INT8_ACTIVATION_FULL_MODEL_TOLERANCE = 8 / 127
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "fp8"])
+def test_quantized_model_decodes_as_its_dequantized_float_model(tmp_path, name):
+    """The whole model loaded quantized (load_checkpoint(quantize=q8_0 / q4_0) of Qwen3-MoE: dense projections and
+    experts; the written FP8 checkpoint as stored) against the float32 model of the same dequantized values, the
+    transformers greedy continuation fed to both, fetch-all with slots for half of the experts: at positions routed
+    alike logits within INT8_ACTIVATION_FULL_MODEL_TOLERANCE x max |logit| (q8_0 / q4_0), 1e-4 for fp8 (float
+    activations, every position routed alike); the quantized load takes the stored size."""
+    base = os.path.join(FIXTURES, "qwen3_moe")
+    info = json.load(open(os.path.join(base, "reference", "info.json")))
+    tokens = info["prompt_ids"] + info["greedy_continuation"][:-1]
+    if name == "fp8":
+        src = str(tmp_path / "fp8")
+        _write_fp8_checkpoint(src)
+        qck = load_checkpoint(src, dtype=jnp.float32)
+        fck = load_checkpoint(_dequantized_checkpoint(src, str(tmp_path / "deq"), None), dtype=jnp.float32)
+    else:
+        qck = load_checkpoint(base, dtype=jnp.float32, quantize=name)
+        fck = load_checkpoint(_dequantized_checkpoint(base, str(tmp_path / "deq"), wf.by_name(name)),
+                              dtype=jnp.float32)
+    assert qck.banks.format.name == name and isinstance(qck.model.lm_head[...], wf.QuantizedTensor) == (name != "fp8")
+    cfg, total = qck.config, qck.banks.num_rows
+    (q, q_ids), (f, f_ids) = (_step_logits(ck.model, OffloadedExperts(ck.banks, cfg.num_experts,
+                                                                      Policy(PolicyKind.FETCH_ALL),
+                                                                      activation=cfg.activation), total // 2, tokens)
+                              for ck in (qck, fck))
+    alike = np.all(q_ids == f_ids, axis=(1, 2))
+    assert alike.mean() >= 0.5 and (name != "fp8" or alike.all()), alike
+    tol = 1e-4 if name == "fp8" else INT8_ACTIVATION_FULL_MODEL_TOLERANCE * np.abs(f).max()
+    err = np.abs(q - f).max(-1)[alike]
+    assert err.max() <= tol, (err, tol)
+    assert dense_bytes(qck) < dense_bytes(fck)
+    for ck in (qck, fck):
+        ck.banks.release()
+
+
+def dense_bytes(ck) -> int:
+    """Stored bytes of a loaded model's dense parameters."""
+    return sum(int(leaf.nbytes) for leaf in jax.tree_util.tree_leaves(nnx.split(ck.model)[1]))
