@@ -30,7 +30,10 @@ type, and each ft_jax program's ratio is to llama.cpp of the same type:
                 in the type; router, norms and embeddings as stored)
   mxfp4_moe     llama.cpp only: ``llama-quantize model-bf16.gguf model-mxfp4_moe.gguf MXFP4_MOE`` (llama.cpp's
                 mixture: the expert tensors MXFP4, every other 2-D weight Q8_0); ft_jax has no MXFP4 quantizer (it
-                runs MXFP4 checkpoints as stored: scripts/synthetic_checkpoint.py --family gpt_oss)
+                runs MXFP4 checkpoints as stored: --family gpt_oss)
+  mxfp4         --family gpt_oss only (its default and only type): the gpt-oss checkpoint as stored, MXFP4
+                experts and bf16 rest, on both sides: llama.cpp the GGUF of scripts/gpt_oss_to_gguf.py (lossless
+                repack), ft_jax the safetensors (e.g. --preset gpt-oss-20b: 13.8 GB of safetensors + 13.9 GB GGUF)
 Program labels: the bare name for bf16 ("llama.cpp", "host-all"), "name:Q" for the others ("llama.cpp:q8_0").
 Weight bytes read per token are computed for each side from what it stores: ft_jax from the config and
 ft_jax.weight_formats.WeightFormat.nbytes (synthetic_checkpoint.weight_bytes_per_token); llama.cpp from the
@@ -39,7 +42,8 @@ The quantized GGUFs are written once next to the bf16 one and kept.
 
 Model: scripts/synthetic_checkpoint.py (random bf16 weights; defaults hidden 2048, intermediate 5632, 8 layers,
 8 experts top-2, 16/4 heads of 128, vocab 32000) and its GGUF from scripts/mixtral_to_gguf.py (the same weights),
-both written once and cached under --cache-dir/models/.
+both written once and cached under --cache-dir/models/. --family gpt_oss (--preset gpt-oss-20b for the released
+shape): a gpt-oss checkpoint with MXFP4 experts and its GGUF from scripts/gpt_oss_to_gguf.py.
 
 Method: --rounds rounds; in each, every program runs once, in an order rotated by one position per round (no
 program always runs first). Before each llama-bench run the GGUF is read once so that it is in the page cache
@@ -87,11 +91,11 @@ LLAMA_BENCH_FIELDS = ("build_commit", "cpu_info", "backends", "model_type", "mod
                       "n_threads", "poll", "flash_attn", "repack", "load_mode", "type_k", "type_v", "n_prompt",
                       "n_gen", "n_depth", "avg_ts", "samples_ts")
 ALL_PROGRAMS = ("llama.cpp",) + FT_JAX_POLICIES + ("numpy",)
-QUANT_CHOICES = ("bf16", "q8_0", "q4_0", "mxfp4_moe")
+QUANT_CHOICES = ("bf16", "q8_0", "q4_0", "mxfp4_moe", "mxfp4")
 # --quant -> (llama-quantize type, --pure) for the llama.cpp GGUF (bf16: the converted file itself).
 LLAMA_QUANTIZE = {"q8_0": ("Q8_0", True), "q4_0": ("Q4_0", True), "mxfp4_moe": ("MXFP4_MOE", False)}
 # --quant -> ft-jax generate --quantize value (None: the checkpoint as stored); absent: ft_jax has no such variant.
-FT_JAX_QUANTIZE = {"bf16": None, "q8_0": "q8_0", "q4_0": "q4_0"}
+FT_JAX_QUANTIZE = {"bf16": None, "q8_0": "q8_0", "q4_0": "q4_0", "mxfp4": None}
 QUIET_CORES = 0.25  # a run is "quiet" when other processes used at most this many cores meanwhile
 MARKER = "ft_jax_bench_peer.json"  # written into a model folder once it is complete
 GiB = 1 << 30
@@ -148,9 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer rounds and tokens (2 x 12), for a run of minutes")
     p.add_argument("--programs", default=",".join(ALL_PROGRAMS),
                    help=f"comma-separated subset of {','.join(ALL_PROGRAMS)} (default: all)")
-    p.add_argument("--quant", default="bf16",
+    p.add_argument("--quant", default=None,
                    help=f"comma-separated weight types from {','.join(QUANT_CHOICES)}: each program runs on each "
-                        "(see the module docstring; default %(default)s)")
+                        "(see the module docstring; default bf16, for --family gpt_oss mxfp4)")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="threads for llama.cpp (-t), ft_jax's host kernels (FT_JAX_NUM_THREADS) and the numpy "
                         "multi-thread read (default: all %(default)s cores)")
@@ -174,13 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def ensure_models(cache_dir: Path, config: dict, seed: int) -> tuple[Path, Path, dict]:
     """(HF folder, GGUF path, creation record) of the synthetic model for ``config`` and ``seed``, written into
-    cache_dir/models/<name>/ unless a complete copy (marker file with the same config) is already there."""
+    cache_dir/models/<name>/ unless a complete copy (marker file with the same config) is already there.
+    Mixtral: model-bf16.gguf (scripts/mixtral_to_gguf.py); gpt-oss: model-mxfp4.gguf (scripts/gpt_oss_to_gguf.py,
+    the MXFP4 experts as stored)."""
+    import gpt_oss_to_gguf
     import mixtral_to_gguf
 
+    family = config["model_type"]
     key = hashlib.sha256(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:10]
-    name = f"mixtral_h{config['hidden_size']}_i{config['intermediate_size']}_l{config['num_hidden_layers']}_{key}"
+    name = f"{family}_h{config['hidden_size']}_i{config['intermediate_size']}_l{config['num_hidden_layers']}_{key}"
     folder = cache_dir / "models" / name
-    gguf_path = folder / "model-bf16.gguf"
+    gguf_path = folder / ("model-mxfp4.gguf" if family == "gpt_oss" else "model-bf16.gguf")
     marker = folder / MARKER
     if marker.is_file():
         record = json.loads(marker.read_text())
@@ -189,7 +197,7 @@ def ensure_models(cache_dir: Path, config: dict, seed: int) -> tuple[Path, Path,
     _log(f"writing the synthetic checkpoint to {folder}")
     hf = synthetic_checkpoint.write_checkpoint(folder, config, seed=seed, progress=True)
     _log(f"writing the GGUF {gguf_path}")
-    gg = mixtral_to_gguf.write_gguf(folder, gguf_path, progress=True)
+    gg = (gpt_oss_to_gguf if family == "gpt_oss" else mixtral_to_gguf).write_gguf(folder, gguf_path, progress=True)
     record = {"config": config, "seed": seed, "safetensors": hf, "gguf": gg}
     marker.write_text(json.dumps(record, indent=1))
     return folder, gguf_path, {**record, "cached": False}
@@ -549,20 +557,22 @@ def main(argv=None) -> int:
         print(f"bench_peer: error: --programs {args.programs!r}: unknown {bad}; choose from {ALL_PROGRAMS}",
               file=sys.stderr)
         return 2
-    quants = [q.strip() for q in args.quant.split(",") if q.strip()]
-    bad = [q for q in quants if q not in QUANT_CHOICES]
-    if bad or not quants or len(set(quants)) != len(quants):
-        print(f"bench_peer: error: --quant {args.quant!r}: give distinct types from {QUANT_CHOICES}"
-              + (f" (unknown {bad})" if bad else ""), file=sys.stderr)
-        return 2
-    if args.numpy_gib < 1:
-        print(f"bench_peer: error: --numpy-gib must be >= 1 (far above the last-level cache), got {args.numpy_gib}",
-              file=sys.stderr)
-        return 2
     try:
         config = synthetic_checkpoint.config_from_args(args)
     except ValueError as e:
         print(f"bench_peer: error: {e}", file=sys.stderr)
+        return 2
+    gpt_oss = config["model_type"] == "gpt_oss"
+    quants = [q.strip() for q in (args.quant or ("mxfp4" if gpt_oss else "bf16")).split(",") if q.strip()]
+    allowed = ("mxfp4",) if gpt_oss else tuple(q for q in QUANT_CHOICES if q != "mxfp4")
+    bad = [q for q in quants if q not in allowed]
+    if bad or not quants or len(set(quants)) != len(quants):
+        print(f"bench_peer: error: --quant {args.quant!r}: give distinct types from {allowed} for a "
+              f"{config['model_type']} model" + (f" (not {bad})" if bad else ""), file=sys.stderr)
+        return 2
+    if args.numpy_gib < 1:
+        print(f"bench_peer: error: --numpy-gib must be >= 1 (far above the last-level cache), got {args.numpy_gib}",
+              file=sys.stderr)
         return 2
     if args.prompt_len + new_tokens > config["max_position_embeddings"]:
         print(f"bench_peer: error: --prompt-len {args.prompt_len} + --new-tokens {new_tokens} exceeds "
@@ -583,17 +593,17 @@ def main(argv=None) -> int:
 
     build = None
     if "llama.cpp" in programs:
-        targets = ("llama-bench", "llama-quantize") if set(quants) - {"bf16"} else ("llama-bench",)
+        targets = ("llama-bench", "llama-quantize") if set(quants) & set(LLAMA_QUANTIZE) else ("llama-bench",)
         try:
             build = llama_cpp_build.ensure_llama_cpp(cache_dir, args.llama_cpp_python_version, targets=targets)
         except llama_cpp_build.BuildError as e:
             print(f"bench_peer: error: {e}", file=sys.stderr)
             return 1
     model_dir, gguf_path, model_record = ensure_models(cache_dir, config, args.seed)
-    ggufs, quantized_records = {"bf16": gguf_path}, {}
+    ggufs, quantized_records = {"mxfp4" if gpt_oss else "bf16": gguf_path}, {}
     if "llama.cpp" in programs:
         for quant in quants:
-            if quant != "bf16":
+            if quant not in ggufs:
                 try:
                     ggufs[quant], quantized_records[quant] = ensure_quantized_gguf(
                         build["binaries"]["llama-quantize"], gguf_path, quant, args.threads)

@@ -2,15 +2,19 @@
 """Build llama.cpp (CPU only) from the source vendored in the llama-cpp-python sdist, cached for later runs.
 
     python3 scripts/llama_cpp_build.py                      # llama-bench + llama-quantize under ~/.cache/ft_jax/bench_peer
-    python3 scripts/llama_cpp_build.py --targets llama-bench,llama-quantize,llama-cli
+    python3 scripts/llama_cpp_build.py --targets llama-bench,llama-quantize,llama-perplexity
     python3 scripts/llama_cpp_build.py --cache-dir /tmp/lc --llama-cpp-python-version 0.3.36
 
 Steps (each skipped when its output is already in the cache directory):
-  1. ``pip download --no-deps --no-binary :all: llama-cpp-python[==VERSION] -d CACHE/sdist``
+  1. ``pip download --no-deps --no-binary llama-cpp-python llama-cpp-python[==VERSION] -d CACHE/sdist`` (the sdist;
+     its build requirements, which pip installs to read its metadata, may be wheels)
   2. unpack it to CACHE/llama_cpp_python-VERSION/ (llama.cpp is its vendor/llama.cpp)
   3. ``cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON`` with everything but the CPU backend and the
-     tools off (no CUDA/Metal, no OpenSSL, no server, no tests/examples), then ``cmake --build --target llama-bench``
-     into CACHE/build-VERSION/; CACHE/build-VERSION/ft_jax_build_info.json records the result.
+     tools off (no CUDA/Metal, no OpenSSL, no server, no tests/examples), then ``cmake --build --target T`` for
+     each requested target (--targets; default llama-bench and llama-quantize, what bench_peer.py runs) into
+     CACHE/build-VERSION/; CACHE/build-VERSION/ft_jax_build_info.json records the built binaries after each
+     target. A later call asking for a target not yet built builds only that one (the object files are reused).
+     On the 2-core dev VM (loaded by other jobs) the first build of both took about 11 minutes.
 
 The sdist has no .git, so the llama.cpp commit is taken from the sdist's CHANGELOG.md ("update llama.cpp to
 ggml-org/llama.cpp@<commit>" under the version's heading) and passed to cmake as LLAMA_BUILD_COMMIT, which is what
@@ -69,8 +73,8 @@ def find_or_download_sdist(cache_dir: Path, version: str | None) -> tuple[Path, 
         best = max(cached, key=_version_key)
         return cached[best], best
     spec = "llama-cpp-python" + (f"=={version}" if version else "")
-    _log(f"pip download --no-deps --no-binary :all: {spec}")
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", spec,
+    _log(f"pip download --no-deps --no-binary llama-cpp-python {spec}")
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python", spec,
                            "-d", str(sdist_dir)], capture_output=True, text=True)
     if proc.returncode:
         raise BuildError(f"pip download {spec} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
@@ -150,7 +154,9 @@ def ensure_llama_cpp(cache_dir: Path = DEFAULT_CACHE_DIR, version: str | None = 
     if not (build_dir / "CMakeCache.txt").is_file():
         _run_logged(["cmake", "-S", str(src), "-B", str(build_dir), *generator, *flags],
                     build_dir / "configure.log", "cmake configure")
-    by_target = dict(info.get("build_s_by_target", {}))
+    info = {"binaries": binaries, "llama_cpp_python_version": version, "llama_cpp_commit": commit,
+            "cmake_flags": flags, "build_s_by_target": dict(info.get("build_s_by_target", {})),
+            "source_dir": str(src), "build_dir": str(build_dir)}
     for target in missing:
         t0 = time.perf_counter()
         _run_logged(["cmake", "--build", str(build_dir), "--target", target, "-j", str(jobs or os.cpu_count())],
@@ -160,14 +166,11 @@ def ensure_llama_cpp(cache_dir: Path = DEFAULT_CACHE_DIR, version: str | None = 
             raise BuildError(f"cmake build finished but {binary} does not exist "
                              f"(log {build_dir / f'build-{target}.log'})")
         binaries[target] = str(binary)
-        by_target[target] = round(time.perf_counter() - t0, 1)
-        _log(f"built {binary} in {by_target[target]:.0f} s")
-    info = {"binaries": binaries, "llama_cpp_python_version": version, "llama_cpp_commit": commit,
-            "cmake_flags": flags, "build_s_by_target": by_target, "source_dir": str(src),
-            "build_dir": str(build_dir)}
-    if "llama-bench" in binaries:
-        info["llama_bench"] = binaries["llama-bench"]
-    info_path.write_text(json.dumps(info, indent=1))
+        info["build_s_by_target"][target] = round(time.perf_counter() - t0, 1)
+        if "llama-bench" in binaries:
+            info["llama_bench"] = binaries["llama-bench"]
+        info_path.write_text(json.dumps(info, indent=1))  # after each target: a later failure keeps the built ones
+        _log(f"built {binary} in {info['build_s_by_target'][target]:.0f} s")
     return {**info, "build_s": round(time.perf_counter() - t_start, 1)}
 
 
@@ -179,7 +182,8 @@ def main(argv=None) -> int:
                    help="sdist version to build (default: the newest cached one, else PyPI's latest)")
     p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
     p.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
-                   help="comma-separated cmake targets to build (default %(default)s; e.g. add llama-cli)")
+                   help="comma-separated cmake targets to build (default %(default)s; llama-cli is not one with these "
+                        "flags: it is part of the app, which LLAMA_BUILD_APP=OFF leaves out)")
     args = p.parse_args(argv)
     targets = tuple(t for t in args.targets.split(",") if t)
     if not targets:
