@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build llama.cpp (CPU only) from the source vendored in the llama-cpp-python sdist, cached for later runs.
 
-    python3 scripts/llama_cpp_build.py                      # llama-bench + llama-quantize under ~/.cache/ft_jax/bench_peer
+    python3 scripts/llama_cpp_build.py             # llama-bench + llama-quantize under ~/.cache/ft_jax/bench_peer
     python3 scripts/llama_cpp_build.py --targets llama-bench,llama-quantize,llama-perplexity
     python3 scripts/llama_cpp_build.py --cache-dir /tmp/lc --llama-cpp-python-version 0.3.36
 
@@ -74,7 +74,8 @@ def find_or_download_sdist(cache_dir: Path, version: str | None) -> tuple[Path, 
         return cached[best], best
     spec = "llama-cpp-python" + (f"=={version}" if version else "")
     _log(f"pip download --no-deps --no-binary llama-cpp-python {spec}")
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python", spec,
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+                           spec,
                            "-d", str(sdist_dir)], capture_output=True, text=True)
     if proc.returncode:
         raise BuildError(f"pip download {spec} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")

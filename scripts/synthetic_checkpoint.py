@@ -336,7 +336,8 @@ def weight_bytes_per_token(config: dict, fmt: weight_formats.WeightFormat = weig
         raise ValueError(f"a gpt-oss config is counted as stored (MXFP4 experts, bf16 rest), not in {fmt.name}")
     expert_fmt = weight_formats.MXFP4 if gpt_oss else fmt
     bf16 = weight_formats.BF16.data_dtype.itemsize
-    biases = L * (NH * D + 2 * KVH * D + H + NH + E + k * (2 * I + H)) if gpt_oss else 0  # q/k/v/o, sinks, router, experts
+    # q/k/v/o biases, sinks, router bias, the top_k experts' gate_up and down biases
+    biases = L * (NH * D + 2 * KVH * D + H + NH + E + k * (2 * I + H)) if gpt_oss else 0
     parts = {"attention": L * (fmt.nbytes(NH * D, H) + 2 * fmt.nbytes(KVH * D, H) + fmt.nbytes(H, NH * D)),
              "router": L * E * H * bf16, "norms": (2 * L + 1) * H * bf16, "biases": biases * bf16,
              "experts": L * k * (2 * expert_fmt.nbytes(I, H) + expert_fmt.nbytes(H, I)), "embedding_row": H * bf16,

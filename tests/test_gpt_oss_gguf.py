@@ -67,7 +67,8 @@ def test_config_has_the_hub_gpt_oss_keys(sc, tiny):
     folder, config, _ = tiny
     on_disk = json.loads((folder / "config.json").read_text())
     assert on_disk == config
-    assert on_disk["architectures"] == ["GptOssForCausalLM"] and on_disk["quantization_config"]["quant_method"] == "mxfp4"
+    assert on_disk["architectures"] == ["GptOssForCausalLM"]
+    assert on_disk["quantization_config"]["quant_method"] == "mxfp4"
     assert on_disk["layer_types"] == ["sliding_attention", "full_attention"]
     assert on_disk["rope_scaling"]["rope_type"] == "yarn" and on_disk["attention_bias"] is True
     cfg = load_config(folder)
@@ -156,7 +157,7 @@ def test_gguf_holds_the_experts_losslessly_and_the_rest_as_stored(tiny, tiny_ggu
     reader = gguf.GGUFReader(tiny_gguf)
     got = {x.name: x for x in reader.tensors}
     E, H, I = 4, 64, 64
-    assert len(got) == 1 + 2 * 19 + 2  # per layer: 2 norms, q/k/v/o weight + bias, sinks, router + bias, 3 x exps + bias
+    assert len(got) == 1 + 2 * 19 + 2  # a layer: 2 norms, q/k/v/o weight + bias, sinks, router + bias, 3 exps + bias
     for l in range(2):
         p, b = f"model.layers.{l}.mlp.experts", f"blk.{l}"
         for gname, proj, rows in (("ffn_gate_exps", "gate_up_proj", slice(0, None, 2)),
@@ -179,8 +180,10 @@ def test_gguf_holds_the_experts_losslessly_and_the_rest_as_stored(tiny, tiny_ggu
                                       t[f"{s}.sinks"].astype(np.float32))
         q = got[f"{b}.attn_q.weight"]
         assert q.tensor_type == gguf.GGMLQuantizationType.BF16  # no q/k permute: gpt-oss's RoPE is NeoX-style
-        np.testing.assert_array_equal(np.asarray(q.data).view(ml_dtypes.bfloat16).reshape(64, 64), t[f"{s}.q_proj.weight"])
-        np.testing.assert_array_equal(np.asarray(got[f"{b}.attn_output.bias"].data), t[f"{s}.o_proj.bias"].astype(np.float32))
+        np.testing.assert_array_equal(np.asarray(q.data).view(ml_dtypes.bfloat16).reshape(64, 64),
+                                      t[f"{s}.q_proj.weight"])
+        np.testing.assert_array_equal(np.asarray(got[f"{b}.attn_output.bias"].data),
+                                      t[f"{s}.o_proj.bias"].astype(np.float32))
         router = got[f"{b}.ffn_gate_inp.weight"]
         assert router.tensor_type == gguf.GGMLQuantizationType.F32
         np.testing.assert_array_equal(np.asarray(router.data).reshape(E, H),
