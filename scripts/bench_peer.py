@@ -439,7 +439,9 @@ def format_table(result: dict) -> str:
     lines = [f"bench_peer: {s['rounds']} rounds x {s['new_tokens']} decoded tokens, {threads} threads; load average "
              f"(1/5/15 min) before {load['before']}, after {load['after']}",
              "weight bytes read per token (GB): " + ", ".join(
-                 f"{name} {b / 1e9:.3f}" for name, b in result["weight_bytes_per_token"].items()),
+                 f"{name} {b / 1e9:.3f}" for name, b in result["weight_bytes_per_token"].items())
+             + "".join(f"; {name} by its own stats {b / 1e9:.3f}"
+                       for name, b in result.get("weight_bytes_per_token_reported_by_ft_jax", {}).items()),
              f"{'program':<30} {'tokens/s':>8} {'[min-max]':<15} {'GB/s':>6} {'[min-max]':<13} "
              f"{'x llama.cpp':>11} {'[per round]':<13} {'best':>5} {'GB/s / numpy ' + str(threads) + 't':>15} "
              f"{'best':>5}"]
@@ -668,6 +670,10 @@ def main(argv=None) -> int:
     load_after = _loadavg()
     if numpy_read:
         numpy_read.close()
+    # ft_jax's own count (its stats' weight_bytes_per_token, newer ft_jax only), next to bench_peer's
+    reported = {label: statistics.median(vals) for label, rs in runs.items()
+                if (vals := [r["stats"]["weight_bytes_per_token"] for r in rs
+                             if (r.get("stats") or {}).get("weight_bytes_per_token") is not None])}
 
     result = {
         "settings": {"rounds": rounds, "new_tokens": new_tokens, "prompt_len": args.prompt_len, "prompt_ids": prompt,
@@ -680,6 +686,7 @@ def main(argv=None) -> int:
                   "quantized_ggufs": quantized_records},
         "weight_bytes_per_token": bytes_per_token,
         "weight_bytes_per_token_detail": bytes_detail,
+        "weight_bytes_per_token_reported_by_ft_jax": reported,
         "threads": {"llama.cpp": f"llama-bench -t {args.threads}",
                     "ft_jax": f"FT_JAX_NUM_THREADS={args.threads} (host kernels); XLA:CPU its default",
                     "numpy": f"1 and {args.threads}"},
