@@ -318,7 +318,8 @@ def test_bias_inputs_are_checked():
     call = jax.ffi.ffi_call("ft_jax_slot_experts", jax.ShapeDtypeStruct((2, 8), jnp.float32))
     with pytest.raises(RUNTIME_ERRORS, match=r"slot_experts: gate_up bias pool \[3, 5\] must have 3 rows \[2I\]"):
         np.asarray(call(x, ids, w, jnp.zeros((3, 8, 8)), jnp.zeros((3, 8, 4)), jnp.zeros((3, 5)), jnp.zeros((3, 8)),
-                        activation="swiglu_oai", alpha=np.float32(1.702), limit=np.float32(7.0)))
+                        activation="swiglu_oai", alpha=np.float32(1.702), limit=np.float32(7.0),
+                        weight_format="float", block_rows=np.int64(1), block_cols=np.int64(1)))
     for bank in (gu_bank, dn_bank, gb_bank, db_bank):
         bank.release()
 
@@ -538,8 +539,9 @@ def test_host_experts_bank_layout_checked_at_instantiate(f32_banks):
     x, ids, w = np.ones((1, 8), np.float32), np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32)
     with pytest.raises(RUNTIME_ERRORS, match=rf"host_experts: down bank {gu_bank.id} \(\[4, 8, 8\] float32\) must "
                                              r"have 4 rows \[H, I\] = \[8, 4\] to match gate_up bank"):
-        np.asarray(call(x, ids, w, banks=np.array([gu_bank.id, gu_bank.id], np.int64), activation="silu",
-                        alpha=np.float32(1.702), limit=np.float32(7.0)))
+        np.asarray(call(x, ids, w, banks=np.array([gu_bank.id, gu_bank.id], np.int64),
+                        scale_banks=np.array([], np.int64), weight_format="float", block_rows=np.int64(1),
+                        block_cols=np.int64(1), activation="silu", alpha=np.float32(1.702), limit=np.float32(7.0)))
 
 
 _THROWING_TASK_SCRIPT = """

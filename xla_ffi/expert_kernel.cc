@@ -83,15 +83,22 @@ int64_t RowsPerTask(size_t row_bytes, int64_t rows, int64_t multiple, int64_t th
   return (r + multiple - 1) / multiple * multiple;
 }
 
-template <typename WG, typename WD, typename Pool>
-void RunTyped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, const Groups& g, int64_t T,
-              const ExpertActivation& act, float* y, Pool& pool) {
+// The view of a float (dtype) or block-format matrix of `cols` columns.
+WFormat FormatOf(const WeightSpec& spec, int32_t dtype) {
+  if (spec.quantized) return spec.format;
+  return dtype == static_cast<int32_t>(BankDType::kBF16) ? WFormat::kBF16 : WFormat::kF32;
+}
+
+template <typename Pool>
+void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, const Groups& g, int64_t T,
+                const ExpertActivation& act, float* y, Pool& pool) {
   const Isa isa = KernelIsaLevel();
   const int64_t H = m.hidden, I = m.inter;
   const int64_t G = static_cast<int64_t>(g.expert.size());
   const int64_t routes = g.begin.back();
-  const size_t egu = sizeof(WG), ed = sizeof(WD);
-  const size_t weight_bytes = static_cast<size_t>(G) * static_cast<size_t>(H * I) * (2 * egu + ed);
+  const WFormat fgu = FormatOf(m.spec, m.gate_up_dtype), fdn = FormatOf(m.spec, m.down_dtype);
+  const size_t gu_row = DataRowBytes(fgu, H), dn_row = DataRowBytes(fdn, I);  // stored bytes of one row
+  const size_t weight_bytes = static_cast<size_t>(G) * (2 * I * gu_row + H * dn_row);
   const int64_t threads = weight_bytes >= kParallelMinBytes ? LoopThreads(pool) : 1;
   auto run = [&](int64_t n, const auto& fn) {
     if (threads > 1) {
@@ -104,7 +111,7 @@ void RunTyped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, co
   // A bf16 model (x arrives in bf16): the activations a = glu(...) are rounded to bf16 before the down projection,
   // as transformers' bf16 expert computes them, and bf16 weights then take the bf16 x bf16 dot where the CPU has it.
   const bool bf16_model = x_bf16 != nullptr;
-  const bool bf16_dots = isa == Isa::kAvx512Bf16 && bf16_model;
+  const bool bf16_dots = isa == Isa::kAvx512Bf16 && bf16_model && !m.spec.quantized;
 
   // Per-call buffers of the calling thread (tasks write disjoint parts): the routes' inputs side by side
   // xg [routes, H], gate/up outputs hb [routes, 2I], activations a [routes, I], down outputs d [routes, H]; with
@@ -133,7 +140,7 @@ void RunTyped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, co
   // up + b_up) for the block: the activation runs on every thread, inside the tasks. A bf16 model rounds a to bf16
   // (as transformers' bf16 expert computes it), kept as bits too for the bf16 x bf16 dots. A task whose expert id
   // is out of range throws ExpertIdError before reading anything (ParallelFor hands it to the caller).
-  const int64_t rpt1 = RowsPerTask(2 * H * egu, I, 1, threads);
+  const int64_t rpt1 = RowsPerTask(2 * gu_row, I, 1, threads);
   const int64_t blocks1 = (I + rpt1 - 1) / rpt1;
   run(G * blocks1, [&](int64_t task) {
     const int64_t grp = task / blocks1, blk = task % blocks1;
@@ -141,10 +148,13 @@ void RunTyped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, co
     const int64_t i0 = blk * rpt1, i1 = std::min(I, (blk + 1) * rpt1);
     if (g.expert[grp] >= m.num_experts) throw ExpertIdError(g.expert[grp], g.route[b], m.num_experts);
     const size_t expert = static_cast<size_t>(g.expert[grp]);
-    const WG* gu = reinterpret_cast<const WG*>(m.gate_up + expert * m.gate_up_stride);
+    const uint8_t* gu = m.gate_up + expert * m.gate_up_stride;
+    const uint8_t* gus = m.gate_up_scale == nullptr ? nullptr : m.gate_up_scale + expert * m.gate_up_scale_stride;
     const uint16_t* xb = xgb == nullptr ? nullptr : xgb + b * H;
-    DotRows<WG>(isa, gu, H, i0, i1, xg + b * H, xb, e - b, hb + b * 2 * I, 2 * I);          // gate rows
-    DotRows<WG>(isa, gu, H, I + i0, I + i1, xg + b * H, xb, e - b, hb + b * 2 * I, 2 * I);  // up rows
+    // The gate matrix is rows 0..I-1; the up matrix its own view (data from row I, scales from its stacked grid).
+    const MatrixView gate = MakeView(fgu, m.spec, gu, gus, H), up = MakeView(fgu, m.spec, gu, gus, H, I);
+    DotRowsView(isa, gate, i0, i1, xg + b * H, xb, e - b, hb + b * 2 * I, 2 * I);     // gate rows
+    DotRowsView(isa, up, i0, i1, xg + b * H, xb, e - b, hb + b * 2 * I + I, 2 * I);  // up rows
     const uint8_t* bias = m.gate_up_bias == nullptr ? nullptr : m.gate_up_bias + expert * m.gate_up_bias_stride;
     for (int64_t n = b; n < e; ++n) {
       const float* h = hb + n * 2 * I;
@@ -164,15 +174,17 @@ void RunTyped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, co
 
   // Phase 2: tasks = blocks of output rows h; inside a task every expert group in ascending order, routes in order,
   // so each y element is summed in one fixed order.
-  const int64_t rpt2 = RowsPerTask(static_cast<size_t>(G) * I * ed, H, 1, threads);
+  const int64_t rpt2 = RowsPerTask(static_cast<size_t>(G) * dn_row, H, 1, threads);
   const int64_t blocks2 = (H + rpt2 - 1) / rpt2;
   run(blocks2, [&](int64_t blk) {
     const int64_t h0 = blk * rpt2, h1 = std::min(H, (blk + 1) * rpt2);
     for (int64_t t = 0; t < T; ++t) std::fill(y + t * H + h0, y + t * H + h1, 0.0f);
     for (int64_t grp = 0; grp < G; ++grp) {
       const int64_t b = g.begin[grp], e = g.begin[grp + 1];
-      const WD* dn = reinterpret_cast<const WD*>(m.down + static_cast<size_t>(g.expert[grp]) * m.down_stride);
-      DotRows<WD>(isa, dn, I, h0, h1, a + b * I, ab == nullptr ? nullptr : ab + b * I, e - b, d + b * H, H);
+      const size_t expert = static_cast<size_t>(g.expert[grp]);
+      const uint8_t* dns = m.down_scale == nullptr ? nullptr : m.down_scale + expert * m.down_scale_stride;
+      const MatrixView down = MakeView(fdn, m.spec, m.down + expert * m.down_stride, dns, I);
+      DotRowsView(isa, down, h0, h1, a + b * I, ab == nullptr ? nullptr : ab + b * I, e - b, d + b * H, H);
       const uint8_t* bias = m.down_bias == nullptr ? nullptr
                                                    : m.down_bias + static_cast<size_t>(g.expert[grp]) * m.down_bias_stride;
       for (int64_t n = b; n < e; ++n) {
@@ -229,17 +241,7 @@ void RunExpertsOn(const ExpertWeights& m, const float* x, const uint16_t* x_bf16
     std::fill(y, y + T * m.hidden, 0.0f);
     return;
   }
-  const bool gu_bf16 = m.gate_up_dtype == static_cast<int32_t>(BankDType::kBF16);
-  const bool dn_bf16 = m.down_dtype == static_cast<int32_t>(BankDType::kBF16);
-  if (gu_bf16 && dn_bf16) {
-    RunTyped<uint16_t, uint16_t>(m, x, x_bf16, groups, T, act, y, pool);
-  } else if (gu_bf16) {
-    RunTyped<uint16_t, float>(m, x, x_bf16, groups, T, act, y, pool);
-  } else if (dn_bf16) {
-    RunTyped<float, uint16_t>(m, x, x_bf16, groups, T, act, y, pool);
-  } else {
-    RunTyped<float, float>(m, x, x_bf16, groups, T, act, y, pool);
-  }
+  RunGrouped(m, x, x_bf16, groups, T, act, y, pool);
 }
 
 }  // namespace

@@ -9,8 +9,9 @@
 //   gate_up [2I, H]: rows 0..I-1 = gate_proj.weight [I, H], rows I..2I-1 = up_proj.weight [I, H]
 //   down    [H, I]:  down_proj.weight
 //   gate_up bias [2I] (gate bias then up bias), down bias [H]
-// Weights and biases are float32 or bfloat16 (each tensor kind independently); activations and accumulation are
-// float32.
+// Weights are float32 or bfloat16 (each tensor kind independently), or one block format for both (q8_0, q4_0, mxfp4,
+// fp8: quant_dot.h, with scale rows per expert: gate_up scales [2 * ScaleRows(I), ScaleCols(H)] (gate grid then up
+// grid), down scales [ScaleRows(H), ScaleCols(I)]); biases float32 or bfloat16; activations and accumulation float32.
 //
 // Every expert's weights are read once per call whatever the number of tokens routed to it, and every output element
 // is summed in one fixed order, so results do not depend on threads or scheduling (docs/DESIGN.md sec. 9).
@@ -24,6 +25,7 @@
 #include <string_view>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/quant_dot.h"
 
 namespace ft_jax {
 
@@ -42,9 +44,9 @@ struct ExpertActivation {
 };
 
 struct ExpertWeights {
-  const uint8_t* gate_up;  // expert e at gate_up + e * gate_up_stride, [2I, H]
+  const uint8_t* gate_up;  // expert e at gate_up + e * gate_up_stride, [2I, H] (stored as spec says)
   size_t gate_up_stride;   // bytes between consecutive experts
-  int32_t gate_up_dtype;   // BankDType code: kF32 or kBF16
+  int32_t gate_up_dtype;   // BankDType code: kF32 or kBF16 (float spec), else the block format's data dtype
   const uint8_t* down;     // expert e at down + e * down_stride, [H, I]
   size_t down_stride;
   int32_t down_dtype;
@@ -59,6 +61,13 @@ struct ExpertWeights {
   const uint8_t* down_bias = nullptr;
   size_t down_bias_stride = 0;
   int32_t down_bias_dtype = 0;
+  // The storage format of gate_up and down ("float": their dtypes decide) and, for a block format, the scale rows:
+  // expert e's gate_up scales at gate_up_scale + e * gate_up_scale_stride, its down scales likewise.
+  WeightSpec spec{};
+  const uint8_t* gate_up_scale = nullptr;
+  size_t gate_up_scale_stride = 0;
+  const uint8_t* down_scale = nullptr;
+  size_t down_scale_stride = 0;
 };
 
 // Thrown by RunExperts, inside the task that would read the expert, for an id >= num_experts (ParallelFor carries
@@ -81,8 +90,8 @@ std::string CheckExpertIds(const int32_t* ids, int64_t n, int64_t num_experts, c
 // x: f32 [T, H]; x_bf16: the same values as bf16 bits when the caller's x was bf16 (a bf16 model: the activations
 // between the gate/up and the down projection are then rounded to bf16, as transformers computes them, and bf16
 // weights use the bf16 x bf16 dot where the CPU has one), else nullptr; ids: i32 [T, k] (< 0 = skip; an id >=
-// num_experts throws ExpertIdError); weights: f32 [T, k]; y: f32 [T, H], overwritten. Weight and bias dtypes
-// must be kF32 or kBF16. Runs on `pool` (the FFI caller's XLA thread pool, see parallel.h; or the WorkerPool of the
+// num_experts throws ExpertIdError); weights: f32 [T, k]; y: f32 [T, H], overwritten. Weight dtypes must match
+// m.spec and bias dtypes be kF32 or kBF16 (the handlers check both). Runs on `pool` (the FFI caller's XLA thread pool, see parallel.h; or the WorkerPool of the
 // CUDA host_experts path) when the call reads at least 1 MiB of weights.
 void RunExperts(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, const int32_t* ids,
                 const float* weights, int64_t T, int64_t k, const ExpertActivation& act, float* y,

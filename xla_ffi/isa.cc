@@ -12,8 +12,11 @@ Isa KernelIsaLevel() {
 #if FT_JAX_HAVE_AVX2_PATH
     const char* env = std::getenv("FT_JAX_KERNEL");
     const std::string_view cap = env ? env : "";
-    if (cap == "generic" || !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return Isa::kGeneric;
+    if (cap == "generic" || !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                              __builtin_cpu_supports("f16c")))
+      return Isa::kGeneric;
     if (cap == "avx2" || !(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl") &&
                            __builtin_cpu_supports("avx512bf16")))
       return Isa::kAvx2;
     return Isa::kAvx512Bf16;

@@ -9,7 +9,8 @@ enum class Isa : int { kGeneric = 0, kAvx2 = 1, kAvx512Bf16 = 2 };
 // The best path the CPU has, capped by FT_JAX_KERNEL ("generic" or "avx2"; read once).
 Isa KernelIsaLevel();
 
-// KernelIsaLevel() as text: "avx512bf16" (AVX-512 BF16 dots), "avx2" (AVX2 + FMA) or "generic".
+// KernelIsaLevel() as text: "avx512bf16" (AVX-512 F/BW/VL/BF16: bf16 dots, the
+// 16-lane dequantizing paths), "avx2" (AVX2 + FMA + F16C) or "generic".
 const char* KernelIsa();
 
 }  // namespace ft_jax

@@ -1,8 +1,11 @@
 // linear: the dense projections of the decoder on the CPU backend, reading every weight once per call.
 //   y[n, o] = sum_k x[n, k] * w[layer, o, k]
-// operands: x f32|bf16 [N, K]; w f32|bf16 (or u16 bf16 bits) [L, O, K] (a stack of L like layers; [O, K]: L = 1);
-//           layer s32[] (which matrix of the stack)
-// result:   y f32 [N, O] (float32 accumulation)
+// operands: x f32|bf16 [N, K]; w [L, O, K] (a stack of L like layers; [O, K]: L = 1) f32|bf16 (or u16 bf16 bits),
+//           or stored in the block format of the weight_format attribute (data [L, O, K / values per item],
+//           quant_dot.h); layer s32[] (which matrix of the stack); for a block format then scales
+//           [L, ScaleRows(O), ScaleCols(K)] (or 2-D with a 2-D w)
+// attrs:    weight_format ("float" | "q8_0" | "q4_0" | "mxfp4" | "fp8"), block_rows, block_cols (i64)
+// result:   y f32 [N, O] (float32 accumulation; the stored bytes are dequantized in registers, quant_dot.h)
 // The whole stack and the layer index are operands, so a scanned decode step reads each layer's weights in place
 // (why a handler: docs/DESIGN.md sec. 9). Output rows are split over the caller's XLA thread pool; each task reads
 // its rows once for all N tokens (dot_kernels.h DotRows).
@@ -18,6 +21,7 @@
 #include "xla_ffi/ffi_handlers.h"
 #include "xla_ffi/host_bank.h"
 #include "xla_ffi/parallel.h"
+#include "xla_ffi/quant_dot.h"
 
 namespace ffi = xla::ffi;
 
@@ -31,23 +35,20 @@ using I32Scalar = ffi::Buffer<ffi::DataType::S32, 0>;
 constexpr size_t kParallelMinBytes = size_t{1} << 20;  // below: the caller alone (waking helpers costs more)
 constexpr size_t kTaskBytes = size_t{256} << 10;       // weight bytes per task (fits L2 while the tokens pass)
 
-template <typename W>
-void RunLinear(const W* w, const float* x, const uint16_t* xb, int64_t N, int64_t K, int64_t O, float* y,
+void RunLinear(const MatrixView& w, const float* x, const uint16_t* xb, int64_t N, int64_t O, float* y,
                ffi::ThreadPool& pool) {
   const Isa isa = KernelIsaLevel();
-  const size_t row_bytes = static_cast<size_t>(K) * sizeof(W);
+  const size_t row_bytes = std::max<size_t>(w.row_bytes, 1);
   const int64_t threads = row_bytes * static_cast<size_t>(O) >= kParallelMinBytes ? LoopThreads(pool) : 1;
   if (threads <= 1) {
-    DotRows<W>(isa, w, K, 0, O, x, xb, N, y, O);
+    DotRowsView(isa, w, 0, O, x, xb, N, y, O);
     return;
   }
   int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(kTaskBytes / row_bytes));
   rows = std::min(rows, (O + 4 * threads - 1) / (4 * threads));  // at least 4 tasks per thread
   rows = (std::max<int64_t>(rows, 1) + 3) / 4 * 4;
   const int64_t tasks = (O + rows - 1) / rows;
-  ParallelFor(pool, tasks, [&](int64_t t) {
-    DotRows<W>(isa, w, K, t * rows, std::min(O, (t + 1) * rows), x, xb, N, y, O);
-  });
+  ParallelFor(pool, tasks, [&](int64_t t) { DotRowsView(isa, w, t * rows, std::min(O, (t + 1) * rows), x, xb, N, y, O); });
 }
 
 // x as float32: the buffer itself, or bf16 data widened into `scratch`.
@@ -60,40 +61,72 @@ const float* XAsF32(ffi::AnyBuffer x, size_t n, Scratch<float>& scratch) {
 // Weights may also arrive as uint16 holding bf16 bits (how ft_jax keeps a bf16 embedding table: a tied lm_head).
 bool IsBf16Bits(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::U16; }
 
-ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, I32Scalar layer, F32MatrixResult y) {
+constexpr const char* kOp = "linear";
+
+ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, I32Scalar layer,
+                      ffi::RemainingArgs extra, F32MatrixResult y, std::string_view weight_format, int64_t block_rows,
+                      int64_t block_cols) {
+  WeightSpec spec;
+  if (std::string err = ParseWeightSpec(weight_format, block_rows, block_cols, &spec); !err.empty()) {
+    return InvalidArgument(kOp, err);
+  }
+  if (extra.size() != (spec.quantized ? 1u : 0u)) {
+    return InvalidArgument(kOp, std::string("weight_format '") + spec.name() + "' takes " +
+                                    (spec.quantized ? "one scales operand" : "no scales operand") + ", got " +
+                                    std::to_string(extra.size()));
+  }
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
+  const int32_t wt = static_cast<int32_t>(w.element_type());
+  const bool float_w = IsWeightDType(w.element_type()) || IsBf16Bits(w.element_type());
   if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || !IsWeightDType(x.element_type()) ||
-      !(IsWeightDType(w.element_type()) || IsBf16Bits(w.element_type()))) {
-    return ffi::Error::InvalidArgument("linear: x must be f32|bf16 [N, K] and w f32|bf16 [L, O, K] or [O, K]");
+      (!spec.quantized && !float_w)) {
+    return InvalidArgument(kOp, "x must be f32|bf16 [N, K] and w f32|bf16 [L, O, K] or [O, K] (or stored in the "
+                                "weight_format's dtype), got x " + Dims(xd) + " " +
+                                BankDTypeName(static_cast<int32_t>(x.element_type())) + " and w " + Dims(wd) + " " +
+                                BankDTypeName(wt));
   }
-  const int64_t L = wd.size() == 3 ? wd[0] : 1, O = wd[wd.size() - 2], K = wd[wd.size() - 1], N = xd[0];
+  const int64_t vpi = spec.quantized ? ValuesPerItem(spec.format) : 1;
+  const int64_t L = wd.size() == 3 ? wd[0] : 1, O = wd[wd.size() - 2], K = wd[wd.size() - 1] * vpi, N = xd[0];
   if (xd[1] != K || y->dimensions()[0] != N || y->dimensions()[1] != O) {
-    return ffi::Error::InvalidArgument("linear: x [" + std::to_string(N) + ", " + std::to_string(xd[1]) +
-                                       "] does not match w [.., " + std::to_string(O) + ", " + std::to_string(K) +
-                                       "] or the result shape");
+    return InvalidArgument(kOp, "x [" + std::to_string(N) + ", " + std::to_string(xd[1]) + "] does not match w [.., " +
+                                    std::to_string(O) + ", " + std::to_string(K) + "] or the result shape");
+  }
+  const WFormat format = spec.quantized ? spec.format : (wt == static_cast<int32_t>(BankDType::kF32) ? WFormat::kF32
+                                                                                                   : WFormat::kBF16);
+  const uint8_t* scales = nullptr;
+  if (spec.quantized) {
+    auto s = extra.get<ffi::AnyBuffer>(0);
+    if (!s.has_value()) return InvalidArgument(kOp, "bad scales operand");
+    const auto sd = s->dimensions();
+    if (sd.size() != wd.size() || (wd.size() == 3 && sd[0] != L)) {
+      return InvalidArgument(kOp, "scales " + Dims(sd) + " must have the rank and stack size of w " + Dims(wd));
+    }
+    const size_t lead = wd.size() - 2;
+    std::string err = CheckStoredMatrix(spec, "w " + Dims(wd), wt, &wd[lead], 2, "scales " + Dims(sd),
+                                        static_cast<int32_t>(s->element_type()), &sd[lead], 2, O, K,
+                                        /*pair=*/false);
+    if (!err.empty()) return InvalidArgument(kOp, err);
+    scales = static_cast<const uint8_t*>(s->untyped_data());
   }
   const int32_t l = *layer.typed_data();
   if (l < 0 || l >= L) {
-    return ffi::Error::InvalidArgument("linear: layer " + std::to_string(l) + " is out of range for a stack of " +
-                                       std::to_string(L) + " weights");
+    return InvalidArgument(kOp, "layer " + std::to_string(l) + " is out of range for a stack of " +
+                                    std::to_string(L) + " weights");
   }
   if (N == 0 || O == 0) return ffi::Error::Success();
-  const size_t offset = static_cast<size_t>(l) * static_cast<size_t>(O * K);
+  MatrixView view = MakeView(format, spec, static_cast<const uint8_t*>(w.untyped_data()), scales, K);
+  view.data += static_cast<size_t>(l) * static_cast<size_t>(O) * view.row_bytes;
+  if (spec.quantized) view.scales += static_cast<size_t>(l) * static_cast<size_t>(ScaleRows(spec, O)) * view.scale_row_bytes;
   const uint16_t* xb = x.element_type() == ffi::DataType::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
   // bf16 x bf16 where the CPU has the dot: x is used as it is, no float32 copy.
-  const bool bf16_dots = IsBf16Bits(w.element_type()) && xb != nullptr && KernelIsaLevel() == Isa::kAvx512Bf16;
+  const bool bf16_dots = format == WFormat::kBF16 && xb != nullptr && KernelIsaLevel() == Isa::kAvx512Bf16;
   const size_t n = static_cast<size_t>(N * K);
-  return Guarded("linear", [&] {
+  return Guarded(kOp, [&] {
     thread_local std::vector<float> x32_storage;
     Scratch<float> x32(x32_storage, xb != nullptr && !bf16_dots ? n : 0);  // trimmed after the call (common.h)
-    if (IsBf16Bits(w.element_type())) {
-      RunLinear<uint16_t>(static_cast<const uint16_t*>(w.untyped_data()) + offset,
-                          bf16_dots ? nullptr : XAsF32(x, n, x32), xb, N, K, O, y->typed_data(), pool);
-    } else {
-      RunLinear<float>(static_cast<const float*>(w.untyped_data()) + offset, XAsF32(x, n, x32), nullptr, N, K, O,
-                       y->typed_data(), pool);
-    }
+    RunLinear(view, bf16_dots ? nullptr : XAsF32(x, n, x32), format == WFormat::kBF16 ? xb : nullptr, N, O,
+              y->typed_data(), pool);
     return ffi::Error::Success();
   });
 }
@@ -107,4 +140,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxLinear, ft_jax::LinearImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ft_jax::I32Scalar>()
-                                  .Ret<ft_jax::F32Matrix>());
+                                  .RemainingArgs()
+                                  .Ret<ft_jax::F32Matrix>()
+                                  .Attr<std::string_view>("weight_format")
+                                  .Attr<int64_t>("block_rows")
+                                  .Attr<int64_t>("block_cols"));

@@ -14,6 +14,13 @@ rejects out-of-range ids, which only exist at run time: the call then raises jax
 ValueError when jit's C++ fast path dispatched it) with a message naming the id and the bank, and the process
 carries on (slot_fill writes nothing then).
 
+Weight formats (ft_jax.weight_formats): every weight operand (host bank, slot pool, dense matrix) is either float32 /
+bfloat16, or stored in a block format (q8_0, q4_0, mxfp4, block-scaled fp8) as its data plus a scale operand; the
+``weight_format`` keyword names the format (default: the float format of the weight dtype). The CPU kernels read the
+stored bytes and dequantize in registers with float32 activations and accumulation (xla_ffi/quant_dot.h). A gate_up
+row [2I, H] holds the gate matrix then the up matrix; its scale row holds their two scale grids stacked
+([2 * fmt.scale_rows(I), ceil(H / block_cols)]).
+
 Expert math (host_experts and slot_experts), for every token t:
     y[t] = sum_j weights[t, j] * (down_e @ glu(gate_e @ x[t] + bg_e, up_e @ x[t] + bu_e) + bd_e),  e = ids[t, j] >= 0
 with gate_e = gate_up_e[:I], up_e = gate_up_e[I:], optional biases bg_e = gate_up_bias_e[:I], bu_e =
@@ -33,8 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import ft_jax  # registers the FFI targets; CUDA_ENABLED
+from ft_jax import weight_formats
 from ft_jax.kernels import device_experts
 from ft_jax.kernels.host_bank import HostBank
+from ft_jax.weight_formats import WeightFormat
 
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's defaults (transformers' GptOssConfig)
@@ -70,6 +79,50 @@ def _expect_activation(op: str, activation: str) -> str:
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: unknown activation {activation!r}; expected one of {ACTIVATIONS}")
     return activation
+
+
+def _resolve_format(op: str, weight_format, name: str, dtype) -> WeightFormat:
+    """The WeightFormat of a call: weight_format, or (None) the float format of the weight dtype."""
+    if weight_format is None:
+        if np.dtype(dtype) not in _WEIGHT_DTYPES:
+            raise TypeError(f"{op}: {name} is {np.dtype(dtype).name}: float weights must be float32 or bfloat16; pass "
+                            f"weight_format= (a ft_jax.weight_formats.WeightFormat) for stored quantized weights")
+        return weight_formats.float_format(dtype)
+    if not isinstance(weight_format, WeightFormat):
+        raise TypeError(f"{op}: weight_format must be a ft_jax.weight_formats.WeightFormat or None, got "
+                        f"{type(weight_format).__name__}")
+    return weight_format
+
+
+def _format_attrs(fmt: WeightFormat) -> dict:
+    """The weight_format / block_rows / block_cols attributes of the FFI calls ("float" and (1, 1) for f32 / bf16)."""
+    return dict(weight_format=fmt.kernel_name, block_rows=np.int64(fmt.block[0]), block_cols=np.int64(fmt.block[1]))
+
+
+def _check_stored(op: str, name: str, shape, dtype, fmt: WeightFormat, rows: int, cols: int) -> None:
+    """One stored matrix [rows, cols] (shape: its data array without leading axes) in block format fmt: cols must fit
+    the blocks, data dtype and shape fmt's. Raises TypeError / ValueError naming the operand."""
+    fmt.check_cols(cols, f"{op}: {name}")
+    if np.dtype(dtype) != fmt.data_dtype:
+        raise TypeError(f"{op}: {name} must be {fmt.data_dtype.name} ({fmt.name} data), got {np.dtype(dtype).name}")
+    want = fmt.data_shape(rows, cols)
+    if tuple(shape) != want:
+        raise ValueError(f"{op}: {name} must hold {fmt.name} data {list(want)} of a [{rows}, {cols}] matrix, got "
+                         f"{list(shape)}")
+
+
+def _check_scales(op: str, name: str, shape, dtype, fmt: WeightFormat, want: tuple[int, int]) -> None:
+    """A scale array (shape without leading axes) must be fmt.scale_dtype of shape want."""
+    if np.dtype(dtype) != fmt.scale_dtype:
+        raise TypeError(f"{op}: {name} must be {fmt.scale_dtype.name} ({fmt.name} scales), got {np.dtype(dtype).name}")
+    if tuple(shape) != tuple(want):
+        raise ValueError(f"{op}: {name} must be {list(want)} ({fmt.name} scales of blocks {list(fmt.block)}), got "
+                         f"{list(shape)}")
+
+
+def _gate_up_scale_shape(fmt: WeightFormat, hidden: int, inter: int) -> tuple[int, int]:
+    """Scale row of a gate_up pair [2I, H]: the gate and up grids stacked."""
+    return 2 * fmt.scale_rows(inter), fmt.scale_shape(inter, hidden)[1]
 
 
 def slot_fill(pools, flat_ids, slot_ids, banks):
@@ -134,34 +187,60 @@ def slot_fill_with_errors(pools, flat_ids, slot_ids, banks):
     return tuple(filled), errors
 
 
-def linear(x, w, layer=0):
-    """Dense projection y = x @ w[layer].T with float32 accumulation, reading each weight once (the CPU handler).
+def linear(x, w, layer=0, *, scales=None, weight_format: WeightFormat | None = None):
+    """Dense projection y = x @ W[layer].T with float32 accumulation, reading each stored weight byte once (the CPU
+    handler; block formats are dequantized in registers, xla_ffi/quant_dot.h).
 
     Args:
       x: f32 or bf16 [N, K] activations.
-      w: f32 or bf16 (or uint16 holding bf16 bits) [L, O, K] stack of L weights in Hugging Face [out, in] layout, or
-        [O, K] (L = 1).
+      w: the weights in Hugging Face [out, in] layout: float32 or bfloat16 (or uint16 holding bf16 bits) [L, O, K]
+        (a stack of L) or [O, K] (L = 1); for a block format its data [L, *fmt.data_shape(O, K)] or
+        fmt.data_shape(O, K) (q4_0 / mxfp4: K / 2 bytes per row).
       layer: i32[] or Python int: which weight of the stack (traced values are fine: the scanned decode step
         passes its layer index, and the handler reads that weight in place, without a copy of the slice).
+      scales: the block format's scales [L, *fmt.scale_shape(O, K)] (or 2-D with a 2-D w); None for float formats.
+      weight_format: a ft_jax.weight_formats.WeightFormat; None = the float format of w's dtype.
 
     Returns:
       f32[N, O].
 
     Raises:
-      TypeError / ValueError at trace time for dtypes or shapes; a layer outside [0, L) fails at run time.
+      TypeError / ValueError at trace time for dtypes or shapes (w and scales checked against weight_format, K not
+      fitting the format's blocks, scales given for a float format or missing for a block format); a layer outside
+      [0, L) fails at run time.
     """
     op = "linear"
     (N, K), _ = _expect(op, "x", x, 2, _WEIGHT_DTYPES, "[N, K]")
-    wshape, _ = _shape_dtype(w, op, "w")
-    _expect(op, "w", w, len(wshape) if len(wshape) in (2, 3) else 3, _WEIGHT_DTYPES + (np.dtype(np.uint16),),
-            "[L, O, K] or [O, K]")
-    if wshape[-1] != K:
-        raise ValueError(f"{op}: x [{N}, {K}] and w {list(wshape)} disagree on K (the input width)")
+    wshape, wdtype = _shape_dtype(w, op, "w")
+    fmt = weight_format
+    if fmt is None and wdtype == np.dtype(np.uint16):
+        fmt = weight_formats.BF16  # bf16 bits (a tied bf16 embedding table)
+    fmt = _resolve_format(op, fmt, "w", wdtype)
+    operands = ()
+    if not fmt.quantized:
+        if scales is not None:
+            raise ValueError(f"{op}: scales given for the float format {fmt.name} (only block formats have scales)")
+        _expect(op, "w", w, len(wshape) if len(wshape) in (2, 3) else 3, _WEIGHT_DTYPES + (np.dtype(np.uint16),),
+                "[L, O, K] or [O, K]")
+        if wshape[-1] != K:
+            raise ValueError(f"{op}: x [{N}, {K}] and w {list(wshape)} disagree on K (the input width)")
+    else:
+        if scales is None:
+            raise ValueError(f"{op}: {fmt.name} weights need their scales (scales=)")
+        if len(wshape) not in (2, 3):
+            raise ValueError(f"{op}: w must be [L, O, Kd] or [O, Kd] ({fmt.name} data), got shape {wshape}")
+        O = wshape[-2]
+        _check_stored(op, f"w {list(wshape)}", wshape[-2:], wdtype, fmt, O, K)
+        sshape, sdtype = _shape_dtype(scales, op, "scales")
+        if len(sshape) != len(wshape) or sshape[:-2] != wshape[:-2]:
+            raise ValueError(f"{op}: scales {list(sshape)} must have the leading axes of w {list(wshape)}")
+        _check_scales(op, f"scales {list(sshape)}", sshape[-2:], sdtype, fmt, fmt.scale_shape(O, K))
+        operands = (scales,)
     layer = jnp.asarray(layer, jnp.int32)
     if layer.shape != ():
         raise ValueError(f"{op}: layer must be a scalar, got shape {layer.shape}")
     call = jax.ffi.ffi_call("ft_jax_linear", jax.ShapeDtypeStruct((N, wshape[-2]), jnp.float32))
-    return call(x, w, layer)
+    return call(x, w, layer, *operands, **_format_attrs(fmt))
 
 
 def _check_expert_inputs(op: str, x, ids, weights, ids_name: str) -> tuple[int, int, int]:
@@ -194,7 +273,8 @@ def _check_bias_bank(op: str, name: str, bank, num_rows: int, width: int, layout
 
 def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activation: str = "silu", *,
                  gate_up_bias: HostBank | None = None, down_bias: HostBank | None = None,
-                 alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT):
+                 gate_up_scale: HostBank | None = None, down_scale: HostBank | None = None,
+                 weight_format: WeightFormat | None = None, alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT):
     """Routed experts computed on the CPU straight from the host banks (multi-threaded GEMV, f32 accumulation).
     On a GPU: host_experts_submit then host_experts_wait (x, ids and weights copied to pinned host memory, the GEMV
     on ft_jax's CPU worker pool, y copied back), all stream-ordered.
@@ -203,11 +283,18 @@ def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activa
       x: f32 or bf16 [T, H] token activations.
       flat_ids: i32[T, k] flat expert ids (bank rows); -1 (any negative) = skip the route.
       weights: f32[T, k] combine weights.
-      gate_up: HostBank of rows [2I, H] (gate rows then up rows), float32 or bfloat16.
-      down: HostBank of rows [H, I], float32 or bfloat16, same num_rows as gate_up.
+      gate_up: HostBank of rows [2I, H] (gate rows then up rows), float32 or bfloat16; for a block format
+        weight_format its data rows fmt.data_shape(2I, H) in fmt.data_dtype (q4_0 / mxfp4: [2I, H / 2] uint8).
+      down: HostBank of rows [H, I] (float32 or bfloat16, or fmt.data_shape(H, I) in fmt.data_dtype), same num_rows
+        as gate_up.
       activation: "silu" (SwiGLU), "gelu_tanh" or "swiglu_oai" (gpt-oss's clamped SwiGLU).
       gate_up_bias, down_bias: optional HostBanks of rows [2I] (gate bias then up bias) and [H], float32 or
         bfloat16, same num_rows; both or neither.
+      gate_up_scale, down_scale: the block format's scale HostBanks (both iff weight_format is a block format), rows
+        [2 * fmt.scale_rows(I), ceil(H / block_cols)] (the gate grid then the up grid) and fmt.scale_shape(H, I), in
+        fmt.scale_dtype (q8_0 / q4_0 float16, mxfp4 uint8 E8M0, fp8 float32).
+      weight_format: a ft_jax.weight_formats.WeightFormat (F32, BF16, Q8_0, Q4_0, MXFP4, fp8(block)); None = the
+        float format of the bank dtypes (float32 or bfloat16).
       alpha, limit: the clamped SwiGLU's sigmoid gain and clamp (read by "swiglu_oai" only; limit > 0).
 
     Returns:
@@ -215,17 +302,21 @@ def host_experts(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activa
       zeros without an error: use host_experts_with_errors where that must not pass silently.
 
     Raises:
-      TypeError / ValueError at trace time (dtypes, shapes, banks that do not match or were released, unknown
-      activation, one bias bank without the other, a non-finite alpha / limit); on the CPU an out-of-range id fails
-      at run time with an error naming it and the bank.
+      TypeError / ValueError at trace time (dtypes, shapes, banks that do not match weight_format or each other or
+      were released, H or I not fitting the format's blocks, scale banks missing for a block format or given for a
+      float one, unknown activation, one bias bank without the other, a non-finite alpha / limit); on the CPU an
+      out-of-range id fails at run time with an error naming it and the bank.
     """
     return host_experts_with_errors(x, flat_ids, weights, gate_up, down, activation, gate_up_bias=gate_up_bias,
-                                    down_bias=down_bias, alpha=alpha, limit=limit)[0]
+                                    down_bias=down_bias, gate_up_scale=gate_up_scale, down_scale=down_scale,
+                                    weight_format=weight_format, alpha=alpha, limit=limit)[0]
 
 
 def host_experts_with_errors(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activation: str = "silu", *,
                              gate_up_bias: HostBank | None = None, down_bias: HostBank | None = None,
-                             alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT):
+                             gate_up_scale: HostBank | None = None, down_scale: HostBank | None = None,
+                             weight_format: WeightFormat | None = None, alpha: float = SWIGLU_ALPHA,
+                             limit: float = SWIGLU_LIMIT):
     """host_experts (same arguments) and its error count.
 
     Returns:
@@ -235,7 +326,8 @@ def host_experts_with_errors(x, flat_ids, weights, gate_up: HostBank, down: Host
       (OffloadedExperts.read_stats, OffloadState.host_route_errors).
     """
     T, H, _, attrs = _host_experts_attrs("host_experts", x, flat_ids, weights, gate_up, down, activation,
-                                         gate_up_bias, down_bias, alpha, limit)
+                                         gate_up_bias, down_bias, gate_up_scale, down_scale, weight_format, alpha,
+                                         limit)
 
     def cpu(x, flat_ids, weights):
         y = jax.ffi.ffi_call("ft_jax_host_experts", jax.ShapeDtypeStruct((T, H), jnp.float32))(
@@ -247,7 +339,8 @@ def host_experts_with_errors(x, flat_ids, weights, gate_up: HostBank, down: Host
 
     def cuda(x, flat_ids, weights):
         ticket = host_experts_submit(x, flat_ids, weights, gate_up, down, activation, gate_up_bias=gate_up_bias,
-                                     down_bias=down_bias, alpha=alpha, limit=limit)
+                                     down_bias=down_bias, gate_up_scale=gate_up_scale, down_scale=down_scale,
+                                     weight_format=weight_format, alpha=alpha, limit=limit)
         return host_experts_wait(ticket, jnp.zeros((T, H), jnp.float32))
 
     return jax.lax.platform_dependent(x, flat_ids, weights, cpu=cpu, cuda=cuda)
@@ -276,7 +369,9 @@ class HostTicket:
 
 def host_experts_submit(x, flat_ids, weights, gate_up: HostBank, down: HostBank, activation: str = "silu", *,
                         gate_up_bias: HostBank | None = None, down_bias: HostBank | None = None,
-                        alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT) -> HostTicket:
+                        gate_up_scale: HostBank | None = None, down_scale: HostBank | None = None,
+                        weight_format: WeightFormat | None = None, alpha: float = SWIGLU_ALPHA,
+                        limit: float = SWIGLU_LIMIT) -> HostTicket:
     """GPU only: starts host_experts (same arguments): stream-ordered D2H copies of x, flat_ids and weights into the
     call site's pinned staging, then a host-function node that queues the GEMV on the CPU worker pool and returns.
     Device work issued after it overlaps the CPU work; host_experts_wait(ticket, after) collects y.
@@ -290,7 +385,8 @@ def host_experts_submit(x, flat_ids, weights, gate_up: HostBank, down: HostBank,
       as host_experts at trace time; lowering it for the CPU fails (no CPU handler: use host_experts).
     """
     T, _, k, attrs = _host_experts_attrs("host_experts_submit", x, flat_ids, weights, gate_up, down, activation,
-                                         gate_up_bias, down_bias, alpha, limit)
+                                         gate_up_bias, down_bias, gate_up_scale, down_scale, weight_format, alpha,
+                                         limit)
     pair = next(_pair_ids)
     call = jax.ffi.ffi_call("ft_jax_host_experts_submit", jax.ShapeDtypeStruct((), jnp.uint8))
     ticket = call(x, flat_ids, weights, tokens=np.int64(T), top_k=np.int64(k), pair=np.int64(pair), **attrs)
@@ -323,7 +419,8 @@ def host_experts_wait(ticket: HostTicket, after):
     return jax.ffi.ffi_call("ft_jax_host_experts_wait", results)(ticket.ticket, after, pair=np.int64(ticket.pair))
 
 
-def _host_experts_attrs(op, x, flat_ids, weights, gate_up, down, activation, gate_up_bias, down_bias, alpha, limit):
+def _host_experts_attrs(op, x, flat_ids, weights, gate_up, down, activation, gate_up_bias, down_bias, gate_up_scale,
+                        down_scale, weight_format, alpha, limit):
     """host_experts' trace-time checks; returns (T, H, k, attributes of the FFI call)."""
     gate_up = _expect_bank(op, "gate_up bank", gate_up)
     down = _expect_bank(op, "down bank", down)
@@ -332,50 +429,81 @@ def _host_experts_attrs(op, x, flat_ids, weights, gate_up, down, activation, gat
     if (gate_up_bias is None) != (down_bias is None):
         raise ValueError(f"{op}: pass both bias banks (gate_up_bias and down_bias) or neither")
     T, H, k = _check_expert_inputs(op, x, flat_ids, weights, "flat_ids")
-    for name, bank in (("gate_up", gate_up), ("down", down)):
-        if bank.dtype not in _WEIGHT_DTYPES:
-            raise TypeError(f"{op}: {name} bank {bank.id} must be float32 or bfloat16, got {bank.dtype.name}")
+    fmt = _resolve_format(op, weight_format, f"gate_up bank {bank_desc(gate_up)}", gate_up.dtype)
     gs = gate_up.row_shape
-    if len(gs) != 2 or gs[0] % 2 or gs[1] != H:
+    if len(gs) != 2 or gs[0] % 2:
         raise ValueError(f"{op}: gate_up bank {bank_desc(gate_up)} must have rows [2I, H] with H = {H} (columns of x)")
     inter = gs[0] // 2
-    if down.row_shape != (H, inter):
-        raise ValueError(
-            f"{op}: down bank {bank_desc(down)} must have rows [H, I] = {(H, inter)} to match gate_up bank "
-            f"{bank_desc(gate_up)}"
-        )
+    scale_ids = []
+    if not fmt.quantized:
+        if gate_up_scale is not None or down_scale is not None:
+            raise ValueError(f"{op}: scale banks given for the float format {fmt.name} (only block formats have "
+                             f"scales)")
+        for name, bank in (("gate_up", gate_up), ("down", down)):
+            if bank.dtype not in _WEIGHT_DTYPES or (weight_format is not None and bank.dtype != fmt.data_dtype):
+                want = fmt.data_dtype.name if weight_format is not None else "float32 or bfloat16"
+                raise TypeError(f"{op}: {name} bank {bank.id} must be {want}, got {bank.dtype.name}")
+        if gs[1] != H:
+            raise ValueError(f"{op}: gate_up bank {bank_desc(gate_up)} must have rows [2I, H] with H = {H} (columns "
+                             f"of x)")
+        if down.row_shape != (H, inter):
+            raise ValueError(
+                f"{op}: down bank {bank_desc(down)} must have rows [H, I] = {(H, inter)} to match gate_up bank "
+                f"{bank_desc(gate_up)}"
+            )
+    else:
+        if gate_up_scale is None or down_scale is None:
+            raise ValueError(f"{op}: {fmt.name} expert weights need both scale banks (gate_up_scale and down_scale)")
+        _check_stored(op, f"gate_up bank {bank_desc(gate_up)} (rows)", gs, gate_up.dtype, fmt, 2 * inter, H)
+        _check_stored(op, f"down bank {bank_desc(down)} (rows)", down.row_shape, down.dtype, fmt, H, inter)
+        for name, bank, want in (("gate_up_scale", gate_up_scale, _gate_up_scale_shape(fmt, H, inter)),
+                                 ("down_scale", down_scale, fmt.scale_shape(H, inter))):
+            bank = _expect_bank(op, f"{name} bank", bank)
+            _check_scales(op, f"{name} bank {bank_desc(bank)} (rows)", bank.row_shape, bank.dtype, fmt, want)
+            if bank.num_rows != gate_up.num_rows:
+                raise ValueError(f"{op}: {name} bank {bank_desc(bank)} must hold {gate_up.num_rows} rows (one per "
+                                 f"expert of gate_up bank {bank_desc(gate_up)})")
+            scale_ids.append(bank.id)
     if down.num_rows != gate_up.num_rows:
         raise ValueError(f"{op}: gate_up {bank_desc(gate_up)} and down {bank_desc(down)} hold different expert counts")
     ids = [gate_up.id, down.id]
     if gate_up_bias is not None:
         ids.append(_check_bias_bank(op, "gate_up_bias", gate_up_bias, gate_up.num_rows, 2 * inter, "[2I]").id)
         ids.append(_check_bias_bank(op, "down_bias", down_bias, gate_up.num_rows, H, "[H]").id)
-    return T, H, k, dict(banks=np.array(ids, np.int64), activation=activation, alpha=alpha, limit=limit)
+    return T, H, k, dict(banks=np.array(ids, np.int64), scale_banks=np.array(scale_ids, np.int64),
+                         activation=activation, alpha=alpha, limit=limit, **_format_attrs(fmt))
 
 
 def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: str = "silu", *,
-                 gate_up_bias_slots=None, down_bias_slots=None, alpha: float = SWIGLU_ALPHA,
-                 limit: float = SWIGLU_LIMIT):
+                 gate_up_bias_slots=None, down_bias_slots=None, gate_up_scale_slots=None, down_scale_slots=None,
+                 weight_format: WeightFormat | None = None, alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT):
     """Routed experts computed from the slot pool arrays, reading each routed expert's weights once (no gather copy):
     on the CPU backend the host_experts kernel pointed at the slot buffers; on a GPU the Pallas kernels of
-    ft_jax.kernels.device_experts.
+    ft_jax.kernels.device_experts (float formats only).
 
     Args:
       x: f32 or bf16 [T, H].
       slot_ids: i32[T, k] slot per route; -1 (any negative) = skip.
       weights: f32[T, k] combine weights.
-      gate_up_slots: f32 or bf16 [S, 2I, H] (gate rows then up rows per slot).
-      down_slots: f32 or bf16 [S, H, I].
+      gate_up_slots: f32 or bf16 [S, 2I, H] (gate rows then up rows per slot), or for a block format weight_format
+        [S, *fmt.data_shape(2I, H)] in fmt.data_dtype.
+      down_slots: f32 or bf16 [S, H, I], or [S, *fmt.data_shape(H, I)].
       activation: "silu", "gelu_tanh" or "swiglu_oai".
       gate_up_bias_slots, down_bias_slots: optional f32 or bf16 bias pools [S, 2I] and [S, H]; both or neither.
+      gate_up_scale_slots, down_scale_slots: the block format's scale pools (both iff weight_format is a block
+        format) [S, 2 * fmt.scale_rows(I), ceil(H / block_cols)] and [S, *fmt.scale_shape(H, I)] in
+        fmt.scale_dtype.
+      weight_format: a ft_jax.weight_formats.WeightFormat; None = the float format of the pool dtypes.
       alpha, limit: the clamped SwiGLU's parameters (see host_experts).
 
     Returns:
       f32[T, H].
 
     Raises:
-      TypeError / ValueError at trace time for dtypes, shapes, activation, one bias pool without the other or a
-      non-finite alpha / limit; a slot id >= S fails at run time.
+      TypeError / ValueError at trace time for dtypes, shapes (pools against weight_format and each other, H or I
+      not fitting the format's blocks), activation, one bias pool without the other, scale pools missing for a
+      block format or given for a float one, or a non-finite alpha / limit; a slot id >= S fails at run time.
+      NotImplementedError on a GPU build for a block format (the Pallas kernels read float pools).
     """
     op = "slot_experts"
     activation = _expect_activation(op, activation)
@@ -383,13 +511,39 @@ def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: st
     if (gate_up_bias_slots is None) != (down_bias_slots is None):
         raise ValueError(f"{op}: pass both bias pools (gate_up_bias_slots and down_bias_slots) or neither")
     T, H, k = _check_expert_inputs(op, x, slot_ids, weights, "slot_ids")
-    gshape, _ = _expect(op, "gate_up_slots", gate_up_slots, 3, _WEIGHT_DTYPES, "[S, 2I, H]")
-    if gshape[1] % 2 or gshape[2] != H:
-        raise ValueError(f"{op}: gate_up_slots must be [S, 2I, H] with H = {H} (columns of x), got {gshape}")
-    S, inter = gshape[0], gshape[1] // 2
-    dshape, _ = _expect(op, "down_slots", down_slots, 3, _WEIGHT_DTYPES, "[S, H, I]")
-    if dshape != (S, H, inter):
-        raise ValueError(f"{op}: down_slots must be [S, H, I] = {(S, H, inter)}, got {dshape}")
+    gshape, gdtype = _shape_dtype(gate_up_slots, op, "gate_up_slots")
+    fmt = _resolve_format(op, weight_format, "gate_up_slots", gdtype)
+    scales = ()
+    if not fmt.quantized:
+        if gate_up_scale_slots is not None or down_scale_slots is not None:
+            raise ValueError(f"{op}: scale pools given for the float format {fmt.name} (only block formats have "
+                             f"scales)")
+        gshape, _ = _expect(op, "gate_up_slots", gate_up_slots, 3, _WEIGHT_DTYPES, "[S, 2I, H]")
+        if gshape[1] % 2 or gshape[2] != H:
+            raise ValueError(f"{op}: gate_up_slots must be [S, 2I, H] with H = {H} (columns of x), got {gshape}")
+        S, inter = gshape[0], gshape[1] // 2
+        dshape, _ = _expect(op, "down_slots", down_slots, 3, _WEIGHT_DTYPES, "[S, H, I]")
+        if dshape != (S, H, inter):
+            raise ValueError(f"{op}: down_slots must be [S, H, I] = {(S, H, inter)}, got {dshape}")
+    else:
+        if gate_up_scale_slots is None or down_scale_slots is None:
+            raise ValueError(f"{op}: {fmt.name} expert weights need both scale pools (gate_up_scale_slots and "
+                             f"down_scale_slots)")
+        if len(gshape) != 3 or gshape[1] % 2:
+            raise ValueError(f"{op}: gate_up_slots must be [S, 2I, Hd] ({fmt.name} data), got {gshape}")
+        S, inter = gshape[0], gshape[1] // 2
+        _check_stored(op, f"gate_up_slots {list(gshape)} (per slot)", gshape[1:], gdtype, fmt, 2 * inter, H)
+        dshape, ddtype = _shape_dtype(down_slots, op, "down_slots")
+        if len(dshape) != 3 or dshape[0] != S:
+            raise ValueError(f"{op}: down_slots must be [S, ...] with S = {S}, got {dshape}")
+        _check_stored(op, f"down_slots {list(dshape)} (per slot)", dshape[1:], ddtype, fmt, H, inter)
+        for name, pool, want in (("gate_up_scale_slots", gate_up_scale_slots, _gate_up_scale_shape(fmt, H, inter)),
+                                 ("down_scale_slots", down_scale_slots, fmt.scale_shape(H, inter))):
+            sshape, sdtype = _shape_dtype(pool, op, name)
+            if len(sshape) != 3 or sshape[0] != S:
+                raise ValueError(f"{op}: {name} must be [S, {want[0]}, {want[1]}] with S = {S}, got {sshape}")
+            _check_scales(op, f"{name} {list(sshape)} (per slot)", sshape[1:], sdtype, fmt, want)
+        scales = (gate_up_scale_slots, down_scale_slots)
     biases = ()
     if gate_up_bias_slots is not None:
         gb, _ = _expect(op, "gate_up_bias_slots", gate_up_bias_slots, 2, _WEIGHT_DTYPES, "[S, 2I]")
@@ -398,13 +552,18 @@ def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: st
             raise ValueError(f"{op}: bias pools must be [S, 2I] = {(S, 2 * inter)} and [S, H] = {(S, H)}, got {gb} "
                              f"and {db}")
         biases = (gate_up_bias_slots, down_bias_slots)
-    def cpu(x, slot_ids, weights, gate_up_slots, down_slots, *biases):
-        return jax.ffi.ffi_call("ft_jax_slot_experts", jax.ShapeDtypeStruct((T, H), jnp.float32))(
-            x, slot_ids, weights, gate_up_slots, down_slots, *biases, activation=activation, alpha=alpha, limit=limit)
+    attrs = dict(activation=activation, alpha=alpha, limit=limit, **_format_attrs(fmt))
 
-    operands = (x, slot_ids, weights, gate_up_slots, down_slots, *biases)
+    def cpu(x, slot_ids, weights, gate_up_slots, down_slots, *extra):
+        return jax.ffi.ffi_call("ft_jax_slot_experts", jax.ShapeDtypeStruct((T, H), jnp.float32))(
+            x, slot_ids, weights, gate_up_slots, down_slots, *extra, **attrs)
+
+    operands = (x, slot_ids, weights, gate_up_slots, down_slots, *biases, *scales)
     if not ft_jax.CUDA_ENABLED:
         return cpu(*operands)
+    if fmt.quantized:
+        raise NotImplementedError(f"{op}: {fmt.name} slot pools on a GPU build (the device kernels read float32 / "
+                                  f"bfloat16 pools)")
 
     def cuda(x, slot_ids, weights, gate_up_slots, down_slots, *biases):
         bias_pools = dict(zip(("gate_up_bias_slots", "down_bias_slots"), biases))

@@ -1,0 +1,341 @@
+"""The CPU kernels on stored quantized weights (q8_0, q4_0, mxfp4, block-scaled fp8): host_experts, slot_experts and
+linear against float64 numpy references (weight_formats.dequantize(..., dtype=np.float64), then the expert math), on
+every ISA path, with the error bound of float32 arithmetic derived per case; and the errors of bad inputs."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ft_jax import _ffi
+from ft_jax import weight_formats as wf
+from ft_jax.kernels import ffi_ops
+from ft_jax.kernels.host_bank import HostBank
+
+RUNTIME_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
+U = 2.0**-24  # unit roundoff of float32
+ALPHA, LIMIT = 1.702, 7.0
+
+# (format, H, I): q formats with rows of 32 and 96 elements; fp8 with partial edge blocks (H, I not multiples of the
+# block: 80 = 2.5 x 32 columns, 48 = 1.5 x 32; 200 and 72 against 128 x 128).
+CASES = [
+    (wf.Q8_0, 96, 32), (wf.Q4_0, 32, 96), (wf.Q4_0, 96, 32), (wf.MXFP4, 96, 32), (wf.MXFP4, 32, 96),
+    (wf.fp8((16, 32)), 80, 48), (wf.fp8((128, 128)), 200, 72),
+]
+CASE_IDS = [f"{f.name}{'x'.join(map(str, f.block)) if f.name == 'fp8' else ''}-H{h}-I{i}" for f, h, i in CASES]
+
+
+def stored_matrix(rng, fmt, rows, cols, parts=1):
+    """Random stored (data, scales) of a [rows, cols] matrix in fmt; parts=2: a gate_up pair of two [rows / 2, cols]
+    matrices with their scale grids stacked (weight_formats module docstring). Values of magnitude ~1 / sqrt(cols)."""
+    if parts == 2:
+        a, b = (stored_matrix(rng, fmt, rows // 2, cols) for _ in range(2))
+        return np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]])
+    if fmt in (wf.Q8_0, wf.Q4_0):
+        return wf.quantize(rng.standard_normal((rows, cols)).astype(np.float32) / np.sqrt(cols), fmt)
+    if fmt is wf.MXFP4:  # every FP4 code; scales 2^-5 .. 2^-3 (E8M0 122 .. 124)
+        return (rng.integers(0, 256, (rows, cols // 2)).astype(np.uint8),
+                rng.integers(122, 125, (rows, cols // 32)).astype(np.uint8))
+    # fp8: every finite e4m3 code (subnormals included; 0x7f / 0xff are NaN), scales of ~1 / (64 sqrt(cols))
+    codes = rng.integers(0, 256, (rows, cols)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x30
+    scales = (rng.uniform(0.5, 2.0, fmt.scale_shape(rows, cols)) / (64 * np.sqrt(cols))).astype(np.float32)
+    return codes.view(ml_dtypes.float8_e4m3fn), scales
+
+
+def dequant64(data, scales, fmt, rows=None):
+    """float64 values of stored matrices (any leading axes)."""
+    return wf.dequantize(data, scales, fmt, rows=rows, dtype=np.float64)
+
+
+def glu64(g, u, activation):
+    if activation == "silu":
+        return g / (1.0 + np.exp(-g)) * u
+    g, u = np.minimum(g, LIMIT), np.clip(u, -LIMIT, LIMIT)  # transformers' GptOssExperts._apply_gate
+    return (u + 1.0) * g / (1.0 + np.exp(-ALPHA * g))
+
+
+def experts_reference(x, ids, weights, gu, dn, activation, gb=None, db=None):
+    """(y, bound): float64 expert outputs [T, H] and a per-element bound of what float32 arithmetic may add.
+
+    With exact weights W (q8_0 / q4_0 / mxfp4 dequantize exactly in float32; fp8's data * scale is rounded once, a
+    relative u per weight), a float32 dot of length n plus a bias has |err| <= gamma_{n+2} (|W| @ |x| + |b|),
+    gamma_m = m u / (1 - m u) (Higham, Accuracy and Stability of Numerical Algorithms, 3.1). The gated activation
+    propagates the gate / up errors eg, eu with its partial derivatives (silu: |d silu / dg| <= 1.1; swiglu_oai:
+    |d (g sigma(alpha g)) / dg| <= 1 + alpha |g| / 4, |d a / du| <= |g|, clamps only shrink them; taken at
+    |g| + eg) plus 8 u |a| for its own float32 evaluation; the down projection adds gamma_{I+2} (|Wd| @ |a| + |bd|)
+    and |Wd| @ ea; the weighted sum over k routes adds gamma_{k+1} sum |w_j d_j|."""
+    gamma = lambda n: n * U / (1 - n * U)  # noqa: E731
+    x = np.asarray(x, np.float64)
+    T, H = x.shape
+    inter = gu.shape[1] // 2
+    y = np.zeros((T, H))
+    bound = np.zeros((T, H))
+    for t in range(T):
+        terms, mags = [], []
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            if e < 0:
+                continue
+            bg = np.zeros(2 * inter) if gb is None else gb[e].astype(np.float64)
+            bd = np.zeros(H) if db is None else db[e].astype(np.float64)
+            h = gu[e] @ x[t] + bg  # [2I]
+            eh = gamma(H + 2) * (np.abs(gu[e]) @ np.abs(x[t]) + np.abs(bg))
+            g, u, eg, eu = h[:inter], h[inter:], eh[:inter], eh[inter:]
+            a = glu64(g, u, activation)
+            if activation == "silu":
+                lg, lu = 1.1 * (np.abs(u) + eu), np.abs(g) + eg
+            else:
+                lg, lu = (np.abs(u) + eu + 1) * (1 + ALPHA * (np.abs(g) + eg) / 4), np.abs(g) + eg
+            ea = lg * eg + lu * eu + 8 * U * np.abs(a)
+            d = dn[e] @ a + bd
+            ed = gamma(inter + 2) * (np.abs(dn[e]) @ (np.abs(a) + ea) + np.abs(bd)) + np.abs(dn[e]) @ ea
+            y[t] += weights[t, j] * d
+            terms.append(abs(weights[t, j]) * ed)
+            mags.append(abs(weights[t, j]) * (np.abs(d) + ed))
+        if terms:
+            bound[t] = np.sum(terms, axis=0) + gamma(len(terms) + 1) * np.sum(mags, axis=0)
+    return y, bound
+
+
+def expert_case(rng, fmt, H, inter, T, k, activation, biases, num_experts=5):
+    """Random stored experts, biases, x [T, H], ids [T, k] (some -1) and weights; x larger for swiglu_oai so that
+    its clamps engage."""
+    gu = [stored_matrix(rng, fmt, 2 * inter, H, parts=2) for _ in range(num_experts)]
+    dn = [stored_matrix(rng, fmt, H, inter) for _ in range(num_experts)]
+    gu_data, gu_scales = (np.stack(a) for a in zip(*gu))
+    dn_data, dn_scales = (np.stack(a) for a in zip(*dn))
+    x = (rng.standard_normal((T, H)) * (6.0 if activation == "swiglu_oai" else 2.0)).astype(np.float32)
+    ids = np.stack([rng.permutation(num_experts)[:k] for _ in range(T)]).astype(np.int32)
+    if T * k > 2:
+        ids[0, -1] = -1
+    weights = rng.random((T, k)).astype(np.float32)
+    bias = ((rng.standard_normal((num_experts, 2 * inter)).astype(np.float32),
+             rng.standard_normal((num_experts, H)).astype(np.float32)) if biases else (None, None))
+    return x, ids, weights, (gu_data, gu_scales, dn_data, dn_scales), bias
+
+
+def check_within(y, expected, bound, what):
+    y = np.asarray(y, np.float64)
+    excess = np.abs(y - expected) - bound
+    assert np.all(np.isfinite(y)) and excess.max() <= 0, (
+        f"{what}: error {np.abs(y - expected).max():.3g} exceeds the bound {bound[np.argmax(excess.ravel()) // bound.shape[1]].max():.3g}")
+
+
+@pytest.mark.parametrize("activation,biases", [("silu", False), ("swiglu_oai", True)])
+@pytest.mark.parametrize("fmt,H,inter", CASES, ids=CASE_IDS)
+def test_host_and_slot_experts_match_float64_reference(fmt, H, inter, activation, biases):
+    rng = np.random.default_rng(hash((fmt.name, fmt.block, H, activation)) % 2**32)
+    for T, k in ((1, 1), (2, 2), (3, 3), (4, 2)):
+        x, ids, weights, stored, (gb, db) = expert_case(rng, fmt, H, inter, T, k, activation, biases)
+        gu_data, gu_scales, dn_data, dn_scales = stored
+        expected, bound = experts_reference(x, ids, weights, dequant64(gu_data, gu_scales, fmt, rows=inter),
+                                            dequant64(dn_data, dn_scales, fmt), activation, gb, db)
+        banks = [HostBank.from_numpy(a) for a in stored]
+        bias_banks = dict(gate_up_bias=HostBank.from_numpy(gb), down_bias=HostBank.from_numpy(db)) if biases else {}
+        y = ffi_ops.host_experts(x, ids, weights, banks[0], banks[2], activation, gate_up_scale=banks[1],
+                                 down_scale=banks[3], weight_format=fmt, **bias_banks)
+        check_within(y, expected, bound, f"host_experts {fmt.name} T={T} k={k}")
+        # slot_experts over slot pools holding the experts in reverse order
+        perm = np.arange(len(gu_data))[::-1]
+        slot_ids = np.where(ids >= 0, perm[np.maximum(ids, 0)], -1).astype(np.int32)
+        bias_pools = dict(gate_up_bias_slots=jnp.asarray(gb[perm]), down_bias_slots=jnp.asarray(db[perm])) \
+            if biases else {}
+        y_slots = jax.jit(lambda x, i, w, *pools: ffi_ops.slot_experts(
+            x, i, w, pools[0], pools[2], activation, gate_up_scale_slots=pools[1], down_scale_slots=pools[3],
+            weight_format=fmt, **bias_pools))(x, slot_ids, weights, *(jnp.asarray(a[perm]) for a in stored))
+        check_within(y_slots, expected, bound, f"slot_experts {fmt.name} T={T} k={k}")
+        # a token's result does not depend on the other tokens of the call
+        np.testing.assert_array_equal(
+            np.asarray(ffi_ops.host_experts(x[-1:], ids[-1:], weights[-1:], banks[0], banks[2], activation,
+                                            gate_up_scale=banks[1], down_scale=banks[3], weight_format=fmt,
+                                            **bias_banks))[0], np.asarray(y)[-1])
+        for bank in (*banks, *bias_banks.values()):
+            bank.release()
+
+
+def linear_reference(x, w64):
+    """(y, bound) of x @ w64.T: float32 dot of length K of exact (or once-rounded fp8) weights."""
+    K = w64.shape[-1]
+    return np.asarray(x, np.float64) @ w64.T, (K + 2) * U * (np.abs(np.asarray(x, np.float64)) @ np.abs(w64).T)
+
+
+@pytest.mark.parametrize("fmt,K,O", [(f, h, 3 * i + 5 if f.name == "fp8" else 3 * i + 1) for f, h, i in CASES],
+                         ids=CASE_IDS)
+def test_linear_matches_float64_reference(fmt, K, O):
+    """A stack of 3 layers (the layer an operand) and a single 2-D matrix; N = 1..3 tokens, f32 and bf16 x."""
+    rng = np.random.default_rng(K * 1000 + O)
+    layers = [stored_matrix(rng, fmt, O, K) for _ in range(3)]
+    data, scales = (np.stack(a) for a in zip(*layers))
+    for N in (1, 3):
+        x = rng.standard_normal((N, K)).astype(np.float32)
+        for layer in range(3):
+            expected, bound = linear_reference(x, dequant64(data[layer], scales[layer], fmt))
+            y = jax.jit(lambda x, w, s, l: ffi_ops.linear(x, w, l, scales=s, weight_format=fmt))(
+                x, data, scales, layer)
+            check_within(y, expected, bound, f"linear {fmt.name} N={N} layer={layer}")
+        y2 = ffi_ops.linear(jnp.asarray(x.astype(ml_dtypes.bfloat16)), data[1], 0, scales=scales[1],
+                            weight_format=fmt)
+        expected, bound = linear_reference(x.astype(ml_dtypes.bfloat16), dequant64(data[1], scales[1], fmt))
+        check_within(y2, expected, bound, f"linear {fmt.name} bf16 x, 2-D w")
+
+
+_ISA_SCRIPT = """
+import sys, numpy as np
+from ft_jax import _ffi, weight_formats as wf
+from ft_jax.kernels import ffi_ops
+from ft_jax.kernels.host_bank import HostBank
+d = np.load(sys.argv[1], allow_pickle=True)
+out = {"isa": np.array(_ffi.kernel_isa())}
+for n, fmt in enumerate(d["formats"]):
+    fmt = wf.fp8(tuple(fmt[1])) if fmt[0] == "fp8" else wf.by_name(fmt[0])
+    a = [d[f"{n}_{name}"] for name in ("x", "ids", "w", "gud", "gus", "dnd", "dns", "gb", "db", "lind", "lins")]
+    banks = [HostBank.from_numpy(b) for b in a[3:9]]
+    out[f"{n}_y"] = np.asarray(ffi_ops.host_experts(a[0], a[1], a[2], banks[0], banks[2], "swiglu_oai",
+                                                    gate_up_scale=banks[1], down_scale=banks[3],
+                                                    gate_up_bias=banks[4], down_bias=banks[5], weight_format=fmt))
+    out[f"{n}_lin"] = np.asarray(ffi_ops.linear(a[0], a[9], scales=a[10], weight_format=fmt))
+np.savez(sys.argv[2], **out)
+"""
+
+
+@pytest.mark.parametrize("kernel", ["avx2", "generic"])
+def test_every_isa_path_within_the_bound(kernel, tmp_path):
+    """FT_JAX_KERNEL caps the ISA path (read once per process, so in a subprocess): the AVX2 + F16C and portable
+    decoders give results within the same float32 bound as this process's best path, for every format (host_experts
+    with biases and swiglu_oai, and linear over the down matrix of expert 0)."""
+    rng = np.random.default_rng(77)
+    arrays, refs = {"formats": np.array([(f.name, f.block) for f, _, _ in CASES], dtype=object)}, []
+    for n, (fmt, H, inter) in enumerate(CASES):
+        x, ids, weights, stored, (gb, db) = expert_case(rng, fmt, H, inter, 3, 2, "swiglu_oai", True)
+        gate = stored[0][0, :inter], stored[1][0, :fmt.scale_rows(inter)]  # expert 0's gate matrix [I, H]
+        for name, a in zip(("x", "ids", "w", "gud", "gus", "dnd", "dns", "gb", "db", "lind", "lins"),
+                           (x, ids, weights, *stored, gb, db, *gate)):
+            arrays[f"{n}_{name}"] = a.view(np.uint8) if a.dtype == ml_dtypes.float8_e4m3fn else a
+        refs.append((experts_reference(x, ids, weights, dequant64(stored[0], stored[1], fmt, rows=inter),
+                                       dequant64(stored[2], stored[3], fmt), "swiglu_oai", gb, db),
+                     linear_reference(x, dequant64(*gate, fmt))))
+    np.savez(tmp_path / "in.npz", **arrays)
+    script = _ISA_SCRIPT.replace('d = np.load(sys.argv[1], allow_pickle=True)', '''d = dict(np.load(sys.argv[1], allow_pickle=True))
+import ml_dtypes
+for key in [k for k in d if k.endswith(("_gud", "_dnd", "_lind")) and d["formats"][int(k.split("_")[0])][0] == "fp8"]:
+    d[key] = d[key].view(ml_dtypes.float8_e4m3fn)''')
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")], check=True,
+                   env=dict(os.environ, FT_JAX_KERNEL=kernel))
+    got = np.load(tmp_path / "out.npz")
+    assert str(got["isa"]) == (kernel if _ffi.kernel_isa() != "generic" else "generic")
+    for n, ((y_ref, y_bound), (lin_ref, lin_bound)) in enumerate(refs):
+        check_within(got[f"{n}_y"], y_ref, y_bound, f"{kernel} host_experts {CASE_IDS[n]}")
+        check_within(got[f"{n}_lin"], lin_ref, lin_bound, f"{kernel} linear {CASE_IDS[n]}")
+
+
+def test_fp8_codes_decode_exactly_on_every_row_position():
+    """Every finite e4m3fn code (subnormals, +-448, negative zero) through linear with unit scales and a one-hot x:
+    y[o] is exactly the code's value whichever vector lane or scalar tail reads it (K = 45: 2 vectors of 16 and a
+    tail of 13 on AVX-512, 5 of 8 and 5 on AVX2); a NaN code (0x7f, 0xff) makes its row NaN, in a vector or a tail."""
+    fmt, K = wf.fp8((1, 45)), 45
+    finite = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    data = np.resize(finite, (6, K)).view(ml_dtypes.float8_e4m3fn)  # [6, 45]: the 254 finite codes, then again
+    values = data.astype(np.float32)
+    scales = np.ones((6, 1), np.float32)
+    for col in range(K):
+        x = np.zeros((1, K), np.float32)
+        x[0, col] = 1.0
+        y = np.asarray(ffi_ops.linear(x, data, scales=scales, weight_format=fmt))[0]
+        np.testing.assert_array_equal(y, values[:, col])
+    nan_rows = np.full((2, K), 0x38, np.uint8)  # 1.0
+    nan_rows[0, 3], nan_rows[1, 44] = 0x7F, 0xFF  # a vector lane, the scalar tail
+    y = np.asarray(ffi_ops.linear(np.ones((1, K), np.float32), nan_rows.view(ml_dtypes.float8_e4m3fn),
+                                  scales=np.ones((2, 1), np.float32), weight_format=fmt))
+    assert np.isnan(y).all()
+
+
+@pytest.fixture
+def q4_banks():
+    """Two q4_0 experts H = 64, I = 32 and their scale banks, released after the test."""
+    rng = np.random.default_rng(3)
+    gu = [stored_matrix(rng, wf.Q4_0, 64, 64, parts=2) for _ in range(2)]
+    dn = [stored_matrix(rng, wf.Q4_0, 64, 32) for _ in range(2)]
+    banks = [HostBank.from_numpy(np.stack(a)) for a in (*zip(*gu), *zip(*dn))]
+    yield banks
+    for bank in banks:
+        if bank.alive:
+            bank.release()
+
+
+def test_bad_quantized_inputs_raise_clear_errors(q4_banks):
+    gud, gus, dnd, dns = q4_banks
+    x, ids, w = np.ones((1, 64), np.float32), np.zeros((1, 1), np.int32), np.ones((1, 1), np.float32)
+    q4 = dict(gate_up_scale=gus, down_scale=dns, weight_format=wf.Q4_0)
+    with pytest.raises(ValueError, match=r"host_experts: q4_0 expert weights need both scale banks"):
+        ffi_ops.host_experts(x, ids, w, gud, dnd, weight_format=wf.Q4_0)
+    with pytest.raises(TypeError, match=r"host_experts: gate_up bank \d+ \(\[2, 64, 32\] uint8\) is uint8: float "
+                                        r"weights must be float32 or bfloat16; pass weight_format="):
+        ffi_ops.host_experts(x, ids, w, gud, dnd)
+    with pytest.raises(TypeError, match=r"host_experts: gate_up bank .* must be int8 \(q8_0 data\), got uint8"):
+        ffi_ops.host_experts(x, ids, w, gud, dnd, **dict(q4, weight_format=wf.Q8_0))
+    with pytest.raises(ValueError, match=r"host_experts: gate_up_scale bank .* must be \[64, 2\] \(q4_0 scales of "
+                                         r"blocks \[1, 32\]\), got \[64, 1\]"):
+        ffi_ops.host_experts(x, ids, w, gud, dnd, **dict(q4, gate_up_scale=dns))
+    with pytest.raises(ValueError, match=r"host_experts: gate_up bank .* must hold q4_0 data \[64, 48\] of a "
+                                         r"\[64, 96\] matrix, got \[64, 32\]"):
+        ffi_ops.host_experts(np.ones((1, 96), np.float32), ids, w, gud, dnd, **q4)
+    f32_bank, odd_inter = HostBank(2, (64, 40), np.float32), HostBank(2, (40, 32), np.uint8)  # I = 20
+    try:
+        with pytest.raises(ValueError, match=r"host_experts: down bank .* rows of 20 elements do not fit q4_0's "
+                                             r"blocks of 32"):
+            ffi_ops.host_experts(x, ids, w, odd_inter, dnd, **q4)
+        with pytest.raises(ValueError, match=r"scale banks given for the float format f32"):
+            ffi_ops.host_experts(x, ids, w, f32_bank, f32_bank, gate_up_scale=gus, down_scale=dns)
+    finally:
+        f32_bank.release()
+        odd_inter.release()
+    with pytest.raises(TypeError, match=r"weight_format must be a ft_jax.weight_formats.WeightFormat or None, got str"):
+        ffi_ops.host_experts(x, ids, w, gud, dnd, **dict(q4, weight_format="q4_0"))
+    # slot_experts and linear
+    pools = [jnp.asarray(b.numpy()) for b in q4_banks]
+    with pytest.raises(ValueError, match=r"slot_experts: down_scale_slots \[2, 64, 2\] \(per slot\) must be "
+                                         r"\[64, 1\]"):
+        ffi_ops.slot_experts(x, ids, w, pools[0], pools[2], gate_up_scale_slots=pools[1],
+                             down_scale_slots=pools[1], weight_format=wf.Q4_0)
+    with pytest.raises(ValueError, match=r"linear: q4_0 weights need their scales"):
+        ffi_ops.linear(x, pools[0][0], weight_format=wf.Q4_0)
+    with pytest.raises(ValueError, match=r"linear: scales given for the float format f32"):
+        ffi_ops.linear(x, jnp.zeros((8, 64)), scales=pools[1][0])
+    with pytest.raises(ValueError, match=r"linear: w \[64, 32\]: rows of 40 elements do not fit q4_0's blocks"):
+        ffi_ops.linear(np.ones((1, 40), np.float32), pools[0][0], scales=pools[1][0], weight_format=wf.Q4_0)
+    # The handlers check what bypasses the wrappers: an unknown format, a scale bank of the wrong shape
+    # (instantiate), a missing scales operand.
+    lin = jax.ffi.ffi_call("ft_jax_linear", jax.ShapeDtypeStruct((1, 64), jnp.float32))
+    one = dict(block_rows=np.int64(1), block_cols=np.int64(32))
+    with pytest.raises(RUNTIME_ERRORS, match=r"linear: unknown weight_format 'q5_0'"):
+        np.asarray(lin(x, pools[0][0], np.int32(0), pools[1][0], weight_format="q5_0", **one))
+    with pytest.raises(RUNTIME_ERRORS, match=r"linear: weight_format 'q4_0' takes one scales operand, got 0"):
+        np.asarray(lin(x, pools[0][0], np.int32(0), weight_format="q4_0", **one))
+    with pytest.raises(RUNTIME_ERRORS, match=r"linear: scales \[64, 1\] must be float16 \[64, 2\] for q4_0"):
+        np.asarray(lin(x, pools[0][0], np.int32(0), pools[3][0], weight_format="q4_0", **one))  # down's [64, 1]
+    he = jax.ffi.ffi_call("ft_jax_host_experts", jax.ShapeDtypeStruct((1, 64), jnp.float32))
+    with pytest.raises(RUNTIME_ERRORS, match=rf"host_experts: gate_up_scale bank {dns.id} \(\[2, 64, 1\] float16\) "
+                                             r"must be float16 \[64, 2\] for q4_0"):
+        np.asarray(he(x, ids, w, banks=np.array([gud.id, dnd.id], np.int64),
+                      scale_banks=np.array([dns.id, dns.id], np.int64), weight_format="q4_0", activation="silu",
+                      alpha=np.float32(ALPHA), limit=np.float32(LIMIT), **one))
+
+
+def test_quantized_runtime_errors_name_the_id_and_the_released_bank(q4_banks):
+    gud, gus, dnd, dns = q4_banks
+    x, w = np.ones((1, 64), np.float32), np.ones((1, 1), np.float32)
+    run = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, gud, dnd, gate_up_scale=gus, down_scale=dns,
+                                                       weight_format=wf.Q4_0))
+    with pytest.raises(RUNTIME_ERRORS, match=rf"host_experts: flat id 5 at position 0 is out of range for bank "
+                                             rf"{gud.id}"):
+        np.asarray(run(x, np.array([[5]], np.int32), w))
+    assert np.isfinite(np.asarray(run(x, np.array([[1]], np.int32), w))).all()
+    gus.release()
+    with pytest.raises(RUNTIME_ERRORS, match=rf"host_experts: bank {gus.id} was released"):
+        np.asarray(run(x, np.array([[1]], np.int32), w))

@@ -1,0 +1,98 @@
+// Weight matrices in every storage format of ft_jax/weight_formats.py, as the CPU kernels read them: a MatrixView
+// (format, data, row bytes, scales, scale row stride, block shape, columns) and DotRowsView, the GEMV over a view that
+// the expert kernel (gate, up and down projections) and the dense projection (linear.cc) share.
+//
+// Formats (matrix [rows, cols] = Hugging Face [out, in]; layouts as ft_jax/weight_formats.py):
+//   f32, bf16  data [rows, cols]                                                  value = data
+//   q8_0       data i8 [rows, cols], scales f16 [rows, cols / 32]                 value = d * q
+//   q4_0       data u8 [rows, cols / 2] (byte j of a 32-block: low nibble = element j, high = element j + 16;
+//              llama.cpp's block_q4_0, ggml-common.h), scales f16 [rows, cols / 32]  value = d * (q - 8)
+//   mxfp4      data u8 [rows, cols / 2] (byte j: low nibble = element 2j, high = element 2j + 1; OCP Microscaling
+//              Formats v1.0 / Hugging Face gpt-oss), scales u8 E8M0 [rows, cols / 32]  value = FP4_E2M1[q] * 2^(s - 127)
+//   fp8        data float8_e4m3fn [rows, cols], scales f32 [ceil(rows / br), ceil(cols / bc)] (edge blocks may be
+//              partial)                                                           value = data * scale
+//
+// Arithmetic: the quantized paths dequantize one weight row at a time into a per-thread float32 buffer (in registers,
+// a block at a time: integer / LUT decode, one multiply by the block scale) and dot it with each token's float32
+// activations by the float32 row dot of the ISA level (dot_kernels.h: fixed accumulator order). The dequantized
+// value is the exact product for q8_0, q4_0 and mxfp4 (an f16 or power-of-two scale times a code of <= 8 bits fits a
+// float32 mantissa) and the float32 rounding of data * scale for fp8 (one rounding, as numpy's float32 dequantize),
+// the same on every ISA path; so a token's result depends only on its own activations and the row, never on the
+// other tokens, and the paths differ only in the dot's summation (fused multiply-add, lanes). Activations stay
+// float32 for every format (no int8 activation quantization): the error is that of a float32 dot,
+// |err| <= gamma_K * sum_i |w_i x_i| with gamma_K ~ K * 2^-24 (docs/design_parts/kern.md).
+#ifndef FT_JAX_XLA_FFI_QUANT_DOT_H_
+#define FT_JAX_XLA_FFI_QUANT_DOT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "xla_ffi/isa.h"
+
+namespace ft_jax {
+
+enum class WFormat : int32_t { kF32, kBF16, kQ8_0, kQ4_0, kMxfp4, kFp8 };
+
+// The weight_format attribute of the handlers ("float" | "q8_0" | "q4_0" | "mxfp4" | "fp8") with block_rows /
+// block_cols: the format of every weight matrix of a call ("float": each buffer's dtype, f32 or bf16, decides).
+struct WeightSpec {
+  bool quantized = false;
+  WFormat format = WFormat::kF32;  // the block format when quantized
+  int64_t block_rows = 1, block_cols = 1;
+  const char* name() const;  // "float", "q8_0", ...
+};
+
+// Parses the attributes; returns "" or the problem ("unknown weight_format 'q5'", a block shape the format does not
+// have: (1, 1) for float, (1, 32) for q8_0 / q4_0 / mxfp4, positive for fp8).
+std::string ParseWeightSpec(std::string_view name, int64_t block_rows, int64_t block_cols, WeightSpec* out);
+
+// The BankDType codes (host_bank.h) of a block format's data and scales.
+int32_t DataDTypeCode(WFormat f);
+int32_t ScaleDTypeCode(WFormat f);
+// Matrix elements per data element: 2 for the packed 4-bit formats, else 1.
+int64_t ValuesPerItem(WFormat f);
+// Bytes of one data row of `cols` elements.
+size_t DataRowBytes(WFormat f, int64_t cols);
+// Rows / columns of the scale grid of a [rows, cols] matrix (0 for float formats).
+int64_t ScaleRows(const WeightSpec& s, int64_t rows);
+int64_t ScaleCols(const WeightSpec& s, int64_t cols);
+// Bytes of one scale row of a matrix of `cols` columns.
+size_t ScaleRowBytes(const WeightSpec& s, int64_t cols);
+
+// "" or the problem of one stored matrix [rows, cols] of block format s (pair: a gate_up pair of two [rows / 2, cols]
+// matrices with stacked scale grids): its data `what` (dtype code, the dims of one row / slot) and its scales
+// `scale_what` (dtype code, dims). Messages name the operand, the expected dtype and shape, and what was got; cols
+// that do not fit the blocks (q formats: a multiple of 32) are named too.
+std::string CheckStoredMatrix(const WeightSpec& s, const std::string& what, int32_t dtype, const int64_t* dims,
+                              size_t ndims, const std::string& scale_what, int32_t scale_dtype,
+                              const int64_t* scale_dims, size_t scale_ndims, int64_t rows, int64_t cols, bool pair);
+
+// One weight matrix: row r's data at data + r * row_bytes; (block formats) its scale row r / block_rows at
+// scales + (r / block_rows) * scale_row_bytes, column c's scale at index c / block_cols of that row.
+struct MatrixView {
+  WFormat format = WFormat::kF32;
+  const uint8_t* data = nullptr;
+  size_t row_bytes = 0;
+  const uint8_t* scales = nullptr;
+  size_t scale_row_bytes = 0;
+  int64_t block_rows = 1, block_cols = 1;
+  int64_t cols = 0;
+};
+
+// The view of a matrix of `cols` columns stored contiguously in format f (float: f = kF32 / kBF16) with scales
+// (block formats) of spec s; `first_row` rows in (the up matrix of a gate_up pair: first_row = I; its scales start
+// at scale row ScaleRows(s, first_row), where the two stacked scale grids meet).
+MatrixView MakeView(WFormat f, const WeightSpec& s, const uint8_t* data, const uint8_t* scales, int64_t cols,
+                    int64_t first_row = 0);
+
+// out[t * out_stride + r] = dot(w[r], x[t]) for rows r in [r0, r1) and tokens t < T; x f32 [T, cols]; xb: the same
+// activations as bf16 bits or nullptr (bf16 weights then use the bf16 x bf16 dot where the CPU has one; every other
+// format reads x). Rows are read once each, front to back.
+void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb, int64_t T,
+                 float* out, int64_t out_stride);
+
+}  // namespace ft_jax
+
+#endif  // FT_JAX_XLA_FFI_QUANT_DOT_H_
