@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build llama.cpp (CPU only) from the source vendored in the llama-cpp-python sdist, cached for later runs.
 
-    python3 scripts/llama_cpp_build.py             # llama-bench + llama-quantize under ~/.cache/ft_jax/bench_peer
+    python3 scripts/llama_cpp_build.py        # llama-bench, llama-quantize, llama-results under ~/.cache/ft_jax/bench_peer
     python3 scripts/llama_cpp_build.py --targets llama-bench,llama-quantize,llama-perplexity
     python3 scripts/llama_cpp_build.py --cache-dir /tmp/lc --llama-cpp-python-version 0.3.36
 
@@ -11,7 +11,8 @@ Steps (each skipped when its output is already in the cache directory):
   2. unpack it to CACHE/llama_cpp_python-VERSION/ (llama.cpp is its vendor/llama.cpp)
   3. ``cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON`` with everything but the CPU backend and the
      tools off (no CUDA/Metal, no OpenSSL, no server, no tests/examples), then ``cmake --build --target T`` for
-     each requested target (--targets; default llama-bench and llama-quantize, what bench_peer.py runs) into
+     each requested target (--targets; default llama-bench and llama-quantize, which bench_peer.py runs, and
+     llama-results, which writes a prompt's logits to a GGUF file for tests/test_gpt_oss_gguf.py) into
      CACHE/build-VERSION/; CACHE/build-VERSION/ft_jax_build_info.json records the built binaries after each
      target. A later call asking for a target not yet built builds only that one (the object files are reused).
      On the 2-core dev VM (loaded by other jobs) the first build of both took about 11 minutes.
@@ -106,7 +107,7 @@ def _run_logged(cmd: list[str], log_path: Path, step: str) -> None:
         raise BuildError(f"{step} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
 
 
-DEFAULT_TARGETS = ("llama-bench", "llama-quantize")
+DEFAULT_TARGETS = ("llama-bench", "llama-quantize", "llama-results")
 
 
 def cached_binary(target: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> str | None:
