@@ -29,6 +29,7 @@ from ft_jax.chat import load_chat_template
 from ft_jax import checkpoint as checkpoint_lib
 from ft_jax import kernels
 from ft_jax.config import load_config
+from ft_jax.config.quantization import expert_format
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
 from ft_jax.memory import check_host_memory, planned_expert_bytes
@@ -47,7 +48,8 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
     Args:
         cache: None (DEFAULT_CACHE_FRACTION of all experts), an int (that many slots), a float in (0, 1] (that
             fraction of all experts), or a byte count as a string ("8GiB": slots = bytes / expert_bytes).
-        num_experts: all routed experts, L_moe * E. expert_bytes: bytes of one expert's gate, up and down weights.
+        num_experts: all routed experts, L_moe * E. expert_bytes: bytes of one expert as stored (gate, up and down
+            weights in their format, their scales and biases: ExpertBanks.expert_bytes).
     Returns:
         slots in [1, num_experts].
     Raises:
@@ -69,7 +71,7 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
         nbytes = parse_bytes(cache)
         if nbytes < expert_bytes:
             raise ValueError(f"a device budget of {cache} ({nbytes} bytes) is smaller than one expert slot "
-                             f"({expert_bytes} bytes: gate, up and down weights of one expert)")
+                             f"({expert_bytes} bytes: gate, up and down weights of one expert as stored)")
         return min(nbytes // expert_bytes, num_experts)
     raise ValueError(f"cache must be slots (int), a fraction (float) or bytes ('8GiB'), got {cache!r}")
 
@@ -373,7 +375,7 @@ class Model:
 
 def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=DEFAULT_POLICY, cache=None,
          profile: str | None = None, measure: bool = True, on_message: Callable[[str], None] | None = None,
-         on_compile: Callable[[str, bool], None] | None = None) -> Model:
+         on_compile: Callable[[str, bool], None] | None = None, quantize: str | None = None) -> Model:
     """Load a Hugging Face MoE model folder (or the bundled model) for generation, as ``ft-jax generate`` does.
 
     Args:
@@ -386,11 +388,15 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
         profile: bandwidth profile store (default: the user cache directory). measure: run a quick profile when
             none is stored (else qstar falls back to fixed-cap:1).
         on_message: called with one-line notes (which bandwidth profile qstar uses). on_compile: see Engine.
+        quantize: None, "q8_0" or "q4_0": quantize a float checkpoint while loading (ft_jax.checkpoint.load_checkpoint:
+            the expert banks and the dense 2-D projections but routers and embeddings). FP8 and MXFP4 checkpoints
+            are used as stored without it. A byte budget in ``cache`` counts experts at their stored size.
     Returns:
         Model.
     Raises:
-        ConfigError, CheckpointError, NotImplementedError: the folder cannot be used (the message names the file).
-        ValueError: a bad dtype, policy or cache budget.
+        ConfigError, CheckpointError, NotImplementedError: the folder cannot be used (the message names the file);
+            quantize given for an FP8 / MXFP4 checkpoint.
+        ValueError: a bad dtype, policy, quantize or cache budget.
         ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
             available (checked from the headers before anything is allocated).
     """
@@ -401,13 +407,16 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
     if not isinstance(policy, Policy):
         policy = parse_policy(policy)  # errors before any loading
     dtype = model_dtype(dtype, cfg.dtype)
-    # The cache budget's form and range, and the host memory, before loading (the bytes per expert from the config).
-    planned_slots = num_slots_for(cache, cfg.num_moe_layers * cfg.num_experts, planned_expert_bytes(cfg, dtype))
+    fmt = expert_format(cfg, jnp.dtype(dtype), quantize)  # errors before any loading
+    # The cache budget's form and range, and the host memory, before loading (the bytes per expert from the config,
+    # at the stored size of the experts' weight format).
+    planned_slots = num_slots_for(cache, cfg.num_moe_layers * cfg.num_experts,
+                                  planned_expert_bytes(cfg, jnp.dtype(dtype), fmt))
     tokenizer = load_tokenizer_or_none(path)
     with checkpoint_lib.SafetensorsCheckpoint(path) as headers:  # headers only: checked before anything is allocated
         check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), planned_slots,
-                          slots_in_host=jax.default_backend() == "cpu")
-    checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype))
+                          slots_in_host=jax.default_backend() == "cpu", fmt=fmt)
+    checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype), quantize=quantize)
     banks = checkpoint.banks
     slots = num_slots_for(cache, banks.num_rows, banks.expert_bytes)
     policy, note = resolve_policy(policy, banks, cfg.hidden_size, cfg.moe_intermediate_size, profile=profile,

@@ -8,6 +8,11 @@ peak host memory is about 1x the checkpoint. Expert tensor names per family (Mix
 gpt-oss incl. MXFP4) and the bank row layout: docs/DESIGN.md sec. 12 ("checkpoint.py"); the banks are one
 ExpertBanks (ft_jax.offload.banks): gate_up row = [gate; up] [2I, H], down row [H, I], flat id = moe_layer * E + e,
 and for gpt-oss gate_up_bias [2I] (gate bias then up bias), down_bias [H].
+
+Quantized weights (ft_jax.weight_formats): FP8 block-scaled checkpoints (quantization_config quant_method "fp8":
+F8_E4M3 ``<name>.weight`` + ``<name>.weight_scale_inv``) and gpt-oss's MXFP4 experts (``*_blocks`` + E8M0
+``*_scales``) are kept as stored, never dequantized in host memory; ``quantize="q8_0" | "q4_0"`` quantizes a float
+checkpoint while loading, one tensor (one expert) at a time (docs/design_parts/banks.md).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ft_jax import weight_formats as wf
 from ft_jax.config import MoEConfig, check_regular_file, file_present, load_config, read_json_file
+from ft_jax.config.quantization import expert_format, quantize_applies
 from ft_jax.models.decoder import MoETransformer
 from ft_jax.kernels.host_bank import HostBank
 from ft_jax.offload.banks import ExpertBanks
@@ -45,13 +52,10 @@ _ST_DTYPES: dict[str, np.dtype] = {
 _FLOAT_NP = tuple(_ST_DTYPES[k] for k in ("F64", "F32", "F16", "BF16"))
 _U8 = (np.dtype(np.uint8),)
 
-# MXFP4 element values (OCP Microscaling Formats v1.0, FP4 E2M1) by 4-bit code; transformers' integrations/mxfp4.py
-# FP4_VALUES.
-FP4_VALUES = np.array([+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
-                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
-MXFP4_BLOCK = 32  # elements per block sharing one E8M0 scale (16 bytes of two codes each)
-# byte -> the two elements it packs: [low nibble's value, high nibble's value] f32[256, 2]
-_FP4_PAIRS = np.stack([FP4_VALUES[np.arange(256) & 0x0F], FP4_VALUES[np.arange(256) >> 4]], axis=-1)
+_F8 = (np.dtype(ml_dtypes.float8_e4m3fn),)
+_SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))  # fp8 weight_scale_inv as stored
+_F8_NAN = 0x7F  # float8_e4m3fn has no Inf; S.1111.111 is NaN (bits & 0x7F == 0x7F)
+_E8M0_NAN = 255  # the E8M0 scale that means NaN (OCP Microscaling Formats v1.0)
 
 # Float dtype -> (unsigned int, signed int of the same width, exponent field mask). An element is Inf or NaN iff its
 # exponent bits are all ones (IEEE 754: binary64 11 bits, binary32 8, binary16 5; bfloat16 = the top half of a
@@ -377,10 +381,12 @@ def _non_finite_error(name: str, info: TensorInfo, bits: np.ndarray, mask: int) 
 class LoadedCheckpoint:
     """Result of :func:`load_checkpoint`.
 
-    config: MoEConfig; model: MoETransformer (dense parameters on the device);
-    banks: ExpertBanks: gate_up [L_moe*E, 2I, H], down [L_moe*E, H, I] and, for families whose experts have biases
-    (MoEConfig.expert_bias: gpt-oss), gate_up_bias [L_moe*E, 2I] (gate bias then up bias) and down_bias [L_moe*E, H];
-    checkpoint_bytes: total size of the safetensors files.
+    config: MoEConfig; model: MoETransformer (dense parameters on the device; the 2-D projections as
+    weight_formats.QuantizedTensor when quantized or kept in FP8); banks: ExpertBanks in the experts' weight format
+    (banks.format): gate_up [L_moe*E, *fmt.data_shape(2I, H)], down [L_moe*E, *fmt.data_shape(H, I)], for a block
+    format the scale banks gate_up_scale / down_scale (ft_jax.weight_formats.expert_rows), and for families whose
+    experts have biases (MoEConfig.expert_bias: gpt-oss) gate_up_bias [L_moe*E, 2I] (gate bias then up bias) and
+    down_bias [L_moe*E, H] in the float expert dtype; checkpoint_bytes: total size of the safetensors files.
     """
 
     config: MoEConfig
@@ -396,32 +402,18 @@ def _np_dtype(dtype) -> np.dtype:
     return d
 
 
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """MXFP4 -> float32 (OCP Microscaling Formats v1.0: FP4 E2M1 elements, one E8M0 scale per block of 32).
-
-    value = FP4_VALUES[code] * 2^(scale - 127); byte j of a block holds element 2j in its low nibble and element
-    2j + 1 in its high nibble (transformers' integrations/mxfp4.py ``_convert_moe_packed_tensors``, without its final
-    transpose). Every result is exact in float32 and bfloat16 unless it overflows.
-
-    Args:
-        blocks: u8[..., G, 16]; scales: u8[..., G].
-    Returns:
-        f32[..., G * 32] (Inf where a value overflows float32: a scale above 254, or 254 with |code value| >= 2).
-    Raises:
-        ValueError: shapes that do not match (blocks.shape[:-1] != scales.shape or a last axis other than 16).
-    """
-    if blocks.shape[-1:] != (MXFP4_BLOCK // 2,) or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"dequantize_mxfp4: blocks {blocks.shape} must be [..., G, 16] with scales [..., G], got "
-                         f"scales {scales.shape}")
-    values = _FP4_PAIRS[blocks].reshape(*blocks.shape[:-1], MXFP4_BLOCK)  # f32[..., G, 32]
-    with np.errstate(over="ignore"):  # an overflow gives Inf, which the loader reports
-        scale = np.ldexp(np.float32(1), scales.astype(np.int32) - 127).astype(np.float32)  # 2^(s - 127), f32[..., G]
-        values *= scale[..., None]  # exact: a power of two times a value of at most 2 significant bits
-    return values.reshape(*blocks.shape[:-2], -1)
+def _fits(fmt: wf.WeightFormat, info: TensorInfo, name: str, cols: int) -> None:
+    """CheckpointError naming the file and tensor when rows of ``cols`` elements do not fit fmt's blocks."""
+    try:
+        fmt.check_cols(cols, f"{info.file}: tensor {name!r}")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
-def _gpt_oss_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint) -> list[tuple[str, int, str, tuple]]:
-    """expert_tensor_plan for gpt-oss: plain (float) or MXFP4 expert weights, plus the two bias tensors."""
+def _gpt_oss_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFormat
+                  ) -> list[tuple[str, int, str, tuple]]:
+    """expert_tensor_plan for gpt-oss: plain (float) or, when fmt is MXFP4, MXFP4 expert weights, plus the two bias
+    tensors."""
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     plan = []
     for m, layer in enumerate(cfg.moe_layers):
@@ -429,19 +421,21 @@ def _gpt_oss_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint) -> list[tuple[str
         for proj, rows, cols, interleaved in (("gate_up_proj", 2 * I, H, True), ("down_proj", H, I, False)):
             bank, name, blocks, scales = ("gate_up" if interleaved else "down"), f"{p}.{proj}", f"{p}.{proj}_blocks", \
                 f"{p}.{proj}_scales"
-            if name in ckpt:  # as GptOssExperts holds them: [E, in, out]
-                ckpt.info(name, (E, cols, rows))
-                plan.append((bank, m * E, name, ("transposed", interleaved)))
-            elif blocks in ckpt:  # MXFP4
-                if cols % MXFP4_BLOCK:
-                    raise CheckpointError(f"{ckpt.info(blocks, dtypes=_U8).file}: MXFP4 tensor {blocks!r} packs rows "
-                                          f"of {cols} elements, not a multiple of the block size {MXFP4_BLOCK}")
-                ckpt.info(blocks, (E, rows, cols // MXFP4_BLOCK, MXFP4_BLOCK // 2), _U8)
-                ckpt.info(scales, (E, rows, cols // MXFP4_BLOCK), _U8)
+            if fmt is wf.MXFP4 and blocks in ckpt:
+                _fits(fmt, ckpt.info(blocks, dtypes=_U8), blocks, cols)
+                ckpt.info(blocks, (E, rows, cols // wf.QBLOCK, wf.QBLOCK // 2), _U8)
+                ckpt.info(scales, (E, rows, cols // wf.QBLOCK), _U8)
                 plan.append((bank, m * E, blocks, ("mxfp4", scales, interleaved)))
+            elif fmt is not wf.MXFP4 and name in ckpt:  # as GptOssExperts holds them: [E, in, out]
+                _fits(fmt, ckpt.info(name, (E, cols, rows)), name, cols)
+                plan.append((bank, m * E, name, ("transposed", interleaved)))
+            elif fmt is wf.MXFP4:
+                raise CheckpointError(f"{ckpt._directory_file}: missing tensor {blocks!r} + {scales!r} (the MXFP4 "
+                                      f"form of {name!r} that quantization_config quant_method 'mxfp4' announces)")
             else:
-                raise CheckpointError(f"{ckpt._directory_file}: missing tensor {name!r} (or its MXFP4 form {blocks!r} "
-                                      f"+ {scales!r})")
+                raise CheckpointError(f"{ckpt._directory_file}: missing tensor {name!r} (a checkpoint whose experts "
+                                      f"are MXFP4, {blocks!r} + {scales!r}, needs quantization_config quant_method "
+                                      "'mxfp4' in config.json)")
         ckpt.info(f"{p}.gate_up_proj_bias", (E, 2 * I))
         ckpt.info(f"{p}.down_proj_bias", (E, H))
         plan += [("gate_up_bias", m * E, f"{p}.gate_up_proj_bias", ("interleaved_rows",)),
@@ -454,47 +448,34 @@ def _deinterleave(rows: np.ndarray) -> np.ndarray:
     return np.concatenate([rows[0::2], rows[1::2]])
 
 
-def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, name: str, part: tuple, dst: np.ndarray) -> None:
-    """Fill dst [E, *row] (bank rows of one layer) from a gpt-oss expert tensor, one expert at a time (the temporary
-    is one expert's weights in float32 at most). part: ("transposed", interleaved) | ("mxfp4", scales name,
-    interleaved) | ("interleaved_rows",) (the gate_up bias)."""
-    if part[0] == "interleaved_rows":
-        dst[...] = np.stack([_deinterleave(b) for b in ckpt.read(name)]).astype(dst.dtype)  # [E, 2I]
-        return
-    for e in range(dst.shape[0]):
-        if part[0] == "mxfp4":
-            blocks, scales = ckpt.read_rows(name, e, e + 1, _U8)[0], ckpt.read_rows(part[1], e, e + 1, _U8)[0]
-            if (scales == 255).any():
-                raise CheckpointError(f"{ckpt.info(part[1], dtypes=_U8).file}: tensor {part[1]!r} expert {e} holds the "
-                                      "E8M0 scale 255 (NaN): a corrupted MXFP4 checkpoint")
-            rows = dequantize_mxfp4(blocks, scales)  # f32[out, in]
-            if not np.isfinite(rows).all():
-                raise CheckpointError(f"{ckpt.info(name, dtypes=_U8).file}: tensor {name!r} expert {e} dequantizes to "
-                                      "Inf (an E8M0 scale too large for float32): a corrupted MXFP4 checkpoint")
-        else:
-            rows = ckpt.read_rows(name, e, e + 1)[0].T  # [in, out] -> [out, in]
-        dst[e] = (_deinterleave(rows) if part[-1] else rows).astype(dst.dtype)
+def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFormat | None = None
+                       ) -> list[tuple[str, int, str, tuple]]:
+    """Which tensors fill which bank rows, validated against the headers (names, shapes, dtypes, the fit of each row
+    length to fmt's blocks) before any reading.
 
-
-def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint) -> list[tuple[str, int, str, tuple]]:
-    """Which tensors fill which bank rows, validated against the headers (names, shapes, dtypes) before any reading.
-
+    Args:
+        cfg: the MoEConfig. ckpt: the checkpoint's headers. fmt: the banks' weight format (config.quantization.expert_format;
+            default the float format: float tensors as stored).
     Returns a list of (bank "gate_up" | "down" | "gate_up_bias" | "down_bias", first flat row, tensor name, part)
     where part is ("fused",) for an [E, ...] tensor covering rows first..first+E-1, ("rows", a, b) for one expert
-    tensor going to rows a:b of the row's leading axis, or for gpt-oss ("transposed", interleaved), ("mxfp4",
-    scales tensor name, interleaved) and ("interleaved_rows",) (see _read_gpt_oss_experts).
-    Raises CheckpointError (missing tensor / wrong shape or dtype, naming file and tensor).
+    tensor going to rows a:b of the row's leading axis, ("fp8_rows", a, b, scale tensor name, first scale row) for
+    one FP8 expert tensor and its weight_scale_inv, or for gpt-oss ("transposed", interleaved), ("mxfp4", scales
+    tensor name, interleaved) and ("interleaved_rows",) (see _read_gpt_oss_experts).
+    Raises CheckpointError (missing tensor / wrong shape or dtype / a row length that does not fit fmt's blocks,
+    naming file and tensor).
     """
+    fmt = wf.F32 if fmt is None else fmt
     if cfg.family == "gpt_oss":
-        return _gpt_oss_plan(cfg, ckpt)
+        return _gpt_oss_plan(cfg, ckpt, fmt)
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    fp8 = fmt.name == "fp8"
     plan = []
     for m, layer in enumerate(cfg.moe_layers):
         p = f"model.layers.{layer}"
         fused_gu, fused_dn = f"{p}.mlp.experts.gate_up_proj", f"{p}.mlp.experts.down_proj"
-        if fused_gu in ckpt:
-            ckpt.info(fused_gu, (E, 2 * I, H))
-            ckpt.info(fused_dn, (E, H, I))
+        if fused_gu in ckpt and not fp8:
+            _fits(fmt, ckpt.info(fused_gu, (E, 2 * I, H)), fused_gu, H)
+            _fits(fmt, ckpt.info(fused_dn, (E, H, I)), fused_dn, I)
             plan += [("gate_up", m * E, fused_gu, ("fused",)), ("down", m * E, fused_dn, ("fused",))]
             continue
         for e in range(E):
@@ -504,74 +485,218 @@ def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint) -> list[tupl
             else:
                 base = f"{p}.mlp.experts.{e}"
                 gate, up, down = (f"{base}.{n}_proj.weight" for n in ("gate", "up", "down"))
-            ckpt.info(gate, (I, H))
-            ckpt.info(up, (I, H))
-            ckpt.info(down, (H, I))
             row = m * E + e
-            plan += [("gate_up", row, gate, ("rows", 0, I)), ("gate_up", row, up, ("rows", I, 2 * I)),
-                     ("down", row, down, ("rows", 0, H))]
+            parts = (("gate_up", gate, (I, H), 0), ("gate_up", up, (I, H), I), ("down", down, (H, I), 0))
+            for bank, name, shape, first in parts:
+                if fp8:
+                    ckpt.info(name, shape, _F8)
+                    scale_shape = fmt.scale_shape(*shape)
+                    ckpt.info(f"{name}_scale_inv", scale_shape, _SCALE_DTYPES)
+                    plan.append((bank, row, name, ("fp8_rows", first, first + shape[0], f"{name}_scale_inv",
+                                                   fmt.scale_rows(first))))
+                else:
+                    _fits(fmt, ckpt.info(name, shape), name, shape[1])
+                    plan.append((bank, row, name, ("rows", first, first + shape[0])))
     return plan
 
 
-def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str):
-    """ParamFactory reading dense tensors from the checkpoint as host arrays of ``dtype`` (float32 or bfloat16)."""
+def _check_fp8(ckpt: SafetensorsCheckpoint, name: str, data: np.ndarray) -> None:
+    """CheckpointError naming the file and tensor when FP8 e4m3fn ``data`` holds NaN (it has no Inf)."""
+    bad = np.flatnonzero((data.view(np.uint8) & _F8_NAN) == _F8_NAN)
+    if bad.size:
+        first = [int(i) for i in np.unravel_index(int(bad[0]), data.shape)]
+        raise CheckpointError(f"{ckpt.info(name, dtypes=_F8).file}: tensor {name!r} {list(data.shape)} holds NaN: "
+                              f"{bad.size} of {data.size} FP8 elements are NaN, the first at index {first} (a "
+                              "corrupted checkpoint)")
 
-    def make(name: str, shape: tuple[int, ...], kind: str) -> jax.Array:
+
+def _read_stored(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], dtypes: tuple[np.dtype, ...]
+                 ) -> np.ndarray:
+    """The whole tensor ``name`` as stored (shape and dtype checked; float ones NaN/Inf-checked while read)."""
+    ckpt.info(name, shape, dtypes)
+    return ckpt.read_rows(name, 0, shape[0], dtypes)
+
+
+def _read_fp8(ckpt: SafetensorsCheckpoint, name: str, scale_name: str, shape: tuple[int, int],
+              fmt: wf.WeightFormat) -> tuple[np.ndarray, np.ndarray]:
+    """(data f8e4m3fn [rows, cols], scales f32 [ceil(rows / br), ceil(cols / bc)]) of one FP8 matrix and its
+    weight_scale_inv as stored (a bf16 scale_inv widened to f32, exactly). Raises CheckpointError: wrong shape or
+    dtype, NaN data, a non-finite scale."""
+    data = _read_stored(ckpt, name, shape, _F8)
+    _check_fp8(ckpt, name, data)
+    scales = _read_stored(ckpt, scale_name, fmt.scale_shape(*shape), _SCALE_DTYPES)  # finite-checked by the read
+    return data, scales.astype(np.float32)
+
+
+def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_name: str, expert: int,
+                        blocks: np.ndarray, scales: np.ndarray) -> None:
+    """CheckpointError naming the file and tensor for an E8M0 scale of 255 (NaN) or a value that overflows float32
+    (scale 254 with a code of magnitude >= 2: 2^127 * 2 > the float32 maximum). blocks u8 [rows, G, 16] and scales
+    u8 [rows, G] of one expert."""
+    if (scales == _E8M0_NAN).any():
+        raise CheckpointError(f"{ckpt.info(scales_name, dtypes=_U8).file}: tensor {scales_name!r} expert {expert} "
+                              "holds the E8M0 scale 255 (NaN): a corrupted MXFP4 checkpoint")
+    top = scales == 254  # bool[rows, G]
+    if top.any():
+        codes = np.stack([blocks[top] & 0x0F, blocks[top] >> 4])  # u8[2, n, 16]
+        if (np.abs(wf.FP4_E2M1[codes]) >= 2).any():
+            raise CheckpointError(f"{ckpt.info(blocks_name, dtypes=_U8).file}: tensor {blocks_name!r} expert {expert} "
+                                  "dequantizes to Inf (an E8M0 scale too large for float32): a corrupted MXFP4 "
+                                  "checkpoint")
+
+
+class _BankWriter:
+    """Writes matrices into the bank rows of one weight format: float ones cast to the bank dtype, or quantized with
+    weight_formats.quantize (q8_0 / q4_0: one scale row per matrix row)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], fmt: wf.WeightFormat):
+        self.arrays, self.fmt = arrays, fmt
+
+    def put(self, bank: str, row: int, first: int, w: np.ndarray) -> None:
+        """w float [n, cols] -> rows first..first+n-1 of bank row ``row`` (and its scale rows)."""
+        dst = self.arrays[bank]
+        if not self.fmt.quantized:
+            dst[row, first:first + w.shape[0]] = w.astype(dst.dtype, copy=False)
+            return
+        data, scales = wf.quantize(w, self.fmt)
+        dst[row, first:first + w.shape[0]] = data
+        self.arrays[f"{bank}_scale"][row, first:first + w.shape[0]] = scales
+
+
+def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name: str, part: tuple,
+                          out: _BankWriter, E: int) -> None:
+    """Fill the bank rows row..row+E-1 of one layer from a gpt-oss expert tensor, one expert at a time. part:
+    ("transposed", interleaved) (float [E, in, out]; the temporary is one expert's weights) | ("mxfp4", scales name,
+    interleaved) (blocks and scales copied as stored, rows de-interleaved; never dequantized) |
+    ("interleaved_rows",) (the gate_up bias)."""
+    if part[0] == "interleaved_rows":
+        dst = out.arrays[bank]
+        dst[row:row + E] = np.stack([_deinterleave(b) for b in ckpt.read(name)]).astype(dst.dtype)  # [E, 2I]
+        return
+    for e in range(E):
+        if part[0] == "mxfp4":
+            blocks, scales = ckpt.read_rows(name, e, e + 1, _U8)[0], ckpt.read_rows(part[1], e, e + 1, _U8)[0]
+            _check_mxfp4_scales(ckpt, name, part[1], e, blocks, scales)
+            data = blocks.reshape(blocks.shape[0], -1)  # u8[rows, cols / 2]: byte j = elements 2j, 2j + 1
+            if part[-1]:
+                data, scales = _deinterleave(data), _deinterleave(scales)
+            out.arrays[bank][row + e] = data
+            out.arrays[f"{bank}_scale"][row + e] = scales
+        else:
+            w = ckpt.read_rows(name, e, e + 1)[0].T  # [in, out] -> [out, in]
+            out.put(bank, row + e, 0, _deinterleave(w) if part[-1] else w)
+
+
+def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, fmt: wf.WeightFormat,
+                      bias_dtype) -> ExpertBanks:
+    """The expert banks of a checkpoint in weight format ``fmt``, filled by ``plan`` (expert_tensor_plan).
+
+    Float formats: tensors are read straight into the bank rows (a cast through one tensor-sized temporary when the
+    stored dtype differs). q8_0 / q4_0: each expert tensor (one expert of a fused one) is read, quantized with
+    weight_formats.quantize and written into the rows; the float copy is one expert's matrix. fp8 / mxfp4: the
+    stored bytes and scales are copied into the rows (fp8 bf16 scale_inv widened to f32; mxfp4 gate/up rows
+    de-interleaved), checked for NaN (FP8 S.1111.111, an E8M0 scale of 255, a non-finite scale) and never
+    dequantized. Biases (gpt-oss) go to float banks of ``bias_dtype``.
+
+    Returns: ExpertBanks (frozen). Raises CheckpointError (naming file and tensor); on any error the banks made so far
+    are released.
+    """
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    rows = cfg.num_moe_layers * E
+    host = {name: HostBank(rows, shape, dtype) for name, (shape, dtype) in wf.expert_rows(fmt, H, I).items()}
+    if cfg.expert_bias:
+        host.update(gate_up_bias=HostBank(rows, (2 * I,), bias_dtype), down_bias=HostBank(rows, (H,), bias_dtype))
+    try:
+        out = _BankWriter({kind: bank.numpy() for kind, bank in host.items()}, fmt)
+        for bank, row, name, part in plan:
+            arr = out.arrays[bank]
+            if part[0] == "fused" and not (fmt.quantized and bank in ("gate_up", "down")):
+                ckpt.read_into(name, arr[row:row + E])
+            elif part[0] == "fused":  # quantized while loading, one expert at a time
+                for e in range(E):
+                    out.put(bank, row + e, 0, ckpt.read_rows(name, e, e + 1)[0])
+            elif part[0] == "rows" and not fmt.quantized:
+                ckpt.read_into(name, arr[row, part[1]:part[2]])
+            elif part[0] == "rows":
+                out.put(bank, row, part[1], ckpt.read(name))
+            elif part[0] == "fp8_rows":
+                data, scales = _read_fp8(ckpt, name, part[3], (part[2] - part[1], arr.shape[-1]), fmt)
+                arr[row, part[1]:part[2]] = data
+                out.arrays[f"{bank}_scale"][row, part[4]:part[4] + scales.shape[0]] = scales
+            else:
+                _read_gpt_oss_experts(ckpt, bank, row, name, part, out, E)
+        del out  # the writable views; views taken after freeze() are read-only
+        banks = ExpertBanks(**host, format=fmt)
+        banks.freeze()
+    except BaseException:
+        for bank in host.values():
+            bank.release()
+        raise
+    return banks
+
+
+def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.WeightFormat | None = None):
+    """ParamFactory reading dense tensors from the checkpoint as host arrays of ``dtype`` (float32 or bfloat16), or
+    as numpy weight_formats.QuantizedTensor(data [rows, cols], scales, fmt): with fmt q8_0 / q4_0 the tensors
+    ft_jax.config.quantization.quantize_applies selects (kind "weight"), quantized while read; with an fp8 fmt
+    every tensor stored as F8_E4M3 (with its ``<name>_scale_inv``), as stored. Raises CheckpointError naming file and tensor (a row length that does not fit
+    the blocks, an FP8 tensor where a float one is needed, NaN)."""
+
+    def make(name: str, shape: tuple[int, ...], kind: str):
         if name not in ckpt and family == "mixtral" and ".block_sparse_moe.gate." in name:
             alt = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # transformers-5 router name
             name = alt if alt in ckpt else name
+        info = ckpt.tensors.get(name)
+        if fmt is not None and fmt.name == "fp8" and info is not None and info.dtype == _F8[0]:
+            if kind != "weight" or len(shape) != 2:
+                raise CheckpointError(f"{info.file}: tensor {name!r} is stored in FP8, but ft_jax reads it as a "
+                                      f"{kind.removesuffix('_f32')} in float (quantization_config should list it in "
+                                      "modules_to_not_convert)")
+            return wf.QuantizedTensor(*_read_fp8(ckpt, name, f"{name}_scale_inv", shape, fmt), fmt)
+        quantized = fmt is not None and fmt.name in wf.QUANTIZE_CHOICES
+        if quantized and kind == "weight" and quantize_applies(name, shape):
+            _fits(fmt, ckpt.info(name, shape), name, shape[1])
+            return wf.QuantizedTensor(*wf.quantize(ckpt.read(name, shape), fmt), fmt)
         return ckpt.read(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype, copy=False)
 
     return make
 
 
-def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtype=None) -> LoadedCheckpoint:
+def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtype=None,
+                    quantize: str | None = None) -> LoadedCheckpoint:
     """Load config, dense model and host banks of a Hugging Face MoE checkpoint folder.
 
     Args:
         model_dir: folder with config.json and model.safetensors or model.safetensors.index.json.
-        dtype: dense parameter dtype on the device (jnp.float32 or jnp.bfloat16).
-        expert_dtype: host-bank dtype (float32 or bfloat16); default ``dtype``.
+        dtype: dense parameter dtype on the device (jnp.float32 or jnp.bfloat16) of the float tensors.
+        expert_dtype: host-bank dtype of float experts and of expert biases (float32 or bfloat16); default ``dtype``.
+        quantize: None, "q8_0" or "q4_0": quantize a float checkpoint while loading (llama.cpp's rounding,
+            weight_formats.quantize): the expert banks and every dense 2-D projection but the routers and the
+            embedding table (ft_jax.config.quantization.quantize_applies). FP8 (quantization_config quant_method
+            "fp8") and MXFP4 (gpt-oss) checkpoints are always kept as stored: expert banks in that format, FP8
+            dense projections as QuantizedTensor.
     Returns:
-        LoadedCheckpoint(config, model, banks, checkpoint_bytes): banks = ExpertBanks(gate_up [L_moe*E, 2I, H],
-        down [L_moe*E, H, I], and for gpt-oss gate_up_bias [L_moe*E, 2I], down_bias [L_moe*E, H]) in the expert dtype.
-    Memory: expert tensors are read one at a time directly into the bank rows (plus one tensor-sized temporary
-    when the stored dtype differs from expert_dtype; gpt-oss tensors, transposed or MXFP4, one expert at a time);
-    dense tensors pass through one host copy each. Peak host memory is about banks + dense weights + one tensor.
-    The banks are frozen (read-only, :meth:`HostBank.freeze`) before they are returned.
+        LoadedCheckpoint(config, model, banks, checkpoint_bytes); banks.format is the experts' weight format.
+    Memory: expert tensors are read one at a time directly into the bank rows (plus one tensor-sized temporary when
+    the stored dtype differs from the bank's; one expert's matrix when quantizing; gpt-oss tensors one expert at a
+    time); dense tensors pass through one host copy each. Peak host memory is about banks + dense weights + one
+    tensor. The banks are frozen (read-only, :meth:`HostBank.freeze`) before they are returned.
     Raises:
         CheckpointError: missing/unreadable/truncated/corrupted file (including headers that break the safetensors
-            rules and unsafe shard names in the index), missing tensor, wrong shape, or a NaN/Inf weight (an MXFP4
-            scale of 255 or one that overflows float32 included; names the file and the tensor).
-        ConfigError / NotImplementedError: from :func:`ft_jax.config.load_config`.
+            rules and unsafe shard names in the index), missing tensor, wrong shape or dtype, a NaN/Inf weight or
+            scale (FP8 NaN, an MXFP4 scale of 255 or one that overflows float32 included), a row length that does
+            not fit the format's blocks (names the file and the tensor).
+        ValueError: a dtype or quantize value not listed above.
+        ConfigError / NotImplementedError: from :func:`ft_jax.config.load_config` (an unsupported quant_method), or
+            quantize given for an FP8 / MXFP4 checkpoint (ft_jax.config.quantization.expert_format).
     """
     cfg = load_config(model_dir)
     dense_dtype = _np_dtype(dtype)
     bank_dtype = dense_dtype if expert_dtype is None else _np_dtype(expert_dtype)
-    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    rows = cfg.num_moe_layers * E
+    fmt = expert_format(cfg, bank_dtype, quantize)
     with SafetensorsCheckpoint(model_dir) as ckpt:
-        plan = expert_tensor_plan(cfg, ckpt)
-        model = MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family))
-        host = {"gate_up": HostBank(rows, (2 * I, H), bank_dtype), "down": HostBank(rows, (H, I), bank_dtype)}
-        if cfg.expert_bias:
-            host.update(gate_up_bias=HostBank(rows, (2 * I,), bank_dtype), down_bias=HostBank(rows, (H,), bank_dtype))
-        try:
-            banks = {kind: bank.numpy() for kind, bank in host.items()}
-            for bank, row, name, part in plan:
-                arr = banks[bank]
-                if part[0] == "fused":
-                    ckpt.read_into(name, arr[row:row + E])
-                elif part[0] == "rows":
-                    ckpt.read_into(name, arr[row, part[1]:part[2]])
-                else:
-                    _read_gpt_oss_experts(ckpt, name, part, arr[row:row + E])
-            del banks  # the writable views; views taken after freeze() are read-only
-            for bank in host.values():
-                bank.freeze()
-        except BaseException:
-            for bank in host.values():
-                bank.release()
-            raise
+        plan = expert_tensor_plan(cfg, ckpt, fmt)
+        model = MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None))
+        banks = load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype)
         nbytes = ckpt.nbytes
-    return LoadedCheckpoint(cfg, model, ExpertBanks(**host), nbytes)
+    return LoadedCheckpoint(cfg, model, banks, nbytes)

@@ -9,9 +9,13 @@ InsufficientMemoryError (ft_jax.kernels.host_bank).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import numpy as np
+
+from ft_jax import weight_formats
+from ft_jax.config.quantization import quantize_applies
 
 MIB = 2**20
 
@@ -93,28 +97,47 @@ def _elements(info) -> int:
     return int(np.prod(info.shape, dtype=np.int64)) if info.shape else 1
 
 
-def planned_expert_bytes(cfg, dtype) -> int:
-    """Bytes one expert will take in host memory at load dtype ``dtype``, from the config alone (before any bank
-    exists): gate_up [2I, H] + down [H, I] (+ the biases [2I] and [H] of experts with biases). It equals the
+def planned_expert_bytes(cfg, dtype, fmt=None) -> int:
+    """Bytes one expert will take in host memory, from the config alone (before any bank exists): gate_up [2I, H] +
+    down [H, I] in weight format ``fmt`` (stored size: data plus scales, ft_jax.weight_formats.expert_rows; default
+    the float format of ``dtype``), plus the biases [2I] and [H] of experts with biases at ``dtype``. It equals the
     loaded ExpertBanks.expert_bytes, which is the figure everywhere after loading."""
     H, I = cfg.hidden_size, cfg.moe_intermediate_size
-    return (3 * H * I + ((2 * I + H) if cfg.expert_bias else 0)) * np.dtype(dtype).itemsize
+    fmt = weight_formats.float_format(np.dtype(dtype)) if fmt is None else fmt
+    weights = sum(math.prod(shape) * np.dtype(dt).itemsize for shape, dt in
+                  weight_formats.expert_rows(fmt, H, I).values())
+    return weights + ((2 * I + H) if cfg.expert_bias else 0) * np.dtype(dtype).itemsize
 
 
-def host_need(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool) -> HostNeed:
+def _dense_bytes(name: str, info, itemsize: int, fmt) -> int:
+    """Host bytes of one dense tensor after loading: FP8 data as stored and its scale grid in float32, a 2-D
+    projection that --quantize makes q8_0 / q4_0 (ft_jax.config.quantization.quantize_applies) at its stored size,
+    anything else at the load dtype."""
+    if np.dtype(info.dtype).itemsize == 1:  # FP8 data (or int8 / uint8): kept as stored
+        return _elements(info)
+    if name.endswith("_scale_inv"):  # an FP8 scale grid, widened to float32
+        return _elements(info) * 4
+    if fmt is not None and fmt.name in weight_formats.QUANTIZE_CHOICES and quantize_applies(name, info.shape):
+        return fmt.nbytes(*info.shape)
+    return _elements(info) * itemsize
+
+
+def host_need(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool, fmt=None) -> HostNeed:
     """Host bytes of a load, from the config and the headers.
 
     Args:
         cfg: MoEConfig. tensors: {name: TensorInfo} (SafetensorsCheckpoint.tensors: shapes and stored dtypes).
-        dtype: the load dtype (float32 or bfloat16) of the banks and dense weights.
+        dtype: the load dtype (float32 or bfloat16) of the float banks and dense weights.
         num_slots: device expert slots. slots_in_host: True on a CPU backend (the slots are host arrays).
+        fmt: the experts' weight format (ft_jax.config.quantization.expert_format; default the float format of
+            dtype): banks and slots at its stored size, and with q8_0 / q4_0 the dense 2-D projections too.
     Returns:
-        HostNeed. Expert tensors are those with ".experts." in their name; every other tensor counts as dense at
-        the load dtype (MXFP4 blocks would be 2 values per byte, but experts are sized from the config anyway).
+        HostNeed. Expert tensors are those with ".experts." in their name; every other tensor counts as dense
+        (_dense_bytes).
     """
     itemsize = np.dtype(dtype).itemsize
-    expert = planned_expert_bytes(cfg, dtype)
-    dense = sum(_elements(t) for name, t in tensors.items() if ".experts." not in name) * itemsize
+    expert = planned_expert_bytes(cfg, dtype, fmt)
+    dense = sum(_dense_bytes(name, t, itemsize, fmt) for name, t in tensors.items() if ".experts." not in name)
     # The loader's one read buffer: a dense tensor's host copy, or an expert tensor stored in another dtype.
     load = np.dtype(dtype)
     largest = max((_elements(t) for name, t in tensors.items()
@@ -146,7 +169,7 @@ def refusal(need: HostNeed, available: int, source: str, *, dtype: str, expert_b
             f"is available ({source}); what would fit: {' or '.join(fits)}")
 
 
-def check_host_memory(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool) -> HostNeed:
+def check_host_memory(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool, fmt=None) -> HostNeed:
     """Refuse a load that cannot fit, before anything is allocated (arguments as host_need).
 
     Returns:
@@ -154,11 +177,11 @@ def check_host_memory(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: 
     Raises:
         InsufficientMemoryError: one line naming the need, the available memory and what would fit.
     """
-    need = host_need(cfg, tensors, dtype, num_slots, slots_in_host)
+    need = host_need(cfg, tensors, dtype, num_slots, slots_in_host, fmt)
     found = available_host_memory()
     if found is not None:
         message = refusal(need, found[0], found[1], dtype=np.dtype(dtype).name,
-                          expert_bytes=planned_expert_bytes(cfg, dtype),
+                          expert_bytes=planned_expert_bytes(cfg, dtype, fmt),
                           num_slots=num_slots, slots_in_host=slots_in_host)
         if message is not None:
             raise InsufficientMemoryError(message)

@@ -15,6 +15,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from ft_jax import weight_formats as wf
 from ft_jax.checkpoint import (CheckpointError, SafetensorsCheckpoint, load_checkpoint,
                                read_safetensors_header)
 from ft_jax.config import ConfigError
@@ -583,40 +584,35 @@ def test_gpt_oss_fused_experts_are_deinterleaved_into_the_bank_layout():
 
 @pytest.mark.parametrize("expert_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_mxfp4_experts_equal_transformers_dequantization(expert_dtype):
-    """The MXFP4 checkpoint's layer-0 bank rows equal transformers' convert_moe_packed_tensors output (saved by
-    scripts/make_gpt_oss_references.py), de-interleaved and transposed into the bank layout; every value is exact
-    in bfloat16 too."""
+    """The MXFP4 checkpoint's banks hold the stored blocks and E8M0 scales (format mxfp4, rows de-interleaved: gate
+    rows then up rows), and their layer-0 rows dequantize to transformers' convert_moe_packed_tensors output (saved
+    by scripts/make_gpt_oss_references.py); the biases are in the expert dtype."""
     d = os.path.join(FIXTURES, "gpt_oss_mxfp4")
     ref = np.load(os.path.join(d, "reference", "mxfp4_dequantized_layer0.npz"))
     gu_ref, dn_ref = ref["gate_up_proj"], ref["down_proj"]  # [E, H, 2I], [E, I, H]
     ck = load_checkpoint(d, expert_dtype=expert_dtype)
-    E, I = ck.config.num_experts, ck.config.moe_intermediate_size
-    gu, dn = ck.banks.gate_up.numpy(), ck.banks.down.numpy()
-    assert gu.dtype == np.dtype(expert_dtype)
+    E, H, I = ck.config.num_experts, ck.config.hidden_size, ck.config.moe_intermediate_size
+    banks = ck.banks
+    assert banks.format is wf.MXFP4 and banks.names == ("gate_up", "down", "gate_up_bias", "down_bias",
+                                                        "gate_up_scale", "down_scale")
+    gu, dn, gus, dns = (getattr(banks, n).numpy() for n in ("gate_up", "down", "gate_up_scale", "down_scale"))
+    assert gu.shape[1:] == (2 * I, H // 2) and gus.shape[1:] == (2 * I, H // 32) and gu.dtype == np.uint8
+    assert dn.shape[1:] == (H, I // 2) and dns.shape[1:] == (H, I // 32)
+    assert banks.gate_up_bias.dtype == np.dtype(expert_dtype)
+    assert banks.expert_bytes == wf.MXFP4.nbytes(2 * I, H) + wf.MXFP4.nbytes(H, I) + \
+        (2 * I + H) * np.dtype(expert_dtype).itemsize
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    blocks = tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"]  # u8[E, 2I, H/32, 16]
+    scales = tensors["model.layers.0.mlp.experts.gate_up_proj_scales"]  # u8[E, 2I, H/32]
     for e in range(E):
-        np.testing.assert_array_equal(gu[e, :I].astype(np.float32), gu_ref[e][:, 0::2].T)
-        np.testing.assert_array_equal(gu[e, I:].astype(np.float32), gu_ref[e][:, 1::2].T)
-        np.testing.assert_array_equal(dn[e].astype(np.float32), dn_ref[e].T)
+        np.testing.assert_array_equal(gu[e, :I], blocks[e, 0::2].reshape(I, -1))
+        np.testing.assert_array_equal(gu[e, I:], blocks[e, 1::2].reshape(I, -1))
+        np.testing.assert_array_equal(gus[e], np.concatenate([scales[e, 0::2], scales[e, 1::2]]))
+        w = wf.dequantize(gu[e], gus[e], wf.MXFP4)  # f32[2I, H]
+        np.testing.assert_array_equal(w[:I], gu_ref[e][:, 0::2].T)
+        np.testing.assert_array_equal(w[I:], gu_ref[e][:, 1::2].T)
+        np.testing.assert_array_equal(wf.dequantize(dn[e], dns[e], wf.MXFP4), dn_ref[e].T)
     _release_all(ck)
-
-
-def test_dequantize_mxfp4_hand_worked():
-    """Byte j of a block: element 2j = low nibble, 2j + 1 = high nibble; E2M1 codes 1 -> 0.5, 2 -> 1.0, 8 -> -0.0,
-    15 -> -6.0; scale s multiplies by 2^(s - 127)."""
-    from ft_jax.checkpoint import dequantize_mxfp4
-
-    blocks = np.zeros((2, 1, 16), np.uint8)
-    blocks[0, 0, :2] = [0x21, 0xF8]
-    blocks[1, 0, 15] = 0x7C  # codes 12 (-2.0) low, 7 (6.0) high
-    scales = np.array([[128], [125]], np.uint8)
-    out = dequantize_mxfp4(blocks, scales)  # [2, 32]
-    expected = np.zeros((2, 32), np.float32)
-    expected[0, :4] = [1.0, 2.0, -0.0, -12.0]
-    expected[1, 30:] = [-0.5, 1.5]
-    np.testing.assert_array_equal(out, expected)
-    assert np.signbit(out[0, 2]) and out.dtype == np.float32
-    with pytest.raises(ValueError, match="blocks"):
-        dequantize_mxfp4(blocks[..., :8], scales)
 
 
 def _mxfp4_copy(tmp_path, edit):
@@ -655,6 +651,6 @@ def test_mxfp4_bad_tensors_name_file_and_tensor(tmp_path):
     def drop(t):
         del t["model.layers.2.mlp.experts.gate_up_proj_blocks"]
     d, path = _mxfp4_copy(tmp_path / "d", drop)
-    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.2.mlp.experts.gate_up_proj' \(or its "
-                                              r"MXFP4 form 'model.layers.2.mlp.experts.gate_up_proj_blocks' \+ "):
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.2.mlp.experts.gate_up_proj_blocks' \+ "
+                                              r"'model.layers.2.mlp.experts.gate_up_proj_scales' \(the MXFP4 form of "):
         load_checkpoint(d)

@@ -7,7 +7,7 @@ import argparse
 import math
 import re
 
-from ft_jax import units
+from ft_jax import units, weight_formats
 
 SEED_MAX = 2**32 - 1  # jax.random.key keeps 32 bits of a seed without jax_enable_x64: larger seeds would collide
 INT32_MAX = 2**31 - 1  # top-k and a fixed-cap K are int32 operands of the decode step
@@ -88,6 +88,20 @@ def dtype(text: str) -> str:
     name = units.DTYPE_NAMES.get(text.strip().lower())
     if name is None or name == "auto":
         raise argparse.ArgumentTypeError(f"expected bf16, bfloat16, f32 or float32, got {text!r}")
+    return name
+
+
+QUANTIZE_HELP = ("quantize a float (bf16/f32) checkpoint while loading: q8_0 or q4_0 (llama.cpp's block formats, "
+                 "32 values per f16 scale) for the expert banks and every dense 2-D projection but the routers and the "
+                 "embedding table (as llama-quantize --pure, which quantizes the embedding too); FP8 and MXFP4 "
+                 "checkpoints are used as stored without it")
+
+
+def quantize(text: str) -> str:
+    """--quantize: "q8_0" or "q4_0" (any case)."""
+    name = text.strip().lower()
+    if name not in weight_formats.QUANTIZE_CHOICES:
+        raise argparse.ArgumentTypeError(f"expected {' or '.join(weight_formats.QUANTIZE_CHOICES)}, got {text!r}")
     return name
 
 

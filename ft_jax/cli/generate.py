@@ -65,12 +65,14 @@ def add_arguments(sub) -> None:
     gen.add_argument("--dtype", type=arg_types.dtype, default=None,
                      help="bf16/bfloat16 or f32/float32: dtype of the dense weights, the activations and the expert "
                           "host banks (default: float32 for float32 checkpoints, else bfloat16)")
+    gen.add_argument("--quantize", type=arg_types.quantize, default=None, metavar="TYPE", help=arg_types.QUANTIZE_HELP)
     budget = gen.add_mutually_exclusive_group()
     budget.add_argument("--cache-slots", type=arg_types.positive_int, metavar="S", help="device expert slots shared by all layers")
     budget.add_argument("--cache-fraction", type=arg_types.fraction, metavar="F",
                         help=f"slots as a fraction of all experts (default {defaults.DEFAULT_CACHE_FRACTION})")
     budget.add_argument("--device-memory", type=arg_types.byte_text, metavar="BYTES",
-                        help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert)")
+                        help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert as stored: "
+                             "a quantized expert's data and scales)")
     gen.add_argument("--policy", type=arg_types.policy, default=defaults.DEFAULT_POLICY, metavar="POLICY",
                      help=POLICY_HELP)
     gen.add_argument("--profile", metavar="PATH", help="bandwidth profile file for auto and qstar (default: the user "
@@ -177,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
             note(off)
     try:
         model = api.load(path, dtype=args.dtype or "auto", policy=args.policy, cache=cache, profile=args.profile,
-                         measure=not args.no_measure, on_message=note, on_compile=on_compile)
+                         measure=not args.no_measure, on_message=note, on_compile=on_compile, quantize=args.quantize)
     except ValueError as e:
         if "slot" in str(e) or "cache" in str(e):
             raise UsageError(f"--cache-slots / --cache-fraction / --device-memory: {e}") from None
@@ -233,7 +235,8 @@ def _print_result(args, path: str, model, request, out, streamed: bool, tokenize
     if args.json:
         settings = {"max_new_tokens": request.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                     "top_p": args.top_p, "seed": args.seed, "dtype": model.dtype, "policy": str(model.policy),
-                    "stop": list(request.stop), "chat": bool(args.chat)}
+                    "stop": list(request.stop), "chat": bool(args.chat), "quantize": args.quantize,
+                    "weight_format": out.stats["weight_format"]}
         print(json.dumps({"model": path, "prompt_ids": request.prompt_ids, "generated_ids": out.token_ids,
                           "text": out.texts, "finish_reasons": out.finish_reasons, "settings": settings,
                           "profile_message": model.note, "notes": notes, "stats": out.stats}))
@@ -282,6 +285,9 @@ def stats_table(stats: dict) -> str:
                              f"host-computed {num(stats['host_per_step'])} (summed over MoE layers)"),
         ("bytes per step", f"H2D slot fills {mib(stats['h2d_bytes_per_step'])}, "
                            f"host GEMV reads {mib(stats['host_bytes_per_step'])}"),
+        ("weights", f"{stats['weight_format']} experts of {stats['expert_bytes'] / 2**20:.2f} MiB as stored; "
+                    f"{mib(stats['weight_bytes_per_token'])} read per token (dense "
+                    f"{stats['dense_weight_bytes'] / 2**20:.2f} MiB per step + the active experts)"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -10,10 +10,11 @@ import json
 import sys
 import warnings
 
-from ft_jax import defaults
+from ft_jax import defaults, weight_formats
 from ft_jax.cli import arg_types
 from ft_jax.cli.usage import UsageError
 from ft_jax.config import load_config
+from ft_jax.config.quantization import expert_format
 from ft_jax.offload import profile as bandwidth
 from ft_jax.offload.policy import fetch_count_np
 from ft_jax.units import model_dtype
@@ -42,6 +43,9 @@ def add_arguments(sub) -> None:
                       help="expert intermediate size (with --hidden-size)")
     prof.add_argument("--dtype", type=arg_types.dtype, help="bf16/bfloat16 or f32/float32 (default: as generate "
                                                            "would load the model; bfloat16 with --hidden-size)")
+    prof.add_argument("--quantize", type=arg_types.quantize, default=None, metavar="TYPE",
+                      help="measure q8_0 or q4_0 experts (the bytes generate --quantize TYPE reads; default: the "
+                           "model's format: float, or an FP8 / MXFP4 checkpoint's own)")
     prof.add_argument("--quick", action="store_true", help="quick profile (a few seconds)")
     prof.add_argument("--repeats", type=arg_types.positive_int,
                       help="timed windows per bandwidth (default 7, 3 with --quick)")
@@ -101,25 +105,37 @@ def report(profile, q_star: dict[int, int], saved: str) -> str:
     return "\n".join(lines + [f"  {saved}"])
 
 
-def _expert_shape(args: argparse.Namespace) -> tuple[int, int, str]:
-    """(H, I, dtype) from --hidden-size / --intermediate-size / --dtype or the model's config.json."""
+def _expert_shape(args: argparse.Namespace) -> tuple[int, int, str, object]:
+    """(H, I, dtype, weight format or None for the float one) from --hidden-size / --intermediate-size / --dtype /
+    --quantize or the model's config.json (an FP8 / MXFP4 checkpoint: its format)."""
     if (args.hidden_size is None) != (args.intermediate_size is None):
         raise UsageError("give both --hidden-size and --intermediate-size (or --model)")
     if args.hidden_size is not None:
         if args.model:
             raise UsageError("give either --model PATH or --hidden-size and --intermediate-size, not both")
-        return args.hidden_size, args.intermediate_size, args.dtype or "bfloat16"
-    cfg = load_config(args.model or defaults.bundled_model_path())
-    return cfg.hidden_size, cfg.moe_intermediate_size, model_dtype(args.dtype or "auto", cfg.dtype)
+        H, I, dtype = args.hidden_size, args.intermediate_size, args.dtype or "bfloat16"
+        fmt = weight_formats.by_name(args.quantize) if args.quantize else None
+    else:
+        cfg = load_config(args.model or defaults.bundled_model_path())
+        H, I, dtype = cfg.hidden_size, cfg.moe_intermediate_size, model_dtype(args.dtype or "auto", cfg.dtype)
+        fmt = expert_format(cfg, dtype, args.quantize)
+    fmt = fmt if fmt is not None and fmt.quantized else None
+    if fmt is not None:
+        try:
+            weight_formats.expert_rows(fmt, H, I)
+        except ValueError as e:  # a size that does not fit the format's blocks
+            raise UsageError(f"{fmt.name} experts of H={H}, I={I}: {e}") from None
+    return H, I, dtype, fmt
 
 
 def run(args: argparse.Namespace) -> int:
     """`ft-jax profile`: returns the exit status (0 measured, and saved unless --no-save; 1 measured and printed
     but not saved). Bad arguments, --model or --profile raise UsageError / ConfigError / OSError before measuring."""
-    H, I, dtype = _expert_shape(args)
+    H, I, dtype, fmt = _expert_shape(args)
     if not args.no_save:
         bandwidth.read_profiles(args.profile)  # NotAStoreError before measuring, not after
-    profile = bandwidth.measure_profile(H, I, dtype, quick=args.quick, repeats=args.repeats, progress=not args.json)
+    profile = bandwidth.measure_profile(H, I, dtype, quick=args.quick, repeats=args.repeats, progress=not args.json,
+                                        fmt=fmt)
     saved_to, saved, status = None, "not saved", 0
     if not args.no_save:
         try:

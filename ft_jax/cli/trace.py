@@ -12,8 +12,10 @@ import sys
 
 from ft_jax.cli import arg_types
 from ft_jax.config import load_config
+from ft_jax.config.quantization import expert_format
+from ft_jax.memory import planned_expert_bytes
 from ft_jax.offload.cost_model import ASSUMED_DEVICE_GBPS, PRESETS, CostModel
-from ft_jax.offload.profile import cost_model_for, dtype_name, expert_nbytes
+from ft_jax.offload.profile import cost_model_for, dtype_name
 from ft_jax.tools.replay import evaluate
 from ft_jax.tools.report import format_table, plot, report
 from ft_jax.tools.trace_io import Trace, read_trace
@@ -44,6 +46,9 @@ def add_model_arguments(p) -> None:
     p.add_argument("--num-experts", type=arg_types.positive_int, metavar="E", help="experts per layer (default: the trace)")
     p.add_argument("--dtype", default=None, help="bf16/bfloat16 or f32/float32: the stored profile to look up "
                                                  "(default: the model's, else bfloat16)")
+    p.add_argument("--quantize", type=arg_types.quantize, default=None, metavar="TYPE",
+                   help="with --model: price experts quantized while loading (generate --quantize TYPE: q8_0 or "
+                        "q4_0) at their stored size; an FP8 / MXFP4 checkpoint is priced in its own format")
     p.add_argument("--bandwidth", default="stored", metavar="SPEC", help=BANDWIDTH_HELP)
     p.add_argument("--profile", metavar="PATH", help="bandwidth profile store (default: the user cache directory)")
     p.add_argument("--device-bandwidth", type=arg_types.positive, metavar="GBPS",
@@ -64,12 +69,19 @@ def add_model_arguments(p) -> None:
 def load_inputs(args) -> tuple[Trace, CostModel]:
     """(Trace, CostModel) from the shared trace/plan arguments. Raises ValueError / OSError (one-line messages)."""
     L, E, eb, dtype = args.num_layers, args.num_experts, args.expert_bytes, args.dtype
+    fmt = None  # the float format of dtype
+    if args.quantize and not args.model:
+        raise ValueError("--quantize needs --model (the expert shape to quantize); with --expert-bytes give the "
+                         "quantized size itself")
     if args.model:
         cfg = load_config(args.model)
         dtype = dtype or ("float32" if str(cfg.dtype) == "float32" else "bfloat16")
-        model_eb = expert_nbytes(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+        fmt = expert_format(cfg, dtype_name(dtype), args.quantize)
+        fmt = fmt if fmt.quantized else None
+        model_eb = planned_expert_bytes(cfg, dtype_name(dtype), fmt)
         if eb is not None and eb != model_eb:
-            raise ValueError(f"--expert-bytes {eb} disagrees with --model ({model_eb} bytes per {dtype} expert)")
+            raise ValueError(f"--expert-bytes {eb} disagrees with --model ({model_eb} bytes per "
+                             f"{fmt.name if fmt else dtype} expert as stored)")
         eb = model_eb
         for name, given, value in (("--num-layers", L, cfg.num_moe_layers), ("--num-experts", E, cfg.num_experts)):
             if given is not None and given != value:
@@ -81,7 +93,7 @@ def load_inputs(args) -> tuple[Trace, CostModel]:
     trace = read_trace(args.trace, L, E)
     model = cost_model_for(args.bandwidth, eb, dtype=dtype, profile_path=args.profile,
                            device_bandwidth=args.device_bandwidth, fill_fixed_ms=args.fill_fixed_ms,
-                           host_fixed_ms=args.host_fixed_ms, device_fixed_ms=args.device_fixed_ms)
+                           host_fixed_ms=args.host_fixed_ms, device_fixed_ms=args.device_fixed_ms, fmt=fmt)
     return trace, model
 
 

@@ -204,7 +204,7 @@ def gpt_oss_rope_defaults(raw: dict[str, Any]) -> dict[str, Any]:
 def gpt_oss(f: Fields, common: dict[str, Any]) -> MoEConfig:
     """gpt-oss (transformers' GptOssConfig / GptOssModel): experts of width intermediate_size with biases and the
     clamped SwiGLU (swiglu_alpha, swiglu_limit), router bias, attention sinks, layer_types (default alternating from
-    sliding) with sliding_window, attention_bias (default true); quantization only mxfp4 (dequantized on load)."""
+    sliding) with sliding_window, attention_bias (default true)."""
     num_layers = common["num_layers"]
     types = f.opt("layer_types", None, list)
     if types is None:  # GptOssConfig.__post_init__: sliding on even layers, full on odd ones
@@ -216,12 +216,6 @@ def gpt_oss(f: Fields, common: dict[str, Any]) -> MoEConfig:
     alpha, limit = f.opt("swiglu_alpha", 1.702, float), f.opt("swiglu_limit", 7.0, float)
     if not limit > 0:
         raise ConfigError(f"{f.source}: swiglu_limit must be > 0, got {limit}")
-    quant = f.raw.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, dict) else None
-        if method != "mxfp4":
-            raise NotImplementedError(f"{f.source}: quantization_config with quant_method {method!r} is not "
-                                      "implemented (supported: mxfp4 experts, dequantized while loading)")
     bias = f.opt("attention_bias", True, bool)
     return _record(
         common, sliding_window=_window(f, window),

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ft_jax.config.files import ConfigError
+from ft_jax.config.quantization import read_quantization
 from ft_jax.config.record import ACTIVATIONS, SUPPORTED_ARCHITECTURES
 from ft_jax.config.rope import read_rope
 
@@ -145,4 +146,5 @@ def common_fields(f: Fields, arch: str, family: str, rope_raw: dict[str, Any]) -
         rope_theta=rope_theta, rope_scaling=rope_scaling, rms_norm_eps=rms_norm_eps, clip_qkv=None,
         sliding_window=None, tie_word_embeddings=f.opt("tie_word_embeddings", False, bool),
         max_position_embeddings=max_positions, bos_token_id=bos, eos_token_ids=eos,
-        hidden_act=hidden_act, dtype=DTYPES[dtype_name], initializer_range=f.opt("initializer_range", 0.02, float))
+        hidden_act=hidden_act, dtype=DTYPES[dtype_name], initializer_range=f.opt("initializer_range", 0.02, float),
+        quantization=read_quantization(f.raw, f.source, family))

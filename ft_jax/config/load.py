@@ -27,8 +27,9 @@ def load_config(model_dir: str | os.PathLike) -> MoEConfig:
             rope_parameters with another type or value, rope_theta beside rope_parameters.rope_theta: both named).
             Every message is one line "<path>: <field> ..., got <value>".
         NotImplementedError: a RoPE scaling type other than "default" and "yarn", partial rotary embeddings,
-            Qwen sliding-window attention, an activation other than silu / gelu_pytorch_tanh, or a gpt-oss
-            quantization other than mxfp4 (names the file).
+            Qwen sliding-window attention, or an activation other than silu / gelu_pytorch_tanh (names the file).
+        A quantization_config other than fp8 (block scales) and mxfp4 (gpt-oss) is a ConfigError naming the method
+        and the supported ones (ft_jax.config.quantization).
     """
     model_dir = os.fspath(model_dir)
     check_model_dir(model_dir)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ft_jax.config.quantization import Quantization
+
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
@@ -88,6 +90,8 @@ class MoEConfig:
         expert_bias: routed experts have gate/up and down biases (gpt-oss's gate_up_proj_bias / down_proj_bias).
         swiglu_alpha, swiglu_limit: the clamped SwiGLU's sigmoid gain and clamp (gpt-oss; activation
             "swiglu_oai").
+        quantization: config.json's quantization_config as ft_jax reads it (ft_jax.config.quantization: fp8 block
+            scales or gpt-oss's mxfp4 experts), or None for a float checkpoint.
 
     DeepSeek-V2/V3 only (defaults elsewhere; DeepSeek-V2 paper arXiv 2405.04434 sec. 2.1, transformers'
     DeepseekV2/V3Attention and DeepseekV2/V3TopkRouter):
@@ -150,6 +154,7 @@ class MoEConfig:
     expert_bias: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    quantization: Quantization | None = None
 
     def __post_init__(self):
         if self.hidden_act not in ACTIVATIONS:

@@ -85,6 +85,14 @@ def _left_padded(prompts: Sequence[Sequence[int]], bucket: int) -> tuple[np.ndar
     return tokens, positions
 
 
+def dense_weight_bytes(params, tied_embeddings: bool) -> int:
+    """Bytes of the dense weights one decode step reads: every parameter leaf (as stored: a QuantizedTensor's data and
+    scales) but the embedding table, of which a step gathers only its tokens' rows (with tied embeddings the table is
+    also the lm_head, read in full)."""
+    return sum(int(leaf.nbytes) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+               if tied_embeddings or "embed_tokens" not in jax.tree_util.keystr(path))
+
+
 class Engine:
     """Prefill + decode with experts in host banks and a device slot pool (docs/DESIGN.md sec. 11, "Engine, API and CLI").
 
@@ -125,6 +133,8 @@ class Engine:
         resident = policy.kind is PolicyKind.RESIDENT
         self.num_slots = cfg.num_experts * self.decode_backend.num_layers if resident else num_slots
         self.expert_bytes = checkpoint.banks.expert_bytes
+        self.weight_format = checkpoint.banks.format
+        self.dense_bytes = dense_weight_bytes(self.params, cfg.tie_word_embeddings)
         self.expert_state = self.decode_backend.init_state(self.num_slots)
         use_huge_pages((self.params, self.expert_state))  # the dense weights and slot pools, read every step
         # Donated: the KV cache (3) and the expert state (4) of f(params, tokens, positions, kv_cache, expert_state,

@@ -63,12 +63,15 @@ def generation_stats(engine, prompts, out, steps: int, times: tuple[float, float
     exclude compilation; None without a decode step), compile_s (ahead-of-time compilation of the steps during this
     call), prefill_compiles and decode_compiles (executables this call built: 0 once the shapes were seen),
     xla_compiles and cache_hits (of those, how many XLA compiled and how many came from the persistent compilation
-    cache), kv_cache_len, decode_steps, and over the decode steps (None without one): active/hits/misses/fetched/host
-    per step (summed over MoE layers), hit_rate, h2d_bytes_per_step (slot fills), host_bytes_per_step (expert weights
-    read by the CPU), per_layer (the raw counters).
+    cache), kv_cache_len, decode_steps, weight_format (the experts' weight format name, e.g. "bf16", "q4_0"),
+    dense_weight_bytes (Engine.dense_bytes: the dense weights a step reads), and over the decode steps (None without
+    one): active/hits/misses/fetched/host per step (summed over MoE layers), hit_rate, h2d_bytes_per_step (slot
+    fills), host_bytes_per_step (expert weights read by the CPU), weight_bytes_per_token (weights read per generated
+    token: (dense_weight_bytes + active experts per step * expert_bytes) / batch size, every byte as stored),
+    per_layer (the raw counters).
 
     Args:
-        engine: the Engine (policy, num_slots, expert_bytes). prompts: B prompts; out: B generated id lists.
+        engine: the Engine (policy, num_slots, expert_bytes, weight_format, dense_bytes). prompts: B prompts; out: B generated id lists.
         steps: decode steps run. times: perf_counter at prefill start, first token, end. tally: new_tally().
         kv_len: KV-cache length. per_layer: i64[L_moe, len(STAT_FIELDS)] cache counters of the decode steps.
     """
@@ -86,6 +89,8 @@ def generation_stats(engine, prompts, out, steps: int, times: tuple[float, float
         "fraction": policy.frac if policy.kind is PolicyKind.QSTAR else None,
         "num_slots": engine.num_slots,
         "expert_bytes": engine.expert_bytes,
+        "weight_format": engine.weight_format.name,
+        "dense_weight_bytes": engine.dense_bytes,
         "batch_size": B,
         "kv_cache_len": kv_len,
         "prompt_tokens": prompt_tokens,
@@ -102,5 +107,6 @@ def generation_stats(engine, prompts, out, steps: int, times: tuple[float, float
         **{f"{k}_per_step": per_step(totals[k]) for k in ("active", "hits", "misses", "fetched", "host")},
         "h2d_bytes_per_step": per_step(totals["fetched"] * engine.expert_bytes),
         "host_bytes_per_step": per_step(totals["host"] * engine.expert_bytes),
+        "weight_bytes_per_token": per_step((engine.dense_bytes * steps + totals["active"] * engine.expert_bytes) / B),
         "per_layer": {k: per_layer[:, i].tolist() for i, k in enumerate(STAT_FIELDS)},
     }

@@ -33,7 +33,9 @@ class OffloadState(NamedTuple):
     Attributes:
         cache: expert_cache.CacheState (tables, usage, recency, step, stats).
         pools: {bank name: slot pool [S, *row_shape] (bank dtype)}, one per bank of the ExpertBanks, in its order:
-            gate_up [S, 2I, H], down [S, H, I] and, for experts with biases, gate_up_bias [S, 2I], down_bias [S, H].
+            gate_up [S, 2I, H], down [S, H, I] (as stored: [S, *format.data_shape(...)] in format.data_dtype), for
+            experts with biases gate_up_bias [S, 2I], down_bias [S, H], and for a quantized format the scale pools
+            gate_up_scale [S, *gate_up_scale row], down_scale [S, *down_scale row] (ExpertBanks).
         fill_errors: i32[] slot fill entries skipped for an out-of-range id since init_state (read_stats checks it).
         host_route_errors: i32[] host_experts calls whose output was zeroed (a route id out of range or a released
             bank: GPU only) since init_state (read_stats checks it).
@@ -50,7 +52,8 @@ class OffloadedExperts:
     """ExpertBackend computing routed experts from host banks and a device slot pool (module docstring).
 
     Attributes:
-        banks: ExpertBanks (gate_up [L*E, 2I, H], down [L*E, H, I], optional biases), flat id = moe_layer * E + expert.
+        banks: ExpertBanks (gate_up [L*E, 2I, H], down [L*E, H, I] in its weight format, optional biases, the scale
+            banks of a quantized format), flat id = moe_layer * E + expert.
         num_experts: E.
         policy: Policy deciding how many misses are fetched (static: baked into the compiled step).
         activation: "silu" (SwiGLU), "gelu_tanh" or "swiglu_oai" (gpt-oss's clamped SwiGLU).
@@ -161,13 +164,15 @@ class OffloadedExperts:
         Returns (y f32[N, H], host route errors i32[])."""
         banks = self.banks
         gate = dict(alpha=self.swiglu_alpha, limit=self.swiglu_limit)
-        host_banks = dict(gate_up_bias=banks.gate_up_bias, down_bias=banks.down_bias)
-        bias_pools = dict(gate_up_bias_slots=pools["gate_up_bias"], down_bias_slots=pools["down_bias"]) \
-            if banks.has_bias else {}
+        host_banks, slot_pools = {}, {}
+        for name in banks.names[2:]:  # biases and scales: the keyword arguments of host_experts / slot_experts
+            host_banks[name], slot_pools[f"{name}_slots"] = getattr(banks, name), pools[name]
+        if banks.quantized:  # the kernels read the stored bytes and dequantize them (ft_jax.weight_formats)
+            host_banks["weight_format"] = slot_pools["weight_format"] = banks.format
 
         def device_part(x):  # f32[N, H]
             return ffi_ops.slot_experts(x, route_slot, topk_weights, pools["gate_up"], pools["down"], self.activation,
-                                        **bias_pools, **gate)
+                                        **slot_pools, **gate)
 
         def host_part(x):  # (f32[N, H], errors i32[])
             return ffi_ops.host_experts_with_errors(x, route_host, topk_weights, banks.gate_up, banks.down,

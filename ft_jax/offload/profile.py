@@ -1,7 +1,8 @@
 """Bandwidth profile of the q* policy (DESIGN.md sections 1 and 7): measure BP, BH and the contended pair; store them.
 
-At one expert size (H, I, dtype; an expert is a gate_up row [2I, H] plus a down row [H, I]), with the production
-FFI handlers, in GB/s (1e9 bytes/s) of expert weight bytes:
+At one expert size (H, I, dtype or weight format; an expert is a gate_up row [2I, H] plus a down row [H, I], as
+stored: a quantized format's data plus its scales), with the production FFI handlers, in GB/s (1e9 bytes/s) of
+stored expert weight bytes:
 - BP: ``ffi_ops.slot_fill`` under jax.jit, slot arrays donated (filled in place), n experts per call;
 - BH: ``ffi_ops.host_experts`` under jax.jit, one token routed to n distinct experts;
 - BPc, BHc: both loops at once in two threads (JAX releases the GIL while a computation runs, so they execute
@@ -39,9 +40,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import platformdirs
 
+from ft_jax import weight_formats
 from ft_jax.kernels import ffi_ops
 from ft_jax.kernels.host_bank import HostBank
 from ft_jax.offload.banks import ExpertBanks
@@ -49,6 +52,7 @@ from ft_jax.offload.cost_model import PRESETS, CostModel, fraction_from_bandwidt
 from ft_jax.offload.policy import Policy, PolicyKind, parse_policy
 from ft_jax.cache_dirs import folder_problem
 from ft_jax.interrupts import deferred_exit
+from ft_jax.weight_formats import WeightFormat
 
 GB = 1e9  # bandwidths are GB/s = 1e9 bytes/s
 KEY_FIELDS = ("platform", "device_kind", "cpu_model", "cpu_count", "dtype", "expert_bytes")
@@ -71,14 +75,33 @@ def dtype_name(dtype: Any) -> str:
     return name
 
 
-def expert_nbytes(hidden_size: int, intermediate_size: int, dtype: Any) -> int:
-    """Bytes of one expert: gate_up [2I, H] + down [H, I] = 3 * H * I * itemsize (2 for bfloat16, 4 for float32)."""
-    return 3 * int(hidden_size) * int(intermediate_size) * {"bfloat16": 2, "float32": 4}[dtype_name(dtype)]
+def weight_format(dtype: Any, fmt: WeightFormat | None = None) -> WeightFormat:
+    """``fmt``, or the float format (F32 / BF16) of ``dtype`` (dtype_name's spellings). Raises ValueError."""
+    return fmt if fmt is not None else weight_formats.float_format(
+        {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype_name(dtype)])
 
 
-def machine_key(dtype: Any, expert_bytes: int) -> dict[str, Any]:
+def format_key(dtype: Any, fmt: WeightFormat | None = None) -> str:
+    """The "dtype" field of a store key: the float dtype name ("bfloat16", "float32"), or a quantized format's name
+    ("q8_0", "q4_0", "mxfp4"; "fp8_128x128" with its block shape)."""
+    f = weight_format(dtype, fmt)
+    if not f.quantized:
+        return dtype_name(dtype)
+    return f"fp8_{f.block[0]}x{f.block[1]}" if f.name == "fp8" else f.name
+
+
+def expert_nbytes(hidden_size: int, intermediate_size: int, dtype: Any, fmt: WeightFormat | None = None) -> int:
+    """Stored bytes of one expert's weights: gate_up [2I, H] + down [H, I] in ``fmt`` (data plus scales,
+    weight_formats.expert_rows; default the float format of ``dtype``: 3 * H * I * 2 for bfloat16, 4 for float32).
+    Biases are not counted (ExpertBanks.expert_bytes adds them for a loaded model)."""
+    rows = weight_formats.expert_rows(weight_format(dtype, fmt), int(hidden_size), int(intermediate_size))
+    return sum(math.prod(shape) * np.dtype(dt).itemsize for shape, dt in rows.values())
+
+
+def machine_key(dtype: Any, expert_bytes: int, fmt: WeightFormat | None = None) -> dict[str, Any]:
     """Store key of this process: the first jax device's platform and device_kind, the host CPU model (first "model
-    name" of /proc/cpuinfo, else platform.processor()), os.cpu_count(), the expert dtype name and bytes."""
+    name" of /proc/cpuinfo, else platform.processor()), os.cpu_count(), the expert weight format (format_key: the
+    float dtype name or the quantized format's name) and the stored bytes per expert."""
     cpu = ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -92,7 +115,7 @@ def machine_key(dtype: Any, expert_bytes: int) -> dict[str, Any]:
     device = jax.devices()[0]
     return {"platform": str(device.platform), "device_kind": str(device.device_kind),
             "cpu_model": cpu or platform.processor() or platform.machine() or "unknown",
-            "cpu_count": int(os.cpu_count() or 1), "dtype": dtype_name(dtype), "expert_bytes": int(expert_bytes)}
+            "cpu_count": int(os.cpu_count() or 1), "dtype": format_key(dtype, fmt), "expert_bytes": int(expert_bytes)}
 
 
 def describe_machine(key: dict[str, Any]) -> str:
@@ -150,35 +173,46 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
-class Bench:
-    """Host banks, slot arrays and the jitted production FFI calls at one expert size (H, I, dtype).
+# A bank value of each dtype for the timed banks (any finite value times the same; the kernels' speed does not depend
+# on the values): data and scales of every format.
+_BENCH_VALUES = {"float32": 0.01, "bfloat16": 0.01, "float16": 0.01, "float8_e4m3fn": 0.01, "int8": 1,
+                 "uint8": 0x77}
 
-    The banks hold 2R experts (rows [0, R) feed the fill, [R, 2R) the GEMV), the slots S = R (gate_up [S, 2I, H],
-    down [S, H, I]). Call j of a loop uses rows (j*n + i) mod R (and slots), i < n = ceil(call_bytes / expert_bytes),
-    R = max(n, ceil(2 * LLC / expert_bytes), 2). ``fill()`` / ``gemv()`` run the next call and block; ``gemv``
-    routes ``tokens`` tokens (x f32[T, H]) to the same n experts. Attributes: expert_bytes, n, nbytes (bytes per
-    call = n * expert_bytes), rows (R), llc_bytes, gate_up, down (HostBank), fill_rows, gemv_rows (the rotation:
-    np.int32[n] bank rows of call j at j % len; fill_rows are also the slots). A context manager: leaving it
-    releases the banks. Raises ValueError: a size < 1, a bad dtype, or banks + slots over half the host memory.
+
+class Bench:
+    """Host banks, slot arrays and the jitted production FFI calls at one expert size (H, I, weight format).
+
+    The banks hold 2R experts (rows [0, R) feed the fill, [R, 2R) the GEMV), the slots S = R (one pool per bank:
+    gate_up [S, 2I, H], down [S, H, I] as stored, and a quantized format's two scale pools). Call j of a loop uses
+    rows (j*n + i) mod R (and slots), i < n = ceil(call_bytes / expert_bytes), R = max(n, ceil(2 * LLC /
+    expert_bytes), 2). ``fill()`` / ``gemv()`` run the next call and block; ``gemv`` routes ``tokens`` tokens
+    (x f32[T, H]) to the same n experts. Attributes: expert_bytes (stored bytes, expert_nbytes), fmt, n, nbytes
+    (bytes per call = n * expert_bytes), rows (R), llc_bytes, banks (ExpertBanks), gate_up, down (HostBank),
+    fill_rows, gemv_rows (the rotation: np.int32[n] bank rows of call j at j % len; fill_rows are also the slots).
+    A context manager: leaving it releases the banks. Raises ValueError: a size < 1, a bad dtype, H or I that does
+    not fit the format's blocks, or banks + slots over half the host memory.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *,
-                 call_bytes: int = 16 << 20, tokens: int = 1):
+                 call_bytes: int = 16 << 20, tokens: int = 1, fmt: WeightFormat | None = None):
         H, I = int(hidden_size), int(intermediate_size)
         if min(H, I, tokens) < 1:
             raise ValueError(f"bandwidth: H, I and tokens must be >= 1, got H={H}, I={I}, tokens={tokens}")
-        self.expert_bytes, self.llc_bytes = eb, llc = expert_nbytes(H, I, dtype), last_level_cache_bytes()
+        self.fmt = fmt = weight_format(dtype, fmt)
+        self.expert_bytes, self.llc_bytes = eb, llc = expert_nbytes(H, I, dtype, fmt), last_level_cache_bytes()
         self.n = n = max(1, math.ceil(call_bytes / eb))
         self.rows = R = max(n, math.ceil(2 * llc / eb), 2)
         self.nbytes, ram = n * eb, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if 3 * R * eb > ram // 2:
             raise ValueError(f"bandwidth: measuring {eb / 2**20:.1f} MiB experts needs {3 * R * eb / 2**20:.0f} MiB "
                              f"of banks and slots, over half of the {ram / 2**20:.0f} MiB of host memory")
-        np_dtype = jnp.bfloat16 if dtype_name(dtype) == "bfloat16" else np.float32
-        self.gate_up, self.down = HostBank(2 * R, (2 * I, H), np_dtype), HostBank(2 * R, (H, I), np_dtype)
-        for bank in (self.gate_up, self.down):
-            bank.numpy()[...] = np.asarray(0.01, np_dtype)  # touch every page: no first-touch faults while timed
-        self._slots = (jnp.array(np.zeros((R, 2 * I, H), np_dtype)), jnp.array(np.zeros((R, H, I), np_dtype)))
+        rows = weight_formats.expert_rows(fmt, H, I)
+        host = {name: HostBank(2 * R, shape, dtype) for name, (shape, dtype) in rows.items()}
+        for bank in host.values():  # touch every page: no first-touch faults while timed
+            bank.numpy()[...] = np.asarray(_BENCH_VALUES[bank.dtype.name], bank.dtype)
+        self.banks = banks = ExpertBanks(**host, format=fmt)
+        self.gate_up, self.down = banks.gate_up, banks.down
+        self._slots = tuple(jnp.array(np.zeros(shape, dtype)) for shape, dtype in banks.pool_shapes(R).values())
 
         def rotation(period: int, offset: int) -> list:  # the distinct calls of (j*n + i) mod period
             return [np.arange(j * n, (j + 1) * n, dtype=np.int32) % period + offset
@@ -189,16 +223,18 @@ class Bench:
         self._ids = [jnp.asarray(np.tile(r, (tokens, 1))) for r in self.gemv_rows]  # each i32[T, n]
         self._x = jnp.asarray(np.linspace(-1.0, 1.0, tokens * H, dtype=np.float32).reshape(tokens, H))  # f32[T, H]
         self._w = jnp.full((tokens, n), 1.0 / n, jnp.float32)  # f32[T, n]
-        gate_up, down = self.gate_up, self.down
-        self._fill = jax.jit(lambda gu, dn, rows, slots: ffi_ops.slot_fill((gu, dn), rows, slots, (gate_up, down)),
-                             donate_argnums=(0, 1))
-        self._gemv = jax.jit(lambda x, ids, w: ffi_ops.host_experts(x, ids, w, gate_up, down))  # f32[T, H]
+        quant = dict(gate_up_scale=banks.gate_up_scale, down_scale=banks.down_scale, weight_format=fmt) \
+            if fmt.quantized else {}
+        self._fill = jax.jit(lambda slots, rows, dest: ffi_ops.slot_fill(slots, rows, dest, banks.banks),
+                             donate_argnums=(0,))
+        self._gemv = jax.jit(lambda x, ids, w: ffi_ops.host_experts(x, ids, w, banks.gate_up, banks.down,
+                                                                    **quant))  # f32[T, H]
         self._calls = itertools.count(), itertools.count()  # call indices j of fill(), gemv()
 
     def fill(self) -> None:
         j = next(self._calls[0])
         rows = self._rows[j % len(self._rows)]
-        self._slots = self._fill(*self._slots, rows, rows)
+        self._slots = self._fill(self._slots, rows, rows)
         for slots in self._slots:
             slots.block_until_ready()
 
@@ -211,8 +247,7 @@ class Bench:
 
     def __exit__(self, *exc) -> None:
         self._slots = ()
-        self.gate_up.release()
-        self.down.release()
+        self.banks.release()
 
 
 def measure_rates(calls: dict[str, tuple[Callable[[], Any], int]], repeats: int,
@@ -257,8 +292,10 @@ def contended_rates(fill: Callable[[], Any], gemv: Callable[[], Any], nbytes: in
 
 
 def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *, quick: bool = False,
-                    repeats: int | None = None, progress: bool = False) -> Profile:
-    """Measure BP, BH and the contended pair at expert size (H, I, dtype) on the default jax device.
+                    repeats: int | None = None, progress: bool = False, fmt: WeightFormat | None = None) -> Profile:
+    """Measure BP, BH and the contended pair at expert size (H, I, dtype) on the default jax device, with the experts
+    in weight format ``fmt`` (default the float format of dtype; a quantized format: its stored bytes, read by the
+    kernels that dequantize them).
 
     quick: MODES["quick"] (a few seconds) instead of MODES["full"]; repeats: timed windows per bandwidth (default
     the mode's), >= 1; progress: show the stage on stderr when it is a terminal.
@@ -277,7 +314,7 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
 
     t0 = time.perf_counter()
     stage("ft-jax profile: allocating host banks and slots")
-    with Bench(hidden_size, intermediate_size, dtype, call_bytes=mode["call_bytes"]) as b:
+    with Bench(hidden_size, intermediate_size, dtype, call_bytes=mode["call_bytes"], fmt=fmt) as b:
         stage("ft-jax profile: slot fill (BP) and host GEMV (BH), each alone")
         rates = measure_rates({"bp": (b.fill, b.nbytes), "bh": (b.gemv, b.nbytes)}, repeats, mode["min_time"])
         window = max(2 * mode["min_time"], 4 * b.nbytes / GB / min(rates["bp"][0], rates["bh"][0]))  # >= ~4 calls
@@ -288,7 +325,7 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
         values = [pair[i] for pair in pairs]
         rates[name] = (statistics.median(values), min(values), max(values))
     return Profile(
-        key=machine_key(dtype, b.expert_bytes), bp=rates["bp"][0], bh=rates["bh"][0],
+        key=machine_key(dtype, b.expert_bytes, fmt), bp=rates["bp"][0], bh=rates["bh"][0],
         bp_contended=rates["bp_contended"][0], bh_contended=rates["bh_contended"][0],
         spreads={name: [lo, hi] for name, (_, lo, hi) in rates.items()}, repeats=repeats, quick=quick,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -374,8 +411,9 @@ def save_profile(profile: Profile, path: str | os.PathLike | None = None) -> tup
 
 def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *,
                            allow_measure: bool = True, path: str | os.PathLike | None = None, save: bool = True,
-                           progress: bool = False) -> tuple[Profile | None, str]:
-    """(the profile decoding uses for experts (H, I, dtype) on this machine, or None; a one-line message).
+                           progress: bool = False, fmt: WeightFormat | None = None) -> tuple[Profile | None, str]:
+    """(the profile decoding uses for experts (H, I, dtype; in weight format ``fmt``, default the float format of
+    dtype) on this machine, or None; a one-line message).
 
     1. The stored profile for machine_key (a damaged store or a path that is not a store is ignored with a
     UserWarning; profiles of other machines are ignored and named in the message). 2. Else, if ``allow_measure``,
@@ -383,7 +421,7 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
     returned). 3. Else, or if the quick profile fails (ValueError, MemoryError, OSError): None and a UserWarning;
     decoding then uses the fixed-cap 1 policy. ``path``: the store (default default_store_path()).
     """
-    key = machine_key(dtype, expert_nbytes(hidden_size, intermediate_size, dtype))
+    key = machine_key(dtype, expert_nbytes(hidden_size, intermediate_size, dtype, fmt), fmt)
     store = Path(path) if path is not None else default_store_path()
     try:
         profiles, damaged = read_profiles(store)
@@ -407,7 +445,7 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
         warnings.warn(msg, stacklevel=2)
         return None, msg
     try:
-        profile = measure_profile(hidden_size, intermediate_size, dtype, quick=True, progress=progress)
+        profile = measure_profile(hidden_size, intermediate_size, dtype, quick=True, progress=progress, fmt=fmt)
     except (ValueError, MemoryError, OSError) as e:
         msg = f"{why}; the quick bandwidth profile failed ({e}): falling back to the fixed-cap 1 policy"
         warnings.warn(msg, stacklevel=2)
@@ -425,10 +463,12 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
                      f"{profile.summary()}; run `ft-jax profile` for a full one")
 
 
-def stored_profile(expert_bytes: int, dtype: str, path: str | os.PathLike | None = None) -> tuple[Profile, str]:
-    """(Profile, how) of this machine from the bandwidth store: the entry for (dtype, expert_bytes), else this
-    machine's entry with the closest expert size. Raises ValueError if the store has none of this machine."""
-    key = machine_key(dtype, expert_bytes)
+def stored_profile(expert_bytes: int, dtype: str, path: str | os.PathLike | None = None,
+                   fmt: WeightFormat | None = None) -> tuple[Profile, str]:
+    """(Profile, how) of this machine from the bandwidth store: the entry for (format_key(dtype, fmt), expert_bytes),
+    else this machine's entry with the closest expert size. Raises ValueError if the store has none of this
+    machine."""
+    key = machine_key(dtype, expert_bytes, fmt)
     profiles, damaged = read_profiles(path)
     here = [p for p in profiles if describe_machine(p.key) == describe_machine(key)]
     exact = [p for p in here if p.key == key]
@@ -451,15 +491,16 @@ def _spec(profile: Profile, source: str) -> dict:
 
 def cost_model_for(bandwidth: str, expert_bytes: int, *, dtype: str = "bfloat16", profile_path: str | None = None,
                    device_bandwidth: float | None = None, fill_fixed_ms: float = 0.0, host_fixed_ms: float = 0.0,
-                   device_fixed_ms: float = 0.0) -> CostModel:
-    """The CostModel of a --bandwidth spec (cost_model.parse_bandwidth; "stored": stored_profile) at an expert size.
+                   device_fixed_ms: float = 0.0, fmt: WeightFormat | None = None) -> CostModel:
+    """The CostModel of a --bandwidth spec (cost_model.parse_bandwidth; "stored": stored_profile) at an expert size
+    (stored bytes; ``fmt``: the weight format whose stored profile is looked up, default the float one of dtype).
 
     device_bandwidth None: BH for a stored profile of a CPU device, else ASSUMED_DEVICE_GBPS (CostModel.from_spec).
     Raises ValueError (bad spec, no stored profile)."""
     spec = parse_bandwidth(bandwidth)
     platform_name = None
     if spec is None:
-        profile, how = stored_profile(expert_bytes, dtype, profile_path)
+        profile, how = stored_profile(expert_bytes, dtype, profile_path, fmt)
         spec, platform_name = _spec(profile, how), profile.key["platform"]
     return CostModel.from_spec(spec, expert_bytes, platform=platform_name, device_bandwidth=device_bandwidth,
                                fill_fixed_ms=fill_fixed_ms, host_fixed_ms=host_fixed_ms,
@@ -472,7 +513,7 @@ def resolve_policy(policy, banks: ExpertBanks, hidden_size: int, intermediate_si
     """The decode Policy bound to this machine's bandwidth profile, and a one-line note.
 
     auto takes its costs, and a qstar policy without a fraction its fraction, from the stored profile of this machine
-    for experts (hidden_size, intermediate_size, the banks' dtype), or a quick profile (stored), or, with
+    for experts (hidden_size, intermediate_size, the banks' weight format), or a quick profile (stored), or, with
     measure=False and none stored, falls back to fixed-cap:1 (the note says so). The costs are those of
     CostModel.from_spec at banks.expert_bytes: device bandwidth BH on a CPU device (the slot experts run the host
     kernel), else cost_model.ASSUMED_DEVICE_GBPS. Other policies, and a qstar policy with its fraction, pass through.
@@ -493,8 +534,9 @@ def resolve_policy(policy, banks: ExpertBanks, hidden_size: int, intermediate_si
         return policy, None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the note says it
-        found, note = get_or_measure_profile(hidden_size, intermediate_size, banks.gate_up.dtype,
-                                             allow_measure=measure, path=profile, progress=progress)
+        fmt = banks.format if banks.quantized else None  # a quantized format sets the key (format_key), not dtype
+        found, note = get_or_measure_profile(hidden_size, intermediate_size, "bfloat16" if fmt else banks.gate_up.dtype,
+                                             allow_measure=measure, path=profile, progress=progress, fmt=fmt)
     if found is None:
         return Policy(PolicyKind.FIXED_CAP, cap=1), note
     model = CostModel.from_spec(_spec(found, note), banks.expert_bytes, platform=found.key["platform"])

@@ -1,0 +1,351 @@
+"""Loading quantized weights (issue 19): --quantize q8_0 / q4_0 of a float checkpoint, FP8 block-scaled checkpoints
+and gpt-oss's MXFP4 experts kept as stored, the stored bytes per expert everywhere, and the errors.
+
+References are computed independently: gguf's numpy quantizer (gguf.quants.quantize) for the q8_0 / q4_0 bytes, the
+tensors written by the test itself (FP8 data and scale grids with partial edge blocks) for what the banks hold, and
+numpy float64 for the dequantized values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+
+import gguf
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from ft_jax import memory
+from ft_jax import weight_formats as wf
+from ft_jax.checkpoint import (CheckpointError, SafetensorsCheckpoint, _dense_factory, expert_tensor_plan,
+                               load_checkpoint, load_expert_banks)
+from ft_jax.config import ConfigError, load_config
+from ft_jax.config.quantization import expert_format, quantize_applies
+from ft_jax.kernels.host_bank import HostBank
+from ft_jax.offload import profile as bandwidth
+from ft_jax.offload.banks import ExpertBanks
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
+F8 = ml_dtypes.float8_e4m3fn
+BLOCK = (24, 40)  # fp8 block of the written checkpoint: I = 32 rows -> 24 + 8, H = 64 cols -> 40 + 24 (partial edges)
+
+
+def _bf16_copy(family: str, dst) -> str:
+    """The fixture ``family`` rewritten in bfloat16 (config dtype bfloat16). Returns the folder."""
+    d = str(dst)
+    os.makedirs(d, exist_ok=True)
+    src = os.path.join(FIXTURES, family)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["torch_dtype"] = "bfloat16"
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}, os.path.join(d, "model.safetensors"))
+    return d
+
+
+def _load_parts(d, dtype, quantize=None):
+    """(config, ExpertBanks, dense factory, checkpoint) of folder d, as load_checkpoint builds them (the model itself
+    is left out: these tests look at what the loader reads, not at the models' handling of QuantizedTensor)."""
+    cfg = load_config(d)
+    fmt = expert_format(cfg, dtype, quantize)
+    ckpt = SafetensorsCheckpoint(d)
+    banks = load_expert_banks(cfg, ckpt, expert_tensor_plan(cfg, ckpt, fmt), fmt, np.dtype(dtype))
+    return cfg, banks, _dense_factory(ckpt, np.dtype(dtype), cfg.family, fmt if fmt.quantized else None), ckpt
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_quantize_while_loading_equals_gguf(tmp_path, name):
+    """A bf16 Qwen3-MoE checkpoint loaded with quantize=q8_0 / q4_0: every bank row holds weight_formats.quantize of
+    its tensors, whose bytes are gguf's (checked for every expert of one layer), expert_bytes is the stored size,
+    dense projections (lm_head included) are QuantizedTensor, routers, embeddings and norms stay as stored."""
+    d = _bf16_copy("qwen3_moe", tmp_path / "ckpt")
+    fmt = wf.by_name(name)
+    cfg, banks, make, ckpt = _load_parts(d, ml_dtypes.bfloat16, name)
+    tensors = load_file(os.path.join(FIXTURES, "qwen3_moe", "model.safetensors"))  # f32 values = the bf16 ones
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert banks.format is fmt and banks.names == ("gate_up", "down", "gate_up_scale", "down_scale")
+    assert banks.expert_bytes == fmt.nbytes(2 * I, H) + fmt.nbytes(H, I) == \
+        memory.planned_expert_bytes(cfg, ml_dtypes.bfloat16, fmt)
+    assert banks.expert_bytes < 3 * H * I * 2  # smaller than bf16
+    gu, dn, gus, dns = (getattr(banks, n).numpy() for n in banks.names)
+    gtype = getattr(gguf.GGMLQuantizationType, name.upper())
+    for m, layer in enumerate(cfg.moe_layers):
+        for e in range(E):
+            p = f"model.layers.{layer}.mlp.experts.{e}"
+            w_bf16 = {k: tensors[f"{p}.{k}_proj.weight"].astype(ml_dtypes.bfloat16) for k in ("gate", "up", "down")}
+            gate_up = np.concatenate([w_bf16["gate"], w_bf16["up"]])
+            data, scales = wf.quantize(gate_up, fmt)
+            np.testing.assert_array_equal(gu[m * E + e], data)
+            np.testing.assert_array_equal(gus[m * E + e], scales)
+            data, scales = wf.quantize(w_bf16["down"], fmt)
+            np.testing.assert_array_equal(dn[m * E + e], data)
+            np.testing.assert_array_equal(dns[m * E + e], scales)
+            if m == 0:  # the bytes gguf's quantizer writes for the same values
+                ref = gguf.quants.quantize(w_bf16["down"].astype(np.float32), gtype)
+                np.testing.assert_array_equal(wf.gguf_blocks(dn[e], dns[e], fmt), ref)
+    q = make("model.layers.0.self_attn.q_proj.weight", tensors["model.layers.0.self_attn.q_proj.weight"].shape,
+             "weight")
+    assert isinstance(q, wf.QuantizedTensor) and q.fmt is fmt
+    ref = gguf.quants.quantize(tensors["model.layers.0.self_attn.q_proj.weight"].astype(ml_dtypes.bfloat16)
+                               .astype(np.float32), gtype)
+    np.testing.assert_array_equal(wf.gguf_blocks(q.data, q.scales, fmt), ref)
+    head = make("lm_head.weight", (cfg.vocab_size, H), "weight")
+    assert isinstance(head, wf.QuantizedTensor) and head.data.shape == fmt.data_shape(cfg.vocab_size, H)
+    for stays, kind in (("model.embed_tokens.weight", "weight"), ("model.layers.1.mlp.gate.weight", "weight"),
+                        ("model.layers.0.input_layernorm.weight", "norm")):
+        got = make(stays, tensors[stays].shape, kind)
+        assert isinstance(got, np.ndarray) and got.dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(got, tensors[stays].astype(ml_dtypes.bfloat16))
+    assert not quantize_applies("model.layers.3.mlp.shared_expert_gate.weight", (1, H))
+    assert quantize_applies("model.layers.3.mlp.shared_expert.down_proj.weight", (H, I))
+    ckpt.close()
+    banks.release()
+
+
+def test_quantize_refuses_a_row_that_does_not_fit_its_blocks(tmp_path):
+    """q4_0 needs rows of a multiple of 32 values: DeepSeek-V2's fixture (I = 16) is refused naming the tensor."""
+    d = os.path.join(FIXTURES, "deepseek_v2")
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'model.layers.\d+.mlp.experts.0.down_proj"
+                                              r".weight': rows of 16 elements do not fit q4_0's blocks of 32"):
+        load_checkpoint(d, quantize="q4_0")
+    cfg = load_config(d)
+    with SafetensorsCheckpoint(d) as ckpt:  # the dense side names its tensor too
+        make = _dense_factory(ckpt, np.float32, cfg.family, wf.Q8_0)
+        name = "model.layers.0.self_attn.kv_b_proj.weight"
+        with pytest.raises(CheckpointError, match=re.escape(f"tensor {name!r}: rows of {cfg.kv_lora_rank} elements "
+                                                            "do not fit q8_0's blocks of 32")):
+            make(name, ckpt.tensors[name].shape, "weight")
+
+
+def _fp8_quantize(w: np.ndarray, block) -> tuple[np.ndarray, np.ndarray]:
+    """(f8e4m3fn [rows, cols], f32 scale_inv [ceil(rows / br), ceil(cols / bc)]): one scale per block = amax / 448,
+    as DeepSeek's fp8 conversion (partial edge blocks take the amax of what they cover)."""
+    br, bc = block
+    R, C = w.shape
+    s = np.zeros((-(-R // br), -(-C // bc)), np.float32)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            s[i, j] = max(np.abs(w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]).max(), 1e-12) / wf.FP8_MAX
+    full = np.repeat(np.repeat(s, br, 0)[:R], bc, 1)[:, :C]
+    return (w / full).astype(F8), s
+
+
+def _write_fp8_checkpoint(d) -> dict:
+    """The Qwen3-MoE fixture as a block-FP8 checkpoint (BLOCK, partial edge blocks): every linear weight of the
+    decoder layers but the router F8_E4M3 + weight_scale_inv (f32; bf16 for the down projections, values exactly
+    bf16); embeddings, lm_head, norms and routers as stored. Returns the written tensors."""
+    os.makedirs(d, exist_ok=True)
+    src = os.path.join(FIXTURES, "qwen3_moe")
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["torch_dtype"] = "bfloat16"
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(BLOCK), "modules_to_not_convert": ["lm_head", "mlp.gate"]}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    out = {}
+    for k, v in load_file(os.path.join(src, "model.safetensors")).items():
+        if k.startswith("model.layers.") and k.endswith("proj.weight"):
+            data, s = _fp8_quantize(v, BLOCK)
+            out[k] = data
+            out[f"{k}_scale_inv"] = s.astype(ml_dtypes.bfloat16) if "down_proj" in k else s
+        else:
+            out[k] = v.astype(ml_dtypes.bfloat16)
+    save_file(out, os.path.join(d, "model.safetensors"))
+    return out
+
+
+def test_fp8_checkpoint_kept_as_stored(tmp_path):
+    """The banks of a block-FP8 checkpoint hold exactly the stored FP8 bytes and the scale grids (gate's then up's,
+    bf16 ones widened to f32 exactly); the dense projections are QuantizedTensor of the stored data and scales, the
+    router and the embedding stay float; dequantized rows equal the float64 reference of the stored values."""
+    d = str(tmp_path / "fp8")
+    t = _write_fp8_checkpoint(d)
+    cfg, banks, make, ckpt = _load_parts(d, ml_dtypes.bfloat16)
+    fmt = banks.format
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert fmt.name == "fp8" and fmt.block == BLOCK and cfg.quantization.block == BLOCK
+    sr = fmt.scale_rows(I)  # 2 scale rows per matrix of 32 rows
+    assert banks.gate_up_scale.row_shape == (2 * sr, 2) and banks.down_scale.row_shape == (3, 1)
+    assert banks.expert_bytes == 3 * H * I + 4 * (2 * sr * 2 + 3) == memory.planned_expert_bytes(cfg, "bfloat16", fmt)
+    gu, dn, gus, dns = (getattr(banks, n).numpy() for n in banks.names)
+    for m, layer in enumerate(cfg.moe_layers):
+        for e in range(E):
+            p, r = f"model.layers.{layer}.mlp.experts.{e}", m * E + e
+            np.testing.assert_array_equal(gu[r, :I].view(np.uint8), t[f"{p}.gate_proj.weight"].view(np.uint8))
+            np.testing.assert_array_equal(gu[r, I:].view(np.uint8), t[f"{p}.up_proj.weight"].view(np.uint8))
+            np.testing.assert_array_equal(dn[r].view(np.uint8), t[f"{p}.down_proj.weight"].view(np.uint8))
+            np.testing.assert_array_equal(gus[r, :sr], t[f"{p}.gate_proj.weight_scale_inv"])
+            np.testing.assert_array_equal(gus[r, sr:], t[f"{p}.up_proj.weight_scale_inv"])
+            np.testing.assert_array_equal(dns[r], t[f"{p}.down_proj.weight_scale_inv"].astype(np.float32))
+            assert gus.dtype == dns.dtype == np.float32
+    # value (r, c) = data * scale[r // br, c // bc], in float64, against the pair layout of dequantize
+    p = "model.layers.0.mlp.experts.3"
+    want = np.concatenate([t[f"{p}.{k}_proj.weight"].astype(np.float64) *
+                           np.repeat(np.repeat(t[f"{p}.{k}_proj.weight_scale_inv"].astype(np.float64), BLOCK[0], 0)
+                                     [:I], BLOCK[1], 1)[:, :H] for k in ("gate", "up")])
+    np.testing.assert_array_equal(wf.dequantize(gu[3], gus[3], fmt, rows=I, dtype=np.float64), want)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    o = make(name, t[name].shape, "weight")
+    assert isinstance(o, wf.QuantizedTensor) and o.fmt == fmt
+    np.testing.assert_array_equal(o.data.view(np.uint8), t[name].view(np.uint8))
+    np.testing.assert_array_equal(o.scales, t[f"{name}_scale_inv"])
+    router = make("model.layers.0.mlp.gate.weight", t["model.layers.0.mlp.gate.weight"].shape, "weight")
+    assert isinstance(router, np.ndarray) and router.dtype == ml_dtypes.bfloat16
+    emb = make("model.embed_tokens.weight", t["model.embed_tokens.weight"].shape, "weight")
+    assert isinstance(emb, np.ndarray) and emb.dtype == ml_dtypes.bfloat16
+    ckpt.close()
+    banks.release()
+    with pytest.raises(ConfigError, match=r"--quantize q8_0: this Qwen3MoeForCausalLM checkpoint is already "
+                                          r"quantized \(fp8"):
+        load_checkpoint(d, quantize="q8_0")
+
+
+@pytest.mark.parametrize("where", ["data", "f32 scale", "bf16 scale"])
+def test_fp8_nan_is_reported_naming_file_and_tensor(tmp_path, where):
+    d = str(tmp_path / "fp8")
+    t = _write_fp8_checkpoint(d)
+    path = os.path.join(d, "model.safetensors")
+    name = {"data": "model.layers.1.mlp.experts.5.up_proj.weight",
+            "f32 scale": "model.layers.0.mlp.experts.2.gate_proj.weight_scale_inv",
+            "bf16 scale": "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"}[where]
+    bad = t[name].copy()
+    if where == "data":
+        bits = bad.view(np.uint8)
+        bits[2, 3] = 0xFF  # S.1111.111: NaN in float8_e4m3fn
+    else:
+        bad[-1, -1] = np.inf if where == "f32 scale" else np.nan
+    t[name] = bad
+    save_file(t, path)
+    cfg = load_config(d)
+    fmt = expert_format(cfg, "bfloat16")
+    with SafetensorsCheckpoint(d) as ckpt:
+        plan = expert_tensor_plan(cfg, ckpt, fmt)
+        expect = (rf"^{re.escape(path)}: tensor '{re.escape(name)}' \[32, 64\] holds NaN: 1 of 2048 FP8 elements are "
+                  r"NaN, the first at index \[2, 3\]") if where == "data" else \
+            rf"^{re.escape(path)}: tensor '{re.escape(name)}\[0:\d\]' \[\d, \d\] holds (Inf|NaN)"
+        with pytest.raises(CheckpointError, match=expect):
+            load_expert_banks(cfg, ckpt, plan, fmt, np.dtype(ml_dtypes.bfloat16))
+    name = "model.layers.0.self_attn.q_proj.weight"  # the dense side checks its FP8 data too
+    t[name] = t[name].copy()
+    t[name].view(np.uint8)[0, 0] = 0x7F
+    save_file(t, path)
+    with SafetensorsCheckpoint(d) as ckpt:
+        with pytest.raises(CheckpointError, match=rf"tensor '{re.escape(name)}' .* holds NaN"):
+            _dense_factory(ckpt, np.dtype(ml_dtypes.bfloat16), cfg.family, fmt)(name, t[name].shape, "weight")
+
+
+def test_mxfp4_scale_255_is_reported(tmp_path):
+    """An E8M0 scale of 255 (NaN) in gpt-oss's MXFP4 experts is refused naming the file, tensor and expert."""
+    d = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(FIXTURES, "gpt_oss_mxfp4"), d, ignore=shutil.ignore_patterns("reference"))
+    path = os.path.join(d, "model.safetensors")
+    t = load_file(path)
+    name = "model.layers.0.mlp.experts.gate_up_proj_scales"
+    t[name][6, 9, 1] = 255
+    save_file(t, path)
+    cfg = load_config(d)
+    with SafetensorsCheckpoint(d) as ckpt:
+        plan = expert_tensor_plan(cfg, ckpt, wf.MXFP4)
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(path)}: tensor '{name}' expert 6 holds the E8M0 "
+                                                  r"scale 255 \(NaN\)"):
+            load_expert_banks(cfg, ckpt, plan, wf.MXFP4, np.dtype(np.float32))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "compressed-tensors", "bitsandbytes"])
+def test_other_quantization_methods_are_refused(tmp_path, method):
+    d = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(FIXTURES, "qwen3_moe"), d, ignore=shutil.ignore_patterns("reference"))
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": method, "bits": 4}
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ConfigError, match=rf"config.json: quantization_config quant_method '{method}' is not "
+                                          r"implemented \(supported: fp8, mxfp4"):
+        load_checkpoint(d)
+
+
+def test_fp8_config_fields_are_checked():
+    from ft_jax.config.quantization import read_quantization
+
+    base = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert read_quantization({"quantization_config": base}, "c", "qwen3_moe").block == (128, 128)
+    for bad, what in (({"weight_block_size": None}, "weight_block_size"), ({"weight_block_size": [128, 0]},
+                      "weight_block_size"), ({"fmt": "e5m2"}, "fmt 'e5m2'"),
+                      ({"activation_scheme": "static"}, "activation_scheme 'static'")):
+        with pytest.raises(ConfigError, match=f"^c: quantization_config.{what}"):
+            read_quantization({"quantization_config": {**base, **bad}}, "c", "qwen3_moe")
+    with pytest.raises(ConfigError, match="'mxfp4' is implemented for gpt-oss"):
+        read_quantization({"quantization_config": {"quant_method": "mxfp4"}}, "c", "mixtral")
+    with pytest.raises(ValueError, match="quantize must be one of q8_0, q4_0"):
+        expert_format(load_config(os.path.join(FIXTURES, "mixtral")), np.float32, "q5_k")
+
+
+def test_expert_banks_check_the_format_layout():
+    """ExpertBanks refuses scale banks that do not match the format (naming the bank, expected vs got), and a
+    quantized format without them."""
+    H, I = 64, 32
+    rows = wf.expert_rows(wf.Q4_0, H, I)
+    assert rows == {"gate_up": ((64, 32), np.dtype(np.uint8)), "down": ((64, 16), np.dtype(np.uint8)),
+                    "gate_up_scale": ((64, 2), np.dtype(np.float16)), "down_scale": ((64, 1), np.dtype(np.float16))}
+    banks = {n: HostBank(2, s, dt) for n, (s, dt) in rows.items()}
+    eb = ExpertBanks(**banks, format=wf.Q4_0)
+    assert eb.expert_bytes == 64 * 32 + 64 * 16 + 2 * (64 * 2 + 64) == wf.Q4_0.nbytes(64, 64) + wf.Q4_0.nbytes(64, 32)
+    assert eb.pool_shapes(3)["gate_up_scale"] == ((3, 64, 2), np.dtype(np.float16))
+    with pytest.raises(ValueError, match=r"down_scale rows of format q8_0 \(H=64, I=32\) must be \[64, 1\] float16"):
+        ExpertBanks(HostBank(2, (64, 64), np.int8), HostBank(2, (64, 32), np.int8), gate_up_scale=banks["gate_up_scale"],
+                    down_scale=HostBank(2, (64, 2), np.float16), format=wf.Q8_0)
+    with pytest.raises(ValueError, match="format q4_0 needs scale banks"):
+        ExpertBanks(banks["gate_up"], banks["down"], format=wf.Q4_0)
+    eb.release()
+
+
+def test_stored_sizes_for_memory_check_and_profile(tmp_path):
+    """The pre-load memory check, the profile key and --quantize's slot budgets count experts at the stored size."""
+    cfg = load_config(os.path.join(FIXTURES, "qwen3_moe"))
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    q4 = memory.planned_expert_bytes(cfg, "bfloat16", wf.Q4_0)
+    assert q4 == 2 * I * H // 2 + H * I // 2 + 2 * (2 * I * H // 32 + H * I // 32)
+    with SafetensorsCheckpoint(os.path.join(FIXTURES, "qwen3_moe")) as ckpt:
+        need = memory.host_need(cfg, ckpt.tensors, "bfloat16", 7, True, wf.Q4_0)
+        plain = memory.host_need(cfg, ckpt.tensors, "bfloat16", 7, True)
+        dense_q = sum(wf.Q4_0.nbytes(*t.shape) if quantize_applies(n, t.shape) else math.prod(t.shape) * 2
+                      for n, t in ckpt.tensors.items() if ".experts." not in n)
+    assert need.banks == cfg.num_moe_layers * cfg.num_experts * q4 and need.slots == 7 * q4
+    assert need.dense == dense_q < plain.dense
+    assert bandwidth.expert_nbytes(H, I, "bf16", wf.Q4_0) == q4  # no biases in qwen3
+    key = bandwidth.machine_key("bfloat16", q4, wf.Q4_0)
+    assert key["dtype"] == "q4_0" and key["expert_bytes"] == q4
+    assert bandwidth.format_key("bf16", wf.fp8((128, 128))) == "fp8_128x128"
+
+
+def test_weight_bytes_per_token_in_the_statistics():
+    """Engine.generate's statistics name the weight format, and the weight bytes per token = (dense weights but the
+    embedding table + active experts per step * expert bytes) / batch, the dense bytes counted from the headers."""
+    from ft_jax.cli.generate import stats_table
+    from ft_jax.engine.engine import Engine
+    from ft_jax.defaults import bundled_model_path
+    from ft_jax.offload.policy import Policy, PolicyKind
+
+    d = bundled_model_path()
+    ckpt = load_checkpoint(d, dtype=jnp.float32)
+    with SafetensorsCheckpoint(d) as headers:
+        dense = sum(math.prod(t.shape) * 4 for n, t in headers.tensors.items()
+                    if ".experts." not in n and n != "model.embed_tokens.weight")
+    engine = Engine(ckpt, policy=Policy(PolicyKind.FETCH_ALL), num_slots=8)
+    assert engine.dense_bytes == dense
+    stats = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=4).stats
+    assert stats["weight_format"] == "f32" and stats["dense_weight_bytes"] == dense
+    want = (dense + stats["active_per_step"] * ckpt.banks.expert_bytes) / 2
+    assert stats["weight_bytes_per_token"] == pytest.approx(want, rel=1e-12)
+    assert f"{want / 2**20:.2f} MiB read per token" in stats_table(stats)
+    ckpt.banks.release()
