@@ -49,14 +49,14 @@ Method: --rounds rounds; in each, every program runs once, in an order rotated b
 program always runs first). Before each llama-bench run the GGUF is read once so that it is in the page cache
 (llama.cpp memory-maps it; ft_jax reads its checkpoint into host memory before it starts timing).
 Reported per program: tokens/s median [min-max] over the rounds; weight GB/s = weight bytes read per decoded token
-x tokens/s / 1e9, the bytes computed from the config (q/k/v/o projections, router, norms, lm_head, one embedding
-row and top_k experts per MoE layer, bf16; the GGUF's f32 router and norms add < 0.05 % and are not counted); the
-ratio of its median tokens/s to llama.cpp's, the range of the same-round ratios and the ratio of the best rounds;
-its median GB/s over the median T-thread numpy read (and best over best). Also the load average before and after
-(and at each round start); the CPU other processes used during each run, in cores (CpuMeter: whole run, load and
-compile included; a warning when above 0.25 core) and the same figures over only the runs below that ("quiet");
-thread counts; versions; every run's record. The table goes to stderr; JSON to --json-out and/or stdout (--json).
-A benchmark, not a test: nothing is asserted.
+(that side's own count, above; ft_jax's stats' count is recorded next to it) x tokens/s / 1e9; the ratio of its
+median tokens/s to llama.cpp's on the same weight type, the range of the same-round ratios and the ratio of the
+best rounds; its median GB/s over the median T-thread numpy read (and best over best). Also the load average
+before and after, at each round start and at each run's start; the CPU other processes used during each run, in
+cores (CpuMeter: whole run, load and compile included; a warning when above 0.25 core) and the same figures over
+only the runs below that ("quiet"); thread counts; versions; every run's record. A program whose run fails is
+reported with its error and left out of the later rounds (exit status 1). The table goes to stderr; JSON to
+--json-out and/or stdout (--json). A benchmark, not a test: nothing is asserted.
 
 Needs: cmake and a C++ compiler (llama.cpp build, once), the gguf package (``pip install gguf``, or the ``bench``
 extra of ft_jax) and ft_jax installed in this interpreter's environment. Disk: about 10 GB under --cache-dir for
@@ -429,7 +429,9 @@ def program_title(label: str) -> str:
     quant = quant or "bf16"
     if program == "llama.cpp":
         return f"llama.cpp ({quant} GGUF)"
-    return f"ft_jax {program}" + ("" if quant == "bf16" else f" --quantize {quant}")
+    if FT_JAX_QUANTIZE.get(quant) is None:
+        return f"ft_jax {program}" + ("" if quant == "bf16" else f" ({quant} as stored)")
+    return f"ft_jax {program} --quantize {quant}"
 
 
 def format_table(result: dict) -> str:
@@ -633,11 +635,12 @@ def main(argv=None) -> int:
     numpy_rates: dict[str, list[float]] = {"1": [], str(args.threads): []} if numpy_read else {}
     runs: dict[str, list[dict]] = {label: [] for label in labels}
     commands: dict[str, list[str]] = {}
+    failed: dict[str, str] = {}  # label -> the error of its failed run (it is left out of the later rounds)
     round_log = []
     load_before = _loadavg()
     t_start = time.perf_counter()
     for r in range(rounds):
-        order = labels[r % len(labels):] + labels[:r % len(labels)]
+        order = [label for label in labels[r % len(labels):] + labels[:r % len(labels)] if label not in failed]
         round_log.append({"round": r, "order": order, "load_average_at_start": _loadavg()})
         for label in order:
             prog, quant = by_label[label]
@@ -654,12 +657,17 @@ def main(argv=None) -> int:
                 _log(f"  numpy read {statistics.median(one):.2f} GB/s (1 thread), "
                      f"{statistics.median(many):.2f} GB/s ({args.threads} threads)")
                 continue
-            if prog == "llama.cpp":
-                run = run_llama_bench(build["llama_bench"], ggufs[quant], new_tokens, args.prompt_len, args.threads,
-                                      args.timeout)
-            else:
-                run = run_ft_jax(model_dir, prog, prompt, new_tokens, args.cache_fraction, args.threads,
-                                 cache_dir / "ft_jax_profiles.json", args.timeout, FT_JAX_QUANTIZE[quant])
+            try:
+                if prog == "llama.cpp":
+                    run = run_llama_bench(build["llama_bench"], ggufs[quant], new_tokens, args.prompt_len,
+                                          args.threads, args.timeout)
+                else:
+                    run = run_ft_jax(model_dir, prog, prompt, new_tokens, args.cache_fraction, args.threads,
+                                     cache_dir / "ft_jax_profiles.json", args.timeout, FT_JAX_QUANTIZE[quant])
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                failed[label] = str(e)
+                _log(f"  FAILED, left out of the later rounds: {e}")
+                continue
             run.update(meter.stop())
             run["load_average_at_start"] = load_at_start
             samples[label].append(run["tokens_per_s"])
@@ -699,17 +707,20 @@ def main(argv=None) -> int:
         "quiet": quiet_summary(runs, bytes_per_token, args.threads, reference),
         "numpy_read_gbps": {k: {"round_medians": _spread(v), "per_round": v} for k, v in numpy_rates.items() if v},
         "commands": commands,
+        "failed": failed,
         "rounds": round_log,
         "runs": runs,
     }
     print(format_table(result), file=sys.stderr)
+    for label, error in failed.items():
+        print(f"bench_peer: {label} FAILED: {error}", file=sys.stderr)
     text = json.dumps(result, indent=1)
     if args.json_out:
         args.json_out.write_text(text + "\n")
         _log(f"wrote {args.json_out}")
     if args.json:
         print(text)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
