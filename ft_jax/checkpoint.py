@@ -24,7 +24,6 @@ import os
 import struct
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

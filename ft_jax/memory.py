@@ -147,9 +147,10 @@ def host_need(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool, fm
 
 
 def refusal(need: HostNeed, available: int, source: str, *, dtype: str, expert_bytes: int, num_slots: int,
-            slots_in_host: bool) -> str | None:
+            slots_in_host: bool, quantizable: bool = False) -> str | None:
     """The one-line refusal when ``need.total`` exceeds ``available`` bytes, else None. It names both figures and
-    what would fit: fewer device slots (--cache-slots), bfloat16 instead of float32, or a machine with more memory."""
+    what would fit: fewer device slots (--cache-slots), bfloat16 instead of float32, --quantize q8_0 / q4_0 for a
+    float checkpoint loaded unquantized (``quantizable``), or a machine with more memory."""
     if need.total <= available:
         return None
     parts = f"expert banks {need.banks // MIB} MiB, dense weights {need.dense // MIB} MiB"
@@ -164,6 +165,8 @@ def refusal(need: HostNeed, available: int, source: str, *, dtype: str, expert_b
             fits.append(f"--cache-slots {room // expert_bytes} (a smaller cache)")
     if dtype == "float32" and need.total // 2 <= available:
         fits.append("--dtype bf16 (half the bytes of float32)")
+    if quantizable:
+        fits.append("--quantize q8_0 or q4_0 (8.5 or 4.5 bits per weight instead of 16 for bf16)")
     fits.append(f"a machine with more than {-(-need.total // MIB)} MiB available")
     return (f"loading needs {-(-need.total // MIB)} MiB of host memory ({parts}) but only {available // MIB} MiB "
             f"is available ({source}); what would fit: {' or '.join(fits)}")
@@ -182,7 +185,8 @@ def check_host_memory(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: 
     if found is not None:
         message = refusal(need, found[0], found[1], dtype=np.dtype(dtype).name,
                           expert_bytes=planned_expert_bytes(cfg, dtype, fmt),
-                          num_slots=num_slots, slots_in_host=slots_in_host)
+                          num_slots=num_slots, slots_in_host=slots_in_host,
+                          quantizable=fmt is None or not fmt.quantized)
         if message is not None:
             raise InsufficientMemoryError(message)
     return need

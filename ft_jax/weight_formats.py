@@ -30,6 +30,7 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -73,7 +74,7 @@ class WeightFormat:
     def check_cols(self, cols: int, what: str) -> None:
         """Raises ValueError naming ``what`` (e.g. the tensor) when rows of ``cols`` elements do not fit the format:
         q8_0, q4_0 and mxfp4 need cols % 32 == 0 (fp8's edge blocks may be partial)."""
-        if self.block[0] == 1 and cols % self.block[1]:
+        if self.name != "fp8" and cols % self.block[1]:  # fp8((1, bc)) (fp8_rowwise) too may end partial
             raise ValueError(f"{what}: rows of {cols} elements do not fit {self.name}'s blocks of {self.block[1]} "
                              f"(the row length must be a multiple of {self.block[1]})")
 
@@ -281,3 +282,67 @@ def expert_rows(fmt: WeightFormat, hidden: int, intermediate: int) -> dict[str, 
         rows["gate_up_scale"] = ((2 * fmt.scale_rows(I), -(-H // fmt.block[1])), fmt.scale_dtype)
         rows["down_scale"] = (fmt.scale_shape(H, I), fmt.scale_dtype)
     return rows
+
+
+def _e8m0_jnp(scales):
+    """E8M0 exponents (u8) as f32 2^(s - 127), built from the bits (exact: s = 0 gives the subnormal 2^-127 and 255
+    gives inf, as np.ldexp in :func:`dequantize`)."""
+    s = scales.astype(jnp.int32)
+    bits = jnp.where(s == 0, jnp.int32(1 << 22), s << 23)  # 2^-127 = mantissa bit 22 of a zero exponent
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def dequantize_jnp(t: QuantizedTensor, dtype=jnp.float32):
+    """The jnp form of :func:`dequantize` for one matrix (or a stack of them: data and scales with any leading axes;
+    traceable: jit, scan, any backend): the values [..., rows, cols] of ``t``, computed in float32 and cast to
+    ``dtype`` (float32 or bfloat16). (A gate_up pair with stacked fp8 scale grids is two matrices: dequantize each.)
+
+    In float32 the values equal :func:`dequantize`'s bit for bit (each is one product of two floats, the same two),
+    except where a backend flushes subnormal results to zero (XLA:CPU does): mxfp4 scales below 2^-126, or an
+    fp8 / q8_0 / q4_0 product below 2^-126, are then 0.
+
+    Args:
+        t: a QuantizedTensor of jax (or numpy) arrays.
+        dtype: result dtype; bfloat16 rounds the float32 values once (round to nearest even).
+    Returns:
+        [..., rows, cols] in ``dtype``.
+    Raises:
+        ValueError: scales whose shape does not match the format and the data.
+    """
+    fmt, data, scales = t.fmt, jnp.asarray(t.data), jnp.asarray(t.scales)
+    n = data.shape[-2]
+    cols = data.shape[-1] * fmt.values_per_item
+    want = fmt.scale_shape(n, cols)
+    if scales.shape[-2:] != want or scales.shape[:-2] != data.shape[:-2]:
+        raise ValueError(f"dequantize_jnp {fmt.name}: data {list(data.shape)} needs scales [..., {want[0]}, "
+                         f"{want[1]}], got {list(scales.shape)}")
+    f32 = jnp.float32
+    if fmt.name == "fp8":
+        s = jnp.repeat(jnp.repeat(scales.astype(f32), fmt.block[0], -2)[..., :n, :], fmt.block[1], -1)[..., :cols]
+        return (data.astype(f32) * s).astype(dtype)  # [..., rows, cols]
+    if fmt is Q8_0:
+        values = data.astype(f32).reshape(*data.shape[:-1], -1, QBLOCK)  # [..., rows, G, 32]
+        scale = scales.astype(f32)
+    elif fmt is Q4_0:
+        b = data.reshape(*data.shape[:-1], -1, QBLOCK // 2)  # u8[..., rows, G, 16]
+        values = jnp.concatenate([b & 0x0F, b >> 4], axis=-1).astype(f32) - 8  # element j, j + 16
+        scale = scales.astype(f32)
+    elif fmt is MXFP4:
+        b = data.reshape(*data.shape[:-1], -1, QBLOCK // 2)
+        codes = jnp.stack([b & 0x0F, b >> 4], axis=-1).reshape(*b.shape[:-1], QBLOCK)  # element 2j, 2j + 1
+        values = jnp.asarray(FP4_E2M1)[codes.astype(jnp.int32)]  # f32[..., rows, G, 32]
+        scale = _e8m0_jnp(scales)
+    else:
+        raise ValueError(f"dequantize_jnp: no block format {fmt.name!r}")
+    return (values * scale[..., None]).reshape(*data.shape[:-1], cols).astype(dtype)
+
+
+def fp8_rowwise(t: QuantizedTensor) -> QuantizedTensor:
+    """An fp8 matrix (numpy, any leading axes) with one scale row per matrix row: format fp8((1, bc)), scales
+    repeated along the rows (the same values; what lets fused projections concatenate fp8 parts whose row counts
+    are not multiples of the block rows). Raises ValueError for another format."""
+    if t.fmt.name != "fp8":
+        raise ValueError(f"fp8_rowwise: {t.fmt.name} is not fp8")
+    rows = t.data.shape[-2]
+    scales = np.repeat(np.asarray(t.scales), t.fmt.block[0], axis=-2)[..., :rows, :]  # [..., rows, ceil(cols / bc)]
+    return QuantizedTensor(t.data, scales, fp8((1, t.fmt.block[1])))

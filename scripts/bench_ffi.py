@@ -15,6 +15,11 @@ windows). Prints three tables:
      count the bias bytes too) and its ratio to the plain call: the biases should cost nothing measurable.
   3. In-graph cost of one FFI call (microseconds): a jit of 200 chained slot_fill calls that copy nothing
      minus a jit with none, per call.
+  4. (--formats) host_experts on stored weight formats (bf16, q8_0, q4_0, mxfp4, fp8 128 x 128) at T=1: GB/s of
+     STORED bytes read per call (data + scales of the k routed experts) divided by numpy read GB/s of the same bytes
+     (np.add.reduce over them viewed as int64, split over the kernel's thread count), at H=2048, I=5632 (a
+     Mixtral-like expert scaled to fit memory), 8 experts, k=2, consecutive calls rotating over the experts (no
+     call finds its weights in cache). Goal: >= 0.85 for every format.
 
 Figures are medians over --repeats timed windows of --min-time seconds each, the variants of a table alternating
 window by window; the spread (min-max) is in brackets; "ratio" divides the medians, "best" the maxima (steadier when
@@ -36,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ft_jax import _ffi
+from ft_jax import weight_formats as wf
 from ft_jax.kernels import ffi_ops
 from ft_jax.kernels.host_bank import HostBank
 from ft_jax.offload.profile import Bench, measure_rates
@@ -119,6 +125,65 @@ def bench_host_experts(hidden: int, inter: int, dtype: str, T: int, k: int, repe
         return b.nbytes, rates["ffi"], rates["np1"], rates["npN"], rates["bias"]
 
 
+def _random_stored(rng, fmt: wf.WeightFormat, experts: int, rows: int, cols: int, pair: bool):
+    """Random stored expert rows [experts, ...] of fmt (data, scales or None): values of realistic magnitude (the
+    kernels' speed does not depend on them, but NaN / denormal inputs would slow the float paths)."""
+    dshape = (experts, *fmt.data_shape(rows, cols))
+    if not fmt.quantized:
+        return (rng.standard_normal(dshape, np.float32) * 0.02).astype(fmt.data_dtype), None
+    sshape = (experts, 2 * fmt.scale_rows(rows // 2) if pair else fmt.scale_rows(rows), -(-cols // fmt.block[1]))
+    if fmt.name == "fp8":
+        codes = rng.integers(0, 0x7F, dshape).astype(np.uint8) | (rng.integers(0, 2, dshape).astype(np.uint8) << 7)
+        return codes.view(fmt.data_dtype), rng.uniform(1e-4, 1e-3, sshape).astype(np.float32)
+    data = rng.integers(-128 if fmt is wf.Q8_0 else 0, 128 if fmt is wf.Q8_0 else 256, dshape).astype(fmt.data_dtype)
+    if fmt is wf.MXFP4:
+        return data, rng.integers(118, 122, sshape).astype(np.uint8)
+    return data, rng.uniform(1e-4, 1e-3, sshape).astype(np.float16)
+
+
+def bench_formats(hidden: int, inter: int, experts: int, k: int, formats: list[str], repeats: int,
+                  min_time: float) -> list[tuple]:
+    """[(format name, stored MiB per call, host_experts rate, numpy read rate)] at T = 1; rates (median, min, max)
+    GB/s of stored bytes. Each format's banks exist only while it is measured (memory)."""
+    threads = kernel_threads()
+    rng = np.random.default_rng(0)
+    rows = [list(range(j, j + k)) for j in range(0, experts - k + 1, k)]  # calls rotate over disjoint expert groups
+    results = []
+    with ThreadPoolExecutor(threads) as pool:
+        for name in formats:
+            fmt = wf.by_name(name)
+            (gud, gus), (dnd, dns) = (_random_stored(rng, fmt, experts, 2 * inter, hidden, True),
+                                      _random_stored(rng, fmt, experts, hidden, inter, False))
+            arrays = [a for a in (gud, gus, dnd, dns) if a is not None]
+            banks = [HostBank.from_numpy(a) for a in arrays]
+            del gud, gus, dnd, dns
+            views = [b.numpy() for b in banks]
+            kw = dict(gate_up_scale=banks[1], down_scale=banks[3]) if fmt.quantized else {}
+            gu_bank, dn_bank = (banks[0], banks[2]) if fmt.quantized else (banks[0], banks[1])
+            call = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, gu_bank, dn_bank, weight_format=fmt, **kw))
+            ids = [jnp.asarray(np.array([r], np.int32)) for r in rows]  # each i32[1, k]
+            x = jnp.asarray(np.linspace(-1.0, 1.0, hidden, dtype=np.float32)[None])  # f32[1, H]
+            w = jnp.full((1, k), 1.0 / k, jnp.float32)
+            nbytes = k * sum(b.row_bytes for b in banks)
+            calls, reads = itertools.count(), itertools.count()
+
+            def ffi():
+                call(x, ids[next(calls) % len(ids)], w).block_until_ready()
+
+            def numpy_read():
+                group = rows[next(reads) % len(rows)]
+                parts = [p for v in views for r in group
+                         for p in np.array_split(v[r].reshape(-1).view(np.uint8).view(np.int64), threads)]
+                list(pool.map(np.add.reduce, parts))
+
+            rates = measure_rates({"ffi": (ffi, nbytes), "numpy": (numpy_read, nbytes)}, repeats, min_time)
+            results.append((fmt.name, nbytes / MiB, rates["ffi"], rates["numpy"]))
+            del views
+            for b in banks:
+                b.release()
+    return results
+
+
 def bench_call_overhead(repeats: int, calls: int = 200) -> tuple[float, float, float]:
     bank = HostBank(4, (16,), np.float32)
     pad = jnp.full((1,), -1, jnp.int32)
@@ -166,6 +231,10 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4], help="T values for host_experts")
     p.add_argument("--top-k", type=int, default=2, help="experts per host_experts call (all T tokens)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--formats", nargs="*", default=None,
+                   help="only table 4: host_experts on these stored formats (default when given without names: "
+                        "bf16 q8_0 q4_0 mxfp4 fp8)")
+    p.add_argument("--format-experts", type=int, default=8, help="experts in the table 4 banks")
     p.add_argument("--repeats", type=int, default=9, help="timed windows per variant")
     p.add_argument("--min-time", type=float, default=0.2, help="seconds per timed window")
     args = p.parse_args(argv)
@@ -173,6 +242,18 @@ def main(argv=None) -> None:
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, kernel {_ffi.kernel_isa()}, "
           f"{kernel_threads()} kernel threads (XLA's pool; cap with FT_JAX_NUM_THREADS); GB/s = 1e9 bytes/s, "
           f"median [min-max] of {args.repeats} windows")
+
+    if args.formats is not None:
+        formats = args.formats or ["bf16", "q8_0", "q4_0", "mxfp4", "fp8"]
+        H, I = 2048, 5632
+        print(f"\n4. host_experts on stored formats vs numpy read of the same bytes (H={H}, I={I}, T=1, "
+              f"k={args.top_k}, {args.format_experts} experts, {kernel_threads()} threads)")
+        print(f"{'format':>7} {'MiB/call':>9} {'host_experts GB/s':>22} {'numpy read GB/s':>22} {'ratio':>6} {'best':>6}")
+        for name, mib, ffi_rate, np_rate in bench_formats(H, I, args.format_experts, args.top_k, formats,
+                                                          args.repeats, args.min_time):
+            print(f"{name:>7} {mib:9.1f} {_fmt(ffi_rate):>22} {_fmt(np_rate):>22} {_ratios(ffi_rate, np_rate)}")
+        print(f"\nload average (1 min) after the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+        return
 
     print(f"\n1. slot_fill vs numpy memcpy ({args.fill_experts} experts per call)")
     print(f"{'expert MiB':>10} {'slot_fill GB/s':>22} {'numpy copy GB/s':>22} {'ratio':>6} {'best':>6}")

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from ft_jax import api, cli, units
+from ft_jax import weight_formats as wf
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss",
@@ -206,3 +207,32 @@ def test_stop_escapes_follow_llama_cpp():
     assert {k: process_escapes(k) for k in cases} == cases
     args = cli.build_parser().parse_args(["generate", "--stop", r"\n\n", "--stop", "x"])
     assert args.stop == ["\n\n", "x"]
+
+
+def test_quantize_budgets_and_errors(capsys, tmp_path):
+    """--quantize: --device-memory counts experts at the stored q4_0 size (data + f16 scales), an MXFP4 checkpoint
+    refuses it (used as stored), and the parser refuses other types."""
+    cfg = json.load(open(os.path.join(FIXTURES, "olmoe", "config.json")))
+    H, I = cfg["hidden_size"], cfg["intermediate_size"]
+    line = _error(capsys, "--model", os.path.join(FIXTURES, "olmoe"), "--prompt-ids", "1", "--device-memory", "1KiB",
+                  "--quantize", "q4_0")
+    assert f"({wf.Q4_0.nbytes(2 * I, H) + wf.Q4_0.nbytes(H, I)} bytes:" in line
+    line = _error(capsys, "--model", os.path.join(FIXTURES, "gpt_oss_mxfp4"), "--prompt-ids", "1", "--quantize",
+                  "q8_0")
+    assert "--quantize q8_0: this GptOssForCausalLM checkpoint is already quantized (mxfp4" in line
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--prompt-ids", "1", "--quantize", "q5_k"])
+    assert exit_info.value.code == 2 and "expected q8_0 or q4_0, got 'q5_k'" in capsys.readouterr().err
+
+
+def test_profile_measures_quantized_experts(capsys, tmp_path):
+    """`ft-jax profile --quantize q4_0`: the profile is keyed by the format and the stored bytes per expert."""
+    status = cli.main(["profile", "--hidden-size", "256", "--intermediate-size", "128", "--quantize", "q4_0",
+                       "--quick", "--repeats", "1", "--no-save", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert status == 0
+    key = out["profile"]["key"]
+    assert key["dtype"] == "q4_0" and key["expert_bytes"] == wf.Q4_0.nbytes(256, 256) + wf.Q4_0.nbytes(256, 128)
+    assert cli.main(["profile", "--hidden-size", "48", "--intermediate-size", "128", "--quantize", "q8_0",
+                     "--no-save"]) == 2
+    assert "rows of 48 elements do not fit q8_0's blocks of 32" in capsys.readouterr().err

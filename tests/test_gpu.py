@@ -155,6 +155,29 @@ def test_gpu_host_experts_equal_the_cpu_handler(dtype, x_dtype, bias):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "mxfp4", "fp8_24x40"])
+def test_gpu_pallas_slot_experts_quantized_pools_match_float64(name):
+    """The Pallas device experts compiled with Triton on the GPU, pools in a block format dequantized per tile: the
+    float64 reference on the numpy dequantize's values, as the interpreter tests of tests/test_gpu_path.py (f32 dots,
+    f32 accumulation: 2e-5 of the output scale)."""
+    from test_gpu_path import QUANTIZED, _case, _quantized_pools, _reference
+
+    from ft_jax.kernels import device_experts
+
+    _, gpu = _devices()
+    fmt = QUANTIZED[name]
+    rng = np.random.default_rng(10)
+    S, H, inter = 4, 256, 80 if fmt.name == "fp8" else 96
+    gu_data, gu_scales, dn_data, dn_scales, gu, dn = _quantized_pools(rng, fmt, S, H, inter)
+    x, ids, w, _, _, _ = _case(rng, 3, 2, S, H, inter, np.float32, BF16, False)
+    f = jax.jit(lambda *a: device_experts.slot_experts(*a[:5], "silu", gate_up_scale_slots=a[5],
+                                                       down_scale_slots=a[6], weight_format=fmt))
+    got = np.asarray(f(*(jax.device_put(a, gpu) for a in (x, ids, w, gu_data, dn_data, gu_scales, dn_scales))))
+    want = _reference(x, ids, w, gu, dn, "silu")
+    assert np.abs(want).max() > 0.05
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
 def test_gpu_host_experts_counts_a_bad_route_and_pairs_two_calls():
     """A flat id past the banks: the GPU host node zeroes y and the wait's error count is 1 (host_route_errors counts
     it too); two host_experts calls in one step each find their own submit's channel (pair ids)."""

@@ -20,6 +20,7 @@ from ft_jax.offload.experts import OffloadedExperts
 from ft_jax.kernels.host_bank import HostBank
 from ft_jax.offload.banks import ExpertBanks
 from ft_jax.offload.policy import Policy
+from ft_jax.weight_formats import MXFP4, Q4_0, Q8_0, dequantize, fp8, quantize
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -120,6 +121,108 @@ def test_pallas_cuda_lowering_reads_the_pools_in_place():
     for line in body:
         if "gather" in line or "dynamic_slice" in line:
             assert f"x{H}" not in line.split("->")[-1], line  # only small index vectors
+
+
+# ----------------------------------------------------------------------------------- quantized pools (issue 19)
+def _quantized_pools(rng, fmt, S, H, inter):
+    """Random slot pools in fmt (CONTRACT layouts) and their float64 values: (gate_up data [S, *data_shape(2I, H)],
+    gate_up scales [S, 2 scale_rows(I), ceil(H / bc)], down data, down scales, gu f64 [S, 2I, H], dn f64 [S, H, I]).
+    q8_0 / q4_0 from gguf's quantizer (weight_formats.quantize), mxfp4 random codes and E8M0 exponents around 2^-3,
+    fp8 random e4m3 values with random f32 block scales; values from the numpy dequantize in float64."""
+    def one(rows, cols):
+        if fmt in (Q8_0, Q4_0):
+            return quantize((rng.standard_normal((S, rows, cols)) * 0.1).astype(np.float32), fmt)
+        if fmt is MXFP4:
+            return (rng.integers(0, 256, (S, rows, cols // 2)).astype(np.uint8),
+                    rng.integers(121, 127, (S, rows, cols // 32)).astype(np.uint8))
+        data = rng.standard_normal((S, rows, cols)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+        return data, (rng.random((S, *fmt.scale_shape(rows, cols))) * 0.1 + 0.05).astype(np.float32)
+
+    (gd, gs), (ud, us), (dd, ds) = one(inter, H), one(inter, H), one(H, inter)
+    gu_data, gu_scales = np.concatenate([gd, ud], 1), np.concatenate([gs, us], 1)  # stacked grids
+    gu = dequantize(gu_data, gu_scales, fmt, rows=inter, dtype=np.float64)
+    np.testing.assert_array_equal(gu[:, inter:], dequantize(ud, us, fmt, dtype=np.float64))
+    return gu_data, gu_scales, dd, ds, gu, dequantize(dd, ds, fmt, dtype=np.float64)
+
+
+QUANTIZED = {"q8_0": Q8_0, "q4_0": Q4_0, "mxfp4": MXFP4, "fp8_16x32": fp8((16, 32)), "fp8_24x40": fp8((24, 40))}
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("activation,x_dtype,bias,T", [("silu", np.float32, False, 3), ("swiglu_oai", BF16, True, 2)])
+def test_pallas_slot_experts_quantized_pools_match_float64(name, activation, x_dtype, bias, T):
+    """Pools in q8_0, q4_0, mxfp4 and fp8 (16 x 32 blocks; 24 x 40 blocks: partial edge blocks in rows and columns,
+    I = 48 rows per gate/up matrix) dequantized per tile in the kernels (Pallas interpreter) against the float64
+    reference on the numpy dequantize's values (every product in float32 accumulation: 2e-5)."""
+    fmt = QUANTIZED[name]
+    rng = np.random.default_rng(7)
+    S, H, inter = 4, 64, 48 if fmt.name == "fp8" else 64
+    gu_data, gu_scales, dn_data, dn_scales, gu, dn = _quantized_pools(rng, fmt, S, H, inter)
+    x, ids, w, _, _, biases = _case(rng, T, 2, S, H, inter, np.float32, x_dtype, bias)
+    got = device_experts.slot_experts(x, ids, w, gu_data, dn_data, activation, interpret=True,
+                                      gate_up_scale_slots=gu_scales, down_scale_slots=dn_scales, weight_format=fmt,
+                                      **biases)
+    want = _reference(x, ids, w, gu, dn, activation, biases.get("gate_up_bias_slots"),
+                      biases.get("down_bias_slots"))
+    assert got.shape == (T, H) and got.dtype == jnp.float32
+    assert np.abs(want).max() > 0.05  # a non-trivial output to compare
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    assert np.all(np.asarray(got)[T - 1] == 0)  # the unrouted token
+
+
+@pytest.mark.parametrize("name,inter", [("q4_0", 96), ("mxfp4", 96), ("q8_0", 96), ("fp8_24x40", 80)])
+def test_pallas_slot_experts_quantized_pools_over_several_tiles(name, inter):
+    """H = 256 (two 128-column steps of the gate/up loop, eight 32-row down programs) and I = 96 / 80 (several
+    gate/up programs and down steps; fp8 24 x 40 blocks cut by the tiles): the scale gathers follow the tiles."""
+    fmt = QUANTIZED[name]
+    rng = np.random.default_rng(9)
+    S, H = 3, 256
+    gu_data, gu_scales, dn_data, dn_scales, gu, dn = _quantized_pools(rng, fmt, S, H, inter)
+    x, ids, w, _, _, _ = _case(rng, 2, 2, S, H, inter, np.float32, np.float32, False)
+    got = device_experts.slot_experts(x, ids, w, gu_data, dn_data, "gelu_tanh", interpret=True,
+                                      gate_up_scale_slots=gu_scales, down_scale_slots=dn_scales, weight_format=fmt)
+    want = _reference(x, ids, w, gu, dn, "gelu_tanh")
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_pallas_slot_experts_rejects_mismatched_quantized_pools():
+    rng = np.random.default_rng(8)
+    gu_data, gu_scales, dn_data, dn_scales, _, _ = _quantized_pools(rng, Q8_0, 2, 64, 32)
+    x, ids, w = np.ones((1, 64), np.float32), np.zeros((1, 2), np.int32), np.ones((1, 2), np.float32)
+    with pytest.raises(ValueError, match=r"gate_up_scale_slots is missing"):
+        device_experts.slot_experts(x, ids, w, gu_data, dn_data, weight_format=Q8_0, down_scale_slots=dn_scales)
+    with pytest.raises(ValueError, match=r"down_scale_slots must be \[2, 64, 1\] float16.*got \[2, 64, 2\]"):
+        device_experts.slot_experts(x, ids, w, gu_data, dn_data, weight_format=Q8_0, gate_up_scale_slots=gu_scales,
+                                    down_scale_slots=np.zeros((2, 64, 2), np.float16))
+    with pytest.raises(ValueError, match=r"gate_up_slots must be \[2, 64, 32\] uint8"):
+        device_experts.slot_experts(x, ids, w, gu_data, dn_data, weight_format=Q4_0, gate_up_scale_slots=gu_scales,
+                                    down_scale_slots=dn_scales)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "mxfp4", "fp8_16x32"])
+def test_pallas_cuda_lowering_reads_quantized_pools_in_place(name):
+    """Lowered for CUDA: the data and scale pools of a block format are each an operand of exactly one op, its
+    Triton kernel (dequantized there, per tile): no dequantized or gathered copy of a pool."""
+    fmt = QUANTIZED[name]
+    T, k, S, H, inter = 2, 2, 6, 256, 512
+    args = (jax.ShapeDtypeStruct((T, H), jnp.bfloat16), jax.ShapeDtypeStruct((T, k), jnp.int32),
+            jax.ShapeDtypeStruct((T, k), jnp.float32),
+            jax.ShapeDtypeStruct((S, *fmt.data_shape(2 * inter, H)), fmt.data_dtype),
+            jax.ShapeDtypeStruct((S, *fmt.data_shape(H, inter)), fmt.data_dtype),
+            jax.ShapeDtypeStruct((S, 2 * fmt.scale_rows(inter), fmt.scale_shape(inter, H)[1]), fmt.scale_dtype),
+            jax.ShapeDtypeStruct((S, *fmt.scale_shape(H, inter)), fmt.scale_dtype))
+
+    def f(x, ids, w, gu, dn, gus, dns):
+        return device_experts.slot_experts(x, ids, w, gu, dn, gate_up_scale_slots=gus, down_scale_slots=dns,
+                                           weight_format=fmt)
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    body = [line for line in text.splitlines() if "=" in line]
+    for arg, name in (("%arg3", "ft_jax_slot_experts_gate_up"), ("%arg4", "ft_jax_slot_experts_down"),
+                      ("%arg5", "ft_jax_slot_experts_gate_up"), ("%arg6", "ft_jax_slot_experts_down")):
+        users = [line for line in body if re.search(arg + r"\b", line.split("=", 1)[1])]
+        assert len(users) == 1, users
+        assert "__gpu$xla.gpu.triton" in users[0] and f'name = "{name}"' in users[0]
 
 
 # ------------------------------------------------------------------------------------------ error count, read_stats

@@ -97,6 +97,9 @@ def test_refusal_names_both_figures_and_what_fits():
     bf16 = memory.refusal(need, 1024 * MIB, "x", dtype="bfloat16", expert_bytes=64 * MIB, num_slots=64,
                           slots_in_host=True)
     assert "--dtype" not in bf16 and "--cache-slots" not in bf16 and "a machine with more than" in bf16
+    assert "--quantize" not in bf16
+    assert "--quantize q8_0 or q4_0" in memory.refusal(need, 1024 * MIB, "x", dtype="bfloat16", expert_bytes=64 * MIB,
+                                                      num_slots=64, slots_in_host=True, quantizable=True)
 
 
 def test_available_host_memory_reads_proc_meminfo():

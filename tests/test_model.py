@@ -49,13 +49,15 @@ def assert_same_routing(family, ids, weights, ref_ids, ref_weights):
 class HostBankExperts:
     """Minimal ExpertBackend computing every route on the CPU from the host banks (ffi_ops.host_experts, checked
     against float64 numpy in test_ffi_ops.py), registered as a pytree without leaves so a jitted forward can take
-    it as an argument. bias_banks: (gate_up_bias, down_bias) HostBanks for experts with biases (gpt-oss)."""
+    it as an argument. bias_banks: (gate_up_bias, down_bias) HostBanks for experts with biases (gpt-oss);
+    quantized: (gate_up_scale, down_scale, weight_format) of banks in a block format (gpt-oss's MXFP4)."""
 
-    def __init__(self, gate_up: HostBank, down: HostBank, cfg, bias_banks=(None, None)):
+    def __init__(self, gate_up: HostBank, down: HostBank, cfg, bias_banks=(None, None), quantized=(None, None, None)):
         self.gate_up, self.down = gate_up, down
         self.num_experts, self.activation = cfg.num_experts, cfg.activation
         self.extra = dict(gate_up_bias=bias_banks[0], down_bias=bias_banks[1], alpha=cfg.swiglu_alpha,
-                          limit=cfg.swiglu_limit)
+                          limit=cfg.swiglu_limit, gate_up_scale=quantized[0], down_scale=quantized[1],
+                          weight_format=quantized[2])
 
     def __call__(self, moe_layer, x, topk_ids, topk_weights, expert_state):
         flat = jnp.where(topk_ids >= 0, moe_layer * self.num_experts + topk_ids, -1)  # [N, k]
@@ -78,7 +80,9 @@ def jit_forward(model, *, collect=False, last_logits_only=False):
 
 
 def _experts_of(ck):
-    return HostBankExperts(ck.banks.gate_up, ck.banks.down, ck.config, (ck.banks.gate_up_bias, ck.banks.down_bias))
+    b = ck.banks
+    return HostBankExperts(b.gate_up, b.down, ck.config, (b.gate_up_bias, b.down_bias),
+                           (b.gate_up_scale, b.down_scale, b.format) if b.quantized else (None, None, None))
 
 
 class Loaded:
@@ -253,6 +257,9 @@ def test_bfloat16_load_is_close(loaded):
     ck = load_checkpoint(loaded.dir, dtype=jnp.bfloat16)
     assert ck.model.dtype == jnp.bfloat16
     for bank, ref_bank in ((ck.banks.gate_up, loaded.ckpt.banks.gate_up), (ck.banks.down, loaded.ckpt.banks.down)):
+        if ck.banks.quantized:  # MXFP4 experts are kept as stored whatever the dtype
+            np.testing.assert_array_equal(bank.numpy(), ref_bank.numpy())
+            continue
         assert bank.numpy().dtype == jnp.bfloat16
         np.testing.assert_array_equal(bank.numpy(), ref_bank.numpy().astype(jnp.bfloat16))
     experts = _experts_of(ck)
@@ -278,6 +285,9 @@ def test_float32_model_with_bfloat16_banks(loaded):
     ck = load_checkpoint(loaded.dir, dtype=jnp.float32, expert_dtype=jnp.bfloat16)
     assert ck.model.dtype == jnp.float32
     for bank, ref_bank in ((ck.banks.gate_up, loaded.ckpt.banks.gate_up), (ck.banks.down, loaded.ckpt.banks.down)):
+        if ck.banks.quantized:  # MXFP4 experts are kept as stored whatever the dtype
+            np.testing.assert_array_equal(bank.numpy(), ref_bank.numpy())
+            continue
         assert bank.numpy().dtype == jnp.bfloat16
         np.testing.assert_array_equal(bank.numpy(), ref_bank.numpy().astype(jnp.bfloat16))
     for bank in ck.banks.banks:

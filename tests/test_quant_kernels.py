@@ -60,17 +60,52 @@ def glu64(g, u, activation):
     return (u + 1.0) * g / (1.0 + np.exp(-ALPHA * g))
 
 
-def experts_reference(x, ids, weights, gu, dn, activation, gb=None, db=None):
-    """(y, bound): float64 expert outputs [T, H] and a per-element bound of what float32 arithmetic may add.
+def gamma(n):
+    """gamma_n = n u / (1 - n u): the relative error bound of n float32 roundings in sequence (Higham, Accuracy and
+    Stability of Numerical Algorithms, 3.1)."""
+    return n * U / (1 - n * U)
 
-    With exact weights W (q8_0 / q4_0 / mxfp4 dequantize exactly in float32; fp8's data * scale is rounded once, a
-    relative u per weight), a float32 dot of length n plus a bias has |err| <= gamma_{n+2} (|W| @ |x| + |b|),
-    gamma_m = m u / (1 - m u) (Higham, Accuracy and Stability of Numerical Algorithms, 3.1). The gated activation
-    propagates the gate / up errors eg, eu with its partial derivatives (silu: |d silu / dg| <= 1.1; swiglu_oai:
-    |d (g sigma(alpha g)) / dg| <= 1 + alpha |g| / 4, |d a / du| <= |g|, clamps only shrink them; taken at
-    |g| + eg) plus 8 u |a| for its own float32 evaluation; the down projection adds gamma_{I+2} (|Wd| @ |a| + |bd|)
-    and |Wd| @ ea; the weighted sum over k routes adds gamma_{k+1} sum |w_j d_j|."""
-    gamma = lambda n: n * U / (1 - n * U)  # noqa: E731
+
+def _cpu_has_vnni() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return any(line.startswith("flags") and " avx512_vnni" in line for line in f)
+
+
+# Whether this process's kernels quantize q8_0 / q4_0 activations to int8 blocks (the AVX-512 VNNI path, as
+# llama.cpp); every other path keeps float32 activations.
+INT8_PATH = _ffi.kernel_isa() == "avx512bf16" and _cpu_has_vnni()
+
+
+def int8_acts(fmt, int8_path=INT8_PATH) -> bool:
+    """Whether the kernels of a process whose path is int8_path quantize fmt's activations."""
+    return int8_path and fmt in (wf.Q8_0, wf.Q4_0)
+
+
+def dot_bound(w, xmag, fmt, int8_path=INT8_PATH):
+    """Per-row bound [R] of |kernel dot - exact dot| for exact weights w [R, K] (float64; fp8's once-rounded weight
+    adds a u per weight) and activations of magnitude at most xmag [K].
+
+    Float32 activations: gamma_{K+2} |w| @ xmag. Int8 activations (int8_acts): each block of 32 is quantized with
+    dx = max_b |x| / 127 and round to nearest, |x - dx q| <= dx / 2 (times 1 + 2^-10 for the float32 rounding of
+    x / dx), which adds |w| @ ex; the integer block dots are exact and their float32 scaling and sum add
+    gamma_{K+4} of the magnitudes summed: |w| @ (xmag + ex) for q8_0, and for q4_0, whose kernel sums the unsigned
+    codes q (0..15) and subtracts 8 sum(q_x) apart, 3 max_b |w| (= 24 |d|) per weight instead of |w|."""
+    K = w.shape[-1]
+    if not int8_acts(fmt, int8_path):
+        return gamma(K + 2) * (np.abs(w) @ xmag)
+    ex = np.repeat(xmag.reshape(-1, 32).max(axis=1) / 254 * (1 + 2.0**-10), 32)  # [K]
+    mag = np.abs(w) if fmt is wf.Q8_0 else np.repeat(3 * np.abs(w).reshape(len(w), -1, 32).max(axis=2), 32, axis=1)
+    return np.abs(w) @ ex + gamma(K + 4) * (mag @ (xmag + ex))
+
+
+def experts_reference(x, ids, weights, gu, dn, activation, fmt, gb=None, db=None, int8_path=INT8_PATH):
+    """(y, bound): float64 expert outputs [T, H] and a per-element bound of what the kernels' arithmetic may add.
+
+    The gate / up projections and biases err by eg, eu <= dot_bound (+ gamma |b|); the gated activation propagates
+    them with its partial derivatives (silu: |d silu / dg| <= 1.1; swiglu_oai: |d (g sigma(alpha g)) / dg| <=
+    1 + alpha |g| / 4, |d a / du| <= |g|, clamps only shrink them; taken at |g| + eg) plus 8 u |a| for its own float32
+    evaluation, ea; the down projection errs by |Wd| @ ea plus dot_bound of activations up to |a| + ea
+    (+ gamma |bd|); the weighted sum over k routes adds gamma_{k+1} sum |w_j d_j|."""
     x = np.asarray(x, np.float64)
     T, H = x.shape
     inter = gu.shape[1] // 2
@@ -85,7 +120,7 @@ def experts_reference(x, ids, weights, gu, dn, activation, gb=None, db=None):
             bg = np.zeros(2 * inter) if gb is None else gb[e].astype(np.float64)
             bd = np.zeros(H) if db is None else db[e].astype(np.float64)
             h = gu[e] @ x[t] + bg  # [2I]
-            eh = gamma(H + 2) * (np.abs(gu[e]) @ np.abs(x[t]) + np.abs(bg))
+            eh = dot_bound(gu[e], np.abs(x[t]), fmt, int8_path) + gamma(2) * np.abs(h)
             g, u, eg, eu = h[:inter], h[inter:], eh[:inter], eh[inter:]
             a = glu64(g, u, activation)
             if activation == "silu":
@@ -94,7 +129,8 @@ def experts_reference(x, ids, weights, gu, dn, activation, gb=None, db=None):
                 lg, lu = (np.abs(u) + eu + 1) * (1 + ALPHA * (np.abs(g) + eg) / 4), np.abs(g) + eg
             ea = lg * eg + lu * eu + 8 * U * np.abs(a)
             d = dn[e] @ a + bd
-            ed = gamma(inter + 2) * (np.abs(dn[e]) @ (np.abs(a) + ea) + np.abs(bd)) + np.abs(dn[e]) @ ea
+            ed = (np.abs(dn[e]) @ ea + dot_bound(dn[e], np.abs(a) + ea, fmt, int8_path)
+                  + gamma(2) * (np.abs(d) + np.abs(bd)))
             y[t] += weights[t, j] * d
             terms.append(abs(weights[t, j]) * ed)
             mags.append(abs(weights[t, j]) * (np.abs(d) + ed))
@@ -135,7 +171,7 @@ def test_host_and_slot_experts_match_float64_reference(fmt, H, inter, activation
         x, ids, weights, stored, (gb, db) = expert_case(rng, fmt, H, inter, T, k, activation, biases)
         gu_data, gu_scales, dn_data, dn_scales = stored
         expected, bound = experts_reference(x, ids, weights, dequant64(gu_data, gu_scales, fmt, rows=inter),
-                                            dequant64(dn_data, dn_scales, fmt), activation, gb, db)
+                                            dequant64(dn_data, dn_scales, fmt), activation, fmt, gb, db)
         banks = [HostBank.from_numpy(a) for a in stored]
         bias_banks = dict(gate_up_bias=HostBank.from_numpy(gb), down_bias=HostBank.from_numpy(db)) if biases else {}
         y = ffi_ops.host_experts(x, ids, weights, banks[0], banks[2], activation, gate_up_scale=banks[1],
@@ -159,10 +195,41 @@ def test_host_and_slot_experts_match_float64_reference(fmt, H, inter, activation
             bank.release()
 
 
-def linear_reference(x, w64):
-    """(y, bound) of x @ w64.T: float32 dot of length K of exact (or once-rounded fp8) weights."""
-    K = w64.shape[-1]
-    return np.asarray(x, np.float64) @ w64.T, (K + 2) * U * (np.abs(np.asarray(x, np.float64)) @ np.abs(w64).T)
+def linear_reference(x, w64, fmt, int8_path=INT8_PATH):
+    """(y, bound) of x @ w64.T [N, O] (dot_bound per token)."""
+    x = np.asarray(x, np.float64)
+    return x @ w64.T, np.stack([dot_bound(w64, np.abs(xt), fmt, int8_path) for xt in x])
+
+
+def int8_activations(x):
+    """float64 values of float32 activations [K] as the int8 path quantizes them, computed with the same float32
+    operations: per block of 32, d = max |x| / 127, q = round-half-even(x * (1 / d)), value d * q."""
+    b = np.asarray(x, np.float32).reshape(-1, 32)
+    d = (np.abs(b).max(axis=1) / np.float32(127)).astype(np.float32)  # [K / 32]
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    q = np.rint((b * inv[:, None]).astype(np.float32))
+    return (q.astype(np.float64) * d[:, None].astype(np.float64)).ravel()
+
+
+@pytest.mark.skipif(not INT8_PATH, reason="this CPU's kernels keep float32 activations for q8_0 / q4_0")
+@pytest.mark.parametrize("fmt,K", [(wf.Q8_0, 96), (wf.Q4_0, 32), (wf.Q4_0, 160), (wf.Q8_0, 4096)])
+def test_int8_activation_dots_match_their_quantized_activations(fmt, K):
+    """The int8 path against a float64 reference fed with the activations quantized as the kernel quantizes them
+    (int8_activations): then only the float32 scaling and summation of exact integer block dots differ,
+    |err| <= gamma_{K+4} (mag @ |x_q|) (mag as dot_bound: |w| for q8_0, 3 max_b |w| for q4_0), about 1e-6 of the
+    result where the bound against unquantized activations is ~1e-2: a wrong scale, block order or nibble shows."""
+    rng = np.random.default_rng(K)
+    data, scales = stored_matrix(rng, fmt, 67, K)
+    w = dequant64(data, scales, fmt)
+    mag = np.abs(w) if fmt is wf.Q8_0 else np.repeat(3 * np.abs(w).reshape(len(w), -1, 32).max(axis=2), 32, axis=1)
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    x[1, :32] = 0.0  # an all-zero block (d = 0)
+    y = np.asarray(ffi_ops.linear(x, data, scales=scales, weight_format=fmt))
+    for t in range(3):
+        xq = int8_activations(x[t])
+        check_within(y[t:t + 1], (w @ xq)[None], (gamma(K + 4) * (mag @ np.abs(xq)))[None],
+                     f"{fmt.name} int8 dot, token {t}")
 
 
 @pytest.mark.parametrize("fmt,K,O", [(f, h, 3 * i + 5 if f.name == "fp8" else 3 * i + 1) for f, h, i in CASES],
@@ -175,13 +242,13 @@ def test_linear_matches_float64_reference(fmt, K, O):
     for N in (1, 3):
         x = rng.standard_normal((N, K)).astype(np.float32)
         for layer in range(3):
-            expected, bound = linear_reference(x, dequant64(data[layer], scales[layer], fmt))
+            expected, bound = linear_reference(x, dequant64(data[layer], scales[layer], fmt), fmt)
             y = jax.jit(lambda x, w, s, l: ffi_ops.linear(x, w, l, scales=s, weight_format=fmt))(
                 x, data, scales, layer)
             check_within(y, expected, bound, f"linear {fmt.name} N={N} layer={layer}")
         y2 = ffi_ops.linear(jnp.asarray(x.astype(ml_dtypes.bfloat16)), data[1], 0, scales=scales[1],
                             weight_format=fmt)
-        expected, bound = linear_reference(x.astype(ml_dtypes.bfloat16), dequant64(data[1], scales[1], fmt))
+        expected, bound = linear_reference(x.astype(ml_dtypes.bfloat16), dequant64(data[1], scales[1], fmt), fmt)
         check_within(y2, expected, bound, f"linear {fmt.name} bf16 x, 2-D w")
 
 
@@ -207,8 +274,8 @@ np.savez(sys.argv[2], **out)
 @pytest.mark.parametrize("kernel", ["avx2", "generic"])
 def test_every_isa_path_within_the_bound(kernel, tmp_path):
     """FT_JAX_KERNEL caps the ISA path (read once per process, so in a subprocess): the AVX2 + F16C and portable
-    decoders give results within the same float32 bound as this process's best path, for every format (host_experts
-    with biases and swiglu_oai, and linear over the down matrix of expert 0)."""
+    decoders (float32 activations for every format) give results within the float32 bound, for every format
+    (host_experts with biases and swiglu_oai, and linear over the gate matrix of expert 0)."""
     rng = np.random.default_rng(77)
     arrays, refs = {"formats": np.array([(f.name, f.block) for f, _, _ in CASES], dtype=object)}, []
     for n, (fmt, H, inter) in enumerate(CASES):
@@ -218,8 +285,8 @@ def test_every_isa_path_within_the_bound(kernel, tmp_path):
                            (x, ids, weights, *stored, gb, db, *gate)):
             arrays[f"{n}_{name}"] = a.view(np.uint8) if a.dtype == ml_dtypes.float8_e4m3fn else a
         refs.append((experts_reference(x, ids, weights, dequant64(stored[0], stored[1], fmt, rows=inter),
-                                       dequant64(stored[2], stored[3], fmt), "swiglu_oai", gb, db),
-                     linear_reference(x, dequant64(*gate, fmt))))
+                                       dequant64(stored[2], stored[3], fmt), "swiglu_oai", fmt, gb, db, False),
+                     linear_reference(x, dequant64(*gate, fmt), fmt, False)))
     np.savez(tmp_path / "in.npz", **arrays)
     script = _ISA_SCRIPT.replace('d = np.load(sys.argv[1], allow_pickle=True)', '''d = dict(np.load(sys.argv[1], allow_pickle=True))
 import ml_dtypes
@@ -253,6 +320,14 @@ def test_fp8_codes_decode_exactly_on_every_row_position():
     y = np.asarray(ffi_ops.linear(np.ones((1, K), np.float32), nan_rows.view(ml_dtypes.float8_e4m3fn),
                                   scales=np.ones((2, 1), np.float32), weight_format=fmt))
     assert np.isnan(y).all()
+    # 128-column blocks (the fused one-token path on AVX-512) and K = 200: a chunk of 128, 4 vectors, a tail of 8
+    # (blocks (2, 128): weight_formats.check_cols refuses partial column blocks when block rows are 1)
+    rows = np.full((4, 200), 0x38, np.uint8)
+    rows[0, 5], rows[1, 130], rows[2, 199] = 0x7F, 0xFF, 0x7F  # row 3 has no NaN: y = 200
+    for n in (1, 2):
+        y = np.asarray(ffi_ops.linear(np.ones((n, 200), np.float32), rows.view(ml_dtypes.float8_e4m3fn),
+                                      scales=np.ones((2, 2), np.float32), weight_format=wf.fp8((2, 128))))
+        assert np.isnan(y[:, :3]).all() and (y[:, 3] == 200.0).all()
 
 
 @pytest.fixture

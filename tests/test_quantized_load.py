@@ -8,6 +8,7 @@ numpy float64 for the dequantized values.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,21 +16,28 @@ import re
 import shutil
 
 import gguf
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from ft_jax import memory
 from ft_jax import weight_formats as wf
 from ft_jax.checkpoint import (CheckpointError, SafetensorsCheckpoint, _dense_factory, expert_tensor_plan,
                                load_checkpoint, load_expert_banks)
+from ft_jax.cli.generate import stats_table
 from ft_jax.config import ConfigError, load_config
-from ft_jax.config.quantization import expert_format, quantize_applies
+from ft_jax.config.quantization import expert_format, quantize_applies, read_quantization
+from ft_jax.defaults import bundled_model_path
+from ft_jax.engine.engine import Engine
 from ft_jax.kernels.host_bank import HostBank
 from ft_jax.offload import profile as bandwidth
 from ft_jax.offload.banks import ExpertBanks
+from ft_jax.offload.experts import OffloadedExperts
+from ft_jax.offload.policy import Policy, PolicyKind
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 F8 = ml_dtypes.float8_e4m3fn
@@ -275,8 +283,6 @@ def test_other_quantization_methods_are_refused(tmp_path, method):
 
 
 def test_fp8_config_fields_are_checked():
-    from ft_jax.config.quantization import read_quantization
-
     base = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     assert read_quantization({"quantization_config": base}, "c", "qwen3_moe").block == (128, 128)
     for bad, what in (({"weight_block_size": None}, "weight_block_size"), ({"weight_block_size": [128, 0]},
@@ -331,11 +337,6 @@ def test_stored_sizes_for_memory_check_and_profile(tmp_path):
 def test_weight_bytes_per_token_in_the_statistics():
     """Engine.generate's statistics name the weight format, and the weight bytes per token = (dense weights but the
     embedding table + active experts per step * expert bytes) / batch, the dense bytes counted from the headers."""
-    from ft_jax.cli.generate import stats_table
-    from ft_jax.engine.engine import Engine
-    from ft_jax.defaults import bundled_model_path
-    from ft_jax.offload.policy import Policy, PolicyKind
-
     d = bundled_model_path()
     ckpt = load_checkpoint(d, dtype=jnp.float32)
     with SafetensorsCheckpoint(d) as headers:
@@ -349,3 +350,83 @@ def test_weight_bytes_per_token_in_the_statistics():
     assert stats["weight_bytes_per_token"] == pytest.approx(want, rel=1e-12)
     assert f"{want / 2**20:.2f} MiB read per token" in stats_table(stats)
     ckpt.banks.release()
+
+
+def _dequantized_banks(banks: ExpertBanks, I: int) -> ExpertBanks:
+    """Float32 banks holding the dequantized values of quantized ``banks`` (weight_formats.dequantize, exact)."""
+    fmt = banks.format
+    gu = wf.dequantize(banks.gate_up.numpy(), banks.gate_up_scale.numpy(), fmt, rows=I)  # f32[R, 2I, H]
+    dn = wf.dequantize(banks.down.numpy(), banks.down_scale.numpy(), fmt)  # f32[R, H, I]
+    return ExpertBanks(HostBank.from_numpy(gu), HostBank.from_numpy(dn))
+
+
+def _step_logits(ckpt_model, backend, num_slots, prompt, new_tokens):
+    """Greedy decode token by token through one compiled T=1 step: (tokens, logits f32[steps, V])."""
+    graphdef, params = nnx.split(ckpt_model)
+
+    @jax.jit
+    def step(params, token, position, kv, state):
+        return nnx.merge(graphdef, params)(token, position, kv, state, backend)
+
+    kv = ckpt_model.init_kv_cache(1, len(prompt) + new_tokens)
+    state = backend.init_state(num_slots)
+    fed, rows, out = list(prompt), [], []
+    for pos in range(len(prompt) + new_tokens - 1):
+        logits, kv, state = step(params, jnp.asarray([[fed[pos]]], jnp.int32), jnp.asarray([[pos]], jnp.int32),
+                                 kv, state)
+        rows.append(np.asarray(logits[0, 0]))
+        if pos >= len(prompt) - 1:
+            out.append(int(np.argmax(rows[-1])))
+            fed.append(out[-1])
+    assert step._cache_size() == 1
+    return out, np.stack(rows)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "fp8"])
+def test_decode_of_quantized_experts_equals_the_dequantized_float_path(tmp_path, name):
+    """Qwen3-MoE with its experts in q8_0 / q4_0 (quantized while loading) or block FP8 (the written checkpoint)
+    decodes as the same model with float32 banks holding the dequantized expert weights: the kernels dequantize in
+    registers and keep float activations, so the two differ only in the order of float32 sums. Bound: 1e-4 on
+    every logit (|logits| <= ~5 here; float32 reassociation over 4 layers of H = 64 sums is ~1e-6); greedy tokens
+    equal; one compiled step for every policy (fetch-all with slots for half of the experts: scale pools filled;
+    host-all: the host kernel alone). The dense weights are float in both (the models' QuantizedTensor path is
+    tested by the dense helper's tests)."""
+    base = os.path.join(FIXTURES, "qwen3_moe")
+    ck = load_checkpoint(base, dtype=jnp.float32)
+    cfg, I = ck.config, ck.config.moe_intermediate_size
+    src = str(tmp_path / "fp8") if name == "fp8" else base
+    if name == "fp8":
+        _write_fp8_checkpoint(src)
+    qcfg = load_config(src)
+    fmt = expert_format(qcfg, np.float32, None if name == "fp8" else name)
+    with SafetensorsCheckpoint(src) as ckpt:
+        qbanks = load_expert_banks(qcfg, ckpt, expert_tensor_plan(qcfg, ckpt, fmt), fmt, np.dtype(np.float32))
+    fbanks = _dequantized_banks(qbanks, I)
+    prompt = [3, 17, 42, 5, 99]
+    total = qbanks.num_rows
+    for kind, slots in ((PolicyKind.FETCH_ALL, total // 2), (PolicyKind.HOST_ALL, 1)):
+        got = [_step_logits(ck.model, OffloadedExperts(b, cfg.num_experts, Policy(kind), activation=cfg.activation),
+                            slots, prompt, 6) for b in (qbanks, fbanks)]
+        assert got[0][0] == got[1][0], kind
+        np.testing.assert_allclose(got[0][1], got[1][1], rtol=0, atol=1e-4)
+        assert np.abs(got[1][1]).max() > 0.1  # the logits are not trivially small
+    qck = dataclasses.replace(ck, banks=qbanks)
+    result = Engine(qck, policy=Policy(PolicyKind.FETCH_ALL), num_slots=total // 2).generate(
+        [prompt], max_new_tokens=6)
+    assert result.stats["decode_compiles"] == 1 and result.stats["weight_format"] == fmt.name
+    assert result.stats["expert_bytes"] == qbanks.expert_bytes
+    for b in (qbanks, fbanks, ck.banks):
+        b.release()
+
+
+def test_bandwidth_bench_fills_every_pool_of_a_quantized_format():
+    """The profile's Bench at q8_0: one slot pool per bank (the scale pools included), and a fill copies the stored
+    rows of every bank into the slots."""
+    with bandwidth.Bench(64, 32, "bfloat16", call_bytes=1 << 16, fmt=wf.Q8_0) as b:
+        assert b.expert_bytes == wf.Q8_0.nbytes(64, 64) + wf.Q8_0.nbytes(64, 32) == b.banks.expert_bytes
+        assert len(b._slots) == 4
+        b.fill()
+        rows = b.fill_rows[0]
+        for slots, bank in zip(b._slots, b.banks.banks):
+            np.testing.assert_array_equal(np.asarray(slots)[rows], bank.numpy()[rows])
+        b.gemv()

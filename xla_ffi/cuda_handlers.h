@@ -7,7 +7,8 @@
 //                              device-mapped host banks (host_bank_cuda.h) into the slots; invalid entries are
 //                              skipped and counted in `errors`. Command-buffer compatible.
 //   FtJaxHostExpertsSubmit     x f32|bf16 [T, H], flat_ids i32[T, k], weights f32[T, k] -> ticket u8[] (orders the
-//   (+ ...Instantiate)         wait after the submit); attrs banks, activation, alpha, limit (as FtJaxHostExperts),
+//   (+ ...Instantiate)         wait after the submit); attrs banks, scale_banks, weight_format, block_rows,
+//                              block_cols, activation, alpha, limit (as FtJaxHostExperts),
 //                              tokens (T), top_k (k), pair (i64, the id shared with its wait, fixed at trace time).
 //                              Enqueues D2H copies into pinned staging and a host-function node that hands the expert
 //                              GEMV to the CPU WorkerPool. Command-buffer compatible.

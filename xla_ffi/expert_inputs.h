@@ -4,12 +4,14 @@
 #define FT_JAX_XLA_FFI_EXPERT_INPUTS_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/expert_kernel.h"
+#include "xla_ffi/host_bank.h"
 
 namespace ft_jax {
 
@@ -39,6 +41,16 @@ bool AnyRoute(I32Matrix ids);
 // vectors) of `dtype`, against `rows` rows of [width] float32 or bfloat16 (`layout` names the width, e.g. "[2I]").
 std::string CheckBias(const std::string& what, int64_t got_rows, int64_t got_width, int32_t dtype, int64_t rows,
                       int64_t width, const char* layout);
+
+// Host expert banks (host_experts on the CPU and on CUDA): banks = the `banks` attribute's num_banks banks (gate_up,
+// down[, gate_up_bias, down_bias]) then the `scale_banks` ones. CheckExpertBanks returns "" or the layout problem,
+// naming the bank, what it must hold for `spec` and what it holds; ExpertDims gives H and I of checked banks (the
+// gate_up bank holds rows [2I, H / values per item]); ExpertBankWeights points the kernel at them.
+std::string CheckExpertBanks(const std::vector<std::shared_ptr<Bank>>& banks, size_t num_banks,
+                             const WeightSpec& spec);
+void ExpertDims(const std::vector<std::shared_ptr<Bank>>& banks, const WeightSpec& spec, int64_t* H, int64_t* I);
+ExpertWeights ExpertBankWeights(const std::vector<std::shared_ptr<Bank>>& banks, size_t num_banks,
+                                const WeightSpec& spec);
 
 // Runs the kernel; an id out of range (found inside the kernel's tasks) becomes an error "<op>: <kind> id ... is
 // out of range for <id_space> ...", any other exception an error naming the op (common.h Guarded).

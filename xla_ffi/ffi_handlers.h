@@ -5,12 +5,16 @@
 //   FtJaxSlotFill         slot_fill.cc     flat_ids i32[N], slot_ids i32[N], pools ... (aliased to the results)
 //   (+ ...Instantiate)                     attrs: banks (i64[P]) -> pools [, errors i32[]]
 //   FtJaxHostExperts      host_experts.cc  x f32|bf16 [T, H], flat_ids i32[T, k], weights f32[T, k]
-//   (+ ...Instantiate)                     attrs: banks (i64[2] or i64[4]), activation (str), alpha, limit (f32)
-//                                          -> y f32[T, H]
+//   (+ ...Instantiate)                     attrs: banks (i64[2] or i64[4]), scale_banks (i64[0] or i64[2]),
+//                                          weight_format (str), block_rows, block_cols (i64), activation (str),
+//                                          alpha, limit (f32) -> y f32[T, H]
 //   FtJaxSlotExperts      slot_experts.cc  x, slot_ids i32[T, k], weights, gate_up_slots [S, 2I, H], down_slots
-//                                          [S, H, I] (+ bias pools [S, 2I], [S, H]); attrs as above -> y f32[T, H]
-//   FtJaxLinear           linear.cc        x f32|bf16 [N, K], w f32|bf16 [L, O, K] or [O, K], layer i32[]
-//                                          -> y f32[N, O]
+//                                          [S, H, I] (+ bias pools [S, 2I], [S, H]) (+ scale pools of a block
+//                                          format); attrs weight_format .. limit as above -> y f32[T, H]
+//   FtJaxLinear           linear.cc        x f32|bf16 [N, K], w [L, O, K] or [O, K] (as stored), layer i32[]
+//                                          (+ scales of a block format); attrs weight_format, block_rows,
+//                                          block_cols -> y f32[N, O]
+// Weight formats and layouts: quant_dot.h.
 #ifndef FT_JAX_XLA_FFI_FFI_HANDLERS_H_
 #define FT_JAX_XLA_FFI_FFI_HANDLERS_H_
 

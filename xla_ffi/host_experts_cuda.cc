@@ -31,6 +31,7 @@
 #include "xla_ffi/bank_state.h"
 #include "xla_ffi/common.h"
 #include "xla_ffi/cuda_handlers.h"
+#include "xla_ffi/expert_inputs.h"
 #include "xla_ffi/expert_kernel.h"
 #include "xla_ffi/host_bank.h"
 #include "xla_ffi/worker_pool.h"
@@ -154,9 +155,11 @@ ffi::Error CudaError(const char* op, const char* what, cudaError_t err) {
 std::string Shape2(int64_t a, int64_t b) { return "[" + std::to_string(a) + ", " + std::to_string(b) + "]"; }
 
 ffi::ErrorOr<std::unique_ptr<HostChannelState>> SubmitInstantiate(ffi::Span<const int64_t> bank_ids,
-                                                                   std::string_view activation, float alpha,
-                                                                   float limit, int64_t tokens, int64_t top_k,
-                                                                   int64_t pair) {
+                                                                   ffi::Span<const int64_t> scale_bank_ids,
+                                                                   std::string_view weight_format, int64_t block_rows,
+                                                                   int64_t block_cols, std::string_view activation,
+                                                                   float alpha, float limit, int64_t tokens,
+                                                                   int64_t top_k, int64_t pair) {
   constexpr const char* kOp = "host_experts_submit (CUDA)";
   auto fail = [&](const std::string& msg) {
     return ffi::Unexpected(ffi::Error::InvalidArgument(std::string(kOp) + ": " + msg));
@@ -165,40 +168,23 @@ ffi::ErrorOr<std::unique_ptr<HostChannelState>> SubmitInstantiate(ffi::Span<cons
   if (!ParseActivation(activation, &ch->act.kind)) return fail("unknown activation '" + std::string(activation) + "'");
   ch->act.alpha = alpha;
   ch->act.limit = limit;
-  if (bank_ids.size() != 2 && bank_ids.size() != 4) return fail("expected 2 or 4 banks");
+  WeightSpec spec;
+  if (std::string err = ParseWeightSpec(weight_format, block_rows, block_cols, &spec); !err.empty()) return fail(err);
   if (tokens < 1 || top_k < 1) return fail("tokens and top_k must be >= 1");
-  for (int64_t id : bank_ids) {
-    auto bank = FindBank(id);
-    if (!bank) return fail(MissingBankMessage(id));
-    if (!IsWeightDType(bank->dtype_code())) return fail(bank->Describe() + " must be float32 or bfloat16");
-    ch->banks.push_back(std::move(bank));
+  for (auto ids : {bank_ids, scale_bank_ids}) {
+    for (int64_t id : ids) {
+      auto bank = FindBank(id);
+      if (!bank) return fail(MissingBankMessage(id));
+      ch->banks.push_back(std::move(bank));
+    }
   }
-  const Bank &gu = *ch->banks[0], &dn = *ch->banks[1];
-  const auto& gs = gu.row_shape();
-  if (gs.size() != 2 || gs[0] % 2) return fail("gate_up " + gu.Describe() + " must have rows [2I, H]");
-  const int64_t H = gs[1], I = gs[0] / 2;
-  if (dn.row_shape() != std::vector<int64_t>{H, I} || dn.num_rows() != gu.num_rows()) {
-    return fail("down " + dn.Describe() + " must hold rows [H, I] = " + Shape2(H, I) + " for every row of " +
-                gu.Describe());
-  }
+  // The layout checks of the CPU handler (expert_inputs.h): banks, biases, and the scale banks of a block format.
+  if (std::string err = CheckExpertBanks(ch->banks, bank_ids.size(), spec); !err.empty()) return fail(err);
+  ch->m = ExpertBankWeights(ch->banks, bank_ids.size(), spec);
+  const int64_t H = ch->m.hidden;
   ch->T = tokens;
   ch->k = top_k;
   ch->H = H;
-  ch->m = ExpertWeights{gu.data(), gu.row_bytes(), gu.dtype_code(), dn.data(), dn.row_bytes(), dn.dtype_code(),
-                        gu.num_rows(), H, I};
-  if (ch->banks.size() == 4) {
-    const Bank &gb = *ch->banks[2], &db = *ch->banks[3];
-    if (gb.row_shape() != std::vector<int64_t>{2 * I} || db.row_shape() != std::vector<int64_t>{H} ||
-        gb.num_rows() != gu.num_rows() || db.num_rows() != gu.num_rows()) {
-      return fail("bias banks " + gb.Describe() + " and " + db.Describe() + " must hold rows [2I] and [H]");
-    }
-    ch->m.gate_up_bias = gb.data();
-    ch->m.gate_up_bias_stride = gb.row_bytes();
-    ch->m.gate_up_bias_dtype = gb.dtype_code();
-    ch->m.down_bias = db.data();
-    ch->m.down_bias_stride = db.row_bytes();
-    ch->m.down_bias_dtype = db.dtype_code();
-  }
   const size_t th = static_cast<size_t>(tokens * H), tk = static_cast<size_t>(tokens * top_k);
   PinnedPtr* bufs[] = {&ch->x_stage, &ch->ids_stage, &ch->w_stage, &ch->y_stage, &ch->errors_stage};
   const size_t sizes[] = {th * sizeof(float), tk * sizeof(int32_t), tk * sizeof(float), th * sizeof(float),
@@ -219,8 +205,9 @@ ffi::ErrorOr<std::unique_ptr<HostChannelState>> SubmitInstantiate(ffi::Span<cons
 
 ffi::Error SubmitExecute(cudaStream_t stream, HostChannelState* state, ffi::AnyBuffer x, I32Matrix ids,
                          F32Matrix weights, TicketResult ticket, ffi::Span<const int64_t> /*banks*/,
-                         std::string_view /*activation*/, float /*alpha*/, float /*limit*/, int64_t /*tokens*/,
-                         int64_t /*top_k*/, int64_t pair) {
+                         ffi::Span<const int64_t> /*scale_banks*/, std::string_view /*weight_format*/,
+                         int64_t /*block_rows*/, int64_t /*block_cols*/, std::string_view /*activation*/,
+                         float /*alpha*/, float /*limit*/, int64_t /*tokens*/, int64_t /*top_k*/, int64_t pair) {
   constexpr const char* kOp = "host_experts_submit (CUDA)";
   GetCudaCounters().submit_records.fetch_add(1, std::memory_order_relaxed);
   HostChannel& ch = *state->channel;
@@ -283,6 +270,10 @@ void* HostChannelTypeInfo() { return StateTypeInfo<HostChannelState>(); }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxHostExpertsSubmitInstantiate, ft_jax::SubmitInstantiate,
                               ffi::Ffi::BindInstantiate()
                                   .Attr<ffi::Span<const int64_t>>("banks")
+                                  .Attr<ffi::Span<const int64_t>>("scale_banks")
+                                  .Attr<std::string_view>("weight_format")
+                                  .Attr<int64_t>("block_rows")
+                                  .Attr<int64_t>("block_cols")
                                   .Attr<std::string_view>("activation")
                                   .Attr<float>("alpha")
                                   .Attr<float>("limit")
@@ -299,6 +290,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxHostExpertsSubmit, ft_jax::SubmitExecute,
                                   .Arg<ft_jax::F32Matrix>()
                                   .Ret<ft_jax::Ticket>()
                                   .Attr<ffi::Span<const int64_t>>("banks")
+                                  .Attr<ffi::Span<const int64_t>>("scale_banks")
+                                  .Attr<std::string_view>("weight_format")
+                                  .Attr<int64_t>("block_rows")
+                                  .Attr<int64_t>("block_cols")
                                   .Attr<std::string_view>("activation")
                                   .Attr<float>("alpha")
                                   .Attr<float>("limit")

@@ -6,12 +6,14 @@
 #include <limits>
 #include <vector>
 
+#include "xla_ffi/common.h"
 #include "xla_ffi/dot_kernels.h"
 #include "xla_ffi/host_bank.h"
 
 #if FT_JAX_HAVE_AVX2_PATH
 #define FT_JAX_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 #define FT_JAX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define FT_JAX_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #endif
 
 namespace ft_jax {
@@ -192,74 +194,26 @@ FT_JAX_AVX2_F16C void DequantAvx2(const MatrixView& w, int64_t r, float* out) {
   }
 }
 
-// 16 codes (int32 lanes, low 4 bits used) looked up in the 16-entry table lutd.
-FT_JAX_AVX512 inline void Store16Lut(float* out, __m128i codes, __m512 lutd) {
-  _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), lutd));
+// The AVX-512 level. Blocks of 32 (q8_0, q4_0, mxfp4) decode to two vectors of 16: q8_0 and q4_0 in element order
+// (q4_0: low nibbles = elements 0..15, high = 16..31); mxfp4 as low nibbles (elements 0, 2, .., 30) then high
+// nibbles (1, 3, .., 31), its activations permuted alike once per call (PermuteMxfp4), so no lane shuffle per block.
+// A row's f16 / E8M0 scales are converted first (RowScales). With one token the decoded vectors go straight into the
+// fused multiply-adds (DotBlocks, DotFp8); with more, a row is decoded once into a buffer (DequantBlocks,
+// DequantAvx512) that DotRowAvx512 reads per token. Both run the same arithmetic in the same order (8 accumulators
+// of 16 lanes over chunks of 128 elements, then single vectors into accumulator 0, then TailSum), so a token's result
+// does not depend on how many tokens share the call.
+
+// The scalar tail of a dot: s + w[0] x[0] + ... + w[n-1] x[n-1], left to right (one function for every caller, so
+// every caller rounds it alike).
+__attribute__((noinline)) float TailSum(float s, const float* w, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) s += w[i] * x[i];
+  return s;
 }
 
-FT_JAX_AVX512 void DequantAvx512(const MatrixView& w, int64_t r, float* out) {
-  const Tables& tab = Tab();
-  const uint8_t* row = RowData(w, r);
-  const uint8_t* srow = ScaleRow(w, r);
-  const int64_t nb = w.cols / kQBlock;
-  const __m128i m4 = _mm_set1_epi8(0x0F);
-  switch (w.format) {
-    case WFormat::kQ8_0: {
-      const uint16_t* d = reinterpret_cast<const uint16_t*>(srow);
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m512 s = _mm512_set1_ps(HalfToFloat(d[b]));
-        for (int h = 0; h < 2; ++h) {
-          const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * b + 16 * h));
-          _mm512_storeu_ps(out + 32 * b + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), s));
-        }
-      }
-      return;
-    }
-    case WFormat::kQ4_0: {
-      const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-      const uint16_t* d = reinterpret_cast<const uint16_t*>(srow);
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m512 lutd = _mm512_mul_ps(lut, _mm512_set1_ps(HalfToFloat(d[b])));  // exact: d * (q - 8)
-        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b)));
-        _mm512_storeu_ps(out + 32 * b, _mm512_permutexvar_ps(idx, lutd));  // low nibbles: elements 0..15
-        _mm512_storeu_ps(out + 32 * b + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lutd));
-      }
-      return;
-    }
-    case WFormat::kMxfp4: {
-      const __m512 lut = _mm512_loadu_ps(kFp4);
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m512 lutd = _mm512_mul_ps(lut, _mm512_set1_ps(tab.e8m0[srow[b]]));  // exact: a power of two
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
-        const __m128i lo = _mm_and_si128(q, m4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
-        Store16Lut(out + 32 * b, _mm_unpacklo_epi8(lo, hi), lutd);  // elements 0..15 (2j, 2j + 1 interleaved)
-        Store16Lut(out + 32 * b + 16, _mm_unpackhi_epi8(lo, hi), lutd);
-      }
-      return;
-    }
-    case WFormat::kFp8: {
-      const float* sc = reinterpret_cast<const float*>(srow);
-      const __m256i low7 = _mm256_set1_epi16(0x7F);
-      const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
-      for (int64_t c0 = 0; c0 < w.cols; c0 += w.block_cols) {
-        const int64_t end = std::min(w.cols, c0 + w.block_cols);
-        const float s = sc[c0 / w.block_cols];
-        const __m512 s256 = _mm512_set1_ps(s * 256.0f);
-        int64_t c = c0;
-        for (; c + 16 <= end; c += 16) {
-          const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
-          const __m256i h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(t, 8), 1),
-                                             _mm256_set1_epi16(static_cast<short>(0xBFFF)));
-          const __mmask16 is_nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(t, low7), low7);
-          _mm512_storeu_ps(out + c, _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_cvtph_ps(h), s256), is_nan, nan));
-        }
-        for (; c < end; ++c) out[c] = tab.e4m3[row[c]] * s;
-      }
-      return;
-    }
-    default:
-      return;
-  }
+FT_JAX_AVX512 inline float ReduceAcc(__m512* acc) {
+  for (int width = kAccumulators / 2; width >= 1; width /= 2)
+    for (int j = 0; j < width; ++j) acc[j] = _mm512_add_ps(acc[j], acc[j + width]);
+  return _mm512_reduce_add_ps(acc[0]);
 }
 
 // dot(w[0:len], x[0:len]) of float32 rows, 8 accumulators of 16 lanes (the AVX-512 level of the quantized paths).
@@ -272,17 +226,346 @@ FT_JAX_AVX512 float DotRowAvx512(const float* w, const float* x, int64_t len) {
     for (int a = 0; a < A; ++a)
       acc[a] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16 * a), _mm512_loadu_ps(x + i + 16 * a), acc[a]);
   for (; i + 16 <= len; i += 16) acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), acc[0]);
-  for (int width = A / 2; width >= 1; width /= 2)
-    for (int j = 0; j < width; ++j) acc[j] = _mm512_add_ps(acc[j], acc[j + width]);
-  float s = _mm512_reduce_add_ps(acc[0]);
-  for (; i < len; ++i) s += w[i] * x[i];
-  return s;
+  return TailSum(ReduceAcc(acc), w + i, x + i, len - i);
+}
+
+// The float32 scales of a row's nb blocks (q8_0 / q4_0: f16 through F16C, exact; mxfp4: 2^(s - 127)).
+FT_JAX_AVX512 void RowScales(WFormat f, const uint8_t* srow, int64_t nb, float* sf) {
+  if (f == WFormat::kMxfp4) {  // 2^(s - 127) = the float32 of exponent field s, except s = 0 (2^-127) and 255 (NaN)
+    const Tables& tab = Tab();
+    int64_t b = 0;
+    for (; b + 16 <= nb; b += 16) {
+      const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(srow + b)));
+      __m512i bits = _mm512_slli_epi32(e, 23);
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                                   _mm512_set1_epi32(0x00400000));
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)),
+                                   _mm512_set1_epi32(0x7FC00000));
+      _mm512_storeu_ps(sf + b, _mm512_castsi512_ps(bits));
+    }
+    for (; b < nb; ++b) sf[b] = tab.e8m0[srow[b]];
+    return;
+  }
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(srow);
+  int64_t b = 0;
+  for (; b + 16 <= nb; b += 16)
+    _mm512_storeu_ps(sf + b, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b))));
+  for (; b < nb; ++b) sf[b] = _cvtsh_ss(d[b]);
+}
+
+// Block b of a row: its 32 values as two vectors (order: see above), scale sf[b].
+template <WFormat F>
+FT_JAX_AVX512 inline void DecodeBlock(const uint8_t* row, const float* sf, int64_t b, __m512* v0, __m512* v1) {
+  const __m512 s = _mm512_set1_ps(sf[b]);
+  if constexpr (F == WFormat::kQ8_0) {
+    const __m128i* q = reinterpret_cast<const __m128i*>(row + 32 * b);
+    *v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), s);
+    *v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), s);
+  } else {
+    const __m512 lut = F == WFormat::kQ4_0
+                           ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                           : _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
+                                            -2.0f, -3.0f, -4.0f, -6.0f);
+    const __m512 lutd = _mm512_mul_ps(lut, s);  // exact: d * (q - 8), or an FP4 value times a power of two
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b)));
+    *v0 = _mm512_permutexvar_ps(idx, lutd);  // vpermps reads the low 4 bits: the low nibbles
+    *v1 = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lutd);
+  }
+}
+
+template <WFormat F>
+FT_JAX_AVX512 void DequantBlocks(const uint8_t* row, const float* sf, int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 v0, v1;
+    DecodeBlock<F>(row, sf, b, &v0, &v1);
+    _mm512_storeu_ps(out + 32 * b, v0);
+    _mm512_storeu_ps(out + 32 * b + 16, v1);
+  }
+}
+
+// DotRowAvx512(DequantBlocks(row), x) without the buffer.
+template <WFormat F>
+FT_JAX_AVX512 float DotBlocks(const uint8_t* row, const float* sf, int64_t nb, const float* x) {
+  __m512 acc[kAccumulators];
+  for (int a = 0; a < kAccumulators; ++a) acc[a] = _mm512_setzero_ps();
+  static_assert(kAccumulators == 8, "a chunk of 128 elements is 4 blocks");
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    for (int q = 0; q < 4; ++q) {
+      __m512 v0, v1;
+      DecodeBlock<F>(row, sf, b + q, &v0, &v1);
+      const float* xb = x + 32 * (b + q);
+      acc[2 * q] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xb), acc[2 * q]);
+      acc[2 * q + 1] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xb + 16), acc[2 * q + 1]);
+    }
+  }
+  for (; b < nb; ++b) {
+    __m512 v0, v1;
+    DecodeBlock<F>(row, sf, b, &v0, &v1);
+    acc[0] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + 32 * b), acc[0]);
+    acc[0] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + 32 * b + 16), acc[0]);
+  }
+  return ReduceAcc(acc);  // no tail: rows are whole blocks
+}
+
+// 16 float8_e4m3fn bytes at p times the scale s256 / 256, for rows without NaN codes (RowHasNan): sign-extended to
+// 16 bits and shifted by 7, a byte becomes the half of its value times 2^-8 once bit 14 (a copy of the sign) is
+// cleared (see E4m3ToHalfScaled).
+FT_JAX_AVX512 inline __m512 DecodeFp8(const uint8_t* p, __m512 s256) {
+  const __m256i t = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(t, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), s256);
+}
+
+// Whether a row of n float8_e4m3fn bytes holds a NaN code (0x7f or 0xff): such rows are decoded by the table
+// (DequantGeneric) so that NaN stays NaN; checkpoints have none, and the check costs a few instructions per 64 bytes.
+FT_JAX_AVX512 bool RowHasNan(const uint8_t* row, int64_t n) {
+  const __m512i low7 = _mm512_set1_epi8(0x7F);
+  __mmask64 any = 0;
+  int64_t c = 0;
+  for (; c + 64 <= n; c += 64)
+    any |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(_mm512_loadu_si512(row + c), low7), low7);
+  bool nan = any != 0;
+  for (; c < n; ++c) nan |= (row[c] & 0x7F) == 0x7F;
+  return nan;
+}
+
+FT_JAX_AVX512 void DequantFp8Avx512(const MatrixView& w, int64_t r, float* out) {
+  const uint8_t* row = RowData(w, r);
+  if (RowHasNan(row, w.cols)) return DequantGeneric(w, r, out);
+  const float* sc = reinterpret_cast<const float*>(ScaleRow(w, r));
+  const Tables& tab = Tab();
+  for (int64_t c0 = 0; c0 < w.cols; c0 += w.block_cols) {
+    const int64_t end = std::min(w.cols, c0 + w.block_cols);
+    const float s = sc[c0 / w.block_cols];
+    const __m512 s256 = _mm512_set1_ps(s * 256.0f);
+    int64_t c = c0;
+    for (; c + 16 <= end; c += 16) _mm512_storeu_ps(out + c, DecodeFp8(row + c, s256));
+    for (; c < end; ++c) out[c] = tab.e4m3[row[c]] * s;
+  }
+}
+
+// DotRowAvx512(DequantFp8Avx512(row), x) without the buffer, for block_cols a multiple of 128 (a chunk of 128
+// elements, and so every vector, then lies in one scale block). Sets *nan (and the result means nothing) when the row
+// holds a NaN code: the caller then takes DequantFp8Avx512's table decode (the check rides on the decode's loads).
+FT_JAX_AVX512 float DotFp8(const MatrixView& w, const uint8_t* row, const float* sc, const float* x, bool* nan) {
+  const int64_t bc = w.block_cols, len = w.cols;
+  const __m512i low7 = _mm512_set1_epi8(0x7F);
+  __mmask64 any = 0;
+  __m512 acc[kAccumulators];
+  for (int a = 0; a < kAccumulators; ++a) acc[a] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 128 <= len; i += 128) {
+    const __m512i b0 = _mm512_loadu_si512(row + i), b1 = _mm512_loadu_si512(row + i + 64);
+    any |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(b0, low7), low7) |
+           _mm512_cmpeq_epi8_mask(_mm512_and_si512(b1, low7), low7);
+    const __m512 s256 = _mm512_set1_ps(sc[i / bc] * 256.0f);
+    for (int a = 0; a < kAccumulators; ++a)
+      acc[a] = _mm512_fmadd_ps(DecodeFp8(row + i + 16 * a, s256), _mm512_loadu_ps(x + i + 16 * a), acc[a]);
+  }
+  bool has_nan = any != 0;
+  for (int64_t c = i; c < len; ++c) has_nan |= (row[c] & 0x7F) == 0x7F;
+  *nan = has_nan;
+  for (; i + 16 <= len; i += 16)
+    acc[0] = _mm512_fmadd_ps(DecodeFp8(row + i, _mm512_set1_ps(sc[i / bc] * 256.0f)), _mm512_loadu_ps(x + i), acc[0]);
+  float tail[16];
+  const Tables& tab = Tab();
+  for (int64_t c = i; c < len; ++c) tail[c - i] = tab.e4m3[row[c]] * sc[c / bc];
+  return TailSum(ReduceAcc(acc), tail, x + i, len - i);
+}
+
+// mxfp4 activations in the order its blocks decode: per block, elements 0, 2, .., 30 then 1, 3, .., 31.
+void PermuteMxfp4(const float* x, int64_t cols, float* xp) {
+  for (int64_t b = 0; b < cols / kQBlock; ++b)
+    for (int j = 0; j < 16; ++j) {
+      xp[32 * b + j] = x[32 * b + 2 * j];
+      xp[32 * b + 16 + j] = x[32 * b + 2 * j + 1];
+    }
+}
+
+template <WFormat F>
+FT_JAX_AVX512 void DotRowsBlocks(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
+                                 int64_t out_stride, float* sf, float* buf) {
+  const int64_t nb = w.cols / kQBlock;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = RowData(w, r);
+    RowScales(F, ScaleRow(w, r), nb, sf);
+    if (T == 1) {
+      out[r] = DotBlocks<F>(row, sf, nb, x);
+      continue;
+    }
+    DequantBlocks<F>(row, sf, nb, buf);
+    for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRowAvx512(buf, x + t * w.cols, w.cols);
+  }
+}
+
+// q8_0 / q4_0 with int8 activations (AVX-512 VNNI), as llama.cpp's ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0: each token's
+// activations are quantized per block of 32 to int8 with a float32 scale dx = max |x| / 127 (round to nearest even),
+// a block's integer dot is exact (VPDPBUSD), then scaled by dw * dx in float32. Error (docs/design_parts/kern.md):
+// |x - dx q| <= dx / 2 per element, so a row adds at most sum_b (max_b |x| / 254) sum_{i in b} |w_i| to the float32
+// dot's own error.
+struct Int8Acts {
+  uint8_t* q;   // [T, cols]: q8_0: q + 128 (unsigned, element order); q4_0: q (signed) in the q4_0 pair order
+  float* dx;    // [T, nb] block scales
+  float* corr;  // [T, nb] q4_0: -8 dx_b sum_i q_i (the "- 8" of the weights, applied per row as a dot with dw)
+};
+
+// Block pair order of q4_0 activations (matches the weight bytes of blocks 2p, 2p + 1 split into low then high
+// nibbles): x[b0 0..15], x[b1 0..15], x[b0 16..31], x[b1 16..31]; an odd last block in element order.
+FT_JAX_VNNI void QuantizeActs(WFormat f, const float* x, int64_t cols, uint8_t* q, float* dx, float* corr) {
+  const int64_t nb = cols / kQBlock;
+  alignas(64) int8_t tmp[32];
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float d = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(d == 0.0f ? 0.0f : 1.0f / d);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + 16), _mm512_cvtsepi32_epi8(q1));
+    dx[b] = d;
+    if (f == WFormat::kQ8_0) {
+      for (int j = 0; j < 32; ++j) q[32 * b + j] = static_cast<uint8_t>(tmp[j] + 128);
+      continue;
+    }
+    corr[b] = -8.0f * d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+    const int64_t pair = b / 2, odd = b % 2;
+    uint8_t* dst = q + 64 * pair;
+    if (b == nb - 1 && odd == 0) {  // an odd last block: element order
+      std::memcpy(q + 32 * b, tmp, 32);
+    } else {
+      std::memcpy(dst + 16 * odd, tmp, 16);
+      std::memcpy(dst + 32 + 16 * odd, tmp + 16, 16);
+    }
+  }
+}
+
+// dot of one q8_0 / q4_0 row with one token's int8 activations: sum_b sdx_b (w_b . q_b), sdx_b = dw_b dx_b
+// (q4_0: + sum_b dw_b corr_b).
+template <WFormat F>
+FT_JAX_VNNI float DotInt8(const uint8_t* row, const float* sw, const float* sdx, int64_t nb, const uint8_t* q,
+                          const float* corr) {
+  __m512 acc[4];
+  for (int a = 0; a < 4; ++a) acc[a] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  int64_t p = 0;
+  for (; 2 * p + 2 <= nb; ++p) {
+    __m512i isum;
+    __mmask16 second;  // lanes of block 2p + 1
+    if constexpr (F == WFormat::kQ8_0) {
+      const __m512i w = _mm512_loadu_si512(row + 64 * p);
+      const __m512i xu = _mm512_loadu_si512(q + 64 * p);
+      // (q + 128) . w - 128 sum(w): VPDPBUSD multiplies unsigned by signed bytes
+      isum = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xu, w),
+                              _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, _mm512_set1_epi8(1), w), 7));
+      second = 0xFF00;
+    } else {
+      const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * p));
+      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(wb, m4)),
+                                           _mm256_and_si256(_mm256_srli_epi16(wb, 4), m4), 1);
+      isum = _mm512_dpbusd_epi32(zero, w, _mm512_loadu_si512(q + 64 * p));
+      second = 0xF0F0;
+    }
+    const __m512 s = _mm512_mask_blend_ps(second, _mm512_set1_ps(sdx[2 * p]), _mm512_set1_ps(sdx[2 * p + 1]));
+    acc[p % 4] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[p % 4]);
+  }
+  if (2 * p < nb) {  // an odd last block
+    const int64_t b = 2 * p;
+    __m256i isum;
+    const __m256i z = _mm256_setzero_si256();
+    if constexpr (F == WFormat::kQ8_0) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
+      const __m256i xu = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
+      isum = _mm256_sub_epi32(_mm256_dpbusd_epi32(z, xu, w),
+                              _mm256_slli_epi32(_mm256_dpbusd_epi32(z, _mm256_set1_epi8(1), w), 7));
+    } else {
+      const __m128i wb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
+      const __m128i m4x = _mm_set1_epi8(0x0F);
+      const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(wb, 4), m4x), _mm_and_si128(wb, m4x));
+      isum = _mm256_dpbusd_epi32(z, w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b)));
+    }
+    const __m512 f = _mm512_zextps256_ps512(_mm256_cvtepi32_ps(isum));
+    acc[0] = _mm512_fmadd_ps(f, _mm512_set1_ps(sdx[b]), acc[0]);
+  }
+  acc[0] = _mm512_add_ps(acc[0], acc[2]);
+  acc[1] = _mm512_add_ps(acc[1], acc[3]);
+  float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+  if constexpr (F == WFormat::kQ4_0) sum += DotRowAvx512(sw, corr, nb);
+  return sum;
+}
+
+template <WFormat F>
+FT_JAX_VNNI void DotRowsInt8(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
+                             int64_t out_stride) {
+  const int64_t cols = w.cols, nb = cols / kQBlock;
+  // row scales [nb], their products with dx [nb], dx [T, nb], corr [T, nb], activations [T, cols] bytes
+  thread_local std::vector<float> storage;
+  Scratch<float> scratch(storage, static_cast<size_t>(nb * (2 + 2 * T) + (T * cols + 3) / 4));
+  float* sw = scratch.data();
+  float* sdx = sw + nb;
+  float* dx = sdx + nb;
+  float* corr = dx + T * nb;
+  uint8_t* q = reinterpret_cast<uint8_t*>(corr + T * nb);
+  for (int64_t t = 0; t < T; ++t) QuantizeActs(F, x + t * cols, cols, q + t * cols, dx + t * nb, corr + t * nb);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = RowData(w, r);
+    RowScales(F, ScaleRow(w, r), nb, sw);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* dxt = dx + t * nb;
+      int64_t b = 0;
+      for (; b + 16 <= nb; b += 16)
+        _mm512_storeu_ps(sdx + b, _mm512_mul_ps(_mm512_loadu_ps(sw + b), _mm512_loadu_ps(dxt + b)));
+      for (; b < nb; ++b) sdx[b] = sw[b] * dxt[b];
+      out[t * out_stride + r] = DotInt8<F>(row, sw, sdx, nb, q + t * cols, corr + t * nb);
+    }
+  }
+}
+
+bool HaveVnni() {
+  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  return vnni;
+}
+
+// DotRowsView's block formats at the AVX-512 level.
+FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
+                                 int64_t out_stride) {
+  thread_local std::vector<float> storage;  // a row buffer [cols], row scales [cols / 32], mxfp4's x [T, cols]
+  const size_t cols = static_cast<size_t>(w.cols);
+  const size_t need = cols + cols / kQBlock + (w.format == WFormat::kMxfp4 ? static_cast<size_t>(T) * cols : 0);
+  Scratch<float> scratch(storage, need);
+  float* buf = scratch.data();
+  float* sf = buf + cols;
+  switch (w.format) {
+    case WFormat::kQ8_0:
+      if (HaveVnni()) return DotRowsInt8<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride);
+      return DotRowsBlocks<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride, sf, buf);
+    case WFormat::kQ4_0:
+      if (HaveVnni()) return DotRowsInt8<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride);
+      return DotRowsBlocks<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride, sf, buf);
+    case WFormat::kMxfp4: {
+      float* xp = sf + cols / kQBlock;
+      for (int64_t t = 0; t < T; ++t) PermuteMxfp4(x + t * w.cols, w.cols, xp + t * w.cols);
+      return DotRowsBlocks<WFormat::kMxfp4>(w, r0, r1, xp, T, out, out_stride, sf, buf);
+    }
+    default:
+      break;
+  }
+  const bool fused = T == 1 && w.block_cols % 128 == 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    if (fused) {
+      bool nan;
+      out[r] = DotFp8(w, RowData(w, r), reinterpret_cast<const float*>(ScaleRow(w, r)), x, &nan);
+      if (!nan) continue;
+    }
+    DequantFp8Avx512(w, r, buf);
+    for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRowAvx512(buf, x + t * w.cols, w.cols);
+  }
 }
 #endif
 
 void DequantizeRow(Isa isa, const MatrixView& w, int64_t r, float* out) {
 #if FT_JAX_HAVE_AVX2_PATH
-  if (isa == Isa::kAvx512Bf16) return DequantAvx512(w, r, out);
   if (isa == Isa::kAvx2) return DequantAvx2(w, r, out);
 #endif
   DequantGeneric(w, r, out);
@@ -290,7 +573,6 @@ void DequantizeRow(Isa isa, const MatrixView& w, int64_t r, float* out) {
 
 float DotF32(Isa isa, const float* w, const float* x, int64_t len) {
 #if FT_JAX_HAVE_AVX2_PATH
-  if (isa == Isa::kAvx512Bf16) return DotRowAvx512(w, x, len);
   if (isa == Isa::kAvx2) return DotRowAvx2<float>(w, x, len);
 #endif
   return DotRowGeneric<float>(w, x, len);
@@ -392,7 +674,7 @@ std::string CheckStoredMatrix(const WeightSpec& s, const std::string& what, int3
                               size_t ndims, const std::string& scale_what, int32_t scale_dtype,
                               const int64_t* scale_dims, size_t scale_ndims, int64_t rows, int64_t cols, bool pair) {
   const std::string fmt = s.name();
-  if (s.block_rows == 1 && cols % s.block_cols != 0) {
+  if (s.format != WFormat::kFp8 && cols % s.block_cols != 0) {  // fp8 edge blocks may be partial, (1, bc) too
     return what + ": rows of " + std::to_string(cols) + " elements do not fit " + fmt + "'s blocks of " +
            std::to_string(s.block_cols) + " (the row length must be a multiple of " + std::to_string(s.block_cols) +
            ")";
@@ -437,6 +719,9 @@ void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const flo
     return DotRows<uint16_t>(isa, reinterpret_cast<const uint16_t*>(w.data), w.cols, r0, r1, x, xb, T, out,
                              out_stride);
   }
+#if FT_JAX_HAVE_AVX2_PATH
+  if (isa == Isa::kAvx512Bf16) return DotRowsAvx512(w, r0, r1, x, T, out, out_stride);
+#endif
   thread_local std::vector<float> row_storage;  // one dequantized row: cols floats (tens of KiB at most)
   if (row_storage.size() < static_cast<size_t>(w.cols)) row_storage.resize(w.cols);
   float* row = row_storage.data();

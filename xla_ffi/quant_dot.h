@@ -12,15 +12,17 @@
 //   fp8        data float8_e4m3fn [rows, cols], scales f32 [ceil(rows / br), ceil(cols / bc)] (edge blocks may be
 //              partial)                                                           value = data * scale
 //
-// Arithmetic: the quantized paths dequantize one weight row at a time into a per-thread float32 buffer (in registers,
-// a block at a time: integer / LUT decode, one multiply by the block scale) and dot it with each token's float32
-// activations by the float32 row dot of the ISA level (dot_kernels.h: fixed accumulator order). The dequantized
-// value is the exact product for q8_0, q4_0 and mxfp4 (an f16 or power-of-two scale times a code of <= 8 bits fits a
-// float32 mantissa) and the float32 rounding of data * scale for fp8 (one rounding, as numpy's float32 dequantize),
-// the same on every ISA path; so a token's result depends only on its own activations and the row, never on the
-// other tokens, and the paths differ only in the dot's summation (fused multiply-add, lanes). Activations stay
-// float32 for every format (no int8 activation quantization): the error is that of a float32 dot,
-// |err| <= gamma_K * sum_i |w_i x_i| with gamma_K ~ K * 2^-24 (docs/design_parts/kern.md).
+// Arithmetic (quant_dot.cc): a block-format row is decoded in registers (integer / table decode, one multiply by the
+// block scale) to float32 values: the exact product for q8_0, q4_0 and mxfp4 (an f16 or power-of-two scale times a
+// code of <= 8 bits fits a float32 mantissa), the float32 rounding of data * scale for fp8 (one rounding, as numpy's
+// float32 dequantize), the same on every ISA path. With one token they feed the fused multiply-adds directly; with
+// more, a row is decoded once into a per-thread buffer and dotted with each token, in the same order, so a token's
+// result never depends on the other tokens of a call. Activations stay float32 (mxfp4 and fp8 always: they must
+// match transformers), except q8_0 / q4_0 at the AVX-512 VNNI level, which quantize each token's activations to int8
+// blocks of 32 as llama.cpp does (ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0; float32 block scales here) and sum exact
+// integer block dots (VPDPBUSD) scaled in float32. Errors (docs/design_parts/kern.md): float32 activations,
+// |err| <= gamma_{K+2} sum_i |w_i x_i| (gamma_n ~ n 2^-24); int8 activations add sum_b (max_b |x| / 254)
+// sum_{i in b} |w_i|. Paths differ in the dot's summation only (fused multiply-add, lanes).
 #ifndef FT_JAX_XLA_FFI_QUANT_DOT_H_
 #define FT_JAX_XLA_FFI_QUANT_DOT_H_
 

@@ -26,10 +26,11 @@ from flax import nnx
 
 from ft_jax.config import MoEConfig
 from ft_jax.models.attention import GroupedQueryAttention
-from ft_jax.models.layers import (AttentionInputs, ParamFactory, Stacked, attention_inputs, cache_load, cache_store,
-                                  gated_mlp, linear, rms_norm)
+from ft_jax.models.layers import (AttentionInputs, ParamFactory, Stacked, as_float, attention_inputs, cache_load,
+                                  cache_store, gated_mlp, linear, rms_norm)
 from ft_jax.models.mla import MultiHeadLatentAttention
 from ft_jax.models.moe import DeepseekMoEBlock, ExpertBackend, MoEBlock
+from ft_jax.weight_formats import QuantizedTensor
 
 
 @jax.tree_util.register_dataclass
@@ -87,6 +88,13 @@ class DenseMLP(nnx.Module):
         """x: [B, T, H]. Returns (y [B, T, H], expert_state unchanged, None: no routing)."""
         return gated_mlp(x, self.gate_up[...], self.down[...], i, self.activation), expert_state, None
 
+
+
+def _on_device(t):
+    """A factory's numpy array or QuantizedTensor (data and scales) as jax arrays."""
+    if isinstance(t, QuantizedTensor):
+        return QuantizedTensor(jnp.asarray(t.data), jnp.asarray(t.scales), t.fmt)
+    return jnp.asarray(t)
 
 
 def _layer_kind(cfg: MoEConfig, layer: int) -> str:
@@ -162,15 +170,17 @@ class MoETransformer(nnx.Module):
 
     def __init__(self, cfg: MoEConfig, make: ParamFactory):
         self.cfg = cfg
+        norm = make("model.norm.weight", (cfg.hidden_size,), "norm")  # [H] in the model dtype
         # [V, H]; a bf16 table is kept as its uint16 bits: XLA:CPU would convert the whole table to float32 for every
-        # gather (a 250 MiB copy per step for a 32000 x 2048 vocabulary). take_rows and linear read the bits.
-        self.embed_tokens = nnx.Param(cache_store(jnp.asarray(make("model.embed_tokens.weight",
-                                                                   (cfg.vocab_size, cfg.hidden_size), "weight"))))
+        # gather (a 250 MiB copy per step for a 32000 x 2048 vocabulary). take_rows and linear read the bits. The
+        # table is gathered (and read by the tied lm_head), so a quantized one is dequantized here.
+        embed = as_float(make("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), "weight"), norm.dtype)
+        self.embed_tokens = nnx.Param(cache_store(jnp.asarray(embed)))
         runs = itertools.groupby(range(cfg.num_layers), key=lambda l: _layer_kind(cfg, l))
         self.stacks = nnx.List([DecoderStack(cfg, make, tuple(layers)) for _, layers in runs])
-        self.norm = nnx.Param(jnp.asarray(make("model.norm.weight", (cfg.hidden_size,), "norm")))
+        self.norm = nnx.Param(jnp.asarray(norm))
         self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(
-            jnp.asarray(make("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "weight")))  # [V, H]
+            _on_device(make("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "weight")))  # [V, H]
 
     @property
     def dtype(self):

@@ -8,6 +8,7 @@ indexed with a traced layer index inside the scanned decoder (ft_jax/models/deco
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -18,6 +19,7 @@ from flax import nnx
 
 from ft_jax.config import RopeScaling
 from ft_jax.kernels import ffi_ops
+from ft_jax.weight_formats import QuantizedTensor, dequantize, dequantize_jnp, fp8_rowwise
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -26,11 +28,18 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # XLA's own dot is faster; measurements: docs/DESIGN.md, models).
 FFI_MAX_ROWS = 128
 
-ParamFactory = Callable[[str, tuple[int, ...], str], np.ndarray]
+ParamFactory = Callable[[str, tuple[int, ...], str], "np.ndarray | QuantizedTensor"]
 """make(hf_name, shape, kind) -> host (numpy) array of that shape in the model dtype (float32 or ml_dtypes.bfloat16).
 kind: "weight" | "norm" | "bias", or "weight_f32" | "bias_f32": the same, kept in float32 whatever the model dtype
 (transformers' _keep_in_fp32_modules_strict: DeepSeek's router weight and e_score_correction_bias). ``hf_name`` is
-the Hugging Face (Hub) tensor name, e.g. "model.layers.0.self_attn.q_proj.weight"."""
+the Hugging Face (Hub) tensor name, e.g. "model.layers.0.self_attn.q_proj.weight".
+
+For kind "weight" of a 2-D matrix [rows, cols] the factory may instead return a numpy
+ft_jax.weight_formats.QuantizedTensor (one matrix: data [rows, cols / values_per_item], scales
+fmt.scale_shape(rows, cols); logical shape == shape): the model keeps it as stored and every projection read through
+:func:`linear` dequantizes it per call. Weights read any other way (embeddings, the tied lm_head through
+embed_tokens, MLA's kv_b_proj absorbed into W_uk^T / W_uv) are dequantized to the model dtype at construction
+(:meth:`Stacked.dense`). Norms and biases are always arrays."""
 
 
 def random_param_factory(seed: int = 0, dtype=np.float32, std: float = 0.02) -> ParamFactory:
@@ -51,8 +60,59 @@ def random_param_factory(seed: int = 0, dtype=np.float32, std: float = 0.02) -> 
     return make
 
 
+def as_float(t, dtype) -> np.ndarray:
+    """A factory's tensor as a numpy array in ``dtype``: a QuantizedTensor dequantized (float32, then one rounding to
+    ``dtype``), an array unchanged."""
+    if isinstance(t, QuantizedTensor):
+        return dequantize(np.asarray(t.data), np.asarray(t.scales), t.fmt).astype(dtype)
+    return t
+
+
+def _one_format(ts: list, what: str) -> list:
+    """Tensors (numpy arrays or QuantizedTensors) that become one parameter, brought to one storage format: all
+    arrays stay; arrays mixed with quantized tensors: the quantized ones dequantized to the arrays' dtype; fp8 of
+    different block rows (one column block width): all with one scale row per matrix row (fp8_rowwise).
+    Raises ValueError naming ``what`` for other mixes (e.g. q8_0 with q4_0)."""
+    quantized = [t for t in ts if isinstance(t, QuantizedTensor)]
+    if not quantized:
+        return ts
+    plain = [t for t in ts if not isinstance(t, QuantizedTensor)]
+    if plain:
+        return [as_float(t, plain[0].dtype) for t in ts]
+    fmts = {t.fmt for t in quantized}
+    if len(fmts) == 1:
+        return ts
+    if {f.name for f in fmts} == {"fp8"} and len({f.block[1] for f in fmts}) == 1:
+        return [fp8_rowwise(t) for t in ts]
+    raise ValueError(f"{what}: its tensors come in different formats "
+                     f"({', '.join(sorted(f'{f.name} {list(f.block)}' for f in fmts))}); one parameter needs one")
+
+
+def _stack(ts: list, what: str):
+    """One tensor per layer -> [n, ...] on the device: a jax array, or a QuantizedTensor of stacked data / scales."""
+    ts = _one_format(ts, what)
+    if isinstance(ts[0], QuantizedTensor):
+        data, scales = np.stack([t.data for t in ts]), np.stack([t.scales for t in ts])  # [n, ...] each
+        return QuantizedTensor(jnp.asarray(data), jnp.asarray(scales), ts[0].fmt)
+    return jnp.asarray(np.stack(ts))
+
+
+def _concat_rows(ts: list, what: str):
+    """Matrices of one layer concatenated along their rows (numpy). fp8 parts whose row counts (all but the last)
+    are not multiples of the block rows get one scale row per matrix row first (fp8_rowwise): a scale block must
+    not span two parts."""
+    ts = _one_format(ts, what)
+    if not isinstance(ts[0], QuantizedTensor):
+        return np.concatenate(ts)
+    br = ts[0].fmt.block[0]
+    if br > 1 and any(t.data.shape[0] % br for t in ts[:-1]):
+        ts = [fp8_rowwise(t) for t in ts]
+    return QuantizedTensor(np.concatenate([t.data for t in ts]), np.concatenate([t.scales for t in ts]), ts[0].fmt)
+
+
 class Stacked:
-    """Reads one parameter of every layer of a stack and stacks them: nnx.Param [n, *shape] on the device.
+    """Reads one parameter of every layer of a stack and stacks them: nnx.Param [n, *shape] on the device (a jax
+    array, or a QuantizedTensor with data [n, ...] and scales [n, ...] where the factory returns quantized tensors).
 
     Args: make: ParamFactory; layers: decoder layer indices of the stack (names "model.layers.{l}.{suffix}").
     """
@@ -60,15 +120,27 @@ class Stacked:
     def __init__(self, make: ParamFactory, layers: tuple[int, ...]):
         self.make, self.layers = make, layers
 
+    def _read(self, suffix: str, shape: tuple[int, ...], kind: str, layer: int):
+        name = f"model.layers.{layer}.{suffix}"
+        t = self.make(name, shape, kind)
+        if isinstance(t, QuantizedTensor) and t.shape != tuple(shape):
+            raise ValueError(f"{name}: the parameter factory returned a {t.fmt.name} tensor of shape {list(t.shape)}, "
+                             f"expected {list(shape)}")
+        return t
+
     def __call__(self, suffix: str, shape: tuple[int, ...], kind: str = "weight") -> nnx.Param:
-        return nnx.Param(jnp.asarray(np.stack([self.make(f"model.layers.{l}.{suffix}", shape, kind)
-                                               for l in self.layers])))
+        return nnx.Param(_stack([self._read(suffix, shape, kind, l) for l in self.layers], suffix))
 
     def rows(self, parts: list[tuple[str, tuple[int, ...]]], kind: str = "weight") -> nnx.Param:
         """Concatenates several tensors of each layer along their first axis (fused q/k/v or gate/up)."""
-        return nnx.Param(jnp.asarray(np.stack([
-            np.concatenate([self.make(f"model.layers.{l}.{s}", shape, kind) for s, shape in parts])
-            for l in self.layers])))
+        what = " + ".join(s for s, _ in parts)
+        return nnx.Param(_stack([_concat_rows([self._read(s, shape, kind, l) for s, shape in parts], what)
+                                 for l in self.layers], what))
+
+    def dense(self, suffix: str, shape: tuple[int, ...], dtype, kind: str = "weight") -> jax.Array:
+        """[n, *shape] as a plain jax array in ``dtype`` (the model dtype): for weights read other than through
+        :func:`linear` (MLA's kv_b_proj); a quantized tensor is dequantized here, once (:func:`as_float`)."""
+        return jnp.asarray(np.stack([as_float(self._read(suffix, shape, kind, l), dtype) for l in self.layers]))
 
 
 class AttentionInputs(NamedTuple):
@@ -169,7 +241,7 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
     return jax.lax.fori_loop(0, num_blocks, accumulate, jnp.zeros(out_shape, jnp.float32))
 
 
-def linear(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
+def linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer=None) -> jax.Array:
     """y[..., o] = sum_k x[..., k] * w[layer, o, k] with float32 accumulation.
 
     Up to FFI_MAX_ROWS rows on the CPU backend this is the ``ft_jax_linear`` FFI call (ffi_ops.linear), which reads
@@ -178,25 +250,42 @@ def linear(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
     weight stack to float32 as a whole (measured: docs/DESIGN.md sec. 5). Larger calls (long prefills, training) and
     other backends use XLA's dot on ``w[layer]``, which is also the only path jax can differentiate.
 
+    A QuantizedTensor weight (any block format of ft_jax.weight_formats) is read as stored: the FFI call reads its
+    data and scales (ffi_ops.linear with scales and weight_format; dequantized in registers, xla_ffi/quant_dot.h);
+    XLA's path slices the layer's data and scales, dequantizes them to x's dtype (weight_formats.dequantize_jnp:
+    exact in float32, one rounding in bfloat16) and takes the same dot.
+
     Args:
         x: f32 | bf16 [..., K] activations.
         w: f32 | bf16 (or uint16 holding bf16 bits: cache_store) [n, O, K] stack of weights with ``layer`` an i32[]
-            index (traced or int), or [O, K] with layer None.
+            index (traced or int), or [O, K] with layer None; or a QuantizedTensor of logical shape [n, O, K] /
+            [O, K] (data [n, *fmt.data_shape(O, K)], scales [n, *fmt.scale_shape(O, K)], or without the n axis).
         layer: index into the stack, or None for a single [O, K] weight.
     Returns:
         f32[..., O].
     Raises:
         ValueError: K of x and w differ, or ``layer`` is missing for a stack / given for a single weight.
     """
-    if (layer is None) != (w.ndim == 2):
+    wshape = tuple(w.shape)  # logical [n, O, K] or [O, K]
+    if (layer is None) != (len(wshape) == 2):
         raise ValueError(f"linear: a [n, O, K] stack needs a layer index and an [O, K] weight none; got w "
-                         f"{w.shape} with layer {layer!r}")
-    K, O = w.shape[-1], w.shape[-2]
+                         f"{wshape} with layer {layer!r}")
+    K, O = wshape[-1], wshape[-2]
     if x.shape[-1] != K:
-        raise ValueError(f"linear: x {x.shape} does not end in K = {K} of w {w.shape}")
+        raise ValueError(f"linear: x {x.shape} does not end in K = {K} of w {wshape}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)  # [N, K]
     index = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
+
+    if isinstance(w, QuantizedTensor):
+        xla_q = functools.partial(_quantized_dot, w.fmt)
+        operands = (x2, w.data, w.scales, index)
+        if x2.shape[0] > FFI_MAX_ROWS:
+            return xla_q(*operands).reshape(*lead, O)
+        def cpu_q(x2, data, scales, index):  # the GEMV reading the stored bytes (xla_ffi/quant_dot.h)
+            return ffi_ops.linear(x2, data, index, scales=scales, weight_format=w.fmt)
+
+        return jax.lax.platform_dependent(*operands, cpu=cpu_q, default=xla_q).reshape(*lead, O)
 
     def xla_dot(x2, w, index):
         wl = w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, index, keepdims=False)  # [O, K]
@@ -208,6 +297,16 @@ def linear(x: jax.Array, w: jax.Array, layer=None) -> jax.Array:
         return xla_dot(x2, w, index).reshape(*lead, O)
     y = jax.lax.platform_dependent(x2, w, index, cpu=ffi_ops.linear, default=xla_dot)  # f32[N, O]
     return y.reshape(*lead, O)
+
+
+def _quantized_dot(fmt, x2: jax.Array, data: jax.Array, scales: jax.Array, index: jax.Array) -> jax.Array:
+    """x2 [N, K] @ (weight ``index`` of the stack (data, scales) of ``fmt``, dequantized to x2's dtype)^T -> f32[N, O]
+    (XLA's dot, float32 accumulation)."""
+    if data.ndim == 3:  # a stack: this layer's data and scales only
+        data = jax.lax.dynamic_index_in_dim(data, index, keepdims=False)  # [O, Kd]
+        scales = jax.lax.dynamic_index_in_dim(scales, index, keepdims=False)  # [O or ceil(O / br), Ks]
+    wl = dequantize_jnp(QuantizedTensor(data, scales, fmt), x2.dtype)  # [O, K]
+    return jax.lax.dot_general(x2, wl, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
 def _bits(x: jax.Array) -> jax.Array:

@@ -99,7 +99,9 @@ class MultiHeadLatentAttention(nnx.Module):
             self.q_a_norm = self.q_b = None
             self.q_proj = p(f"{a}.q_proj.weight", (NH * (dn + dr), H))  # [n, NH (dn + dr), H]; never a bias
         self.kv_a_norm = p(f"{a}.kv_a_layernorm.weight", (C,), "norm")  # [n, C]
-        kv_b = p(f"{a}.kv_b_proj.weight", (NH * (dn + dv), C))[...]  # [n, NH (dn + dv), C]
+        # [n, NH (dn + dv), C] in the model dtype: read per head (per_head_linear), so a quantized kv_b_proj is
+        # dequantized here once
+        kv_b = p.dense(f"{a}.kv_b_proj.weight", (NH * (dn + dv), C), self.kv_a_norm[...].dtype)
         n = kv_b.shape[0]
         kv_b = kv_b.reshape(n, NH, dn + dv, C)
         self.w_uk_t = nnx.Param(jnp.swapaxes(kv_b[:, :, :dn], -1, -2).reshape(n * NH, C, dn))  # [n NH, C, dn]
