@@ -2,12 +2,15 @@
 
 ``model.safetensors`` or a sharded ``model.safetensors.index.json``; the safetensors rules are enforced as the
 reference reader does (no duplicate keys, header <= 100 MB, the tensors tile the data section exactly). Every float
-tensor is checked for NaN/Inf as it is read (a bit test on the exponent field). Tensors are read with positioned
-reads straight into their destination (a bank row or one tensor-sized temporary), not through a memory map, so
-peak host memory is about 1x the checkpoint. Expert tensor names per family (Mixtral, Qwen2/3-MoE, OLMoE, fused,
-gpt-oss incl. MXFP4) and the bank row layout: docs/DESIGN.md sec. 12 ("checkpoint.py"); the banks are one
-ExpertBanks (ft_jax.offload.banks): gate_up row = [gate; up] [2I, H], down row [H, I], flat id = moe_layer * E + e,
-and for gpt-oss gate_up_bias [2I] (gate bias then up bias), down_bias [H].
+tensor is checked for NaN/Inf as it is read (a bit test on the exponent field). An expert tensor stored as its
+bank holds it is not copied: the file's page-cache pages are mapped into the bank (copy-on-write; HostBank
+page_offset, SafetensorsCheckpoint.page_offset); other tensors are read with positioned reads straight into their
+destination (a bank row or one tensor-sized temporary) and dense ones are read-only file views copied once into
+their stacks (view), so peak host memory is about 1x the checkpoint (docs/design_parts/loadspeed.md). Expert
+tensor names per family (Mixtral, Qwen2/3-MoE, OLMoE, fused, gpt-oss incl. MXFP4) and the bank row layout:
+docs/DESIGN.md sec. 12 ("checkpoint.py"); the banks are one ExpertBanks (ft_jax.offload.banks): gate_up row =
+[gate; up] [2I, H], down row [H, I], flat id = moe_layer * E + e, and for gpt-oss gate_up_bias [2I] (gate bias then
+up bias), down_bias [H].
 
 Quantized weights (ft_jax.weight_formats): FP8 block-scaled checkpoints (quantization_config quant_method "fp8":
 F8_E4M3 ``<name>.weight`` + ``<name>.weight_scale_inv``) and gpt-oss's MXFP4 experts (``*_blocks`` + E8M0
@@ -20,9 +23,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import mmap
 import os
 import struct
-from typing import Any
+from typing import Any, Iterable
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -32,7 +36,8 @@ from ft_jax import weight_formats as wf
 from ft_jax.config import MoEConfig, check_regular_file, file_present, load_config, read_json_file
 from ft_jax.config.quantization import expert_format, quantize_applies
 from ft_jax.models.decoder import MoETransformer
-from ft_jax.kernels.host_bank import HostBank
+from ft_jax import _ffi
+from ft_jax.kernels.host_bank import MAP_ALIGNMENT, HostBank
 from ft_jax.offload.banks import ExpertBanks
 
 SINGLE_FILE = "model.safetensors"
@@ -67,6 +72,9 @@ _EXPONENT_MASKS: dict[np.dtype, tuple[type, type, int]] = {
 # Bytes per positioned read: small enough that the finite check reads the piece from cache (L2 is 1-2 MiB on
 # current x86 cores), large enough that the per-read overhead is negligible.
 _READ_CHUNK_BYTES = 1 << 20
+# Tensors from this size up are mapped into a host bank destination when the offsets allow (smaller ones are copied:
+# a mapping costs a kernel call and a VMA, and is limited per process).
+_MAP_MIN_BYTES = 1 << 20
 
 
 class CheckpointError(Exception):
@@ -331,27 +339,131 @@ class SafetensorsCheckpoint:
         self._pread(name, info, out.reshape(-1).view(np.uint8))
         return out
 
-    def _pread(self, name: str, info: TensorInfo, dest: np.ndarray) -> None:
-        """Read the tensor's bytes into ``dest`` (u8[info.nbytes]) in pieces of _READ_CHUNK_BYTES, checking each
-        float piece for NaN/Inf right after it is read, while it is still in cache."""
-        fh = self._handles.get(info.file)
+    def page_offset(self, regions: Iterable[tuple[str, int]]) -> int:
+        """The ``page_offset`` for a HostBank that read_into fills with these tensors as stored, so that it maps the
+        most of them from the file (no copy).
+
+        Args:
+            regions: (tensor name, byte offset in the bank where read_into puts it) pairs.
+        Returns:
+            an offset in [0, MAP_ALIGNMENT) (2 MiB), a multiple of 8: a tensor maps when its file offset minus its
+            bank offset is congruent with it modulo the page size (4096 bytes), so the page-size residue shared by
+            the most bytes is chosen and, among those, the 2 MiB residue shared by the most (huge page table entries
+            where the page cache holds 2 MiB folios). In a safetensors file every tensor whose predecessors' sizes
+            are page multiples shares one residue; tensors at offsets that are not multiples of 8 are left out. 0
+            without any region.
+        Raises:
+            CheckpointError: a missing tensor.
+        """
+        by_page, by_huge = {}, {}  # bytes per residue modulo 4096 / modulo 2 MiB
+        for name, bank_offset in regions:
+            info = self.tensors.get(name)
+            if info is None:
+                raise CheckpointError(f"{self._directory_file}: missing tensor {name!r}")
+            if info.offset % 8 == 0:
+                residue = (info.offset - bank_offset) % MAP_ALIGNMENT
+                by_page[residue % mmap.PAGESIZE] = by_page.get(residue % mmap.PAGESIZE, 0) + info.nbytes
+                by_huge[residue] = by_huge.get(residue, 0) + info.nbytes
+        if not by_page:
+            return 0
+        page = max(by_page, key=by_page.get)
+        return max((r for r in by_huge if r % mmap.PAGESIZE == page), key=by_huge.get)
+
+    def view(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """Tensor ``name`` as a read-only numpy array in its stored dtype that maps the file's pages (no copy; the
+        mapping goes away with the array), checked for NaN/Inf as :meth:`read_into` does, in the one pass that
+        brings the pages in. For data that is copied (stacked, cast, moved to a device) right after: the copy is
+        then the only one.
+
+        Raises CheckpointError as :meth:`read_into`."""
+        info = self.info(name, shape)
+        fh = self._file(info.file)
+        self._check_size(fh, name, info)
+        if info.nbytes == 0:
+            return np.empty(info.shape, info.dtype)
+        first = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            region = mmap.mmap(fh.fileno(), info.offset + info.nbytes - first, flags=mmap.MAP_PRIVATE,
+                               prot=mmap.PROT_READ, offset=first)
+        except OSError as e:
+            raise CheckpointError(f"{info.file}: cannot map tensor {name!r}: {e.strerror or e}") from None
+        out = np.frombuffer(region, info.dtype, math.prod(info.shape), info.offset - first).reshape(info.shape)
+        data, checked, found = out.reshape(-1).view(np.uint8), 0, False
+        while checked < info.nbytes and not found:
+            checked, found = _check_finite(info, data, checked, min(info.nbytes, checked + _READ_CHUNK_BYTES))
+        if found:
+            _raise_non_finite(name, info, data)
+        return out
+
+    def _file(self, path: str):
+        fh = self._handles.get(path)
         if fh is None:
-            fh = self._handles[info.file] = open(info.file, "rb", buffering=0)
-        fh.seek(info.offset)
-        view, done, checked, found = memoryview(dest), 0, 0, False
-        masks = _EXPONENT_MASKS.get(info.dtype)  # (unsigned, signed int type, exponent mask) of a float dtype
-        while done < info.nbytes:
-            got = fh.readinto(view[done:min(info.nbytes, done + _READ_CHUNK_BYTES)])
+            fh = self._handles[path] = open(path, "rb", buffering=0)
+        return fh
+
+    @staticmethod
+    def _check_size(fh, name: str, info: TensorInfo) -> None:
+        """The file still holds the tensor (it may have shrunk since its header was read: a mapped page past the end
+        of a file faults with SIGBUS instead of an error)."""
+        size = os.fstat(fh.fileno()).st_size
+        if size < info.offset + info.nbytes:
+            raise CheckpointError(f"{info.file}: truncated file while reading tensor {name!r}: it needs bytes "
+                                  f"{info.offset}..{info.offset + info.nbytes} but the file has {size} bytes")
+
+    def _pread(self, name: str, info: TensorInfo, dest: np.ndarray) -> None:
+        """Fill ``dest`` (u8[info.nbytes]) with the tensor's bytes, checking float tensors for NaN/Inf in the same
+        pass, piece by piece (_READ_CHUNK_BYTES) while each piece is in cache.
+
+        A destination inside a host bank at an address congruent with the file offset modulo the page size (a
+        HostBank made with SafetensorsCheckpoint.page_offset) gets the file's whole pages mapped there
+        (_ffi.bank_map_file: copy-on-write, the page cache's own pages, no copy); the partial pages at both ends and
+        any other destination are read with positioned reads."""
+        fh = self._file(info.file)
+        self._check_size(fh, name, info)
+        begin = end = 0  # the mapped part of dest
+        if info.nbytes >= _MAP_MIN_BYTES and dest.flags.writeable:  # never behind a read-only (frozen) view
+            begin, end = _ffi.bank_map_file(dest.ctypes.data, info.nbytes, fh.fileno(), info.offset)
+        checked, found = 0, False
+        for lo, hi, mapped in ((0, begin, False), (begin, end, True), (end, info.nbytes, False)):
+            for piece in range(lo, hi, _READ_CHUNK_BYTES):
+                stop = min(hi, piece + _READ_CHUNK_BYTES)
+                if not mapped:
+                    self._read_exactly(fh, name, info, dest, piece, stop)
+                if not found:
+                    checked, found = _check_finite(info, dest, checked, stop)
+        if found:  # described once the whole tensor is in dest
+            _raise_non_finite(name, info, dest)
+
+    @staticmethod
+    def _read_exactly(fh, name: str, info: TensorInfo, dest: np.ndarray, start: int, stop: int) -> None:
+        """dest[start:stop] = the tensor's bytes start:stop (reads until complete; a read may return less)."""
+        view = memoryview(dest)
+        fh.seek(info.offset + start)
+        while start < stop:
+            got = fh.readinto(view[start:stop])
             if not got:
                 raise CheckpointError(f"{info.file}: truncated file while reading tensor {name!r} at byte "
-                                      f"{info.offset + done} (expected {info.nbytes} bytes)")
-            done += got
-            whole = done - done % info.dtype.itemsize  # bytes of complete elements read so far
-            if masks is not None and not found and whole > checked:
-                found = _has_non_finite(dest[checked:whole].view(masks[0]), masks[1], masks[2])
-                checked = whole
-        if found:  # described once the whole tensor is read
-            raise _non_finite_error(name, info, dest.view(masks[0]), masks[2])
+                                      f"{info.offset + start} (expected {info.nbytes} bytes)")
+            start += got
+
+
+def _check_finite(info: TensorInfo, data: np.ndarray, checked: int, stop: int) -> tuple[int, bool]:
+    """Check the complete elements of ``data`` (u8[info.nbytes], the tensor's bytes) from byte ``checked`` up to
+    byte ``stop`` for NaN/Inf when the tensor is a float one. Returns (the byte up to which it is checked: elements
+    split by ``stop`` are checked with the next piece, whether a non-finite element was found)."""
+    masks = _EXPONENT_MASKS.get(info.dtype)  # (unsigned, signed int type, exponent mask) of a float dtype
+    if masks is None:
+        return stop, False
+    whole = stop - stop % info.dtype.itemsize  # bytes of complete elements
+    if whole <= checked:
+        return checked, False
+    return whole, _has_non_finite(data[checked:whole].view(masks[0]), masks[1], masks[2])
+
+
+def _raise_non_finite(name: str, info: TensorInfo, data: np.ndarray) -> None:
+    """Raise the error for a tensor with Inf/NaN elements; data: all its bytes u8[info.nbytes]."""
+    masks = _EXPONENT_MASKS[info.dtype]
+    raise _non_finite_error(name, info, data.view(masks[0]), masks[2])
 
 
 def _has_non_finite(bits: np.ndarray, signed: type, mask: int) -> bool:
@@ -544,6 +656,19 @@ def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_na
                                   "checkpoint")
 
 
+# Rows quantized per weight_formats.quantize call: bounds its float32 temporaries (a few copies of the piece) to a few
+# times 16 MiB whatever the tensor (an lm_head of 150k x 4096 values would otherwise take ~7 GB of temporaries).
+_QUANTIZE_PIECE_VALUES = 4 << 20
+
+
+def _quantize_into(w: np.ndarray, fmt: wf.WeightFormat, data: np.ndarray, scales: np.ndarray) -> None:
+    """weight_formats.quantize of w [rows, cols] (float, any dtype) written into data / scales ([rows, ...]), a piece
+    of rows at a time (q8_0 / q4_0: every row is quantized on its own, so pieces give the same bytes)."""
+    step = max(1, _QUANTIZE_PIECE_VALUES // max(1, w.shape[1]))
+    for r in range(0, w.shape[0], step):
+        data[r:r + step], scales[r:r + step] = wf.quantize(w[r:r + step], fmt)
+
+
 class _BankWriter:
     """Writes matrices into the bank rows of one weight format: float ones cast to the bank dtype, or quantized with
     weight_formats.quantize (q8_0 / q4_0: one scale row per matrix row)."""
@@ -557,9 +682,8 @@ class _BankWriter:
         if not self.fmt.quantized:
             dst[row, first:first + w.shape[0]] = w.astype(dst.dtype, copy=False)
             return
-        data, scales = wf.quantize(w, self.fmt)
-        dst[row, first:first + w.shape[0]] = data
-        self.arrays[f"{bank}_scale"][row, first:first + w.shape[0]] = scales
+        n = w.shape[0]
+        _quantize_into(w, self.fmt, dst[row, first:first + n], self.arrays[f"{bank}_scale"][row, first:first + n])
 
 
 def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name: str, part: tuple,
@@ -602,7 +726,16 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
     """
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     rows = cfg.num_moe_layers * E
-    host = {name: HostBank(rows, shape, dtype) for name, (shape, dtype) in wf.expert_rows(fmt, H, I).items()}
+    row_specs = wf.expert_rows(fmt, H, I)
+    # Each bank's page_offset from the tensors read_into puts into it as stored, so that it maps them (no copy).
+    row_bytes = {k: math.prod(shape) * np.dtype(dtype).itemsize for k, (shape, dtype) in row_specs.items()}
+    regions = {k: [] for k in row_specs}  # bank -> [(tensor, byte offset in the bank)]
+    for bank, row, name, part in plan:
+        if bank in row_specs and not fmt.quantized and part[0] in ("fused", "rows"):
+            within = part[1] * row_bytes[bank] // row_specs[bank][0][0] if part[0] == "rows" else 0
+            regions[bank].append((name, row * row_bytes[bank] + within))
+    host = {name: HostBank(rows, shape, dtype, ckpt.page_offset(regions[name]))
+            for name, (shape, dtype) in row_specs.items()}
     if cfg.expert_bias:
         host.update(gate_up_bias=HostBank(rows, (2 * I,), bias_dtype), down_bias=HostBank(rows, (H,), bias_dtype))
     try:
@@ -617,7 +750,7 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
             elif part[0] == "rows" and not fmt.quantized:
                 ckpt.read_into(name, arr[row, part[1]:part[2]])
             elif part[0] == "rows":
-                out.put(bank, row, part[1], ckpt.read(name))
+                out.put(bank, row, part[1], ckpt.view(name))  # quantized: read once, never copied
             elif part[0] == "fp8_rows":
                 data, scales = _read_fp8(ckpt, name, part[3], (part[2] - part[1], arr.shape[-1]), fmt)
                 arr[row, part[1]:part[2]] = data
@@ -655,8 +788,12 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.Weig
         quantized = fmt is not None and fmt.name in wf.QUANTIZE_CHOICES
         if quantized and kind == "weight" and quantize_applies(name, shape):
             _fits(fmt, ckpt.info(name, shape), name, shape[1])
-            return wf.QuantizedTensor(*wf.quantize(ckpt.read(name, shape), fmt), fmt)
-        return ckpt.read(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype, copy=False)
+            w = ckpt.view(name, shape)  # [rows, cols] as stored
+            data, scales = np.empty(fmt.data_shape(*shape), fmt.data_dtype), np.empty(fmt.scale_shape(*shape),
+                                                                                      fmt.scale_dtype)
+            _quantize_into(w, fmt, data, scales)
+            return wf.QuantizedTensor(data, scales, fmt)
+        return ckpt.view(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype, copy=False)
 
     return make
 
@@ -676,10 +813,11 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
             dense projections as QuantizedTensor.
     Returns:
         LoadedCheckpoint(config, model, banks, checkpoint_bytes); banks.format is the experts' weight format.
-    Memory: expert tensors are read one at a time directly into the bank rows (plus one tensor-sized temporary when
-    the stored dtype differs from the bank's; one expert's matrix when quantizing; gpt-oss tensors one expert at a
-    time); dense tensors pass through one host copy each. Peak host memory is about banks + dense weights + one
-    tensor. The banks are frozen (read-only, :meth:`HostBank.freeze`) before they are returned.
+    Memory: expert tensors stored as the bank holds them are mapped from the file into the bank rows (no copy, see
+    SafetensorsCheckpoint.read_into), others read one at a time directly into the bank rows (plus one tensor-sized
+    temporary when the stored dtype differs from the bank's; one expert's matrix when quantizing; gpt-oss tensors one
+    expert at a time); dense tensors are file views copied once each. Peak host memory is about banks + dense
+    weights + one tensor. The banks are frozen (read-only, :meth:`HostBank.freeze`) before they are returned.
     Raises:
         CheckpointError: missing/unreadable/truncated/corrupted file (including headers that break the safetensors
             rules and unsafe shard names in the index), missing tensor, wrong shape or dtype, a NaN/Inf weight or

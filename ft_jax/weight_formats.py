@@ -269,21 +269,6 @@ class QuantizedTensor:
         return int(self.data.nbytes) + int(self.scales.nbytes)
 
 
-def expert_rows(fmt: WeightFormat, hidden: int, intermediate: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """{bank name: (row shape, dtype)} of one routed expert's weights in ``fmt`` (the ExpertBanks rows; biases are not
-    weights of a format and are not listed): gate_up fmt.data_shape(2I, H), down fmt.data_shape(H, I) in
-    fmt.data_dtype and, for a block format, gate_up_scale (2 * fmt.scale_rows(I), ceil(H / bc)) (the gate and up
-    scale grids stacked, module docstring) and down_scale fmt.scale_shape(H, I) in fmt.scale_dtype.
-
-    Raises ValueError (WeightFormat.check_cols) when H or I does not fit the format's blocks."""
-    H, I = int(hidden), int(intermediate)
-    rows = {"gate_up": (fmt.data_shape(2 * I, H), fmt.data_dtype), "down": (fmt.data_shape(H, I), fmt.data_dtype)}
-    if fmt.quantized:
-        rows["gate_up_scale"] = ((2 * fmt.scale_rows(I), -(-H // fmt.block[1])), fmt.scale_dtype)
-        rows["down_scale"] = (fmt.scale_shape(H, I), fmt.scale_dtype)
-    return rows
-
-
 def _e8m0_jnp(scales):
     """E8M0 exponents (u8) as f32 2^(s - 127), built from the bits (exact: s = 0 gives the subnormal 2^-127 and 255
     gives inf, as np.ldexp in :func:`dequantize`)."""
@@ -346,3 +331,18 @@ def fp8_rowwise(t: QuantizedTensor) -> QuantizedTensor:
     rows = t.data.shape[-2]
     scales = np.repeat(np.asarray(t.scales), t.fmt.block[0], axis=-2)[..., :rows, :]  # [..., rows, ceil(cols / bc)]
     return QuantizedTensor(t.data, scales, fp8((1, t.fmt.block[1])))
+
+
+def expert_rows(fmt: WeightFormat, hidden: int, intermediate: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{bank name: (row shape, dtype)} of one routed expert's weights in ``fmt`` (the ExpertBanks rows; biases are not
+    weights of a format and are not listed): gate_up fmt.data_shape(2I, H), down fmt.data_shape(H, I) in
+    fmt.data_dtype and, for a block format, gate_up_scale (2 * fmt.scale_rows(I), ceil(H / bc)) (the gate and up
+    scale grids stacked, module docstring) and down_scale fmt.scale_shape(H, I) in fmt.scale_dtype.
+
+    Raises ValueError (WeightFormat.check_cols) when H or I does not fit the format's blocks."""
+    H, I = int(hidden), int(intermediate)
+    rows = {"gate_up": (fmt.data_shape(2 * I, H), fmt.data_dtype), "down": (fmt.data_shape(H, I), fmt.data_dtype)}
+    if fmt.quantized:
+        rows["gate_up_scale"] = ((2 * fmt.scale_rows(I), -(-H // fmt.block[1])), fmt.scale_dtype)
+        rows["down_scale"] = (fmt.scale_shape(H, I), fmt.scale_dtype)
+    return rows

@@ -3,8 +3,11 @@
 
 Writes a sharded float32 checkpoint (config.json, model-XXXXX-of-YYYYY.safetensors, model.safetensors.index.json)
 with random weights to a temporary folder, loads it in a fresh subprocess and reports that process's peak resident
-set size (VmHWM from /proc/self/status, which includes the Python/JAX runtime) divided by the checkpoint bytes.
-Goal (issue 3): peak / checkpoint <= 1.3.
+set size (VmHWM from /proc/self/status, which includes the Python/JAX runtime; page-cache pages mapped into the
+banks count as they are resident) divided by the checkpoint bytes, and how many bank bytes are the checkpoint's own
+pages mapped into the bank (SafetensorsCheckpoint.read_into; the rest was copied: a float32 -> bfloat16 cast, or
+tensors whose file offsets are not congruent with the bank's page offset, e.g. in the other shards).
+Goal (issue 3): peak / checkpoint <= 1.3; issue 19: <= 1.1 (llama.cpp, which memory-maps its file: 1.02).
 
 Usage: python scripts/measure_load_memory.py [--layers 9] [--shards 4] [--expert-dtype float32|bfloat16]
        [--dir PARENT] [--keep]
@@ -90,6 +93,19 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def mapped_bytes(paths: list[str], start: int, nbytes: int) -> int:
+    """Bytes of [start, start + nbytes) that are mappings of the files ``paths`` (/proc/self/maps)."""
+    real = {os.path.realpath(p) for p in paths}
+    total = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] in real:
+                lo, hi = (int(a, 16) for a in fields[0].split("-"))
+                total += max(0, min(hi, start + nbytes) - max(lo, start))
+    return total
+
+
 def child(folder: str, expert_dtype: str) -> None:
     """Load the checkpoint and print a JSON line with the memory numbers (run in a fresh process)."""
     import jax.numpy as jnp
@@ -107,11 +123,14 @@ def child(folder: str, expert_dtype: str) -> None:
         last = cfg.num_moe_layers * cfg.num_experts - 1
         w2 = f.read(f"model.layers.{cfg.moe_layers[-1]}.block_sparse_moe.experts.{cfg.num_experts - 1}.w2.weight")
         assert np.array_equal(ck.banks.down.numpy()[last], w2.astype(ck.banks.down.dtype)), "bank row mismatch"
+        files = f.files
+    banks = (ck.banks.gate_up, ck.banks.down)
+    mapped = sum(mapped_bytes(files, b.numpy().ctypes.data, b.nbytes) for b in banks)
     print(json.dumps({
         "checkpoint_bytes": ck.checkpoint_bytes, "bank_bytes": ck.banks.gate_up.nbytes + ck.banks.down.nbytes,
         "peak_rss_bytes": peak_kb * 1024, "baseline_rss_bytes": baseline_kb * 1024,
         "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "rss_after_load_bytes": _status_kb("VmRSS") * 1024, "load_seconds": seconds}))
+        "rss_after_load_bytes": _status_kb("VmRSS") * 1024, "load_seconds": seconds, "bank_bytes_mapped": mapped}))
 
 
 def main() -> None:
@@ -145,9 +164,10 @@ def main() -> None:
         print(f"baseline RSS          {r['baseline_rss_bytes'] / 1e9:8.3f} GB (Python + JAX before loading)")
         print(f"peak RSS (VmHWM)      {r['peak_rss_bytes'] / 1e9:8.3f} GB   ru_maxrss {r['ru_maxrss_bytes'] / 1e9:.3f} GB")
         print(f"RSS after load        {r['rss_after_load_bytes'] / 1e9:8.3f} GB")
+        print(f"bank bytes mapped     {r['bank_bytes_mapped'] / 1e9:8.3f} GB (the file's pages; the rest copied)")
         print(f"load time             {r['load_seconds']:8.1f} s ({ck / 1e9 / r['load_seconds']:.2f} GB/s)")
         ratio = r["peak_rss_bytes"] / ck
-        print(f"peak / checkpoint     {ratio:8.3f}   (goal <= 1.3: {'OK' if ratio <= 1.3 else 'FAILED'})")
+        print(f"peak / checkpoint     {ratio:8.3f}   (goal <= 1.1: {'OK' if ratio <= 1.1 else 'FAILED'})")
         print(f"(peak - baseline) / checkpoint {(r['peak_rss_bytes'] - r['baseline_rss_bytes']) / ck:.3f}")
     finally:
         if not args.keep:

@@ -19,6 +19,7 @@ from ft_jax import weight_formats as wf
 from ft_jax.checkpoint import (CheckpointError, SafetensorsCheckpoint, load_checkpoint,
                                read_safetensors_header)
 from ft_jax.config import ConfigError
+from ft_jax.kernels.host_bank import HostBank
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
@@ -445,6 +446,9 @@ class _ShortReads:
     def readinto(self, view):
         return self._f.readinto(view[:self._limit])
 
+    def fileno(self):
+        return self._f.fileno()
+
     def close(self):
         self._f.close()
 
@@ -654,3 +658,110 @@ def test_mxfp4_bad_tensors_name_file_and_tensor(tmp_path):
     with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.2.mlp.experts.gate_up_proj_blocks' \+ "
                                               r"'model.layers.2.mlp.experts.gate_up_proj_scales' \(the MXFP4 form of "):
         load_checkpoint(d)
+
+
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    """[start, end) address ranges of the mappings of the file ``path`` in this process (/proc/self/maps)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == os.path.realpath(path):
+                out.append(tuple(int(a, 16) for a in fields[0].split("-")))
+    return out
+
+
+def _synthetic_bf16_mixtral(folder):
+    """A bf16 Mixtral checkpoint by scripts/synthetic_checkpoint.py whose expert tensors are 1 MiB (mapped) and
+    whose every tensor is a multiple of the page size (hidden 2048: a norm is 4096 bytes), as Mixtral's are."""
+    import importlib.util
+
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "synthetic_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("synthetic_checkpoint", script)
+    sc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sc)
+    config = sc.mixtral_config(hidden=2048, intermediate=256, layers=2, experts=2, heads=4, kv_heads=2, head_dim=64,
+                               vocab=300, max_positions=128)
+    sc.write_checkpoint(folder, config, seed=3)
+    return os.path.join(folder, "model.safetensors")
+
+
+def test_bf16_expert_banks_map_the_file_and_hold_its_tensors(tmp_path):
+    path = _synthetic_bf16_mixtral(tmp_path)
+    ck = load_checkpoint(tmp_path, dtype=jnp.bfloat16)
+    E = ck.config.num_experts
+    with safe_open(path, framework="pt") as f:  # the reference reader (torch: numpy has no bfloat16)
+        for m, layer in enumerate(ck.config.moe_layers):
+            for e in range(E):
+                p = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+                w1, w2, w3 = (f.get_tensor(f"{p}.{w}.weight").view(dtype=__import__("torch").int16).numpy()
+                              for w in ("w1", "w2", "w3"))
+                np.testing.assert_array_equal(ck.banks.gate_up.numpy()[m * E + e].view(np.int16),
+                                              np.concatenate([w1, w3]))
+                np.testing.assert_array_equal(ck.banks.down.numpy()[m * E + e].view(np.int16), w2)
+    # the bank memory is (mostly) the file's pages, not a copy
+    for bank in (ck.banks.gate_up, ck.banks.down):
+        start = bank.numpy().ctypes.data
+        inside = sum(min(e, start + bank.nbytes) - max(s, start) for s, e in _mapped_ranges(path)
+                     if s < start + bank.nbytes and e > start)
+        assert inside >= 0.9 * bank.nbytes, (inside, bank.nbytes)
+    _release(ck)
+
+
+def test_nan_in_a_mapped_expert_tensor_names_the_tensor(tmp_path):
+    path = _synthetic_bf16_mixtral(tmp_path)
+    name = "model.layers.1.block_sparse_moe.experts.1.w1.weight"  # [256, 2048] bf16 (gate_up bank row 3)
+    with SafetensorsCheckpoint(tmp_path) as ckpt:
+        offset = ckpt.tensors[name].offset
+    with open(path, "r+b") as f:
+        f.seek(offset + (100 * 2048 + 7) * 2)  # element [100, 7], in a page in the middle of the tensor
+        f.write(np.array([0x7FC0], np.uint16).tobytes())  # bfloat16 quiet NaN
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path, dtype=jnp.bfloat16)
+    assert str(e.value).startswith(f"{path}: tensor {name!r} [256, 2048] holds NaN: 1 of 524288 elements")
+    assert "the first at index [100, 7]" in str(e.value)
+
+
+def test_view_maps_the_tensor_read_only_and_checks_it(tmp_path):
+    t = np.random.default_rng(4).standard_normal((300, 1000)).astype(np.float32)
+    save_file({"a": np.ones(3, np.float32), "t": t}, str(tmp_path / "model.safetensors"))
+    path = str(tmp_path / "model.safetensors")
+    with SafetensorsCheckpoint(tmp_path) as ckpt:
+        v = ckpt.view("t", (300, 1000))
+        np.testing.assert_array_equal(v, t)
+        assert not v.flags.writeable and _mapped_ranges(path)
+        del v
+        assert not _mapped_ranges(path)  # the mapping went with the array
+    t[299, 999] = -np.inf
+    save_file({"a": np.ones(3, np.float32), "t": t}, path)
+    with SafetensorsCheckpoint(tmp_path) as ckpt, pytest.raises(CheckpointError, match=r"'t' \[300, 1000\] holds "
+                                                                                        r"Inf.*index \[299, 999\]"):
+        ckpt.view("t")
+
+
+def test_page_offset_maps_the_most_bytes(tmp_path):
+    """A 104-byte tensor shifts the later tensors by 104 bytes: the residue of the two 2 MiB ones wins."""
+    save_file({"a": np.zeros(1 << 18, np.float32), "b": np.zeros(1 << 19, np.float32),
+               "c": np.zeros(1 << 19, np.float32), "a0": np.zeros(26, np.float32)}, str(tmp_path / "model.safetensors"))
+    with SafetensorsCheckpoint(tmp_path) as ckpt:  # file order: a, a0 (104 bytes), b, c
+        offsets = {n: ckpt.tensors[n].offset for n in ("a", "b", "c")}
+        assert (offsets["b"] - offsets["a"]) % 4096 == 104
+        regions = [("a", 0), ("b", 1 << 20), ("c", 3 << 20)]
+        assert ckpt.page_offset(regions) == (offsets["b"] - (1 << 20)) % (2 << 20)
+        assert ckpt.page_offset(regions[:1]) == offsets["a"] % (2 << 20)
+        assert ckpt.page_offset([]) == 0
+        with pytest.raises(CheckpointError, match="missing tensor 'z'"):
+            ckpt.page_offset([("z", 0)])
+
+
+def test_read_into_a_frozen_bank_view_is_refused_and_maps_nothing(tmp_path):
+    t = np.random.default_rng(5).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
+    save_file({"t": t}, str(tmp_path / "model.safetensors"))
+    path = str(tmp_path / "model.safetensors")
+    with SafetensorsCheckpoint(tmp_path) as ckpt:
+        bank = HostBank(1, (512, 1024), np.float32, page_offset=ckpt.page_offset([("t", 0)]))
+        bank.freeze()
+        with pytest.raises(TypeError, match="read-write"):  # as any read-only destination
+            ckpt.read_into("t", bank.numpy()[0])
+        assert not _mapped_ranges(path) and not bank.numpy().any()
+        bank.release()

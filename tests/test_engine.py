@@ -232,20 +232,25 @@ def test_recorded_routing_is_the_reference_decode_routing(mixtral):
 
 @pytest.mark.parametrize("policy", [Policy("qstar", frac=0.415), Policy("resident")], ids=str)
 def test_gpt_oss_decode_step_bias_pools_in_place_and_reference_routing(policy):
-    """gpt-oss (MXFP4 fixture: biases, mixed sliding/full layers in one stack): the bias pools travel with the weight
-    pools through one slot_fill per layer (4 pools) and are not copied, the layers are one loop, and the engine's
-    greedy continuation and recorded decode routing are transformers'."""
+    """gpt-oss (MXFP4 fixture: biases, mixed sliding/full layers in one stack): the bias and scale pools travel with
+    the weight pools (the MXFP4 bytes as stored) through one slot_fill per layer (6 pools) and are not copied, the
+    layers are one loop, and the engine's greedy continuation and recorded decode routing are transformers'."""
     ckpt = load_checkpoint(os.path.join(FIXTURES, "gpt_oss_mxfp4"), dtype=jnp.float32)
     cfg = ckpt.config
     engine = Engine(ckpt, policy=policy, num_slots=5)
     S, I, H = engine.num_slots, cfg.moe_intermediate_size, cfg.hidden_size
     hlo = lower_decode_step(engine, batch_size=1, kv_len=32).compile().as_text()
     assert " while(" in hlo and hlo.count('custom_call_target="ft_jax_linear"') == 4
-    for shape in (f"f32[{S},{2 * I},{H}]", f"f32[{S},{H},{I}]", f"f32[{S},{2 * I}]", f"f32[{S},{H}]"):
+    hlo_type = {"uint8": "u8", "float32": "f32"}
+    pools = [f"{hlo_type[dt.name]}[{','.join(map(str, shape))}]"
+             for shape, dt in engine.decode_backend.banks.pool_shapes(S).values()]
+    assert pools == [f"u8[{S},{2 * I},{H // 2}]", f"u8[{S},{H},{I // 2}]", f"f32[{S},{2 * I}]", f"f32[{S},{H}]",
+                     f"u8[{S},{2 * I},{H // 32}]", f"u8[{S},{H},{I // 32}]"]
+    for shape in pools:
         assert shape in hlo and not _copies(hlo, shape), f"{shape} missing or copied"
     fills = [l for l in hlo.splitlines() if 'custom_call_target="ft_jax_slot_fill"' in l]
-    assert len(fills) == (0 if policy.kind == "resident" else 1)  # in the loop body: one call for all 4 pools
-    assert all(f"f32[{S},{2 * I}]" in l and f"f32[{S},{H}]" in l for l in fills)
+    assert len(fills) == (0 if policy.kind == "resident" else 1)  # in the loop body: one call for all 6 pools
+    assert all(all(p in l for p in pools) for l in fills)
     info = _info("gpt_oss_mxfp4")
     ref_ids = np.load(os.path.join(FIXTURES, "gpt_oss_mxfp4", "reference", "decode_topk_ids.npy"))  # [15, L, k]
     result = engine.generate([info["prompt_ids"]], max_new_tokens=16, record_routing=True)

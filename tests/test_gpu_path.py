@@ -185,6 +185,30 @@ def test_pallas_slot_experts_quantized_pools_over_several_tiles(name, inter):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("name", ["q4_0", "fp8_24x40"])
+def test_ffi_slot_experts_cuda_form_passes_the_scale_pools(name, monkeypatch):
+    """ffi_ops.slot_experts' CUDA branch (taken here: CUDA_ENABLED on, platform_dependent's cuda form, the Pallas
+    kernels in the interpreter) hands the scale pools and the format to device_experts: the same outputs as the CPU
+    handler on the same quantized pools, and as the float64 reference."""
+    fmt = QUANTIZED[name]
+    rng = np.random.default_rng(11)
+    S, H, inter = 4, 64, 48 if fmt.name == "fp8" else 64
+    gu_data, gu_scales, dn_data, dn_scales, gu, dn = _quantized_pools(rng, fmt, S, H, inter)
+    x, ids, w, _, _, biases = _case(rng, 3, 2, S, H, inter, np.float32, np.float32, True)
+    args = (x, ids, w, gu_data, dn_data, "swiglu_oai")
+    kw = dict(gate_up_scale_slots=gu_scales, down_scale_slots=dn_scales, weight_format=fmt, **biases)
+    on_cpu = np.asarray(ffi_ops.slot_experts(*args, **kw))
+    monkeypatch.setattr(ft_jax, "CUDA_ENABLED", True)
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *a, cpu, cuda: cuda(*a))
+    real = device_experts.slot_experts
+    monkeypatch.setattr(device_experts, "slot_experts", lambda *a, **k: real(*a, interpret=True, **k))
+    on_gpu = np.asarray(ffi_ops.slot_experts(*args, **kw))
+    want = _reference(x, ids, w, gu, dn, "swiglu_oai", biases["gate_up_bias_slots"], biases["down_bias_slots"])
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(on_gpu, want, rtol=2e-5, atol=2e-5 * scale)
+    np.testing.assert_allclose(on_gpu, on_cpu, rtol=2e-5, atol=2e-5 * scale)
+
+
 def test_pallas_slot_experts_rejects_mismatched_quantized_pools():
     rng = np.random.default_rng(8)
     gu_data, gu_scales, dn_data, dn_scales, _, _ = _quantized_pools(rng, Q8_0, 2, 64, 32)

@@ -1,14 +1,17 @@
 """Host banks: shapes/dtypes, zero-copy page-aligned views, row writes with casting, from_numpy (incl. memory
-maps), lifetime (release, double release, keep-alive of views, garbage collection)."""
+maps), lifetime (release, double release, keep-alive of views, garbage collection), page offsets and file regions
+mapped into a bank; stack_on_huge_pages and use_huge_pages keep the values."""
 
 import gc
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
 from ft_jax import _ffi
-from ft_jax.kernels.host_bank import HostBank
+from ft_jax.kernels.host_bank import MAP_ALIGNMENT, HostBank, stack_on_huge_pages, use_huge_pages
 
 
 @pytest.mark.parametrize("dtype, itemsize", [(np.float32, 4), (ml_dtypes.bfloat16, 2)])
@@ -132,3 +135,110 @@ def test_freeze_makes_the_bank_read_only():
     bank.release()
     with pytest.raises(ValueError, match="was released"):
         bank.freeze()
+
+
+def _file_mappings(path) -> list[tuple[int, int]]:
+    """[start, end) address ranges of the mappings of ``path`` in this process (/proc/self/maps)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == str(path):
+                start, end = (int(a, 16) for a in fields[0].split("-"))
+                out.append((start, end))
+    return out
+
+
+@pytest.mark.parametrize("page_offset", [0, 8, 4096 + 200, MAP_ALIGNMENT - 8])
+def test_page_offset_places_the_data_and_banks_do_not_overlap(page_offset):
+    banks = [HostBank(3, (1000, 700), np.float32, page_offset=page_offset) for _ in range(4)]  # 8.4 MB each
+    for i, bank in enumerate(banks):
+        assert bank.numpy().ctypes.data % MAP_ALIGNMENT == page_offset
+        bank.numpy()[...] = i + 1
+    for i, bank in enumerate(banks):  # no bank's memory runs into another's
+        view = bank.numpy()
+        assert view.min() == view.max() == i + 1
+        bank.release()
+
+
+def test_page_offset_errors():
+    with pytest.raises(ValueError, match="page_offset must be"):
+        HostBank(2, (3,), np.float32, page_offset=MAP_ALIGNMENT)
+    with pytest.raises(ValueError, match="page_offset must be a multiple of the float32 element size"):
+        HostBank(2, (3,), np.float32, page_offset=6)
+
+
+def _random_file(path, nbytes: int, seed: int = 0) -> bytes:
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    with open(path, "wb") as f:
+        f.write(data)
+    return data
+
+
+def test_bank_from_a_file_region_holds_exactly_the_file_bytes(tmp_path):
+    path = tmp_path / "weights.bin"
+    data = _random_file(path, 3 << 20)
+    file_offset, nbytes, row_offset = 1234 * 8, (1 << 20) + 4000, 3 * 4096  # not page aligned, not a page multiple
+    bank = HostBank(4, (1 << 20,), np.uint8, page_offset=(file_offset - row_offset) % MAP_ALIGNMENT)
+    dest = bank.numpy().reshape(-1)[row_offset:row_offset + nbytes]
+    with open(path, "rb") as f:
+        begin, end = _ffi.bank_map_file(dest.ctypes.data, nbytes, f.fileno(), file_offset)
+    address = dest.ctypes.data
+    # The whole pages inside the range are mapped; the partial pages at both ends are left to the caller.
+    assert begin == -address % 4096 and end == (address + nbytes) // 4096 * 4096 - address and begin < end
+    assert [(s, e) for s, e in _file_mappings(path)] == [(address + begin, address + end)]
+    np.testing.assert_array_equal(dest[begin:end], np.frombuffer(data, np.uint8, end - begin, file_offset + begin))
+    assert not bank.numpy().reshape(-1)[:row_offset + begin].any()  # nothing outside was touched
+    assert not bank.numpy().reshape(-1)[row_offset + end:].any()
+    # Copy-on-write: the bank is writable and writing never reaches the file.
+    dest[begin:begin + 16] = 7
+    assert (dest[begin:begin + 16] == 7).all()
+    assert open(path, "rb").read() == data
+    bank.release()
+    del dest  # the last view: the memory goes with it
+    gc.collect()
+    assert _file_mappings(path) == []
+
+
+def test_bank_map_file_maps_nothing_it_cannot(tmp_path):
+    path = tmp_path / "weights.bin"
+    _random_file(path, 1 << 20)
+    bank = HostBank(1, (1 << 20,), np.uint8)  # page_offset 0
+    dest = bank.numpy().reshape(-1)
+    outside = np.zeros(1 << 20, np.uint8)
+    with open(path, "rb") as f:
+        assert _ffi.bank_map_file(dest.ctypes.data, 1 << 19, f.fileno(), 8) == (0, 0)  # not page congruent
+        assert _ffi.bank_map_file(dest.ctypes.data + 8, 1000, f.fileno(), 8) == (0, 0)  # no whole page
+        assert _ffi.bank_map_file(outside.ctypes.data, 1 << 19, f.fileno(), 0) == (0, 0)  # not in a bank
+        assert _ffi.bank_map_file(dest.ctypes.data + 4096, 1 << 20, f.fileno(), 0) == (0, 0)  # runs past the bank
+    assert _file_mappings(path) == [] and not dest.any()
+    bank.release()
+
+
+def test_stack_on_huge_pages_stacks_and_concatenates():
+    rng = np.random.default_rng(2)
+    layers = [[rng.standard_normal((300, 2048)).astype(ml_dtypes.bfloat16),
+               rng.standard_normal((100, 2048)).astype(ml_dtypes.bfloat16)] for _ in range(3)]  # 4.9 MB
+    out = stack_on_huge_pages(layers)
+    expected = np.stack([np.concatenate(parts) for parts in layers])
+    assert out.shape == (3, 400, 2048) and out.dtype == expected.dtype
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), expected.view(np.uint16))
+    if jax.default_backend() == "cpu":  # the CPU backend uses the huge-page buffer itself
+        assert out.unsafe_buffer_pointer() % MAP_ALIGNMENT == 0
+    small = stack_on_huge_pages([[np.arange(4, dtype=np.float32)], [np.arange(4, 8, dtype=np.float32)]])
+    np.testing.assert_array_equal(np.asarray(small), np.arange(8, dtype=np.float32).reshape(2, 4))
+    with pytest.raises(ValueError, match="layer 1 has 3 rows, layer 0 4"):
+        stack_on_huge_pages([[np.zeros(4, np.float32)], [np.zeros(3, np.float32)]])
+    with pytest.raises(ValueError, match="no layers"):
+        stack_on_huge_pages([])
+
+
+def test_use_huge_pages_keeps_the_values():
+    """A zero buffer's pages are dropped (it reads back as zeros), another is collapsed: values unchanged."""
+    values = np.random.default_rng(3).standard_normal(3 << 20).astype(np.float32)  # 12 MiB
+    a, z = jnp.asarray(values), jnp.zeros(3 << 20, jnp.float32)
+    use_huge_pages((a, z))
+    np.testing.assert_array_equal(np.asarray(a), values)
+    assert not np.asarray(z).any()
+    z = jax.jit(lambda z: z.at[5].set(2.0), donate_argnums=0)(z)  # written after its pages were dropped
+    assert float(z[5]) == 2.0 and float(jnp.abs(z).sum()) == 2.0

@@ -321,12 +321,11 @@ def test_fp8_codes_decode_exactly_on_every_row_position():
                                   scales=np.ones((2, 1), np.float32), weight_format=fmt))
     assert np.isnan(y).all()
     # 128-column blocks (the fused one-token path on AVX-512) and K = 200: a chunk of 128, 4 vectors, a tail of 8
-    # (blocks (2, 128): weight_formats.check_cols refuses partial column blocks when block rows are 1)
     rows = np.full((4, 200), 0x38, np.uint8)
     rows[0, 5], rows[1, 130], rows[2, 199] = 0x7F, 0xFF, 0x7F  # row 3 has no NaN: y = 200
     for n in (1, 2):
         y = np.asarray(ffi_ops.linear(np.ones((n, 200), np.float32), rows.view(ml_dtypes.float8_e4m3fn),
-                                      scales=np.ones((2, 2), np.float32), weight_format=wf.fp8((2, 128))))
+                                      scales=np.ones((4, 2), np.float32), weight_format=wf.fp8((1, 128))))
         assert np.isnan(y[:, :3]).all() and (y[:, 3] == 200.0).all()
 
 

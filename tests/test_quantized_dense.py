@@ -3,6 +3,8 @@ on QuantizedTensor weights against a float64 product, Stacked's fused rows (fp8 
 split get one scale row per matrix row), and whole tiny models built from quantized projections against the same
 models built from the dequantized weights as plain arrays (f32 and bf16), the decode step compiled once."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -13,10 +15,16 @@ from flax import nnx
 from ft_jax.config import load_config
 from ft_jax.kernels.host_bank import HostBank
 from ft_jax.models.decoder import MoETransformer
+from ft_jax.models import layers
 from ft_jax.models.layers import FFI_MAX_ROWS, Stacked, as_float, linear, random_param_factory
 from ft_jax.weight_formats import (FP4_E2M1, FP8_MAX, MXFP4, Q4_0, Q8_0, QuantizedTensor, dequantize, dequantize_jnp,
                                    fp8, quantize)
-from test_model import FIXTURES, HostBankExperts, bf16_logit_error_bound, jit_forward
+from ft_jax.checkpoint import load_checkpoint
+from ft_jax.engine.engine import Engine
+from ft_jax.offload.policy import Policy, PolicyKind
+from test_model import FIXTURES, HostBankExperts, _experts_of, bf16_logit_error_bound, jit_forward
+from test_quant_kernels import check_within, int8_acts, linear_reference
+from test_quantized_load import _load_parts, _write_fp8_checkpoint
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -92,13 +100,26 @@ def test_dequantize_jnp_rejects_scales_of_another_shape():
 
 
 # -------------------------------------------------------------------------------------------------------- linear
+def check_linear(y, x, w64, fmt, gemv: bool, what: str):
+    """y [N, O] against x @ w64.T in float64: 1e-5 (relative and absolute) where the arithmetic keeps float32
+    activations, test_quant_kernels' derived bound (linear_reference) where the CPU GEMV quantizes them to int8
+    blocks (q8_0 / q4_0 on the AVX-512 VNNI path)."""
+    if gemv and int8_acts(fmt):
+        check_within(y, *linear_reference(x, w64, fmt), what)
+    else:
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x, np.float64) @ w64.T, rtol=1e-5, atol=1e-5,
+                                   err_msg=what)
+
+
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "mxfp4", "fp8_24x48"])
 @pytest.mark.parametrize("rows", [3, FFI_MAX_ROWS + 5])
 def test_linear_on_a_quantized_stack_matches_float64(name, rows):
     """linear(x, stack, layer) = x @ dequantize(stack)[layer]^T (float64 reference) for f32 and bf16 x; a single
-    matrix (layer None). With bf16 x, 3 rows take the CPU GEMV (the stored values, f32 arithmetic) and FFI_MAX_ROWS +
-    5 rows XLA's dot on the weights dequantized to bf16 (the activation dtype: rounded once)."""
+    matrix (layer None). 3 rows take the CPU GEMV (the stored values; int8 activations for q8_0 / q4_0 where the CPU
+    has VNNI: check_linear), FFI_MAX_ROWS + 5 rows XLA's dot on the weights dequantized to x's dtype (bf16: rounded
+    once)."""
     fmt = FORMATS[name]
+    gemv = rows <= FFI_MAX_ROWS
     rng = np.random.default_rng(2)
     ws = [quantized(rng.standard_normal((40, 96)).astype(np.float32), fmt) for _ in range(3)]
     stack = QuantizedTensor(jnp.asarray(np.stack([w.data for w in ws])), jnp.asarray(np.stack([w.scales for w in ws])),
@@ -110,16 +131,14 @@ def test_linear_on_a_quantized_stack_matches_float64(name, rows):
         w = dequantize(ws[layer].data, ws[layer].scales, fmt, dtype=np.float64)  # [40, 96]
         y = f(jnp.asarray(x), stack, jnp.int32(layer))
         assert y.shape == (rows, 40) and y.dtype == jnp.float32
-        np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-5)
+        check_linear(y, x, w, fmt, gemv, f"f32 x, layer {layer}")
         xb = x.astype(BF16)
         yb = f(jnp.asarray(xb), stack, jnp.int32(layer))
-        wb = w if rows <= FFI_MAX_ROWS else w.astype(np.float32).astype(BF16).astype(np.float64)
-        want = xb.astype(np.float64) @ wb.T
-        np.testing.assert_allclose(np.asarray(yb), want, rtol=1e-5, atol=1e-5)
+        wb = w if gemv else w.astype(np.float32).astype(BF16).astype(np.float64)
+        check_linear(yb, xb, wb, fmt, gemv, f"bf16 x, layer {layer}")
     single = QuantizedTensor(jnp.asarray(ws[1].data), jnp.asarray(ws[1].scales), fmt)
-    np.testing.assert_allclose(np.asarray(linear(jnp.asarray(x), single)),
-                               x.astype(np.float64) @ dequantize(ws[1].data, ws[1].scales, fmt, dtype=np.float64).T,
-                               rtol=1e-5, atol=1e-5)
+    check_linear(linear(jnp.asarray(x), single), x, dequantize(ws[1].data, ws[1].scales, fmt, dtype=np.float64), fmt,
+                 gemv, "one matrix")
     with pytest.raises(ValueError, match="needs a layer index"):
         linear(jnp.asarray(x), stack)
     with pytest.raises(ValueError, match="does not end in K = 96"):
@@ -224,14 +243,21 @@ def _run(model, experts, tokens, prompt_len):
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("family,name", MODEL_CASES)
-def test_quantized_model_equals_the_dequantized_float_model(family, name, dtype):
+def test_quantized_model_equals_the_dequantized_float_model(family, name, dtype, monkeypatch):
     """A tiny model whose projections are QuantizedTensors gives the logits of the same model built from the
     dequantized weights as plain arrays: f32 with the same routing and logits to 1e-5 (the same products in
     another order: the CPU GEMV on the stored values against XLA's dot or the float GEMV); bf16 within
     test_model's bf16 rounding bound at the positions routed alike (at most 2 of 9 may flip: the CPU GEMV reads
     the exact stored values, the plain bf16 model their bf16 roundings). The quantized tensors stay stored
-    (QuantizedTensor parameters, fp8 blocks split by fused parts expanded to rows); the decode step compiles once."""
+    (QuantizedTensor parameters, fp8 blocks split by fused parts expanded to rows); the decode step compiles once.
+
+    Where the CPU GEMV quantizes the activations (q8_0 / q4_0 on AVX-512 VNNI: int8_acts) both models take XLA's
+    dot instead (FFI_MAX_ROWS = 0): this test checks how the models hold and read quantized weights, exactly; the
+    GEMV's int8 error is test_linear_on_a_quantized_stack_matches_float64's (a derived bound) and, through a whole
+    trained model, test_quantized_checkpoint_loads_and_decodes's."""
     fmt = FORMATS[name]
+    if int8_acts(fmt):
+        monkeypatch.setattr(layers, "FFI_MAX_ROWS", 0)
     cfg = load_config(f"{FIXTURES}/{family}")
     q_make, plain_make = quantizing_factory(fmt, dtype)
     qmodel, plain = MoETransformer(cfg, q_make), MoETransformer(cfg, plain_make)
@@ -280,3 +306,57 @@ def test_quantized_model_lowered_for_cuda_dequantizes_with_xla():
     assert "ft_jax_linear" not in text
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     assert "tensor<4x128x64xi8>" in main  # q/k/v of the 4 layers: (4 + 2 * 2) * 16 rows, 64 columns
+
+
+# int8 activation error model (test_model's bf16 model, for the CPU GEMV's int8 blocks): a block of 32 activations
+# is quantized with step d = max |x| / 127 and round to nearest, an error of at most d / 2 = max |x| / 254 per element,
+# as a rounding with u = 1 / 254 of the block's largest value. Each quantized input vector counts as one such rounding
+# of the logit scale: per decoder layer at most 6 (q/k/v, o, router, the experts' gate_up and down, the shared
+# expert), plus lm_head; the logit error then has std u sqrt(n / 3), and the bound is 5 std. Measured on the
+# qwen3_moe fixture (this tree, dev VM): at most 6 u of max |logit| at positions routed alike; bound 14.2 u.
+INT8_U, INT8_INPUTS_PER_LAYER = 1 / 254, 6
+
+
+def int8_logit_error_bound(num_layers: int, logit_scale: np.ndarray) -> np.ndarray:
+    """5 std of the int8 activation model above: 5 u sqrt(n / 3) * logit_scale, n = 6 num_layers + 1."""
+    return 5 * INT8_U * np.sqrt((INT8_INPUTS_PER_LAYER * num_layers + 1) / 3) * logit_scale
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "fp8"])
+def test_quantized_checkpoint_loads_and_decodes(tmp_path, name):
+    """load_checkpoint end to end: Qwen3-MoE with --quantize q8_0 / q4_0, and as a block-FP8 checkpoint (24 x 40
+    blocks, partial edges; tests/test_quantized_load.py writes it): the model keeps the projections as stored
+    QuantizedTensors and gives the logits (f32, teacher-forced) of the model built from the same factory's tensors
+    dequantized, with the same quantized expert banks: same routing and 1e-5 where the kernels keep float
+    activations (fp8; q8_0 / q4_0 without VNNI), else within int8_logit_error_bound at the positions routed alike;
+    the engine decodes with one compiled step."""
+    d = os.path.join(FIXTURES, "qwen3_moe")
+    if name == "fp8":
+        d = str(tmp_path / "fp8")
+        _write_fp8_checkpoint(d)
+    quantize = None if name == "fp8" else name
+    ck = load_checkpoint(d, dtype=jnp.float32, quantize=quantize)
+    stack = ck.model.stacks[0]
+    for param in (stack.attn.qkv, stack.attn.o):
+        assert isinstance(param[...], QuantizedTensor) and param[...].fmt.name == name
+    cfg, banks, make, ckpt = _load_parts(d, np.float32, quantize)
+    plain = MoETransformer(cfg, lambda n, shape, kind: as_float(make(n, shape, kind), np.float32))
+    ckpt.close()
+    banks.release()
+    experts = _experts_of(ck)
+    tokens = np.array([[3, 17, 42, 5, 99, 7, 1, 60, 11]], np.int32)
+    got, got_ids, _ = _run(ck.model, experts, tokens, 6)
+    want, want_ids, _ = _run(plain, experts, tokens, 6)
+    assert np.abs(want).max() > 0.1
+    if int8_acts(ck.banks.format):  # the GEMVs quantize activations: statistical bound, positions routed alike
+        same = np.all(got_ids == want_ids, axis=(1, 2))
+        assert same.sum() >= len(same) - 2
+        bound = int8_logit_error_bound(cfg.num_layers, np.abs(want).max(-1, keepdims=True))
+        assert np.all(np.abs(got - want)[same] <= bound[same])
+    else:
+        np.testing.assert_array_equal(got_ids, want_ids)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    result = Engine(ck, policy=Policy(PolicyKind.FETCH_ALL), num_slots=ck.banks.num_rows // 2).generate(
+        [[3, 17, 42, 5, 99]], max_new_tokens=4)
+    assert result.stats["decode_compiles"] == 1
+    ck.banks.release()

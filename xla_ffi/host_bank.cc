@@ -1,7 +1,10 @@
 #include "xla_ffi/host_bank.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cstdio>
 #include <mutex>
 #include <new>
 #include <sstream>
@@ -47,7 +50,42 @@ std::string BankDTypeName(int32_t dtype_code) {
   return "dtype code " + std::to_string(dtype_code);
 }
 
-Bank::Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t dtype_code)
+namespace {
+
+// Budget of file regions MapFile may map, process-wide: each one can split a bank's mapping into up to three (the
+// anonymous part before, the file part, the anonymous part after), and the kernel refuses new mappings past
+// vm.max_map_count (65530 by default), which would make later mmap calls (JAX's, malloc's) fail. A quarter of it.
+int64_t FileSegmentBudget() {
+  static const int64_t budget = [] {
+    int64_t max_count = 65530;
+    if (FILE* f = std::fopen("/proc/sys/vm/max_map_count", "r")) {
+      long long v = 0;
+      if (std::fscanf(f, "%lld", &v) == 1 && v > 0) max_count = v;
+      std::fclose(f);
+    }
+    return max_count / 4;
+  }();
+  return budget;
+}
+
+std::atomic<int64_t> file_segments_in_use{0};
+
+// The system page size (4096 on x86-64; 16 or 64 KiB on some ARM64 kernels): what mmap and MAP_FIXED align to.
+size_t PageSize() {
+  static const size_t page = [] {
+    const long v = sysconf(_SC_PAGESIZE);
+    return v > 0 ? static_cast<size_t>(v) : kBankAlignment;
+  }();
+  return page;
+}
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22  // Linux >= 5.14; absent from older headers
+#endif
+
+}  // namespace
+
+Bank::Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t dtype_code, size_t page_offset)
     : id_(id), num_rows_(num_rows), row_shape_(std::move(row_shape)), dtype_code_(dtype_code) {
   elem_size_ = BankDTypeSize(dtype_code);
   if (elem_size_ == 0) {
@@ -57,27 +95,74 @@ Bank::Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t
   if (num_rows_ <= 0) {
     throw std::invalid_argument("host bank: num_rows must be >= 1, got " + std::to_string(num_rows_));
   }
+  if (page_offset >= kBankMapAlignment) {
+    throw std::invalid_argument("host bank: page_offset must be in [0, " + std::to_string(kBankMapAlignment) +
+                                "), got " + std::to_string(page_offset));
+  }
   row_elems_ = 1;
   for (int64_t d : row_shape_) {
     if (d <= 0) throw std::invalid_argument("host bank: row dimensions must be >= 1, got " + std::to_string(d));
     row_elems_ *= static_cast<size_t>(d);
   }
-  size_t bytes = nbytes();
-  mapped_bytes_ = (bytes + kBankAlignment - 1) / kBankAlignment * kBankAlignment;
-  // Anonymous mmap: page aligned, zero-filled, committed lazily (a bank sized for a large model costs nothing until
-  // written), returned to the OS on release.
-  void* p = mmap(nullptr, mapped_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  const size_t bytes = nbytes();
+  const size_t page = PageSize();
+  const size_t in_page = page_offset % page;
+  map_bytes_ = (in_page + bytes + page - 1) / page * page;
+  // Anonymous mmap: zero-filled, committed lazily (a bank sized for a large model costs nothing until written),
+  // returned to the OS on release. Reserved 2 MiB larger, then trimmed so that data_ = page_offset (mod 2 MiB).
+  const size_t reserve = map_bytes_ + kBankMapAlignment;
+  void* p = mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();
+  const uintptr_t start = reinterpret_cast<uintptr_t>(p), target = page_offset - in_page;  // page multiples
+  // The first page at or after start that is target modulo 2 MiB (within 2 MiB - 4096 of start).
+  const uintptr_t begin = start + ((target - start) & (kBankMapAlignment - 1)), end = begin + map_bytes_;
+  if (begin > start) munmap(p, begin - start);
+  if (start + reserve > end) munmap(reinterpret_cast<void*>(end), start + reserve - end);
+  map_begin_ = reinterpret_cast<uint8_t*>(begin);
 #ifdef MADV_HUGEPAGE
   // Transparent huge pages cut TLB misses of the streaming GEMV; advisory only, failure is harmless.
-  if (mapped_bytes_ >= (size_t{2} << 20)) madvise(p, mapped_bytes_, MADV_HUGEPAGE);
+  if (map_bytes_ >= (size_t{2} << 20)) madvise(map_begin_, map_bytes_, MADV_HUGEPAGE);
 #endif
-  data_ = static_cast<uint8_t*>(p);
+  data_ = map_begin_ + in_page;
 }
 
 Bank::~Bank() {
   mapping_.reset();  // unregisters the memory from the device runtime before it goes away
-  munmap(data_, mapped_bytes_);
+  munmap(map_begin_, map_bytes_);  // the file regions MapFile mapped included
+  file_segments_in_use.fetch_sub(file_segments_.load());
+}
+
+MappedRange Bank::MapFile(size_t offset, size_t nbytes, int fd, uint64_t file_offset) {
+  if (offset > this->nbytes() || nbytes > this->nbytes() - offset) {
+    throw std::out_of_range("host bank: MapFile range [" + std::to_string(offset) + ", " +
+                            std::to_string(offset + nbytes) + ") outside " + Describe());
+  }
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(data_) + offset;
+  const size_t page = PageSize();
+  if ((addr - file_offset) % page != 0) return {};  // no page of the file lands on a page of the bank
+  const uintptr_t first = (addr + page - 1) / page * page;
+  const uintptr_t last = (addr + nbytes) / page * page;
+  if (last <= first) return {};
+  if (file_segments_in_use.fetch_add(1) >= FileSegmentBudget()) {
+    file_segments_in_use.fetch_sub(1);
+    return {};
+  }
+  void* want = reinterpret_cast<void*>(first);
+  const size_t len = last - first;
+  void* got = mmap(want, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd,
+                   static_cast<off_t>(file_offset + (first - addr)));
+  if (got != want) {
+    file_segments_in_use.fetch_sub(1);
+    // A failed MAP_FIXED may have unmapped the range: put zero-filled anonymous memory back (the caller copies it).
+    if (mmap(want, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != want) {
+      throw std::runtime_error("host bank: mapping the file into " + Describe() +
+                               " failed and its memory could not be restored");
+    }
+    return {};
+  }
+  file_segments_.fetch_add(1);
+  madvise(want, len, MADV_POPULATE_READ);  // page tables filled in one call; advisory (lazy faults otherwise)
+  return {first - addr, last - addr};
 }
 
 const BankDeviceMapping& Bank::DeviceMapping(
@@ -113,14 +198,15 @@ thread_local std::string last_error;
 
 }  // namespace
 
-std::shared_ptr<Bank> CreateBank(int64_t num_rows, const std::vector<int64_t>& row_shape, int32_t dtype_code) {
+std::shared_ptr<Bank> CreateBank(int64_t num_rows, const std::vector<int64_t>& row_shape, int32_t dtype_code,
+                                 size_t page_offset) {
   Registry& r = GetRegistry();
   int64_t id;
   {
     std::lock_guard<std::mutex> lock(r.mu);
     id = r.next_id++;
   }
-  auto bank = std::make_shared<Bank>(id, num_rows, row_shape, dtype_code);
+  auto bank = std::make_shared<Bank>(id, num_rows, row_shape, dtype_code, page_offset);
   std::lock_guard<std::mutex> lock(r.mu);
   r.banks.emplace(id, bank);
   return bank;
@@ -131,6 +217,18 @@ std::shared_ptr<Bank> FindBank(int64_t id) {
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.banks.find(id);
   return it == r.banks.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<Bank> FindBankHolding(uintptr_t address, size_t nbytes) {
+  Registry& r = GetRegistry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  for (const auto& [id, bank] : r.banks) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(bank->data());
+    if (address >= begin && address - begin <= bank->nbytes() && nbytes <= bank->nbytes() - (address - begin)) {
+      return bank;
+    }
+  }
+  return nullptr;
 }
 
 bool ReleaseBank(int64_t id) {

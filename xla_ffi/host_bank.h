@@ -49,6 +49,17 @@ size_t BankDTypeSize(int32_t dtype_code);
 std::string BankDTypeName(int32_t dtype_code);
 
 constexpr size_t kBankAlignment = 4096;  // page size: rows of page-multiple size stay page aligned
+// A bank's data address is congruent to its page_offset modulo this (2 MiB, the x86-64 huge page): a file region at a
+// congruent offset (modulo the page size) can then be mapped into it, on huge page table entries where the page
+// cache holds 2 MiB folios.
+constexpr size_t kBankMapAlignment = size_t{2} << 20;
+
+// The part of a bank byte range [offset, offset + n) that MapFile mapped: [offset + begin, offset + end), begin ==
+// end when nothing was mapped (the caller copies the rest).
+struct MappedRange {
+  size_t begin = 0;
+  size_t end = 0;
+};
 
 // What a device runtime attached to a bank (CUDA builds: the page-locked, device-mapped registration made by
 // host_bank_cuda.cc). Destroyed by the bank before its memory is unmapped.
@@ -61,9 +72,11 @@ class BankDeviceMapping {
 
 class Bank {
  public:
-  // Allocates num_rows * prod(row_shape) elements of dtype, zero-filled, 4096-byte aligned (anonymous mmap).
-  // Throws std::invalid_argument for a bad dtype/shape and std::bad_alloc when the memory cannot be mapped.
-  Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t dtype_code);
+  // Allocates num_rows * prod(row_shape) elements of dtype, zero-filled (anonymous mmap), with the data address
+  // congruent to page_offset modulo kBankMapAlignment (page_offset 0: 2 MiB aligned; a safetensors file's tensors
+  // start at offsets that are not page aligned, see MapFile). Throws std::invalid_argument for a bad dtype/shape or
+  // a page_offset outside [0, kBankMapAlignment), std::bad_alloc when the memory cannot be mapped.
+  Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t dtype_code, size_t page_offset = 0);
   ~Bank();
   Bank(const Bank&) = delete;
   Bank& operator=(const Bank&) = delete;
@@ -83,6 +96,20 @@ class Bank {
   // True once ReleaseBank dropped it from the registry (holders may still read it; handlers report an error).
   bool released() const { return released_.load(std::memory_order_acquire); }
   void MarkReleased() { released_.store(true, std::memory_order_release); }
+  // Page-aligned start and length of the bank's whole mapping (data() - map_begin() == page_offset % page size).
+  uint8_t* map_begin() const { return map_begin_; }
+  size_t map_bytes() const { return map_bytes_; }
+  // Fills bank bytes [offset, offset + nbytes) from file bytes [file_offset, file_offset + nbytes) of the open file
+  // `fd` by mapping the file's pages there (MAP_PRIVATE | MAP_FIXED, read-write copy-on-write: the bank stays
+  // writable and a write never reaches the file), for the whole pages of the range, when the two addresses are
+  // congruent modulo the page size; then asks the kernel to populate the page tables (MADV_POPULATE_READ). No data
+  // is copied: the bank shares the page cache's pages. Returns the part mapped relative to offset (begin == end:
+  // nothing, e.g. not congruent, too small, the process's mapping budget spent, or mmap failed); the caller copies
+  // the partial pages at both ends and anything not mapped. Only while the bank is being filled (no reader).
+  // Caveat of every file mapping: a file truncated in place later makes reads of the lost pages fault (SIGBUS), and
+  // one rewritten in place changes the pages not yet written to.
+  // Throws std::out_of_range for a range outside the bank.
+  MappedRange MapFile(size_t offset, size_t nbytes, int fd, uint64_t file_offset);
   // The bank's device mapping: made by `make` on the first call (under a lock), the same object afterwards.
   const BankDeviceMapping& DeviceMapping(const std::function<std::unique_ptr<BankDeviceMapping>(const Bank&)>& make);
 
@@ -93,15 +120,20 @@ class Bank {
   int32_t dtype_code_;
   size_t elem_size_;
   size_t row_elems_;
-  size_t mapped_bytes_;
+  uint8_t* map_begin_;
+  size_t map_bytes_;
   uint8_t* data_;
+  std::atomic<int64_t> file_segments_{0};  // file regions MapFile mapped (counted against the process budget)
   std::atomic<bool> released_{false};
   std::mutex mapping_mu_;
   std::unique_ptr<BankDeviceMapping> mapping_;
 };
 
 // Creates a bank and registers it; returns the registered shared_ptr (ids start at 1 and are never reused).
-std::shared_ptr<Bank> CreateBank(int64_t num_rows, const std::vector<int64_t>& row_shape, int32_t dtype_code);
+std::shared_ptr<Bank> CreateBank(int64_t num_rows, const std::vector<int64_t>& row_shape, int32_t dtype_code,
+                                 size_t page_offset = 0);
+// The live bank whose data holds [address, address + nbytes), or nullptr.
+std::shared_ptr<Bank> FindBankHolding(uintptr_t address, size_t nbytes);
 // Returns the live bank with this id, or nullptr if it was never created or has been released.
 std::shared_ptr<Bank> FindBank(int64_t id);
 // Removes the bank from the registry. Returns false if the id is not live (never created or already released).

@@ -61,14 +61,16 @@ uint8_t* MappedDeviceData(Bank& bank) {
     const char* off = std::getenv("FT_JAX_NO_HOST_REGISTER");
     std::string why = off && std::string(off) == "1"
                           ? std::string("FT_JAX_NO_HOST_REGISTER=1")
-                          : m->Register(b.data(), (b.nbytes() + kBankAlignment - 1) / kBankAlignment * kBankAlignment);
+                          : m->Register(b.map_begin(), b.map_bytes());
     if (!why.empty()) {
       std::fprintf(stderr, "ft_jax: warning: %s not mapped for the GPU (%s); slot fills stage its rows through pinned "
                    "bounce buffers (slower)\n", b.Describe().c_str(), why.c_str());
     }
     return m;
   });
-  return mapping.device_data();
+  // Registered from the page-aligned start of the mapping; the data starts page_offset % page size bytes into it.
+  uint8_t* base = mapping.device_data();
+  return base == nullptr ? nullptr : base + (bank.data() - bank.map_begin());
 }
 
 }  // namespace ft_jax

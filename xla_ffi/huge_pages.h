@@ -8,8 +8,11 @@
 namespace ft_jax {
 
 // Advises the 2 MiB-aligned interior of [address, address + nbytes) onto huge pages: MADV_HUGEPAGE for what is
-// mapped later and MADV_COLLAPSE (Linux >= 6.1) for what is mapped now. Advisory: returns true if the collapse
-// succeeded; errors (older kernel, THP off, other systems) leave the memory as it was.
+// mapped later, and for what is mapped now MADV_COLLAPSE (Linux >= 6.1), or when the interior is all zeros
+// MADV_DONTNEED (its pages are dropped and read back as zeros; later writes fault in huge pages). The buffer must be
+// private anonymous memory (malloc'd, as XLA's CPU buffers are) that nothing writes meanwhile. Advisory: returns
+// true if the collapse (or the drop) succeeded; errors (older kernel, THP off, other systems) leave the memory as
+// it was.
 bool UseHugePages(uintptr_t address, size_t nbytes);
 
 }  // namespace ft_jax

@@ -141,15 +141,34 @@ NB_MODULE(_ffi, m) {
 
   m.def(
       "bank_create",
-      [](int64_t num_rows, const std::vector<int64_t>& row_shape, int32_t dtype_code) {
+      [](int64_t num_rows, const std::vector<int64_t>& row_shape, int32_t dtype_code, size_t page_offset) {
         try {
-          return ft_jax::CreateBank(num_rows, row_shape, dtype_code)->id();
+          return ft_jax::CreateBank(num_rows, row_shape, dtype_code, page_offset)->id();
         } catch (const std::invalid_argument& e) {
           throw nb::value_error(e.what());
         }
       },
-      nb::arg("num_rows"), nb::arg("row_shape"), nb::arg("dtype_code"),
-      "Allocates a zero-filled page-aligned bank; returns its id. Raises ValueError (bad shape/dtype), MemoryError.");
+      nb::arg("num_rows"), nb::arg("row_shape"), nb::arg("dtype_code"), nb::arg("page_offset") = 0,
+      "Allocates a zero-filled bank whose data address is page_offset modulo 2 MiB; returns its id. Raises "
+      "ValueError (bad shape/dtype/page_offset), MemoryError.");
+
+  m.def(
+      "bank_map_file",
+      [](uintptr_t address, size_t nbytes, int fd, uint64_t file_offset) {
+        auto bank = ft_jax::FindBankHolding(address, nbytes);
+        if (!bank) return nb::make_tuple(0, 0);
+        ft_jax::MappedRange r;
+        {
+          nb::gil_scoped_release release;  // mmap + page-table population of up to gigabytes
+          r = bank->MapFile(address - reinterpret_cast<uintptr_t>(bank->data()), nbytes, fd, file_offset);
+        }
+        return nb::make_tuple(r.begin, r.end);
+      },
+      nb::arg("address"), nb::arg("nbytes"), nb::arg("fd"), nb::arg("file_offset"),
+      "If [address, address + nbytes) lies in a live bank: map the whole pages of file bytes [file_offset, ...) of "
+      "the open file fd there (Bank::MapFile) and return (begin, end), the part mapped relative to address; (0, 0) "
+      "when nothing was mapped (not in a bank, offsets not congruent modulo the page size, too small, budget spent). "
+      "RuntimeError if a failed mapping could not be undone.");
 
   m.def(
       "bank_release",

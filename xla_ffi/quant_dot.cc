@@ -410,8 +410,9 @@ struct Int8Acts {
   float* corr;  // [T, nb] q4_0: -8 dx_b sum_i q_i (the "- 8" of the weights, applied per row as a dot with dw)
 };
 
-// Block pair order of q4_0 activations (matches the weight bytes of blocks 2p, 2p + 1 split into low then high
-// nibbles): x[b0 0..15], x[b1 0..15], x[b0 16..31], x[b1 16..31]; an odd last block in element order.
+// q4_0 activation order (matches the weight bytes of blocks 4g .. 4g + 3 split into low then high nibbles):
+// x[b0 0..15], x[b1 0..15], x[b2 0..15], x[b3 0..15], x[b0 16..31], .., x[b3 16..31]; of the last nb % 4 blocks a
+// pair as x[b0 0..15], x[b1 0..15], x[b0 16..31], x[b1 16..31], a single block in element order.
 FT_JAX_VNNI void QuantizeActs(WFormat f, const float* x, int64_t cols, uint8_t* q, float* dx, float* corr) {
   const int64_t nb = cols / kQBlock;
   alignas(64) int8_t tmp[32];
@@ -421,21 +422,28 @@ FT_JAX_VNNI void QuantizeActs(WFormat f, const float* x, int64_t cols, uint8_t* 
     const float d = amax / 127.0f;
     const __m512 inv = _mm512_set1_ps(d == 0.0f ? 0.0f : 1.0f / d);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), _mm512_cvtsepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + 16), _mm512_cvtsepi32_epi8(q1));
+    const __m128i lo = _mm512_cvtsepi32_epi8(q0), hi = _mm512_cvtsepi32_epi8(q1);
     dx[b] = d;
-    if (f == WFormat::kQ8_0) {
-      for (int j = 0; j < 32; ++j) q[32 * b + j] = static_cast<uint8_t>(tmp[j] + 128);
+    if (f == WFormat::kQ8_0) {  // q + 128 = q ^ 0x80 as a byte
+      const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm_xor_si128(lo, flip));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm_xor_si128(hi, flip));
       continue;
     }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), lo);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + 16), hi);
     corr[b] = -8.0f * d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-    const int64_t pair = b / 2, odd = b % 2;
-    uint8_t* dst = q + 64 * pair;
-    if (b == nb - 1 && odd == 0) {  // an odd last block: element order
-      std::memcpy(q + 32 * b, tmp, 32);
+    // Groups of 4 blocks (low halves of blocks 4g..4g+3, then their high halves), then a pair, then a single block.
+    const int64_t quads = nb / 4, rest = nb - 4 * quads;
+    if (b < 4 * quads) {
+      std::memcpy(q + 128 * (b / 4) + 16 * (b % 4), tmp, 16);
+      std::memcpy(q + 128 * (b / 4) + 64 + 16 * (b % 4), tmp + 16, 16);
+    } else if (rest >= 2 && b < 4 * quads + 2) {
+      const int64_t j = b - 4 * quads;
+      std::memcpy(q + 128 * quads + 16 * j, tmp, 16);
+      std::memcpy(q + 128 * quads + 32 + 16 * j, tmp + 16, 16);
     } else {
-      std::memcpy(dst + 16 * odd, tmp, 16);
-      std::memcpy(dst + 32 + 16 * odd, tmp + 16, 16);
+      std::memcpy(q + 32 * b, tmp, 32);
     }
   }
 }
@@ -445,11 +453,30 @@ FT_JAX_VNNI void QuantizeActs(WFormat f, const float* x, int64_t cols, uint8_t* 
 template <WFormat F>
 FT_JAX_VNNI float DotInt8(const uint8_t* row, const float* sw, const float* sdx, int64_t nb, const uint8_t* q,
                           const float* corr) {
+  const int64_t nb_all = nb;
   __m512 acc[4];
   for (int a = 0; a < 4; ++a) acc[a] = _mm512_setzero_ps();
   const __m512i zero = _mm512_setzero_si512();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   int64_t p = 0;
+  if constexpr (F == WFormat::kQ4_0) {  // 4 blocks per step: their low nibbles, then their high nibbles
+    const __m512i m4z = _mm512_set1_epi8(0x0F);
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    int64_t g = 0;
+    for (; 4 * g + 4 <= nb; ++g) {
+      const __m512i wb = _mm512_loadu_si512(row + 64 * g);
+      const __m512i lo = _mm512_and_si512(wb, m4z), hi = _mm512_and_si512(_mm512_srli_epi16(wb, 4), m4z);
+      const __m512i isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(q + 128 * g)), hi,
+                                               _mm512_loadu_si512(q + 128 * g + 64));
+      const __m512 s = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(sdx + 4 * g)));
+      acc[g % 4] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[g % 4]);
+    }
+    // the pair and single block below start at block 4g: shift the pointers so that they see them as blocks 0, 1
+    row += 64 * g;
+    q += 128 * g;
+    sdx += 4 * g;
+    nb -= 4 * g;
+  }
   for (; 2 * p + 2 <= nb; ++p) {
     __m512i isum;
     __mmask16 second;  // lanes of block 2p + 1
@@ -491,7 +518,7 @@ FT_JAX_VNNI float DotInt8(const uint8_t* row, const float* sw, const float* sdx,
   acc[0] = _mm512_add_ps(acc[0], acc[2]);
   acc[1] = _mm512_add_ps(acc[1], acc[3]);
   float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
-  if constexpr (F == WFormat::kQ4_0) sum += DotRowAvx512(sw, corr, nb);
+  if constexpr (F == WFormat::kQ4_0) sum += DotRowAvx512(sw, corr, nb_all);
   return sum;
 }
 

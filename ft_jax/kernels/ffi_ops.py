@@ -503,7 +503,6 @@ def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: st
       TypeError / ValueError at trace time for dtypes, shapes (pools against weight_format and each other, H or I
       not fitting the format's blocks), activation, one bias pool without the other, scale pools missing for a
       block format or given for a float one, or a non-finite alpha / limit; a slot id >= S fails at run time.
-      NotImplementedError on a GPU build for a block format (the Pallas kernels read float pools).
     """
     op = "slot_experts"
     activation = _expect_activation(op, activation)
@@ -561,14 +560,12 @@ def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: st
     operands = (x, slot_ids, weights, gate_up_slots, down_slots, *biases, *scales)
     if not ft_jax.CUDA_ENABLED:
         return cpu(*operands)
-    if fmt.quantized:
-        raise NotImplementedError(f"{op}: {fmt.name} slot pools on a GPU build (the device kernels read float32 / "
-                                  f"bfloat16 pools)")
 
-    def cuda(x, slot_ids, weights, gate_up_slots, down_slots, *biases):
-        bias_pools = dict(zip(("gate_up_bias_slots", "down_bias_slots"), biases))
+    def cuda(x, slot_ids, weights, gate_up_slots, down_slots, *extra):
+        names = (("gate_up_bias_slots", "down_bias_slots")[:len(biases)]
+                 + ("gate_up_scale_slots", "down_scale_slots")[:len(scales)])
         return device_experts.slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation, alpha=alpha,
-                                           limit=limit, **bias_pools)
+                                           limit=limit, weight_format=fmt, **dict(zip(names, extra)))
 
     return jax.lax.platform_dependent(*operands, cpu=cpu, cuda=cuda)
 

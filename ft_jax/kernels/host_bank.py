@@ -17,8 +17,8 @@ they exist, and compiled steps that run after the release get an FFI error namin
 
 from __future__ import annotations
 
-import dataclasses
 import math
+import mmap
 import weakref
 from typing import Sequence
 
@@ -30,6 +30,10 @@ from ft_jax import _ffi
 from ft_jax.memory import InsufficientMemoryError
 
 _DTYPE_CODES: dict[str, int] = dict(_ffi.dtype_codes())
+
+# A bank's data address is its page_offset modulo this (2 MiB, the x86-64 huge page; xla_ffi/host_bank.h
+# kBankMapAlignment).
+MAP_ALIGNMENT = 2 << 20
 
 # Rows copied per chunk by from_numpy: bounds the temporary memory when the source is a memory map or needs a cast.
 _COPY_CHUNK_BYTES = 64 << 20
@@ -61,20 +65,31 @@ class HostBank:
       row_shape: shape of one row, every dimension >= 1 (e.g. (2 * I, H) for gate_up, (H, I) for down).
       dtype: np.float32 or jnp.bfloat16 / ml_dtypes.bfloat16 for expert weights; float16, int8, uint8,
         float8_e4m3fn and float8_e5m2 banks can be created and slot-filled but the expert kernels reject them.
+      page_offset: the data address modulo MAP_ALIGNMENT (2 MiB), in [0, MAP_ALIGNMENT). The checkpoint loader
+        passes SafetensorsCheckpoint.page_offset of the tensors it fills the bank with, so that the
+        tensors of a safetensors file, whose data offsets are rarely page aligned, land on pages congruent with the
+        file's: SafetensorsCheckpoint.read_into then maps the file's pages into the bank instead of copying them.
 
-    Memory is an anonymous mmap (4096-byte aligned, committed on first write).
+    Memory is an anonymous mmap (committed on first write, on transparent huge pages where the kernel allows), or
+    where read_into mapped a file region, that file's page-cache pages mapped copy-on-write (a private mapping:
+    writing to the bank never changes the file; docs/design_parts/loadspeed.md).
 
     Raises:
-      TypeError: unsupported dtype. ValueError: non-positive num_rows or row dimension.
+      TypeError: unsupported dtype. ValueError: non-positive num_rows or row dimension, page_offset out of range or
+        not a multiple of the element size.
       ft_jax.memory.InsufficientMemoryError (a MemoryError): the allocation failed.
     """
 
-    def __init__(self, num_rows: int, row_shape: Sequence[int], dtype):
+    def __init__(self, num_rows: int, row_shape: Sequence[int], dtype, page_offset: int = 0):
         self._dtype = _bank_dtype(dtype)
         num_rows = int(num_rows)
         row_shape = tuple(int(d) for d in row_shape)
+        if not 0 <= int(page_offset) < MAP_ALIGNMENT or int(page_offset) % self._dtype.itemsize:
+            raise ValueError(f"HostBank: page_offset must be a multiple of the {self._dtype.name} element size in "
+                             f"[0, {MAP_ALIGNMENT}), got {page_offset}")
         try:
-            self._id = int(_ffi.bank_create(num_rows, list(row_shape), _DTYPE_CODES[self._dtype.name]))
+            self._id = int(_ffi.bank_create(num_rows, list(row_shape), _DTYPE_CODES[self._dtype.name],
+                                            int(page_offset)))
         except MemoryError:  # std::bad_alloc: the same one-line error as the pre-load check
             need = num_rows * math.prod(row_shape) * self._dtype.itemsize
             raise InsufficientMemoryError(f"could not allocate a host bank of {num_rows} x {list(row_shape)} "
@@ -227,6 +242,55 @@ class HostBank:
 
 
 HUGE_PAGE_MIN_BYTES = 4 << 20
+
+
+def stack_on_huge_pages(layers: Sequence[Sequence[np.ndarray]]) -> jax.Array:
+    """Stack per-layer host arrays into one jax array, copying the data once.
+
+    Args:
+        layers: n lists of parts (numpy arrays of one dtype, e.g. read-only views of a checkpoint file); layer i of
+            the result is its parts concatenated along axis 0 (one part: the array itself, e.g. a layer's norm [H];
+            several: fused rows such as q/k/v [Q + 2 KV, H]).
+    Returns:
+        jax array [n, rows, *trailing] (rows = the parts' leading sizes summed) of the parts' dtype on the default
+        device. From HUGE_PAGE_MIN_BYTES up the parts are written into a buffer on transparent huge pages (an
+        anonymous mmap, 2 MiB aligned, committed by that one write) that the CPU backend then uses as the array
+        (jax.device_put with may_alias: no copy, and nothing for use_huge_pages to collapse); other backends copy it
+        to the device. Against np.stack + jnp.asarray this saves a temporary and a copy into fresh memory, whose page
+        faults are most of the cost of loading dense weights (docs/design_parts/loadspeed.md).
+    Raises:
+        ValueError: no layers, or parts whose trailing shapes or row counts differ between layers.
+    """
+    if not layers or not layers[0]:
+        raise ValueError("stack_on_huge_pages: no layers (or a layer without parts)")
+    first = layers[0]
+    dtype = np.result_type(*first)
+    shape = (len(layers), sum(p.shape[0] for p in first), *first[0].shape[1:])
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE_MIN_BYTES:
+        out = np.empty(shape, dtype)
+    else:
+        region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        pad = -_address(region) % _HUGE_PAGE  # to the next 2 MiB boundary
+        region.madvise(mmap.MADV_HUGEPAGE, pad, nbytes)
+        out = np.frombuffer(region, dtype, math.prod(shape), pad).reshape(shape)
+    for i, parts in enumerate(layers):
+        if sum(p.shape[0] for p in parts) != shape[1]:
+            raise ValueError(f"stack_on_huge_pages: layer {i} has {sum(p.shape[0] for p in parts)} rows, layer 0 "
+                             f"{shape[1]}")
+        row = 0
+        for p in parts:  # the one copy
+            out[i, row:row + p.shape[0]] = p
+            row += p.shape[0]
+    return jax.device_put(out, may_alias=True)
+
+
+_HUGE_PAGE = 2 << 20
+
+
+def _address(region: mmap.mmap) -> int:
+    """Start address of a writable mmap object."""
+    return np.frombuffer(region, np.uint8, 1).ctypes.data
 
 
 def use_huge_pages(tree) -> int:

@@ -19,6 +19,7 @@ from flax import nnx
 
 from ft_jax.config import RopeScaling
 from ft_jax.kernels import ffi_ops
+from ft_jax.kernels.host_bank import stack_on_huge_pages
 from ft_jax.weight_formats import QuantizedTensor, dequantize, dequantize_jnp, fp8_rowwise
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -89,12 +90,13 @@ def _one_format(ts: list, what: str) -> list:
 
 
 def _stack(ts: list, what: str):
-    """One tensor per layer -> [n, ...] on the device: a jax array, or a QuantizedTensor of stacked data / scales."""
+    """One tensor per layer -> [n, ...] on the device: a jax array, or a QuantizedTensor of stacked data / scales
+    (written once onto huge pages, host_bank.stack_on_huge_pages)."""
     ts = _one_format(ts, what)
     if isinstance(ts[0], QuantizedTensor):
-        data, scales = np.stack([t.data for t in ts]), np.stack([t.scales for t in ts])  # [n, ...] each
-        return QuantizedTensor(jnp.asarray(data), jnp.asarray(scales), ts[0].fmt)
-    return jnp.asarray(np.stack(ts))
+        data = stack_on_huge_pages([[t.data] for t in ts])  # [n, ...]
+        return QuantizedTensor(data, stack_on_huge_pages([[t.scales] for t in ts]), ts[0].fmt)
+    return stack_on_huge_pages([[t] for t in ts])
 
 
 def _concat_rows(ts: list, what: str):
