@@ -252,7 +252,7 @@ def gguf_weight_bytes_per_token(path: Path, top_k: int, num_experts: int) -> dic
     each tensor as stored: quantized blocks with their scales): every tensor once, except the expert tensors
     (names with "_exps", [E, ...], weights and biases) of which top_k / E, and token_embd of which one row.
     Returns {"experts", "embedding_row", "other", "total", "by_type": {GGML type name: bytes per token}} in bytes.
-    Raises ValueError naming the file when a tensor's size is not divisible as counted."""
+    Raises ValueError naming the file and tensor when an expert tensor's last GGUF dimension is not num_experts."""
     import gguf  # optional dependency (the bench extra); imported here so that --help needs only numpy
 
     parts = {"experts": 0, "embedding_row": 0, "other": 0}
