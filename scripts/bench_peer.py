@@ -5,6 +5,7 @@
     python3 scripts/bench_peer.py --quick                                    # 2 rounds, 12 tokens: a few minutes
     python3 scripts/bench_peer.py --programs llama.cpp,host-all --rounds 5   # a subset, more rounds
     python3 scripts/bench_peer.py --layers 4 --quick --json                  # another shape (flags of the model)
+    python3 scripts/bench_peer.py --quant bf16,q8_0,q4_0 --programs llama.cpp,host-all   # quantized weights
 
 What runs (all on the CPU, side by side in one run):
   llama.cpp     ``llama-bench -m MODEL.gguf -p 0 -d P -n N -t T -r 1 -o json`` (text generation of N tokens after a
@@ -20,22 +21,42 @@ What runs (all on the CPU, side by side in one run):
                 on 1 thread and on T threads (each thread sums a 1/T slice; numpy releases the GIL), as
                 scripts/bench_ffi.py does; the median of --numpy-repeats passes per round after one untimed pass
 
+Quantized weights (--quant, default bf16 only): for each type Q in the list every program runs on weights of that
+type, and each ft_jax program's ratio is to llama.cpp of the same type:
+  bf16          llama.cpp: the bf16 GGUF; ft_jax: the bf16 checkpoint
+  q8_0, q4_0    llama.cpp: ``llama-quantize --pure model-bf16.gguf model-Q.gguf Q8_0|Q4_0`` (every 2-D weight in the
+                type, embeddings and lm_head included; the router ffn_gate_inp and the norms stay f32); ft_jax: the bf16
+                checkpoint loaded with ``ft-jax generate --quantize q8_0|q4_0`` (its projections, lm_head and experts
+                in the type; router, norms and embeddings as stored)
+  mxfp4_moe     llama.cpp only: ``llama-quantize model-bf16.gguf model-mxfp4_moe.gguf MXFP4_MOE`` (llama.cpp's
+                mixture: the expert tensors MXFP4, every other 2-D weight Q8_0); ft_jax has no MXFP4 quantizer (it
+                runs MXFP4 checkpoints as stored: --family gpt_oss)
+  mxfp4         --family gpt_oss only (its default and only type): the gpt-oss checkpoint as stored, MXFP4
+                experts and bf16 rest, on both sides: llama.cpp the GGUF of scripts/gpt_oss_to_gguf.py (lossless
+                repack), ft_jax the safetensors (e.g. --preset gpt-oss-20b: 13.8 GB of safetensors + 13.9 GB GGUF)
+Program labels: the bare name for bf16 ("llama.cpp", "host-all"), "name:Q" for the others ("llama.cpp:q8_0").
+Weight bytes read per token are computed for each side from what it stores: ft_jax from the config and
+ft_jax.weight_formats.WeightFormat.nbytes (synthetic_checkpoint.weight_bytes_per_token); llama.cpp from the
+GGUF's tensor sizes (every tensor once, the expert tensors *_exps x top_k / E, token_embd one row).
+The quantized GGUFs are written once next to the bf16 one and kept.
+
 Model: scripts/synthetic_checkpoint.py (random bf16 weights; defaults hidden 2048, intermediate 5632, 8 layers,
 8 experts top-2, 16/4 heads of 128, vocab 32000) and its GGUF from scripts/mixtral_to_gguf.py (the same weights),
-both written once and cached under --cache-dir/models/.
+both written once and cached under --cache-dir/models/. --family gpt_oss (--preset gpt-oss-20b for the released
+shape): a gpt-oss checkpoint with MXFP4 experts and its GGUF from scripts/gpt_oss_to_gguf.py.
 
 Method: --rounds rounds; in each, every program runs once, in an order rotated by one position per round (no
 program always runs first). Before each llama-bench run the GGUF is read once so that it is in the page cache
 (llama.cpp memory-maps it; ft_jax reads its checkpoint into host memory before it starts timing).
 Reported per program: tokens/s median [min-max] over the rounds; weight GB/s = weight bytes read per decoded token
-x tokens/s / 1e9, the bytes computed from the config (q/k/v/o projections, router, norms, lm_head, one embedding
-row and top_k experts per MoE layer, bf16; the GGUF's f32 router and norms add < 0.05 % and are not counted); the
-ratio of its median tokens/s to llama.cpp's, the range of the same-round ratios and the ratio of the best rounds;
-its median GB/s over the median T-thread numpy read (and best over best). Also the load average before and after
-(and at each round start); the CPU other processes used during each run, in cores (CpuMeter: whole run, load and
-compile included; a warning when above 0.25 core) and the same figures over only the runs below that ("quiet");
-thread counts; versions; every run's record. The table goes to stderr; JSON to --json-out and/or stdout (--json).
-A benchmark, not a test: nothing is asserted.
+(that side's own count, above; ft_jax's stats' count is recorded next to it) x tokens/s / 1e9; the ratio of its
+median tokens/s to llama.cpp's on the same weight type, the range of the same-round ratios and the ratio of the
+best rounds; its median GB/s over the median T-thread numpy read (and best over best). Also the load average
+before and after, at each round start and at each run's start; the CPU other processes used during each run, in
+cores (CpuMeter: whole run, load and compile included; a warning when above 0.25 core) and the same figures over
+only the runs below that ("quiet"); thread counts; versions; every run's record. A program whose run fails is
+reported with its error and left out of the later rounds (exit status 1). The table goes to stderr; JSON to
+--json-out and/or stdout (--json). A benchmark, not a test: nothing is asserted.
 
 Needs: cmake and a C++ compiler (llama.cpp build, once), the gguf package (``pip install gguf``, or the ``bench``
 extra of ft_jax) and ft_jax installed in this interpreter's environment. Disk: about 10 GB under --cache-dir for
@@ -61,6 +82,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp_build  # noqa: E402
 import synthetic_checkpoint  # noqa: E402
+from ft_jax import weight_formats  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FT_JAX_POLICIES = ("resident", "host-all", "qstar")
@@ -69,6 +91,11 @@ LLAMA_BENCH_FIELDS = ("build_commit", "cpu_info", "backends", "model_type", "mod
                       "n_threads", "poll", "flash_attn", "repack", "load_mode", "type_k", "type_v", "n_prompt",
                       "n_gen", "n_depth", "avg_ts", "samples_ts")
 ALL_PROGRAMS = ("llama.cpp",) + FT_JAX_POLICIES + ("numpy",)
+QUANT_CHOICES = ("bf16", "q8_0", "q4_0", "mxfp4_moe", "mxfp4")
+# --quant -> (llama-quantize type, --pure) for the llama.cpp GGUF (bf16: the converted file itself).
+LLAMA_QUANTIZE = {"q8_0": ("Q8_0", True), "q4_0": ("Q4_0", True), "mxfp4_moe": ("MXFP4_MOE", False)}
+# --quant -> ft-jax generate --quantize value (None: the checkpoint as stored); absent: ft_jax has no such variant.
+FT_JAX_QUANTIZE = {"bf16": None, "q8_0": "q8_0", "q4_0": "q4_0", "mxfp4": None}
 QUIET_CORES = 0.25  # a run is "quiet" when other processes used at most this many cores meanwhile
 MARKER = "ft_jax_bench_peer.json"  # written into a model folder once it is complete
 GiB = 1 << 30
@@ -125,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer rounds and tokens (2 x 12), for a run of minutes")
     p.add_argument("--programs", default=",".join(ALL_PROGRAMS),
                    help=f"comma-separated subset of {','.join(ALL_PROGRAMS)} (default: all)")
+    p.add_argument("--quant", default=None,
+                   help=f"comma-separated weight types from {','.join(QUANT_CHOICES)}: each program runs on each "
+                        "(see the module docstring; default bf16, for --family gpt_oss mxfp4)")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="threads for llama.cpp (-t), ft_jax's host kernels (FT_JAX_NUM_THREADS) and the numpy "
                         "multi-thread read (default: all %(default)s cores)")
@@ -148,13 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def ensure_models(cache_dir: Path, config: dict, seed: int) -> tuple[Path, Path, dict]:
     """(HF folder, GGUF path, creation record) of the synthetic model for ``config`` and ``seed``, written into
-    cache_dir/models/<name>/ unless a complete copy (marker file with the same config) is already there."""
+    cache_dir/models/<name>/ unless a complete copy (marker file with the same config) is already there.
+    Mixtral: model-bf16.gguf (scripts/mixtral_to_gguf.py); gpt-oss: model-mxfp4.gguf (scripts/gpt_oss_to_gguf.py,
+    the MXFP4 experts as stored)."""
+    import gpt_oss_to_gguf
     import mixtral_to_gguf
 
+    family = config["model_type"]
     key = hashlib.sha256(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:10]
-    name = f"mixtral_h{config['hidden_size']}_i{config['intermediate_size']}_l{config['num_hidden_layers']}_{key}"
+    name = f"{family}_h{config['hidden_size']}_i{config['intermediate_size']}_l{config['num_hidden_layers']}_{key}"
     folder = cache_dir / "models" / name
-    gguf_path = folder / "model-bf16.gguf"
+    gguf_path = folder / ("model-mxfp4.gguf" if family == "gpt_oss" else "model-bf16.gguf")
     marker = folder / MARKER
     if marker.is_file():
         record = json.loads(marker.read_text())
@@ -163,7 +197,7 @@ def ensure_models(cache_dir: Path, config: dict, seed: int) -> tuple[Path, Path,
     _log(f"writing the synthetic checkpoint to {folder}")
     hf = synthetic_checkpoint.write_checkpoint(folder, config, seed=seed, progress=True)
     _log(f"writing the GGUF {gguf_path}")
-    gg = mixtral_to_gguf.write_gguf(folder, gguf_path, progress=True)
+    gg = (gpt_oss_to_gguf if family == "gpt_oss" else mixtral_to_gguf).write_gguf(folder, gguf_path, progress=True)
     record = {"config": config, "seed": seed, "safetensors": hf, "gguf": gg}
     marker.write_text(json.dumps(record, indent=1))
     return folder, gguf_path, {**record, "cached": False}
@@ -183,6 +217,67 @@ def warm_page_cache(path: Path, chunk: int = 64 << 20) -> float:
         while f.readinto(buf):
             pass
     return time.perf_counter() - t0
+
+
+def variant_label(program: str, quant: str) -> str:
+    """The program label of ``program`` on weights of type ``quant``: the bare name for bf16, else name:quant."""
+    return program if quant == "bf16" else f"{program}:{quant}"
+
+
+def ensure_quantized_gguf(quantize_bin: str, bf16_gguf: Path, quant: str, threads: int) -> tuple[Path, dict]:
+    """(path, record) of the GGUF of type ``quant`` (LLAMA_QUANTIZE) made by llama.cpp's own llama-quantize from
+    ``bf16_gguf``, written next to it as model-<quant>.gguf once (cached while that file exists; llama-quantize
+    writes to a .partial name that is renamed when it succeeds).
+    record: {"command", "seconds" (0 when cached), "bytes"}. Raises RuntimeError (llama-quantize failed) with the
+    tail of its output."""
+    qtype, pure = LLAMA_QUANTIZE[quant]
+    out = bf16_gguf.with_name(f"model-{quant}.gguf")
+    cmd = [quantize_bin, *(["--pure"] if pure else []), str(bf16_gguf), str(out), qtype, str(threads)]
+    if out.is_file():
+        return out, {"command": cmd, "seconds": 0.0, "bytes": out.stat().st_size, "cached": True}
+    tmp = out.with_name(out.name + ".partial")
+    _log(f"llama-quantize to {qtype}: {out}")
+    t0 = time.perf_counter()
+    proc = subprocess.run([*cmd[:-3], str(tmp), *cmd[-2:]], capture_output=True, text=True)
+    if proc.returncode or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {(proc.stdout + proc.stderr).strip()[-800:]}")
+    tmp.replace(out)
+    return out, {"command": cmd, "seconds": round(time.perf_counter() - t0, 1), "bytes": out.stat().st_size,
+                 "cached": False}
+
+
+def gguf_weight_bytes_per_token(path: Path, top_k: int, num_experts: int) -> dict:
+    """Weight bytes llama.cpp reads per decoded token from the GGUF at ``path``, from its tensor sizes (n_bytes of
+    each tensor as stored: quantized blocks with their scales): every tensor once, except the expert tensors
+    (names with "_exps", [E, ...], weights and biases) of which top_k / E, and token_embd of which one row.
+    Returns {"experts", "embedding_row", "other", "total", "by_type": {GGML type name: bytes per token}} in bytes.
+    Raises ValueError naming the file and tensor when an expert tensor's last GGUF dimension is not num_experts."""
+    import gguf  # optional dependency (the bench extra); imported here so that --help needs only numpy
+
+    parts = {"experts": 0, "embedding_row": 0, "other": 0}
+    by_type: dict[str, int] = {}
+    for t in gguf.GGUFReader(path).tensors:
+        n = int(t.n_bytes)
+        if "_exps" in t.name:
+            key, n = "experts", n * top_k // num_experts
+            if int(t.shape[-1]) != num_experts:  # GGUF dims are reversed: the expert axis is the last
+                raise ValueError(f"{path}: tensor {t.name} has shape {list(t.shape)}, expected {num_experts} experts "
+                                 "in its last GGUF dimension")
+        elif t.name == "token_embd.weight":
+            key, n = "embedding_row", n // int(t.shape[-1])
+        else:
+            key = "other"
+        parts[key] += n
+        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + n
+    parts["total"] = sum(parts.values())
+    return {**parts, "by_type": by_type}
+
+
+def ft_jax_has_quantize() -> bool:
+    """Whether this ft_jax's ``ft-jax generate`` has the --quantize flag (issue 19)."""
+    proc = subprocess.run(ft_jax_command() + ["generate", "--help"], capture_output=True, text=True)
+    return "--quantize" in proc.stdout
 
 
 def run_llama_bench(bench: str, gguf_path: Path, new_tokens: int, depth: int, threads: int,
@@ -217,9 +312,10 @@ def ft_jax_command() -> list[str]:
 
 
 def run_ft_jax(model_dir: Path, policy: str, prompt: list[int], new_tokens: int, cache_fraction: float,
-               threads: int, profile: Path, timeout: float) -> dict:
+               threads: int, profile: Path, timeout: float, quantize: str | None = None) -> dict:
     """One ``ft-jax generate --json`` run. ``profile``: the --profile file of qstar (if it holds no profile for
     this expert shape, ft-jax runs its quick profile and saves it there, as it does in the user cache directory).
+    ``quantize``: the --quantize value (q8_0 / q4_0), None for the checkpoint as stored.
     Returns {"tokens_per_s" (decode, compile excluded), "wall_s", "command", "stats": its stats without the
     per-layer counts, "profile_message"}. Raises RuntimeError (non-zero exit, no JSON)."""
     cmd = ft_jax_command() + ["generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, prompt)),
@@ -228,6 +324,8 @@ def run_ft_jax(model_dir: Path, policy: str, prompt: list[int], new_tokens: int,
         cmd += ["--cache-fraction", str(cache_fraction)]
     if policy == "qstar":
         cmd += ["--profile", str(profile)]
+    if quantize is not None:
+        cmd += ["--quantize", quantize]
     env = {**os.environ, "FT_JAX_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -276,22 +374,25 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarize(samples: dict[str, list[float]], numpy_rates: dict[str, list[float]], bytes_per_token: int,
-              threads: int, per_round: bool = True) -> dict:
-    """Per-program figures from the per-round tokens/s (``samples``) and the per-round numpy GB/s medians
-    (``numpy_rates``, keys "1" and str(threads)); programs with no sample are left out.
+def summarize(samples: dict[str, list[float]], numpy_rates: dict[str, list[float]], bytes_per_token: dict[str, int],
+              threads: int, reference: dict[str, str], per_round: bool = True) -> dict:
+    """Per-program figures from the per-round tokens/s (``samples``, by program label) and the per-round numpy
+    GB/s medians (``numpy_rates``, keys "1" and str(threads)); programs with no sample are left out.
 
+    bytes_per_token: weight bytes one token reads, by label (each side's own count). reference: the llama.cpp
+    label each label's ratios divide by (llama.cpp of the same weight type).
     Ratios: of medians over the rounds; "best" ones divide the maxima (steadier when other processes share the
     cores and the memory bus, as in scripts/bench_ffi.py); per-round ones (only with ``per_round``: the lists
     are aligned by round) divide values of the same round."""
     np_all, np_one = numpy_rates.get(str(threads)), numpy_rates.get("1")
-    llama = samples.get("llama.cpp")
     out = {}
     for name, tps in samples.items():
         if not tps:
             continue
-        gbps = [t * bytes_per_token / 1e9 for t in tps]
-        row = {"tokens_per_s": _spread(tps), "tokens_per_s_per_round": tps, "weight_gbps": _spread(gbps)}
+        llama = samples.get(reference[name])
+        gbps = [t * bytes_per_token[name] / 1e9 for t in tps]
+        row = {"tokens_per_s": _spread(tps), "tokens_per_s_per_round": tps, "weight_gbps": _spread(gbps),
+               "weight_bytes_per_token": bytes_per_token[name], "reference": reference[name]}
         if llama:
             row["ratio_to_llama_cpp"] = statistics.median(tps) / statistics.median(llama)
             row["ratio_to_llama_cpp_best"] = max(tps) / max(llama)
@@ -306,7 +407,8 @@ def summarize(samples: dict[str, list[float]], numpy_rates: dict[str, list[float
     return out
 
 
-def quiet_summary(runs: dict[str, list[dict]], bytes_per_token: int, threads: int) -> dict:
+def quiet_summary(runs: dict[str, list[dict]], bytes_per_token: dict[str, int], threads: int,
+                  reference: dict[str, str]) -> dict:
     """summarize() over only the runs during which other processes used at most QUIET_CORES cores (CpuMeter):
     on a shared machine the runs that had the cores to themselves, whatever round they fell in."""
     def quiet(r):
@@ -317,23 +419,35 @@ def quiet_summary(runs: dict[str, list[dict]], bytes_per_token: int, threads: in
                        for r in runs.get("numpy", []) if quiet(r)] for k in ("1", str(threads))}
     return {"max_other_cores": QUIET_CORES,
             "runs": {p: len(v) for p, v in samples.items()} | {"numpy": len(numpy_rates["1"])},
-            "programs": summarize(samples, numpy_rates, bytes_per_token, threads, per_round=False),
+            "programs": summarize(samples, numpy_rates, bytes_per_token, threads, reference, per_round=False),
             "numpy_read_gbps": {k: _spread(v) for k, v in numpy_rates.items() if v}}
+
+
+def program_title(label: str) -> str:
+    """Table title of a program label ("llama.cpp:q8_0" -> "llama.cpp (q8_0 GGUF)", "qstar" -> "ft_jax qstar")."""
+    program, _, quant = label.partition(":")
+    quant = quant or "bf16"
+    if program == "llama.cpp":
+        return f"llama.cpp ({quant} GGUF)"
+    if FT_JAX_QUANTIZE.get(quant) is None:
+        return f"ft_jax {program}" + ("" if quant == "bf16" else f" ({quant} as stored)")
+    return f"ft_jax {program} --quantize {quant}"
 
 
 def format_table(result: dict) -> str:
     """The human-readable table (stderr) of a bench_peer result."""
     s, progs, threads = result["settings"], result["programs"], result["settings"]["threads"]
-    bpt = result["model"]["weight_bytes_per_token"]["total"]
     load = result["load_average"]
-    lines = [f"bench_peer: {s['rounds']} rounds x {s['new_tokens']} decoded tokens, {threads} threads, "
-             f"{bpt / 1e9:.3f} GB of weights read per token; load average (1/5/15 min) before {load['before']}, "
-             f"after {load['after']}",
-             f"{'program':<26} {'tokens/s':>8} {'[min-max]':<15} {'GB/s':>6} {'[min-max]':<13} "
+    lines = [f"bench_peer: {s['rounds']} rounds x {s['new_tokens']} decoded tokens, {threads} threads; load average "
+             f"(1/5/15 min) before {load['before']}, after {load['after']}",
+             "weight bytes read per token (GB): " + ", ".join(
+                 f"{name} {b / 1e9:.3f}" for name, b in result["weight_bytes_per_token"].items())
+             + "".join(f"; {name} by its own stats {b / 1e9:.3f}"
+                       for name, b in result.get("weight_bytes_per_token_reported_by_ft_jax", {}).items()),
+             f"{'program':<30} {'tokens/s':>8} {'[min-max]':<15} {'GB/s':>6} {'[min-max]':<13} "
              f"{'x llama.cpp':>11} {'[per round]':<13} {'best':>5} {'GB/s / numpy ' + str(threads) + 't':>15} "
              f"{'best':>5}"]
-    labels = {"llama.cpp": "llama.cpp (bf16 GGUF)", "resident": "ft_jax --policy resident",
-              "host-all": "ft_jax --policy host-all", "qstar": "ft_jax --policy qstar"}
+    labels = {label: program_title(label) for label in progs}
     for name, row in progs.items():
         t, g = row["tokens_per_s"], row["weight_gbps"]
         ratio = f"{row['ratio_to_llama_cpp']:.2f}" if "ratio_to_llama_cpp" in row else "-"
@@ -342,13 +456,13 @@ def format_table(result: dict) -> str:
         best = f"{row['ratio_to_llama_cpp_best']:.2f}" if "ratio_to_llama_cpp_best" in row else "-"
         npr = f"{row['gbps_over_numpy_read']:.2f}" if "gbps_over_numpy_read" in row else "-"
         npb = f"{row['gbps_over_numpy_read_best']:.2f}" if "gbps_over_numpy_read_best" in row else "-"
-        lines.append(f"{labels.get(name, name):<26} {t['median']:8.2f} {'[%.2f-%.2f]' % (t['min'], t['max']):<15} "
+        lines.append(f"{labels.get(name, name):<30} {t['median']:8.2f} {'[%.2f-%.2f]' % (t['min'], t['max']):<15} "
                      f"{g['median']:6.2f} {'[%.2f-%.2f]' % (g['min'], g['max']):<13} {ratio:>11} {per:<13} "
                      f"{best:>5} {npr:>15} {npb:>5}")
     for key, rates in result.get("numpy_read_gbps", {}).items():
         sp = rates["round_medians"]
         label = f"numpy read, {key} thread" + ("s" if key != "1" else "")
-        lines.append(f"{label:<26} {'':>8} {'':<15} {sp['median']:6.2f} {'[%.2f-%.2f]' % (sp['min'], sp['max']):<13}")
+        lines.append(f"{label:<30} {'':>8} {'':<15} {sp['median']:6.2f} {'[%.2f-%.2f]' % (sp['min'], sp['max']):<13}")
     other = {name: [r["other_cores"] for r in runs if r.get("other_cores") is not None]
              for name, runs in result["runs"].items()}
     worst = max((max(v) for v in other.values() if v), default=None)
@@ -367,13 +481,14 @@ def format_table(result: dict) -> str:
             ratio = f"{row['ratio_to_llama_cpp']:.2f}" if "ratio_to_llama_cpp" in row else "-"
             npr = f"{row['gbps_over_numpy_read']:.2f}" if "gbps_over_numpy_read" in row else "-"
             spread = "[%.2f-%.2f]" % (t["min"], t["max"])
-            lines.append(f"  {labels.get(name, name):<24} {t['median']:8.2f} {spread:<15} {g['median']:6.2f} "
+            lines.append(f"  {labels.get(name, name):<28} {t['median']:8.2f} {spread:<15} {g['median']:6.2f} "
                          f"{'(%d runs)' % q['runs'][name]:<13} {ratio:>11} {'':<13} {'':>5} {npr:>15}")
         for key, sp in q["numpy_read_gbps"].items():
             label = f"numpy read, {key} thread" + ("s" if key != "1" else "")
-            lines.append(f"  {label:<24} {'':>8} {'':<15} {sp['median']:6.2f} {'(%d runs)' % q['runs']['numpy']:<13}")
-    lines.append("x llama.cpp: ratio of median tokens/s (per round: same-round ratios); GB/s / numpy: median weight "
-                 f"GB/s over the median {threads}-thread numpy read; best: ratio of the maxima")
+            lines.append(f"  {label:<28} {'':>8} {'':<15} {sp['median']:6.2f} {'(%d runs)' % q['runs']['numpy']:<13}")
+    lines.append("x llama.cpp: ratio of median tokens/s to llama.cpp on the same weight type (per round: same-round "
+                 f"ratios); GB/s / numpy: median weight GB/s over the median {threads}-thread numpy read; best: ratio "
+                 "of the maxima")
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -419,6 +534,23 @@ def _machine() -> dict:
             "platform": platform.platform()}
 
 
+def plan_variants(programs: list[str], quants: list[str]) -> tuple[list[tuple[str, str, str]], list[str]]:
+    """([(label, program, quant)] of every program on every weight type it has, numpy once at the end of the
+    list), and the skipped "program:quant" pairs (ft_jax has no mxfp4_moe)."""
+    variants, skipped = [], []
+    for quant in quants:
+        for prog in programs:
+            if prog == "numpy":
+                continue
+            if prog in FT_JAX_POLICIES and quant not in FT_JAX_QUANTIZE:
+                skipped.append(f"{prog}:{quant}")
+                continue
+            variants.append((variant_label(prog, quant), prog, quant))
+    if "numpy" in programs:
+        variants.append(("numpy", "numpy", "bf16"))
+    return variants, skipped
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     rounds = args.rounds or (2 if args.quick else 3)
@@ -429,80 +561,140 @@ def main(argv=None) -> int:
         print(f"bench_peer: error: --programs {args.programs!r}: unknown {bad}; choose from {ALL_PROGRAMS}",
               file=sys.stderr)
         return 2
-    if args.numpy_gib < 1:
-        print(f"bench_peer: error: --numpy-gib must be >= 1 (far above the last-level cache), got {args.numpy_gib}",
-              file=sys.stderr)
-        return 2
     try:
         config = synthetic_checkpoint.config_from_args(args)
     except ValueError as e:
         print(f"bench_peer: error: {e}", file=sys.stderr)
         return 2
+    gpt_oss = config["model_type"] == "gpt_oss"
+    quants = [q.strip() for q in (args.quant or ("mxfp4" if gpt_oss else "bf16")).split(",") if q.strip()]
+    allowed = ("mxfp4",) if gpt_oss else tuple(q for q in QUANT_CHOICES if q != "mxfp4")
+    bad = [q for q in quants if q not in allowed]
+    if bad or not quants or len(set(quants)) != len(quants):
+        print(f"bench_peer: error: --quant {args.quant!r}: give distinct types from {allowed} for a "
+              f"{config['model_type']} model" + (f" (not {bad})" if bad else ""), file=sys.stderr)
+        return 2
+    if args.numpy_gib < 1:
+        print(f"bench_peer: error: --numpy-gib must be >= 1 (far above the last-level cache), got {args.numpy_gib}",
+              file=sys.stderr)
+        return 2
     if args.prompt_len + new_tokens > config["max_position_embeddings"]:
         print(f"bench_peer: error: --prompt-len {args.prompt_len} + --new-tokens {new_tokens} exceeds "
               f"--max-positions {config['max_position_embeddings']}", file=sys.stderr)
+        return 2
+    variants, skipped = plan_variants(programs, quants)
+    for pair in skipped:
+        _log(f"skipping {pair}: ft_jax has no such quantizer (it runs MXFP4 checkpoints as stored)")
+    if not variants:
+        print("bench_peer: error: nothing to run for these --programs and --quant", file=sys.stderr)
+        return 2
+    if any(FT_JAX_QUANTIZE.get(q) for _, p, q in variants if p in FT_JAX_POLICIES) and not ft_jax_has_quantize():
+        print("bench_peer: error: this ft_jax's `ft-jax generate` has no --quantize flag; run the quantized types "
+              "with --programs llama.cpp (or only --quant bf16 for ft_jax)", file=sys.stderr)
         return 2
     cache_dir = args.cache_dir.expanduser()
     load_start = _loadavg()
 
     build = None
     if "llama.cpp" in programs:
+        targets = ("llama-bench", "llama-quantize") if set(quants) & set(LLAMA_QUANTIZE) else ("llama-bench",)
         try:
-            build = llama_cpp_build.ensure_llama_bench(cache_dir, args.llama_cpp_python_version)
+            build = llama_cpp_build.ensure_llama_cpp(cache_dir, args.llama_cpp_python_version, targets=targets)
         except llama_cpp_build.BuildError as e:
             print(f"bench_peer: error: {e}", file=sys.stderr)
             return 1
     model_dir, gguf_path, model_record = ensure_models(cache_dir, config, args.seed)
-    bytes_per_token = synthetic_checkpoint.weight_bytes_per_token(config)
+    ggufs, quantized_records = {"mxfp4" if gpt_oss else "bf16": gguf_path}, {}
+    if "llama.cpp" in programs:
+        for quant in quants:
+            if quant not in ggufs:
+                try:
+                    ggufs[quant], quantized_records[quant] = ensure_quantized_gguf(
+                        build["binaries"]["llama-quantize"], gguf_path, quant, args.threads)
+                except RuntimeError as e:
+                    print(f"bench_peer: error: {e}", file=sys.stderr)
+                    return 1
+    bytes_per_token, bytes_detail, reference = {}, {}, {}
+    for label, prog, quant in variants:
+        if prog == "numpy":
+            continue
+        if prog == "llama.cpp":
+            detail = gguf_weight_bytes_per_token(ggufs[quant], config["num_experts_per_tok"],
+                                                 config["num_local_experts"])
+        else:
+            fmt = weight_formats.by_name(FT_JAX_QUANTIZE[quant] or "bf16")
+            detail = synthetic_checkpoint.weight_bytes_per_token(config, fmt)
+        bytes_per_token[label], bytes_detail[label] = detail["total"], detail
+        reference[label] = variant_label("llama.cpp", quant)
     prompt = prompt_ids(config["vocab_size"], args.prompt_len, args.seed)
     numpy_read = NumpyRead(int(args.numpy_gib * GiB), args.threads) if "numpy" in programs else None
 
-    samples: dict[str, list[float]] = {p: [] for p in programs if p != "numpy"}
+    labels = [label for label, _, _ in variants]
+    by_label = {label: (prog, quant) for label, prog, quant in variants}
+    samples: dict[str, list[float]] = {label: [] for label in labels if label != "numpy"}
     numpy_rates: dict[str, list[float]] = {"1": [], str(args.threads): []} if numpy_read else {}
-    runs: dict[str, list[dict]] = {p: [] for p in programs}
+    runs: dict[str, list[dict]] = {label: [] for label in labels}
     commands: dict[str, list[str]] = {}
+    failed: dict[str, str] = {}  # label -> the error of its failed run (it is left out of the later rounds)
     round_log = []
     load_before = _loadavg()
     t_start = time.perf_counter()
     for r in range(rounds):
-        order = programs[r % len(programs):] + programs[:r % len(programs)]
+        order = [label for label in labels[r % len(labels):] + labels[:r % len(labels)] if label not in failed]
         round_log.append({"round": r, "order": order, "load_average_at_start": _loadavg()})
-        for prog in order:
-            _log(f"round {r + 1}/{rounds}: {prog}")
+        for label in order:
+            prog, quant = by_label[label]
+            _log(f"round {r + 1}/{rounds}: {label}")
+            load_at_start = _loadavg()
             meter = CpuMeter()
             if prog == "numpy":
                 one = numpy_read.gbps(1, args.numpy_repeats)
                 many = numpy_read.gbps(args.threads, args.numpy_repeats)
                 numpy_rates["1"].append(statistics.median(one))
                 numpy_rates[str(args.threads)].append(statistics.median(many))
-                runs["numpy"].append({"gbps_1_thread": one, f"gbps_{args.threads}_threads": many, **meter.stop()})
+                runs["numpy"].append({"gbps_1_thread": one, f"gbps_{args.threads}_threads": many, **meter.stop(),
+                                      "load_average_at_start": load_at_start})
                 _log(f"  numpy read {statistics.median(one):.2f} GB/s (1 thread), "
                      f"{statistics.median(many):.2f} GB/s ({args.threads} threads)")
                 continue
-            if prog == "llama.cpp":
-                run = run_llama_bench(build["llama_bench"], gguf_path, new_tokens, args.prompt_len, args.threads,
-                                      args.timeout)
-            else:
-                run = run_ft_jax(model_dir, prog, prompt, new_tokens, args.cache_fraction, args.threads,
-                                 cache_dir / "ft_jax_profiles.json", args.timeout)
+            try:
+                if prog == "llama.cpp":
+                    run = run_llama_bench(build["llama_bench"], ggufs[quant], new_tokens, args.prompt_len,
+                                          args.threads, args.timeout)
+                else:
+                    run = run_ft_jax(model_dir, prog, prompt, new_tokens, args.cache_fraction, args.threads,
+                                     cache_dir / "ft_jax_profiles.json", args.timeout, FT_JAX_QUANTIZE[quant])
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                failed[label] = str(e)
+                _log(f"  FAILED, left out of the later rounds: {e}")
+                continue
             run.update(meter.stop())
-            samples[prog].append(run["tokens_per_s"])
-            commands[prog] = run.pop("command")  # the same in every round
-            runs[prog].append(run)
+            run["load_average_at_start"] = load_at_start
+            samples[label].append(run["tokens_per_s"])
+            commands[label] = run.pop("command")  # the same in every round
+            runs[label].append(run)
             _log(f"  {run['tokens_per_s']:.2f} tokens/s (wall {run['wall_s']:.1f} s, other processes used "
-                 f"{run['other_cores']} cores meanwhile)")
+                 f"{run['other_cores']} cores meanwhile, load average {load_at_start})")
     load_after = _loadavg()
     if numpy_read:
         numpy_read.close()
+    # ft_jax's own count (its stats' weight_bytes_per_token, newer ft_jax only), next to bench_peer's
+    reported = {label: statistics.median(vals) for label, rs in runs.items()
+                if (vals := [r["stats"]["weight_bytes_per_token"] for r in rs
+                             if (r.get("stats") or {}).get("weight_bytes_per_token") is not None])}
 
     result = {
         "settings": {"rounds": rounds, "new_tokens": new_tokens, "prompt_len": args.prompt_len, "prompt_ids": prompt,
                      "threads": args.threads, "cache_fraction": args.cache_fraction, "quick": args.quick,
-                     "programs": programs, "numpy_read_bytes": int(args.numpy_gib * GiB),
-                     "numpy_repeats": args.numpy_repeats, "seed": args.seed},
-        "model": {"config": config, "dir": str(model_dir), "gguf": str(gguf_path),
-                  "weight_bytes_per_token": bytes_per_token, "created": {k: v for k, v in model_record.items()
-                                                                         if k != "config"}},
+                     "programs": programs, "quant": quants, "skipped": skipped,
+                     "numpy_read_bytes": int(args.numpy_gib * GiB), "numpy_repeats": args.numpy_repeats,
+                     "seed": args.seed},
+        "model": {"config": config, "dir": str(model_dir), "gguf": {q: str(p) for q, p in ggufs.items()},
+                  "created": {k: v for k, v in model_record.items() if k != "config"},
+                  "quantized_ggufs": quantized_records},
+        "weight_bytes_per_token": bytes_per_token,
+        "weight_bytes_per_token_detail": bytes_detail,
+        "weight_bytes_per_token_reported_by_ft_jax": reported,
         "threads": {"llama.cpp": f"llama-bench -t {args.threads}",
                     "ft_jax": f"FT_JAX_NUM_THREADS={args.threads} (host kernels); XLA:CPU its default",
                     "numpy": f"1 and {args.threads}"},
@@ -511,21 +703,24 @@ def main(argv=None) -> int:
         "machine": _machine(),
         "versions": _versions(build),
         "llama_cpp_build": build,
-        "programs": summarize(samples, numpy_rates, bytes_per_token["total"], args.threads),
-        "quiet": quiet_summary(runs, bytes_per_token["total"], args.threads),
+        "programs": summarize(samples, numpy_rates, bytes_per_token, args.threads, reference),
+        "quiet": quiet_summary(runs, bytes_per_token, args.threads, reference),
         "numpy_read_gbps": {k: {"round_medians": _spread(v), "per_round": v} for k, v in numpy_rates.items() if v},
         "commands": commands,
+        "failed": failed,
         "rounds": round_log,
         "runs": runs,
     }
     print(format_table(result), file=sys.stderr)
+    for label, error in failed.items():
+        print(f"bench_peer: {label} FAILED: {error}", file=sys.stderr)
     text = json.dumps(result, indent=1)
     if args.json_out:
         args.json_out.write_text(text + "\n")
         _log(f"wrote {args.json_out}")
     if args.json:
         print(text)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,15 +1,21 @@
 #!/usr/bin/env python3
 """Build llama.cpp (CPU only) from the source vendored in the llama-cpp-python sdist, cached for later runs.
 
-    python3 scripts/llama_cpp_build.py                      # build llama-bench under ~/.cache/ft_jax/bench_peer
+    python3 scripts/llama_cpp_build.py        # llama-bench, llama-quantize, llama-results under ~/.cache/ft_jax/bench_peer
+    python3 scripts/llama_cpp_build.py --targets llama-bench,llama-quantize,llama-perplexity
     python3 scripts/llama_cpp_build.py --cache-dir /tmp/lc --llama-cpp-python-version 0.3.36
 
 Steps (each skipped when its output is already in the cache directory):
-  1. ``pip download --no-deps --no-binary :all: llama-cpp-python[==VERSION] -d CACHE/sdist``
+  1. ``pip download --no-deps --no-binary llama-cpp-python llama-cpp-python[==VERSION] -d CACHE/sdist`` (the sdist;
+     its build requirements, which pip installs to read its metadata, may be wheels)
   2. unpack it to CACHE/llama_cpp_python-VERSION/ (llama.cpp is its vendor/llama.cpp)
   3. ``cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON`` with everything but the CPU backend and the
-     tools off (no CUDA/Metal, no OpenSSL, no server, no tests/examples), then ``cmake --build --target llama-bench``
-     into CACHE/build-VERSION/; CACHE/build-VERSION/ft_jax_build_info.json records the result.
+     tools off (no CUDA/Metal, no OpenSSL, no server, no tests/examples), then ``cmake --build --target T`` for
+     each requested target (--targets; default llama-bench and llama-quantize, which bench_peer.py runs, and
+     llama-results, which writes a prompt's logits to a GGUF file for tests/test_gpt_oss_gguf.py) into
+     CACHE/build-VERSION/; CACHE/build-VERSION/ft_jax_build_info.json records the built binaries after each
+     target. A later call asking for a target not yet built builds only that one (the object files are reused).
+     On the 2-core dev VM (loaded by other jobs) the first build of both took about 11 minutes.
 
 The sdist has no .git, so the llama.cpp commit is taken from the sdist's CHANGELOG.md ("update llama.cpp to
 ggml-org/llama.cpp@<commit>" under the version's heading) and passed to cmake as LLAMA_BUILD_COMMIT, which is what
@@ -68,8 +74,9 @@ def find_or_download_sdist(cache_dir: Path, version: str | None) -> tuple[Path, 
         best = max(cached, key=_version_key)
         return cached[best], best
     spec = "llama-cpp-python" + (f"=={version}" if version else "")
-    _log(f"pip download --no-deps --no-binary :all: {spec}")
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", spec,
+    _log(f"pip download --no-deps --no-binary llama-cpp-python {spec}")
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+                           spec,
                            "-d", str(sdist_dir)], capture_output=True, text=True)
     if proc.returncode:
         raise BuildError(f"pip download {spec} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
@@ -100,21 +107,39 @@ def _run_logged(cmd: list[str], log_path: Path, step: str) -> None:
         raise BuildError(f"{step} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
 
 
-def ensure_llama_bench(cache_dir: Path = DEFAULT_CACHE_DIR, version: str | None = None,
-                       jobs: int | None = None) -> dict:
-    """Build (or find in the cache) llama-bench; returns the build record.
+DEFAULT_TARGETS = ("llama-bench", "llama-quantize", "llama-results")
 
-    Returns: {"llama_bench": path, "llama_cpp_python_version", "llama_cpp_commit", "cmake_flags", "build_s",
-    "source_dir", "build_dir"} (build_s: seconds of the build that produced it, 0 when it was found cached).
-    Raises BuildError (download, configure or compile failure; names the log file)."""
+
+def cached_binary(target: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> str | None:
+    """Path of an already built llama.cpp ``target`` under cache_dir (the newest llama-cpp-python version's build
+    that has it, from its build record), or None; never downloads or builds."""
+    found = []
+    for info_path in Path(cache_dir).expanduser().glob(f"build-*/{BUILD_INFO}"):
+        info = json.loads(info_path.read_text())
+        path = info.get("binaries", {}).get(target)
+        if path and Path(path).is_file():
+            found.append((_version_key(info["llama_cpp_python_version"]), path))
+    return max(found)[1] if found else None
+
+
+def ensure_llama_cpp(cache_dir: Path = DEFAULT_CACHE_DIR, version: str | None = None, jobs: int | None = None,
+                     targets: tuple[str, ...] = DEFAULT_TARGETS) -> dict:
+    """Build (or find in the cache) the llama.cpp ``targets`` (cmake target names = binary names under bin/).
+
+    Returns the build record: {"binaries": {target: path}, "llama_bench": path of llama-bench (when built),
+    "llama_cpp_python_version", "llama_cpp_commit", "cmake_flags", "build_s", "source_dir", "build_dir"}
+    (build_s: seconds this call spent building, 0 when every target was cached; "build_s_by_target" keeps the
+    seconds each target took when it was built). Raises BuildError (download, configure or compile failure; names
+    the log file)."""
     cache_dir = Path(cache_dir).expanduser()
     tarball, version = find_or_download_sdist(cache_dir, version)
     build_dir = cache_dir / f"build-{version}"
     info_path = build_dir / BUILD_INFO
-    if info_path.is_file():
-        info = json.loads(info_path.read_text())
-        if Path(info["llama_bench"]).is_file():
-            return {**info, "build_s_when_built": info["build_s"], "build_s": 0.0}
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    binaries = {t: p for t, p in info.get("binaries", {}).items() if Path(p).is_file()}
+    missing = [t for t in targets if t not in binaries]
+    if not missing:
+        return {**info, "binaries": binaries, "build_s": 0.0}
     root = cache_dir / f"llama_cpp_python-{version}"
     if not (root / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
         _log(f"unpacking {tarball}")
@@ -127,20 +152,28 @@ def ensure_llama_bench(cache_dir: Path = DEFAULT_CACHE_DIR, version: str | None 
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     flags = CMAKE_FLAGS + [f"-DLLAMA_BUILD_COMMIT={commit}", "-DLLAMA_BUILD_NUMBER=0"]
     build_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    _run_logged(["cmake", "-S", str(src), "-B", str(build_dir), *generator, *flags], build_dir / "configure.log",
-                "cmake configure")
-    _run_logged(["cmake", "--build", str(build_dir), "--target", "llama-bench", "-j", str(jobs or os.cpu_count())],
-                build_dir / "build.log", "cmake build llama-bench")
-    bench = build_dir / "bin" / "llama-bench"
-    if not bench.is_file():
-        raise BuildError(f"cmake build finished but {bench} does not exist (log {build_dir / 'build.log'})")
-    info = {"llama_bench": str(bench), "llama_cpp_python_version": version, "llama_cpp_commit": commit,
-            "cmake_flags": flags, "build_s": round(time.perf_counter() - t0, 1), "source_dir": str(src),
-            "build_dir": str(build_dir)}
-    info_path.write_text(json.dumps(info, indent=1))
-    _log(f"built {bench} in {info['build_s']:.0f} s")
-    return info
+    t_start = time.perf_counter()
+    if not (build_dir / "CMakeCache.txt").is_file():
+        _run_logged(["cmake", "-S", str(src), "-B", str(build_dir), *generator, *flags],
+                    build_dir / "configure.log", "cmake configure")
+    info = {"binaries": binaries, "llama_cpp_python_version": version, "llama_cpp_commit": commit,
+            "cmake_flags": flags, "build_s_by_target": dict(info.get("build_s_by_target", {})),
+            "source_dir": str(src), "build_dir": str(build_dir)}
+    for target in missing:
+        t0 = time.perf_counter()
+        _run_logged(["cmake", "--build", str(build_dir), "--target", target, "-j", str(jobs or os.cpu_count())],
+                    build_dir / f"build-{target}.log", f"cmake build {target}")
+        binary = build_dir / "bin" / target
+        if not binary.is_file():
+            raise BuildError(f"cmake build finished but {binary} does not exist "
+                             f"(log {build_dir / f'build-{target}.log'})")
+        binaries[target] = str(binary)
+        info["build_s_by_target"][target] = round(time.perf_counter() - t0, 1)
+        if "llama-bench" in binaries:
+            info["llama_bench"] = binaries["llama-bench"]
+        info_path.write_text(json.dumps(info, indent=1))  # after each target: a later failure keeps the built ones
+        _log(f"built {binary} in {info['build_s_by_target'][target]:.0f} s")
+    return {**info, "build_s": round(time.perf_counter() - t_start, 1)}
 
 
 def main(argv=None) -> int:
@@ -150,9 +183,15 @@ def main(argv=None) -> int:
     p.add_argument("--llama-cpp-python-version", default=None,
                    help="sdist version to build (default: the newest cached one, else PyPI's latest)")
     p.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
+    p.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
+                   help="comma-separated cmake targets to build (default %(default)s; llama-cli is not one with these "
+                        "flags: it is part of the app, which LLAMA_BUILD_APP=OFF leaves out)")
     args = p.parse_args(argv)
+    targets = tuple(t for t in args.targets.split(",") if t)
+    if not targets:
+        p.error("--targets: give at least one cmake target")
     try:
-        info = ensure_llama_bench(args.cache_dir, args.llama_cpp_python_version, args.jobs)
+        info = ensure_llama_cpp(args.cache_dir, args.llama_cpp_python_version, args.jobs, targets)
     except BuildError as e:
         print(f"llama_cpp_build: error: {e}", file=sys.stderr)
         return 1

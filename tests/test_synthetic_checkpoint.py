@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from ft_jax import weight_formats
 from ft_jax.checkpoint import load_checkpoint
 from ft_jax.config import load_config
 
@@ -196,3 +198,110 @@ def test_gguf_holds_the_checkpoint_tensors_as_llama_cpp_expects(mg, tiny, tmp_pa
     np.testing.assert_array_equal(f32("output_norm.weight"), st["model.norm.weight"].astype(np.float32))
     np.testing.assert_array_equal(bf16("output.weight", (300, 64)), st["lm_head.weight"])
     np.testing.assert_array_equal(bf16("token_embd.weight", (300, 64)), st["model.embed_tokens.weight"])
+
+
+def _bench_peer():
+    return _module("bench_peer")
+
+
+@pytest.mark.parametrize("fmt_name", ["q8_0", "q4_0"])
+def test_weight_bytes_per_token_of_a_quantized_load(sc, tiny, fmt_name):
+    gguf = pytest.importorskip("gguf")
+    _, config = tiny
+    E, k, H = config["num_local_experts"], config["num_experts_per_tok"], config["hidden_size"]
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[fmt_name.upper()]]  # (32, 34) / (32, 18)
+    total = 2 * H  # one bf16 embedding row
+    for name, shape, _ in sc.tensor_specs(config):
+        n = math.prod(shape)
+        quantized = len(shape) == 2 and name not in ("model.embed_tokens.weight",) and ".gate." not in name
+        nbytes = n // block * block_bytes if quantized else 2 * n  # router, norms as stored (bf16)
+        if name != "model.embed_tokens.weight":
+            total += nbytes * k // E if ".experts." in name else nbytes
+    assert sc.weight_bytes_per_token(config, weight_formats.by_name(fmt_name))["total"] == total
+
+
+def test_weight_bytes_per_token_of_gpt_oss_counts_mxfp4_experts_as_stored(sc):
+    config = sc.gpt_oss_config(**{k: v for k, v in sc.GPT_OSS_TINY.items()})
+    E, k, H = config["num_local_experts"], config["num_experts_per_tok"], config["hidden_size"]
+    total = 2 * H  # one bf16 embedding row
+    for name, shape, kind in sc.gpt_oss_tensor_specs(config):
+        nbytes = math.prod(shape) * (1 if kind.startswith("mxfp4") else 2)
+        if name != "model.embed_tokens.weight":
+            total += nbytes * k // E if ".experts." in name else nbytes
+    assert sc.weight_bytes_per_token(config)["total"] == total
+    with pytest.raises(ValueError, match="as stored"):
+        sc.weight_bytes_per_token(config, weight_formats.Q8_0)
+
+
+def test_gguf_bytes_per_token_of_the_bf16_gguf(sc, mg, tiny, tmp_path):
+    pytest.importorskip("gguf")
+    folder, config = tiny
+    out = tmp_path / "tiny.gguf"
+    mg.write_gguf(folder, out)
+    L, E, H = config["num_hidden_layers"], config["num_local_experts"], config["hidden_size"]
+    got = _bench_peer().gguf_weight_bytes_per_token(out, config["num_experts_per_tok"], E)
+    ours = sc.weight_bytes_per_token(config)
+    # the GGUF has the router and the norms in f32 (twice their bf16 bytes), the rest bf16 as in the checkpoint
+    assert got["total"] == ours["total"] + ours["router"] + ours["norms"]
+    assert got["experts"] == ours["experts"] and got["embedding_row"] == 2 * H
+    assert got["by_type"]["F32"] == 4 * (L * E * H + (2 * L + 1) * H)
+
+
+def test_llama_quantize_pure_q8_0_gives_ft_jax_quantizer_bytes(sc, mg, tiny, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    bp = _bench_peer()
+    quantize = bp.llama_cpp_build.cached_binary("llama-quantize")
+    if quantize is None:
+        pytest.skip("llama-quantize is not built (python3 scripts/llama_cpp_build.py)")
+    folder, config = tiny
+    bf16 = tmp_path / "model-bf16.gguf"
+    mg.write_gguf(folder, bf16)
+    path, record = bp.ensure_quantized_gguf(quantize, bf16, "q8_0", 1)
+    assert path == tmp_path / "model-q8_0.gguf" and "--pure" in record["command"]
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    types = {t.tensor_type.name for name, t in tensors.items() if len(t.shape) >= 2 and "ffn_gate_inp" not in name}
+    assert types == {"Q8_0"}  # --pure: every 2-D weight, token_embd and output included
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    st = _read_all(folder)
+    w = st["model.layers.1.self_attn.v_proj.weight"]  # not permuted by the converter
+    data, scales = weight_formats.quantize(w, weight_formats.Q8_0)
+    np.testing.assert_array_equal(np.asarray(tensors["blk.1.attn_v.weight"].data).reshape(-1),
+                                  weight_formats.gguf_blocks(data, scales, weight_formats.Q8_0).reshape(-1))
+    got = bp.gguf_weight_bytes_per_token(path, config["num_experts_per_tok"], config["num_local_experts"])
+    ours = sc.weight_bytes_per_token(config, weight_formats.Q8_0)
+    H = config["hidden_size"]
+    # llama.cpp: router and norms f32 (ft_jax bf16), its embedding row q8_0 (ft_jax bf16); the rest the same bytes
+    assert got["total"] == ours["total"] + ours["router"] + ours["norms"] + weight_formats.Q8_0.nbytes(1, H) - 2 * H
+
+
+@pytest.mark.parametrize("quant", ["bf16", "q8_0"])
+def test_llama_cpp_logits_of_the_gguf_match_transformers(mg, tiny, tmp_path, quant):
+    """llama.cpp's logits of a 41-token prompt on the bf16 GGUF (and llama-quantize --pure Q8_0 of it) equal
+    transformers' on the checkpoint within llama.cpp's arithmetic (activations rounded to bf16 / q8_0)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    gguf = pytest.importorskip("gguf")
+    bp = _bench_peer()
+    results = bp.llama_cpp_build.cached_binary("llama-results")
+    quantize = bp.llama_cpp_build.cached_binary("llama-quantize")
+    if results is None or quantize is None:
+        pytest.skip("llama-results / llama-quantize are not built (python3 scripts/llama_cpp_build.py)")
+    folder, config = tiny
+    path = tmp_path / "model-bf16.gguf"
+    mg.write_gguf(folder, path)
+    if quant != "bf16":
+        path, _ = bp.ensure_quantized_gguf(quantize, path, quant, 1)
+    out = tmp_path / "results.gguf"
+    proc = subprocess.run([results, "-m", str(path), "--output", str(out), "-p", "hello world, this is a test",
+                           "-t", "1", "-c", "64"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = {x.name: x for x in gguf.GGUFReader(out).tensors}
+    tokens = np.asarray(got["tokens"].data).astype(np.int64)
+    V = config["vocab_size"]
+    logits = np.asarray(got["logits"].data).reshape(len(tokens), V)  # results.cpp writes [token][vocab]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens)[None]).logits[0].numpy()
+    err = np.abs(logits - ref).max() / np.abs(ref).max()
+    assert err <= (0.01 if quant == "bf16" else 0.04), err  # measured 0.24 % and 1.4 % of the largest logit
+    assert (logits.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
