@@ -197,9 +197,10 @@ FT_JAX_AVX2_F16C void DequantAvx2(const MatrixView& w, int64_t r, float* out) {
 // The AVX-512 level. Blocks of 32 (q8_0, q4_0, mxfp4) decode to two vectors of 16: q8_0 and q4_0 in element order
 // (q4_0: low nibbles = elements 0..15, high = 16..31); mxfp4 as low nibbles (elements 0, 2, .., 30) then high
 // nibbles (1, 3, .., 31), its activations permuted alike once per call (PermuteMxfp4), so no lane shuffle per block.
-// A row's f16 / E8M0 scales are converted first (RowScales). With one token the decoded vectors go straight into the
-// fused multiply-adds (DotBlocks, DotFp8); with more, a row is decoded once into a buffer (DequantBlocks,
-// DequantAvx512) that DotRowAvx512 reads per token. Both run the same arithmetic in the same order (8 accumulators
+// A row's f16 / E8M0 scales are converted first (RowScales). The decoded vectors go straight into the fused
+// multiply-adds of up to 2 tokens at a time (DotBlocks, DotFp8: the decode is shared, each token has its own 8
+// accumulators); fp8 rows with NaN codes or blocks that are not whole chunks of 128 are decoded into a buffer
+// (DequantFp8Avx512) that DotRowAvx512 reads per token. All run the same arithmetic in the same order (8 accumulators
 // of 16 lanes over chunks of 128 elements, then single vectors into accumulator 0, then TailSum), so a token's result
 // does not depend on how many tokens share the call.
 
@@ -273,39 +274,37 @@ FT_JAX_AVX512 inline void DecodeBlock(const uint8_t* row, const float* sf, int64
   }
 }
 
-template <WFormat F>
-FT_JAX_AVX512 void DequantBlocks(const uint8_t* row, const float* sf, int64_t nb, float* out) {
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512 v0, v1;
-    DecodeBlock<F>(row, sf, b, &v0, &v1);
-    _mm512_storeu_ps(out + 32 * b, v0);
-    _mm512_storeu_ps(out + 32 * b + 16, v1);
-  }
-}
-
-// DotRowAvx512(DequantBlocks(row), x) without the buffer.
-template <WFormat F>
-FT_JAX_AVX512 float DotBlocks(const uint8_t* row, const float* sf, int64_t nb, const float* x) {
-  __m512 acc[kAccumulators];
-  for (int a = 0; a < kAccumulators; ++a) acc[a] = _mm512_setzero_ps();
+// DotRowAvx512(decoded row, x[t]) without a row buffer (DecodeBlock per block), for NT tokens at once (x[t] at x + t * x_stride, result
+// to out[t * out_stride]): each token has its own accumulators, in the order DotRowAvx512 sums, so its result is
+// bit for bit the same whatever NT.
+template <WFormat F, int NT>
+FT_JAX_AVX512 void DotBlocks(const uint8_t* row, const float* sf, int64_t nb, const float* x, int64_t x_stride,
+                             float* out, int64_t out_stride) {
+  __m512 acc[NT][kAccumulators];
+  for (int t = 0; t < NT; ++t)
+    for (int a = 0; a < kAccumulators; ++a) acc[t][a] = _mm512_setzero_ps();
   static_assert(kAccumulators == 8, "a chunk of 128 elements is 4 blocks");
   int64_t b = 0;
   for (; b + 4 <= nb; b += 4) {
     for (int q = 0; q < 4; ++q) {
       __m512 v0, v1;
       DecodeBlock<F>(row, sf, b + q, &v0, &v1);
-      const float* xb = x + 32 * (b + q);
-      acc[2 * q] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xb), acc[2 * q]);
-      acc[2 * q + 1] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xb + 16), acc[2 * q + 1]);
+      for (int t = 0; t < NT; ++t) {
+        const float* xb = x + t * x_stride + 32 * (b + q);
+        acc[t][2 * q] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xb), acc[t][2 * q]);
+        acc[t][2 * q + 1] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xb + 16), acc[t][2 * q + 1]);
+      }
     }
   }
   for (; b < nb; ++b) {
     __m512 v0, v1;
     DecodeBlock<F>(row, sf, b, &v0, &v1);
-    acc[0] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + 32 * b), acc[0]);
-    acc[0] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + 32 * b + 16), acc[0]);
+    for (int t = 0; t < NT; ++t) {
+      acc[t][0] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + t * x_stride + 32 * b), acc[t][0]);
+      acc[t][0] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + t * x_stride + 32 * b + 16), acc[t][0]);
+    }
   }
-  return ReduceAcc(acc);  // no tail: rows are whole blocks
+  for (int t = 0; t < NT; ++t) out[t * out_stride] = ReduceAcc(acc[t]);  // no tail: rows are whole blocks
 }
 
 // 16 float8_e4m3fn bytes at p times the scale s256 / 256, for rows without NaN codes (RowHasNan): sign-extended to
@@ -345,33 +344,44 @@ FT_JAX_AVX512 void DequantFp8Avx512(const MatrixView& w, int64_t r, float* out) 
   }
 }
 
-// DotRowAvx512(DequantFp8Avx512(row), x) without the buffer, for block_cols a multiple of 128 (a chunk of 128
-// elements, and so every vector, then lies in one scale block). Sets *nan (and the result means nothing) when the row
-// holds a NaN code: the caller then takes DequantFp8Avx512's table decode (the check rides on the decode's loads).
-FT_JAX_AVX512 float DotFp8(const MatrixView& w, const uint8_t* row, const float* sc, const float* x, bool* nan) {
+// DotRowAvx512(DequantFp8Avx512(row), x[t]) without the buffer for NT tokens at once (x[t] at x + t * x_stride,
+// results to out[t * out_stride], each token in DotRowAvx512's order whatever NT), for block_cols a multiple of 128
+// (a chunk of 128 elements, and so every vector, then lies in one scale block). Returns false (and the results mean
+// nothing) when the row holds a NaN code: the caller then takes DequantFp8Avx512's table decode (the check rides on
+// the decode's loads).
+template <int NT>
+FT_JAX_AVX512 bool DotFp8(const MatrixView& w, const uint8_t* row, const float* sc, const float* x, int64_t x_stride,
+                          float* out, int64_t out_stride) {
   const int64_t bc = w.block_cols, len = w.cols;
   const __m512i low7 = _mm512_set1_epi8(0x7F);
   __mmask64 any = 0;
-  __m512 acc[kAccumulators];
-  for (int a = 0; a < kAccumulators; ++a) acc[a] = _mm512_setzero_ps();
+  __m512 acc[NT][kAccumulators];
+  for (int t = 0; t < NT; ++t)
+    for (int a = 0; a < kAccumulators; ++a) acc[t][a] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 128 <= len; i += 128) {
     const __m512i b0 = _mm512_loadu_si512(row + i), b1 = _mm512_loadu_si512(row + i + 64);
     any |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(b0, low7), low7) |
            _mm512_cmpeq_epi8_mask(_mm512_and_si512(b1, low7), low7);
     const __m512 s256 = _mm512_set1_ps(sc[i / bc] * 256.0f);
-    for (int a = 0; a < kAccumulators; ++a)
-      acc[a] = _mm512_fmadd_ps(DecodeFp8(row + i + 16 * a, s256), _mm512_loadu_ps(x + i + 16 * a), acc[a]);
+    for (int a = 0; a < kAccumulators; ++a) {
+      const __m512 v = DecodeFp8(row + i + 16 * a, s256);
+      for (int t = 0; t < NT; ++t)
+        acc[t][a] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * x_stride + i + 16 * a), acc[t][a]);
+    }
   }
   bool has_nan = any != 0;
   for (int64_t c = i; c < len; ++c) has_nan |= (row[c] & 0x7F) == 0x7F;
-  *nan = has_nan;
-  for (; i + 16 <= len; i += 16)
-    acc[0] = _mm512_fmadd_ps(DecodeFp8(row + i, _mm512_set1_ps(sc[i / bc] * 256.0f)), _mm512_loadu_ps(x + i), acc[0]);
+  if (has_nan) return false;
+  for (; i + 16 <= len; i += 16) {
+    const __m512 v = DecodeFp8(row + i, _mm512_set1_ps(sc[i / bc] * 256.0f));
+    for (int t = 0; t < NT; ++t) acc[t][0] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * x_stride + i), acc[t][0]);
+  }
   float tail[16];
   const Tables& tab = Tab();
   for (int64_t c = i; c < len; ++c) tail[c - i] = tab.e4m3[row[c]] * sc[c / bc];
-  return TailSum(ReduceAcc(acc), tail, x + i, len - i);
+  for (int t = 0; t < NT; ++t) out[t * out_stride] = TailSum(ReduceAcc(acc[t]), tail, x + t * x_stride + i, len - i);
+  return true;
 }
 
 // mxfp4 activations in the order its blocks decode: per block, elements 0, 2, .., 30 then 1, 3, .., 31.
@@ -383,19 +393,18 @@ void PermuteMxfp4(const float* x, int64_t cols, float* xp) {
     }
 }
 
+// Rows [r0, r1) of q8_0 / q4_0 (no VNNI) or mxfp4 (x permuted, PermuteMxfp4), tokens in pairs sharing a row's decode.
 template <WFormat F>
 FT_JAX_AVX512 void DotRowsBlocks(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
-                                 int64_t out_stride, float* sf, float* buf) {
+                                 int64_t out_stride, float* sf) {
   const int64_t nb = w.cols / kQBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = RowData(w, r);
     RowScales(F, ScaleRow(w, r), nb, sf);
-    if (T == 1) {
-      out[r] = DotBlocks<F>(row, sf, nb, x);
-      continue;
-    }
-    DequantBlocks<F>(row, sf, nb, buf);
-    for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRowAvx512(buf, x + t * w.cols, w.cols);
+    int64_t t = 0;
+    for (; t + 2 <= T; t += 2)
+      DotBlocks<F, 2>(row, sf, nb, x + t * w.cols, w.cols, out + t * out_stride + r, out_stride);
+    if (t < T) DotBlocks<F, 1>(row, sf, nb, x + t * w.cols, w.cols, out + t * out_stride + r, out_stride);
   }
 }
 
@@ -756,24 +765,28 @@ FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, co
   switch (w.format) {
     case WFormat::kQ8_0:
       if (HaveVnni()) return DotRowsInt8<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride);
-      return DotRowsBlocks<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride, sf, buf);
+      return DotRowsBlocks<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride, sf);
     case WFormat::kQ4_0:
       if (HaveVnni()) return DotRowsInt8<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride);
-      return DotRowsBlocks<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride, sf, buf);
+      return DotRowsBlocks<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride, sf);
     case WFormat::kMxfp4: {
       float* xp = sf + cols / kQBlock;
       for (int64_t t = 0; t < T; ++t) PermuteMxfp4(x + t * w.cols, w.cols, xp + t * w.cols);
-      return DotRowsBlocks<WFormat::kMxfp4>(w, r0, r1, xp, T, out, out_stride, sf, buf);
+      return DotRowsBlocks<WFormat::kMxfp4>(w, r0, r1, xp, T, out, out_stride, sf);
     }
     default:
       break;
   }
-  const bool fused = T == 1 && w.block_cols % 128 == 0;
+  const bool fused = w.block_cols % 128 == 0;
   for (int64_t r = r0; r < r1; ++r) {
-    if (fused) {
-      bool nan;
-      out[r] = DotFp8(w, RowData(w, r), reinterpret_cast<const float*>(ScaleRow(w, r)), x, &nan);
-      if (!nan) continue;
+    const uint8_t* row = RowData(w, r);
+    const float* sc = reinterpret_cast<const float*>(ScaleRow(w, r));
+    if (fused) {  // tokens in pairs sharing the decode
+      bool ok = true;
+      int64_t t = 0;
+      for (; ok && t + 2 <= T; t += 2) ok = DotFp8<2>(w, row, sc, x + t * w.cols, w.cols, out + t * out_stride + r, out_stride);
+      if (ok && t < T) ok = DotFp8<1>(w, row, sc, x + t * w.cols, w.cols, out + t * out_stride + r, out_stride);
+      if (ok) continue;
     }
     DequantFp8Avx512(w, r, buf);
     for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRowAvx512(buf, x + t * w.cols, w.cols);
