@@ -15,7 +15,8 @@ windows). Prints three tables:
      count the bias bytes too) and its ratio to the plain call: the biases should cost nothing measurable.
   3. In-graph cost of one FFI call (microseconds): a jit of 200 chained slot_fill calls that copy nothing
      minus a jit with none, per call.
-  4. (--formats) host_experts on stored weight formats (bf16, q8_0, q4_0, mxfp4, fp8 128 x 128) at T=1: GB/s of
+  4. (--formats) host_experts on stored weight formats (bf16, q8_0, q4_0, mxfp4, fp8 128 x 128) at T in --tokens
+     (every token routed to the same k experts; x of --dtype: bfloat16 as a bf16 model passes it, or float32): GB/s of
      STORED bytes read per call (data + scales of the k routed experts) divided by numpy read GB/s of the same bytes
      (np.add.reduce over them viewed as int64, split over the kernel's thread count), at H=2048, I=5632 (a
      Mixtral-like expert scaled to fit memory), 8 experts, k=2, consecutive calls rotating over the experts (no
@@ -37,6 +38,7 @@ import statistics
 import time
 
 import jax
+import ml_dtypes
 import jax.numpy as jnp
 import numpy as np
 
@@ -142,9 +144,10 @@ def _random_stored(rng, fmt: wf.WeightFormat, experts: int, rows: int, cols: int
 
 
 def bench_formats(hidden: int, inter: int, experts: int, k: int, formats: list[str], repeats: int,
-                  min_time: float) -> list[tuple]:
-    """[(format name, stored MiB per call, host_experts rate, numpy read rate)] at T = 1; rates (median, min, max)
-    GB/s of stored bytes. Each format's banks exist only while it is measured (memory)."""
+                  min_time: float, tokens: int = 1, x_dtype=np.float32) -> list[tuple]:
+    """[(format name, stored MiB per call, host_experts rate, numpy read rate)] for `tokens` tokens routed to the
+    same k experts (x of x_dtype: float32, or bfloat16 as a bf16 model passes it); rates (median, min, max) GB/s of
+    stored bytes. Each format's banks exist only while it is measured (memory)."""
     threads = kernel_threads()
     rng = np.random.default_rng(0)
     rows = [list(range(j, j + k)) for j in range(0, experts - k + 1, k)]  # calls rotate over disjoint expert groups
@@ -161,9 +164,10 @@ def bench_formats(hidden: int, inter: int, experts: int, k: int, formats: list[s
             kw = dict(gate_up_scale=banks[1], down_scale=banks[3]) if fmt.quantized else {}
             gu_bank, dn_bank = (banks[0], banks[2]) if fmt.quantized else (banks[0], banks[1])
             call = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, gu_bank, dn_bank, weight_format=fmt, **kw))
-            ids = [jnp.asarray(np.array([r], np.int32)) for r in rows]  # each i32[1, k]
-            x = jnp.asarray(np.linspace(-1.0, 1.0, hidden, dtype=np.float32)[None])  # f32[1, H]
-            w = jnp.full((1, k), 1.0 / k, jnp.float32)
+            ids = [jnp.asarray(np.array([r] * tokens, np.int32)) for r in rows]  # each i32[T, k]
+            x = jnp.asarray(np.linspace(-1.0, 1.0, tokens * hidden, dtype=np.float32).reshape(tokens, hidden)
+                            .astype(x_dtype))  # [T, H]
+            w = jnp.full((tokens, k), 1.0 / k, jnp.float32)
             nbytes = k * sum(b.row_bytes for b in banks)
             calls, reads = itertools.count(), itertools.count()
 
@@ -246,12 +250,16 @@ def main(argv=None) -> None:
     if args.formats is not None:
         formats = args.formats or ["bf16", "q8_0", "q4_0", "mxfp4", "fp8"]
         H, I = 2048, 5632
-        print(f"\n4. host_experts on stored formats vs numpy read of the same bytes (H={H}, I={I}, T=1, "
-              f"k={args.top_k}, {args.format_experts} experts, {kernel_threads()} threads)")
-        print(f"{'format':>7} {'MiB/call':>9} {'host_experts GB/s':>22} {'numpy read GB/s':>22} {'ratio':>6} {'best':>6}")
-        for name, mib, ffi_rate, np_rate in bench_formats(H, I, args.format_experts, args.top_k, formats,
-                                                          args.repeats, args.min_time):
-            print(f"{name:>7} {mib:9.1f} {_fmt(ffi_rate):>22} {_fmt(np_rate):>22} {_ratios(ffi_rate, np_rate)}")
+        x_dtype = np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16
+        for T in args.tokens:
+            print(f"\n4. host_experts on stored formats vs numpy read of the same bytes (H={H}, I={I}, T={T}, "
+                  f"x {args.dtype}, k={args.top_k}, {args.format_experts} experts, {kernel_threads()} threads; "
+                  f"load average {os.getloadavg()[0]:.2f})")
+            print(f"{'format':>7} {'MiB/call':>9} {'host_experts GB/s':>22} {'numpy read GB/s':>22} {'ratio':>6} "
+                  f"{'best':>6}")
+            for name, mib, ffi_rate, np_rate in bench_formats(H, I, args.format_experts, args.top_k, formats,
+                                                              args.repeats, args.min_time, T, x_dtype):
+                print(f"{name:>7} {mib:9.1f} {_fmt(ffi_rate):>22} {_fmt(np_rate):>22} {_ratios(ffi_rate, np_rate)}")
         print(f"\nload average (1 min) after the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
         return
 

@@ -98,14 +98,16 @@ def dot_bound(w, xmag, fmt, int8_path=INT8_PATH):
     return np.abs(w) @ ex + gamma(K + 4) * (mag @ (xmag + ex))
 
 
-def experts_reference(x, ids, weights, gu, dn, activation, fmt, gb=None, db=None, int8_path=INT8_PATH):
+def experts_reference(x, ids, weights, gu, dn, activation, fmt, gb=None, db=None, int8_path=INT8_PATH,
+                      bf16_acts=False):
     """(y, bound): float64 expert outputs [T, H] and a per-element bound of what the kernels' arithmetic may add.
 
     The gate / up projections and biases err by eg, eu <= dot_bound (+ gamma |b|); the gated activation propagates
     them with its partial derivatives (silu: |d silu / dg| <= 1.1; swiglu_oai: |d (g sigma(alpha g)) / dg| <=
     1 + alpha |g| / 4, |d a / du| <= |g|, clamps only shrink them; taken at |g| + eg) plus 8 u |a| for its own float32
     evaluation, ea; the down projection errs by |Wd| @ ea plus dot_bound of activations up to |a| + ea
-    (+ gamma |bd|); the weighted sum over k routes adds gamma_{k+1} sum |w_j d_j|."""
+    (+ gamma |bd|); the weighted sum over k routes adds gamma_{k+1} sum |w_j d_j|. bf16_acts (a bf16 model): the
+    kernel rounds a to bf16 before the down projection, + 2^-8 (|a| + ea) (half a bf16 ulp, relative)."""
     x = np.asarray(x, np.float64)
     T, H = x.shape
     inter = gu.shape[1] // 2
@@ -128,6 +130,8 @@ def experts_reference(x, ids, weights, gu, dn, activation, fmt, gb=None, db=None
             else:
                 lg, lu = (np.abs(u) + eu + 1) * (1 + ALPHA * (np.abs(g) + eg) / 4), np.abs(g) + eg
             ea = lg * eg + lu * eu + 8 * U * np.abs(a)
+            if bf16_acts:
+                ea = ea + 2.0**-8 * (np.abs(a) + ea)
             d = dn[e] @ a + bd
             ed = (np.abs(dn[e]) @ ea + dot_bound(dn[e], np.abs(a) + ea, fmt, int8_path)
                   + gamma(2) * (np.abs(d) + np.abs(bd)))
@@ -192,6 +196,43 @@ def test_host_and_slot_experts_match_float64_reference(fmt, H, inter, activation
                                             gate_up_scale=banks[1], down_scale=banks[3], weight_format=fmt,
                                             **bias_banks))[0], np.asarray(y)[-1])
         for bank in (*banks, *bias_banks.values()):
+            bank.release()
+
+
+BF16_CASES = [c for c in CASES if c[0].name in ("mxfp4", "fp8")] + [(wf.fp8((1, 64)), 200, 72)]
+
+
+@pytest.mark.parametrize("fmt,H,inter", BF16_CASES,
+                         ids=[f"{f.name}{'x'.join(map(str, f.block)) if f.name == 'fp8' else ''}-H{h}-I{i}"
+                              for f, h, i in BF16_CASES])
+def test_bf16_model_experts_match_float64_reference(fmt, H, inter):
+    """x in bf16 (a bf16 model; fp8 / mxfp4 then take the bf16 x bf16 dots on AVX-512 BF16, the activations a
+    rounded to bf16 as transformers' bf16 expert rounds them): within the bound of the float64 reference fed the
+    bf16 x (bf16_acts adds the rounding of a); slot_experts equal to host_experts and a token's result independent
+    of the other tokens, bit for bit."""
+    rng = np.random.default_rng(H * 7 + inter)
+    for T, k in ((1, 2), (4, 2), (6, 3)):
+        x, ids, weights, stored, (gb, db) = expert_case(rng, fmt, H, inter, T, k, "swiglu_oai", True)
+        xb = x.astype(ml_dtypes.bfloat16)
+        gu_data, gu_scales, dn_data, dn_scales = stored
+        expected, bound = experts_reference(xb, ids, weights, dequant64(gu_data, gu_scales, fmt, rows=inter),
+                                            dequant64(dn_data, dn_scales, fmt), "swiglu_oai", fmt, gb, db,
+                                            bf16_acts=True)
+        banks = [HostBank.from_numpy(a) for a in (*stored, gb, db)]
+        kw = dict(gate_up_scale=banks[1], down_scale=banks[3], gate_up_bias=banks[4], down_bias=banks[5],
+                  weight_format=fmt)
+        y = np.asarray(ffi_ops.host_experts(jnp.asarray(xb), ids, weights, banks[0], banks[2], "swiglu_oai", **kw))
+        check_within(y, expected, bound, f"host_experts {fmt.name} bf16 x T={T} k={k}")
+        y_slots = ffi_ops.slot_experts(jnp.asarray(xb), ids, weights, *(jnp.asarray(a) for a in stored[::2]),
+                                       "swiglu_oai", gate_up_scale_slots=jnp.asarray(gu_scales),
+                                       down_scale_slots=jnp.asarray(dn_scales), gate_up_bias_slots=jnp.asarray(gb),
+                                       down_bias_slots=jnp.asarray(db), weight_format=fmt)
+        np.testing.assert_array_equal(np.asarray(y_slots), y)
+        for t in range(T):
+            y_t = ffi_ops.host_experts(jnp.asarray(xb[t:t + 1]), ids[t:t + 1], weights[t:t + 1], banks[0], banks[2],
+                                       "swiglu_oai", **kw)
+            np.testing.assert_array_equal(np.asarray(y_t)[0], y[t])
+        for bank in banks:
             bank.release()
 
 

@@ -111,7 +111,8 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
   // A bf16 model (x arrives in bf16): the activations a = glu(...) are rounded to bf16 before the down projection,
   // as transformers' bf16 expert computes them, and bf16 weights then take the bf16 x bf16 dot where the CPU has it.
   const bool bf16_model = x_bf16 != nullptr;
-  const bool bf16_dots = isa == Isa::kAvx512Bf16 && bf16_model && !m.spec.quantized;
+  const bool bf16_dots = isa == Isa::kAvx512Bf16 && bf16_model &&
+                         (!m.spec.quantized || m.spec.format == WFormat::kFp8 || m.spec.format == WFormat::kMxfp4);
 
   // Per-call buffers of the calling thread (tasks write disjoint parts): the routes' inputs side by side
   // xg [routes, H], gate/up outputs hb [routes, 2I], activations a [routes, I], down outputs d [routes, H]; with

@@ -125,7 +125,7 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   return Guarded(kOp, [&] {
     thread_local std::vector<float> x32_storage;
     Scratch<float> x32(x32_storage, xb != nullptr && !bf16_dots ? n : 0);  // trimmed after the call (common.h)
-    RunLinear(view, bf16_dots ? nullptr : XAsF32(x, n, x32), format == WFormat::kBF16 ? xb : nullptr, N, O,
+    RunLinear(view, bf16_dots ? nullptr : XAsF32(x, n, x32), format == WFormat::kBF16 || format == WFormat::kFp8 || format == WFormat::kMxfp4 ? xb : nullptr, N, O,
               y->typed_data(), pool);
     return ffi::Error::Success();
   });

@@ -197,9 +197,10 @@ FT_JAX_AVX2_F16C void DequantAvx2(const MatrixView& w, int64_t r, float* out) {
 // The AVX-512 level. Blocks of 32 (q8_0, q4_0, mxfp4) decode to two vectors of 16: q8_0 and q4_0 in element order
 // (q4_0: low nibbles = elements 0..15, high = 16..31); mxfp4 as low nibbles (elements 0, 2, .., 30) then high
 // nibbles (1, 3, .., 31), its activations permuted alike once per call (PermuteMxfp4), so no lane shuffle per block.
-// A row's f16 / E8M0 scales are converted first (RowScales). With one token the decoded vectors go straight into the
-// fused multiply-adds (DotBlocks, DotFp8); with more, a row is decoded once into a buffer (DequantBlocks,
-// DequantAvx512) that DotRowAvx512 reads per token. Both run the same arithmetic in the same order (8 accumulators
+// A row's f16 / E8M0 scales are converted first (RowScales). The decoded vectors go straight into the fused
+// multiply-adds of up to 2 tokens at a time (DotBlocks, DotFp8: the decode is shared, each token has its own 8
+// accumulators); fp8 rows with NaN codes or blocks that are not whole chunks of 128 are decoded into a buffer
+// (DequantFp8Avx512) that DotRowAvx512 reads per token. All run the same arithmetic in the same order (8 accumulators
 // of 16 lanes over chunks of 128 elements, then single vectors into accumulator 0, then TailSum), so a token's result
 // does not depend on how many tokens share the call.
 
@@ -273,39 +274,37 @@ FT_JAX_AVX512 inline void DecodeBlock(const uint8_t* row, const float* sf, int64
   }
 }
 
-template <WFormat F>
-FT_JAX_AVX512 void DequantBlocks(const uint8_t* row, const float* sf, int64_t nb, float* out) {
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512 v0, v1;
-    DecodeBlock<F>(row, sf, b, &v0, &v1);
-    _mm512_storeu_ps(out + 32 * b, v0);
-    _mm512_storeu_ps(out + 32 * b + 16, v1);
-  }
-}
-
-// DotRowAvx512(DequantBlocks(row), x) without the buffer.
-template <WFormat F>
-FT_JAX_AVX512 float DotBlocks(const uint8_t* row, const float* sf, int64_t nb, const float* x) {
-  __m512 acc[kAccumulators];
-  for (int a = 0; a < kAccumulators; ++a) acc[a] = _mm512_setzero_ps();
+// DotRowAvx512(decoded row, x[t]) without a row buffer (DecodeBlock per block), for NT tokens at once (x[t] at x + t * x_stride, result
+// to out[t * out_stride]): each token has its own accumulators, in the order DotRowAvx512 sums, so its result is
+// bit for bit the same whatever NT.
+template <WFormat F, int NT>
+FT_JAX_AVX512 void DotBlocks(const uint8_t* row, const float* sf, int64_t nb, const float* x, int64_t x_stride,
+                             float* out, int64_t out_stride) {
+  __m512 acc[NT][kAccumulators];
+  for (int t = 0; t < NT; ++t)
+    for (int a = 0; a < kAccumulators; ++a) acc[t][a] = _mm512_setzero_ps();
   static_assert(kAccumulators == 8, "a chunk of 128 elements is 4 blocks");
   int64_t b = 0;
   for (; b + 4 <= nb; b += 4) {
     for (int q = 0; q < 4; ++q) {
       __m512 v0, v1;
       DecodeBlock<F>(row, sf, b + q, &v0, &v1);
-      const float* xb = x + 32 * (b + q);
-      acc[2 * q] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xb), acc[2 * q]);
-      acc[2 * q + 1] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xb + 16), acc[2 * q + 1]);
+      for (int t = 0; t < NT; ++t) {
+        const float* xb = x + t * x_stride + 32 * (b + q);
+        acc[t][2 * q] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(xb), acc[t][2 * q]);
+        acc[t][2 * q + 1] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(xb + 16), acc[t][2 * q + 1]);
+      }
     }
   }
   for (; b < nb; ++b) {
     __m512 v0, v1;
     DecodeBlock<F>(row, sf, b, &v0, &v1);
-    acc[0] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + 32 * b), acc[0]);
-    acc[0] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + 32 * b + 16), acc[0]);
+    for (int t = 0; t < NT; ++t) {
+      acc[t][0] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + t * x_stride + 32 * b), acc[t][0]);
+      acc[t][0] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + t * x_stride + 32 * b + 16), acc[t][0]);
+    }
   }
-  return ReduceAcc(acc);  // no tail: rows are whole blocks
+  for (int t = 0; t < NT; ++t) out[t * out_stride] = ReduceAcc(acc[t]);  // no tail: rows are whole blocks
 }
 
 // 16 float8_e4m3fn bytes at p times the scale s256 / 256, for rows without NaN codes (RowHasNan): sign-extended to
@@ -345,33 +344,44 @@ FT_JAX_AVX512 void DequantFp8Avx512(const MatrixView& w, int64_t r, float* out) 
   }
 }
 
-// DotRowAvx512(DequantFp8Avx512(row), x) without the buffer, for block_cols a multiple of 128 (a chunk of 128
-// elements, and so every vector, then lies in one scale block). Sets *nan (and the result means nothing) when the row
-// holds a NaN code: the caller then takes DequantFp8Avx512's table decode (the check rides on the decode's loads).
-FT_JAX_AVX512 float DotFp8(const MatrixView& w, const uint8_t* row, const float* sc, const float* x, bool* nan) {
+// DotRowAvx512(DequantFp8Avx512(row), x[t]) without the buffer for NT tokens at once (x[t] at x + t * x_stride,
+// results to out[t * out_stride], each token in DotRowAvx512's order whatever NT), for block_cols a multiple of 128
+// (a chunk of 128 elements, and so every vector, then lies in one scale block). Returns false (and the results mean
+// nothing) when the row holds a NaN code: the caller then takes DequantFp8Avx512's table decode (the check rides on
+// the decode's loads).
+template <int NT>
+FT_JAX_AVX512 bool DotFp8(const MatrixView& w, const uint8_t* row, const float* sc, const float* x, int64_t x_stride,
+                          float* out, int64_t out_stride) {
   const int64_t bc = w.block_cols, len = w.cols;
   const __m512i low7 = _mm512_set1_epi8(0x7F);
   __mmask64 any = 0;
-  __m512 acc[kAccumulators];
-  for (int a = 0; a < kAccumulators; ++a) acc[a] = _mm512_setzero_ps();
+  __m512 acc[NT][kAccumulators];
+  for (int t = 0; t < NT; ++t)
+    for (int a = 0; a < kAccumulators; ++a) acc[t][a] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 128 <= len; i += 128) {
     const __m512i b0 = _mm512_loadu_si512(row + i), b1 = _mm512_loadu_si512(row + i + 64);
     any |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(b0, low7), low7) |
            _mm512_cmpeq_epi8_mask(_mm512_and_si512(b1, low7), low7);
     const __m512 s256 = _mm512_set1_ps(sc[i / bc] * 256.0f);
-    for (int a = 0; a < kAccumulators; ++a)
-      acc[a] = _mm512_fmadd_ps(DecodeFp8(row + i + 16 * a, s256), _mm512_loadu_ps(x + i + 16 * a), acc[a]);
+    for (int a = 0; a < kAccumulators; ++a) {
+      const __m512 v = DecodeFp8(row + i + 16 * a, s256);
+      for (int t = 0; t < NT; ++t)
+        acc[t][a] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * x_stride + i + 16 * a), acc[t][a]);
+    }
   }
   bool has_nan = any != 0;
   for (int64_t c = i; c < len; ++c) has_nan |= (row[c] & 0x7F) == 0x7F;
-  *nan = has_nan;
-  for (; i + 16 <= len; i += 16)
-    acc[0] = _mm512_fmadd_ps(DecodeFp8(row + i, _mm512_set1_ps(sc[i / bc] * 256.0f)), _mm512_loadu_ps(x + i), acc[0]);
+  if (has_nan) return false;
+  for (; i + 16 <= len; i += 16) {
+    const __m512 v = DecodeFp8(row + i, _mm512_set1_ps(sc[i / bc] * 256.0f));
+    for (int t = 0; t < NT; ++t) acc[t][0] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + t * x_stride + i), acc[t][0]);
+  }
   float tail[16];
   const Tables& tab = Tab();
   for (int64_t c = i; c < len; ++c) tail[c - i] = tab.e4m3[row[c]] * sc[c / bc];
-  return TailSum(ReduceAcc(acc), tail, x + i, len - i);
+  for (int t = 0; t < NT; ++t) out[t * out_stride] = TailSum(ReduceAcc(acc[t]), tail, x + t * x_stride + i, len - i);
+  return true;
 }
 
 // mxfp4 activations in the order its blocks decode: per block, elements 0, 2, .., 30 then 1, 3, .., 31.
@@ -383,19 +393,18 @@ void PermuteMxfp4(const float* x, int64_t cols, float* xp) {
     }
 }
 
+// Rows [r0, r1) of q8_0 / q4_0 (no VNNI) or mxfp4 (x permuted, PermuteMxfp4), tokens in pairs sharing a row's decode.
 template <WFormat F>
 FT_JAX_AVX512 void DotRowsBlocks(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
-                                 int64_t out_stride, float* sf, float* buf) {
+                                 int64_t out_stride, float* sf) {
   const int64_t nb = w.cols / kQBlock;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = RowData(w, r);
     RowScales(F, ScaleRow(w, r), nb, sf);
-    if (T == 1) {
-      out[r] = DotBlocks<F>(row, sf, nb, x);
-      continue;
-    }
-    DequantBlocks<F>(row, sf, nb, buf);
-    for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRowAvx512(buf, x + t * w.cols, w.cols);
+    int64_t t = 0;
+    for (; t + 2 <= T; t += 2)
+      DotBlocks<F, 2>(row, sf, nb, x + t * w.cols, w.cols, out + t * out_stride + r, out_stride);
+    if (t < T) DotBlocks<F, 1>(row, sf, nb, x + t * w.cols, w.cols, out + t * out_stride + r, out_stride);
   }
 }
 
@@ -554,9 +563,199 @@ bool HaveVnni() {
   return vnni;
 }
 
+// ---- bf16 dots for fp8 and mxfp4 (AVX-512 BF16; fp8 also VBMI) ----
+// Every float8_e4m3fn and FP4 E2M1 value is exact in bfloat16 (<= 4 significant bits, exponents -9..8), so a row
+// decodes to bf16 by table lookups (fp8: VPERMI2B over a 128-entry table of high and of low bytes, the sign OR-ed
+// in, NaN codes give NaN; mxfp4: VPERMW over the 16 values) and VDPBF16PS multiplies it with the bf16 activations,
+// each product exact in float32. The block scale multiplies the block's partial sums (one FMA per vector and
+// block; exact for E8M0, one rounding for fp8's float32 scale, in place of numpy's rounding of data * scale).
+// Only for a bf16 model's activations (x arrives in bf16, where transformers' bf16 model rounds alike): the
+// products w * x are then exact and the dot errs by float32 sums only (the gamma_{K+2} bound holds: the chain per
+// lane is ~K / 32 + K / bc + 8 roundings long). float32 activations keep the float32 decode (DotBlocks, DotFp8):
+// an exact split of x into 3 bf16 terms (h = bf16(x), m = bf16(x - h), l = bf16(x - h - m)) was measured no faster
+// there. The activations are laid out once per call in the order the weight decode produces (PrepBf16Acts), zero
+// padded to whole chunks. Tokens share a row's decode (up to 4 at a time), each with its own accumulators in the
+// same order, so a token's result never depends on the others.
+#define FT_JAX_BF16DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,avx2,fma,f16c")))
+
+bool HaveVbmi() {
+  static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+  return vbmi;
+}
+
+// bf16 bits of float8_e4m3fn magnitude codes 0..127 as high and low bytes (0x7f: NaN).
+struct Fp8Bf16Tables {
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t lo[128];
+  Fp8Bf16Tables() {
+    for (int b = 0; b < 128; ++b) {
+      const uint16_t v = ToBf16(Tab().e4m3[b]);
+      hi[b] = static_cast<uint8_t>(v >> 8);
+      lo[b] = static_cast<uint8_t>(v & 0xff);
+    }
+  }
+};
+const Fp8Bf16Tables& Fp8Bf16() {
+  static const Fp8Bf16Tables tables;
+  return tables;
+}
+
+// Chunk lengths (elements) of the decodes: fp8 64 (one 64-byte load), mxfp4 128 (4 blocks, 64 bytes).
+constexpr int64_t Bf16Chunk(WFormat f) { return f == WFormat::kFp8 ? 64 : 128; }
+
+// xp[t * padded + c]: token t's bf16 activations xb [T, cols] in the element order of the decode of format f per
+// 64 elements (fp8: 128-bit lanes 0, 2 of each 32, then 1, 3, as VPUNPCKL/HBW pair the bytes; mxfp4: even elements,
+// then odd), zero from cols to padded (a multiple of Bf16Chunk(f)).
+FT_JAX_BF16DOT void PrepBf16Acts(WFormat f, const uint16_t* xb, int64_t T, int64_t cols, int64_t padded,
+                                 uint16_t* xp) {
+  alignas(64) static const uint16_t kEven[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                                 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+  const __m512i even = _mm512_load_si512(kEven);
+  const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t c = 0; c < padded; c += 64) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(64, cols - c));
+      const uint16_t* p = xb + t * cols + c;
+      const __mmask32 m0 = n >= 32 ? ~0u : (1u << n) - 1, m1 = n >= 64 ? ~0u : n <= 32 ? 0u : (1u << (n - 32)) - 1;
+      const __m512i x0 = _mm512_maskz_loadu_epi16(m0, p), x1 = _mm512_maskz_loadu_epi16(m1, p + 32);
+      uint16_t* o = xp + t * padded + c;
+      if (f == WFormat::kFp8) {
+        _mm512_storeu_si512(o, _mm512_shuffle_i64x2(x0, x1, 0x88));
+        _mm512_storeu_si512(o + 32, _mm512_shuffle_i64x2(x0, x1, 0xDD));
+      } else {
+        _mm512_storeu_si512(o, _mm512_permutex2var_epi16(x0, even, x1));
+        _mm512_storeu_si512(o + 32, _mm512_permutex2var_epi16(x0, odd, x1));
+      }
+    }
+  }
+}
+
+FT_JAX_BF16DOT inline __m512 Dp(__m512 acc, __m512i w, const uint16_t* x) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_loadu_si512(x));
+}
+
+FT_JAX_BF16DOT inline float Reduce2(__m512 a, __m512 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+
+// fp8 rows [r0, r1) with NT tokens (terms xp, PrepBf16Acts) into out[t * out_stride + r]; block_cols % 64 == 0.
+template <int NT>
+FT_JAX_BF16DOT void DotFp8Bf16(const MatrixView& w, int64_t r0, int64_t r1, const uint16_t* xp, int64_t padded,
+                               float* out, int64_t out_stride) {
+  const Fp8Bf16Tables& tb = Fp8Bf16();
+  const __m512i hi0 = _mm512_load_si512(tb.hi), hi1 = _mm512_load_si512(tb.hi + 64);
+  const __m512i lo0 = _mm512_load_si512(tb.lo), lo1 = _mm512_load_si512(tb.lo + 64);
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t cols = w.cols, bc = w.block_cols;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = RowData(w, r);
+    const float* sc = reinterpret_cast<const float*>(ScaleRow(w, r));
+    __m512 acc[NT][2];
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int64_t c0 = 0; c0 < cols; c0 += bc) {
+      const int64_t end = std::min(cols, c0 + bc);
+      __m512 tmp[NT][2];
+      for (int t = 0; t < NT; ++t) tmp[t][0] = tmp[t][1] = _mm512_setzero_ps();
+      for (int64_t c = c0; c < end; c += 64) {
+        const __mmask64 m = end - c >= 64 ? ~0ull : (1ull << (end - c)) - 1;
+        const __m512i b = _mm512_maskz_loadu_epi8(m, row + c);
+        const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, b, hi1), b, sign, 0xF8);
+        const __m512i l = _mm512_permutex2var_epi8(lo0, b, lo1);
+        const __m512i w0 = _mm512_unpacklo_epi8(l, h), w1 = _mm512_unpackhi_epi8(l, h);
+        for (int t = 0; t < NT; ++t) {
+          tmp[t][0] = Dp(tmp[t][0], w0, xp + t * padded + c);
+          tmp[t][1] = Dp(tmp[t][1], w1, xp + t * padded + c + 32);
+        }
+      }
+      const __m512 s = _mm512_set1_ps(sc[c0 / bc]);
+      for (int t = 0; t < NT; ++t) {
+        acc[t][0] = _mm512_fmadd_ps(tmp[t][0], s, acc[t][0]);
+        acc[t][1] = _mm512_fmadd_ps(tmp[t][1], s, acc[t][1]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) out[t * out_stride + r] = Reduce2(acc[t][0], acc[t][1]);
+  }
+}
+
+// mxfp4 rows [r0, r1) likewise; sf: scratch of cols / 32 rounded up to 4 floats.
+template <int NT>
+FT_JAX_BF16DOT void DotMxfp4Bf16(const MatrixView& w, int64_t r0, int64_t r1, const uint16_t* xp, int64_t padded,
+                                 float* out, int64_t out_stride, float* sf) {
+  // FP4 E2M1 as bf16, twice: VPERMW reads 5 index bits, so a byte's low nibble needs no mask
+  alignas(64) static const uint16_t kLut[32] = {
+      0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040,
+      0xC080, 0xC0C0, 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0,
+      0xC000, 0xC040, 0xC080, 0xC0C0};
+  const __m512i lut = _mm512_load_si512(kLut);
+  const __m512i s01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i s23 = _mm512_add_epi32(s01, _mm512_set1_epi32(2));
+  const int64_t nb = w.cols / kQBlock, bytes = w.cols / 2;
+  for (int64_t b = nb; b % 4 != 0; ++b) sf[b] = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = RowData(w, r);
+    RowScales(WFormat::kMxfp4, ScaleRow(w, r), nb, sf);
+    __m512 acc[NT][2];
+    for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; 4 * g < nb; ++g) {
+      const int64_t n = std::min<int64_t>(64, bytes - 64 * g);
+      const __mmask32 m0 = n >= 32 ? ~0u : (1u << n) - 1, m1 = n >= 64 ? ~0u : n <= 32 ? 0u : (1u << (n - 32)) - 1;
+      const __m512i b0 = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m0, row + 64 * g));
+      const __m512i b1 = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m1, row + 64 * g + 32));
+      const __m512i v00 = _mm512_permutexvar_epi16(b0, lut), v10 = _mm512_permutexvar_epi16(_mm512_srli_epi16(b0, 4), lut);
+      const __m512i v01 = _mm512_permutexvar_epi16(b1, lut), v11 = _mm512_permutexvar_epi16(_mm512_srli_epi16(b1, 4), lut);
+      const __m512 sv = _mm512_castps128_ps512(_mm_loadu_ps(sf + 4 * g));
+      const __m512 sa = _mm512_permutexvar_ps(s01, sv), sb = _mm512_permutexvar_ps(s23, sv);
+      for (int t = 0; t < NT; ++t) {
+        const uint16_t* xs = xp + t * padded + 128 * g;
+        const __m512 ta = Dp(Dp(_mm512_setzero_ps(), v00, xs), v10, xs + 32);
+        const __m512 tb = Dp(Dp(_mm512_setzero_ps(), v01, xs + 64), v11, xs + 96);
+        acc[t][0] = _mm512_fmadd_ps(ta, sa, acc[t][0]);
+        acc[t][1] = _mm512_fmadd_ps(tb, sb, acc[t][1]);
+      }
+    }
+    for (int t = 0; t < NT; ++t) out[t * out_stride + r] = Reduce2(acc[t][0], acc[t][1]);
+  }
+}
+
+// out[t * out_stride + r] for rows [r0, r1) and tokens t < T of bf16 activations xb [T, cols] (Bf16DotsApply).
+FT_JAX_BF16DOT void DotRowsBf16(const MatrixView& w, int64_t r0, int64_t r1, const uint16_t* xb, int64_t T,
+                                float* out, int64_t out_stride) {
+  const int64_t chunk = Bf16Chunk(w.format), padded = (w.cols + chunk - 1) / chunk * chunk;
+  thread_local std::vector<uint16_t> xp_storage;  // the laid-out activations [T, padded]
+  thread_local std::vector<float> sf_storage;     // mxfp4 row scales [padded / 32]
+  Scratch<uint16_t> xps(xp_storage, static_cast<size_t>(T * padded));
+  Scratch<float> sfs(sf_storage, static_cast<size_t>(padded / kQBlock));
+  uint16_t* xp = xps.data();
+  float* sf = sfs.data();
+  PrepBf16Acts(w.format, xb, T, w.cols, padded, xp);
+  for (int64_t t0 = 0; t0 < T; t0 += 4) {
+    const uint16_t* x = xp + t0 * padded;
+    float* o = out + t0 * out_stride;
+    const int64_t nt = std::min<int64_t>(4, T - t0);
+    if (w.format == WFormat::kFp8) {
+      if (nt == 4) DotFp8Bf16<4>(w, r0, r1, x, padded, o, out_stride);
+      if (nt == 3) DotFp8Bf16<3>(w, r0, r1, x, padded, o, out_stride);
+      if (nt == 2) DotFp8Bf16<2>(w, r0, r1, x, padded, o, out_stride);
+      if (nt == 1) DotFp8Bf16<1>(w, r0, r1, x, padded, o, out_stride);
+    } else {
+      if (nt == 4) DotMxfp4Bf16<4>(w, r0, r1, x, padded, o, out_stride, sf);
+      if (nt == 3) DotMxfp4Bf16<3>(w, r0, r1, x, padded, o, out_stride, sf);
+      if (nt == 2) DotMxfp4Bf16<2>(w, r0, r1, x, padded, o, out_stride, sf);
+      if (nt == 1) DotMxfp4Bf16<1>(w, r0, r1, x, padded, o, out_stride, sf);
+    }
+  }
+}
+
+// Whether DotRowsBf16 takes the rows of w: fp8 (with VBMI, column blocks of whole 64-element chunks) and mxfp4 with
+// bf16 activations.
+bool Bf16DotsApply(const MatrixView& w, bool bf16_x) {
+  if (!bf16_x) return false;
+  if (w.format == WFormat::kFp8) return HaveVbmi() && w.block_cols % 64 == 0;
+  return w.format == WFormat::kMxfp4;
+}
+
 // DotRowsView's block formats at the AVX-512 level.
-FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
-                                 int64_t out_stride) {
+FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb,
+                                 int64_t T, float* out, int64_t out_stride) {
+  if (Bf16DotsApply(w, xb != nullptr)) return DotRowsBf16(w, r0, r1, xb, T, out, out_stride);
   thread_local std::vector<float> storage;  // a row buffer [cols], row scales [cols / 32], mxfp4's x [T, cols]
   const size_t cols = static_cast<size_t>(w.cols);
   const size_t need = cols + cols / kQBlock + (w.format == WFormat::kMxfp4 ? static_cast<size_t>(T) * cols : 0);
@@ -566,24 +765,28 @@ FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, co
   switch (w.format) {
     case WFormat::kQ8_0:
       if (HaveVnni()) return DotRowsInt8<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride);
-      return DotRowsBlocks<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride, sf, buf);
+      return DotRowsBlocks<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride, sf);
     case WFormat::kQ4_0:
       if (HaveVnni()) return DotRowsInt8<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride);
-      return DotRowsBlocks<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride, sf, buf);
+      return DotRowsBlocks<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride, sf);
     case WFormat::kMxfp4: {
       float* xp = sf + cols / kQBlock;
       for (int64_t t = 0; t < T; ++t) PermuteMxfp4(x + t * w.cols, w.cols, xp + t * w.cols);
-      return DotRowsBlocks<WFormat::kMxfp4>(w, r0, r1, xp, T, out, out_stride, sf, buf);
+      return DotRowsBlocks<WFormat::kMxfp4>(w, r0, r1, xp, T, out, out_stride, sf);
     }
     default:
       break;
   }
-  const bool fused = T == 1 && w.block_cols % 128 == 0;
+  const bool fused = w.block_cols % 128 == 0;
   for (int64_t r = r0; r < r1; ++r) {
-    if (fused) {
-      bool nan;
-      out[r] = DotFp8(w, RowData(w, r), reinterpret_cast<const float*>(ScaleRow(w, r)), x, &nan);
-      if (!nan) continue;
+    const uint8_t* row = RowData(w, r);
+    const float* sc = reinterpret_cast<const float*>(ScaleRow(w, r));
+    if (fused) {  // tokens in pairs sharing the decode
+      bool ok = true;
+      int64_t t = 0;
+      for (; ok && t + 2 <= T; t += 2) ok = DotFp8<2>(w, row, sc, x + t * w.cols, w.cols, out + t * out_stride + r, out_stride);
+      if (ok && t < T) ok = DotFp8<1>(w, row, sc, x + t * w.cols, w.cols, out + t * out_stride + r, out_stride);
+      if (ok) continue;
     }
     DequantFp8Avx512(w, r, buf);
     for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRowAvx512(buf, x + t * w.cols, w.cols);
@@ -747,7 +950,7 @@ void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const flo
                              out_stride);
   }
 #if FT_JAX_HAVE_AVX2_PATH
-  if (isa == Isa::kAvx512Bf16) return DotRowsAvx512(w, r0, r1, x, T, out, out_stride);
+  if (isa == Isa::kAvx512Bf16) return DotRowsAvx512(w, r0, r1, x, xb, T, out, out_stride);
 #endif
   thread_local std::vector<float> row_storage;  // one dequantized row: cols floats (tens of KiB at most)
   if (row_storage.size() < static_cast<size_t>(w.cols)) row_storage.resize(w.cols);

@@ -15,14 +15,16 @@
 // Arithmetic (quant_dot.cc): a block-format row is decoded in registers (integer / table decode, one multiply by the
 // block scale) to float32 values: the exact product for q8_0, q4_0 and mxfp4 (an f16 or power-of-two scale times a
 // code of <= 8 bits fits a float32 mantissa), the float32 rounding of data * scale for fp8 (one rounding, as numpy's
-// float32 dequantize), the same on every ISA path. With one token they feed the fused multiply-adds directly; with
-// more, a row is decoded once into a per-thread buffer and dotted with each token, in the same order, so a token's
-// result never depends on the other tokens of a call. Activations stay float32 (mxfp4 and fp8 always: they must
-// match transformers), except q8_0 / q4_0 at the AVX-512 VNNI level, which quantize each token's activations to int8
-// blocks of 32 as llama.cpp does (ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0; float32 block scales here) and sum exact
-// integer block dots (VPDPBUSD) scaled in float32. Errors (docs/design_parts/kern.md): float32 activations,
-// |err| <= gamma_{K+2} sum_i |w_i x_i| (gamma_n ~ n 2^-24); int8 activations add sum_b (max_b |x| / 254)
-// sum_{i in b} |w_i|. Paths differ in the dot's summation only (fused multiply-add, lanes).
+// float32 dequantize), the same on every ISA path. The decoded vectors feed the fused multiply-adds of one or a few
+// tokens at once (AVX-512; elsewhere a row is decoded once into a per-thread buffer and dotted with each token), each
+// token in one fixed order, so a token's result never depends on the other tokens of a call. Activations are used
+// as they arrive for mxfp4 and fp8 (they must match transformers): float32, or a bf16 model's bf16 x, with which
+// fp8 / mxfp4 at the AVX-512 BF16 level decode rows to bf16 (their values are exact in bf16) for VDPBF16PS dots of
+// exact products, the block scale applied to the block's partial sums. q8_0 / q4_0 at the AVX-512 VNNI level
+// quantize each token's activations to int8 blocks of 32 as llama.cpp does (ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0;
+// float32 block scales here) and sum exact integer block dots (VPDPBUSD) scaled in float32. Errors
+// (docs/design_parts/kern.md): float32 or bf16 activations, |err| <= gamma_{K+2} sum_i |w_i x_i| (gamma_n ~ n 2^-24);
+// int8 activations add sum_b (max_b |x| / 254) sum_{i in b} |w_i|. Paths differ in the dot's summation only (fused multiply-add, lanes).
 #ifndef FT_JAX_XLA_FFI_QUANT_DOT_H_
 #define FT_JAX_XLA_FFI_QUANT_DOT_H_
 
@@ -90,8 +92,8 @@ MatrixView MakeView(WFormat f, const WeightSpec& s, const uint8_t* data, const u
                     int64_t first_row = 0);
 
 // out[t * out_stride + r] = dot(w[r], x[t]) for rows r in [r0, r1) and tokens t < T; x f32 [T, cols]; xb: the same
-// activations as bf16 bits or nullptr (bf16 weights then use the bf16 x bf16 dot where the CPU has one; every other
-// format reads x). Rows are read once each, front to back.
+// activations as bf16 bits or nullptr (bf16, fp8 and mxfp4 weights then use bf16 x bf16 dots where the CPU has
+// them; every other format reads x). Rows are read once each, front to back.
 void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb, int64_t T,
                  float* out, int64_t out_stride);
 
