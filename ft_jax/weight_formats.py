@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ft_jax import _ffi
+
 QBLOCK = 32  # elements per block of q8_0, q4_0 and mxfp4
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -143,44 +145,52 @@ def float_format(dtype) -> WeightFormat:
     raise ValueError(f"no plain weight format holds {d.name} (expected float32 or bfloat16)")
 
 
-def _round_half_away(x: np.ndarray) -> np.ndarray:
-    """roundf (ties away from zero), as ggml-quants.c and gguf's np_roundf compute it."""
-    a = np.abs(x)
-    floored = np.floor(a)
-    return np.sign(x) * (floored + np.floor(2 * (a - floored)))
+_QUANTIZE_CODES = {"q8_0": 0, "q4_0": 1}  # _ffi.quantize_rows' fmt_code
 
 
-def quantize(w: np.ndarray, fmt: WeightFormat) -> tuple[np.ndarray, np.ndarray]:
+def quantize(w: np.ndarray, fmt: WeightFormat, threads: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Quantize a float matrix to q8_0 or q4_0 with llama.cpp's reference rounding (ggml-quants.c
-    quantize_row_q8_0_ref / quantize_row_q4_0_ref; the bytes equal gguf.quants.quantize's, split as in the module
-    docstring).
+    quantize_row_q8_0_ref / quantize_row_q4_0_ref), in C++ (xla_ffi/quantize.cc, ``_ffi.quantize_rows``; the GIL is
+    released). The bytes equal gguf.quants.quantize's (gguf/quants.py, numpy) for every input, split as in the module
+    docstring: values are widened to float32 and computed in float32 operation by operation as numpy does.
+
+    q8_0: d = max|x| / 127, id = 1 / d (0 when d = 0), q = roundf(x * id) (halves away from zero). q4_0: m = the
+    element of largest |x| (the first one on ties), d = m / -8, id as for q8_0, q = min(15, trunc(x * id + 8.5)).
+    d is stored as f16 (round to nearest even; >= 65520 becomes inf). Non-finite values give numpy's bytes on x86-64:
+    a NaN or inf in a block makes d NaN / inf and the codes 0 (q8_0) or 0 / 8 (q4_0), and so does a block whose d is
+    so small (< 2^-126 / 127 ...) that 1 / d overflows (its d is an f16 zero then).
 
     Args:
-        w: float [..., rows, cols] (float32, bfloat16, float16; computed in float32), cols % 32 == 0.
+        w: float [..., rows, cols] (float32, bfloat16, float16 read as they are; float64 rounded to float32 first),
+            cols % 32 == 0; any strides (copied when not C-contiguous).
         fmt: Q8_0 or Q4_0.
+        threads: threads splitting the rows; 0 = one per hardware thread (the bytes do not depend on it).
     Returns:
         (data, scales): q8_0 i8 [..., rows, cols] and f16 [..., rows, cols / 32]; q4_0 u8 [..., rows, cols / 2] and
         f16 [..., rows, cols / 32].
     Raises:
-        ValueError: another format, or cols not a multiple of 32.
+        ValueError: another format, a 0-d or 1-d w, or cols not a multiple of 32.
+        TypeError: w of a non-float dtype.
     """
     if fmt not in (Q8_0, Q4_0):
         raise ValueError(f"quantize: {fmt.name} is not a quantization target (supported: {', '.join(QUANTIZE_CHOICES)})")
+    w = np.asarray(w)
+    if w.ndim < 2:
+        raise ValueError(f"quantize to {fmt.name}: expected a matrix [..., rows, cols], got shape {list(w.shape)}")
     fmt.check_cols(w.shape[-1], f"quantize to {fmt.name}: a {list(w.shape)} tensor")
-    blocks = np.asarray(w, np.float32).reshape(*w.shape[:-1], -1, QBLOCK)  # f32[..., G, 32]
-    if fmt is Q8_0:
-        d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
-        with np.errstate(divide="ignore"):
-            inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
-        q = _round_half_away(blocks * inv).astype(np.int8)
-        return q.reshape(w.shape), d[..., 0].astype(np.float16)
-    imax = np.abs(blocks).argmax(axis=-1)[..., None]
-    d = np.take_along_axis(blocks, imax, axis=-1) / np.float32(-8)  # f32[..., G, 1]
-    with np.errstate(divide="ignore"):
-        inv = np.where(d == 0, np.float32(0), np.float32(1) / d)
-    q = np.trunc(blocks * inv + np.float32(8.5)).astype(np.uint8).clip(0, 15)  # u8[..., G, 32]
-    packed = q[..., :QBLOCK // 2] | (q[..., QBLOCK // 2:] << np.uint8(4))  # u8[..., G, 16]
-    return packed.reshape(*w.shape[:-1], -1), d[..., 0].astype(np.float16)
+    if w.dtype not in (np.float32, BF16.data_dtype, np.float16):
+        if not np.issubdtype(w.dtype, np.floating):
+            raise TypeError(f"quantize to {fmt.name}: a {w.dtype.name} tensor {list(w.shape)}; expected a float "
+                            "dtype (float32, bfloat16, float16, float64)")
+        w = w.astype(np.float32)  # float64: rounded to float32 first (gguf quantizes float32)
+    *lead, rows, cols = w.shape
+    src = np.ascontiguousarray(w).reshape(-1, cols)  # [R, cols], R = prod(lead) * rows
+    if src.dtype == BF16.data_dtype:
+        src = src.view(np.uint16)  # _ffi.quantize_rows reads uint16 as bfloat16 bits
+    data = np.empty(fmt.data_shape(src.shape[0], cols), fmt.data_dtype)  # [R, cols / values_per_item]
+    scales = np.empty((src.shape[0], cols // QBLOCK), np.float16)  # [R, cols / 32]
+    _ffi.quantize_rows(src, _QUANTIZE_CODES[fmt.name], data, scales, threads)
+    return data.reshape(*lead, rows, -1), scales.reshape(*lead, rows, -1)
 
 
 def gguf_blocks(data: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> np.ndarray:

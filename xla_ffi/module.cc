@@ -17,6 +17,7 @@
 #include "xla_ffi/host_bank.h"
 #include "xla_ffi/huge_pages.h"
 #include "xla_ffi/isa.h"
+#include "xla_ffi/quantize.h"
 #ifdef FT_JAX_CUDA
 #include "xla_ffi/cuda_handlers.h"
 #endif
@@ -29,6 +30,59 @@ std::shared_ptr<ft_jax::Bank> LiveBank(int64_t id) {
   auto bank = ft_jax::FindBank(id);
   if (!bank) throw nb::value_error(ft_jax::MissingBankMessage(id).c_str());
   return bank;
+}
+
+// dtype of a numpy array as nanobind sees it (float16 / uint16 / ...).
+nb::dlpack::dtype DType(nb::dlpack::dtype_code code, uint8_t bits) {
+  return nb::dlpack::dtype{static_cast<uint8_t>(code), bits, 1};
+}
+
+using CpuArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+std::string ShapeText(const CpuArray& a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + "]";
+}
+
+// _ffi.quantize_rows: checks the arrays (names the bad one), then ft_jax::QuantizeRows without the GIL.
+void QuantizeRowsPy(CpuArray src, int32_t fmt_code, CpuArray data, CpuArray scales, int threads) {
+  using Code = nb::dlpack::dtype_code;
+  ft_jax::QuantSrc type;
+  if (src.dtype() == DType(Code::Float, 32)) type = ft_jax::QuantSrc::kF32;
+  else if (src.dtype() == DType(Code::UInt, 16)) type = ft_jax::QuantSrc::kBF16;
+  else if (src.dtype() == DType(Code::Float, 16)) type = ft_jax::QuantSrc::kF16;
+  else throw nb::type_error("quantize_rows: src must be float32, float16 or uint16 (bfloat16 bits)");
+  if (fmt_code != 0 && fmt_code != 1) {
+    throw nb::value_error(("quantize_rows: fmt_code must be 0 (q8_0) or 1 (q4_0), got " +
+                           std::to_string(fmt_code)).c_str());
+  }
+  if (src.ndim() != 2) throw nb::value_error(("quantize_rows: src must be 2-D, got " + ShapeText(src)).c_str());
+  const int64_t rows = src.shape(0), cols = src.shape(1);
+  if (cols % ft_jax::kQuantBlock) {
+    throw nb::value_error(("quantize_rows: src " + ShapeText(src) + ": the row length must be a multiple of 32").c_str());
+  }
+  const bool q8 = fmt_code == 0;
+  const int64_t data_cols = q8 ? cols : cols / 2;
+  if (data.dtype() != DType(q8 ? Code::Int : Code::UInt, 8) || data.ndim() != 2 || data.shape(0) != size_t(rows) ||
+      data.shape(1) != size_t(data_cols)) {
+    throw nb::value_error(("quantize_rows: data must be " + std::string(q8 ? "int8" : "uint8") + " [" +
+                           std::to_string(rows) + ", " + std::to_string(data_cols) + "], got " + ShapeText(data) +
+                           " of another dtype or shape").c_str());
+  }
+  if ((scales.dtype() != DType(Code::Float, 16) && scales.dtype() != DType(Code::UInt, 16)) || scales.ndim() != 2 ||
+      scales.shape(0) != size_t(rows) || scales.shape(1) != size_t(cols / ft_jax::kQuantBlock)) {
+    throw nb::value_error(("quantize_rows: scales must be float16 [" + std::to_string(rows) + ", " +
+                           std::to_string(cols / ft_jax::kQuantBlock) + "], got " + ShapeText(scales) +
+                           " of another dtype or shape").c_str());
+  }
+  std::string err;
+  {
+    nb::gil_scoped_release release;  // seconds for a large matrix
+    err = ft_jax::QuantizeRows(src.data(), type, rows, cols, static_cast<ft_jax::QuantFormat>(fmt_code), data.data(),
+                               static_cast<uint16_t*>(scales.data()), threads);
+  }
+  if (!err.empty()) throw nb::value_error(("quantize_rows: " + err).c_str());
 }
 
 // A handler symbol as the PyCapsule jax.ffi.register_ffi_target takes; a staged handler as {stage: capsule}.
@@ -193,5 +247,11 @@ NB_MODULE(_ffi, m) {
 
   m.def("use_huge_pages", &ft_jax::UseHugePages, nb::arg("address"), nb::arg("nbytes"),
         "Back the 2 MiB-aligned interior of a buffer with transparent huge pages (Linux); True if collapsed.");
+  m.def("quantize_rows", &QuantizeRowsPy, nb::arg("src").noconvert(), nb::arg("fmt_code"), nb::arg("data").noconvert(),
+        nb::arg("scales").noconvert(), nb::arg("threads") = 0,
+        "Quantize src [rows, cols] (C-contiguous float32, float16 or uint16 = bfloat16 bits; cols % 32 == 0) to "
+        "fmt_code 0 = q8_0 (data int8 [rows, cols]) or 1 = q4_0 (data uint8 [rows, cols / 2]), scales float16 "
+        "[rows, cols / 32], written into the given C-contiguous arrays; bytes equal gguf.quants.quantize's. "
+        "threads <= 0: one per hardware thread. Releases the GIL. TypeError / ValueError naming the bad array.");
   m.def("kernel_isa", &ft_jax::KernelIsa, "'avx512bf16', 'avx2' or 'generic': the inner loops the kernels use.");
 }
