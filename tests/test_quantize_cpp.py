@@ -157,6 +157,9 @@ def test_leading_axes_strides_and_threads(name):
     np.testing.assert_array_equal(data.reshape(30, -1), flat[0])
     wt = rng.standard_normal((96, 40)).astype(np.float32).T  # [40, 96], column-major
     assert_gguf_equal(wt, name)
+    ro = rng.standard_normal((8, 64)).astype(np.float16)
+    ro.flags.writeable = False  # a read-only source (the loader's mmapped tensors)
+    assert_gguf_equal(ro, name)
     big = (rng.standard_normal((1024, 4096)) * 0.02).astype(ml_dtypes.bfloat16)  # 4 Mi values: up to 4 threads
     ref = wf.gguf_blocks(*wf.quantize(big[:64], FORMATS[name][0], 1), FORMATS[name][0])
     np.testing.assert_array_equal(ref, gguf_bytes(big[:64], name))

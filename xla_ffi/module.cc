@@ -37,16 +37,18 @@ nb::dlpack::dtype DType(nb::dlpack::dtype_code code, uint8_t bits) {
   return nb::dlpack::dtype{static_cast<uint8_t>(code), bits, 1};
 }
 
-using CpuArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+using CpuArray = nb::ndarray<nb::c_contig, nb::device::cpu>;            // writable
+using CpuInput = nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu>;  // read-only views too (mmapped tensors)
 
-std::string ShapeText(const CpuArray& a) {
+template <typename Array>
+std::string ShapeText(const Array& a) {
   std::string s = "[";
   for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
   return s + "]";
 }
 
 // _ffi.quantize_rows: checks the arrays (names the bad one), then ft_jax::QuantizeRows without the GIL.
-void QuantizeRowsPy(CpuArray src, int32_t fmt_code, CpuArray data, CpuArray scales, int threads) {
+void QuantizeRowsPy(CpuInput src, int32_t fmt_code, CpuArray data, CpuArray scales, int threads) {
   using Code = nb::dlpack::dtype_code;
   ft_jax::QuantSrc type;
   if (src.dtype() == DType(Code::Float, 32)) type = ft_jax::QuantSrc::kF32;
@@ -60,7 +62,8 @@ void QuantizeRowsPy(CpuArray src, int32_t fmt_code, CpuArray data, CpuArray scal
   if (src.ndim() != 2) throw nb::value_error(("quantize_rows: src must be 2-D, got " + ShapeText(src)).c_str());
   const int64_t rows = src.shape(0), cols = src.shape(1);
   if (cols % ft_jax::kQuantBlock) {
-    throw nb::value_error(("quantize_rows: src " + ShapeText(src) + ": the row length must be a multiple of 32").c_str());
+    throw nb::value_error(
+        ("quantize_rows: src " + ShapeText(src) + ": the row length must be a multiple of 32").c_str());
   }
   const bool q8 = fmt_code == 0;
   const int64_t data_cols = q8 ? cols : cols / 2;
