@@ -6,7 +6,7 @@ tensor is checked for NaN/Inf as it is read (a bit test on the exponent field). 
 bank holds it is not copied: the file's page-cache pages are mapped into the bank (copy-on-write; HostBank
 page_offset, SafetensorsCheckpoint.page_offset); other tensors are read with positioned reads straight into their
 destination (a bank row or one tensor-sized temporary) and dense ones are read-only file views copied once into
-their stacks (view), so peak host memory is about 1x the checkpoint (docs/design_parts/loadspeed.md). Expert
+their stacks (view), so peak host memory is about 1x the checkpoint (docs/DESIGN.md section 15.4). Expert
 tensor names per family (Mixtral, Qwen2/3-MoE, OLMoE, fused, gpt-oss incl. MXFP4) and the bank row layout:
 docs/DESIGN.md sec. 12 ("checkpoint.py"); the banks are one ExpertBanks (ft_jax.offload.banks): gate_up row =
 [gate; up] [2I, H], down row [H, I], flat id = moe_layer * E + e, and for gpt-oss gate_up_bias [2I] (gate bias then
@@ -15,7 +15,7 @@ up bias), down_bias [H].
 Quantized weights (ft_jax.weight_formats): FP8 block-scaled checkpoints (quantization_config quant_method "fp8":
 F8_E4M3 ``<name>.weight`` + ``<name>.weight_scale_inv``) and gpt-oss's MXFP4 experts (``*_blocks`` + E8M0
 ``*_scales``) are kept as stored, never dequantized in host memory; ``quantize="q8_0" | "q4_0"`` quantizes a float
-checkpoint while loading, one tensor (one expert) at a time (docs/design_parts/banks.md).
+checkpoint while loading, one tensor (one expert) at a time (docs/DESIGN.md section 15.2).
 """
 
 from __future__ import annotations

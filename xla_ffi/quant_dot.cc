@@ -410,7 +410,7 @@ FT_JAX_AVX512 void DotRowsBlocks(const MatrixView& w, int64_t r0, int64_t r1, co
 
 // q8_0 / q4_0 with int8 activations (AVX-512 VNNI), as llama.cpp's ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0: each token's
 // activations are quantized per block of 32 to int8 with a float32 scale dx = max |x| / 127 (round to nearest even),
-// a block's integer dot is exact (VPDPBUSD), then scaled by dw * dx in float32. Error (docs/design_parts/kern.md):
+// a block's integer dot is exact (VPDPBUSD), then scaled by dw * dx in float32. Error (docs/DESIGN.md section 15.1):
 // |x - dx q| <= dx / 2 per element, so a row adds at most sum_b (max_b |x| / 254) sum_{i in b} |w_i| to the float32
 // dot's own error.
 struct Int8Acts {

@@ -23,7 +23,7 @@
 // exact products, the block scale applied to the block's partial sums. q8_0 / q4_0 at the AVX-512 VNNI level
 // quantize each token's activations to int8 blocks of 32 as llama.cpp does (ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0;
 // float32 block scales here) and sum exact integer block dots (VPDPBUSD) scaled in float32. Errors
-// (docs/design_parts/kern.md): float32 or bf16 activations, |err| <= gamma_{K+2} sum_i |w_i x_i| (gamma_n ~ n 2^-24);
+// (docs/DESIGN.md section 15.1): float32 or bf16 activations, |err| <= gamma_{K+2} sum_i |w_i x_i| (gamma_n ~ n 2^-24);
 // int8 activations add sum_b (max_b |x| / 254) sum_{i in b} |w_i|. Paths differ in the dot's summation only (fused multiply-add, lanes).
 #ifndef FT_JAX_XLA_FFI_QUANT_DOT_H_
 #define FT_JAX_XLA_FFI_QUANT_DOT_H_

@@ -72,7 +72,7 @@ class HostBank:
 
     Memory is an anonymous mmap (committed on first write, on transparent huge pages where the kernel allows), or
     where read_into mapped a file region, that file's page-cache pages mapped copy-on-write (a private mapping:
-    writing to the bank never changes the file; docs/design_parts/loadspeed.md).
+    writing to the bank never changes the file; docs/DESIGN.md section 15.4).
 
     Raises:
       TypeError: unsupported dtype. ValueError: non-positive num_rows or row dimension, page_offset out of range or
@@ -257,7 +257,7 @@ def stack_on_huge_pages(layers: Sequence[Sequence[np.ndarray]]) -> jax.Array:
         anonymous mmap, 2 MiB aligned, committed by that one write) that the CPU backend then uses as the array
         (jax.device_put with may_alias: no copy, and nothing for use_huge_pages to collapse); other backends copy it
         to the device. Against np.stack + jnp.asarray this saves a temporary and a copy into fresh memory, whose page
-        faults are most of the cost of loading dense weights (docs/design_parts/loadspeed.md).
+        faults are most of the cost of loading dense weights (docs/DESIGN.md section 15.4).
     Raises:
         ValueError: no layers, or parts whose trailing shapes or row counts differ between layers.
     """
