@@ -207,7 +207,7 @@ def test_ffi_slot_experts_cuda_form_passes_the_scale_pools(name, monkeypatch):
     gb, db = biases["gate_up_bias_slots"], biases["down_bias_slots"]
     want = _reference(x, ids, w, gu, dn, "swiglu_oai", gb, db)
     np.testing.assert_allclose(on_gpu, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-    # the CPU handler within its own derived bound (int8 activations for q4_0 on AVX-512 VNNI)
+    # the CPU handler within its own derived bound (int8 activations for q4_0 on AVX2 or AVX-512 VNNI)
     check_within(on_cpu, *experts_reference(x, ids, w, gu, dn, "swiglu_oai", fmt, gb, db), "CPU slot_experts")
 
 

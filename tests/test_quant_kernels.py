@@ -71,9 +71,9 @@ def _cpu_has_vnni() -> bool:
         return any(line.startswith("flags") and " avx512_vnni" in line for line in f)
 
 
-# Whether this process's kernels quantize q8_0 / q4_0 activations to int8 blocks (the AVX-512 VNNI path, as
-# llama.cpp); every other path keeps float32 activations.
-INT8_PATH = _ffi.kernel_isa() == "avx512bf16" and _cpu_has_vnni()
+# Whether this process's kernels quantize q8_0 / q4_0 activations to int8 blocks, as llama.cpp does: the AVX-512
+# VNNI path and the AVX2 path; the portable path and AVX-512 without VNNI keep float32 activations.
+INT8_PATH = _ffi.kernel_isa() == "avx2" or (_ffi.kernel_isa() == "avx512bf16" and _cpu_has_vnni())
 
 
 def int8_acts(fmt, int8_path=INT8_PATH) -> bool:
@@ -314,9 +314,11 @@ np.savez(sys.argv[2], **out)
 
 @pytest.mark.parametrize("kernel", ["avx2", "generic"])
 def test_every_isa_path_within_the_bound(kernel, tmp_path):
-    """FT_JAX_KERNEL caps the ISA path (read once per process, so in a subprocess): the AVX2 + F16C and portable
-    decoders (float32 activations for every format) give results within the float32 bound, for every format
-    (host_experts with biases and swiglu_oai, and linear over the gate matrix of expert 0)."""
+    """FT_JAX_KERNEL caps the ISA path (read once per process, so in a subprocess): the AVX2 + F16C decoders (int8
+    activations for q8_0 / q4_0, float32 for the other formats) and the portable ones (float32 activations for every
+    format) give results within their bound, for every format (host_experts with biases and swiglu_oai, and linear
+    over the gate matrix of expert 0)."""
+    int8_path = kernel == "avx2" and _ffi.kernel_isa() != "generic"  # a CPU without AVX2 runs the portable path
     rng = np.random.default_rng(77)
     arrays, refs = {"formats": np.array([(f.name, f.block) for f, _, _ in CASES], dtype=object)}, []
     for n, (fmt, H, inter) in enumerate(CASES):
@@ -326,8 +328,8 @@ def test_every_isa_path_within_the_bound(kernel, tmp_path):
                            (x, ids, weights, *stored, gb, db, *gate)):
             arrays[f"{n}_{name}"] = a.view(np.uint8) if a.dtype == ml_dtypes.float8_e4m3fn else a
         refs.append((experts_reference(x, ids, weights, dequant64(stored[0], stored[1], fmt, rows=inter),
-                                       dequant64(stored[2], stored[3], fmt), "swiglu_oai", fmt, gb, db, False),
-                     linear_reference(x, dequant64(*gate, fmt), fmt, False)))
+                                       dequant64(stored[2], stored[3], fmt), "swiglu_oai", fmt, gb, db, int8_path),
+                     linear_reference(x, dequant64(*gate, fmt), fmt, int8_path)))
     np.savez(tmp_path / "in.npz", **arrays)
     script = _ISA_SCRIPT.replace('d = np.load(sys.argv[1], allow_pickle=True)', '''d = dict(np.load(sys.argv[1], allow_pickle=True))
 import ml_dtypes
@@ -341,6 +343,22 @@ for key in [k for k in d if k.endswith(("_gud", "_dnd", "_lind")) and d["formats
         check_within(got[f"{n}_y"], y_ref, y_bound, f"{kernel} host_experts {CASE_IDS[n]}")
         check_within(got[f"{n}_lin"], lin_ref, lin_bound, f"{kernel} linear {CASE_IDS[n]}")
 
+
+
+@pytest.mark.parametrize("fmt", [wf.Q8_0, wf.Q4_0, wf.MXFP4, wf.fp8((128, 128))], ids=lambda f: f.name)
+def test_non_finite_activations_give_non_finite_outputs(fmt):
+    """A NaN or inf activation is never quantized away (the int8 paths: a NaN block's scale is NaN, an inf makes it
+    inf): its token's outputs are all non-finite (NaN for NaN), the other tokens' are unchanged and finite."""
+    rng = np.random.default_rng(5)
+    data, scales = stored_matrix(rng, fmt, 7, 96)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    clean = np.asarray(ffi_ops.linear(x[:1], data, scales=scales, weight_format=fmt))
+    x[1, 40], x[2, 70] = np.nan, np.inf  # block 1 of token 1, block 2 of token 2
+    y = np.asarray(ffi_ops.linear(x, data, scales=scales, weight_format=fmt))
+    np.testing.assert_array_equal(y[0], clean[0])
+    assert np.isfinite(y[0]).all()
+    assert np.isnan(y[1]).all(), y[1]
+    assert not np.isfinite(y[2]).any(), y[2]
 
 def test_fp8_codes_decode_exactly_on_every_row_position():
     """Every finite e4m3fn code (subnormals, +-448, negative zero) through linear with unit scales and a one-hot x:

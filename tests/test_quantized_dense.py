@@ -103,7 +103,7 @@ def test_dequantize_jnp_rejects_scales_of_another_shape():
 def check_linear(y, x, w64, fmt, gemv: bool, what: str):
     """y [N, O] against x @ w64.T in float64: 1e-5 (relative and absolute) where the arithmetic keeps float32
     activations, test_quant_kernels' derived bound (linear_reference) where the CPU GEMV quantizes them to int8
-    blocks (q8_0 / q4_0 on the AVX-512 VNNI path)."""
+    blocks (q8_0 / q4_0 on the AVX2 and AVX-512 VNNI paths)."""
     if gemv and int8_acts(fmt):
         check_within(y, *linear_reference(x, w64, fmt), what)
     else:
@@ -115,8 +115,8 @@ def check_linear(y, x, w64, fmt, gemv: bool, what: str):
 @pytest.mark.parametrize("rows", [3, FFI_MAX_ROWS + 5])
 def test_linear_on_a_quantized_stack_matches_float64(name, rows):
     """linear(x, stack, layer) = x @ dequantize(stack)[layer]^T (float64 reference) for f32 and bf16 x; a single
-    matrix (layer None). 3 rows take the CPU GEMV (the stored values; int8 activations for q8_0 / q4_0 where the CPU
-    has VNNI: check_linear), FFI_MAX_ROWS + 5 rows XLA's dot on the weights dequantized to x's dtype (bf16: rounded
+    matrix (layer None). 3 rows take the CPU GEMV (the stored values; int8 activations for q8_0 / q4_0 on the AVX2 and
+    VNNI paths: check_linear), FFI_MAX_ROWS + 5 rows XLA's dot on the weights dequantized to x's dtype (bf16: rounded
     once)."""
     fmt = FORMATS[name]
     gemv = rows <= FFI_MAX_ROWS
@@ -251,7 +251,7 @@ def test_quantized_model_equals_the_dequantized_float_model(family, name, dtype,
     the exact stored values, the plain bf16 model their bf16 roundings). The quantized tensors stay stored
     (QuantizedTensor parameters, fp8 blocks split by fused parts expanded to rows); the decode step compiles once.
 
-    Where the CPU GEMV quantizes the activations (q8_0 / q4_0 on AVX-512 VNNI: int8_acts) both models take XLA's
+    Where the CPU GEMV quantizes the activations (q8_0 / q4_0 on AVX2 or AVX-512 VNNI: int8_acts) both models take XLA's
     dot instead (FFI_MAX_ROWS = 0): this test checks how the models hold and read quantized weights, exactly; the
     GEMV's int8 error is test_linear_on_a_quantized_stack_matches_float64's (a derived bound) and, through a whole
     trained model, test_quantized_checkpoint_loads_and_decodes's."""
@@ -328,7 +328,7 @@ def test_quantized_checkpoint_loads_and_decodes(tmp_path, name):
     blocks, partial edges; tests/test_quantized_load.py writes it): the model keeps the projections as stored
     QuantizedTensors and gives the logits (f32, teacher-forced) of the model built from the same factory's tensors
     dequantized, with the same quantized expert banks: same routing and 1e-5 where the kernels keep float
-    activations (fp8; q8_0 / q4_0 without VNNI), else within int8_logit_error_bound at the positions routed alike;
+    activations (fp8; q8_0 / q4_0 on the portable path), else within int8_logit_error_bound at the positions routed alike;
     the engine decodes with one compiled step."""
     d = os.path.join(FIXTURES, "qwen3_moe")
     if name == "fp8":

@@ -383,7 +383,7 @@ def _step_logits(model, backend, num_slots, tokens):
     return np.stack(rows), np.stack(routing)
 
 
-# q8_0 / q4_0 on the int8-activation kernels (AVX-512 VNNI, as llama.cpp): each activation is rounded to its
+# q8_0 / q4_0 on the int8-activation kernels (AVX2 or AVX-512 VNNI, as llama.cpp): each activation is rounded to its
 # 32-block's int8 grid, an error <= amax / 254 per element, so a projection's output moves by <= 1/254 of
 # sum |w| |x| (1/127 for the two roundings of gate/up then down, per layer); the residual stream of 4 MoE layers
 # then moves by <= 4/127 of the MoE outputs, and the logits (lm_head of the RMS-normed stream) by at most ~3% of

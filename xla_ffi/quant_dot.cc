@@ -194,6 +194,91 @@ FT_JAX_AVX2_F16C void DequantAvx2(const MatrixView& w, int64_t r, float* out) {
   }
 }
 
+// q8_0 / q4_0 with int8 activations at the AVX2 level (CPUs without AVX-512 VNNI, e.g. AMD Zen 2/3), as llama.cpp's
+// AVX2 ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0: each token's activations are quantized per block of 32 exactly as the VNNI
+// path does (dx = max |x| / 127 in float32, q = x * (1 / dx) rounded to nearest even, saturated to int8; a NaN in a
+// block makes dx NaN, so the dot is NaN, never a silent value), a block's integer dot is exact (VPMADDUBSW of |w| and
+// sign(x, w): pair sums <= 2 * 128 * 127 < 2^15, then VPMADDWD), then scaled by dw * dx in float32 (4 accumulators of
+// 8 lanes, block b into accumulator b % 4). q4_0 dots its signed codes q - 8. Error bound: as the VNNI path's.
+FT_JAX_AVX2_F16C void QuantizeActsAvx2(const float* x, int64_t cols, int8_t* q, float* dx) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the lane interleave of the packs
+  for (int64_t b = 0; b < cols / kQBlock; ++b) {
+    __m256 v[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + 32 * b + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[j], v[j], _CMP_UNORD_Q));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : _mm_cvtss_f32(m) / 127.0f;
+    dx[b] = d;
+    const __m256 inv = _mm256_set1_ps(d == 0.0f ? 0.0f : 1.0f / d);
+    __m256i i[4];
+    for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), _mm256_permutevar8x32_epi32(p, order));
+  }
+}
+
+// Block b of a q8_0 / q4_0 row as 32 signed bytes in element order (q4_0: low nibbles 0..15, high 16..31, minus 8).
+template <WFormat F>
+FT_JAX_AVX2_F16C inline __m256i BlockCodesAvx2(const uint8_t* row, int64_t b) {
+  if constexpr (F == WFormat::kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
+  } else {
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
+    const __m256i n = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+    return _mm256_sub_epi8(n, _mm256_set1_epi8(8));
+  }
+}
+
+// sum_b sdx_b (w_b . q_b) of one row with one token's int8 activations q [nb * 32], sdx_b = dw_b dx_b.
+template <WFormat F>
+FT_JAX_AVX2_F16C float DotInt8Avx2(const uint8_t* row, const float* sdx, int64_t nb, const int8_t* q) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[4];
+  for (int a = 0; a < 4; ++a) acc[a] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i w = BlockCodesAvx2<F>(row, b);
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    const __m256 block = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+    acc[b % 4] = _mm256_fmadd_ps(block, _mm256_set1_ps(sdx[b]), acc[b % 4]);
+  }
+  return HSum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3])));
+}
+
+template <WFormat F>
+FT_JAX_AVX2_F16C void DotRowsInt8Avx2(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T,
+                                      float* out, int64_t out_stride) {
+  const int64_t cols = w.cols, nb = cols / kQBlock;
+  // row scales [nb], their products with a token's dx [nb], dx [T, nb], activations [T, cols] bytes
+  thread_local std::vector<float> storage;
+  Scratch<float> scratch(storage, static_cast<size_t>(nb * (2 + T) + (T * cols + 3) / 4));
+  float* sw = scratch.data();
+  float* sdx = sw + nb;
+  float* dx = sdx + nb;
+  int8_t* q = reinterpret_cast<int8_t*>(dx + T * nb);
+  for (int64_t t = 0; t < T; ++t) QuantizeActsAvx2(x + t * cols, cols, q + t * cols, dx + t * nb);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(ScaleRow(w, r));
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8)
+      _mm256_storeu_ps(sw + b, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b))));
+    for (; b < nb; ++b) sw[b] = _cvtsh_ss(d[b]);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* dxt = dx + t * nb;
+      for (b = 0; b + 8 <= nb; b += 8)
+        _mm256_storeu_ps(sdx + b, _mm256_mul_ps(_mm256_loadu_ps(sw + b), _mm256_loadu_ps(dxt + b)));
+      for (; b < nb; ++b) sdx[b] = sw[b] * dxt[b];
+      out[t * out_stride + r] = DotInt8Avx2<F>(RowData(w, r), sdx, nb, q + t * cols);
+    }
+  }
+}
+
 // The AVX-512 level. Blocks of 32 (q8_0, q4_0, mxfp4) decode to two vectors of 16: q8_0 and q4_0 in element order
 // (q4_0: low nibbles = elements 0..15, high = 16..31); mxfp4 as low nibbles (elements 0, 2, .., 30) then high
 // nibbles (1, 3, .., 31), its activations permuted alike once per call (PermuteMxfp4), so no lane shuffle per block.
@@ -409,7 +494,8 @@ FT_JAX_AVX512 void DotRowsBlocks(const MatrixView& w, int64_t r0, int64_t r1, co
 }
 
 // q8_0 / q4_0 with int8 activations (AVX-512 VNNI), as llama.cpp's ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0: each token's
-// activations are quantized per block of 32 to int8 with a float32 scale dx = max |x| / 127 (round to nearest even),
+// activations are quantized per block of 32 to int8 with a float32 scale dx = max |x| / 127 (round to nearest even;
+// a NaN in the block makes dx NaN, so the dot is NaN rather than a value computed without it),
 // a block's integer dot is exact (VPDPBUSD), then scaled by dw * dx in float32. Error (docs/DESIGN.md section 15.1):
 // |x - dx q| <= dx / 2 per element, so a row adds at most sum_b (max_b |x| / 254) sum_{i in b} |w_i| to the float32
 // dot's own error.
@@ -428,7 +514,8 @@ FT_JAX_VNNI void QuantizeActs(WFormat f, const float* x, int64_t cols, uint8_t* 
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    const float d = amax / 127.0f;
+    const bool nan = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q);
+    const float d = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;  // a NaN block: a NaN dot
     const __m512 inv = _mm512_set1_ps(d == 0.0f ? 0.0f : 1.0f / d);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
     const __m128i lo = _mm512_cvtsepi32_epi8(q0), hi = _mm512_cvtsepi32_epi8(q1);
@@ -951,6 +1038,12 @@ void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const flo
   }
 #if FT_JAX_HAVE_AVX2_PATH
   if (isa == Isa::kAvx512Bf16) return DotRowsAvx512(w, r0, r1, x, xb, T, out, out_stride);
+  if (isa == Isa::kAvx2 && w.format == WFormat::kQ8_0) {
+    return DotRowsInt8Avx2<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride);
+  }
+  if (isa == Isa::kAvx2 && w.format == WFormat::kQ4_0) {
+    return DotRowsInt8Avx2<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride);
+  }
 #endif
   thread_local std::vector<float> row_storage;  // one dequantized row: cols floats (tens of KiB at most)
   if (row_storage.size() < static_cast<size_t>(w.cols)) row_storage.resize(w.cols);

@@ -20,9 +20,10 @@
 // token in one fixed order, so a token's result never depends on the other tokens of a call. Activations are used
 // as they arrive for mxfp4 and fp8 (they must match transformers): float32, or a bf16 model's bf16 x, with which
 // fp8 / mxfp4 at the AVX-512 BF16 level decode rows to bf16 (their values are exact in bf16) for VDPBF16PS dots of
-// exact products, the block scale applied to the block's partial sums. q8_0 / q4_0 at the AVX-512 VNNI level
-// quantize each token's activations to int8 blocks of 32 as llama.cpp does (ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0;
-// float32 block scales here) and sum exact integer block dots (VPDPBUSD) scaled in float32. Errors
+// exact products, the block scale applied to the block's partial sums. q8_0 / q4_0 at the AVX-512 VNNI and AVX2
+// levels quantize each token's activations to int8 blocks of 32 as llama.cpp does (ggml_vec_dot_q8_0_q8_0 /
+// q4_0_q8_0; float32 block scales here) and sum exact integer block dots (VPDPBUSD; AVX2: VPMADDUBSW + VPMADDWD)
+// scaled in float32. Errors
 // (docs/DESIGN.md section 15.1): float32 or bf16 activations, |err| <= gamma_{K+2} sum_i |w_i x_i| (gamma_n ~ n 2^-24);
 // int8 activations add sum_b (max_b |x| / 254) sum_{i in b} |w_i|. Paths differ in the dot's summation only (fused multiply-add, lanes).
 #ifndef FT_JAX_XLA_FFI_QUANT_DOT_H_
