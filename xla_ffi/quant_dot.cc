@@ -478,6 +478,59 @@ void PermuteMxfp4(const float* x, int64_t cols, float* xp) {
     }
 }
 
+// mxfp4 at the AVX2 level, dotted straight from the row's bytes with float32 activations as they arrive (no row
+// buffer): a block's 16 bytes become its doubled FP4 codes (VPSHUFB over 2 * FP4_E2M1, exact int8), low nibbles
+// (elements 0, 2, .., 30) then high nibbles (1, 3, .., 31) against x permuted alike once per call (PermuteMxfp4);
+// each token sums code * x over the block in float32 and adds that sum times 2^(s - 128) (exact: a power of two)
+// to one of 2 accumulators (block b into b % 2). Up to 2 tokens share a block's decode, each in its own fixed order,
+// so a token's result does not depend on the other. Error: the float32 bound (gamma_{K+2} sum |w x|). An E8M0 scale
+// 255 (NaN) makes the row's dot NaN.
+template <int N>
+FT_JAX_AVX2_F16C void DotMxfp4Avx2(const uint8_t* row, const uint8_t* srow, int64_t nb, const float* xp,
+                                   int64_t cols, float* out, int64_t out_stride) {
+  const Tables& tab = Tab();
+  const __m128i lut2 = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);  // 2 * FP4
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  __m256 acc[N][2];
+  for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
+    const __m128i lo = _mm_shuffle_epi8(lut2, _mm_and_si128(q, m4));
+    const __m128i hi = _mm_shuffle_epi8(lut2, _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+    const __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    const __m256 v1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    const __m256 v2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    const __m256 v3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    const __m256 s = _mm256_set1_ps(tab.e8m0_half[srow[b]]);
+    for (int n = 0; n < N; ++n) {
+      const float* xb = xp + n * cols + 32 * b;
+      __m256 p = _mm256_mul_ps(v0, _mm256_loadu_ps(xb));
+      p = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xb + 8), p);
+      p = _mm256_fmadd_ps(v2, _mm256_loadu_ps(xb + 16), p);
+      p = _mm256_fmadd_ps(v3, _mm256_loadu_ps(xb + 24), p);
+      acc[n][b & 1] = _mm256_fmadd_ps(p, s, acc[n][b & 1]);
+    }
+  }
+  for (int n = 0; n < N; ++n) out[n * out_stride] = HSum(_mm256_add_ps(acc[n][0], acc[n][1]));
+}
+
+// Rows [r0, r1) of an mxfp4 matrix, tokens in pairs sharing a block's decode (DotMxfp4Avx2).
+FT_JAX_AVX2_F16C void DotRowsMxfp4Avx2(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T,
+                                       float* out, int64_t out_stride) {
+  thread_local std::vector<float> storage;  // x permuted [T, cols]
+  Scratch<float> scratch(storage, static_cast<size_t>(T * w.cols));
+  float* xp = scratch.data();
+  for (int64_t t = 0; t < T; ++t) PermuteMxfp4(x + t * w.cols, w.cols, xp + t * w.cols);
+  const int64_t nb = w.cols / kQBlock;
+  for (int64_t r = r0; r < r1; ++r) {
+    int64_t t = 0;
+    for (; t + 2 <= T; t += 2) {
+      DotMxfp4Avx2<2>(RowData(w, r), ScaleRow(w, r), nb, xp + t * w.cols, w.cols, out + t * out_stride + r, out_stride);
+    }
+    if (t < T) DotMxfp4Avx2<1>(RowData(w, r), ScaleRow(w, r), nb, xp + t * w.cols, w.cols, out + t * out_stride + r, out_stride);
+  }
+}
+
 // Rows [r0, r1) of q8_0 / q4_0 (no VNNI) or mxfp4 (x permuted, PermuteMxfp4), tokens in pairs sharing a row's decode.
 template <WFormat F>
 FT_JAX_AVX512 void DotRowsBlocks(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
@@ -1043,6 +1096,9 @@ void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const flo
   }
   if (isa == Isa::kAvx2 && w.format == WFormat::kQ4_0) {
     return DotRowsInt8Avx2<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride);
+  }
+  if (isa == Isa::kAvx2 && w.format == WFormat::kMxfp4) {
+    return DotRowsMxfp4Avx2(w, r0, r1, x, T, out, out_stride);
   }
 #endif
   thread_local std::vector<float> row_storage;  // one dequantized row: cols floats (tens of KiB at most)
