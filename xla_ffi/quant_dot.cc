@@ -531,6 +531,53 @@ FT_JAX_AVX2_F16C void DotRowsMxfp4Avx2(const MatrixView& w, int64_t r0, int64_t 
   }
 }
 
+// fp8 at the AVX2 level, dotted straight from the row's bytes (no row buffer): 8 codes at a time become halves of
+// value * 2^-8 (E4m3ToHalfScaled, exact) and float32 (F16C, exact); each token sums them times x over a column
+// block, then adds that sum times 256 * the block's float32 scale to one of 2 accumulators (block j into j % 2);
+// a block's last cols % 8 elements go to a scalar tail sum. As the AVX-512 bf16 dots, the scale multiplies the
+// block's partial sum (one rounding) in place of numpy's rounding of data * scale: the float32 bound holds. A NaN
+// code makes the row's dot NaN. Up to 2 tokens share the decode, each in its own fixed order.
+template <int N>
+FT_JAX_AVX2_F16C void DotFp8Avx2(const MatrixView& w, int64_t r, const float* x, float* out, int64_t out_stride) {
+  const Tables& tab = Tab();
+  const uint8_t* row = RowData(w, r);
+  const float* sc = reinterpret_cast<const float*>(ScaleRow(w, r));
+  __m256 acc[N][2];
+  float tail[N];
+  for (int n = 0; n < N; ++n) {
+    acc[n][0] = acc[n][1] = _mm256_setzero_ps();
+    tail[n] = 0.0f;
+  }
+  int64_t j = 0;
+  for (int64_t c0 = 0; c0 < w.cols; c0 += w.block_cols, ++j) {
+    const int64_t end = std::min(w.cols, c0 + w.block_cols);
+    __m256 p[N];
+    for (int n = 0; n < N; ++n) p[n] = _mm256_setzero_ps();
+    int64_t c = c0;
+    for (; c + 8 <= end; c += 8) {
+      const __m128i t = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
+      const __m256 v = _mm256_cvtph_ps(E4m3ToHalfScaled(t));
+      for (int n = 0; n < N; ++n) p[n] = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + n * w.cols + c), p[n]);
+    }
+    const __m256 s = _mm256_set1_ps(sc[j] * 256.0f);
+    for (int n = 0; n < N; ++n) {
+      acc[n][j & 1] = _mm256_fmadd_ps(p[n], s, acc[n][j & 1]);
+      for (int64_t i = c; i < end; ++i) tail[n] += tab.e4m3[row[i]] * sc[j] * x[n * w.cols + i];
+    }
+  }
+  for (int n = 0; n < N; ++n) out[n * out_stride] = HSum(_mm256_add_ps(acc[n][0], acc[n][1])) + tail[n];
+}
+
+// Rows [r0, r1) of an fp8 matrix, tokens in pairs sharing the decode (DotFp8Avx2).
+FT_JAX_AVX2_F16C void DotRowsFp8Avx2(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T,
+                                     float* out, int64_t out_stride) {
+  for (int64_t r = r0; r < r1; ++r) {
+    int64_t t = 0;
+    for (; t + 2 <= T; t += 2) DotFp8Avx2<2>(w, r, x + t * w.cols, out + t * out_stride + r, out_stride);
+    if (t < T) DotFp8Avx2<1>(w, r, x + t * w.cols, out + t * out_stride + r, out_stride);
+  }
+}
+
 // Rows [r0, r1) of q8_0 / q4_0 (no VNNI) or mxfp4 (x permuted, PermuteMxfp4), tokens in pairs sharing a row's decode.
 template <WFormat F>
 FT_JAX_AVX512 void DotRowsBlocks(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
@@ -1100,6 +1147,7 @@ void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const flo
   if (isa == Isa::kAvx2 && w.format == WFormat::kMxfp4) {
     return DotRowsMxfp4Avx2(w, r0, r1, x, T, out, out_stride);
   }
+  if (isa == Isa::kAvx2 && w.format == WFormat::kFp8) return DotRowsFp8Avx2(w, r0, r1, x, T, out, out_stride);
 #endif
   thread_local std::vector<float> row_storage;  // one dequantized row: cols floats (tens of KiB at most)
   if (row_storage.size() < static_cast<size_t>(w.cols)) row_storage.resize(w.cols);
