@@ -184,7 +184,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, progress: bool = Fal
     model_dir, out_path = Path(model_dir), Path(out_path)
     config = json.loads((model_dir / "config.json").read_text())
     plan = gguf_tensor_plan(config)
-    tokens, scores, types = mixtral_to_gguf.dummy_spm_vocab(config["vocab_size"])
+    vocab = mixtral_to_gguf.dummy_spm_vocab(config["vocab_size"])  # raises before any writing
     H, NH = config["hidden_size"], config["num_attention_heads"]
     D = config.get("head_dim") or H // NH
     rope = _rope(config)
@@ -217,15 +217,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, progress: bool = Fal
     w.add_sliding_window(config["sliding_window"])
     w.add_expert_feed_forward_length(config["intermediate_size"])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
+    mixtral_to_gguf.add_spm_vocab(w, vocab)
     qtype = {"bf16": gguf.GGMLQuantizationType.BF16, "f32": gguf.GGMLQuantizationType.F32,
              "mxfp4": gguf.GGMLQuantizationType.MXFP4}
     np_dtype = {"bf16": BF16, "f32": np.dtype(np.float32), "mxfp4": U8}

@@ -77,6 +77,21 @@ def dummy_spm_vocab(vocab_size: int) -> tuple[list[str], list[float], list[int]]
     return tokens, scores, types
 
 
+def add_spm_vocab(w, vocab: tuple[list[str], list[float], list[int]]) -> None:
+    """Writes a dummy_spm_vocab (tokens, scores, types) to the GGUFWriter w as llama.cpp's SPM ("llama") tokenizer
+    metadata: unk 0, bos 1, eos 2, a BOS added to prompts."""
+    tokens, scores, types = vocab
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+
+
 def gguf_tensor_plan(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     """(GGUF name, "bf16" | "f32", numpy shape) of every tensor the GGUF gets, in write order.
 
@@ -159,7 +174,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, progress: bool = Fal
     H, NH = config["hidden_size"], config["num_attention_heads"]
     D = config.get("head_dim") or H // NH
     plan = gguf_tensor_plan(config)
-    tokens, scores, types = dummy_spm_vocab(config["vocab_size"])
+    vocab = dummy_spm_vocab(config["vocab_size"])  # raises before any writing
 
     tmp = out_path.with_name(out_path.name + ".partial")
     w = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
@@ -181,15 +196,7 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, progress: bool = Fal
     w.add_vocab_size(config["vocab_size"])
     w.add_rope_dimension_count(D)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
+    add_spm_vocab(w, vocab)
     qtype = {"bf16": gguf.GGMLQuantizationType.BF16, "f32": gguf.GGMLQuantizationType.F32}
     itemsize = {"bf16": 2, "f32": 4}
     for name, kind, shape in plan:

@@ -9,9 +9,7 @@ ft_jax.weight_formats.dequantize of the safetensors blocks. When llama.cpp's lla
 """
 
 import argparse
-import importlib.util
 import json
-import os
 import subprocess
 
 import ml_dtypes
@@ -22,24 +20,17 @@ from safetensors import safe_open
 from ft_jax import weight_formats
 from ft_jax.config import load_config
 
-SCRIPTS = os.path.join(os.path.dirname(__file__), os.pardir, "scripts")
-
-
-def _module(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from script_modules import load_script
 
 
 @pytest.fixture(scope="module")
 def sc():
-    return _module("synthetic_checkpoint")
+    return load_script("synthetic_checkpoint")
 
 
 @pytest.fixture(scope="module")
 def og():
-    return _module("gpt_oss_to_gguf")
+    return load_script("gpt_oss_to_gguf")
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +213,7 @@ def test_llama_cpp_logits_match_transformers(tiny, tiny_gguf, tmp_path):
     transformers = pytest.importorskip("transformers")
     import gguf
 
-    results = _module("llama_cpp_build").cached_binary("llama-results")
+    results = load_script("llama_cpp_build").cached_binary("llama-results")
     if results is None:
         pytest.skip("llama-results is not built (python3 scripts/llama_cpp_build.py)")
     out = tmp_path / "results.gguf"
@@ -241,7 +232,7 @@ def test_llama_cpp_logits_match_transformers(tiny, tiny_gguf, tmp_path):
 
 
 def test_llama_cpp_loads_and_decodes_the_gguf(tiny_gguf):
-    bench = _module("llama_cpp_build").cached_binary("llama-bench")
+    bench = load_script("llama_cpp_build").cached_binary("llama-bench")
     if bench is None:
         pytest.skip("llama-bench is not built (python3 scripts/llama_cpp_build.py)")
     proc = subprocess.run([bench, "-m", str(tiny_gguf), "-p", "0", "-n", "4", "-r", "1", "-t", "1", "-o", "json"],

@@ -6,10 +6,8 @@ ggml's adjacent-pair RoPE written out in numpy; the GGUF file (only when the ggu
 with gguf.GGUFReader and compared with the safetensors tensors.
 """
 
-import importlib.util
 import json
 import math
-import os
 import subprocess
 
 import jax.numpy as jnp
@@ -22,26 +20,20 @@ from ft_jax import weight_formats
 from ft_jax.checkpoint import load_checkpoint
 from ft_jax.config import load_config
 
-SCRIPTS = os.path.join(os.path.dirname(__file__), os.pardir, "scripts")
+from script_modules import load_script
 TINY = dict(hidden=64, intermediate=96, layers=2, experts=4, top_k=2, heads=4, kv_heads=2, head_dim=16, vocab=300,
             max_positions=128)
 
 
-def _module(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture(scope="module")
 def sc():
-    return _module("synthetic_checkpoint")
+    return load_script("synthetic_checkpoint")
 
 
 @pytest.fixture(scope="module")
 def mg():
-    return _module("mixtral_to_gguf")
+    return load_script("mixtral_to_gguf")
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +193,7 @@ def test_gguf_holds_the_checkpoint_tensors_as_llama_cpp_expects(mg, tiny, tmp_pa
 
 
 def _bench_peer():
-    return _module("bench_peer")
+    return load_script("bench_peer")
 
 
 @pytest.mark.parametrize("fmt_name", ["q8_0", "q4_0"])
