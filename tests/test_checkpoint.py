@@ -686,19 +686,30 @@ def _synthetic_bf16_mixtral(folder):
     return os.path.join(folder, "model.safetensors")
 
 
+def _raw_safetensors_int16(path):
+    """{name: int16 [shape]} of a safetensors file's 2-byte tensors read by the format's definition (an 8-byte
+    little-endian header length, the JSON header, then the data; safetensors' README), not by any loader: bf16 bits
+    compared as int16 (numpy has no bfloat16 for safetensors.numpy)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    return {name: np.frombuffer(data[t["data_offsets"][0]:t["data_offsets"][1]], np.int16).reshape(t["shape"])
+            for name, t in header.items() if name != "__metadata__" and t["dtype"] in ("BF16", "F16", "I16")}
+
+
 def test_bf16_expert_banks_map_the_file_and_hold_its_tensors(tmp_path):
     path = _synthetic_bf16_mixtral(tmp_path)
     ck = load_checkpoint(tmp_path, dtype=jnp.bfloat16)
     E = ck.config.num_experts
-    with safe_open(path, framework="pt") as f:  # the reference reader (torch: numpy has no bfloat16)
-        for m, layer in enumerate(ck.config.moe_layers):
-            for e in range(E):
-                p = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
-                w1, w2, w3 = (f.get_tensor(f"{p}.{w}.weight").view(dtype=__import__("torch").int16).numpy()
-                              for w in ("w1", "w2", "w3"))
-                np.testing.assert_array_equal(ck.banks.gate_up.numpy()[m * E + e].view(np.int16),
-                                              np.concatenate([w1, w3]))
-                np.testing.assert_array_equal(ck.banks.down.numpy()[m * E + e].view(np.int16), w2)
+    raw = _raw_safetensors_int16(path)  # the reference reader: the file format read by hand
+    for m, layer in enumerate(ck.config.moe_layers):
+        for e in range(E):
+            p = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+            w1, w2, w3 = (raw[f"{p}.{w}.weight"] for w in ("w1", "w2", "w3"))
+            np.testing.assert_array_equal(ck.banks.gate_up.numpy()[m * E + e].view(np.int16),
+                                          np.concatenate([w1, w3]))
+            np.testing.assert_array_equal(ck.banks.down.numpy()[m * E + e].view(np.int16), w2)
     # the bank memory is (mostly) the file's pages, not a copy
     for bank in (ck.banks.gate_up, ck.banks.down):
         start = bank.numpy().ctypes.data
