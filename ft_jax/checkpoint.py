@@ -661,12 +661,20 @@ def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_na
 _QUANTIZE_PIECE_VALUES = 4 << 20
 
 
-def _quantize_into(w: np.ndarray, fmt: wf.WeightFormat, data: np.ndarray, scales: np.ndarray) -> None:
-    """weight_formats.quantize of w [rows, cols] (float, any dtype) written into data / scales ([rows, ...]), a piece
-    of rows at a time (q8_0 / q4_0: every row is quantized on its own, so pieces give the same bytes)."""
+def _quantize_into(w: np.ndarray, fmt: wf.WeightFormat, data: np.ndarray, scales: np.ndarray, what: str) -> None:
+    """weight_formats.quantize of w [rows, cols] (float, any dtype; finite: checked as read) written into data /
+    scales ([rows, ...]), a piece of rows at a time (q8_0 / q4_0: every row is quantized on its own, so pieces give
+    the same bytes). Raises CheckpointError naming ``what`` (the tensor) when a block's scale overflows float16
+    (|x| max / 127 for q8_0, / 8 for q4_0, above 65504): it would decode to Inf / NaN."""
     step = max(1, _QUANTIZE_PIECE_VALUES // max(1, w.shape[1]))
     for r in range(0, w.shape[0], step):
         data[r:r + step], scales[r:r + step] = wf.quantize(w[r:r + step], fmt)
+        bad = (scales[r:r + step].view(np.uint16) & 0x7C00) == 0x7C00  # f16 exponent all ones: Inf / NaN
+        if bad.any():
+            row, block = (int(i) for i in np.argwhere(bad)[0])
+            raise CheckpointError(f"{what}: row {r + row}, block {block} (columns {32 * block}..{32 * block + 31}) "
+                                  f"has values too large for {fmt.name} (its float16 block scale overflows 65504); "
+                                  "load it without --quantize")
 
 
 class _BankWriter:
@@ -676,14 +684,16 @@ class _BankWriter:
     def __init__(self, arrays: dict[str, np.ndarray], fmt: wf.WeightFormat):
         self.arrays, self.fmt = arrays, fmt
 
-    def put(self, bank: str, row: int, first: int, w: np.ndarray) -> None:
-        """w float [n, cols] -> rows first..first+n-1 of bank row ``row`` (and its scale rows)."""
+    def put(self, bank: str, row: int, first: int, w: np.ndarray, what: str) -> None:
+        """w float [n, cols] -> rows first..first+n-1 of bank row ``row`` (and its scale rows); ``what`` names the
+        tensor in errors."""
         dst = self.arrays[bank]
         if not self.fmt.quantized:
             dst[row, first:first + w.shape[0]] = w.astype(dst.dtype, copy=False)
             return
         n = w.shape[0]
-        _quantize_into(w, self.fmt, dst[row, first:first + n], self.arrays[f"{bank}_scale"][row, first:first + n])
+        _quantize_into(w, self.fmt, dst[row, first:first + n], self.arrays[f"{bank}_scale"][row, first:first + n],
+                       what)
 
 
 def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name: str, part: tuple,
@@ -707,7 +717,8 @@ def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name
             out.arrays[f"{bank}_scale"][row + e] = scales
         else:
             w = ckpt.read_rows(name, e, e + 1)[0].T  # [in, out] -> [out, in]
-            out.put(bank, row + e, 0, _deinterleave(w) if part[-1] else w)
+            what = f"{ckpt.tensors[name].file}: tensor {name!r} (expert {e})"
+            out.put(bank, row + e, 0, _deinterleave(w) if part[-1] else w, what)
 
 
 def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, fmt: wf.WeightFormat,
@@ -746,11 +757,13 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
                 ckpt.read_into(name, arr[row:row + E])
             elif part[0] == "fused":  # quantized while loading, one expert at a time
                 for e in range(E):
-                    out.put(bank, row + e, 0, ckpt.read_rows(name, e, e + 1)[0])
+                    what = f"{ckpt.tensors[name].file}: tensor {name!r} (expert {e})"
+                    out.put(bank, row + e, 0, ckpt.read_rows(name, e, e + 1)[0], what)
             elif part[0] == "rows" and not fmt.quantized:
                 ckpt.read_into(name, arr[row, part[1]:part[2]])
             elif part[0] == "rows":
-                out.put(bank, row, part[1], ckpt.view(name))  # quantized: read once, never copied
+                what = f"{ckpt.tensors[name].file}: tensor {name!r}"
+                out.put(bank, row, part[1], ckpt.view(name), what)  # quantized: read once, never copied
             elif part[0] == "fp8_rows":
                 data, scales = _read_fp8(ckpt, name, part[3], (part[2] - part[1], arr.shape[-1]), fmt)
                 arr[row, part[1]:part[2]] = data
@@ -791,7 +804,7 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.Weig
             w = ckpt.view(name, shape)  # [rows, cols] as stored
             data, scales = np.empty(fmt.data_shape(*shape), fmt.data_dtype), np.empty(fmt.scale_shape(*shape),
                                                                                       fmt.scale_dtype)
-            _quantize_into(w, fmt, data, scales)
+            _quantize_into(w, fmt, data, scales, f"{ckpt.tensors[name].file}: tensor {name!r}")
             return wf.QuantizedTensor(data, scales, fmt)
         return ckpt.view(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype, copy=False)
 

@@ -170,8 +170,10 @@ def quantize(w: np.ndarray, fmt: WeightFormat, threads: int = 0) -> tuple[np.nda
         f16 [..., rows, cols / 32].
     Raises:
         ValueError: another format, a 0-d or 1-d w, or cols not a multiple of 32.
-        TypeError: w of a non-float dtype.
+        TypeError: w of a non-float dtype, or fmt not a WeightFormat.
     """
+    if not isinstance(fmt, WeightFormat):
+        raise TypeError(f"quantize: fmt must be a WeightFormat (Q8_0, Q4_0, or by_name('q8_0')), got {fmt!r}")
     if fmt not in (Q8_0, Q4_0):
         raise ValueError(f"quantize: {fmt.name} is not a quantization target (supported: {', '.join(QUANTIZE_CHOICES)})")
     w = np.asarray(w)

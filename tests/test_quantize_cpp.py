@@ -190,6 +190,8 @@ def test_errors_name_the_problem():
         wf.quantize(np.zeros(64, np.float32), wf.Q4_0)
     with pytest.raises(TypeError, match=r"a int32 tensor \[4, 64\]; expected a float dtype"):
         wf.quantize(np.zeros((4, 64), np.int32), wf.Q8_0)
+    with pytest.raises(TypeError, match=r"fmt must be a WeightFormat \(Q8_0, Q4_0, or by_name\('q8_0'\)\), got 'q8_0'"):
+        wf.quantize(w, "q8_0")
     d8, d4, s = np.empty((4, 64), np.int8), np.empty((4, 32), np.uint8), np.empty((4, 2), np.float16)
     with pytest.raises(ValueError, match=r"fmt_code must be 0 \(q8_0\) or 1 \(q4_0\), got 2"):
         _ffi.quantize_rows(w, 2, d8, s)

@@ -529,3 +529,19 @@ def test_quantized_model_decodes_as_its_dequantized_float_model(tmp_path, name):
 def dense_bytes(ck) -> int:
     """Stored bytes of a loaded model's dense parameters."""
     return sum(int(leaf.nbytes) for leaf in jax.tree_util.tree_leaves(nnx.split(ck.model)[1]))
+
+
+@pytest.mark.parametrize("name,fmt", [("model.layers.1.block_sparse_moe.experts.2.w1.weight", "q8_0"),
+                                      ("model.layers.0.self_attn.q_proj.weight", "q4_0")])
+def test_quantize_refuses_values_whose_block_scale_overflows_float16(tmp_path, name, fmt):
+    """A finite weight of 1e7 makes a q8_0 / q4_0 block scale (|x| max / 127, / 8) exceed float16's 65504: the load
+    is refused naming the file, tensor, row and block, instead of a model that decodes Inf / NaN."""
+    shutil.copytree(bundled_model_path(), tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(path)
+    tensors[name] = tensors[name].copy()
+    tensors[name][3, 40] = 1e7  # row 3, block 1
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=re.escape(f"model.safetensors: tensor {name!r}") + r".*row 3, block 1 "
+                                              r"\(columns 32..63\) has values too large for " + fmt):
+        load_checkpoint(tmp_path / "m", quantize=fmt)
