@@ -1,8 +1,9 @@
 """Plain Python reference of the expert slot cache rules (docs/DESIGN.md sec. 1-3), used by tests only.
 
-Written independently of ft_jax/expert_cache.py and ft_jax/policy.py: Python lists and loops, one fetch and one
-victim at a time, its own Q16 integer rule and its own auto rule (docs/policies.md). It reads only the attributes
-kind / frac / cap / costs of a policy object (costs: the integer tick fields of AutoCosts).
+Written independently of ft_jax/offload/cache.py and ft_jax/offload/policy.py: Python lists and loops, one fetch and
+one victim at a time, its own Q16 integer rule and its own auto rule (docs/policies.md): the auto policy's lanes are
+whole copies of the cache (ReferenceCache objects) taken at every window boundary. It reads only the attributes
+kind / frac / cap / costs of a policy object (costs: the integer tick fields of AutoCosts and its qstar_q16).
 """
 
 from __future__ import annotations
@@ -59,30 +60,50 @@ def auto_layer_time(costs, misses: int, hits: int, fetched: int) -> int:
     return max(fill_end + device, host_end)
 
 
-def auto_count(costs, misses: int, hits: int, cap: int, realized_gain: int, realized_fills: int,
-               repeat_misses: int = 0, seen_misses: int = 0) -> int:
-    """auto's F: the smallest F in [0, cap] minimising layer time - credit * F (credit from the reuse estimate)."""
-    prior = 2  # AUTO_PRIOR_HITS
-    # Net hits per fill the misses suggest (Q4): p / (1 - p) with p the share of repeat misses, prior 2 : 1.
+def reuse_hits_q4(repeat_misses: int, seen_misses: int) -> int:
+    """Hits per fill from the repeat-miss sums (Q4): p / (1 - p) with a prior of 2 repeats per other miss, <= 127."""
     rest = seen_misses - repeat_misses
     if rest < 0:
         rest = 0
-    shadow_q4 = min(16 * (repeat_misses + 32 * prior) // (rest + 32), 16 * 127)
-    # ... as one pseudo-fill beside the evicted replacement fills.
-    per_fill_q4 = max(16 * realized_gain + 32 * shadow_q4, 0) // (realized_fills + 32)
+    return min(16 * (repeat_misses + 32 * 2) // (rest + 32), 16 * 127)
+
+
+def auto_count(costs, misses: int, hits: int, cap: int, repeat_misses: int, seen_misses: int) -> int:
+    """The reuse rule's F: the smallest F in [0, cap] minimising layer time - credit * F."""
     if misses > 0:  # what turning one of this layer's misses into a hit would save now
         saving = auto_layer_time(costs, misses, hits, 0) - auto_layer_time(costs, misses - 1, hits + 1, 0)
     else:
         saving = 0
     if saving < 0:
         saving = 0
-    credit = min(per_fill_q4 * saving // 16, 1 << 22)
+    credit = min(reuse_hits_q4(repeat_misses, seen_misses) * saving // 16, 1 << 22)
     best, best_value = 0, None
     for F in range(cap + 1):
         value = auto_layer_time(costs, misses, hits, F) - credit * F
         if best_value is None or value < best_value:
             best, best_value = F, value
     return best
+
+
+# The auto policy's candidates (cost order) and its window: docs/policies.md, "The auto rule".
+CANDIDATES = ("host-all", "fetch-all", "fixed-cap:1", "qstar", "reuse")
+WINDOW_TOKENS = 128
+
+
+def candidate_count(name: str, costs, misses: int, hits: int, evictable: int, repeat_misses: int,
+                    seen_misses: int) -> int:
+    """F of one auto candidate, capped by the evictable slots."""
+    if name == "host-all":
+        count = 0
+    elif name == "fetch-all":
+        count = misses
+    elif name == "fixed-cap:1":
+        count = min(misses, 1)
+    elif name == "qstar":
+        count = q16_fetch_count(misses, costs.qstar_q16 / 65536)
+    else:
+        count = auto_count(costs, misses, hits, min(misses, evictable), repeat_misses, seen_misses)
+    return min(count, evictable)
 
 
 def policy_budget(policy, m: int) -> int:
@@ -101,10 +122,13 @@ def policy_budget(policy, m: int) -> int:
 class ReferenceCache:
     """The cache tables as Python lists; `plan` applies one MoE-layer call.
 
-    resident=True builds the fully resident cache (S = L*E, slot s holds flat id s).
+    resident=True builds the fully resident cache (S = L*E, slot s holds flat id s). auto=True adds the auto
+    policy's lanes (one ReferenceCache per candidate after host-all, copied from this one at every window boundary),
+    the window's costs and the leader.
     """
 
-    def __init__(self, num_layers: int, num_experts: int, num_slots: int | None = None, resident: bool = False):
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int | None = None, resident: bool = False,
+                 auto: bool = False):
         self.L = num_layers
         self.E = num_experts
         if resident:
@@ -117,18 +141,31 @@ class ReferenceCache:
         self.recency = [[-1] * self.E for _ in range(self.L)]
         self.step = 0
         self.stats = [[0] * 6 for _ in range(self.L)]
-        self.slot_gain = [0] * self.S  # auto: net hits since the slot's fill
-        self.ghost = [-1] * self.S  # auto: the flat id the slot's latest fill evicted
-        self.realized_gain = 0  # auto: decayed (x32) sums over evicted fills
-        self.realized_fills = 0
         self.repeat_misses = 0  # auto: decayed (x32) sums over calls with misses
         self.seen_misses = 0
+        self.auto = auto
+        if auto:
+            self.lanes = [self._copy() for _ in CANDIDATES[1:]]
+            self.cost = [0] * len(CANDIDATES)
+            self.leader = CANDIDATES.index("reuse")
+            self.window_start = 0
         if resident:
             for layer in range(self.L):
                 for e in range(self.E):
                     flat = layer * self.E + e
                     self.slot_of_expert[layer][e] = flat
                     self.expert_of_slot[flat] = flat
+
+    def _copy(self) -> "ReferenceCache":
+        """A lane: a copy of this cache's tables, recency, step and repeat-miss sums (no lanes of its own)."""
+        lane = ReferenceCache(self.L, self.E, self.S)
+        lane.slot_of_expert = [row[:] for row in self.slot_of_expert]
+        lane.expert_of_slot = self.expert_of_slot[:]
+        lane.usage = self.usage[:]
+        lane.recency = [row[:] for row in self.recency]
+        lane.step = self.step
+        lane.repeat_misses, lane.seen_misses = self.repeat_misses, self.seen_misses
+        return lane
 
     def _slot_blocked(self, slot: int, layer: int, active: list[bool]) -> bool:
         """True if the slot holds an expert of `layer` that is active now."""
@@ -149,6 +186,40 @@ class ReferenceCache:
                 best = slot
         return best
 
+    def _count_repeats(self, layer: int, misses: list[int]) -> None:
+        """The repeat-miss sums: misses active since the least recently used slot's last use."""
+        if misses:
+            oldest = min(self.usage)
+            repeats = 0
+            for e in misses:
+                rec = self.recency[layer][e]
+                if rec >= 0 and rec >= oldest:
+                    repeats += 1
+            self.repeat_misses = self.repeat_misses - (self.repeat_misses >> 10) + 32 * repeats
+            self.seen_misses = self.seen_misses - (self.seen_misses >> 10) + 32 * len(misses)
+
+    def _advance_lanes(self, layer: int, active: list[bool], costs) -> None:
+        """The window boundary (leader, fresh lanes) and every candidate's ticks of this call."""
+        if self.step - self.window_start >= WINDOW_TOKENS * self.L:
+            best = 0
+            for i in range(1, len(CANDIDATES)):
+                if self.cost[i] < self.cost[best]:
+                    best = i
+            if self.cost[best] < self.cost[self.leader]:
+                self.leader = best
+            self.lanes = [self._copy() for _ in CANDIDATES[1:]]
+            self.cost = [0] * len(CANDIDATES)
+            self.window_start = self.step
+        n_active = sum(1 for a in active if a)
+        ticks = [auto_layer_time(costs, n_active, 0, 0)]  # host-all, every active expert a miss of a cold cache
+        for name, lane in zip(CANDIDATES[1:], self.lanes):
+            lane.recency = [row[:] for row in self.recency]  # the lanes read the real cache's recency and step
+            lane.step = self.step
+            st = lane.plan(layer, active, _Lane(name, costs))["stats"]
+            ticks.append(auto_layer_time(costs, int(st[2]), int(st[1]), int(st[3])))
+        limit = (1 << 30) - 1
+        self.cost = [min(min(c, limit) + min(t, limit), limit) for c, t in zip(self.cost, ticks)]
+
     def plan(self, layer: int, active, policy) -> dict:
         """One MoE-layer call. active: sequence of E bools. Returns the plan as numpy arrays (P = min(E, S))."""
         active = [bool(a) for a in active]
@@ -164,26 +235,16 @@ class ReferenceCache:
             else:
                 misses.append(e)
         m = len(misses)
+        evictable = sum(1 for slot in range(self.S) if not self._slot_blocked(slot, layer, active))
         if policy.kind == "auto":
-            for slot in range(self.S):
-                g = self.ghost[slot]
-                if g >= 0 and g // E == layer and (g % E) in misses:
-                    self.slot_gain[slot] = max(-127, self.slot_gain[slot] - 1)
-            for e in hits:
-                slot = self.slot_of_expert[layer][e]
-                self.slot_gain[slot] = min(127, self.slot_gain[slot] + 1)
-            if m > 0:  # repeat misses: active since the least recently used slot's last use
-                oldest = min(self.usage)
-                repeats = 0
-                for e in misses:
-                    rec = self.recency[layer][e]
-                    if rec >= 0 and rec >= oldest:
-                        repeats += 1
-                self.repeat_misses = self.repeat_misses - (self.repeat_misses >> 10) + 32 * repeats
-                self.seen_misses = self.seen_misses - (self.seen_misses >> 10) + 32 * m
-            evictable = sum(1 for slot in range(self.S) if not self._slot_blocked(slot, layer, active))
-            budget = auto_count(policy.costs, m, len(hits), min(m, evictable), self.realized_gain,
-                                self.realized_fills, self.repeat_misses, self.seen_misses)
+            self._advance_lanes(layer, active, policy.costs)  # the lanes copy the tables as they were before the call
+            self._count_repeats(layer, misses)
+            budget = candidate_count(CANDIDATES[self.leader], policy.costs, m, len(hits), evictable,
+                                     self.repeat_misses, self.seen_misses)
+        elif policy.kind == "lane":  # one candidate of an auto policy, in a lane
+            self._count_repeats(layer, misses)
+            budget = candidate_count(policy.name, policy.costs, m, len(hits), evictable, self.repeat_misses,
+                                     self.seen_misses)
         else:
             budget = policy_budget(policy, m)
 
@@ -206,12 +267,6 @@ class ReferenceCache:
             old = self.expert_of_slot[slot]
             if old >= 0:
                 self.slot_of_expert[old // E][old % E] = -1
-            if policy.kind == "auto":
-                if old >= 0 and self.ghost[slot] >= 0:  # an evicted replacement fill's net hits join the sums
-                    self.realized_gain = self.realized_gain - (self.realized_gain >> 10) + 32 * self.slot_gain[slot]
-                    self.realized_fills = self.realized_fills - (self.realized_fills >> 10) + 32
-                self.slot_gain[slot] = 0
-                self.ghost[slot] = old
             flat = layer * E + e
             self.expert_of_slot[slot] = flat
             self.slot_of_expert[layer][e] = slot
@@ -255,16 +310,31 @@ class ReferenceCache:
         }
 
     def arrays(self) -> dict:
-        """The tables as numpy arrays named like the CacheState fields."""
-        return {
+        """The tables as numpy arrays named like the CacheState fields (auto: "lanes" with the LaneState fields)."""
+        out = {
             "slot_of_expert": np.array(self.slot_of_expert, np.int32).reshape(self.L, self.E),
             "expert_of_slot": np.array(self.expert_of_slot, np.int32),
             "usage": np.array(self.usage, np.int32),
             "recency": np.array(self.recency, np.int32).reshape(self.L, self.E),
             "step": np.array(self.step, np.int32),
             "stats": np.array(self.stats, np.int32).reshape(self.L, 6),
-            "slot_gain": np.array(self.slot_gain, np.int32),
-            "ghost_of_slot": np.array(self.ghost, np.int32),
-            "reuse": np.array([self.realized_gain, self.realized_fills, self.repeat_misses, self.seen_misses],
-                              np.int32),
+            "reuse": np.array([self.repeat_misses, self.seen_misses], np.int32),
         }
+        if self.auto:
+            lanes = [lane.arrays() for lane in self.lanes]
+            out["lanes"] = {
+                **{name: np.stack([lane[name] for lane in lanes]) for name in
+                   ("slot_of_expert", "expert_of_slot", "usage", "reuse")},
+                "cost": np.array(self.cost, np.int32), "leader": np.array(self.leader, np.int32),
+                "window_start": np.array(self.window_start, np.int32),
+            }
+        return out
+
+
+class _Lane:
+    """The policy of a lane: one auto candidate (name) with the auto policy's costs."""
+
+    kind = "lane"
+
+    def __init__(self, name: str, costs):
+        self.name, self.costs = name, costs

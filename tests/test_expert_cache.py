@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ft_jax.offload.cache import (STAT_FIELDS, CacheState, active_from_topk, init_cache_state,
+from ft_jax.offload.cache import (STAT_FIELDS, CacheState, LaneState, active_from_topk, init_cache_state,
                                  init_cache_state_resident, plan_layer)
 from ft_jax.offload.cost_model import auto_costs
 from ft_jax.offload.policy import parse_policy
@@ -28,6 +28,13 @@ plan_static = jax.jit(plan_layer, static_argnums=(1, 3))
 
 def assert_state_equal(state: CacheState, want: dict, where: str):
     for name in CacheState._fields:
+        if name == "lanes":
+            assert (state.lanes is None) == ("lanes" not in want), (where, "lanes")
+            for lane_field in LaneState._fields if state.lanes is not None else ():
+                got = np.asarray(getattr(state.lanes, lane_field))
+                np.testing.assert_array_equal(got, want["lanes"][lane_field],
+                                              err_msg=f"{where}: CacheState.lanes.{lane_field}")
+            continue
         got = np.asarray(getattr(state, name))
         assert got.dtype == np.int32, (where, name, got.dtype)
         np.testing.assert_array_equal(got, want[name], err_msg=f"{where}: CacheState.{name}")
@@ -58,8 +65,9 @@ def test_matches_reference_200_steps(policy_name, num_layers, num_slots):
         state = init_cache_state_resident(num_layers, E)
         ref = ReferenceCache(num_layers, E, resident=True)
     else:
-        state = init_cache_state(num_layers, E, num_slots)  # cold start
-        ref = ReferenceCache(num_layers, E, num_slots)
+        auto = policy.kind == "auto"
+        state = init_cache_state(num_layers, E, num_slots, auto=auto)  # cold start
+        ref = ReferenceCache(num_layers, E, num_slots, auto=auto)
     rng = np.random.default_rng(1234 + 17 * num_layers + num_slots)
     popularity = rng.dirichlet(np.full(E, 0.5))
     step_fn = jax.jit(lambda s, l, a: plan_layer(s, l, a, policy))  # own jit cache (jit caches are per function)
@@ -242,8 +250,7 @@ def test_victim_choice_safe_at_int32_limit():
                        usage=jnp.array([5, int_max], jnp.int32),
                        recency=jnp.array([[4, -1, -1, 4]], jnp.int32),
                        step=jnp.array(int_max - 1, jnp.int32),
-                       stats=jnp.zeros((1, 6), jnp.int32), slot_gain=jnp.zeros((2,), jnp.int32),
-                       ghost_of_slot=jnp.full((2,), -1, jnp.int32), reuse=jnp.zeros((4,), jnp.int32))
+                       stats=jnp.zeros((1, 6), jnp.int32), reuse=jnp.zeros((2,), jnp.int32))
     state, plan = plan_static(state, 0, jnp.array([True, True, False, False]), parse_policy("fetch-all"))
     np.testing.assert_array_equal(np.asarray(plan.fill_slot_ids), [1, -1])
     np.testing.assert_array_equal(np.asarray(plan.device_slot_of_expert), [0, 1, -1, -1])
@@ -257,7 +264,8 @@ def test_decode_plan_with_max_active_matches_reference(policy_name):
     sorts; the tables and the first P plan entries equal the reference (whose remaining entries are padding)."""
     E, k, L, S, steps = 32, 2, 3, 10, 150
     policy = policy_of(policy_name)
-    state, ref = init_cache_state(L, E, S), ReferenceCache(L, E, S)
+    auto = policy.kind == "auto"
+    state, ref = init_cache_state(L, E, S, auto=auto), ReferenceCache(L, E, S, auto=auto)
     rng = np.random.default_rng(99)
     popularity = rng.dirichlet(np.full(E, 0.3))
     step_fn = jax.jit(lambda s, l, a: plan_layer(s, l, a, policy, max_active=3 * k))
@@ -277,42 +285,73 @@ def test_decode_plan_with_max_active_matches_reference(policy_name):
     assert " sort(" not in hlo  # decode plans sort nothing
 
 
-def test_auto_reuse_bookkeeping_by_hand():
-    """L=1, E=4, S=1, auto: hits raise the slot's gain, a miss on the expert its fill evicted (its ghost) lowers
-    it; when a fill that had replaced an expert is itself evicted, its gain (x32) joins the decayed sums (a fill
-    into the empty slot, while warming up, is left out)."""
-    # Every miss here is worth fetching: a fill costs what a host GEMV does (BP = BH), credit 2 hits x a GEMV.
-    policy = parse_policy("auto").with_costs(auto_costs(10**9, 8.0, 8.0, device_bandwidth=50.0))
-    state = init_cache_state(1, 4, 1)
-    only = lambda *e: jnp.asarray(np.isin(np.arange(4), e))  # noqa: E731
-    state, plan = plan_static(state, 0, only(1), policy)  # fill expert 1 into the empty slot 0
-    assert int(plan.stats[3]) == 1 and np.asarray(state.ghost_of_slot).tolist() == [-1]
-    for _ in range(3):
-        state, plan = plan_static(state, 0, only(1), policy)  # three hits
-    # reuse = (realized gain, realized fills, repeat misses, misses), x32: one miss so far, not a repeat
-    assert np.asarray(state.slot_gain).tolist() == [3] and np.asarray(state.reuse).tolist() == [0, 0, 0, 32]
-    state, plan = plan_static(state, 0, only(2), policy)  # fetch 2, evicting 1: a warm-up fill, not realized
-    assert int(plan.stats[3]) == 1 and np.asarray(state.reuse).tolist() == [0, 0, 0, 64]
-    assert np.asarray(state.ghost_of_slot).tolist() == [1] and np.asarray(state.slot_gain).tolist() == [0]
-    # hit 2 (+1), ghost miss 1 (-1); slot busy: no fill. 1 was last active at step 3, before the LRU slot's last use
-    # (the fill of 2 at step 4): not a repeat miss.
-    state, plan = plan_static(state, 0, only(1, 2), policy)
-    assert int(plan.stats[3]) == 0 and np.asarray(state.slot_gain).tolist() == [0]
-    for _ in range(2):
-        state, plan = plan_static(state, 0, only(2), policy)  # two hits
-    state, plan = plan_static(state, 0, only(3), policy)  # fetch 3, evicting the replacement fill of 2: gain 2
-    assert int(plan.stats[3]) == 1
-    assert np.asarray(state.reuse).tolist() == [2 * 32, 32, 0, 4 * 32]
-    assert np.asarray(state.ghost_of_slot).tolist() == [2]
+@pytest.mark.parametrize("num_slots,costs", [(12, AUTO_COSTS), (40, auto_costs(10**9, 20.0, 8.0, device_bandwidth=50.0)),
+                                             (40, auto_costs(10**9, 0.5, 8.0, device_bandwidth=1000.0))])
+def test_auto_lanes_match_reference_across_windows(monkeypatch, num_slots, costs):
+    """auto with a 3-token window (so that 300 calls cross 33 window boundaries): every lane's tables, the window
+    costs, the leader and the real cache equal the reference's after every call, under three machines (a slow, a
+    fast and a very slow fill) that make different candidates lead."""
+    import cache_reference
+    from ft_jax.offload import cache as cache_module
+    monkeypatch.setattr(cache_module, "AUTO_WINDOW_TOKENS", 3)
+    monkeypatch.setattr(cache_reference, "WINDOW_TOKENS", 3)
+    E, k, L, steps = 32, 4, 3, 300
+    policy = parse_policy("auto").with_costs(costs)
+    state, ref = init_cache_state(L, E, num_slots, auto=True), ReferenceCache(L, E, num_slots, auto=True)
+    rng = np.random.default_rng(7 + num_slots)
+    popularity = rng.dirichlet(np.full(E, 0.4))
+    step_fn = jax.jit(lambda s, l, a: plan_layer(s, l, a, policy, max_active=3 * k))
+    leaders = set()
+    for t in range(steps):
+        layer = t % L
+        active = random_active(rng, E, k, popularity)
+        state, plan = step_fn(state, jnp.int32(layer), jnp.asarray(active))
+        want = ref.plan(layer, active, policy)
+        for name in ("device_slot_of_expert", "host_mask", "stats"):
+            np.testing.assert_array_equal(np.asarray(getattr(plan, name)), want[name], err_msg=f"{t} {name}")
+        assert_state_equal(state, ref.arrays(), f"auto S={num_slots} step {t}")
+        leaders.add(int(state.lanes.leader))
+    assert step_fn._cache_size() == 1
+    print("leaders", sorted(leaders))
+
+
+def test_auto_leader_by_hand(monkeypatch):
+    """L=1, E=4, S=1, a 3-token window, expert 1 active in every call; a fill costs 3 host GEMVs (1024 vs 341 ticks),
+    a hit 3 ticks. The reuse rule (the first leader) fetches once its estimate reaches 2.5 hits (call 3: repeat
+    sums 96 / 128 of x32, 40 / 16 hits, credit 845 > 1027 - 341): window 2 then costs it 1027 + 3 + 3 against
+    host-all's cold 3 x 341 = 1023, so host-all leads from call 6 (the real cache keeps its expert: hits);
+    in window 3 every lane starts from that warm cache (9 ticks) against a cold host-all's 1023, and fetch-all, the
+    first of the cheapest, leads from call 9. Ties keep the leader (call 3: 1023 each)."""
+    import cache_reference
+    from ft_jax.offload import cache as cache_module
+    monkeypatch.setattr(cache_module, "AUTO_WINDOW_TOKENS", 3)
+    monkeypatch.setattr(cache_reference, "WINDOW_TOKENS", 3)
+    costs = auto_costs(10**9, 8 / 3, 8.0, device_bandwidth=1000.0)
+    assert (costs.fill_solo, costs.fill_cont, costs.host_solo, costs.host_cont, costs.device) == (1024, 1024, 341, 512, 3)
+    policy = parse_policy("auto").with_costs(costs)
+    state, ref = init_cache_state(1, 4, 1, auto=True), ReferenceCache(1, 4, 1, auto=True)
+    step_fn = jax.jit(lambda s, a: plan_layer(s, 0, a, policy))
+    only_1 = jnp.asarray([False, True, False, False])
+    want = {0: (4, 0, [341, 1027, 1027, 341, 341]), 2: (4, 0, [1023, 1033, 1033, 1023, 1023]),
+            3: (4, 1, [341, 1027, 1027, 341, 1027]), 6: (0, 0, [341, 3, 3, 3, 3]), 9: (1, 0, [341, 3, 3, 3, 3])}
+    for call in range(10):
+        state, plan = step_fn(state, only_1)
+        ref.plan(0, np.asarray(only_1), policy)
+        assert_state_equal(state, ref.arrays(), f"call {call}")
+        if call in want:
+            leader, fetched, cost = want[call]
+            assert (int(state.lanes.leader), int(plan.stats[3]), np.asarray(state.lanes.cost).tolist()) == \
+                (leader, fetched, cost), call
+    assert int(plan.stats[1]) == 1  # the real cache still hits expert 1
 
 
 def test_auto_repeat_misses_by_hand():
     """L=1, E=4, S=1, auto with a fill 16x a host GEMV (never worth it at the prior): nothing is fetched, and a miss
     on an expert active since the LRU slot's last use (here: the slot was never used) is a repeat miss."""
     policy = parse_policy("auto").with_costs(auto_costs(10**9, 0.5, 8.0, device_bandwidth=50.0))
-    state = init_cache_state(1, 4, 1)
+    state = init_cache_state(1, 4, 1, auto=True)
     only = lambda *e: jnp.asarray(np.isin(np.arange(4), e))  # noqa: E731
     state, plan = plan_static(state, 0, only(1), policy)  # never seen: not a repeat
-    assert int(plan.stats[3]) == 0 and np.asarray(state.reuse).tolist() == [0, 0, 0, 32]
+    assert int(plan.stats[3]) == 0 and np.asarray(state.reuse).tolist() == [0, 32]
     state, plan = plan_static(state, 0, only(1, 3), policy)  # 1 again (a repeat), 3 new
-    assert int(plan.stats[3]) == 0 and np.asarray(state.reuse).tolist() == [0, 0, 32, 32 + 64]
+    assert int(plan.stats[3]) == 0 and np.asarray(state.reuse).tolist() == [32, 32 + 64]

@@ -130,6 +130,7 @@ def test_auto_parsing_and_binding():
         pol.Policy("qstar").with_costs(costs)
     with pytest.raises(ValueError, match="cache state"):
         pol.fetch_budget(pol.Policy("auto", costs=costs), jnp.int32(2))
+    assert pol.AUTO_CANDIDATES[0] == "host-all" and pol.AUTO_LANES == pol.AUTO_CANDIDATES[1:]
     with pytest.raises(ValueError, match="both contended"):
         cm.auto_costs(10**9, 1.0, 4.0, 0.5)
 
@@ -148,8 +149,9 @@ def test_auto_costs_worked_values():
 
 def test_auto_fetch_count_matches_reference_rule():
     """auto_layer_ticks, auto_credit and auto_fetch_count (jnp) against tests/cache_reference.py's independent
-    auto_count over a grid of layers and reuse sums, for three machines (one with fixed costs)."""
-    from cache_reference import auto_count, auto_layer_time
+    auto_count over a grid of layers and reuse sums, for three machines (one with fixed costs); every candidate's
+    split (auto_candidate_counts) against the reference's candidate_count."""
+    from cache_reference import CANDIDATES, auto_count, auto_layer_time, candidate_count
 
     machines = [cm.auto_costs(10**9, 2.0, 8.0, device_bandwidth=50.0),
                 cm.auto_costs(10**9, 14.8 * 25.2 / 14.8, 65.9, 14.8, 71.5, device_bandwidth=1000.0),
@@ -158,15 +160,18 @@ def test_auto_fetch_count_matches_reference_rule():
     for costs in machines:
         fn = jax.jit(lambda m, h, cap, reuse, c=costs: pol.auto_fetch_count(
             c, m, h, cap, pol.auto_credit(c, m, h, reuse), 8))
+        all_fn = jax.jit(lambda m, h, cap, reuse, c=costs: pol.auto_candidate_counts(c, m, h, cap, reuse, 8))
         for _ in range(60):
             m = int(rng.integers(0, 9))
             h = int(rng.integers(0, 9))
             cap = int(rng.integers(0, m + 1))
-            gain, fills = int(rng.integers(-20000, 200000)), int(rng.integers(0, 40000))
             seen = int(rng.integers(0, 300000))
             repeats = int(rng.integers(0, seen + 1))
-            want = auto_count(costs, m, h, cap, gain, fills, repeats, seen)
-            got = int(fn(m, h, cap, jnp.array([gain, fills, repeats, seen], jnp.int32)))
-            assert got == want, (costs, m, h, cap, gain, fills, repeats, seen)
+            reuse = jnp.array([repeats, seen], jnp.int32)
+            want = auto_count(costs, m, h, cap, repeats, seen)
+            assert int(fn(m, h, cap, reuse)) == want, (costs, m, h, cap, repeats, seen)
+            evictable = int(rng.integers(0, 9))
+            got = np.asarray(all_fn(m, h, evictable, reuse)).tolist()
+            assert got == [candidate_count(name, costs, m, h, evictable, repeats, seen) for name in CANDIDATES]
             for F in range(m + 1):
                 assert int(cm.auto_layer_ticks(costs, m, h, F)) == auto_layer_time(costs, m, h, F)

@@ -52,13 +52,15 @@ def add_model_arguments(p) -> None:
     p.add_argument("--bandwidth", default="stored", metavar="SPEC", help=BANDWIDTH_HELP)
     p.add_argument("--profile", metavar="PATH", help="bandwidth profile store (default: the user cache directory)")
     p.add_argument("--device-bandwidth", type=arg_types.positive, metavar="GBPS",
-                   help=f"BD, GB/s at which the device computes experts in its slots (default: BH for a stored CPU "
-                        f"profile, the slot experts run the host GEMV kernel; else an assumed {ASSUMED_DEVICE_GBPS:g})")
+                   help=f"BD, GB/s at which the device computes experts in its slots (default: a stored CPU profile's "
+                        f"slot-expert rate, or its BH when it has none: the slot experts run the host GEMV kernel; "
+                        f"else an assumed {ASSUMED_DEVICE_GBPS:g})")
     for path in ("fill", "host", "device"):
-        p.add_argument(f"--{path}-fixed-ms", type=arg_types.non_negative, default=0.0, metavar="MS",
-                       help=f"fixed cost of the {path} path per layer in which it runs (default 0; DESIGN.md sec. 5 "
-                            "cites FreeToken PR #39 for 0.08 ms on its CPU path)" if path == "host" else
-                       f"fixed cost of the {path} path per layer in which it runs (default 0)")
+        p.add_argument(f"--{path}-fixed-ms", type=arg_types.non_negative, default=None, metavar="MS",
+                       help=f"fixed cost of the {path} path per layer in which it runs (default: the stored profile's "
+                            "measured per-call cost with --bandwidth stored, else 0" +
+                            ("; DESIGN.md sec. 5 cites FreeToken PR #39 for 0.08 ms on its CPU path)" if path == "host"
+                             else ")"))
     p.add_argument("--carry-cache", action="store_true", help="keep the cache across sequences (default: cold)")
     p.add_argument("--batch", action="store_true",
                    help="the sequences are the rows of one batch decoded together (a trace recorded by "

@@ -9,8 +9,9 @@ Rules: hit = active & resident; miss = active & ~resident; F = policy.fetch_spli
 fetched most recently active first (ties to the lower id, never-seen last); victims are the least recently used
 slots (ties to the lowest slot), never one holding an expert active in this layer; F is capped by the eligible
 slots. Hits and fills set usage = step; active experts get recency = step; step += 1 per call (int32: wraps after
-2^31 - 1 calls, after which the LRU order is no longer meaningful but outputs stay correct). The auto policy's reuse
-bookkeeping (slot gains, ghosts, decayed sums) and the full rules: docs/DESIGN.md sec. 12 ("offload/cache.py").
+2^31 - 1 calls, after which the LRU order is no longer meaningful but outputs stay correct). The auto policy's
+repeat-miss sums and its lanes (LaneState: each candidate rule run from the real cache's state, window by window)
+and the full rules: docs/policies.md ("The auto rule") and docs/DESIGN.md sec. 12 ("offload/cache.py").
 """
 
 from __future__ import annotations
@@ -20,10 +21,36 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ft_jax.offload.policy import AUTO_DECAY_SHIFT, AUTO_GAIN_CLAMP, REUSE_FIELDS, Policy, PolicyKind, fetch_split
+from ft_jax.offload.cost_model import auto_layer_ticks
+from ft_jax.offload.policy import (AUTO_CANDIDATES, AUTO_DECAY_SHIFT, AUTO_FIRST_LEADER, AUTO_LANES, AUTO_MAX_COST,
+                                   AUTO_WINDOW_TOKENS, REUSE_FIELDS, Policy, PolicyKind, auto_candidate_counts,
+                                   fetch_split)
 
 # Columns of CacheState.stats (per MoE layer); LayerPlan.stats holds the first five for one call.
 STAT_FIELDS = ("active", "hits", "misses", "fetched", "host", "steps")
+
+
+class LaneState(NamedTuple):
+    """The auto policy's lanes (docs/policies.md, "The auto rule"): each of the K = len(policy.AUTO_LANES) candidate
+    rules run on its own copy of the cache tables, copied from the real cache at the start of every window, and the
+    window's modelled cost of every candidate. C = len(policy.AUTO_CANDIDATES) = K + 1.
+
+    Attributes:
+        slot_of_expert: i32[K, L, E]; expert_of_slot, usage: i32[K, S]; reuse: i32[K, 2]: CacheState's tables, per
+            lane (lane k runs candidate k + 1).
+        cost: i32[C] ticks each candidate took in the current window (auto_layer_ticks of its own hits, misses and
+            fills; host-all's from a cold cache, all misses), saturating at policy.AUTO_MAX_COST.
+        leader: i32[] the candidate the real cache follows (index into AUTO_CANDIDATES).
+        window_start: i32[] global step at which the current window began.
+    """
+
+    slot_of_expert: jax.Array
+    expert_of_slot: jax.Array
+    usage: jax.Array
+    reuse: jax.Array
+    cost: jax.Array
+    leader: jax.Array
+    window_start: jax.Array
 
 
 class CacheState(NamedTuple):
@@ -37,11 +64,9 @@ class CacheState(NamedTuple):
         step: i32[] global step, +1 per MoE-layer call (wraps after 2^31 - 1: see the module docstring).
         stats: i32[L, 6] per-layer counters accumulated on device, columns STAT_FIELDS = (active, hits, misses,
             fetched, host, steps); read once at the end, never synced per step.
-        slot_gain: i32[S] auto only: net hits of the slot's expert since its fill (module docstring), 0 otherwise.
-        ghost_of_slot: i32[S] auto only: flat id the slot's latest fill evicted, -1 = none.
-        reuse: i32[4] auto only: decayed sums (x32) policy.REUSE_FIELDS: the evicted replacement fills' net hits and
-            their count (1/1024 decay per eviction), this cache's repeat misses and misses (1/1024 decay per call
-            with a miss; docs/policies.md).
+        reuse: i32[2] auto only: decayed sums (x32) policy.REUSE_FIELDS: this cache's repeat misses and misses
+            (1/1024 decay per call with a miss; docs/policies.md), zeros otherwise.
+        lanes: LaneState for the auto policy (init_cache_state(..., auto=True)), else None.
     The slot arrays themselves (e.g. gate_up [S, 2I, H], down [S, H, I]) live with the decode step, not here.
     """
 
@@ -51,9 +76,8 @@ class CacheState(NamedTuple):
     recency: jax.Array
     step: jax.Array
     stats: jax.Array
-    slot_gain: jax.Array
-    ghost_of_slot: jax.Array
     reuse: jax.Array
+    lanes: LaneState | None = None
 
 
 class LayerPlan(NamedTuple):
@@ -80,21 +104,29 @@ def _check_dims(**dims: int) -> None:
             raise ValueError(f"expert_cache: {name} must be a positive int, got {value!r}")
 
 
-def init_cache_state(num_layers: int, num_experts: int, num_slots: int) -> CacheState:
+def init_cache_state(num_layers: int, num_experts: int, num_slots: int, *, auto: bool = False) -> CacheState:
     """Cold cache: every slot empty, nothing seen yet, step 0.
 
     Args:
         num_layers: L, number of MoE layers.
         num_experts: E, routed experts per MoE layer.
         num_slots: S, device slots shared by all layers.
+        auto: with the auto policy's lanes (LaneState: cold copies, costs 0, the first leader
+            policy.AUTO_FIRST_LEADER, window from step 0); the state of an auto decode step needs them.
     Returns:
-        CacheState with slot_of_expert, expert_of_slot, usage, recency, ghost_of_slot all -1; step, stats,
-        slot_gain, reuse zeros.
+        CacheState with slot_of_expert, expert_of_slot, usage, recency all -1; step, stats, reuse zeros.
     Raises:
         ValueError: a dimension is not a positive int.
     """
     _check_dims(num_layers=num_layers, num_experts=num_experts, num_slots=num_slots)
     L, E, S = num_layers, num_experts, num_slots
+    lanes = None
+    if auto:
+        K = len(AUTO_LANES)
+        lanes = LaneState(slot_of_expert=jnp.full((K, L, E), -1, jnp.int32), expert_of_slot=jnp.full((K, S), -1, jnp.int32),
+                          usage=jnp.full((K, S), -1, jnp.int32), reuse=jnp.zeros((K, len(REUSE_FIELDS)), jnp.int32),
+                          cost=jnp.zeros((len(AUTO_CANDIDATES),), jnp.int32),
+                          leader=jnp.asarray(AUTO_FIRST_LEADER, jnp.int32), window_start=jnp.zeros((), jnp.int32))
     return CacheState(
         slot_of_expert=jnp.full((L, E), -1, jnp.int32),
         expert_of_slot=jnp.full((S,), -1, jnp.int32),
@@ -102,9 +134,8 @@ def init_cache_state(num_layers: int, num_experts: int, num_slots: int) -> Cache
         recency=jnp.full((L, E), -1, jnp.int32),
         step=jnp.zeros((), jnp.int32),
         stats=jnp.zeros((L, len(STAT_FIELDS)), jnp.int32),
-        slot_gain=jnp.zeros((S,), jnp.int32),
-        ghost_of_slot=jnp.full((S,), -1, jnp.int32),
         reuse=jnp.zeros((len(REUSE_FIELDS),), jnp.int32),
+        lanes=lanes,
     )
 
 
@@ -126,8 +157,6 @@ def init_cache_state_resident(num_layers: int, num_experts: int) -> CacheState:
         recency=jnp.full((L, E), -1, jnp.int32),
         step=jnp.zeros((), jnp.int32),
         stats=jnp.zeros((L, len(STAT_FIELDS)), jnp.int32),
-        slot_gain=jnp.zeros((L * E,), jnp.int32),
-        ghost_of_slot=jnp.full((L * E,), -1, jnp.int32),
         reuse=jnp.zeros((len(REUSE_FIELDS),), jnp.int32),
     )
 
@@ -205,6 +234,9 @@ def _check_plan(state: CacheState, layer, active, policy: Policy, max_active: in
     if policy.kind is PolicyKind.AUTO and policy.costs is None:
         raise ValueError("expert_cache.plan_layer: the auto policy has no costs yet; set them from bandwidths "
                          "(Policy.with_costs(auto_costs(...)))")
+    if policy.kind is PolicyKind.AUTO and state.lanes is None:
+        raise ValueError("expert_cache.plan_layer: the auto policy needs a cache state with its lanes "
+                         "(init_cache_state(..., auto=True))")
     if policy.kind is PolicyKind.RESIDENT and S != L * E:
         raise ValueError(f"expert_cache.plan_layer: resident policy needs S = L*E = {L * E} slots "
                          f"(init_cache_state_resident), got S = {S}")
@@ -226,28 +258,16 @@ def _slots_in_layer(ids, base, E: int):
     return (ids >= 0) & (local >= 0) & (local < E), jnp.clip(local, 0, E - 1)
 
 
-def _observe_reuse(state: CacheState, lay: _Layer):
-    """auto, step 2a: each slot's net hits since its fill: +1 per hit, -1 per miss on the expert its fill evicted
-    (its ghost), clamped to +-AUTO_GAIN_CLAMP. Returns slot_gain i32[S]."""
-    E = lay.row.shape[0]
-    in_layer, local = _slots_in_layer(state.expert_of_slot, lay.base, E)
-    ghost_in_layer, ghost_local = _slots_in_layer(state.ghost_of_slot, lay.base, E)
-    ghost_miss = ghost_in_layer & lay.miss[ghost_local]  # bool[S]
-    slot_hit = in_layer & lay.hit[local]  # bool[S]
-    return jnp.clip(state.slot_gain + slot_hit.astype(jnp.int32) - ghost_miss.astype(jnp.int32),
-                    -AUTO_GAIN_CLAMP, AUTO_GAIN_CLAMP)
-
-
 def _observe_misses(state: CacheState, layer, lay: _Layer):
-    """auto, step 2b: the repeat misses: misses whose expert was active (recency >= 0) no earlier than the least
+    """auto, step 2a: the repeat misses: misses whose expert was active (recency >= 0) no earlier than the least
     recently used slot's last use, i.e. that a fill at their previous activation would still hold under LRU. If the
     layer has misses, the decayed sums (x32, 1/1024 per such call) of repeat misses and misses take them in.
-    Returns reuse i32[4] with entries 2 and 3 updated."""
+    Returns reuse i32[2]."""
     recency = jax.lax.dynamic_index_in_dim(state.recency, layer, keepdims=False)  # i32[E]
     repeat = lay.miss & (recency >= 0) & (recency >= jnp.min(state.usage))  # bool[E]
-    seen = state.reuse[2:] - (state.reuse[2:] >> AUTO_DECAY_SHIFT) + \
+    seen = state.reuse - (state.reuse >> AUTO_DECAY_SHIFT) + \
         32 * jnp.stack([jnp.sum(repeat, dtype=jnp.int32), lay.m])  # i32[2]
-    return jnp.concatenate([state.reuse[:2], jnp.where(lay.m > 0, seen, state.reuse[2:])])
+    return jnp.where(lay.m > 0, seen, state.reuse)
 
 
 def _eligible_slots(state: CacheState, lay: _Layer, active):
@@ -291,26 +311,6 @@ def _apply_fills(state: CacheState, fills: _Fills):
     return slot_of_expert, expert_of_slot
 
 
-def _realize_reuse(state: CacheState, fills: _Fills, slot_gain, reuse):
-    """auto, step 4b: each fill that replaces an expert (its slot's previous fill had evicted one too) adds that slot's
-    gain to the decayed sums, in fill order; the filled slots start afresh with the evicted expert as their ghost.
-    Returns (slot_gain i32[S], ghost_of_slot i32[S], reuse i32[4] with entries 0 and 1 updated)."""
-    S = state.expert_of_slot.shape[0]
-    take, victims, evicted = fills.take, fills.victims, fills.evicted
-
-    def realize(i, sums):
-        gain, count = sums
-        evicts = take[i] & (evicted[i] >= 0) & (state.ghost_of_slot[victims[i]] >= 0)  # a replacement
-        gain = jnp.where(evicts, gain - (gain >> AUTO_DECAY_SHIFT) + 32 * slot_gain[victims[i]], gain)
-        count = jnp.where(evicts, count - (count >> AUTO_DECAY_SHIFT) + 32, count)
-        return gain, count
-
-    realized = jnp.stack(jax.lax.fori_loop(0, take.shape[0], realize, (reuse[0], reuse[1])))  # i32[2]
-    reuse = jnp.concatenate([realized, reuse[2:]])
-    filled = jnp.where(take, victims, S)  # i32[P]
-    return slot_gain.at[filled].set(0, mode="drop"), state.ghost_of_slot.at[filled].set(evicted, mode="drop"), reuse
-
-
 def _layer_stats(state: CacheState, layer, active, lay: _Layer, count):
     """Step 5: this call's (active, hits, misses, fetched, host) i32[5] and the per-layer counters i32[L, 6]."""
     call_stats = jnp.stack([jnp.sum(active, dtype=jnp.int32), lay.n_hits, lay.m, count, lay.m - count])  # i32[5]
@@ -319,19 +319,71 @@ def _layer_stats(state: CacheState, layer, active, lay: _Layer, count):
     return call_stats, jax.lax.dynamic_update_index_in_dim(state.stats, stats_row, layer, axis=0)
 
 
+def _fill_tables(state: CacheState, layer, active, lay: _Layer, count, P: int):
+    """Steps 3-4 and the usage update of 5 for `count` fills: (slot_of_expert, expert_of_slot, usage after the call,
+    the _Fills)."""
+    S = state.expert_of_slot.shape[0]
+    eligible = _eligible_slots(state, lay, active)  # bool[S]
+    fills = _choose_fills(state, layer, lay, eligible, count, P)  # 3
+    slot_of_expert, expert_of_slot = _apply_fills(state, fills)  # 4
+    # 5: hits and fills get usage = step (one scatter; a hit's slot is unchanged by this call's fills).
+    usage_slots = jnp.concatenate([jnp.where(lay.hit, lay.row, S), jnp.where(fills.take, fills.victims, S)])
+    return slot_of_expert, expert_of_slot, state.usage.at[usage_slots].set(state.step, mode="drop"), fills
+
+
+def _lane_call(state: CacheState, tables, candidate, layer, active, costs, P: int):
+    """One lane's plan of this call (vmapped over the lanes): the real cache's recency and step with the lane's own
+    tables (slot_of_expert i32[L, E], expert_of_slot i32[S], usage i32[S], reuse i32[2]) and the split of its
+    candidate (i32[], index into AUTO_CANDIDATES). Returns (the lane's new tables, its modelled ticks i32[])."""
+    lane = state._replace(slot_of_expert=tables[0], expert_of_slot=tables[1], usage=tables[2], reuse=tables[3],
+                          lanes=None)
+    lay = _classify(lane, layer, active)
+    reuse = _observe_misses(lane, layer, lay)
+    evictable = jnp.sum(_eligible_slots(lane, lay, active), dtype=jnp.int32)
+    count = auto_candidate_counts(costs, lay.m, lay.n_hits, evictable, reuse, P)[candidate]
+    slot_of_expert, expert_of_slot, usage, _ = _fill_tables(lane, layer, active, lay, count, P)
+    ticks = auto_layer_ticks(costs, lay.m, lay.n_hits, count)
+    return (slot_of_expert, expert_of_slot, usage, reuse), ticks
+
+
+def _advance_lanes(state: CacheState, layer, active, costs, P: int) -> LaneState:
+    """auto, step 2b (docs/policies.md, "The auto rule"): when a window of AUTO_WINDOW_TOKENS calls of every layer has
+    ended, the candidate that cost least in it becomes the leader (the current one on ties) and every lane restarts
+    from a copy of the real cache's tables with the costs at 0; then every lane plans this call with its candidate's
+    split and every candidate adds its modelled ticks (host-all: this call's active experts as misses of a cold
+    cache)."""
+    lanes = state.lanes
+    L = state.slot_of_expert.shape[0]
+    K = lanes.usage.shape[0]
+    boundary = state.step - lanes.window_start >= AUTO_WINDOW_TOKENS * L
+    best = jnp.argmin(lanes.cost).astype(jnp.int32)
+    leader = jnp.where(boundary & (lanes.cost[best] < lanes.cost[lanes.leader]), best, lanes.leader)
+    real = (state.slot_of_expert, state.expert_of_slot, state.usage, state.reuse)
+    tables = tuple(jnp.where(boundary, jnp.broadcast_to(r, t.shape), t)
+                   for r, t in zip(real, (lanes.slot_of_expert, lanes.expert_of_slot, lanes.usage, lanes.reuse)))
+    cost = jnp.where(boundary, 0, lanes.cost)
+    tables, ticks = jax.vmap(_lane_call, in_axes=(None, 0, 0, None, None, None, None))(
+        state, tables, jnp.arange(1, K + 1, dtype=jnp.int32), layer, active, costs, P)  # ticks i32[K]
+    cold = auto_layer_ticks(costs, jnp.sum(active, dtype=jnp.int32), 0, 0)  # host-all from a cold cache
+    ticks = jnp.concatenate([cold[None], ticks])  # i32[C]
+    cost = jnp.minimum(cost, AUTO_MAX_COST) + jnp.clip(ticks, 0, AUTO_MAX_COST)  # no int32 overflow: < 2^31
+    return LaneState(*tables, cost=jnp.minimum(cost, AUTO_MAX_COST), leader=leader,
+                     window_start=jnp.where(boundary, state.step, lanes.window_start))
+
+
 def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int | None = None
                ) -> tuple[CacheState, LayerPlan]:
     """Plan one MoE layer's experts and update the cache tables (rules: module docstring, docs/DESIGN.md sec. 1-3).
 
-    Steps: 1 classify hits and misses; 2 F from the policy's split (policy.fetch_split; auto first observes the
-    reuse of its fills and its repeat misses); 3 choose the fetched misses and their victim slots; 4 update the
-    tables (auto: realize the evicted fills' reuse); 5 usage, recency and stats. host-all and resident never fetch
-    (steps 2-4 skipped).
+    Steps: 1 classify hits and misses; 2 F from the policy's split (policy.fetch_split; auto first counts its repeat
+    misses and advances its lanes, then follows its leader); 3 choose the fetched misses and their victim slots;
+    4 update the tables; 5 usage, recency and stats. host-all and resident never fetch (steps 2-4 skipped).
     Pure static-shape jnp, jit-compatible; `policy` must be static (a frozen, hashable dataclass), its branch chosen
     in Python at trace time. No sort for plans of at most 8 fills (decode): repeated argmax / argmin.
 
     Args:
-        state: CacheState with shapes [L, E] / [S].
+        state: CacheState with shapes [L, E] / [S] (auto: with its lanes, init_cache_state(..., auto=True)); the
+            lanes of a state pass other policies unchanged.
         layer: MoE layer index in [0, L): Python int or traced i32[] (out-of-range traced values are not checked).
         active: bool[E] active-expert mask of this layer (e.g. active_from_topk).
         policy: Policy; "resident" requires S == L*E (init_cache_state_resident).
@@ -341,44 +393,38 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
         (new_state, LayerPlan). new_state.step = state.step + 1.
     Raises:
         ValueError (trace time): active is not bool[E], layer out of range or not a scalar, resident policy with
-        S != L*E, qstar policy without a fraction, auto policy without costs, max_active < 1.
+        S != L*E, qstar policy without a fraction, auto policy without costs or without lanes, max_active < 1.
     """
     active = jnp.asarray(active)
     P = _check_plan(state, layer, active, policy, max_active)
     layer = jnp.asarray(layer, jnp.int32)
     S = state.expert_of_slot.shape[0]
     lay = _classify(state, layer, active)  # 1
-    slot_of_expert, expert_of_slot = state.slot_of_expert, state.expert_of_slot
-    slot_gain, ghost_of_slot, reuse = state.slot_gain, state.ghost_of_slot, state.reuse  # auto updates them
+    slot_of_expert, expert_of_slot, usage = state.slot_of_expert, state.expert_of_slot, state.usage
+    reuse, lanes = state.reuse, state.lanes  # auto updates them
     if not policy.kind.fetches:
         count = jnp.zeros((), jnp.int32)
         fetch = jnp.zeros_like(active)
         fill_flat_ids = fill_slot_ids = jnp.full((P,), -1, jnp.int32)
-        usage_slots = jnp.where(lay.hit, lay.row, S)  # i32[E] slots to mark used (S = none)
+        usage = usage.at[jnp.where(lay.hit, lay.row, S)].set(state.step, mode="drop")  # 5: hits get usage = step
     else:
-        eligible = _eligible_slots(state, lay, active)  # bool[S]
+        leader = None
         if policy.kind is PolicyKind.AUTO:
-            slot_gain = _observe_reuse(state, lay)  # 2a
-            reuse = _observe_misses(state, layer, lay)  # 2b
-        count = fetch_split(policy, lay.m, lay.n_hits, jnp.sum(eligible, dtype=jnp.int32), reuse, P)  # 2: F
-        fills = _choose_fills(state, layer, lay, eligible, count, P)  # 3
-        slot_of_expert, expert_of_slot = _apply_fills(state, fills)  # 4
-        if policy.kind is PolicyKind.AUTO:
-            slot_gain, ghost_of_slot, reuse = _realize_reuse(state, fills, slot_gain, reuse)  # 4b
+            reuse = _observe_misses(state, layer, lay)  # 2a
+            lanes = _advance_lanes(state, layer, active, policy.costs, P)  # 2b
+            leader = lanes.leader
+        evictable = jnp.sum(_eligible_slots(state, lay, active), dtype=jnp.int32)
+        count = fetch_split(policy, lay.m, lay.n_hits, evictable, reuse, P, leader)  # 2: F
+        slot_of_expert, expert_of_slot, usage, fills = _fill_tables(state, layer, active, lay, count, P)  # 3-5
         fetch, fill_flat_ids, fill_slot_ids = fills.fetch, fills.flat_ids, fills.slot_ids
-        usage_slots = jnp.concatenate([jnp.where(lay.hit, lay.row, S), jnp.where(fills.take, fills.victims, S)])
 
-    # 5: hits and fills get usage = step (one scatter; a hit's slot is unchanged by this call's fills), every
-    # active expert recency = step.
-    step = state.step
-    usage = state.usage.at[usage_slots].set(step, mode="drop")
-    recency_row = jnp.where(active, step, jax.lax.dynamic_index_in_dim(state.recency, layer, keepdims=False))
+    # 5: every active expert gets recency = step; the stats.
+    recency_row = jnp.where(active, state.step, jax.lax.dynamic_index_in_dim(state.recency, layer, keepdims=False))
     recency = jax.lax.dynamic_update_index_in_dim(state.recency, recency_row, layer, axis=0)
     device_row = jax.lax.dynamic_index_in_dim(slot_of_expert, layer, keepdims=False)  # i32[E] after the fills
     call_stats, stats = _layer_stats(state, layer, active, lay, count)
     new_state = CacheState(slot_of_expert=slot_of_expert, expert_of_slot=expert_of_slot, usage=usage,
-                           recency=recency, step=step + 1, stats=stats, slot_gain=slot_gain,
-                           ghost_of_slot=ghost_of_slot, reuse=reuse)
+                           recency=recency, step=state.step + 1, stats=stats, reuse=reuse, lanes=lanes)
     plan = LayerPlan(fill_flat_ids=fill_flat_ids, fill_slot_ids=fill_slot_ids,
                      device_slot_of_expert=jnp.where(lay.hit | fetch, device_row, -1), host_mask=lay.miss & ~fetch,
                      stats=call_stats)

@@ -43,6 +43,7 @@ PRESETS = {
 # --device-bandwidth is given.
 ASSUMED_DEVICE_GBPS = 1000.0
 
+Q16_ONE = 1 << 16  # fixed-point 1.0 of the q* policy's Q16 fraction
 AUTO_TICKS = 1024  # the largest of the solo per-expert times (fill, host, device) in integer ticks
 AUTO_MAX_TICKS = 1 << 20  # cap of any tick value (a contended bandwidth near 0 gives a huge per-expert time)
 AUTO_MAX_FIXED = 1 << 18  # cap of a fixed cost in ticks
@@ -141,6 +142,24 @@ def path_costs(expert_bytes: int, bp: float, bh: float, bpc: float, bhc: float, 
 # --- The tick form (the auto policy, on the device) ------------------------------------------------------------------
 
 
+def frac_to_q16(frac: float) -> int:
+    """Q16 fixed-point fraction f = clamp(round(frac * 2^16), 0, 2^16) (docs/DESIGN.md sec. 1).
+
+    round is round-half-up (floor(x + 0.5)), done once in Python so every implementation gets the same f.
+
+    Args:
+        frac: fetch fraction, finite (normally 0..1; values outside are clamped).
+    Returns:
+        int in [0, 65536].
+    Raises:
+        ValueError: frac is NaN or infinite.
+    """
+    frac = float(frac)
+    if not math.isfinite(frac):
+        raise ValueError(f"policy: fetch fraction must be finite, got {frac!r}")
+    return min(max(math.floor(frac * Q16_ONE + 0.5), 0), Q16_ONE)
+
+
 def fraction_from_bandwidth(bp: float, bh: float, bp_contended: float | None = None,
                             bh_contended: float | None = None) -> float:
     """Fetch fraction of the q* policy from measured bandwidths (docs/DESIGN.md sec. 1).
@@ -185,7 +204,8 @@ class AutoCosts:
     Per expert: fill_solo = S_e/BP, fill_cont = S_e/BPc, host_solo = S_e/BH, host_cont = S_e/BHc,
     device = S_e/BD; per layer in which the path runs: fill_fixed, host_fixed, device_fixed. A tick is
     tick_ms milliseconds, chosen so that max(fill_solo, host_solo, device) = AUTO_TICKS; every value is capped at
-    AUTO_MAX_TICKS. Built by auto_costs; frozen and hashable (part of a static Policy).
+    AUTO_MAX_TICKS. qstar_q16: the q* fraction of the same bandwidths (fraction_from_bandwidth, frac_to_q16), the
+    split of auto's qstar candidate. Built by auto_costs; frozen and hashable (part of a static Policy).
     """
 
     fill_solo: int
@@ -197,11 +217,15 @@ class AutoCosts:
     host_fixed: int
     device_fixed: int
     tick_ms: float
+    qstar_q16: int = Q16_ONE
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "tick_ms":
+            if f.name == "qstar_q16":
+                if not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= Q16_ONE):
+                    raise ValueError(f"policy: AutoCosts.qstar_q16 must be an integer in [0, {Q16_ONE}], got {v!r}")
+            elif f.name == "tick_ms":
                 if not (isinstance(v, float) and math.isfinite(v) and v > 0):
                     raise ValueError(f"policy: AutoCosts.tick_ms must be a positive float, got {v!r}")
             elif not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= AUTO_MAX_TICKS):
@@ -217,7 +241,7 @@ def auto_costs(expert_bytes: int, bp: float, bh: float, bp_contended: float | No
                bh_contended: float | None = None, device_bandwidth: float | None = None, fill_fixed_ms: float = 0.0,
                host_fixed_ms: float = 0.0, device_fixed_ms: float = 0.0) -> AutoCosts:
     """AutoCosts of an expert size, bandwidths (GB/s = 1e9 B/s) and fixed costs (ms per layer): the PathCosts in ms
-    rounded to ticks.
+    rounded to ticks, and the q* fraction of the bandwidths in Q16 (qstar_q16).
 
     Without a contended pair: contended_pair. device_bandwidth None: BH (a CPU device: its slot experts run the host
     GEMV kernel in the same memory). Rounding: tick_ms = max(fill_solo, host_solo, device) / AUTO_TICKS; ticks =
@@ -257,9 +281,10 @@ def auto_costs(expert_bytes: int, bp: float, bh: float, bp_contended: float | No
         return min(max(low, math.floor(value_ms / tick + 0.5)), AUTO_MAX_TICKS)
 
     fixed = [min(ticks(v, 0), AUTO_MAX_FIXED) for v in (c.fill_fixed, c.host_fixed, c.device_fixed)]
+    q16 = frac_to_q16(fraction_from_bandwidth(bp, bh, bp_contended, bh_contended))
     return AutoCosts(fill_solo=ticks(c.fill_solo, 1), fill_cont=ticks(c.fill_cont, 1), host_solo=ticks(c.host_solo, 1),
                      host_cont=ticks(c.host_cont, 1), device=ticks(c.device, 1), fill_fixed=fixed[0],
-                     host_fixed=fixed[1], device_fixed=fixed[2], tick_ms=float(tick))
+                     host_fixed=fixed[1], device_fixed=fixed[2], tick_ms=float(tick), qstar_q16=q16)
 
 
 def auto_layer_ticks(costs: AutoCosts, misses, hits, fetched):
@@ -372,17 +397,22 @@ class CostModel:
 
     @classmethod
     def from_spec(cls, spec: dict, expert_bytes: int, *, platform: str | None = None,
-                  device_bandwidth: float | None = None, fill_fixed_ms: float = 0.0, host_fixed_ms: float = 0.0,
-                  device_fixed_ms: float = 0.0) -> "CostModel":
+                  device_bandwidth: float | None = None, fill_fixed_ms: float | None = None,
+                  host_fixed_ms: float | None = None, device_fixed_ms: float | None = None) -> "CostModel":
         """The CostModel of a bandwidth spec (a preset's dict, parse_bandwidth's, or a stored profile's) at an expert
-        size. device_bandwidth None: BH when the bandwidths were measured on a CPU device (platform "cpu": its
-        slot_experts kernel is the host GEMV kernel reading slots in the same memory), else ASSUMED_DEVICE_GBPS."""
-        if device_bandwidth is None:
-            device_bandwidth = spec["bh"] if platform == "cpu" else ASSUMED_DEVICE_GBPS
+        size. An argument left None takes the spec's value when it has one (a stored profile's measured fixed costs
+        and CPU slot-expert bandwidth: profile.Profile.fixed_costs), else its default: fixed costs 0, and a device
+        bandwidth of BH when the bandwidths were measured on a CPU device (platform "cpu": its slot_experts kernel
+        is the host GEMV kernel reading slots in the same memory), else ASSUMED_DEVICE_GBPS."""
+        def pick(value, name, default):
+            return float(value if value is not None else spec.get(name, default))
+
+        bd = pick(device_bandwidth, "device_bandwidth", spec["bh"] if platform == "cpu" else ASSUMED_DEVICE_GBPS)
         return cls(expert_bytes=int(expert_bytes), bp=spec["bp"], bh=spec["bh"], bp_contended=spec["bp_contended"],
-                   bh_contended=spec["bh_contended"], device_bandwidth=float(device_bandwidth),
-                   fill_fixed_ms=float(fill_fixed_ms), host_fixed_ms=float(host_fixed_ms),
-                   device_fixed_ms=float(device_fixed_ms), source=spec.get("source", ""))
+                   bh_contended=spec["bh_contended"], device_bandwidth=bd,
+                   fill_fixed_ms=pick(fill_fixed_ms, "fill_fixed_ms", 0.0),
+                   host_fixed_ms=pick(host_fixed_ms, "host_fixed_ms", 0.0),
+                   device_fixed_ms=pick(device_fixed_ms, "device_fixed_ms", 0.0), source=spec.get("source", ""))
 
 
 def parse_bandwidth(spec: str) -> dict | None:

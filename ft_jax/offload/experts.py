@@ -89,7 +89,7 @@ class OffloadedExperts:
                                 *_no_errors())
         if num_slots < 1:
             raise ValueError(f"offload: the device budget must hold at least one expert slot, got {num_slots} slots")
-        cache = expert_cache.init_cache_state(L, E, num_slots)
+        cache = expert_cache.init_cache_state(L, E, num_slots, auto=self.policy.kind is PolicyKind.AUTO)
         pools = {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in self.banks.pool_shapes(num_slots).items()}
         return OffloadState(cache, pools, *_no_errors())
 

@@ -15,9 +15,7 @@ import math
 
 import jax.numpy as jnp
 
-from ft_jax.offload.cost_model import AutoCosts, CostModel, auto_layer_ticks
-
-Q16_ONE = 1 << 16  # fixed-point 1.0 of the Q16 fraction
+from ft_jax.offload.cost_model import Q16_ONE, AutoCosts, CostModel, auto_layer_ticks, frac_to_q16
 
 
 
@@ -41,24 +39,6 @@ class PolicyKind(str, enum.Enum):
 
 
 POLICY_KINDS = tuple(k.value for k in PolicyKind)
-
-
-def frac_to_q16(frac: float) -> int:
-    """Q16 fixed-point fraction f = clamp(round(frac * 2^16), 0, 2^16) (docs/DESIGN.md sec. 1).
-
-    round is round-half-up (floor(x + 0.5)), done once in Python so every implementation gets the same f.
-
-    Args:
-        frac: fetch fraction, finite (normally 0..1; values outside are clamped).
-    Returns:
-        int in [0, 65536].
-    Raises:
-        ValueError: frac is NaN or infinite.
-    """
-    frac = float(frac)
-    if not math.isfinite(frac):
-        raise ValueError(f"policy: fetch fraction must be finite, got {frac!r}")
-    return min(max(math.floor(frac * Q16_ONE + 0.5), 0), Q16_ONE)
 
 
 def fetch_count_np(m: int, frac: float) -> int:
@@ -117,57 +97,59 @@ def fetch_count(m, frac_q16: int):
 
 # --- The auto policy (docs/policies.md) --------------------------------------------------------------------------------
 
-AUTO_GAIN_CLAMP = 127  # |net hits| of one fill counted at most (keeps the int32 estimator exact, see auto_credit)
-AUTO_DECAY_SHIFT = 10  # the decayed sums lose 1/1024 per update: the estimate spans the last ~1000 updates
-AUTO_PRIOR_HITS = 2  # prior of the repeat-miss estimate: 2 repeats per non-repeat, i.e. 2 hits per fill
+AUTO_DECAY_SHIFT = 10  # the reuse sums lose 1/1024 per call with a miss: the estimate spans the last ~1000 such calls
+AUTO_PRIOR_HITS = 2  # prior of the reuse estimate: 2 repeat misses per other miss, i.e. 2 hits per fill
+AUTO_MAX_HITS = 127  # hits per fill counted at most (keeps the credit exact in int32)
 AUTO_MAX_CREDIT = 1 << 22  # cap of the reuse credit in ticks (credit * F stays in int32 for F <= 256)
-REUSE_FIELDS = ("gain", "fills", "repeat_misses", "misses")  # CacheState.reuse, the four decayed sums (x32)
+REUSE_FIELDS = ("repeat_misses", "misses")  # CacheState.reuse, the two decayed sums (x32)
+# The candidates auto follows, in the order of LaneState.cost (index = LaneState.leader): host-all (priced from a cold
+# cache, without a lane) and the rules of AUTO_LANES, each run in a lane from the real cache's state.
+AUTO_CANDIDATES = ("host-all", "fetch-all", "fixed-cap:1", "qstar", "reuse")
+AUTO_LANES = AUTO_CANDIDATES[1:]
+AUTO_FIRST_LEADER = AUTO_CANDIDATES.index("reuse")  # followed in the first window
+AUTO_WINDOW_TOKENS = 128  # decode tokens per window (window = this many calls of every MoE layer)
+AUTO_MAX_COST = (1 << 30) - 1  # a candidate's window cost saturates here (ticks)
 
 
-def auto_shadow_hits(repeat_misses, misses):
-    """Net hits per fill estimated from the misses alone (Q4, int32 jnp): a miss is a repeat miss when its expert
-    was active since the least recently used slot's last use, i.e. when a fill at its previous activation would
-    still be resident under LRU (cache.plan_layer); with p the share of repeat misses, a fill starts a chain of
-    p / (1 - p) hits. From the decayed sums (x32) with a prior of 2 repeats per non-repeat (AUTO_PRIOR_HITS):
-    min(16 * (repeat_misses + 64) // (misses - repeat_misses + 32), 16 * AUTO_GAIN_CLAMP).
-    Returns i32[] >= 0."""
-    rep = jnp.asarray(repeat_misses, jnp.int32)
-    rest = jnp.maximum(jnp.asarray(misses, jnp.int32) - rep, 0)
-    return jnp.minimum(16 * (rep + 32 * AUTO_PRIOR_HITS) // (rest + 32), 16 * AUTO_GAIN_CLAMP).astype(jnp.int32)
+def auto_reuse_hits(reuse):
+    """Hits per fill estimated from the misses (Q4, int32 jnp): a miss is a repeat miss when its expert was active
+    since the least recently used slot's last use, i.e. when a fill at its previous activation would still be
+    resident under LRU (cache.plan_layer); with p the share of repeat misses, a fill starts a chain of p / (1 - p)
+    hits. From the decayed sums (x32) with a prior of AUTO_PRIOR_HITS repeats per other miss:
+    min(16 * (repeat_misses + 32 * AUTO_PRIOR_HITS) // (misses - repeat_misses + 32), 16 * AUTO_MAX_HITS).
+
+    Args:
+        reuse: i32[2] the decayed sums REUSE_FIELDS (CacheState.reuse).
+    Returns:
+        i32[] >= 0.
+    """
+    reuse = jnp.asarray(reuse, jnp.int32)
+    rest = jnp.maximum(reuse[1] - reuse[0], 0)
+    return jnp.minimum(16 * (reuse[0] + 32 * AUTO_PRIOR_HITS) // (rest + 32), 16 * AUTO_MAX_HITS).astype(jnp.int32)
 
 
 def auto_credit(costs: AutoCosts, misses, hits, reuse):
-    """Reuse credit of one more fetch, ticks (int32 jnp): the expected net future hits of a fill times what one hit
-    saves, taken as what turning one of this layer's misses into a hit would save now:
-    max(0, auto_layer_ticks(misses, hits, 0) - auto_layer_ticks(misses - 1, hits + 1, 0)) (on a GPU about one host
-    GEMV; on a CPU device, whose slot experts run beside the host path, what the parallel path takes off the
-    slower one).
-
-    Net hits per fill (Q4, 1/16 hit): g = floor(max(0, 16 * gain + 32 * s) / (fills + 32)), from the decayed sums
-    (x32) of the evicted replacement fills' net hits and count (the marginal fills: the ones the cache gave up),
-    with one pseudo-fill whose net hits are s = auto_shadow_hits(repeat_misses, misses) (Q4): the estimate the
-    misses give from the first token on, in a cache of any size, whether or not anything is evicted; the evicted
-    fills take over as they accumulate. credit = min((g * saving) >> 4, AUTO_MAX_CREDIT). |gain| stays below
-    32 * 1024 * (AUTO_GAIN_CLAMP + 1): every product is exact in int32.
+    """Reuse credit of one more fetch, ticks (int32 jnp): the estimated hits per fill g = auto_reuse_hits(reuse)
+    (Q4) times what one hit saves, taken as what turning one of this layer's misses into a hit would save now:
+    saving = max(0, auto_layer_ticks(misses, hits, 0) - auto_layer_ticks(misses - 1, hits + 1, 0)) (on a GPU about
+    one host GEMV). credit = min((g * saving) >> 4, AUTO_MAX_CREDIT); g <= 16 * 127 and saving < 2^20 keep the
+    product exact in int32.
 
     Args:
         costs: AutoCosts (static). misses (>= 1 when it matters), hits: int32 scalars.
-        reuse: i32[4] the decayed sums REUSE_FIELDS (CacheState.reuse).
+        reuse: i32[2] the decayed sums REUSE_FIELDS (CacheState.reuse).
     Returns:
         i32[] credit >= 0.
     """
     misses = jnp.asarray(misses, jnp.int32)
     hits = jnp.asarray(hits, jnp.int32)
-    reuse = jnp.asarray(reuse, jnp.int32)
     saving = jnp.maximum(auto_layer_ticks(costs, misses, hits, 0) -
                          auto_layer_ticks(costs, jnp.maximum(misses - 1, 0), hits + jnp.minimum(misses, 1), 0), 0)
-    shadow = auto_shadow_hits(reuse[2], reuse[3])  # i32[] Q4
-    g = jnp.maximum(16 * reuse[0] + 32 * shadow, 0) // (reuse[1] + 32)  # i32[] net hits per fill, Q4
-    return jnp.minimum((g * saving) >> 4, AUTO_MAX_CREDIT).astype(jnp.int32)
+    return jnp.minimum((auto_reuse_hits(reuse) * saving) >> 4, AUTO_MAX_CREDIT).astype(jnp.int32)
 
 
 def auto_fetch_count(costs: AutoCosts, misses, hits, cap, credit, max_fetch: int):
-    """F of the auto policy for one layer (jnp): argmin over F in [0, cap] of auto_layer_ticks(F) - credit * F,
+    """F of the reuse rule for one layer (jnp): argmin over F in [0, cap] of auto_layer_ticks(F) - credit * F,
     the smallest F on ties.
 
     Args:
@@ -180,6 +162,25 @@ def auto_fetch_count(costs: AutoCosts, misses, hits, cap, credit, max_fetch: int
     value = auto_layer_ticks(costs, misses, hits, jnp.minimum(F, misses)) - credit * F  # i32[P + 1]
     value = jnp.where(F <= cap, value, jnp.iinfo(jnp.int32).max)
     return jnp.argmin(value).astype(jnp.int32)
+
+
+def auto_candidate_counts(costs: AutoCosts, misses, hits, cap, reuse, max_fetch: int):
+    """F of every candidate of the auto policy (AUTO_CANDIDATES) for one layer (jnp): host-all 0, fetch-all m,
+    fixed-cap:1 min(m, 1), qstar fetch_count(m, costs.qstar_q16), reuse auto_fetch_count with auto_credit; each
+    capped by cap.
+
+    Args:
+        costs: AutoCosts (static). misses m, hits, cap (evictable slots): int32 scalars. reuse: i32[2] (REUSE_FIELDS).
+        max_fetch: static bound on F (the plan's P).
+    Returns:
+        i32[len(AUTO_CANDIDATES)].
+    """
+    misses = jnp.asarray(misses, jnp.int32)
+    cap = jnp.minimum(jnp.asarray(cap, jnp.int32), misses)
+    credit = auto_credit(costs, misses, hits, reuse)
+    counts = jnp.stack([jnp.zeros((), jnp.int32), misses, jnp.minimum(misses, 1), fetch_count(misses, costs.qstar_q16),
+                        auto_fetch_count(costs, misses, hits, cap, credit, max_fetch)])
+    return jnp.minimum(counts, cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,24 +328,24 @@ def fetch_budget(policy: Policy, m):
 
 
 
-def fetch_split(policy: Policy, misses, hits, cap, reuse, max_fetch: int):
+def fetch_split(policy: Policy, misses, hits, cap, reuse, max_fetch: int, leader=None):
     """The policy's split of one MoE layer: F, how many of its m misses are fetched into slots (jnp, traced inputs;
     the branch is chosen in Python from the static policy). The rest of the misses are computed on the host.
 
-    q* / fetch-all / fixed-cap / host-all / resident: min(fetch_budget(policy, m), cap). auto: auto_fetch_count, the
-    argmin of the modelled layer time minus F times the reuse credit (auto_credit of the decayed reuse sums).
+    q* / fetch-all / fixed-cap / host-all / resident: min(fetch_budget(policy, m), cap). auto: the F of the
+    candidate it follows (auto_candidate_counts[leader]).
 
     Args:
         policy: a bound Policy (static; qstar with its fraction, auto with its costs).
         misses: i32[] m. hits: i32[] active experts already in a slot. cap: i32[] evictable slots (F <= cap).
-        reuse: i32[4] the cache's decayed sums REUSE_FIELDS (CacheState.reuse; auto only).
+        reuse: i32[2] the cache's decayed sums REUSE_FIELDS (CacheState.reuse; auto only).
         max_fetch: static bound on F (the plan's P).
+        leader: i32[] auto only: the index into AUTO_CANDIDATES it follows (LaneState.leader).
     Returns:
         i32[] F with 0 <= F <= min(m, cap).
     """
     if policy.kind is PolicyKind.AUTO:
-        credit = auto_credit(policy.costs, misses, hits, reuse)
-        return auto_fetch_count(policy.costs, misses, hits, jnp.minimum(misses, cap), credit, max_fetch)
+        return auto_candidate_counts(policy.costs, misses, hits, cap, reuse, max_fetch)[leader]
     return jnp.minimum(fetch_budget(policy, misses), cap)
 
 

@@ -6,7 +6,10 @@ stored expert weight bytes:
 - BP: ``ffi_ops.slot_fill`` under jax.jit, slot arrays donated (filled in place), n experts per call;
 - BH: ``ffi_ops.host_experts`` under jax.jit, one token routed to n distinct experts;
 - BPc, BHc: both loops at once in two threads (JAX releases the GIL while a computation runs, so they execute
-  concurrently, as in the decode step where the fill and the host GEMV have no data dependency).
+  concurrently, as in the decode step where the fill and the host GEMV have no data dependency);
+- the cost of one call of slot_fill, host_experts and slot_experts (with no and with one route) inside a compiled
+  loop (``Bench.call_costs``): the cost model's fixed costs per layer and, on a CPU device, the slot experts' own
+  bandwidth (``Profile.fixed_costs``).
 Rows and slots rotate past twice the last-level cache (``Bench``); each value is the median of timed windows
 (``measure_rates``) with the min-max spread. Quick mode: 3 windows of 0.04 s, a few seconds in all.
 
@@ -130,6 +133,9 @@ class Profile:
     key: machine_key; bp, bh: slot fill / host expert GEMV alone; bp_contended, bh_contended: the same while both
     run (None in stores written without the pair); spreads: {"bp": [min, max], ...}; measured_at: ISO 8601 UTC;
     details: working_set_bytes, llc_bytes, experts_per_call, seconds, load_average_1m, jax_version.
+    call_ms: the cost of one call inside a compiled step, ms (Bench.call_costs; None in stores written before them):
+    "fill" (slot_fill with nothing to copy), "host" (host_experts with no route), "slot" (slot_experts with no
+    route) and "slot_route" (slot_experts with one route). fixed_costs() turns them into the cost model's terms.
     """
 
     key: dict[str, Any]
@@ -144,17 +150,38 @@ class Profile:
     hidden_size: int
     intermediate_size: int
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    call_ms: dict[str, float] | None = None
 
     def fraction(self) -> float:
         """Fetch fraction q*/m, ``policy.fraction_from_bandwidth``: BPc / (BPc + BHc) with the contended pair, else
         min(1, BP / BH). Raises ValueError for a bandwidth that is not a positive finite number."""
         return float(fraction_from_bandwidth(self.bp, self.bh, self.bp_contended, self.bh_contended))
 
+    def fixed_costs(self) -> dict[str, float]:
+        """The cost model's per-layer terms from call_ms (cost_model.CostModel; {} without call_ms):
+        fill_fixed_ms = the slot_fill call, host_fixed_ms = the host_experts call, device_fixed_ms = the slot_experts
+        call (each with nothing to do: what a layer pays for the call itself), and on a CPU device device_bandwidth =
+        expert_bytes / (slot_route - slot) GB/s (the slot experts' own rate for one route; a non-positive difference,
+        timing noise, leaves it out)."""
+        if not self.call_ms:
+            return {}
+        c = self.call_ms
+        out = {"fill_fixed_ms": c["fill"], "host_fixed_ms": c["host"], "device_fixed_ms": c["slot"]}
+        route_ms = c["slot_route"] - c["slot"]
+        if self.key["platform"] == "cpu" and route_ms > 0:
+            out["device_bandwidth"] = self.key["expert_bytes"] / (route_ms * 1e-3) / GB
+        return out
+
     def summary(self) -> str:
-        """One line: BP, BH, the contended pair and the fetch fraction."""
+        """One line: BP, BH, the contended pair, the fetch fraction and (when measured) the per-call costs."""
         pair = (f", contended BP {self.bp_contended:.2f} / BH {self.bh_contended:.2f} GB/s"
                 if self.bp_contended is not None else "")
-        return f"BP {self.bp:.2f} GB/s, BH {self.bh:.2f} GB/s{pair}, fetch fraction {self.fraction():.3f}"
+        calls = ""
+        if self.call_ms:
+            c = self.call_ms
+            calls = (f"; per call: fill {c['fill']:.3f}, host {c['host']:.3f}, slot {c['slot']:.3f}, slot with one "
+                     f"route {c['slot_route']:.3f} ms")
+        return f"BP {self.bp:.2f} GB/s, BH {self.bh:.2f} GB/s{pair}, fetch fraction {self.fraction():.3f}{calls}"
 
 
 # --- Measuring harness (also used by scripts/bench_ffi.py) -----------------------------------------------------------
@@ -242,6 +269,56 @@ class Bench:
         j = next(self._calls[1])
         self._gemv(self._x, self._ids[j % len(self._ids)], self._w).block_until_ready()
 
+    def call_costs(self, calls: int = 16, repeats: int = 3) -> dict[str, float]:
+        """ms per call of the production handlers inside one compiled loop (jax.lax.fori_loop of ``calls`` calls, so
+        no Python dispatch per call: what a decode step pays per MoE layer), the median of ``repeats`` timed runs
+        after one warm-up: "fill" (slot_fill whose entries are all -1), "host" (host_experts with no route), "slot"
+        (slot_experts with no route), "slot_route" (slot_experts with one route, T = 1). The ids depend on the loop
+        index, so XLA cannot hoist a call out of the loop."""
+        banks, names = self.banks, self.banks.names
+        quant = {"weight_format": banks.format} if banks.quantized else {}
+        one = jnp.ones((1, 1), jnp.float32)  # f32[T=1, k=1] combine weight
+
+        def pools_of(slots):
+            return dict(zip(names, slots))
+
+        def fill(i, slots, x):
+            ids = jnp.where(i < 0, i, -1).astype(jnp.int32).reshape(1)  # i32[1], always -1
+            return ffi_ops.slot_fill(slots, ids, ids, banks.banks), x
+
+        def host(i, slots, x):
+            ids = jnp.where(i < 0, i, -1).astype(jnp.int32).reshape(1, 1)  # i32[1, 1], no route
+            extra = {name: getattr(banks, name) for name in names[2:]}
+            y = ffi_ops.host_experts(x, ids, one, banks.gate_up, banks.down, **extra, **quant)
+            return slots, x + 1e-30 * y
+
+        def slot(route):
+            def call(i, slots, x):
+                ids = (i % self.rows if route else jnp.where(i < 0, i, -1)).astype(jnp.int32).reshape(1, 1)
+                pools = pools_of(slots)
+                extra = {f"{name}_slots": pools[name] for name in names[2:]}
+                y = ffi_ops.slot_experts(x, ids, one, pools["gate_up"], pools["down"], **extra, **quant)
+                return slots, x + 1e-30 * y
+            return call
+
+        def looped(body):
+            def run(slots, x):
+                return jax.lax.fori_loop(0, calls, lambda i, c: body(i, *c), (slots, x))
+            return jax.jit(run, donate_argnums=0)
+
+        x = self._x[:1]  # f32[1, H]
+        out = {}
+        for name, body in (("fill", fill), ("host", host), ("slot", slot(False)), ("slot_route", slot(True))):
+            run, times = looped(body), []
+            for r in range(repeats + 1):
+                t0 = time.perf_counter()
+                self._slots, y = run(self._slots, x)
+                jax.block_until_ready((self._slots, y))
+                if r:  # the first run compiles
+                    times.append((time.perf_counter() - t0) / calls * 1e3)
+            out[name] = statistics.median(times)
+        return out
+
     def __enter__(self) -> "Bench":
         return self
 
@@ -293,9 +370,9 @@ def contended_rates(fill: Callable[[], Any], gemv: Callable[[], Any], nbytes: in
 
 def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *, quick: bool = False,
                     repeats: int | None = None, progress: bool = False, fmt: WeightFormat | None = None) -> Profile:
-    """Measure BP, BH and the contended pair at expert size (H, I, dtype) on the default jax device, with the experts
-    in weight format ``fmt`` (default the float format of dtype; a quantized format: its stored bytes, read by the
-    kernels that dequantize them).
+    """Measure BP, BH, the contended pair and the per-call costs (Bench.call_costs) at expert size (H, I, dtype) on
+    the default jax device, with the experts in weight format ``fmt`` (default the float format of dtype; a
+    quantized format: its stored bytes, read by the kernels that dequantize them).
 
     quick: MODES["quick"] (a few seconds) instead of MODES["full"]; repeats: timed windows per bandwidth (default
     the mode's), >= 1; progress: show the stage on stderr when it is a terminal.
@@ -320,6 +397,8 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
         window = max(2 * mode["min_time"], 4 * b.nbytes / GB / min(rates["bp"][0], rates["bh"][0]))  # >= ~4 calls
         stage("ft-jax profile: contended pair (both at once)")
         pairs = [contended_rates(b.fill, b.gemv, b.nbytes, window) for _ in range(repeats)]
+        stage("ft-jax profile: per-call costs inside a compiled step")
+        call_ms = b.call_costs(calls=8 if quick else 32, repeats=repeats)
     stage("")
     for i, name in enumerate(("bp_contended", "bh_contended")):
         values = [pair[i] for pair in pairs]
@@ -332,7 +411,8 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
         hidden_size=int(hidden_size), intermediate_size=int(intermediate_size),
         details={"working_set_bytes": 3 * b.rows * b.expert_bytes, "llc_bytes": b.llc_bytes,
                  "experts_per_call": b.n, "seconds": round(time.perf_counter() - t0, 3),
-                 "load_average_1m": round(os.getloadavg()[0], 2), "jax_version": jax.__version__})
+                 "load_average_1m": round(os.getloadavg()[0], 2), "jax_version": jax.__version__},
+        call_ms={name: round(ms, 6) for name, ms in call_ms.items()})
 
 
 # --- Store -----------------------------------------------------------------------------------------------------------
@@ -485,18 +565,22 @@ def stored_profile(expert_bytes: int, dtype: str, path: str | os.PathLike | None
 
 
 def _spec(profile: Profile, source: str) -> dict:
+    """A bandwidth spec (cost_model.parse_bandwidth's keys) of a stored profile, with its fixed costs and, on a CPU
+    device, its slot experts' bandwidth (Profile.fixed_costs)."""
     return {"bp": profile.bp, "bh": profile.bh, "bp_contended": profile.bp_contended,
-            "bh_contended": profile.bh_contended, "source": source}
+            "bh_contended": profile.bh_contended, "source": source, **profile.fixed_costs()}
 
 
 def cost_model_for(bandwidth: str, expert_bytes: int, *, dtype: str = "bfloat16", profile_path: str | None = None,
-                   device_bandwidth: float | None = None, fill_fixed_ms: float = 0.0, host_fixed_ms: float = 0.0,
-                   device_fixed_ms: float = 0.0, fmt: WeightFormat | None = None) -> CostModel:
+                   device_bandwidth: float | None = None, fill_fixed_ms: float | None = None,
+                   host_fixed_ms: float | None = None, device_fixed_ms: float | None = None,
+                   fmt: WeightFormat | None = None) -> CostModel:
     """The CostModel of a --bandwidth spec (cost_model.parse_bandwidth; "stored": stored_profile) at an expert size
     (stored bytes; ``fmt``: the weight format whose stored profile is looked up, default the float one of dtype).
 
-    device_bandwidth None: BH for a stored profile of a CPU device, else ASSUMED_DEVICE_GBPS (CostModel.from_spec).
-    Raises ValueError (bad spec, no stored profile)."""
+    device_bandwidth and the fixed costs (ms per layer) None: a stored profile's (Profile.fixed_costs: measured per
+    call; the device bandwidth of a CPU device from its slot experts, else BH), else ASSUMED_DEVICE_GBPS and 0
+    (CostModel.from_spec). Raises ValueError (bad spec, no stored profile)."""
     spec = parse_bandwidth(bandwidth)
     platform_name = None
     if spec is None:

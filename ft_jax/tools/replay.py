@@ -104,7 +104,7 @@ def replay(trace: Trace, policy, num_slots: int, *, carry_cache: bool = False, b
     def cold():
         if policy.kind is PolicyKind.RESIDENT:
             return init_cache_state_resident(L, E)
-        return init_cache_state(L, E, num_slots)
+        return init_cache_state(L, E, num_slots, auto=policy.kind is PolicyKind.AUTO)
 
     out, state = [], None
     for i, active in enumerate(_streams(trace, batch)):
