@@ -60,7 +60,7 @@ def _reference_stats(routing_list, policy, S, carry=False):
     out, ref = [], None
     for ids in routing_list:
         if ref is None or not carry:
-            ref = ReferenceCache(L, E, S)
+            ref = ReferenceCache(L, E, S, auto=policy.kind == "auto")
         for token in ids:
             for layer in range(L):
                 active = np.zeros(E, bool)
@@ -130,8 +130,11 @@ def test_replay_matches_reference_step_by_step(tmp_path, carry):
             got = replay(trace, policy, S, carry_cache=carry)
             want, ref = _reference_stats([routing[0], routing[1]], policy, S, carry)
             np.testing.assert_array_equal(got.stats, want, err_msg=f"{policy} hot={hot} carry={carry}")
-            for name, value in ref.arrays().items():  # the last sequence's final tables
-                np.testing.assert_array_equal(np.asarray(getattr(got.state, name)), value, err_msg=name)
+            for name, value in ref.arrays().items():  # the last sequence's final tables (auto: and lanes)
+                have = getattr(got.state, name)
+                for field, want_value in (value.items() if name == "lanes" else [(None, value)]):
+                    np.testing.assert_array_equal(np.asarray(have if field is None else getattr(have, field)),
+                                                  want_value, err_msg=f"{name} {field}")
             if policy.kind == "auto":
                 assert want[..., 3].sum() > 0 and want[..., 4].sum() > 0  # it really split misses
     assert want[..., 0].sum() == 15 * L * K  # every route counted once
@@ -289,9 +292,10 @@ def test_replayed_trace_makes_the_decode_steps_decisions(tmp_path, rows):
         trace = read_trace(str(path), cfg.num_moe_layers, cfg.num_experts)
         assert trace.tokens == rows * 24
         got = replay(trace, policy, 5, batch=True, initial_state=start)
-        for name in CacheState._fields:
-            np.testing.assert_array_equal(np.asarray(getattr(got.state, name)), getattr(end, name),
-                                          err_msg=f"{policy} rows={rows}: {name}")
+        got_leaves = dict(jax.tree_util.tree_leaves_with_path(got.state))
+        for path, want_leaf in jax.tree_util.tree_leaves_with_path(end):  # auto: its lanes too
+            np.testing.assert_array_equal(np.asarray(got_leaves[path]), want_leaf,
+                                          err_msg=f"{policy} rows={rows}: {jax.tree_util.keystr(path)}")
         per_layer = got.stats.sum(axis=0)  # [L, 5]
         for i, field in enumerate(("active", "hits", "misses", "fetched", "host")):
             assert per_layer[:, i].tolist() == result.stats["per_layer"][field], field
