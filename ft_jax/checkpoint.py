@@ -63,11 +63,13 @@ _E8M0_NAN = 255  # the E8M0 scale that means NaN (OCP Microscaling Formats v1.0)
 
 # Float dtype -> (unsigned int, signed int of the same width, exponent field mask). An element is Inf or NaN iff its
 # exponent bits are all ones (IEEE 754: binary64 11 bits, binary32 8, binary16 5; bfloat16 = the top half of a
-# binary32, 8 bits).
+# binary32, 8 bits). float8_e4m3fn has no Inf and one NaN magnitude, S.1111.111: its "mask" is those 7 bits, so the
+# same test (magnitude bits >= mask) finds exactly its NaNs.
 _EXPONENT_MASKS: dict[np.dtype, tuple[type, type, int]] = {
     np.dtype(np.float64): (np.uint64, np.int64, 0x7FF0_0000_0000_0000),
     np.dtype(np.float32): (np.uint32, np.int32, 0x7F80_0000),
     np.dtype(np.float16): (np.uint16, np.int16, 0x7C00), np.dtype(ml_dtypes.bfloat16): (np.uint16, np.int16, 0x7F80),
+    _F8[0]: (np.uint8, np.int8, _F8_NAN),
 }
 # Bytes per positioned read: small enough that the finite check reads the piece from cache (L2 is 1-2 MiB on
 # current x86 cores), large enough that the per-read overhead is negligible.
@@ -312,14 +314,16 @@ class SafetensorsCheckpoint:
         self._pread(f"{name}[{start}:{stop}]", part, out.reshape(-1).view(np.uint8))
         return out
 
-    def read_into(self, name: str, out: np.ndarray, shape: tuple[int, ...] | None = None) -> None:
+    def read_into(self, name: str, out: np.ndarray, shape: tuple[int, ...] | None = None,
+                  dtypes: tuple[np.dtype, ...] = _FLOAT_NP) -> None:
         """Read tensor ``name`` into the C-contiguous array ``out`` (same number of elements), casting to
         out.dtype if the stored dtype differs (via one temporary of the tensor's size). ``shape``: expected
-        stored shape (default out.shape).
+        stored shape (default out.shape); ``dtypes``: the stored dtypes allowed (default: a float type).
 
         Raises CheckpointError: missing tensor, wrong shape or dtype, truncated file, or a NaN/Inf element (the
-        stored values are checked before any cast). ValueError: ``out`` not C-contiguous or of the wrong size."""
-        info = self.info(name, out.shape if shape is None else shape)
+        stored values are checked before any cast; FP8 e4m3fn: a NaN). ValueError: ``out`` not C-contiguous or of
+        the wrong size."""
+        info = self.info(name, out.shape if shape is None else shape, dtypes)
         if not out.flags.c_contiguous or out.size != math.prod(info.shape):
             raise ValueError(f"read_into({name!r}): destination must be C-contiguous with {math.prod(info.shape)} "
                              f"elements, got shape {out.shape}")
@@ -369,14 +373,15 @@ class SafetensorsCheckpoint:
         page = max(by_page, key=by_page.get)
         return max((r for r in by_huge if r % mmap.PAGESIZE == page), key=by_huge.get)
 
-    def view(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """Tensor ``name`` as a read-only numpy array in its stored dtype that maps the file's pages (no copy; the
-        mapping goes away with the array), checked for NaN/Inf as :meth:`read_into` does, in the one pass that
-        brings the pages in. For data that is copied (stacked, cast, moved to a device) right after: the copy is
-        then the only one.
+    def view(self, name: str, shape: tuple[int, ...] | None = None,
+             dtypes: tuple[np.dtype, ...] = _FLOAT_NP) -> np.ndarray:
+        """Tensor ``name`` as a read-only numpy array in its stored dtype (one of ``dtypes``, default a float type)
+        that maps the file's pages (no copy; the mapping goes away with the array), checked for NaN/Inf as
+        :meth:`read_into` does, in the one pass that brings the pages in. For data that is copied (stacked, cast,
+        moved to a device) right after: the copy is then the only one.
 
         Raises CheckpointError as :meth:`read_into`."""
-        info = self.info(name, shape)
+        info = self.info(name, shape, dtypes)
         fh = self._file(info.file)
         self._check_size(fh, name, info)
         if info.nbytes == 0:
@@ -479,10 +484,13 @@ def _has_non_finite(bits: np.ndarray, signed: type, mask: int) -> bool:
 def _non_finite_error(name: str, info: TensorInfo, bits: np.ndarray, mask: int) -> CheckpointError:
     """The error for a tensor with Inf/NaN elements; bits: its raw element bits [size] (an unsigned int view)."""
     bad = np.flatnonzero((bits & mask) == mask)  # flat indices of the Inf/NaN elements
+    first = [int(i) for i in np.unravel_index(int(bad[0]), info.shape)]
+    if info.dtype == _F8[0]:  # S.1111.111, its only non-finite value
+        return CheckpointError(f"{info.file}: tensor {name!r} {list(info.shape)} holds NaN: {bad.size} of {bits.size} "
+                               f"FP8 elements are NaN, the first at index {first} (a corrupted checkpoint)")
     magnitude = bits[bad] & (mask | (mask - 1))  # sign cleared: == mask is Inf, > mask is NaN
     kinds = " and ".join(k for k, present in (("NaN", (magnitude > mask).any()), ("Inf", (magnitude == mask).any()))
                          if present)
-    first = [int(i) for i in np.unravel_index(int(bad[0]), info.shape)]
     return CheckpointError(f"{info.file}: tensor {name!r} {list(info.shape)} holds {kinds}: {bad.size} of {bits.size} "
                            f"elements are not finite, the first at index {first} (a corrupted or unconverted "
                            "checkpoint; NaN/Inf weights make every logit NaN)")
@@ -611,16 +619,6 @@ def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.Weig
     return plan
 
 
-def _check_fp8(ckpt: SafetensorsCheckpoint, name: str, data: np.ndarray) -> None:
-    """CheckpointError naming the file and tensor when FP8 e4m3fn ``data`` holds NaN (it has no Inf)."""
-    bad = np.flatnonzero((data.view(np.uint8) & _F8_NAN) == _F8_NAN)
-    if bad.size:
-        first = [int(i) for i in np.unravel_index(int(bad[0]), data.shape)]
-        raise CheckpointError(f"{ckpt.info(name, dtypes=_F8).file}: tensor {name!r} {list(data.shape)} holds NaN: "
-                              f"{bad.size} of {data.size} FP8 elements are NaN, the first at index {first} (a "
-                              "corrupted checkpoint)")
-
-
 def _read_stored(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], dtypes: tuple[np.dtype, ...]
                  ) -> np.ndarray:
     """The whole tensor ``name`` as stored (shape and dtype checked; float ones NaN/Inf-checked while read)."""
@@ -628,15 +626,21 @@ def _read_stored(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...],
     return ckpt.read_rows(name, 0, shape[0], dtypes)
 
 
+def _read_fp8_scales(ckpt: SafetensorsCheckpoint, scale_name: str, shape: tuple[int, int],
+                     fmt: wf.WeightFormat) -> np.ndarray:
+    """The scales f32 [ceil(rows / br), ceil(cols / bc)] of an FP8 matrix [rows, cols]: its weight_scale_inv as
+    stored (a bf16 scale_inv widened to f32, exactly). Raises CheckpointError: wrong shape or dtype, a non-finite
+    scale."""
+    return _read_stored(ckpt, scale_name, fmt.scale_shape(*shape), _SCALE_DTYPES).astype(np.float32)
+
+
 def _read_fp8(ckpt: SafetensorsCheckpoint, name: str, scale_name: str, shape: tuple[int, int],
               fmt: wf.WeightFormat) -> tuple[np.ndarray, np.ndarray]:
-    """(data f8e4m3fn [rows, cols], scales f32 [ceil(rows / br), ceil(cols / bc)]) of one FP8 matrix and its
-    weight_scale_inv as stored (a bf16 scale_inv widened to f32, exactly). Raises CheckpointError: wrong shape or
-    dtype, NaN data, a non-finite scale."""
-    data = _read_stored(ckpt, name, shape, _F8)
-    _check_fp8(ckpt, name, data)
-    scales = _read_stored(ckpt, scale_name, fmt.scale_shape(*shape), _SCALE_DTYPES)  # finite-checked by the read
-    return data, scales.astype(np.float32)
+    """(data f8e4m3fn [rows, cols]: a read-only view of the file (SafetensorsCheckpoint.view), scales f32) of one FP8
+    matrix and its weight_scale_inv (_read_fp8_scales). Raises CheckpointError: wrong shape or dtype, NaN data, a
+    non-finite scale."""
+    data = ckpt.view(name, shape, _F8)  # NaN-checked while mapped
+    return data, _read_fp8_scales(ckpt, scale_name, shape, fmt)
 
 
 def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_name: str, expert: int,
@@ -727,10 +731,10 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
 
     Float formats: tensors are read straight into the bank rows (a cast through one tensor-sized temporary when the
     stored dtype differs). q8_0 / q4_0: each expert tensor (one expert of a fused one) is read, quantized with
-    weight_formats.quantize and written into the rows; the float copy is one expert's matrix. fp8 / mxfp4: the
-    stored bytes and scales are copied into the rows (fp8 bf16 scale_inv widened to f32; mxfp4 gate/up rows
-    de-interleaved), checked for NaN (FP8 S.1111.111, an E8M0 scale of 255, a non-finite scale) and never
-    dequantized. Biases (gpt-oss) go to float banks of ``bias_dtype``.
+    weight_formats.quantize and written into the rows; the float copy is one expert's matrix. fp8: the stored bytes
+    go into the rows as float tensors do (mapped from the file where the offsets allow, else read), the scales are
+    copied (a bf16 scale_inv widened to f32); mxfp4: blocks and scales copied (gate/up rows de-interleaved); both
+    checked for NaN (FP8 S.1111.111 as read, an E8M0 scale of 255, a non-finite scale) and never dequantized. Biases (gpt-oss) go to float banks of ``bias_dtype``.
 
     Returns: ExpertBanks (frozen). Raises CheckpointError (naming file and tensor); on any error the banks made so far
     are released.
@@ -742,8 +746,8 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
     row_bytes = {k: math.prod(shape) * np.dtype(dtype).itemsize for k, (shape, dtype) in row_specs.items()}
     regions = {k: [] for k in row_specs}  # bank -> [(tensor, byte offset in the bank)]
     for bank, row, name, part in plan:
-        if bank in row_specs and not fmt.quantized and part[0] in ("fused", "rows"):
-            within = part[1] * row_bytes[bank] // row_specs[bank][0][0] if part[0] == "rows" else 0
+        if bank in row_specs and (not fmt.quantized and part[0] in ("fused", "rows") or part[0] == "fp8_rows"):
+            within = part[1] * row_bytes[bank] // row_specs[bank][0][0] if part[0] != "fused" else 0
             regions[bank].append((name, row * row_bytes[bank] + within))
     host = {name: HostBank(rows, shape, dtype, ckpt.page_offset(regions[name]))
             for name, (shape, dtype) in row_specs.items()}
@@ -764,9 +768,9 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
             elif part[0] == "rows":
                 what = f"{ckpt.tensors[name].file}: tensor {name!r}"
                 out.put(bank, row, part[1], ckpt.view(name), what)  # quantized: read once, never copied
-            elif part[0] == "fp8_rows":
-                data, scales = _read_fp8(ckpt, name, part[3], (part[2] - part[1], arr.shape[-1]), fmt)
-                arr[row, part[1]:part[2]] = data
+            elif part[0] == "fp8_rows":  # the data mapped or read straight into the rows, NaN-checked as read
+                ckpt.read_into(name, arr[row, part[1]:part[2]], dtypes=_F8)
+                scales = _read_fp8_scales(ckpt, part[3], (part[2] - part[1], arr.shape[-1]), fmt)
                 out.arrays[f"{bank}_scale"][row, part[4]:part[4] + scales.shape[0]] = scales
             else:
                 _read_gpt_oss_experts(ckpt, bank, row, name, part, out, E)
