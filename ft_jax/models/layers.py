@@ -39,8 +39,8 @@ For kind "weight" of a 2-D matrix [rows, cols] the factory may instead return a 
 ft_jax.weight_formats.QuantizedTensor (one matrix: data [rows, cols / values_per_item], scales
 fmt.scale_shape(rows, cols); logical shape == shape): the model keeps it as stored and every projection read through
 :func:`linear` dequantizes it per call. Weights read any other way (embeddings, the tied lm_head through
-embed_tokens, MLA's kv_b_proj absorbed into W_uk^T / W_uv) are dequantized to the model dtype at construction
-(:meth:`Stacked.dense`). Norms and biases are always arrays."""
+embed_tokens) are dequantized to the model dtype at construction; MLA's kv_b_proj, split per head into W_uk^T /
+W_uv, keeps fp8 as stored (ft_jax/models/mla.py). Norms and biases are always arrays."""
 
 
 def random_param_factory(seed: int = 0, dtype=np.float32, std: float = 0.02) -> ParamFactory:
@@ -89,9 +89,10 @@ def _one_format(ts: list, what: str) -> list:
                      f"({', '.join(sorted(f'{f.name} {list(f.block)}' for f in fmts))}); one parameter needs one")
 
 
-def _stack(ts: list, what: str):
-    """One tensor per layer -> [n, ...] on the device: a jax array, or a QuantizedTensor of stacked data / scales
-    (written once onto huge pages, host_bank.stack_on_huge_pages)."""
+def stack(ts: list, what: str):
+    """One tensor per layer (numpy arrays or QuantizedTensors; ``what`` names them in errors) -> [n, ...] on the
+    device: a jax array, or a QuantizedTensor of stacked data / scales (written once onto huge pages,
+    host_bank.stack_on_huge_pages)."""
     ts = _one_format(ts, what)
     if isinstance(ts[0], QuantizedTensor):
         data = stack_on_huge_pages([[t.data] for t in ts])  # [n, ...]
@@ -131,18 +132,18 @@ class Stacked:
         return t
 
     def __call__(self, suffix: str, shape: tuple[int, ...], kind: str = "weight") -> nnx.Param:
-        return nnx.Param(_stack([self._read(suffix, shape, kind, l) for l in self.layers], suffix))
+        return nnx.Param(stack([self._read(suffix, shape, kind, l) for l in self.layers], suffix))
 
     def rows(self, parts: list[tuple[str, tuple[int, ...]]], kind: str = "weight") -> nnx.Param:
         """Concatenates several tensors of each layer along their first axis (fused q/k/v or gate/up)."""
         what = " + ".join(s for s, _ in parts)
-        return nnx.Param(_stack([_concat_rows([self._read(s, shape, kind, l) for s, shape in parts], what)
+        return nnx.Param(stack([_concat_rows([self._read(s, shape, kind, l) for s, shape in parts], what)
                                  for l in self.layers], what))
 
-    def dense(self, suffix: str, shape: tuple[int, ...], dtype, kind: str = "weight") -> jax.Array:
-        """[n, *shape] as a plain jax array in ``dtype`` (the model dtype): for weights read other than through
-        :func:`linear` (MLA's kv_b_proj); a quantized tensor is dequantized here, once (:func:`as_float`)."""
-        return jnp.asarray(np.stack([as_float(self._read(suffix, shape, kind, l), dtype) for l in self.layers]))
+    def each(self, suffix: str, shape: tuple[int, ...], kind: str = "weight") -> list:
+        """The factory's tensor of every layer (numpy arrays or QuantizedTensors of ``shape``) in one storage format,
+        for a parameter the model rearranges before stacking it (:func:`stack`; MLA's kv_b_proj split per head)."""
+        return _one_format([self._read(suffix, shape, kind, l) for l in self.layers], suffix)
 
 
 class AttentionInputs(NamedTuple):
