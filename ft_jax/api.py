@@ -8,8 +8,8 @@ generation requests are checked (make_request / check_request, used by Model.gen
     (True, True)
 
 Defaults as ``ft-jax generate``: the checkpoint's dtype, the auto policy (costs from the stored bandwidth profile of
-this machine, or a quick one), half of all experts as device slots, temperature 0.8 (docs/DESIGN.md, "Engine, API
-and CLI").
+this machine, or a quick one) with half of all experts as device slots on an accelerator, host-all with one slot on a
+CPU-only backend (defaults.default_policy), temperature 0.8 (docs/DESIGN.md, "Engine, API and CLI").
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 from ft_jax.units import model_dtype, parse_bytes
 
 from ft_jax.defaults import (BUNDLED_MODEL, DEFAULT_CACHE_FRACTION, DEFAULT_NEW_TOKENS, DEFAULT_POLICY,  # noqa: F401
-                             DEFAULT_TEMPERATURE, bundled_model_path)
+                             DEFAULT_TEMPERATURE, bundled_model_path, default_policy)
+from ft_jax.offload.policy import PolicyKind
 
 
 def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
@@ -295,7 +296,7 @@ class _StopWatch:
 class Model:
     """A loaded model ready to generate (ft_jax.load). Attributes: path, config (MoEConfig), tokenizer (or None),
     checkpoint (LoadedCheckpoint), engine (ft_jax.engine.engine.Engine), policy, dtype, note (the bandwidth-profile
-    message, or None)."""
+    message, or the CPU-only default's, or None)."""
 
     def __init__(self, path, config, tokenizer, checkpoint, engine, dtype: str, note: str | None):
         self.path, self.config, self.tokenizer, self.checkpoint, self.engine = path, config, tokenizer, checkpoint, engine
@@ -373,7 +374,7 @@ class Model:
                           stats=result.stats, routing=result.routing, single=request.single)
 
 
-def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=DEFAULT_POLICY, cache=None,
+def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=None, cache=None,
          profile: str | None = None, measure: bool = True, on_message: Callable[[str], None] | None = None,
          on_compile: Callable[[str, bool], None] | None = None, quantize: str | None = None) -> Model:
     """Load a Hugging Face MoE model folder (or the bundled model) for generation, as ``ft-jax generate`` does.
@@ -382,9 +383,11 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
         path: model folder (config.json + safetensors); None: the bundled tiny Shakespeare model.
         dtype: "auto" (the checkpoint's: float32 for float32 checkpoints, else bfloat16), bf16/bfloat16, f32/float32:
             the dense weights, the activations and the expert host banks.
-        policy: "auto" (default), "qstar", "qstar:FRAC", "fetch-all", "host-all", "fixed-cap:K", "resident", or a
-            Policy (docs/policies.md).
-        cache: device expert slots: None (half of all experts), slots (int), a fraction (float), or bytes ("8GiB").
+        policy: "auto", "qstar", "qstar:FRAC", "fetch-all", "host-all", "fixed-cap:K", "resident", or a Policy
+            (docs/policies.md); None: defaults.default_policy of the JAX backend ("auto" with an accelerator,
+            "host-all" on a CPU-only one, said through on_message).
+        cache: device expert slots: None (half of all experts; one slot under host-all, which never fills them),
+            slots (int), a fraction (float), or bytes ("8GiB").
         profile: bandwidth profile store (default: the user cache directory). measure: run a quick profile when
             none is stored (else qstar falls back to fixed-cap:1).
         on_message: called with one-line notes (which bandwidth profile qstar uses). on_compile: see Engine.
@@ -404,8 +407,13 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
     if kernels.environment_problem():  # the CLI refuses it; the library says it once
         warnings.warn(f"ft_jax: {kernels.environment_problem()}; it is ignored", stacklevel=2)
     cfg = load_config(path)
+    defaulted = policy is None
+    if defaulted:
+        policy = default_policy(jax.default_backend())
     if not isinstance(policy, Policy):
         policy = parse_policy(policy)  # errors before any loading
+    if cache is None and policy.kind is PolicyKind.HOST_ALL:
+        cache = 1  # host-all never fills a slot
     dtype = model_dtype(dtype, cfg.dtype)
     fmt = expert_format(cfg, jnp.dtype(dtype), quantize)  # errors before any loading
     # The cache budget's form and range, and the host memory, before loading (the bytes per expert from the config,
@@ -421,6 +429,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
     slots = num_slots_for(cache, banks.num_rows, banks.expert_bytes)
     policy, note = resolve_policy(policy, banks, cfg.hidden_size, cfg.moe_intermediate_size, profile=profile,
                                   measure=measure)
+    if defaulted and policy.kind is PolicyKind.HOST_ALL:
+        note = ("no accelerator: every expert is computed on the CPU from the host banks (policy host-all; slots "
+                "would be copies in the same memory; --policy auto uses them anyway)")
     if note and on_message is not None:
         on_message(note)
     engine = Engine(checkpoint, policy=policy, num_slots=slots, on_compile=on_compile)

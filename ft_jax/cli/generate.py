@@ -16,11 +16,12 @@ from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
 from ft_jax.offload.policy import PolicyKind
 from ft_jax.tools.trace_io import routing_records, write_trace
 
-POLICY_HELP = ("auto (default: per layer, the number of misses to fetch that minimises the modelled layer time minus "
-               "the observed reuse of fetched experts; docs/policies.md), qstar (split misses by the measured "
+POLICY_HELP = ("auto (per layer, the number of misses to fetch that minimises the modelled layer time minus the "
+               "observed reuse of fetched experts; docs/policies.md; the default with an accelerator), qstar (split misses by the measured "
                "bandwidths; qstar:FRAC fixes the fetch fraction), fetch-all (classic LRU offload: every miss is copied "
                "into a slot), host-all (every miss computed on the CPU; the cache never changes), fixed-cap:K (fetch "
-               "at most K misses per layer), resident (every expert on the device)")
+               "at most K misses per layer), resident (every expert on the device). Default: auto with an accelerator, host-all "
+               "on a CPU-only machine (slots there would be copies of the host banks in the same memory)")
 EXAMPLES = """examples:
   ft-jax generate --prompt "ROMEO:"                          # the bundled tiny Shakespeare MoE
   ft-jax generate --prompt "KING:" --temperature 0 --max-new-tokens 50 --stop "\\n\\n"
@@ -69,11 +70,12 @@ def add_arguments(sub) -> None:
     budget = gen.add_mutually_exclusive_group()
     budget.add_argument("--cache-slots", type=arg_types.positive_int, metavar="S", help="device expert slots shared by all layers")
     budget.add_argument("--cache-fraction", type=arg_types.fraction, metavar="F",
-                        help=f"slots as a fraction of all experts (default {defaults.DEFAULT_CACHE_FRACTION})")
+                        help=f"slots as a fraction of all experts (default {defaults.DEFAULT_CACHE_FRACTION}; one slot "
+                             "under host-all)")
     budget.add_argument("--device-memory", type=arg_types.byte_text, metavar="BYTES",
                         help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert as stored: "
                              "a quantized expert's data and scales)")
-    gen.add_argument("--policy", type=arg_types.policy, default=defaults.DEFAULT_POLICY, metavar="POLICY",
+    gen.add_argument("--policy", type=arg_types.policy, default=None, metavar="POLICY",
                      help=POLICY_HELP)
     gen.add_argument("--profile", metavar="PATH", help="bandwidth profile file for auto and qstar (default: the user "
                                                        "cache directory; see `ft-jax profile`)")
@@ -128,7 +130,7 @@ def _check_record_trace(file: str | None) -> None:
 def _cache(args: argparse.Namespace, cfg, note) -> int | float | str | None:
     """The cache budget of the flags for api.load; a --cache-slots above the number of experts is said in a note."""
     experts = cfg.num_moe_layers * cfg.num_experts
-    if args.cache_slots is not None and args.cache_slots > experts and args.policy.kind is not PolicyKind.RESIDENT:
+    if args.cache_slots is not None and args.cache_slots > experts and not _resident(args):
         note(f"note: --cache-slots {args.cache_slots} is more than the {experts} experts; using {experts}")
     if args.cache_fraction is not None and round(args.cache_fraction * experts) < 1:
         note(f"note: --cache-fraction {args.cache_fraction:g} of the {experts} experts is less than one slot; "
@@ -137,10 +139,15 @@ def _cache(args: argparse.Namespace, cfg, note) -> int | float | str | None:
         args.cache_fraction if args.cache_fraction is not None else args.device_memory)
 
 
+def _resident(args: argparse.Namespace) -> bool:
+    """Whether --policy resident was given (the default policy never is)."""
+    return args.policy is not None and args.policy.kind is PolicyKind.RESIDENT
+
+
 def _device_memory_note(args: argparse.Namespace, cfg, expert_bytes: int, note) -> None:
     """A --device-memory that holds more than every expert is clamped to all of them: said in a note."""
     experts = cfg.num_moe_layers * cfg.num_experts
-    if args.device_memory is None or args.policy.kind is PolicyKind.RESIDENT:
+    if args.device_memory is None or _resident(args):
         return
     fits = units.parse_bytes(args.device_memory) // expert_bytes
     if fits > experts:
