@@ -45,8 +45,16 @@ def _quiet_broken_pipe() -> int:
     return 141  # 128 + SIGPIPE, as a shell reports a writer whose pipe closed
 
 
+def _skip_ipython() -> None:
+    """Make `import IPython` fail in this process unless IPython is already loaded: flax imports it (~0.3 s, a sixth
+    of the imports before any work) only to ask whether it runs inside IPython, which a command never does (flax then
+    takes its ImportError as "no")."""
+    sys.modules.setdefault("IPython", None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ft-jax` console script (and `python -m ft_jax`)."""
+    _skip_ipython()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
