@@ -93,3 +93,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nft-jax {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def console_main() -> None:
+    """The process entry of `ft-jax` and `python -m ft_jax`: main, then the output flushed and the process ended at
+    once with main's status (os._exit). The interpreter's own teardown (the JAX runtime, every module and cached
+    executable, the host banks one by one) took 1.1-1.5 s of a 5 GB model's launch-to-exit time (docs/DESIGN.md
+    section 15.9); nothing is left to do by then: files are closed and the compilation cache is written as steps are
+    compiled. ``main`` itself returns (tests call it in-process)."""
+    status = main()
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:  # started with it closed
+                stream.flush()
+    except BrokenPipeError:
+        status = _quiet_broken_pipe()
+    os._exit(status)
+
