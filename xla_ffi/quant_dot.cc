@@ -14,6 +14,8 @@
 #define FT_JAX_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 #define FT_JAX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #define FT_JAX_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+// For lambdas inside FT_JAX_VNNI functions (a lambda does not inherit its function's target; inlined into it).
+#define FT_JAX_VNNI_LAMBDA __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"), always_inline))
 #endif
 
 namespace ft_jax {
@@ -687,8 +689,8 @@ FT_JAX_VNNI void DotInt8(const uint8_t* row, int64_t nb, const Int8Token* tok, f
   if constexpr (F == WFormat::kQ4_0) {  // 4 blocks per step: their low nibbles, then their high nibbles
     const __m512i m4z = _mm512_set1_epi8(0x0F);
     const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    int64_t g = 0;
-    for (; 4 * g + 4 <= nb; ++g) {
+    // group g of 4 blocks into accumulator a = g % 4 of every token
+    auto group = [&](int64_t g, int a) FT_JAX_VNNI_LAMBDA {
       const __m512i wb = _mm512_loadu_si512(row + 64 * g);
       const __m512i lo = _mm512_and_si512(wb, m4z), hi = _mm512_and_si512(_mm512_srli_epi16(wb, 4), m4z);
       for (int t = 0; t < NT; ++t) {
@@ -697,9 +699,17 @@ FT_JAX_VNNI void DotInt8(const uint8_t* row, int64_t nb, const Int8Token* tok, f
             _mm512_dpbusd_epi32(_mm512_loadu_si512(tok[t].corr + 16 * g), lo, _mm512_loadu_si512(qt)), hi,
             _mm512_loadu_si512(qt + 64));
         const __m512 s = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(tok[t].sdx + 4 * g)));
-        acc[t][g % 4] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[t][g % 4]);
+        acc[t][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[t][a]);
       }
+    };
+    int64_t g = 0;
+    for (; 4 * g + 16 <= nb; g += 4) {  // the accumulator indices constant: the accumulators stay in registers
+      group(g, 0);
+      group(g + 1, 1);
+      group(g + 2, 2);
+      group(g + 3, 3);
     }
+    for (int a = 0; 4 * g + 4 <= nb; ++g, ++a) group(g, a);
     b0 = 4 * g;
     c0 = 16 * g;
     if (nb - b0 >= 2) {  // a last pair: low nibbles of both blocks, then high nibbles
@@ -719,17 +729,25 @@ FT_JAX_VNNI void DotInt8(const uint8_t* row, int64_t nb, const Int8Token* tok, f
     c0 += 16;  // the single block's lanes follow the pair's
   } else {  // q8_0: 2 blocks per step, the codes flipped to unsigned once for all tokens
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    int64_t p = 0;
-    for (; 2 * p + 2 <= nb; ++p) {
+    // pair p of blocks into accumulator a = p % 4 of every token
+    auto pair = [&](int64_t p, int a) FT_JAX_VNNI_LAMBDA {
       const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(row + 64 * p), flip);
       for (int t = 0; t < NT; ++t) {
         const __m512i isum = _mm512_dpbusd_epi32(_mm512_loadu_si512(tok[t].corr + 16 * p), wu,
                                                  _mm512_loadu_si512(tok[t].q + 64 * p));
         const __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(tok[t].sdx[2 * p]),
                                               _mm512_set1_ps(tok[t].sdx[2 * p + 1]));
-        acc[t][p % 4] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[t][p % 4]);
+        acc[t][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[t][a]);
       }
+    };
+    int64_t p = 0;
+    for (; 2 * p + 8 <= nb; p += 4) {  // constant accumulator indices
+      pair(p, 0);
+      pair(p + 1, 1);
+      pair(p + 2, 2);
+      pair(p + 3, 3);
     }
+    for (int a = 0; 2 * p + 2 <= nb; ++p, ++a) pair(p, a);
     b0 = 2 * p;
     c0 = 16 * p;
   }
