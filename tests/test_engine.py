@@ -13,7 +13,7 @@ import pytest
 from ft_jax.checkpoint import load_checkpoint
 from engine_helpers import decode_cache_size, lower_decode_step
 from ft_jax.engine.engine import Engine, kv_bucket, prefill_bucket
-from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, sample_next
+from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, row_key_data, sample_next
 from ft_jax.offload.cost_model import auto_costs
 from ft_jax.offload.policy import Policy
 
@@ -187,8 +187,9 @@ def test_non_finite_logits_are_reported_not_decoded(mixtral):
 
 
 def _draws(logits, sampling, n=400):
-    step = jax.jit(lambda key, t, k, p: sample_next(logits, key, t, k, p, greedy=sampling.greedy))
-    return np.array([int(step(jax.random.key(i), *sampling.operands())[0]) for i in range(n)])
+    step = jax.jit(lambda key, t, k, p: sample_next(logits, key, jnp.zeros(1, jnp.int32), t, k, p,
+                                                    greedy=sampling.greedy))
+    return np.array([int(step(row_key_data(i, 0)[None], *sampling.operands(1))[0]) for i in range(n)])
 
 
 def test_sampling_rules():
@@ -207,8 +208,9 @@ def test_sampling_rules():
     # no filter: all four tokens appear with their probabilities
     assert np.abs(np.bincount(_draws(logits, Sampling(1.0)), minlength=4) / 400 - probs).max() < 0.08
     nan_row = jnp.asarray([[0.0, jnp.nan, 1.0, 0.0]], jnp.float32)
-    assert int(sample_next(nan_row, jax.random.key(0), *Sampling().operands(), greedy=True)[0]) == -1
-    assert int(sample_next(nan_row, jax.random.key(0), *Sampling(1.0).operands(), greedy=False)[0]) == -1
+    key, counter = row_key_data(0, 0)[None], jnp.zeros(1, jnp.int32)
+    assert int(sample_next(nan_row, key, counter, *Sampling().operands(1), greedy=True)[0]) == -1
+    assert int(sample_next(nan_row, key, counter, *Sampling(1.0).operands(1), greedy=False)[0]) == -1
     with pytest.raises(ValueError, match="top_p"):
         Sampling(1.0, top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
