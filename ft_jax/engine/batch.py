@@ -198,11 +198,15 @@ class DecodeBatch:
         """Free a row (finished or cancelled): it feeds position -1 from the next step on."""
         self.busy[row], self.positions[row], self.tokens[row] = False, -1, 0
 
-    def read_cache_stats(self) -> np.ndarray:
-        """The expert cache's per-layer counters since the Engine was built, numpy i32[L_moe, 6] (columns
-        ft_jax.offload.cache.STAT_FIELDS; prefill and decode steps, of every request). One device read."""
-        with self.engine._lock:
-            return self.engine.decode_backend.read_stats(self.engine.expert_state)
+    def read_cache_stats(self) -> tuple[np.ndarray, np.ndarray]:
+        """(counters i32[L_moe, 6], resident i32[L_moe]): the expert cache's per-layer counters since the Engine was
+        built (columns ft_jax.offload.cache.STAT_FIELDS; prefill and decode steps of every request) and how many of
+        each layer's experts are in a slot now. One device read (read_stats checks the error counters)."""
+        engine = self.engine
+        with engine._lock:
+            stats = engine.decode_backend.read_stats(engine.expert_state)
+            slot_of_expert = np.asarray(engine.expert_state.cache.slot_of_expert)  # i32[L_moe, E]
+        return stats, (slot_of_expert >= 0).sum(axis=1)
 
     def reset(self) -> None:
         """After a failed step: a fresh KV cache (every row free) and, if the donated expert state is gone, a cold
