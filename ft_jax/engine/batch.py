@@ -10,8 +10,8 @@
 Shapes never depend on the requests: one decode executable per (B, KV length) over all B rows (a free row feeds
 position -1: nothing written, nothing routed), one prefill executable per (prefill rows, prompt bucket, prefill KV
 length) and one row-insert per (prefill rows, prefill KV length). A group of new prompts is prefilled together into
-a KV cache of its own, [P, S_p] (P: the group size rounded up to a power of two, at most B; S_p: the KV bucket of the
-padded prompts), then copied into its rows of the batch cache ([:, rows, :S_p]); entries past S_p keep a former
+a KV cache of its own, [P, S_p] (P = 1 for one prompt, else B: two shapes only, as a prefill reads every expert's
+weights once whatever its rows; S_p: the KV bucket of the padded prompts), then copied into its rows of the batch cache ([:, rows, :S_p]); entries past S_p keep a former
 row's keys, which no query of the new sequence can see (a query sees the cache indices up to its position, and every
 index is written before the position that reads it). Every row samples with its own key and values
 (sampling.sample_next), so a row's tokens never depend on its neighbours. docs/DESIGN.md sec. 16.
@@ -27,13 +27,6 @@ from ft_jax.engine.engine import Engine, kv_bucket, prefill_bucket
 from ft_jax.engine.sampling import Sampling, row_key_data
 from ft_jax.kernels.host_bank import use_huge_pages
 from ft_jax.models.decoder import KVCache
-
-
-def _pow2_at_most(n: int, high: int) -> int:
-    b = 1
-    while b < n:
-        b *= 2
-    return min(b, high)
 
 
 def insert_rows(kv_cache: KVCache, part: KVCache, rows: jax.Array) -> KVCache:
@@ -57,7 +50,7 @@ class PrefillJob:
                  seeds: list[int]):
         engine = batch.engine
         self.batch, self.rows = batch, list(rows)
-        P = _pow2_at_most(len(rows), batch.batch_size)
+        P = 1 if len(rows) == 1 else batch.batch_size  # prefill rows (the group's padding rows write nothing)
         lengths = [len(p) for p in prompts]
         self.chunk = prefill_bucket(max(lengths), engine.prefill_chunk)
         padded = -(-max(lengths) // self.chunk) * self.chunk

@@ -102,7 +102,8 @@ class Batcher:
 
     Args:
         model: ft_jax.api.Model (engine, tokenizer, config). max_batch: B rows. ctx_size: KV entries per row.
-        max_queue: waiting requests beyond the B rows; one more gets QueueFullError.
+        max_queue: requests that may wait beyond the free rows; one more gets QueueFullError (attribute; may be
+            changed while running).
         metrics: the server's Metrics (ft_jax/serve/metrics.py), or None.
     """
 
@@ -144,7 +145,7 @@ class Batcher:
         with self._lock:
             if self._closed:
                 raise ClosedError("the server is shutting down and takes no new request")
-            if len(self.waiting) >= self.max_queue:
+            if len(self.waiting) >= self.max_queue + len(self.batch.free_rows()):
                 raise QueueFullError(len(self.waiting), self.retry_after())
             self.waiting.append(ticket)
         if self.metrics is not None:
