@@ -308,7 +308,8 @@ class Batcher:
         piece = row.watch.push(token)
         if piece:
             ticket.emit(Event("text", text=piece))
-        reason = ("stop" if token in self.eos or row.watch.cut is not None else
+        eos = token in self.eos and not ticket.params.ignore_eos
+        reason = ("stop" if eos or row.watch.cut is not None else
                   "length" if row.generated >= ticket.params.max_tokens else None)
         if reason is None:
             return

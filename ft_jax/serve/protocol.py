@@ -5,8 +5,8 @@ Requests are parsed field by field (RequestError names the field, as OpenAI's er
 checked by ft_jax.api.make_request with the server's context, the one place every generation request is checked.
 Supported: prompt (a text, a list of one text, token ids or a list of one id list) / messages (roles system,
 developer, user, assistant; content a text or a list of {"type": "text", "text"} parts), max_tokens (chat also
-max_completion_tokens), temperature, top_p, top_k (an extension, as llama-server has it), seed, stop (a text or a
-list of texts), stream, stream_options.include_usage, n = 1. Fields that would change the output in a way this
+max_completion_tokens), temperature, top_p, top_k and ignore_eos (extensions, as llama-server and vLLM have them),
+seed, stop (a text or a list of texts), stream, stream_options.include_usage, n = 1. Fields that would change the output in a way this
 server does not do (n > 1, logprobs, echo, best_of, suffix, penalties, logit_bias, tools, a response format other
 than text) are refused with 400 when given a value other than their default; other unknown fields are ignored.
 Reference: the OpenAI API reference for the legacy completions and the chat completions endpoints.
@@ -61,7 +61,8 @@ class GenerationParams:
         chat: /v1/chat/completions (else /v1/completions). prompt_ids: the prompt's token ids (after the chat
         template). max_tokens: tokens to generate (>= 1). sampling: Sampling. seed: in [0, 2^32) (a random one when
         the request gave none). stop: stop strings. stream: send server-sent events. include_usage: a last event with
-        the usage (stream_options.include_usage). model: the name the answer reports.
+        the usage (stream_options.include_usage). model: the name the answer reports. ignore_eos: generate
+        max_tokens tokens even past an EOS id (benchmarks).
     """
 
     chat: bool
@@ -73,6 +74,7 @@ class GenerationParams:
     stream: bool
     include_usage: bool
     model: str
+    ignore_eos: bool = False
 
 
 def _field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None):
@@ -172,6 +174,7 @@ def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str,
     temperature = _field(body, "temperature", (int, float), "a number >= 0", DEFAULT_TEMPERATURE)
     top_p = _field(body, "top_p", (int, float), "a number in (0, 1]", 1.0)
     top_k = _field(body, "top_k", (int,), "an integer >= 0", 0)
+    ignore_eos = _field(body, "ignore_eos", (bool,), "true or false", False)
     seed = _field(body, "seed", (int,), "an integer in [0, 2^32)")
     stop = _field(body, "stop", (str, list), "a text or a list of texts", ())
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
@@ -202,7 +205,7 @@ def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str,
         raise RequestError(message, field) from None
     return GenerationParams(chat=chat, prompt_ids=request.prompt_ids[0], max_tokens=request.max_new_tokens,
                             sampling=request.sampling, seed=request.seed, stop=request.stop, stream=stream,
-                            include_usage=include_usage, model=model_name)
+                            include_usage=include_usage, model=model_name, ignore_eos=ignore_eos)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
