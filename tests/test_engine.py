@@ -192,6 +192,24 @@ def _draws(logits, sampling, n=400):
     return np.array([int(step(row_key_data(i, 0)[None], *sampling.operands(1))[0]) for i in range(n)])
 
 
+def test_a_row_samples_the_same_whatever_its_neighbours():
+    """Per-row keys and sampling values: row 0's draws depend on its own logits, key and counter only; a greedy row
+    (temperature 0) in the sampling executable takes the argmax."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(3, 50)), jnp.float32)
+    keys = np.stack([row_key_data(7, 0), row_key_data(1, 1), row_key_data(2, 2)])
+    ops = (np.array([1.0, 0.0, 0.5], np.float32), np.array([0, 0, 5], np.int32), np.array([0.9, 1.0, 1.0], np.float32))
+    step = jax.jit(lambda l, k, c, *o: sample_next(l, k, c, *o, greedy=False))
+    counters = np.array([4, 9, 2], np.int32)
+    out = np.asarray(step(logits, keys, counters, *ops))
+    assert out[1] == int(jnp.argmax(logits[1]))
+    other = logits.at[1:].set(jnp.asarray(rng.normal(size=(2, 50)), jnp.float32))
+    alone = [int(step(l[None], keys[:1], counters[:1], *(o[:1] for o in ops))[0]) for l in (logits[0], other[0])]
+    assert out[0] == alone[0] == alone[1] == int(step(other, keys, counters, *ops)[0])
+    draws = {int(step(logits, keys, np.array([c, 9, 2], np.int32), *ops)[0]) for c in range(20)}
+    assert len(draws) > 1  # the counter (the position) gives every step its own draw
+
+
 def test_sampling_rules():
     probs = np.array([0.5, 0.3, 0.15, 0.05])
     logits = jnp.log(jnp.asarray([probs], jnp.float32))

@@ -11,7 +11,7 @@ Shapes never depend on the requests: one decode executable per (B, KV length) ov
 position -1: nothing written, nothing routed), one prefill executable per (prefill rows, prompt bucket, prefill KV
 length) and one row-insert per (prefill rows, prefill KV length). A group of new prompts is prefilled together into
 a KV cache of its own, [P, S_p] (P = 1 for one prompt, else B: two shapes only, as a prefill reads every expert's
-weights once whatever its rows; S_p: the KV bucket of the padded prompts), then copied into its rows of the batch cache ([:, rows, :S_p]); entries past S_p keep a former
+weights once whatever its rows; S_p: the KV bucket of the longest prompt), then copied into its rows of the batch cache ([:, rows, :S_p]); entries past S_p keep a former
 row's keys, which no query of the new sequence can see (a query sees the cache indices up to its position, and every
 index is written before the position that reads it). Every row samples with its own key and values
 (sampling.sample_next), so a row's tokens never depend on its neighbours. docs/DESIGN.md sec. 16.
@@ -60,7 +60,8 @@ class PrefillJob:
             self.tokens[i, padded - len(p):] = p
             self.positions[i, padded - len(p):] = np.arange(len(p))
         self.ops = batch.row_operands(P, samplings, seeds)
-        self.kv_cache = engine.init_kv_cache(P, kv_bucket(padded, batch.kv_len))  # [P, S_p]
+        # [P, S_p]: the cache index is the position, so S_p holds the longest prompt (not its left padding)
+        self.kv_cache = engine.init_kv_cache(P, kv_bucket(max(lengths), batch.kv_len))
         self.chunks, self.chunks_done = padded // self.chunk, 0
         self.first_tokens: np.ndarray | None = None
         self.lengths = lengths
