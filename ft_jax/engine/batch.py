@@ -1,11 +1,12 @@
 """Continuous batching in static shapes: a DecodeBatch of B rows over one KV cache, each row its own sequence.
 
-    >>> batch = DecodeBatch(engine, batch_size=8, kv_len=2048)
-    >>> job = batch.start_prefill([3], [[1, 17, 42]], [Sampling(0.0)], seeds=[0])  # row 3 takes this prompt
-    >>> while not job.done: job.run_chunk()                                        # one chunk per call
-    >>> first = job.first_tokens                                                   # the rows now decode
-    >>> tokens = batch.decode()                                                    # i32[8]: every live row's next
-    >>> batch.release(3)                                                           # row 3 is free again
+    batch = DecodeBatch(engine, batch_size=8, kv_len=2048)
+    job = batch.start_prefill([3], [[1, 17, 42]], [Sampling(0.0)], seeds=[0])  # row 3 takes this prompt
+    while not job.done:
+        job.run_chunk()                                                        # one chunk per call
+    first = job.first_tokens                                                   # row 3 now decodes
+    tokens = batch.decode()                                                    # i32[8]: every live row's next
+    batch.release(3)                                                           # row 3 is free again
 
 Shapes never depend on the requests: one decode executable per (B, KV length) over all B rows (a free row feeds
 position -1: nothing written, nothing routed), one prefill executable per (prefill rows, prompt bucket, prefill KV
