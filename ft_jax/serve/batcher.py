@@ -6,7 +6,8 @@ put there from the batcher thread with call_soon_threadsafe. The thread loops:
   1. run the calls other threads asked for (statistics, the rows view) and drop cancelled requests (a waiting one
      leaves the queue; a decoding one frees its row);
   2. if no prefill is running and rows are free: start one for the waiting requests, in order, as many as there are
-     free rows (prompts of one chunk together; a longer prompt alone);
+     free rows (prompts of one chunk together; a longer prompt alone; with no row decoding, after GATHER_S for
+     requests sent at the same time to arrive);
   3. run one chunk of the running prefill; after its last chunk the rows join the batch (their first token is sent);
   4. one decode step over all rows, every live row's token sent (stop strings held back by api.StopWatch);
   5. sleep until a request or a call arrives when there is nothing to do.
@@ -32,6 +33,11 @@ from ft_jax.api import StopWatch
 from ft_jax.engine.batch import DecodeBatch
 from ft_jax.engine.sampling import Sampling
 from ft_jax.serve.protocol import GenerationParams
+
+
+# When no row is decoding, a new request waits this long for others to join its prefill group (seconds): clients
+# that start together (or that finished together) then share one prefill instead of a lone one and a group.
+GATHER_S = 0.01
 
 
 class QueueFullError(RuntimeError):
@@ -257,6 +263,8 @@ class Batcher:
 
     def _start_prefill(self) -> None:
         free = self.batch.free_rows()
+        if not self.rows and 0 < len(self.waiting) < len(free):
+            time.sleep(GATHER_S)  # idle: requests sent together arrive a few ms apart; prefill them as one group
         chunk = self.model.engine.prefill_chunk
         group: list[Ticket] = []
         with self._lock:
