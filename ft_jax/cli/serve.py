@@ -81,8 +81,9 @@ def _load(args, path: str, cfg, state, note, on_failure) -> None:
     from ft_jax.chat import ChatTemplateError, load_chat_template
     from ft_jax.serve.batcher import Batcher
 
-    def on_compile(text: str, finished: bool) -> None:
-        state.status = "compiling"
+    def on_compile(text: str, finished: bool) -> None:  # also later, for a new prompt bucket (status stays ready)
+        if state.status == "loading":
+            state.status = "compiling"
         print(text if finished else f"ft-jax serve: {text}", end="\n" if finished else "", file=sys.stderr,
               flush=True)
 
