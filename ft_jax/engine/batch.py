@@ -9,7 +9,8 @@
     batch.release(3)                                                           # row 3 is free again
 
 Shapes never depend on the requests: one decode executable per (B, KV length) over all B rows (a free row feeds
-position -1: nothing written, nothing routed), one prefill executable per (prefill rows, prompt bucket, prefill KV
+position -1: nothing written, nothing routed; two in fact: the greedy one, argmax only, runs while every live row is
+greedy), one prefill executable per (prefill rows, prompt bucket, prefill KV
 length) and one row-insert per (prefill rows, prefill KV length). A group of new prompts is prefilled together into
 a KV cache of its own, [P, S_p] (P = 1 for one prompt, else B: two shapes only, as a prefill reads every expert's
 weights once whatever its rows; S_p: the KV bucket of the longest prompt), then copied into its rows of the batch cache ([:, rows, :S_p]); entries past S_p keep a former
@@ -165,29 +166,36 @@ class DecodeBatch:
 
     def decode(self) -> np.ndarray:
         """One decode step over all B rows: every row with a position >= 0 feeds its token and advances by one.
+        When every live row is greedy the greedy executable runs (argmax only), else the sampling one.
         Returns i32[B] the next token of each row (-1: non-finite logits of that row; meaningless for other rows).
         Raises what the step raises (the KV cache and the expert state may then be gone: see reset)."""
         engine = self.engine
+        live = self.positions >= 0
         with engine._lock:
-            args = (engine.params, self.tokens, self.positions, self.kv_cache, engine.expert_state, self.key_data,
-                    self.temperature, self.top_k, self.top_p)
-            step = engine._executable("decode", args, False, f"the decode step (batch {self.batch_size}, KV cache "
-                                      f"{self.kv_len})", self.tally)
+            args = self._decode_args()
+            step = self._decode_step(args, greedy=bool((self.temperature[live] == 0).all()))
             nxt, self.kv_cache, engine.expert_state = step(*args)
             nxt = np.asarray(nxt)  # the one host sync per step
-        live = self.positions >= 0
         self.tokens = np.where(live, nxt, 0).astype(np.int32)
         self.positions = np.where(live, self.positions + 1, -1).astype(np.int32)
         return nxt
 
-    def compile_decode(self) -> None:
-        """Build the decode executable now (ahead of the first request)."""
+    def _decode_args(self) -> tuple:
         engine = self.engine
-        with engine._lock:
-            args = (engine.params, self.tokens, self.positions, self.kv_cache, engine.expert_state, self.key_data,
-                    self.temperature, self.top_k, self.top_p)
-            engine._executable("decode", args, False, f"the decode step (batch {self.batch_size}, KV cache "
-                               f"{self.kv_len})", self.tally)
+        return (engine.params, self.tokens, self.positions, self.kv_cache, engine.expert_state, self.key_data,
+                self.temperature, self.top_k, self.top_p)
+
+    def _decode_step(self, args: tuple, greedy: bool):
+        what = "greedy" if greedy else "sampling"
+        return self.engine._executable("decode", args, greedy, f"the {what} decode step (batch {self.batch_size}, "
+                                       f"KV cache {self.kv_len})", self.tally)
+
+    def compile_decode(self) -> None:
+        """Build the two decode executables (greedy, sampling) now, ahead of the first request."""
+        with self.engine._lock:
+            args = self._decode_args()
+            for greedy in (True, False):
+                self._decode_step(args, greedy)
 
     def release(self, row: int) -> None:
         """Free a row (finished or cancelled): it feeds position -1 from the next step on."""
