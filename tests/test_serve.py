@@ -164,7 +164,9 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     holder.start()
     batcher.max_queue = 0
     body = {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0}
-    post = lambda: httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=60)  # noqa: E731
+    def post():
+        return httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=60)
+
     try:
         with concurrent.futures.ThreadPoolExecutor(ROWS) as pool:
             waiting = [pool.submit(post) for _ in range(ROWS)]

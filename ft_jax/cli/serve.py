@@ -1,9 +1,9 @@
 """`ft-jax serve`: an OpenAI-compatible HTTP server (ft_jax/serve/) over one loaded model, with continuous batching.
 
 The port is opened first (/health answers 503 while the model loads and the decode step compiles), then the model is
-loaded on a thread of its own (a failure ends the command with status 1). SIGTERM or Ctrl-C: no new request is taken (503), the running ones finish (up to
---shutdown-timeout seconds, then they are cancelled) and the command exits with status 0; a second signal exits at
-once (ft_jax/interrupts.py).
+loaded on a thread of its own (a failure ends the command with status 1). SIGTERM or Ctrl-C: no new request is taken
+(503), the running ones finish (up to --shutdown-timeout seconds, then they are cancelled) and the command exits with
+status 0; a second signal exits at once (ft_jax/interrupts.py).
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ position -1: nothing written, nothing routed; two in fact: the greedy one, argma
 greedy), one prefill executable per (prefill rows, prompt bucket, prefill KV
 length) and one row-insert per (prefill rows, prefill KV length). A group of new prompts is prefilled together into
 a KV cache of its own, [P, S_p] (P = 1 for one prompt, else B: two shapes only, as a prefill reads every expert's
-weights once whatever its rows; S_p: the KV bucket of the longest prompt), then copied into its rows of the batch cache ([:, rows, :S_p]); entries past S_p keep a former
-row's keys, which no query of the new sequence can see (a query sees the cache indices up to its position, and every
-index is written before the position that reads it). Every row samples with its own key and values
+weights once whatever its rows; S_p: the KV bucket of the longest prompt), then copied into its rows of the batch
+cache ([:, rows, :S_p]); entries past S_p keep a former row's keys, which no query of the new sequence can see (a
+query sees the cache indices up to its position, and every index is written before the position that reads it). Every row samples with its own key and values
 (sampling.sample_next), so a row's tokens never depend on its neighbours. docs/DESIGN.md sec. 16.
 """
 

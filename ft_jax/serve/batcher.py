@@ -306,8 +306,9 @@ class Batcher:
         ticket = row.ticket
         if token < 0:
             self._free(r)
-            self._end(ticket, "error", completion_tokens=row.generated, message="the model produced non-finite (NaN or infinite) logits for this "
-                      "request: nothing was decoded from them")
+            self._end(ticket, "error", completion_tokens=row.generated,
+                      message="the model produced non-finite (NaN or infinite) logits for this request: nothing was "
+                              "decoded from them")
             return
         if row.generated and self.metrics is not None:
             self.metrics.on_token(now - row.last)

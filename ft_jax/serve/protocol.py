@@ -6,9 +6,10 @@ checked by ft_jax.api.make_request with the server's context, the one place ever
 Supported: prompt (a text, a list of one text, token ids or a list of one id list) / messages (roles system,
 developer, user, assistant; content a text or a list of {"type": "text", "text"} parts), max_tokens (chat also
 max_completion_tokens), temperature, top_p, top_k and ignore_eos (extensions, as llama-server and vLLM have them),
-seed, stop (a text or a list of texts), stream, stream_options.include_usage, n = 1. Fields that would change the output in a way this
-server does not do (n > 1, logprobs, echo, best_of, suffix, penalties, logit_bias, tools, a response format other
-than text) are refused with 400 when given a value other than their default; other unknown fields are ignored.
+seed, stop (a text or a list of texts), stream, stream_options.include_usage, n = 1. Fields that would change the
+output in a way this server does not do (n > 1, logprobs, echo, best_of, suffix, penalties, logit_bias, tools, a
+response format other than text) are refused with 400 when given a value other than their default; other unknown
+fields are ignored.
 Reference: the OpenAI API reference for the legacy completions and the chat completions endpoints.
 """
 
