@@ -164,6 +164,7 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     holder.start()
     batcher.max_queue = 0
     body = {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0}
+
     def post():
         return httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=60)
 
