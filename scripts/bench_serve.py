@@ -279,8 +279,9 @@ def main(argv=None) -> int:
                 if name == "llama-server":  # memory-mapped: read once (ft_jax reads its checkpoint while loading)
                     bench_peer.warm_page_cache(gguf_path)
                 level["start_s"][name] = round(server.start(args.start_timeout), 1)
-                # one untimed request each: every executable built, the weights paged in
-                one_request(server.url, prompts[0], 2, extra[name])
+                # an untimed round (C clients, one short request each): every executable built (ft_jax compiles a
+                # prefill shape on its first use: one row, and all rows for a group), the weights paged in
+                run_round(server.url, clients, 1, prompts[:clients], 2, extra[name])
             for r in range(args.rounds):
                 order = list(servers) if r % 2 == 0 else list(servers)[::-1]
                 for name in order:
