@@ -145,12 +145,32 @@ def test_eight_concurrent_clients_each_equal_their_solo_run(server):
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
+    """The batcher thread is held after the first token (so the request cannot finish first, however fast the
+    model), the client disconnects; released, the batcher frees the row and counts the request cancelled."""
+    batcher = server.batcher
     before = _rows(server)["finished"].get("cancelled", 0)
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        gate.wait(60)
+
     body = {"prompt": "ROMEO:", "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
-        assert _rows(server)["busy"] == 1
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as response:
+            assert next(response.iter_lines()).startswith("data: ")
+            holder = threading.Thread(target=batcher.call, args=(hold, 60))
+            holder.start()
+            entered.wait(30)
+            assert batcher.busy_rows() == 1
+            (row,) = batcher.rows.values()
+        deadline = time.time() + 30
+        while not row.ticket.cancelled and time.time() < deadline:  # the server noticed the disconnect
+            time.sleep(0.01)
+        assert row.ticket.cancelled
+    finally:
+        gate.set()
+    holder.join()
     rows = _wait_rows(server, lambda r: r["busy"] == 0)
     assert rows["busy"] == 0 and rows["free"] == ROWS and rows["finished"]["cancelled"] == before + 1
     assert all(r["state"] == "free" and r["position"] == -1 for r in rows["rows"])
