@@ -17,7 +17,7 @@ cache_prompt false), --new-tokens tokens, temperature 0 and ignore_eos (every re
 Reported per (program, C): aggregate tokens/s (all generated tokens of the round / the round's wall time, prefills
 included) as median [min-max] over the rounds; decode tokens/s (tokens after each request's first / the summed
 time from first to last token, x C: the rate of the decode steps under load); p50 and p99 time to first token over
-every request of every round (send to the first streamed text); the ratio ft_jax / llama-server of the medians;
+every request of every round (send to the first streamed token event); the ratio ft_jax / llama-server of the medians;
 the load average before and after each round. JSON to --json-out / --json; the table to stderr.
 
 ft_jax's side needs a tokenizer to send text: a folder beside the model's (symbolic links to its files) gets a
@@ -119,7 +119,9 @@ class Server:
 
 
 def one_request(url: str, prompt: list[int], new_tokens: int, extra: dict) -> dict:
-    """One streamed completion: {"ttft_s", "first_s" and "end_s" (perf_counter), "tokens"}."""
+    """One streamed completion: {"ttft_s", "first_s" and "end_s" (perf_counter), "tokens"}. The first token is the
+    first event with a choice and no finish reason (llama-server sends one per token, its text possibly empty while a
+    UTF-8 sequence is incomplete)."""
     body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}, **extra}
     t0 = time.perf_counter()
@@ -133,11 +135,12 @@ def one_request(url: str, prompt: list[int], new_tokens: int, extra: dict) -> di
             event = json.loads(line[6:])
             if event.get("usage"):
                 usage = event["usage"]
-            if event.get("choices") and event["choices"][0].get("text"):
+            if event.get("choices") and event["choices"][0].get("finish_reason") is None:  # a token's event
                 chunks += 1
                 if first is None:
                     first = time.perf_counter()
     end = time.perf_counter()
+    first = end if first is None else first  # no token event: every token was an incomplete UTF-8 piece (llama)
     tokens = usage["completion_tokens"] if usage else chunks
     return {"ttft_s": first - t0, "first_s": first, "end_s": end, "tokens": tokens}
 
