@@ -176,6 +176,31 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
     assert all(r["state"] == "free" and r["position"] == -1 for r in rows["rows"])
 
 
+def test_a_non_streamed_client_that_gives_up_is_cancelled(server):
+    """The batcher thread held, a request without "stream" waits in the queue and its client gives up (read timeout):
+    the server notices (a plain ASGI auth middleware keeps Request.is_disconnected working) and cancels it; released,
+    the batcher drops it without decoding."""
+    batcher, gate = server.batcher, threading.Event()
+    before = _rows(server)["finished"]
+    holder = threading.Thread(target=batcher.call, args=(gate.wait, 60))
+    holder.start()
+    body = {"prompt": "ROMEO:", "max_tokens": 200, "temperature": 0}
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=1.0)
+        (ticket,) = batcher.waiting
+        deadline = time.time() + 30
+        while not ticket.cancelled and time.time() < deadline:
+            time.sleep(0.01)
+        assert ticket.cancelled
+    finally:
+        gate.set()
+        holder.join()
+    after = _wait_rows(server, lambda r: r["finished"].get("cancelled", 0) > before.get("cancelled", 0))["finished"]
+    assert after.get("cancelled", 0) == before.get("cancelled", 0) + 1
+    assert after.get("length", 0) == before.get("length", 0)  # never decoded
+
+
 def test_a_full_queue_answers_429_with_retry_after(server):
     """The batcher thread held (a call that waits): 8 requests wait for the 8 free rows, with max_queue 0 a ninth is
     refused; released, the 8 complete."""
@@ -218,6 +243,11 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     ({"prompt": "x" * 200, "max_tokens": 100}, "prompt",
      "prompt of 200 tokens + 100 new tokens exceeds the server's context of 256 tokens (--ctx-size)"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed with 'stream'"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop", "'stop' may hold at most 16 texts of at most 256 characters"),
+    ({"prompt": "x", "stop": "a" * 257}, "stop", "got 1 (longest 257)"),
+    ({"prompt": ""}, "prompt", "'prompt' is empty"),
+    ({"prompt": [[[1]]]}, "prompt", "'prompt' must be a non-empty text or a list of token ids"),
+    ({"prompt": "x", "model": 4}, "model", "'model' must be a text, got 4"),
 ])
 def test_malformed_requests_get_400_naming_the_field(server, body, param, message):
     r = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers)
@@ -236,6 +266,37 @@ def test_chat_field_errors_and_bodies_that_are_not_json(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = post("/v1/completions", content=b"{not json")
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = post("/v1/completions", content=b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x"}',
+                   headers={**server.headers, "Content-Type": "text/plain"})
+    assert r.status_code == 415 and "'text/plain'" in r.json()["error"]["message"]
+    r = post("/v1/completions", json={"prompt": "x", "model": "gpt-4"})
+    error = r.json()["error"]
+    assert r.status_code == 404 and error["code"] == "model_not_found" and "serves 'tiny'" in error["message"]
+
+
+def test_unknown_routes_and_methods_get_openai_error_objects(server):
+    r = httpx.get(server.url + "/v1/embeddings", headers=server.headers)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "no route /v1/embeddings"
+    r = httpx.get(server.url + "/v1/completions", headers=server.headers)
+    assert r.status_code == 405 and r.json()["error"]["message"] == "GET is not allowed on /v1/completions"
+
+
+def test_listen_refuses_a_taken_port_and_a_bad_host_before_loading():
+    from ft_jax.cli.serve import _listen
+    from ft_jax.cli.usage import UsageError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(UsageError, match=f"cannot listen on http://127.0.0.1:{port}: .*pick another with --port"):
+            _listen("127.0.0.1", port)
+    with pytest.raises(UsageError, match="--host is empty"):
+        _listen("", port)
+    with pytest.raises(UsageError, match="--host '999.1.1.1' is not an address of this machine"):
+        _listen("999.1.1.1", port)
 
 
 def test_api_key_is_required_except_for_health(server):
@@ -244,7 +305,8 @@ def test_api_key_is_required_except_for_health(server):
         r = httpx.get(server.url + path)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
-    assert r.status_code == 401
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).completions.create(
             model="tiny", prompt="x", max_tokens=1)

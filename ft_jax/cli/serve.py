@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
 import sys
 import threading
 
@@ -21,6 +22,8 @@ from ft_jax.cli.usage import UsageError
 
 DEFAULT_CTX = 4096  # tokens per row when the model's context is longer (--ctx-size)
 DEFAULT_MAX_BATCH = 8
+SHUTDOWN_MARGIN_S = 5.0  # uvicorn's own limit past --shutdown-timeout (the batcher cancels at the timeout)
+MAX_BATCH = 256  # rows of the decode step; more is refused (each row is a KV cache of --ctx-size tokens)
 EXAMPLES = """examples:
   ft-jax serve                                        # the bundled tiny model on http://127.0.0.1:8000
   ft-jax serve --model ~/models/Mixtral-8x7B-Instruct-v0.1 --cache-fraction 0.25 --max-batch 8 --ctx-size 8192
@@ -52,7 +55,7 @@ def add_arguments(sub) -> None:
                         "the KV cache holds max-batch x N tokens")
     p.add_argument("--max-queue", type=arg_types.non_negative_int, default=64, metavar="N",
                    help="requests that may wait for a row (default 64); one more is answered 429 with Retry-After")
-    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("FT_JAX_API_KEY"),
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("FT_JAX_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $FT_JAX_API_KEY, "
                         "else none)")
     p.add_argument("--model-name", metavar="NAME",
@@ -95,8 +98,8 @@ def _load(args, path: str, cfg, state, note, on_failure) -> None:
         model.engine.prefill_chunk = args.prefill_chunk
         try:
             template = load_chat_template(path)
-        except ChatTemplateError as e:
-            template = f"{e} (this model serves /v1/completions only)"
+        except ChatTemplateError as e:  # the message without the server's folder path
+            template = f"{str(e).replace(path, repr(state.model_name))} (this model serves /v1/completions only)"
         batcher = Batcher(model, max_batch=args.max_batch, ctx_size=state.ctx_size, max_queue=args.max_queue,
                           metrics=state.metrics)
         batcher.warm_up()
@@ -107,8 +110,36 @@ def _load(args, path: str, cfg, state, note, on_failure) -> None:
         on_failure()
         return
     state.ready(model, batcher, template)
-    print(f"ft-jax serve: ready: {state.model_name} on http://{args.host}:{args.port} (policy {model.policy}, "
+    print(f"ft-jax serve: ready: {state.model_name} on {_url(args.host, args.port)} (policy {model.policy}, "
           f"{args.max_batch} rows of {state.ctx_size} tokens)", file=sys.stderr, flush=True)
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port, opened before anything is loaded so a taken port or a bad address is one
+    clear error (uvicorn would report it only after the model has loaded, and exit with XLA's threads running).
+    Raises UsageError naming the address."""
+    if not host.strip():
+        raise UsageError("--host is empty: give an address such as 127.0.0.1 (this machine) or 0.0.0.0 (every "
+                         "interface)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r} is not an address of this machine ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        hint = " (another server is on that port: pick another with --port)" if e.errno == 98 else ""
+        raise UsageError(f"cannot listen on {_url(host, port)}: {e.strerror}{hint}") from None
+    return sock
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,11 +153,19 @@ def run(args: argparse.Namespace) -> int:
                          f"pip install 'ft-jax[serve]' ({e})") from None
     from ft_jax import api
     from ft_jax.config import load_config
-    from ft_jax.tokenizer import load_tokenizer
+    from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 
+    if args.api_key == "":
+        raise UsageError("--api-key is empty: give a key, or leave the flag out to serve without one")
+    if args.max_batch > MAX_BATCH:
+        raise UsageError(f"--max-batch {args.max_batch} is more than {MAX_BATCH} rows")
     path = args.model or defaults.bundled_model_path()
     cfg = load_config(path)
-    load_tokenizer(path)  # the server answers with text: a folder without a tokenizer is refused here
+    try:
+        load_tokenizer(path)
+    except TokenizerNotFoundError:
+        raise UsageError(f"{path} has no tokenizer.json: ft-jax serve answers with text, so it needs the model's "
+                         "tokenizer (copy tokenizer.json from the model's Hub repository into the folder)") from None
     ctx = _context(args, cfg)
     if not args.no_compile_cache:
         off = api.enable_compile_cache(api.default_compile_cache_dir())
@@ -136,9 +175,12 @@ def run(args: argparse.Namespace) -> int:
     state = ServerState(model_name=name, api_key=args.api_key, ctx_size=ctx, max_batch=args.max_batch)
     notes = lambda text: print(f"ft-jax serve: {text}", file=sys.stderr, flush=True)  # noqa: E731
     # loop="asyncio": uvloop would take the signal wakeup fd that interrupts.py's watcher thread reads.
-    config = uvicorn.Config(create_app(state), host=args.host, port=args.port, loop="asyncio",
-                            access_log=args.verbose, log_level="info" if args.verbose else "warning",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+    sock = _listen(args.host, args.port)
+    # timeout_graceful_shutdown: a margin past --shutdown-timeout, when the batcher ends what is left with an error
+    # event (so every stream closes with [DONE], never cut mid-body by uvicorn's own cancel).
+    config = uvicorn.Config(create_app(state), loop="asyncio", access_log=args.verbose,
+                            log_level="info" if args.verbose else "warning",
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN_S)
 
     class Server(uvicorn.Server):
         """No signal handlers of its own: interrupts.py's watcher thread asks it to stop (should_exit); uvicorn's
@@ -156,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
         state.status = "stopping"
         if state.batcher is not None:
             state.batcher.close()
+            timer = threading.Timer(args.shutdown_timeout, state.batcher.stop)  # what is left ends with an error
+            timer.daemon = True
+            timer.start()
         server.should_exit = True
 
     def stop_server() -> None:
@@ -165,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     loader = threading.Thread(target=_load, args=(args, path, cfg, state, notes, stop_server), name="ft_jax-load",
                               daemon=True)
     loader.start()
-    server.run()
+    server.run(sockets=[sock])
     if state.batcher is not None:
         state.batcher.stop()
     if loader.is_alive():  # still loading or compiling: XLA threads must not see the interpreter finalize

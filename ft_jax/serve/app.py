@@ -23,6 +23,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ft_jax.serve.batcher import ClosedError, QueueFullError, Ticket
 from ft_jax.serve.metrics import Metrics, cache_view
@@ -123,24 +124,48 @@ async def _collect(ticket: Ticket, request: Request):
         ticket.cancel()
 
 
+class BearerAuth:
+    """ASGI middleware: with an API key, every route but /health needs ``Authorization: Bearer KEY`` (the scheme in
+    any case, RFC 7235 sec. 2.1); otherwise 401 with ``WWW-Authenticate: Bearer``. A plain ASGI middleware, not
+    Starlette's BaseHTTPMiddleware, which hides a client's disconnect from Request.is_disconnected (starlette
+    discussion #2094), so a non-streamed request whose client went would decode on."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        key = self.state.api_key
+        if scope["type"] != "http" or key is None or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode()):
+            return await self.app(scope, receive, send)
+        response = _error(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+                          "authentication_error", self.state, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
 def create_app(state: ServerState) -> FastAPI:
     """The FastAPI app over a ServerState (module docstring for the routes)."""
     app = FastAPI(title="ft-jax serve", docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if state.api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                return _error(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
-                              "authentication_error", state)
-        return await call_next(request)
+    app.add_middleware(BearerAuth, state=state)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # unknown route, wrong method: OpenAI form
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = (f"no route {request.url.path}" if exc.status_code == 404 else
+                   f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405 else
+                   str(exc.detail))
+        return _error(exc.status_code, message, kind, state, headers=getattr(exc, "headers", None))
 
     @app.get("/health")
     def health():
         if state.status == "ready":
             return {"status": "ok"}
-        return JSONResponse({"status": state.status, "detail": state.detail}, status_code=503)
+        body = {"status": state.status, **({"detail": state.detail} if state.detail else {})}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
 
     @app.get("/v1/models")
     def models():
@@ -172,10 +197,15 @@ def create_app(state: ServerState) -> FastAPI:
     async def generate(request: Request, chat: bool):
         if state.status != "ready":
             return _not_ready(state)
+        kind = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if kind != "application/json" and not kind.endswith("+json"):
+            return _error(415, f"the request body must be JSON (Content-Type: application/json), got Content-Type "
+                               f"{kind!r}", "invalid_request_error", state)
         try:
             body = await request.json()
-        except (ValueError, UnicodeDecodeError) as e:
-            return _error(400, f"the request body is not valid JSON: {e}", "invalid_request_error", state)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            return _error(400, f"the request body is not valid JSON: {why}", "invalid_request_error", state)
         try:
             params = parse_request(body, chat=chat, model=state.model, template=state.template,
                                    context=state.ctx_size, model_name=state.model_name)

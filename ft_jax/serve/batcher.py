@@ -44,8 +44,8 @@ class QueueFullError(RuntimeError):
     """The waiting queue is full: the client should retry after ``retry_after`` seconds."""
 
     def __init__(self, waiting: int, retry_after: int):
-        super().__init__(f"the server is busy: {waiting} requests are already waiting for a row; retry in "
-                         f"{retry_after} s")
+        super().__init__(f"the server is busy: {waiting} requests are already waiting for a row (--max-queue); "
+                         f"retry in {retry_after} s")
         self.retry_after = retry_after
 
 
@@ -151,8 +151,9 @@ class Batcher:
         with self._lock:
             if self._closed:
                 raise ClosedError("the server is shutting down and takes no new request")
-            if len(self.waiting) >= self.max_queue + len(self.batch.free_rows()):
-                raise QueueFullError(len(self.waiting), self.retry_after())
+            free = len(self.batch.free_rows())
+            if len(self.waiting) >= self.max_queue + free:
+                raise QueueFullError(len(self.waiting) - free, self.retry_after())
             self.waiting.append(ticket)
         if self.metrics is not None:
             self.metrics.on_submit(params)

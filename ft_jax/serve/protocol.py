@@ -24,6 +24,8 @@ from typing import Any
 from ft_jax.chat import ChatTemplate, ChatTemplateError
 from ft_jax.engine.sampling import Sampling
 
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM and llama-server more); each is checked every step
+MAX_STOP_CHARS = 256  # characters per stop string
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default for both endpoints
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -92,13 +94,19 @@ def _prompt(body: dict):
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
+    if prompt == "":
+        raise RequestError("'prompt' is empty: give a non-empty text or a list of token ids", "prompt")
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if prompt and _is_ids(prompt):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
         raise RequestError(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request", "prompt")
-    raise RequestError(f"'prompt' must be a non-empty text or a list of token ids, got {prompt!r}", "prompt")
+    raise RequestError(f"'prompt' must be a non-empty text or a list of token ids, got {prompt!r:.200}", "prompt")
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _messages(body: dict) -> list[dict]:
@@ -156,7 +164,8 @@ def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str,
         context: tokens per row of the server (--ctx-size): prompt + max_tokens must fit. model_name: reported back.
     Raises:
         RequestError: 400 naming the field: a wrong type or value, an unsupported field, a prompt over the context
-            (code "context_length_exceeded"), chat without a chat template.
+            (code "context_length_exceeded"), chat without a chat template, more than MAX_STOP stop strings; 404
+            (code "model_not_found") for a 'model' other than model_name.
     """
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -179,7 +188,17 @@ def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str,
     seed = _field(body, "seed", (int,), "an integer in [0, 2^32)")
     stop = _field(body, "stop", (str, list), "a text or a list of texts", ())
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
-        raise RequestError(f"'stop' must be a text or a list of texts, got {stop!r}", "stop")
+        raise RequestError(f"'stop' must be a text or a list of texts, got {stop!r:.200}", "stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise RequestError(f"'stop' may hold at most {MAX_STOP} texts of at most {MAX_STOP_CHARS} characters each, "
+                           f"got {len(stops)} (longest {max(map(len, stops))})", "stop")
+    requested = body.get("model")
+    if requested is not None and not isinstance(requested, str):
+        raise RequestError(f"'model' must be a text, got {requested!r:.200}", "model")
+    if requested is not None and requested != model_name:
+        raise RequestError(f"the model {requested!r:.200} does not exist: this server serves {model_name!r} "
+                           "(GET /v1/models)", "model", status=404, code="model_not_found")
     if chat:
         messages = _messages(body)
         if isinstance(template, str):
