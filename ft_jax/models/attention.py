@@ -66,7 +66,8 @@ class GroupedQueryAttention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         NH, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q, k, v = self._qkv(i, x, ctx.positions)  # [B, T, NH, D], [B, T, KVH, D], [B, T, KVH, D]
+        with jax.named_scope("qkv_proj"):
+            q, k, v = self._qkv(i, x, ctx.positions)  # [B, T, NH, D], [B, T, KVH, D], [B, T, KVH, D]
         k_cache, v_cache = cache
         k_cache = k_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(k), mode="drop")
         v_cache = v_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(v), mode="drop")
@@ -82,11 +83,13 @@ class GroupedQueryAttention(nnx.Module):
             return jnp.einsum("bkgts,bskd->btkgd", probs, blocks[1], precision=HIGHEST,
                               preferred_element_type=jnp.float32)
 
-        out = attend_live_blocks(ctx, (k_cache, v_cache), i, q.dtype, scores, values, (B, T, KVH, G, D),
-                                 sink=self._sink(i), window=self._window(i, k_cache.shape[2])).astype(q.dtype)
-        o = linear(out.reshape(B, T, NH * D), self.o[...], i)  # f32[B, T, H]
-        if self.o_bias is not None:
-            o = o + self.o_bias[...][i].astype(jnp.float32)
+        with jax.named_scope("softmax_attention"):
+            out = attend_live_blocks(ctx, (k_cache, v_cache), i, q.dtype, scores, values, (B, T, KVH, G, D),
+                                     sink=self._sink(i), window=self._window(i, k_cache.shape[2])).astype(q.dtype)
+        with jax.named_scope("o_proj"):
+            o = linear(out.reshape(B, T, NH * D), self.o[...], i)  # f32[B, T, H]
+            if self.o_bias is not None:
+                o = o + self.o_bias[...][i].astype(jnp.float32)
         return o.astype(x.dtype), (k_cache, v_cache)
 
     def _qkv(self, i, x, positions):
