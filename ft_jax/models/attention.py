@@ -73,19 +73,26 @@ class GroupedQueryAttention(nnx.Module):
         v_cache = v_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(v), mode="drop")
 
         G = NH // KVH  # query head h uses KV head h // G (transformers' repeat_kv)
-        qg = q.reshape(B, T, KVH, G, D)
+        # The queries of a KV head as the rows of one matrix [G T, D], and each block's keys and values per KV head
+        # [blk, D]: both products of a block are then plain batched matrix products whose results are laid out as
+        # the softmax reads them (the layout [B, T, KVH, G, D] made XLA transpose the scores twice per block, which
+        # cost 6x the products; docs/DESIGN.md sec. 16).
+        qt = q.reshape(B, T, KVH, G, D).transpose(0, 2, 3, 1, 4).reshape(B, KVH, G * T, D)
 
         def scores(blocks):  # keys [B, blk, KVH, D] -> f32[B, KVH, G, T, blk]
-            s = jnp.einsum("btkgd,bskd->bkgts", qg, blocks[0], precision=HIGHEST) * (D ** -0.5)
-            return s.astype(jnp.float32)
+            keys = blocks[0].transpose(0, 2, 1, 3)  # [B, KVH, blk, D]
+            s = jnp.einsum("bkqd,bksd->bkqs", qt, keys, precision=HIGHEST) * (D ** -0.5)  # [B, KVH, G T, blk]
+            return s.astype(jnp.float32).reshape(B, KVH, G, T, -1)
 
-        def values(probs, blocks):  # probs [B, KVH, G, T, blk], values [B, blk, KVH, D] -> f32[B, T, KVH, G, D]
-            return jnp.einsum("bkgts,bskd->btkgd", probs, blocks[1], precision=HIGHEST,
+        def values(probs, blocks):  # probs [B, KVH, G, T, blk], values [B, blk, KVH, D] -> f32[B, KVH, G T, D]
+            vals = blocks[1].transpose(0, 2, 1, 3)  # [B, KVH, blk, D]
+            return jnp.einsum("bkqs,bksd->bkqd", probs.reshape(B, KVH, G * T, -1), vals, precision=HIGHEST,
                               preferred_element_type=jnp.float32)
 
         with jax.named_scope("softmax_attention"):
-            out = attend_live_blocks(ctx, (k_cache, v_cache), i, q.dtype, scores, values, (B, T, KVH, G, D),
-                                     sink=self._sink(i), window=self._window(i, k_cache.shape[2])).astype(q.dtype)
+            out = attend_live_blocks(ctx, (k_cache, v_cache), i, q.dtype, scores, values, (B, KVH, G * T, D),
+                                     sink=self._sink(i), window=self._window(i, k_cache.shape[2]))
+            out = out.reshape(B, KVH, G, T, D).transpose(0, 3, 1, 2, 4).astype(q.dtype)  # [B, T, KVH, G, D]
         with jax.named_scope("o_proj"):
             o = linear(out.reshape(B, T, NH * D), self.o[...], i)  # f32[B, T, H]
             if self.o_bias is not None:
