@@ -29,11 +29,15 @@ namespace ft_jax {
 // for a token or two and reads each row once as one stream).
 constexpr int64_t kBf16TileMinTokens = 4;
 
-#if FT_JAX_HAVE_AVX2_PATH
 namespace gemm_bf16 {
 
 constexpr int kRows = 4;    // R: rows of a register tile
 constexpr int kTokens = 6;  // T: tokens of a register tile (R x T = 24 accumulators + R + 1 loaded vectors)
+
+}  // namespace gemm_bf16
+
+#if FT_JAX_HAVE_AVX2_PATH
+namespace gemm_bf16 {
 
 // acc[r][t] += the 32-element chunk at i of row r times that of token t (VDPBF16PS): R + NT loads, R x NT products.
 template <int R, int NT>
@@ -101,7 +105,9 @@ FT_JAX_AVX512BF16 void TokenTile(int64_t nt, const uint16_t* w, int64_t len, int
 
 // out[t * out_stride + r] = DotRowBf16(w + r * len, xb + t * len, len) for rows r in [r0, r1) and tokens t < T, bit
 // for bit, in register tiles (module comment). Rows are taken kRows at a time, each group against every token: the
-// group's rows stay in L1 while the tokens stream from L2. Needs the AVX-512 BF16 level (Isa::kAvx512Bf16).
+// group's rows stay in L1 while the tokens stream from L2; the last r1 - r0 mod kRows rows form one narrower tile.
+// Callers should hand out row ranges of a multiple of kRows (a tile of 1 row loads 7 vectors per 6 products).
+// Needs the AVX-512 BF16 level (Isa::kAvx512Bf16).
 FT_JAX_AVX512BF16 inline void DotRowsBf16Tiled(const uint16_t* w, int64_t len, int64_t r0, int64_t r1,
                                                const uint16_t* xb, int64_t T, float* out, int64_t out_stride) {
   using namespace gemm_bf16;
@@ -109,9 +115,13 @@ FT_JAX_AVX512BF16 inline void DotRowsBf16Tiled(const uint16_t* w, int64_t len, i
   for (; r + kRows <= r1; r += kRows)
     for (int64_t t = 0; t < T; t += kTokens) TokenTile<kRows>(std::min<int64_t>(kTokens, T - t), w, len, r, xb, t,
                                                              out, out_stride);
-  for (; r < r1; ++r)
-    for (int64_t t = 0; t < T; t += kTokens) TokenTile<1>(std::min<int64_t>(kTokens, T - t), w, len, r, xb, t, out,
-                                                          out_stride);
+  const int64_t left = r1 - r;  // 0 .. kRows - 1 rows: one tile of that many rows
+  for (int64_t t = 0; t < T && left > 0; t += kTokens) {
+    const int64_t nt = std::min<int64_t>(kTokens, T - t);
+    if (left == 3) TokenTile<3>(nt, w, len, r, xb, t, out, out_stride);
+    if (left == 2) TokenTile<2>(nt, w, len, r, xb, t, out, out_stride);
+    if (left == 1) TokenTile<1>(nt, w, len, r, xb, t, out, out_stride);
+  }
 }
 #endif
 
