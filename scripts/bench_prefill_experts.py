@@ -8,8 +8,9 @@ format, next to XLA's grouped matrix product (jax.lax.ragged_dot) on bf16 weight
 
 One layer of E experts (default 8, H=2048, I=5632: the bench_peer model), T tokens routed top-k (default 2) at
 random (seed 0; every expert gets about T k / E routes), bf16 activations as a bf16 model passes them:
-  ffi:FMT   ffi_ops.host_experts over HostBanks of the format (bf16 as stored; q8_0 / q4_0 / fp8 (128 x 128 blocks) /
-            mxfp4 quantized from the same random bf16 weights), inside jax.jit
+  ffi:FMT   ffi_ops.host_experts over HostBanks of the format (bf16 as stored; q8_0 / q4_0 quantized from the same
+            random bf16 weights; fp8 (128 x 128 blocks) / mxfp4, which ft_jax does not quantize to, random codes),
+            inside jax.jit
   xla       the same routes through XLA: tokens sorted by expert, gate/up as one jax.lax.ragged_dot over the [E, H, 2I]
             weights, the SwiGLU, down as a second ragged_dot, then each route's output weighted and scattered back
             (bf16 operands, float32 accumulation)
@@ -45,8 +46,16 @@ def make_banks(fmt_name: str, gate_up: np.ndarray, down: np.ndarray) -> dict:
     if fmt_name == "bf16":
         return {"gate_up": HostBank.from_numpy(gate_up), "down": HostBank.from_numpy(down)}
     out = {}
+    rng = np.random.default_rng(1)
     for name, w in (("gate_up", gate_up), ("down", down)):
-        parts = [wf.quantize(w[e].astype(np.float32), fmt) for e in range(w.shape[0])]
+        if fmt_name in ("q8_0", "q4_0"):
+            parts = [wf.quantize(w[e].astype(np.float32), fmt) for e in range(w.shape[0])]
+        else:  # no quantizer: random codes that decode to finite values (no fp8 NaN code, E8M0 scales near 1)
+            shape, sshape = fmt.data_shape(*w.shape[1:]), fmt.scale_shape(*w.shape[1:])
+            high = 0x70 if fmt_name == "fp8" else 256
+            parts = [(rng.integers(0, high, shape, dtype=np.uint8).view(fmt.data_dtype),
+                      np.full(sshape, 120, np.uint8) if fmt_name == "mxfp4" else np.full(sshape, 1e-2, np.float32))
+                     for _ in range(w.shape[0])]
         out[name] = HostBank.from_numpy(np.stack([p[0] for p in parts]))
         out[f"{name}_scale"] = HostBank.from_numpy(np.stack([p[1] for p in parts]))
     out["weight_format"] = fmt
