@@ -33,8 +33,9 @@ from ft_jax.config.quantization import expert_format
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
 from ft_jax.memory import check_host_memory, planned_expert_bytes
-from ft_jax.offload.policy import Policy, parse_policy
-from ft_jax.offload.profile import resolve_policy
+from ft_jax.offload.policy import Policy, PolicyKind, parse_policy
+from ft_jax.offload.prefill_split import prefill_min_tokens_for
+from ft_jax.offload.profile import cost_model_for, resolve_policy
 from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 from ft_jax.units import model_dtype, parse_bytes
 
@@ -445,8 +446,24 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
                 "would be copies in the same memory; --policy auto uses them anyway)")
     if note and on_message is not None:
         on_message(note)
-    engine = Engine(checkpoint, policy=policy, num_slots=slots, on_compile=on_compile)
+    engine = Engine(checkpoint, policy=policy, num_slots=slots, on_compile=on_compile,
+                    prefill_fetch_min_tokens=_prefill_split(policy, banks, cfg, profile))
     return Model(path, checkpoint.config, tokenizer, checkpoint, engine, dtype, note)
+
+
+def _prefill_split(policy, banks, cfg, profile) -> int | None:
+    """The Engine's prefill_fetch_min_tokens of a bound qstar / auto policy on a GPU (offload.prefill_split, from the
+    stored bandwidth profile resolve_policy used); None (the Engine's default) on a CPU device, for other policies,
+    or when the stored profile cannot be read."""
+    if policy.kind not in (PolicyKind.QSTAR, PolicyKind.AUTO) or jax.default_backend() == "cpu":
+        return None
+    fmt = banks.format if banks.quantized else None
+    try:
+        model = cost_model_for("stored", banks.expert_bytes, dtype="bfloat16" if fmt else banks.gate_up.dtype,
+                               profile_path=profile, fmt=fmt)
+    except ValueError:
+        return None
+    return prefill_min_tokens_for(policy, model, banks, cfg.hidden_size, cfg.moe_intermediate_size)
 
 
 def load_tokenizer_or_none(path: str):

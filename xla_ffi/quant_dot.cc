@@ -8,6 +8,7 @@
 
 #include "xla_ffi/common.h"
 #include "xla_ffi/dot_kernels.h"
+#include "xla_ffi/gemm_bf16.h"
 #include "xla_ffi/host_bank.h"
 
 #if FT_JAX_HAVE_AVX2_PATH
@@ -1202,8 +1203,14 @@ void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const flo
     return DotRows<float>(isa, reinterpret_cast<const float*>(w.data), w.cols, r0, r1, x, xb, T, out, out_stride);
   }
   if (w.format == WFormat::kBF16) {
-    return DotRows<uint16_t>(isa, reinterpret_cast<const uint16_t*>(w.data), w.cols, r0, r1, x, xb, T, out,
-                             out_stride);
+    const uint16_t* data = reinterpret_cast<const uint16_t*>(w.data);
+#if FT_JAX_HAVE_AVX2_PATH
+    // many tokens: register tiles, bit for bit the dots of DotRows' bf16 x bf16 path (gemm_bf16.h)
+    if (isa == Isa::kAvx512Bf16 && xb != nullptr && T >= kBf16TileMinTokens) {
+      return DotRowsBf16Tiled(data, w.cols, r0, r1, xb, T, out, out_stride);
+    }
+#endif
+    return DotRows<uint16_t>(isa, data, w.cols, r0, r1, x, xb, T, out, out_stride);
   }
 #if FT_JAX_HAVE_AVX2_PATH
   if (isa == Isa::kAvx512Bf16) return DotRowsAvx512(w, r0, r1, x, xb, T, out, out_stride);

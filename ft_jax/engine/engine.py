@@ -27,6 +27,7 @@ from ft_jax.engine import stats as stats_lib
 from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, check_finite, row_key_data
 from ft_jax.engine.steps import bound_step, decode_n_tokens, decode_one_token, prefill
 from ft_jax.kernels.host_bank import use_huge_pages
+from ft_jax.offload.cost_model import PREFILL_NEVER
 from ft_jax.offload.experts import OffloadedExperts
 from ft_jax.offload.policy import Policy, PolicyKind
 
@@ -110,13 +111,19 @@ class Engine:
             prompt is prefilled in chunks appended to the KV cache, all by one executable per (batch, KV bucket).
         on_prefill: on_prefill(tokens done, tokens in all, seconds since the prefill began) after each chunk of a
             prompt longer than one chunk (the attribute may be set later), or None.
+        prefill_fetch_min_tokens: the prefill split of the qstar and auto policies (cost_model.
+            prefill_fetch_min_tokens): prefill fetches only the misses routed at least this many tokens of a chunk and
+            computes the rest on the host. None: cost_model.PREFILL_NEVER on a CPU device (its slot experts run the
+            host kernel, so a fill would only add a copy), else 1 (every miss). Other policies: fetch-all and
+            fixed-cap prefill as fetch-all, host-all on the host, resident in the slots (docs/DESIGN.md sec. 16).
     Raises:
         ValueError: num_slots < 1 for an offloading policy, or prefill_chunk < 1.
     """
 
     def __init__(self, checkpoint: LoadedCheckpoint, *, policy: Policy, num_slots: int,
                  on_compile: Callable[[str, bool], None] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 on_prefill: Callable[[int, int, float], None] | None = None):
+                 on_prefill: Callable[[int, int, float], None] | None = None,
+                 prefill_fetch_min_tokens: int | None = None):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         cfg = checkpoint.config
@@ -129,7 +136,13 @@ class Engine:
                        swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
         self.decode_backend = OffloadedExperts(**experts, policy=policy)
         prefill_policy = policy if not policy.kind.fetches else Policy(PolicyKind.FETCH_ALL)
-        self.prefill_backend = OffloadedExperts(**experts, policy=prefill_policy)
+        min_tokens = None
+        if policy.kind in (PolicyKind.QSTAR, PolicyKind.AUTO):  # priced by the cost model
+            min_tokens = prefill_fetch_min_tokens
+            if min_tokens is None:
+                min_tokens = PREFILL_NEVER if jax.default_backend() == "cpu" else 1
+        self.prefill_fetch_min_tokens = min_tokens
+        self.prefill_backend = OffloadedExperts(**experts, policy=prefill_policy, fetch_min_tokens=min_tokens)
         resident = policy.kind is PolicyKind.RESIDENT
         self.num_slots = cfg.num_experts * self.decode_backend.num_layers if resident else num_slots
         self.expert_bytes = checkpoint.banks.expert_bytes

@@ -142,10 +142,12 @@ class DecoderStack(nnx.Module):
         """Decoder layer i of the stack (the scan body). h: [B, T, H]; valid: bool[B, T].
         Returns (h, cache, expert_state, routing (router logits [N, E], topk ids [N, k], weights [N, k]) or None)."""
         eps = self.cfg.rms_norm_eps
-        a, cache = self.attn(i, rms_norm(h, self.input_norm[...][i], eps), ctx, cache)
+        with jax.named_scope("attention"):  # named scopes: the parts of a profile (scripts/profile_prefill.py)
+            a, cache = self.attn(i, rms_norm(h, self.input_norm[...][i], eps), ctx, cache)
         h = h + a
-        y, expert_state, routing = self.ffn(i, rms_norm(h, self.post_norm[...][i], eps), valid, expert_state,
-                                            experts)
+        with jax.named_scope("ffn"):
+            y, expert_state, routing = self.ffn(i, rms_norm(h, self.post_norm[...][i], eps), valid, expert_state,
+                                                experts)
         return h + y, cache, expert_state, routing
 
     def __call__(self, h, cache, ctx: AttentionInputs, valid, expert_state, experts: ExpertBackend,
@@ -224,10 +226,11 @@ class MoETransformer(nnx.Module):
                 hidden.append(ys[0])
                 if ys[1] is not None:
                     routing.append(ys[1])
-        h = rms_norm(h, self.norm[...], cfg.rms_norm_eps)
-        head = self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
-        h_out = h[:, -1:] if last_logits_only else h
-        logits = linear(h_out, head)  # f32[B, T, V]
+        with jax.named_scope("lm_head"):
+            h = rms_norm(h, self.norm[...], cfg.rms_norm_eps)
+            head = self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
+            h_out = h[:, -1:] if last_logits_only else h
+            logits = linear(h_out, head)  # f32[B, T, V]
         kv_cache = KVCache(tuple(caches))
         if not collect:
             return logits, kv_cache, expert_state

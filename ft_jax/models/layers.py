@@ -169,6 +169,21 @@ def attention_inputs(positions: jax.Array, max_len: int) -> AttentionInputs:
 # Keys per block of the decode/prefill attention loop over the live part of the KV cache (measured: docs/DESIGN.md
 # sec. 11, "Attention over the live KV blocks").
 KV_BLOCK = 128
+# Queries per block of a prefill chunk's attention (query_blocks; docs/DESIGN.md sec. 16).
+QUERY_BLOCK = 128
+
+
+def query_blocks(ctx: AttentionInputs, block: int | None = None) -> list[tuple[slice, AttentionInputs]]:
+    """The queries of a step in consecutive blocks of ``block`` (default QUERY_BLOCK) tokens: [(static slice of the
+    T axis, the AttentionInputs of those queries)]. Attending block by block, each block reads the keys up to its own
+    last position (attend_live_blocks' trip count), so a prefill chunk's first queries skip the key blocks above the
+    causal diagonal (the chunk's later keys). A step of at most one block (decode) is one block."""
+    T = ctx.positions.shape[1]
+    qb = QUERY_BLOCK if block is None else block
+    if T <= qb:
+        return [(slice(0, T), ctx)]
+    return [(slice(q0, min(T, q0 + qb)), AttentionInputs(*(a[:, q0:q0 + qb] for a in ctx)))
+            for q0 in range(0, T, qb)]
 
 
 def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], layer, dtype,
@@ -176,8 +191,10 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
                        sink: jax.Array | None = None, window=None, block: int | None = None) -> jax.Array:
     """Softmax attention over the live KV blocks of layer ``layer``: keys 0 .. max(positions) of the cache only.
 
-    Two loops of ceil((max(positions) + 1) / block) iterations (a traced trip count: one executable for any live
-    length): the first reads the keys block by block and keeps each query's running max m and normaliser l (online
+    Two loops over the key blocks from the first one a query can see to ceil((max(positions) + 1) / block) (traced
+    trip counts: one executable for any live length; with a sliding window the loops start at the block of the
+    earliest position a query's window reaches, so a window layer reads the blocks inside the windows only): the
+    first reads the keys block by block and keeps each query's running max m and normaliser l (online
     softmax, with the sink logit as one more key when given); the second reads keys and values again and adds
     (exp(s - m) / l rounded to ``dtype``) @ values per block in float32. The weights are the ones a full softmax
     over the visible keys gives (normalised before the rounding to ``dtype``, as transformers does). A block that
@@ -199,6 +216,10 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
     blk = min(KV_BLOCK if block is None else block, S)
     live = jnp.max(ctx.positions) + 1
     num_blocks = jnp.maximum(1, (live + blk - 1) // blk)
+    first_block = jnp.int32(0)
+    if window is not None:  # the block of the earliest key any query's window reaches (padding queries see none)
+        earliest = jnp.min(jnp.where(ctx.positions >= 0, ctx.positions, jnp.iinfo(jnp.int32).max // 2)) - window + 1
+        first_block = jnp.minimum(jnp.maximum(earliest, 0) // blk, num_blocks).astype(jnp.int32)
     fmin = jnp.finfo(jnp.float32).min
 
     def load(j):
@@ -235,13 +256,13 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
         ml0 = (jnp.full(stat_shape, fmin), jnp.zeros(stat_shape, jnp.float32))
     else:
         ml0 = (jnp.broadcast_to(sink, stat_shape).astype(jnp.float32), jnp.ones(stat_shape, jnp.float32))
-    m, l = jax.lax.fori_loop(0, num_blocks, stats, ml0)
+    m, l = jax.lax.fori_loop(first_block, num_blocks, stats, ml0)
 
     def accumulate(j, acc):
         blocks, s = load(j)
         return acc + values_fn((jnp.exp(s - m) / l).astype(dtype), blocks)
 
-    return jax.lax.fori_loop(0, num_blocks, accumulate, jnp.zeros(out_shape, jnp.float32))
+    return jax.lax.fori_loop(first_block, num_blocks, accumulate, jnp.zeros(out_shape, jnp.float32))
 
 
 def linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer=None) -> jax.Array:

@@ -18,7 +18,7 @@ from flax import nnx
 from ft_jax.config import MoEConfig
 from ft_jax.kernels import ffi_ops
 from ft_jax.models.layers import (HIGHEST, AttentionInputs, Stacked, apply_rope, as_float, attend_live_blocks,
-                                  cache_store, linear, rms_norm, rope_cos_sin, stack)
+                                  cache_store, linear, query_blocks, rms_norm, rope_cos_sin, stack)
 from ft_jax.weight_formats import QuantizedTensor, dequantize_jnp, fp8, fp8_rowwise
 
 
@@ -206,18 +206,30 @@ class MultiHeadLatentAttention(nnx.Module):
         q_lat = per_head_linear(q_nope.reshape(B * T, NH, dn), self.w_uk_t[...], i, NH)  # f32[B T, NH, C]
         q_lat = q_lat.astype(x.dtype).reshape(B, T, NH, C)
 
-        def scores(blocks):  # latents [B, blk, C], rope keys [B, blk, dr] -> f32[B, NH, T, blk]
-            latents, rope_keys = blocks
-            return (jnp.einsum("bthc,bsc->bhts", q_lat, latents, precision=HIGHEST, preferred_element_type=jnp.float32)
-                    + jnp.einsum("bthr,bsr->bhts", q_pe, rope_keys, precision=HIGHEST,
-                                 preferred_element_type=jnp.float32)) * self.scale
+        def attend(sub: AttentionInputs, q_lat, q_pe):  # [B, Tq, NH, C], [B, Tq, NH, dr] -> [B, Tq, NH, C]
+            Tq = q_lat.shape[1]
+            # Every head's queries as the rows of one matrix [NH Tq, .] (all heads share the latent keys): a block's
+            # products are plain batched matrix products laid out as the softmax reads them (as in attention.py).
+            q_lat_t = q_lat.transpose(0, 2, 1, 3).reshape(B, NH * Tq, C)
+            q_pe_t = q_pe.transpose(0, 2, 1, 3).reshape(B, NH * Tq, dr)
 
-        def values(probs, blocks):  # probs [B, NH, T, blk] -> f32[B, T, NH, C]
-            return jnp.einsum("bhts,bsc->bthc", probs, blocks[0], precision=HIGHEST,
-                              preferred_element_type=jnp.float32)
+            def scores(blocks):  # latents [B, blk, C], rope keys [B, blk, dr] -> f32[B, NH, Tq, blk]
+                latents, rope_keys = blocks
+                s = (jnp.einsum("bqc,bsc->bqs", q_lat_t, latents, precision=HIGHEST,
+                                preferred_element_type=jnp.float32)
+                     + jnp.einsum("bqr,bsr->bqs", q_pe_t, rope_keys, precision=HIGHEST,
+                                  preferred_element_type=jnp.float32)) * self.scale  # [B, NH Tq, blk]
+                return s.reshape(B, NH, Tq, -1)
 
-        o_lat = attend_live_blocks(ctx, (latent_cache, rope_cache), i, x.dtype, scores, values,
-                                   (B, T, NH, C)).astype(x.dtype)  # [B, T, NH, C]
+            def values(probs, blocks):  # probs [B, NH, Tq, blk] -> f32[B, NH Tq, C]
+                return jnp.einsum("bqs,bsc->bqc", probs.reshape(B, NH * Tq, -1), blocks[0], precision=HIGHEST,
+                                  preferred_element_type=jnp.float32)
+
+            o = attend_live_blocks(sub, (latent_cache, rope_cache), i, x.dtype, scores, values, (B, NH * Tq, C))
+            return o.reshape(B, NH, Tq, C).transpose(0, 2, 1, 3).astype(x.dtype)
+
+        o_lat = jnp.concatenate([attend(sub, q_lat[:, part], q_pe[:, part]) for part, sub in query_blocks(ctx)],
+                                axis=1)  # [B, T, NH, C]
         # absorbed W_uv: out[h] = W_uv[h] o_lat[h]
         out = per_head_linear(o_lat.reshape(B * T, NH, C), self.w_uv[...], i, NH).astype(x.dtype)  # [B T, NH, dv]
         o = linear(out.reshape(B, T, NH * cfg.v_head_dim), self.o[...], i)  # f32[B, T, H]

@@ -319,8 +319,8 @@ def _layer_stats(state: CacheState, layer, active, lay: _Layer, count):
     return call_stats, jax.lax.dynamic_update_index_in_dim(state.stats, stats_row, layer, axis=0)
 
 
-def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int | None = None
-               ) -> tuple[CacheState, LayerPlan]:
+def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int | None = None,
+               fetchable=None) -> tuple[CacheState, LayerPlan]:
     """Plan one MoE layer's experts and update the cache tables (rules: module docstring, docs/DESIGN.md sec. 1-3).
 
     Steps: 1 classify hits and misses; 2 F from the policy's split (policy.fetch_split; auto first observes the
@@ -337,6 +337,8 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
         policy: Policy; "resident" requires S == L*E (init_cache_state_resident).
         max_active: static bound on the number of active experts (T * k for T tokens of top-k routing), which
             bounds the fills: P = min(E, S, max_active). None: P = min(E, S).
+        fetchable: bool[E], the misses the policy may fetch (prefill: the experts routed enough tokens to be worth
+            their fill, OffloadedExperts.fetch_min_tokens); the others are computed on the host. None: every miss.
     Returns:
         (new_state, LayerPlan). new_state.step = state.step + 1.
     Raises:
@@ -360,8 +362,10 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
         if policy.kind is PolicyKind.AUTO:
             slot_gain = _observe_reuse(state, lay)  # 2a
             reuse = _observe_misses(state, layer, lay)  # 2b
-        count = fetch_split(policy, lay.m, lay.n_hits, jnp.sum(eligible, dtype=jnp.int32), reuse, P)  # 2: F
-        fills = _choose_fills(state, layer, lay, eligible, count, P)  # 3
+        wanted = lay if fetchable is None else lay._replace(miss=lay.miss & fetchable,
+                                                            m=jnp.sum(lay.miss & fetchable, dtype=jnp.int32))
+        count = fetch_split(policy, wanted.m, lay.n_hits, jnp.sum(eligible, dtype=jnp.int32), reuse, P)  # 2: F
+        fills = _choose_fills(state, layer, wanted, eligible, count, P)  # 3
         slot_of_expert, expert_of_slot = _apply_fills(state, fills)  # 4
         if policy.kind is PolicyKind.AUTO:
             slot_gain, ghost_of_slot, reuse = _realize_reuse(state, fills, slot_gain, reuse)  # 4b

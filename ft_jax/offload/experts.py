@@ -58,6 +58,9 @@ class OffloadedExperts:
         policy: Policy deciding how many misses are fetched (static: baked into the compiled step).
         activation: "silu" (SwiGLU), "gelu_tanh" or "swiglu_oai" (gpt-oss's clamped SwiGLU).
         swiglu_alpha, swiglu_limit: the clamped SwiGLU's parameters (read by "swiglu_oai" only).
+        fetch_min_tokens: None, or the prefill split of the cost model (cost_model.prefill_fetch_min_tokens): only a
+            miss routed at least this many tokens in the call may be fetched (the policy's F is taken among those),
+            the others are computed on the host (cost_model.PREFILL_NEVER: none is fetched).
     """
 
     banks: ExpertBanks
@@ -66,6 +69,7 @@ class OffloadedExperts:
     activation: str = "silu"
     swiglu_alpha: float = ffi_ops.SWIGLU_ALPHA
     swiglu_limit: float = ffi_ops.SWIGLU_LIMIT
+    fetch_min_tokens: int | None = None
 
     @property
     def num_layers(self) -> int:
@@ -136,8 +140,12 @@ class OffloadedExperts:
         topk_ids = topk_ids.astype(jnp.int32)
         topk_weights = topk_weights.astype(jnp.float32)
         active = expert_cache.active_from_topk(topk_ids, E)  # bool[E]
+        fetchable = None
+        if self.fetch_min_tokens is not None:  # prefill: only experts with enough tokens are worth their fill
+            counts = jnp.zeros((E,), jnp.int32).at[jnp.where(topk_ids >= 0, topk_ids, E)].add(1, mode="drop")
+            fetchable = counts >= self.fetch_min_tokens  # bool[E]
         cache, plan = expert_cache.plan_layer(state.cache, moe_layer, active, self.policy,
-                                              max_active=topk_ids.size)
+                                              max_active=topk_ids.size, fetchable=fetchable)
         pools, fill_errors = self._fill(state.pools, plan, state.fill_errors)
         routed = topk_ids >= 0  # bool[N, k]; -1 = padding token, no expert
         ids = jnp.where(routed, topk_ids, 0)  # i32[N, k], safe to index with
