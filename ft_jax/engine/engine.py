@@ -260,7 +260,8 @@ class Engine:
                     self.expert_state = self.decode_backend.init_state(self.num_slots)  # the donated state is gone
                 raise
         stats = stats_lib.generation_stats(self, prompts, out, steps, (t0, t_first, time.perf_counter()), tally,
-                                           kv_len, per_device.sum(axis=0), per_device if self.mesh is not None else None)
+                                           kv_len, per_device.sum(axis=0),
+                                           per_device if self.mesh is not None else None)
         return GenerationResult(tokens=out, stats=stats, routing=self._routing_arrays(routing, B))
 
     def _read_stats(self) -> np.ndarray:

@@ -284,13 +284,17 @@ class ShardedExperts:
         """E, routed experts per MoE layer (all shards)."""
         return self.partition.num_experts
 
-    def _spec(self, tree):
-        """PartitionSpec P('expert') for every leaf of a state pytree: its leading axis is the shard."""
-        return jax.tree_util.tree_map(lambda _: PartitionSpec(EXPERT_AXIS), tree)
+    def _scalars(self):
+        """The OffloadState pytree of one shard with True at its scalar leaves (step, error counters)."""
+        template = dataclasses.replace(self._shards[0], policy=Policy(PolicyKind.FETCH_ALL))
+        return jax.tree_util.tree_map(lambda s: s.ndim == 0, jax.eval_shape(lambda: template.init_state(1)))
 
     def init_state(self, num_slots: int) -> OffloadState:
         """Cold slot pools of ``num_slots`` slots per device (resident: every expert of the device's shard), as an
-        OffloadState whose every leaf has a leading axis of N shards, sharded over the mesh's expert axis.
+        OffloadState sharded over the mesh's expert axis: each leaf is the N shards' own leaves concatenated on
+        their leading axis (a scalar leaf: stacked to [N]), so that inside the shard_map a shard's block is its
+        leaf as it is (a slot pool [S, *row] stays one buffer, updated in place by slot_fill: no reshape that XLA
+        would copy around the aliased call).
 
         Raises:
             ValueError: num_slots < 1 for an offloading policy.
@@ -308,11 +312,13 @@ class ShardedExperts:
                                          jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
                 else:
                     state = shard.init_state(num_slots)
-                states.append(jax.tree_util.tree_map(lambda a: jax.device_put(a[None], device), state))
+                states.append(jax.tree_util.tree_map(lambda a: jax.device_put(a[None] if a.ndim == 0 else a, device),
+                                                     state))
         N = self.partition.num_shards
 
         def assemble(*parts):
-            return jax.make_array_from_single_device_arrays((N, *parts[0].shape[1:]), sharding, list(parts))
+            return jax.make_array_from_single_device_arrays((N * parts[0].shape[0], *parts[0].shape[1:]), sharding,
+                                                            list(parts))
 
         return jax.tree_util.tree_map(assemble, *states)
 
@@ -333,7 +339,7 @@ class ShardedExperts:
         else:
             stats, fill, route = multihost_utils.process_allgather(leaves, tiled=True)
         self._shards[0].check_error_counts(int(np.sum(fill)), int(np.sum(route)))
-        return np.asarray(stats)
+        return np.asarray(stats).reshape(self.partition.num_shards, self.num_layers, -1)
 
     def __call__(self, moe_layer, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
                  state: OffloadState) -> tuple[jax.Array, OffloadState]:
@@ -347,10 +353,10 @@ class ShardedExperts:
             (y f32[T, H] replicated, new state).
         """
         Es = self.partition.experts_per_shard
-        shards, branch = self._shards, self._branch
+        shards, branch, scalars = self._shards, self._branch, self._scalars()
 
-        def body(layer, x, ids, weights, state):  # one shard: state leaves [1, ...]
-            state = jax.tree_util.tree_map(lambda a: a[0], state)
+        def body(layer, x, ids, weights, state):  # one shard: its own leaves (a scalar as [1])
+            state = jax.tree_util.tree_map(lambda a, scalar: a[0] if scalar else a, state, scalars)
             shard = jax.lax.axis_index(EXPERT_AXIS)
             local = ids - shard * Es  # i32[T, k]
             mine = (ids >= 0) & (local >= 0) & (local < Es)
@@ -361,10 +367,10 @@ class ShardedExperts:
                 index = jnp.asarray(branch, jnp.int32)[shard % len(branch)]
                 y, state = jax.lax.switch(index, [s.__call__ for s in shards], layer, x, local, weights, state)
             y = jax.lax.psum(y, EXPERT_AXIS)  # f32[T, H]: the one collective of the layer
-            return y, jax.tree_util.tree_map(lambda a: a[None], state)
+            return y, jax.tree_util.tree_map(lambda a, scalar: a[None] if scalar else a, state, scalars)
 
         rep = PartitionSpec()
-        spec = self._spec(state)
+        spec = jax.tree_util.tree_map(lambda _: PartitionSpec(EXPERT_AXIS), state)
         call = jax.shard_map(body, mesh=self.mesh, in_specs=(rep, rep, rep, rep, spec), out_specs=(rep, spec),
                              check_vma=False)
         return call(jnp.asarray(moe_layer, jnp.int32), x, topk_ids.astype(jnp.int32),
