@@ -41,7 +41,8 @@ def add_arguments(parser) -> None:
     group.add_argument("--num-processes", type=_positive, default=None, metavar="P",
                        help="processes of the run (with --coordinator)")
     group.add_argument("--process-id", type=_non_negative, default=None, metavar="I",
-                       help="this process's index in [0, P) (with --coordinator); process 0 prints the text")
+                       help="this process's index in [0, P) (with --coordinator); process 0 prints the text and the "
+                            "statistics (with --json every process prints its object)")
     group.add_argument("--init-timeout", type=_positive, default=DEFAULT_INIT_TIMEOUT_S, metavar="SECONDS",
                        help=f"how long to wait for the coordinator and the other processes (default "
                             f"{DEFAULT_INIT_TIMEOUT_S})")

@@ -236,9 +236,9 @@ def run(args: argparse.Namespace) -> int:
 
     out = model.run_request(request, on_text=on_text if streaming else None,
                             record_routing=args.record_trace is not None)
-    if not primary:
+    if not primary and not args.json:
         return 0
-    if args.record_trace is not None:
+    if args.record_trace is not None and primary:
         with interrupts.deferred_exit():  # never a half-written trace
             write_trace(args.record_trace, routing_records(*out.routing,
                                                            dataset=os.path.basename(os.path.normpath(path))))
@@ -280,7 +280,8 @@ def _print_result(args, path: str, model, request, out, streamed: bool, tokenize
         settings = {"max_new_tokens": request.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                     "top_p": args.top_p, "seed": args.seed, "dtype": model.dtype, "policy": str(model.policy),
                     "stop": list(request.stop), "chat": bool(args.chat), "quantize": args.quantize,
-                    "weight_format": out.stats["weight_format"]}
+                    "weight_format": out.stats["weight_format"], "devices": out.stats["devices"],
+                    "num_processes": args.num_processes or 1, "process_id": args.process_id or 0}
         print(json.dumps({"model": path, "prompt_ids": request.prompt_ids, "generated_ids": out.token_ids,
                           "text": out.texts, "finish_reasons": out.finish_reasons, "settings": settings,
                           "profile_message": model.note, "notes": notes, "stats": out.stats}))

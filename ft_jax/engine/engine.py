@@ -151,6 +151,7 @@ class Engine:
         resident = policy.kind is PolicyKind.RESIDENT
         self.num_slots = experts_per_device * self.decode_backend.num_layers if resident else num_slots
         self.expert_bytes = checkpoint.banks.expert_bytes
+        self.host_bank_bytes = checkpoint.banks.num_rows * checkpoint.banks.expert_bytes  # this process's experts
         self.weight_format = checkpoint.banks.format
         self.dense_bytes = dense_weight_bytes(self.params, cfg.tie_word_embeddings)
         self.expert_state = self.decode_backend.init_state(self.num_slots)

@@ -75,7 +75,8 @@ def generation_stats(engine, prompts, out, steps: int, times: tuple[float, float
     call), prefill_compiles and decode_compiles (executables this call built: 0 once the shapes were seen),
     xla_compiles and cache_hits (of those, how many XLA compiled and how many came from the persistent compilation
     cache), kv_cache_len, decode_steps, weight_format (the experts' weight format name, e.g. "bf16", "q4_0"),
-    dense_weight_bytes (Engine.dense_bytes: the dense weights a step reads), and over the decode steps (None without
+    dense_weight_bytes (Engine.dense_bytes: the dense weights a step reads), host_bank_bytes (the bytes of this
+    process's expert banks: all experts, or with a mesh those of its devices), and over the decode steps (None without
     one): active/hits/misses/fetched/host per step (summed over MoE layers), hit_rate, h2d_bytes_per_step (slot
     fills), host_bytes_per_step (expert weights read by the CPU), weight_bytes_per_token (weights read per generated
     token: (dense_weight_bytes + active experts per step * expert_bytes) / batch size, every byte as stored),
@@ -109,6 +110,7 @@ def generation_stats(engine, prompts, out, steps: int, times: tuple[float, float
         "fraction": policy.frac if policy.kind is PolicyKind.QSTAR else None,
         "num_slots": engine.num_slots,
         "expert_bytes": engine.expert_bytes,
+        "host_bank_bytes": engine.host_bank_bytes,
         "weight_format": engine.weight_format.name,
         "dense_weight_bytes": engine.dense_bytes,
         "batch_size": B,
