@@ -235,6 +235,8 @@ class ShardedExperts:
         activation, swiglu_alpha, swiglu_limit: as OffloadedExperts.
     Raises:
         ValueError: banks that do not hold L x E_p rows, policies of the wrong count or of different kinds.
+        NotImplementedError: several GPUs in one process (the CUDA host_experts staging is one per call site, and
+            every shard runs the same call site: run one process per GPU).
     """
 
     banks: ExpertBanks
@@ -251,6 +253,12 @@ class ShardedExperts:
         if self.mesh.shape[EXPERT_AXIS] != part.num_shards:
             raise ValueError(f"ShardedExperts: the mesh's '{EXPERT_AXIS}' axis has {self.mesh.shape[EXPERT_AXIS]} "
                              f"devices, the partition {part.num_shards}")
+        platform = self.mesh.devices.flat[0].platform
+        if part.local_shards > 1 and platform != "cpu":
+            raise NotImplementedError(f"expert parallelism over {part.local_shards} {platform} devices in one process: "
+                                      f"the GPU host_experts path keeps one pinned staging channel per call site, "
+                                      f"which every shard would share; run one process per GPU (--coordinator, "
+                                      f"--num-processes, --process-id)")
         Ep = len(part.process_experts)
         if self.banks.num_rows % Ep:
             raise ValueError(f"ShardedExperts: the banks hold {self.banks.num_rows} rows, not a multiple of the "
