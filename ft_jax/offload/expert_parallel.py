@@ -380,6 +380,6 @@ class ShardedExperts:
         rep = PartitionSpec()
         spec = jax.tree_util.tree_map(lambda _: PartitionSpec(EXPERT_AXIS), state)
         call = jax.shard_map(body, mesh=self.mesh, in_specs=(rep, rep, rep, rep, spec), out_specs=(rep, spec),
-                             check_vma=False)
+                             check_vma=True)
         return call(jnp.asarray(moe_layer, jnp.int32), x, topk_ids.astype(jnp.int32),
                     topk_weights.astype(jnp.float32), state)
