@@ -22,6 +22,7 @@ from ft_jax import _ffi  # noqa: E402
 from ft_jax.checkpoint import load_checkpoint  # noqa: E402
 from ft_jax.engine.engine import Engine  # noqa: E402
 from ft_jax.engine.sampling import Sampling  # noqa: E402
+from ft_jax.kernels import ffi_ops  # noqa: E402
 from ft_jax.offload.cost_model import auto_costs  # noqa: E402
 from ft_jax.offload.expert_parallel import ExpertPartition, ShardedExperts  # noqa: E402
 from ft_jax.offload.policy import PolicyKind, parse_policy  # noqa: E402
@@ -72,10 +73,11 @@ def run_case(folder, case):
 
 
 def idle_shard(path):
-    """One host-all MoE layer on 2 devices (experts 0..3 on device 0, 4..7 on device 1) whose routes all go to
-    experts 0..3, with every bank row of experts 4..7 set to NaN: device 1 runs no host GEMV, so the output is finite
-    and equals the single-device OffloadedExperts output; its statistics count nothing. Then NaN in experts 0..3 makes
-    the output non-finite (the check can fail)."""
+    """One MoE layer on 2 devices (experts 0..3 on device 0, 4..7 on device 1). First with a policy per device
+    (fetch every miss / none): the output equals one device's host GEMV and the statistics show each device's own
+    split. Then host-all with routes that all go to experts 0..3 and every bank row of experts 4..7 set to NaN:
+    device 1 runs no host GEMV, so the output is finite and equals one device's; its statistics count nothing. Then
+    NaN in experts 0..3 makes the output non-finite (the check can fail)."""
     ck = load_checkpoint(path)
     E, mesh = ck.config.num_experts, ft_jax.expert_mesh(2)
     backend = ShardedExperts(ck.banks, ExpertPartition.from_mesh(mesh, E), mesh, (parse_policy("host-all"),) * 2,
@@ -94,14 +96,22 @@ def idle_shard(path):
                 rows[layer * E + experts.start:layer * E + experts.stop] = np.nan
 
     # The reference straight from the host GEMV of one device (OffloadedExperts' host path, no cache).
-    from ft_jax.kernels import ffi_ops
     reference = ffi_ops.host_experts(x, ids, weights, ck.banks.gate_up, ck.banks.down, ck.config.activation)
+    # Each device its own policy (lax.switch on the shard): device 0 fetches every miss, device 1 none.
+    own = ShardedExperts(ck.banks, ExpertPartition.from_mesh(mesh, E), mesh,
+                         (parse_policy("qstar:1.0"), parse_policy("qstar:0.0")), activation=ck.config.activation)
+    routes = jnp.asarray([[0, 5], [1, 6], [3, 4]], jnp.int32)  # one route on each device per token
+    y_own, own_state = jax.jit(own.__call__)(0, x, routes, weights, own.init_state(4))
+    own_reference = ffi_ops.host_experts(x, routes, weights, ck.banks.gate_up, ck.banks.down, ck.config.activation)
+    own_stats = own.read_stats(own_state).sum(axis=1)  # i32[2, 6]
     poison(range(4, 8))
     y, state = step(0, x, ids, weights, state)
     stats = backend.read_stats(state)  # i32[2, L, 6]
     poison(range(0, 4))
     y_bad, state = step(0, x, ids, weights, state)
-    return {"finite": bool(np.isfinite(np.asarray(y)).all()),
+    return {"own_policies_equal": bool(np.array_equal(np.asarray(y_own), np.asarray(own_reference))),
+            "own_policies_fetched": own_stats[:, 3].tolist(), "own_policies_host": own_stats[:, 4].tolist(),
+            "finite": bool(np.isfinite(np.asarray(y)).all()),
             "equal": bool(np.array_equal(np.asarray(y), np.asarray(reference))),
             "device_stats": stats.sum(axis=1).tolist(), "poisoned_shard0_finite": bool(np.isfinite(y_bad).all())}
 

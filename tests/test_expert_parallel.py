@@ -113,6 +113,12 @@ def test_sharded_step_has_one_psum_and_no_gather(devices_report):
     assert hlo["pools_present"] and hlo["pool_copies"] == 0  # each device's slot pools updated in place
 
 
+def test_each_device_its_own_policy(devices_report):
+    idle = devices_report["idle_shard"]
+    assert idle["own_policies_equal"]  # the same output as one device's host GEMV, bit for bit (top-2)
+    assert idle["own_policies_fetched"] == [3, 0] and idle["own_policies_host"] == [0, 3]
+
+
 def test_a_shard_without_routes_runs_no_host_gemv(devices_report):
     idle = devices_report["idle_shard"]
     # NaN in every bank row of device 1's experts: never read. The output is the host GEMV of one device, bit for bit

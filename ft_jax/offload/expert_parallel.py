@@ -175,8 +175,13 @@ def replicated_zeros(shapes, mesh: Mesh):
     """Zero arrays of the jax.ShapeDtypeStruct leaves of ``shapes`` replicated on every device of ``mesh``, each
     device with a buffer of its own (for state a step donates and updates in place, such as the KV cache)."""
     sharding = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                   out_shardings=sharding)()
+    local = [d for d in mesh.devices.reshape(-1) if d.process_index == jax.process_index()]
+
+    def one(s):
+        return jax.make_array_from_single_device_arrays(s.shape, sharding,
+                                                        [jnp.zeros(s.shape, s.dtype, device=d) for d in local])
+
+    return jax.tree_util.tree_map(one, shapes)
 
 
 def host_value(x) -> np.ndarray:
