@@ -38,7 +38,9 @@ COST_MODEL_HELP = """cost model, per MoE layer with F fetched, H host-computed a
 N devices (--devices, expert parallelism): each device owns E/N experts of every layer, replays its share of the
   trace through its own cache of the given slots and is priced as above on its own link (BP, BPc); the devices of
   one of --host-sockets sockets share its BH, BHc (their host experts pooled); a layer ends with its slowest device
-  plus --allreduce-ms (the psum of the partial outputs)."""
+  plus --allreduce-ms (the psum of the partial outputs), e.g. Mixtral-8x7B on 1, 2 and 4 GPUs of 24 GiB each:
+    ft-jax trace TRACE --expert-bytes 352321536 --bandwidth sapphire-rapids --devices 1,2,4 --cache-slots 73
+    ft-jax plan TRACE --expert-bytes 352321536 --bandwidth xeon-6526y --device-memory 24GiB --devices 2"""
 
 
 def add_model_arguments(p) -> None:
