@@ -15,7 +15,7 @@ docs/DESIGN.md section 16.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -173,15 +173,17 @@ def replicate(tree, mesh: Mesh):
 
 def replicated_zeros(shapes, mesh: Mesh):
     """Zero arrays of the jax.ShapeDtypeStruct leaves of ``shapes`` replicated on every device of ``mesh``, each
-    device with a buffer of its own (for state a step donates and updates in place, such as the KV cache)."""
-    sharding = NamedSharding(mesh, PartitionSpec())
-    local = [d for d in mesh.devices.reshape(-1) if d.process_index == jax.process_index()]
+    device with a buffer of its own (for state a step donates and updates in place, such as the KV cache). One
+    compiled zeros step per (shapes, mesh), kept; works under jax.eval_shape."""
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    return _zeros_step(treedef, tuple((tuple(s.shape), np.dtype(s.dtype)) for s in leaves), mesh)()
 
-    def one(s):
-        return jax.make_array_from_single_device_arrays(s.shape, sharding,
-                                                        [jnp.zeros(s.shape, s.dtype, device=d) for d in local])
 
-    return jax.tree_util.tree_map(one, shapes)
+@functools.lru_cache(maxsize=16)
+def _zeros_step(treedef, leaves: tuple, mesh: Mesh):
+    """jit () -> the pytree treedef of zero arrays leaves ((shape, dtype), ...), each replicated over mesh."""
+    return jax.jit(lambda: treedef.unflatten([jnp.zeros(shape, dtype) for shape, dtype in leaves]),
+                   out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def host_value(x) -> np.ndarray:
