@@ -89,9 +89,9 @@ def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: 
         model: the CostModel of every device (its link's BP / BPc; BH / BHc of its socket). devices: N.
         host_sockets, allreduce_ms: module docstring. carry_cache, batch: as replay. progress: (done, total) or None.
     Returns:
-        dicts with evaluate's keys (cache_slots per device, cache_fraction = cache_slots / (L*E), hit_rate and the
-        per-token figures summed over the devices, ms_per_token by token_ms) plus devices, host_sockets,
-        allreduce_ms and per_device (hit_rate, fetched_per_token, host_per_token of each device).
+        dicts with evaluate's keys (cache_slots per device, as capped; cache_fraction = cache_slots / (L*E),
+        hit_rate and the per-token figures summed over the devices, ms_per_token by token_ms) plus devices,
+        host_sockets, allreduce_ms and per_device (hit_rate, fetched_per_token, host_per_token of each device).
     Raises:
         ValueError: devices that do not divide E, host_sockets outside [1, N], a slot count < 1.
     """
@@ -112,8 +112,8 @@ def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: 
                            "fetched_per_token": float(d[..., 3].sum(axis=1).mean()),
                            "host_per_token": float(d[..., 4].sum(axis=1).mean())} for d in s]
             per_token = s.sum(axis=(0, 2))  # f64[T, 5]
-            out.append({"policy": str(policy), "bound": str(bound[0]), "cache_slots": int(S),
-                        "cache_fraction": S / (L * E), "devices": devices, "host_sockets": host_sockets,
+            out.append({"policy": str(policy), "bound": str(bound[0]), "cache_slots": slots,
+                        "cache_fraction": slots / (L * E), "devices": devices, "host_sockets": host_sockets,
                         "allreduce_ms": allreduce_ms,
                         "hit_rate": float(hits / active) if active else 0.0,
                         "active_per_token": float(per_token[:, 0].mean()),
