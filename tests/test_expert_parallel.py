@@ -18,10 +18,9 @@ from safetensors.numpy import load_file, save_file
 
 from ft_jax import launch, testing
 from ft_jax.checkpoint import load_checkpoint
-from ft_jax.engine.engine import Engine
 from ft_jax.offload.cost_model import CostModel
 from ft_jax.offload.expert_parallel import ExpertPartition, expert_mesh
-from ft_jax.offload.policy import Policy, parse_policy
+from ft_jax.offload.policy import parse_policy
 from ft_jax.tools import multi_device
 from ft_jax.tools.replay import evaluate
 from ft_jax.tools.trace_io import Trace, TraceSequence
@@ -137,7 +136,7 @@ def _free_port() -> int:
 
 def test_two_processes_decode_the_one_device_tokens_with_half_the_banks_each(tmp_path):
     path = os.path.join(FIXTURES, "qwen2_moe")
-    prompt = [3, 14, 15, 92, 6]
+    prompt = _info("qwen2_moe")["prompt_ids"]
     address = f"localhost:{_free_port()}"
     flags = ["--model", path, "--prompt-ids", ",".join(map(str, prompt)), "--temperature", "0", "--max-new-tokens",
              "6", "--policy", "qstar:0.5", "--cache-slots", "2", "--json", "--no-compile-cache",
@@ -150,10 +149,8 @@ def test_two_processes_decode_the_one_device_tokens_with_half_the_banks_each(tmp
     objs = [json.loads(out) for out, _ in outs]  # stdout holds the JSON object only (gloo's lines go to stderr)
     cfg = json.load(open(os.path.join(path, "config.json")))
     L, E, H, I = (cfg["num_hidden_layers"], cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"])
-    reference = Engine(load_checkpoint(path), policy=Policy("qstar", frac=0.5), num_slots=4).generate(
-        [prompt], max_new_tokens=6).tokens
-    for obj in objs:
-        assert obj["generated_ids"] == reference
+    for obj in objs:  # one device decodes the transformers continuation (tests/test_model.py)
+        assert obj["generated_ids"] == [_info("qwen2_moe")["greedy_continuation"][:6]]
         assert obj["stats"]["devices"] == 2 and obj["settings"]["num_processes"] == 2
         assert obj["stats"]["host_bank_bytes"] == L * (E // 2) * 3 * H * I * 4  # f32 gate, up, down of its 4 experts
     assert sorted(o["settings"]["process_id"] for o in objs) == [0, 1]
