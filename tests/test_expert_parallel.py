@@ -14,7 +14,6 @@ import sys
 import jax
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
 from ft_jax import launch, testing
 from ft_jax.checkpoint import load_checkpoint
