@@ -147,16 +147,20 @@ class Request:
     single: bool = True
 
 
-def check_request(config, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+def check_request(config, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                  context: tuple[int, str] | None = None) -> None:
     """Validate token-id prompts against a model config before any work is done.
 
     Args:
         config: ft_jax.config.MoEConfig (vocab_size, max_position_embeddings).
         prompts: B lists of token ids.
         max_new_tokens: tokens to generate per prompt.
+        context: (tokens, the phrase naming them) when the context is smaller than the model's, e.g. (2048, "the
+            server's context of 2048 tokens (--ctx-size)"); default: max_position_embeddings, "the model's context
+            of N tokens (max_position_embeddings)".
     Raises:
         ValueError: no prompt, an empty prompt, an id outside [0, vocab), max_new_tokens < 1, or a prompt plus the
-            new tokens longer than the context (max_position_embeddings); the message names the prompt and values.
+            new tokens longer than the context; the message names the prompt and values.
     """
     if not prompts:
         raise ValueError("no prompt given")
@@ -168,20 +172,23 @@ def check_request(config, prompts: Sequence[Sequence[int]], max_new_tokens: int)
             raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    longest, context = max(len(p) for p in prompts), config.max_position_embeddings
-    if longest + max_new_tokens > context:
-        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context of "
-                         f"{context} tokens (max_position_embeddings)")
+    longest, (size, what) = max(len(p) for p in prompts), _context(config, context)
+    if longest + max_new_tokens > size:
+        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds {what}")
 
 
-def default_new_tokens(config, prompts: Sequence[Sequence[int]]) -> int:
-    """max_new_tokens when none is given: DEFAULT_NEW_TOKENS, or what the context leaves after the longest prompt.
-    Raises ValueError if the longest prompt already fills the context (no room for one new token)."""
-    longest, context = max(len(p) for p in prompts), config.max_position_embeddings
-    if longest >= context:
-        raise ValueError(f"prompt of {longest} tokens fills the model's context of {context} tokens "
-                         "(max_position_embeddings): no room for a new token")
-    return min(DEFAULT_NEW_TOKENS, context - longest)
+def _context(config, context: tuple[int, str] | None) -> tuple[int, str]:
+    size = config.max_position_embeddings
+    return context or (size, f"the model's context of {size} tokens (max_position_embeddings)")
+
+
+def default_new_tokens(config, prompts: Sequence[Sequence[int]], context: tuple[int, str] | None = None) -> int:
+    """max_new_tokens when none is given: DEFAULT_NEW_TOKENS, or what the context (check_request) leaves after the
+    longest prompt. Raises ValueError if the longest prompt already fills the context (no room for one new token)."""
+    longest, (size, what) = max(len(p) for p in prompts), _context(config, context)
+    if longest >= size:
+        raise ValueError(f"prompt of {longest} tokens fills {what}: no room for a new token")
+    return min(DEFAULT_NEW_TOKENS, size - longest)
 
 
 def encode_prompt(path: str, tokenizer, prompt, *, chat: bool = False) -> list[int]:
@@ -235,26 +242,30 @@ def _check_types(max_new_tokens, temperature, top_p, seed, stop) -> tuple[str, .
 
 def make_request(path: str, config, tokenizer, prompts, *, max_new_tokens: int | None = None,
                  temperature: float = DEFAULT_TEMPERATURE, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 stop: Sequence[str] = (), chat: bool = False) -> Request:
+                 stop: Sequence[str] = (), chat: bool = False, context: tuple[int, str] | None = None) -> Request:
     """Every check of a generation request, in one place: needs only the config and the tokenizer, so the CLI calls
-    it before loading the weights, and Model.generate calls it too. Arguments as Model.generate; path: the model
-    folder (for the chat template and messages). Returns a Request. Raises TypeError / ValueError naming the
-    argument (see Model.generate), ChatTemplateError for chat without a chat template."""
+    it before loading the weights, and Model.generate and the server (ft_jax.serve) call it too. Arguments as
+    Model.generate; path: the model folder (for the chat template and messages); context: see check_request.
+    Returns a Request. Raises TypeError / ValueError naming the argument (see Model.generate), ChatTemplateError for
+    chat without a chat template."""
     rows, single = _prompt_rows(prompts)
     stop = _check_types(max_new_tokens, temperature, top_p, seed, stop)
     if stop and tokenizer is None:
         raise ValueError(f"{path} has no tokenizer (no tokenizer.json): stop strings need one")
     ids = [encode_prompt(path, tokenizer, p, chat=chat) for p in rows]
     if max_new_tokens is None:
-        max_new_tokens = default_new_tokens(config, ids) if all(ids) else DEFAULT_NEW_TOKENS
-    check_request(config, ids, int(max_new_tokens))
+        max_new_tokens = default_new_tokens(config, ids, context) if all(ids) else DEFAULT_NEW_TOKENS
+    check_request(config, ids, int(max_new_tokens), context)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     return Request(prompt_ids=ids, max_new_tokens=int(max_new_tokens), sampling=sampling, seed=seed, stop=stop,
                    single=single)
 
 
-class _StopWatch:
-    """Incremental text of one row and stop-string detection; releases only text that cannot start a stop string."""
+class StopWatch:
+    """Incremental text of one row and stop-string detection; releases only text that cannot start a stop string.
+
+    push(token) -> the new text that can be released; finish() -> the rest (the decoder flushed, cut at a stop
+    string); text: all text so far; cut: where the first stop string starts, once found (None before)."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...]):
         self.decoder = tokenizer.stream_decoder()
@@ -344,7 +355,7 @@ class Model:
         if on_text is not None and not callable(on_text):
             raise TypeError(f"on_text must be callable with (row, text), got {on_text!r}")
         ids = request.prompt_ids
-        watches = [_StopWatch(self.tokenizer, request.stop) for _ in ids] if self.tokenizer is not None else None
+        watches = [StopWatch(self.tokenizer, request.stop) for _ in ids] if self.tokenizer is not None else None
         eos = set(self.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
         stopped = [False] * len(ids)
 

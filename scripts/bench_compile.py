@@ -75,8 +75,8 @@ def lower_decode_step(engine, kv_len: int):
 
     kv_cache = jax.eval_shape(lambda: engine.init_kv_cache(1, kv_len))
     ids = jax.ShapeDtypeStruct((1,), jnp.int32)
-    return engine._decode.lower(engine.params, ids, ids, kv_cache, engine.expert_state, jax.random.key(0),
-                                *Sampling().operands(), greedy=True)
+    return engine._decode.lower(engine.params, ids, ids, kv_cache, engine.expert_state, np.zeros((1, 2), np.uint32),
+                                *Sampling().operands(1), greedy=True)
 
 
 def compile_seconds(cfg, policy: str, cache_fraction: float, kv_len: int, devices: int = 1) -> float:

@@ -1,7 +1,8 @@
 """The `ft-jax` command line: main and the parser, assembled from one module per subcommand (generate, profile,
-trace, plan; docs/DESIGN.md sec. 11, "Engine, API and CLI").
+trace, plan, serve; docs/DESIGN.md sec. 11, "Engine, API and CLI").
 
     ft-jax generate --prompt "ROMEO:"                  # the bundled tiny Shakespeare MoE
+    ft-jax serve --port 8000                           # the OpenAI HTTP API (the serve extra)
     ft-jax profile --model ~/models/Mixtral-8x7B
     ft-jax trace --help; ft-jax plan --help
 
@@ -17,25 +18,26 @@ import traceback
 from typing import Sequence
 
 from ft_jax import __version__, interrupts, kernels
-from ft_jax.cli import generate, plan, profile, trace
+from ft_jax.cli import generate, plan, profile, serve, trace
 from ft_jax.cli.usage import Parser, UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `ft-jax` argument parser with its generate, profile, trace and plan subcommands."""
+    """The `ft-jax` argument parser with its generate, serve, profile, trace and plan subcommands."""
     parser = Parser(
         prog="ft-jax", description="Mixture-of-Experts decoding in JAX with the experts in host memory: a device "
         "slot cache plus host expert GEMVs, split by the bandwidth-balanced q* policy.")
     parser.add_argument("--version", action="version", version=f"ft-jax {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     generate.add_arguments(sub)
+    serve.add_arguments(sub)
     profile.add_arguments(sub)
     trace.add_trace_arguments(sub)
     plan.add_plan_arguments(sub)
     return parser
 
 
-RUN = {"generate": generate.run, "profile": profile.run, "trace": trace.run_trace, "plan": plan.run_plan}
+RUN = {"generate": generate.run, "serve": serve.run, "profile": profile.run, "trace": trace.run_trace, "plan": plan.run_plan}
 
 
 def _quiet_broken_pipe() -> int:
@@ -67,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     interrupts.set_label(f"ft-jax {args.command}")  # the Ctrl-C line (ft_jax/interrupts.py)
     user_errors: tuple[type[BaseException], ...] = (UsageError, NotImplementedError, ValueError, OSError,
                                                      MemoryError)  # ft_jax.memory.InsufficientMemoryError
-    if args.command == "generate":
+    if args.command in ("generate", "serve"):
         from ft_jax.checkpoint import CheckpointError  # the model code: not loaded for --help or another command
 
         user_errors += (CheckpointError,)

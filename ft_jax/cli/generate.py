@@ -66,39 +66,47 @@ def add_arguments(sub) -> None:
                           "(tokenizer_config.json or chat_template.jinja)")
     gen.add_argument("--seed", type=arg_types.seed, default=0,
                      help=f"sampling seed, an integer in [0, {arg_types.SEED_MAX}] (32 bits; default 0)")
-    gen.add_argument("--dtype", type=arg_types.dtype, default=None,
-                     help="bf16/bfloat16 or f32/float32: dtype of the dense weights, the activations and the expert "
-                          "host banks (default: float32 for float32 checkpoints, else bfloat16)")
-    gen.add_argument("--quantize", type=arg_types.quantize, default=None, metavar="TYPE", help=arg_types.QUANTIZE_HELP)
-    budget = gen.add_mutually_exclusive_group()
+    add_load_arguments(gen)
+    gen.add_argument("--record-trace", metavar="FILE",
+                     help="write the routing of every decode step to FILE as a routing trace (JSON lines, or .npz "
+                          "by name) for `ft-jax trace` / `ft-jax plan`")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (ids, text, statistics) instead")
+    launch.add_arguments(gen)
+    gen.add_argument("--verbose", action="store_true", help="show tracebacks")
+
+
+def add_load_arguments(parser) -> None:
+    """The flags that load a model, shared by `generate` and `serve`: dtype, quantize, the cache budget, policy,
+    profile, prefill chunk, compilation cache."""
+    parser.add_argument("--dtype", type=arg_types.dtype, default=None,
+                        help="bf16/bfloat16 or f32/float32: dtype of the dense weights, the activations and the "
+                             "expert host banks (default: float32 for float32 checkpoints, else bfloat16)")
+    parser.add_argument("--quantize", type=arg_types.quantize, default=None, metavar="TYPE",
+                        help=arg_types.QUANTIZE_HELP)
+    budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--cache-slots", type=arg_types.positive_int, metavar="S",
-                        help="device expert slots shared by all layers (of each device, with --devices or several "
-                             "processes)")
+                        help="device expert slots shared by all layers (of each device, with generate --devices or "
+                             "several processes)")
     budget.add_argument("--cache-fraction", type=arg_types.fraction, metavar="F",
                         help=f"slots as a fraction of all experts (default {defaults.DEFAULT_CACHE_FRACTION})")
     budget.add_argument("--device-memory", type=arg_types.byte_text, metavar="BYTES",
                         help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert as stored: "
                              "a quantized expert's data and scales)")
-    gen.add_argument("--policy", type=arg_types.policy, default=defaults.DEFAULT_POLICY, metavar="POLICY",
-                     help=POLICY_HELP)
-    gen.add_argument("--profile", metavar="PATH", help="bandwidth profile file for auto and qstar (default: the user "
-                                                       "cache directory; see `ft-jax profile`)")
-    gen.add_argument("--no-measure", action="store_true",
-                     help="auto or qstar without a stored profile: do not run a quick profile, fall back to fixed-cap:1")
-    gen.add_argument("--record-trace", metavar="FILE",
-                     help="write the routing of every decode step to FILE as a routing trace (JSON lines, or .npz "
-                          "by name) for `ft-jax trace` / `ft-jax plan`")
-    gen.add_argument("--prefill-chunk", type=arg_types.positive_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
-                     help=f"prompt tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}): a longer prompt is "
-                          "prefilled in chunks appended to the KV cache, bounding its memory, with one compiled step "
-                          "for every prompt length")
-    gen.add_argument("--json", action="store_true", help="print one JSON object (ids, text, statistics) instead")
-    gen.add_argument("--no-compile-cache", action="store_true",
-                     help="do not use JAX's persistent compilation cache (default: compiled steps are kept in "
-                          "compile/ under the user cache directory, e.g. ~/.cache/ft_jax, so the next run with the "
-                          "same model and shapes loads them instead of compiling)")
-    launch.add_arguments(gen)
-    gen.add_argument("--verbose", action="store_true", help="show tracebacks")
+    parser.add_argument("--policy", type=arg_types.policy, default=defaults.DEFAULT_POLICY, metavar="POLICY",
+                        help=POLICY_HELP)
+    parser.add_argument("--profile", metavar="PATH", help="bandwidth profile file for auto and qstar (default: the "
+                                                          "user cache directory; see `ft-jax profile`)")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="auto or qstar without a stored profile: do not run a quick profile, fall back to "
+                             "fixed-cap:1")
+    parser.add_argument("--prefill-chunk", type=arg_types.positive_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                        help=f"prompt tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}): a longer prompt is "
+                             "prefilled in chunks appended to the KV cache, bounding its memory, with one compiled "
+                             "step for every prompt length")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use JAX's persistent compilation cache (default: compiled steps are kept in "
+                             "compile/ under the user cache directory, e.g. ~/.cache/ft_jax, so the next run with "
+                             "the same model and shapes loads them instead of compiling)")
 
 
 def flag_conflicts(args: argparse.Namespace) -> str | None:

@@ -24,7 +24,7 @@ from flax import nnx
 from ft_jax.checkpoint import LoadedCheckpoint
 from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
 from ft_jax.engine import stats as stats_lib
-from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, check_finite
+from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, check_finite, row_key_data
 from ft_jax.engine.steps import bound_step, decode_n_tokens, decode_one_token, prefill
 from ft_jax.kernels.host_bank import use_huge_pages
 from ft_jax.offload import expert_parallel
@@ -157,7 +157,7 @@ class Engine:
         self.expert_state = self.decode_backend.init_state(self.num_slots)
         use_huge_pages((self.params, self.expert_state))  # the dense weights and slot pools, read every step
         # Donated: the KV cache (3) and the expert state (4) of f(params, tokens, positions, kv_cache, expert_state,
-        # key, temperature, top_k, top_p); see steps.bound_step.
+        # key_data, temperature, top_k, top_p); see steps.bound_step.
         self._prefill = jax.jit(bound_step(prefill, self.graphdef, self.prefill_backend),
                                 static_argnames=("greedy",), donate_argnums=(3, 4))
         self._decode = jax.jit(bound_step(decode_one_token, self.graphdef, self.decode_backend),
@@ -212,7 +212,8 @@ class Engine:
             prompts: B lists of token ids (each non-empty, ids in [0, vocab)).
             max_new_tokens: tokens to generate per prompt (>= 1); prompt + new tokens must fit
                 config.max_position_embeddings.
-            sampling: Sampling rule. seed: PRNG seed for sampling (any int; reduced modulo 2^32).
+            sampling: Sampling rule. seed: PRNG seed for sampling (any int; reduced modulo 2^32); prompt b samples
+                with sampling.row_key_data(seed, b), whatever the other prompts.
             eos_token_ids: a row stops after producing any of them (empty: never stop early).
             on_tokens: called after every step with (step index, the new token of each row or None if the row had
                 already finished): used to stream text. It may return one bool per row: True ends that row there
@@ -229,8 +230,8 @@ class Engine:
         eos, B = frozenset(eos_token_ids), len(prompts)
         lengths = np.asarray([len(p) for p in prompts], np.int32)
         kv_len = kv_bucket(int(lengths.max()) + max_new_tokens, self.config.max_position_embeddings)
-        tally, ops = stats_lib.new_tally(), sampling.operands()
-        key, sub = jax.random.split(jax.random.key(seed % 2**32))
+        tally = stats_lib.new_tally()
+        ops = (np.stack([row_key_data(seed, b) for b in range(B)]), *sampling.operands(B))  # per-row operands
         with self._lock:
             try:
                 kv_cache = self.init_kv_cache(B, kv_len)
@@ -238,9 +239,9 @@ class Engine:
                 chunk = prefill_bucket(int(lengths.max()), self.prefill_chunk)
                 tokens, positions = _left_padded(prompts, chunk)
                 prefill_args = (self.params, tokens[:, :chunk], positions[:, :chunk], kv_cache, self.expert_state,
-                                sub, *ops)
-                prefill_step, decode_step = self._compile_steps(prefill_args, kv_len, key, max_new_tokens > 1,
-                                                                sampling, record_routing, tally)
+                                *ops)
+                prefill_step, decode_step = self._compile_steps(prefill_args, kv_len, max_new_tokens > 1, sampling,
+                                                                record_routing, tally)
                 t0 = time.perf_counter()
                 first, kv_cache = self._prefill_chunks(prefill_step, prefill_args, tokens, positions, chunk)
                 first = expert_parallel.host_value(first)  # i32[B]
@@ -252,8 +253,8 @@ class Engine:
                 if on_tokens is not None:
                     done |= np.asarray(on_tokens(0, [int(t) for t in first]) or False, bool)
                 routing: list | None = [] if record_routing else None
-                steps, kv_cache, self.expert_state, key = decode_n_tokens(
-                    decode_step, self.params, kv_cache, self.expert_state, key, ops, first, lengths, done,
+                steps, kv_cache, self.expert_state = decode_n_tokens(
+                    decode_step, self.params, kv_cache, self.expert_state, ops, first, lengths, done,
                     max_new_tokens - 1, eos, out, on_tokens, routing)
                 per_device = self._read_stats() - stats_after_prefill  # [N, L, 6]
             except BaseException:
@@ -286,7 +287,7 @@ class Engine:
                 self.on_prefill(done, int((positions.max(axis=1) + 1).sum()), time.perf_counter() - t0)
         return first, kv_cache
 
-    def _compile_steps(self, prefill_args: tuple, kv_len: int, key, decodes: bool, sampling: Sampling,
+    def _compile_steps(self, prefill_args: tuple, kv_len: int, decodes: bool, sampling: Sampling,
                        record_routing: bool, tally: dict):
         """(prefill executable, decode executable or None): both before the first token, so the stream is never
         held up by a compile."""
@@ -296,8 +297,7 @@ class Engine:
                                         f"the prefill step ({shape}, prompt bucket {bucket})", tally)
         if not decodes:
             return prefill_step, None
-        step_args = (self.params, prefill_args[1][:, 0], prefill_args[2][:, 0], *prefill_args[3:5], key,
-                     *prefill_args[6:])
+        step_args = (self.params, prefill_args[1][:, 0], prefill_args[2][:, 0], *prefill_args[3:])
         return prefill_step, self._executable("decode", step_args, sampling.greedy, f"the decode step ({shape})",
                                               tally, record_routing)
 

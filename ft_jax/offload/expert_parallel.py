@@ -9,7 +9,7 @@ keeps the routes to its own experts (ids remapped to its local ids, the others -
 slot fill, slot experts and host experts on them (the FFI calls run once per shard, on its own operands: nothing
 of the banks or pools is gathered) and the partial outputs are summed by one psum. Dense weights, the KV cache and
 everything outside the MoE layers' routed experts are replicated (replicate). Design, HLO and measurements:
-docs/DESIGN.md section 16.
+docs/DESIGN.md section 17.
 """
 
 from __future__ import annotations
