@@ -285,19 +285,9 @@ class ShardedExperts:
         object.__setattr__(self, "_branch", tuple(distinct.index(p) for p in policies))  # local shard -> _shards
 
     @property
-    def policy(self) -> Policy:
-        """The first local device's policy (the policy the statistics name)."""
-        return self.policies[0]
-
-    @property
     def num_layers(self) -> int:
         """L, MoE layers."""
         return self._shards[0].num_layers
-
-    @property
-    def num_experts(self) -> int:
-        """E, routed experts per MoE layer (all shards)."""
-        return self.partition.num_experts
 
     def _scalars(self):
         """The OffloadState pytree of one shard with True at its scalar leaves (step, error counters)."""
