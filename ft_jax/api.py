@@ -33,6 +33,7 @@ from ft_jax.config.quantization import expert_format
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
 from ft_jax.memory import check_host_memory, planned_expert_bytes
+from ft_jax.offload.expert_parallel import ExpertPartition
 from ft_jax.offload.policy import Policy, PolicyKind, parse_policy
 from ft_jax.offload.prefill_split import prefill_min_tokens_for
 from ft_jax.offload.profile import cost_model_for, resolve_policy
@@ -388,7 +389,7 @@ class Model:
 
 def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=None, cache=None,
          profile: str | None = None, measure: bool = True, on_message: Callable[[str], None] | None = None,
-         on_compile: Callable[[str, bool], None] | None = None, quantize: str | None = None) -> Model:
+         on_compile: Callable[[str, bool], None] | None = None, quantize: str | None = None, mesh=None) -> Model:
     """Load a Hugging Face MoE model folder (or the bundled model) for generation, as ``ft-jax generate`` does.
 
     Args:
@@ -399,19 +400,26 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             (docs/policies.md); None: defaults.default_policy of the JAX backend ("auto" with an accelerator,
             "host-all" on a CPU-only one, said through on_message).
         cache: device expert slots: None (half of all experts; one slot under host-all, which never fills them),
-            slots (int), a fraction (float), or bytes ("8GiB").
+            slots (int), a fraction (float), or bytes ("8GiB"); with a mesh, of each device (fractions of the experts
+            a device owns).
         profile: bandwidth profile store (default: the user cache directory). measure: run a quick profile when
             none is stored (else qstar falls back to fixed-cap:1).
         on_message: called with one-line notes (which bandwidth profile qstar uses). on_compile: see Engine.
         quantize: None, "q8_0" or "q4_0": quantize a float checkpoint while loading (ft_jax.checkpoint.load_checkpoint:
             the expert banks and the dense 2-D projections but routers and embeddings). FP8 and MXFP4 checkpoints
             are used as stored without it. A byte budget in ``cache`` counts experts at their stored size.
+        mesh: None (one device), or a jax.sharding.Mesh with an ``expert`` axis (ft_jax.expert_mesh()): expert
+            parallelism (ft_jax.offload.expert_parallel): each MoE layer's experts split over the axis's devices,
+            each with its own slots and cache; this process loads only the experts its devices own. For N CPU
+            devices set ``jax.config.update("jax_num_cpu_devices", N)``, and for several processes call
+            ``jax.distributed.initialize(...)``, before importing ft_jax (README, "Several devices").
     Returns:
         Model.
     Raises:
         ConfigError, CheckpointError, NotImplementedError: the folder cannot be used (the message names the file);
             quantize given for an FP8 / MXFP4 checkpoint.
-        ValueError: a bad dtype, policy, quantize or cache budget.
+        ValueError: a bad dtype, policy, quantize or cache budget; a mesh whose expert axis does not divide the
+            experts or that does not match the processes (ExpertPartition.from_mesh).
         ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
             available (checked from the headers before anything is allocated).
     """
@@ -428,17 +436,22 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
         cache = 1  # host-all never fills a slot
     dtype = model_dtype(dtype, cfg.dtype)
     fmt = expert_format(cfg, jnp.dtype(dtype), quantize)  # errors before any loading
+    partition = None if mesh is None else ExpertPartition.from_mesh(mesh, cfg.num_experts)  # errors before loading
+    per_device = cfg.num_experts if partition is None else partition.experts_per_shard
+    local_devices = 1 if partition is None else partition.local_shards
     # The cache budget's form and range, and the host memory, before loading (the bytes per expert from the config,
     # at the stored size of the experts' weight format).
-    planned_slots = num_slots_for(cache, cfg.num_moe_layers * cfg.num_experts,
+    planned_slots = num_slots_for(cache, cfg.num_moe_layers * per_device,
                                   planned_expert_bytes(cfg, jnp.dtype(dtype), fmt))
     tokenizer = load_tokenizer_or_none(path)
     with checkpoint_lib.SafetensorsCheckpoint(path) as headers:  # headers only: checked before anything is allocated
-        check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), planned_slots,
-                          slots_in_host=jax.default_backend() == "cpu", fmt=fmt)
-    checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype), quantize=quantize)
+        check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), planned_slots * local_devices,
+                          slots_in_host=jax.default_backend() == "cpu", fmt=fmt,
+                          experts_held=None if partition is None else len(partition.process_experts))
+    checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype), quantize=quantize,
+                                                experts=None if partition is None else partition.process_experts)
     banks = checkpoint.banks
-    slots = num_slots_for(cache, banks.num_rows, banks.expert_bytes)
+    slots = num_slots_for(cache, cfg.num_moe_layers * per_device, banks.expert_bytes)
     policy, note = resolve_policy(policy, banks, cfg.hidden_size, cfg.moe_intermediate_size, profile=profile,
                                   measure=measure)
     if defaulted and policy.kind is PolicyKind.HOST_ALL:
@@ -447,7 +460,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
     if note and on_message is not None:
         on_message(note)
     engine = Engine(checkpoint, policy=policy, num_slots=slots, on_compile=on_compile,
-                    prefill_fetch_min_tokens=_prefill_split(policy, banks, cfg, profile))
+                    prefill_fetch_min_tokens=_prefill_split(policy, banks, cfg, profile), mesh=mesh)
     return Model(path, checkpoint.config, tokenizer, checkpoint, engine, dtype, note)
 
 

@@ -316,23 +316,43 @@ class SafetensorsCheckpoint:
         return out
 
     def read_into(self, name: str, out: np.ndarray, shape: tuple[int, ...] | None = None,
-                  dtypes: tuple[np.dtype, ...] = _FLOAT_NP) -> None:
-        """Read tensor ``name`` into the C-contiguous array ``out`` (same number of elements), casting to
-        out.dtype if the stored dtype differs (via one temporary of the tensor's size). ``shape``: expected
-        stored shape (default out.shape); ``dtypes``: the stored dtypes allowed (default: a float type).
+                  dtypes: tuple[np.dtype, ...] = _FLOAT_NP, rows: range | None = None) -> None:
+        """Read tensor ``name`` (or with ``rows``, its rows rows.start:rows.stop along the leading axis) into the
+        C-contiguous array ``out`` (same number of elements), casting to out.dtype if the stored dtype differs (via
+        one temporary of the part's size). ``shape``: expected stored shape of the whole tensor (default out.shape,
+        or out.shape with the tensor's leading size when ``rows`` is given); ``dtypes``: the stored dtypes allowed
+        (default: a float type).
 
         Raises CheckpointError: missing tensor, wrong shape or dtype, truncated file, or a NaN/Inf element (the
         stored values are checked before any cast; FP8 e4m3fn: a NaN). ValueError: ``out`` not C-contiguous or of
-        the wrong size."""
+        the wrong size, rows outside the tensor or with a step."""
+        if rows is not None:
+            whole = self.info(name, shape, dtypes)
+            if rows.step != 1 or not 0 <= rows.start < rows.stop <= whole.shape[0]:
+                raise ValueError(f"read_into({name!r}): rows {rows.start}:{rows.stop} outside its {whole.shape[0]} "
+                                 f"rows")
+            row_bytes = whole.nbytes // whole.shape[0]
+            info = dataclasses.replace(whole, shape=(len(rows), *whole.shape[1:]),
+                                       offset=whole.offset + rows.start * row_bytes, nbytes=len(rows) * row_bytes)
+            if not out.flags.c_contiguous or out.size != math.prod(info.shape):
+                raise ValueError(f"read_into({name!r}): destination must be C-contiguous with {math.prod(info.shape)} "
+                                 f"elements, got shape {out.shape}")
+            self._read_part(f"{name}[{rows.start}:{rows.stop}]", info, out)
+            return
         info = self.info(name, out.shape if shape is None else shape, dtypes)
         if not out.flags.c_contiguous or out.size != math.prod(info.shape):
             raise ValueError(f"read_into({name!r}): destination must be C-contiguous with {math.prod(info.shape)} "
                              f"elements, got shape {out.shape}")
+        self._read_part(name, info, out)
+
+    def _read_part(self, what: str, info: TensorInfo, out: np.ndarray) -> None:
+        """The bytes of ``info`` (a tensor or a row range of one) into ``out``, cast through a temporary when the
+        dtypes differ."""
         if info.dtype == out.dtype:
-            self._pread(name, info, out.reshape(-1).view(np.uint8))
+            self._pread(what, info, out.reshape(-1).view(np.uint8))
         else:
             tmp = np.empty(info.shape, info.dtype)
-            self._pread(name, info, tmp.reshape(-1).view(np.uint8))
+            self._pread(what, info, tmp.reshape(-1).view(np.uint8))
             out.reshape(info.shape)[...] = tmp.astype(out.dtype)
 
     def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
@@ -519,6 +539,18 @@ class LoadedCheckpoint:
     checkpoint_bytes: int
 
 
+def check_experts(cfg: MoEConfig, experts: range | None) -> range:
+    """The experts a process's banks hold: ``experts`` checked (a non-empty range of step 1 in [0, E)), or all E.
+    Raises ValueError naming the range."""
+    E = cfg.num_experts
+    if experts is None:
+        return range(E)
+    if not isinstance(experts, range) or experts.step != 1 or not 0 <= experts.start < experts.stop <= E:
+        raise ValueError(f"experts must be a non-empty range of step 1 within the {E} experts per MoE layer, got "
+                         f"{experts!r}")
+    return experts
+
+
 def _np_dtype(dtype) -> np.dtype:
     d = np.dtype(jnp.dtype(dtype))
     if d not in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
@@ -534,10 +566,10 @@ def _fits(fmt: wf.WeightFormat, info: TensorInfo, name: str, cols: int) -> None:
         raise CheckpointError(str(e)) from None
 
 
-def _gpt_oss_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFormat
+def _gpt_oss_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFormat, Ep: int
                   ) -> list[tuple[str, int, str, tuple]]:
     """expert_tensor_plan for gpt-oss: plain (float) or, when fmt is MXFP4, MXFP4 expert weights, plus the two bias
-    tensors."""
+    tensors; Ep experts per layer in the banks."""
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     plan = []
     for m, layer in enumerate(cfg.moe_layers):
@@ -549,10 +581,10 @@ def _gpt_oss_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFor
                 _fits(fmt, ckpt.info(blocks, dtypes=_U8), blocks, cols)
                 ckpt.info(blocks, (E, rows, cols // wf.QBLOCK, wf.QBLOCK // 2), _U8)
                 ckpt.info(scales, (E, rows, cols // wf.QBLOCK), _U8)
-                plan.append((bank, m * E, blocks, ("mxfp4", scales, interleaved)))
+                plan.append((bank, m * Ep, blocks, ("mxfp4", scales, interleaved)))
             elif fmt is not wf.MXFP4 and name in ckpt:  # as GptOssExperts holds them: [E, in, out]
                 _fits(fmt, ckpt.info(name, (E, cols, rows)), name, cols)
-                plan.append((bank, m * E, name, ("transposed", interleaved)))
+                plan.append((bank, m * Ep, name, ("transposed", interleaved)))
             elif fmt is wf.MXFP4:
                 raise CheckpointError(f"{ckpt._directory_file}: missing tensor {blocks!r} + {scales!r} (the MXFP4 "
                                       f"form of {name!r} that quantization_config quant_method 'mxfp4' announces)")
@@ -562,8 +594,8 @@ def _gpt_oss_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFor
                                       "'mxfp4' in config.json)")
         ckpt.info(f"{p}.gate_up_proj_bias", (E, 2 * I))
         ckpt.info(f"{p}.down_proj_bias", (E, H))
-        plan += [("gate_up_bias", m * E, f"{p}.gate_up_proj_bias", ("interleaved_rows",)),
-                 ("down_bias", m * E, f"{p}.down_proj_bias", ("fused",))]
+        plan += [("gate_up_bias", m * Ep, f"{p}.gate_up_proj_bias", ("interleaved_rows",)),
+                 ("down_bias", m * Ep, f"{p}.down_proj_bias", ("fused",))]
     return plan
 
 
@@ -572,25 +604,30 @@ def _deinterleave(rows: np.ndarray) -> np.ndarray:
     return np.concatenate([rows[0::2], rows[1::2]])
 
 
-def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFormat | None = None
-                       ) -> list[tuple[str, int, str, tuple]]:
+def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFormat | None = None,
+                       experts: range | None = None) -> list[tuple[str, int, str, tuple]]:
     """Which tensors fill which bank rows, validated against the headers (names, shapes, dtypes, the fit of each row
     length to fmt's blocks) before any reading.
 
     Args:
         cfg: the MoEConfig. ckpt: the checkpoint's headers. fmt: the banks' weight format (config.quantization.expert_format;
             default the float format: float tensors as stored).
+        experts: the experts of every MoE layer the banks hold (check_experts; default all E): bank row
+            moe_layer * len(experts) + j holds expert experts[j].
     Returns a list of (bank "gate_up" | "down" | "gate_up_bias" | "down_bias", first flat row, tensor name, part)
     where part is ("fused",) for an [E, ...] tensor covering rows first..first+E-1, ("rows", a, b) for one expert
     tensor going to rows a:b of the row's leading axis, ("fp8_rows", a, b, scale tensor name, first scale row) for
     one FP8 expert tensor and its weight_scale_inv, or for gpt-oss ("transposed", interleaved), ("mxfp4", scales
-    tensor name, interleaved) and ("interleaved_rows",) (see _read_gpt_oss_experts).
+    tensor name, interleaved) and ("interleaved_rows",) (see _read_gpt_oss_experts). The entries of an [E, ...]
+    tensor cover the bank rows first..first+len(experts)-1 with its rows experts.start..experts.stop-1.
     Raises CheckpointError (missing tensor / wrong shape or dtype / a row length that does not fit fmt's blocks,
     naming file and tensor).
     """
     fmt = wf.F32 if fmt is None else fmt
+    experts = check_experts(cfg, experts)
+    Ep = len(experts)
     if cfg.family == "gpt_oss":
-        return _gpt_oss_plan(cfg, ckpt, fmt)
+        return _gpt_oss_plan(cfg, ckpt, fmt, Ep)
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     fp8 = fmt.name == "fp8"
     plan = []
@@ -600,16 +637,16 @@ def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.Weig
         if fused_gu in ckpt and not fp8:
             _fits(fmt, ckpt.info(fused_gu, (E, 2 * I, H)), fused_gu, H)
             _fits(fmt, ckpt.info(fused_dn, (E, H, I)), fused_dn, I)
-            plan += [("gate_up", m * E, fused_gu, ("fused",)), ("down", m * E, fused_dn, ("fused",))]
+            plan += [("gate_up", m * Ep, fused_gu, ("fused",)), ("down", m * Ep, fused_dn, ("fused",))]
             continue
-        for e in range(E):
+        for e in experts:
             if cfg.family == "mixtral":
                 base = f"{p}.block_sparse_moe.experts.{e}"
                 gate, up, down = f"{base}.w1.weight", f"{base}.w3.weight", f"{base}.w2.weight"
             else:
                 base = f"{p}.mlp.experts.{e}"
                 gate, up, down = (f"{base}.{n}_proj.weight" for n in ("gate", "up", "down"))
-            row = m * E + e
+            row = m * Ep + e - experts.start
             parts = (("gate_up", gate, (I, H), 0), ("gate_up", up, (I, H), I), ("down", down, (H, I), 0))
             for bank, name, shape, first in parts:
                 if fp8:
@@ -706,33 +743,37 @@ class _BankWriter:
 
 
 def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name: str, part: tuple,
-                          out: _BankWriter, E: int) -> None:
-    """Fill the bank rows row..row+E-1 of one layer from a gpt-oss expert tensor, one expert at a time. part:
+                          out: _BankWriter, experts: range) -> None:
+    """Fill the bank rows row..row+len(experts)-1 of one layer from the experts' rows of a gpt-oss expert tensor,
+    one expert at a time. part:
     ("transposed", interleaved) (float [E, in, out]; the temporary is one expert's weights) | ("mxfp4", scales name,
     interleaved) (blocks and scales copied as stored, rows de-interleaved; never dequantized) |
     ("interleaved_rows",) (the gate_up bias)."""
     if part[0] == "interleaved_rows":
         dst = out.arrays[bank]
-        dst[row:row + E] = np.stack([_deinterleave(b) for b in ckpt.read(name)]).astype(dst.dtype)  # [E, 2I]
+        rows = ckpt.read_rows(name, experts.start, experts.stop)  # [Ep, 2I]
+        dst[row:row + len(experts)] = np.stack([_deinterleave(b) for b in rows]).astype(dst.dtype)
         return
-    for e in range(E):
+    for j, e in enumerate(experts):
         if part[0] == "mxfp4":
             blocks, scales = ckpt.read_rows(name, e, e + 1, _U8)[0], ckpt.read_rows(part[1], e, e + 1, _U8)[0]
             _check_mxfp4_scales(ckpt, name, part[1], e, blocks, scales)
             data = blocks.reshape(blocks.shape[0], -1)  # u8[rows, cols / 2]: byte j = elements 2j, 2j + 1
             if part[-1]:
                 data, scales = _deinterleave(data), _deinterleave(scales)
-            out.arrays[bank][row + e] = data
-            out.arrays[f"{bank}_scale"][row + e] = scales
+            out.arrays[bank][row + j] = data
+            out.arrays[f"{bank}_scale"][row + j] = scales
         else:
             w = ckpt.read_rows(name, e, e + 1)[0].T  # [in, out] -> [out, in]
             what = f"{ckpt.tensors[name].file}: tensor {name!r} (expert {e})"
-            out.put(bank, row + e, 0, _deinterleave(w) if part[-1] else w, what)
+            out.put(bank, row + j, 0, _deinterleave(w) if part[-1] else w, what)
 
 
 def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, fmt: wf.WeightFormat,
-                      bias_dtype) -> ExpertBanks:
-    """The expert banks of a checkpoint in weight format ``fmt``, filled by ``plan`` (expert_tensor_plan).
+                      bias_dtype, experts: range | None = None) -> ExpertBanks:
+    """The expert banks of a checkpoint in weight format ``fmt``, filled by ``plan`` (expert_tensor_plan with the
+    same ``experts``: the experts of every MoE layer the banks hold, default all; only their tensors, or their rows
+    of a fused tensor, are read).
 
     Float formats: tensors are read straight into the bank rows (a cast through one tensor-sized temporary when the
     stored dtype differs). q8_0 / q4_0: each expert tensor (one expert of a fused one) is read, quantized with
@@ -741,18 +782,21 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
     copied (a bf16 scale_inv widened to f32); mxfp4: blocks and scales copied (gate/up rows de-interleaved); both
     checked for NaN (FP8 S.1111.111 as read, an E8M0 scale of 255, a non-finite scale) and never dequantized. Biases (gpt-oss) go to float banks of ``bias_dtype``.
 
-    Returns: ExpertBanks (frozen). Raises CheckpointError (naming file and tensor); on any error the banks made so far
-    are released.
+    Returns: ExpertBanks (frozen) of L_moe * len(experts) rows. Raises CheckpointError (naming file and tensor); on any
+    error the banks made so far are released.
     """
-    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    rows = cfg.num_moe_layers * E
+    experts = check_experts(cfg, experts)
+    Ep, H, I = len(experts), cfg.hidden_size, cfg.moe_intermediate_size
+    rows = cfg.num_moe_layers * Ep
     row_specs = wf.expert_rows(fmt, H, I)
     # Each bank's page_offset from the tensors read_into puts into it as stored, so that it maps them (no copy).
     row_bytes = {k: math.prod(shape) * np.dtype(dtype).itemsize for k, (shape, dtype) in row_specs.items()}
     regions = {k: [] for k in row_specs}  # bank -> [(tensor, byte offset in the bank)]
     for bank, row, name, part in plan:
         if bank in row_specs and (not fmt.quantized and part[0] in ("fused", "rows") or part[0] == "fp8_rows"):
-            within = part[1] * row_bytes[bank] // row_specs[bank][0][0] if part[0] != "fused" else 0
+            # a fused tensor's row experts.start lands at bank row `row`
+            within = part[1] * row_bytes[bank] // row_specs[bank][0][0] if part[0] != "fused" else \
+                -experts.start * row_bytes[bank]
             regions[bank].append((name, row * row_bytes[bank] + within))
     host = {name: HostBank(rows, shape, dtype, ckpt.page_offset(regions[name]))
             for name, (shape, dtype) in row_specs.items()}
@@ -763,11 +807,11 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
         for bank, row, name, part in plan:
             arr = out.arrays[bank]
             if part[0] == "fused" and not (fmt.quantized and bank in ("gate_up", "down")):
-                ckpt.read_into(name, arr[row:row + E])
+                ckpt.read_into(name, arr[row:row + Ep], rows=experts)
             elif part[0] == "fused":  # quantized while loading, one expert at a time
-                for e in range(E):
+                for j, e in enumerate(experts):
                     what = f"{ckpt.tensors[name].file}: tensor {name!r} (expert {e})"
-                    out.put(bank, row + e, 0, ckpt.read_rows(name, e, e + 1)[0], what)
+                    out.put(bank, row + j, 0, ckpt.read_rows(name, e, e + 1)[0], what)
             elif part[0] == "rows" and not fmt.quantized:
                 ckpt.read_into(name, arr[row, part[1]:part[2]])
             elif part[0] == "rows":
@@ -778,7 +822,7 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
                 scales = _read_fp8_scales(ckpt, part[3], (part[2] - part[1], arr.shape[-1]), fmt)
                 out.arrays[f"{bank}_scale"][row, part[4]:part[4] + scales.shape[0]] = scales
             else:
-                _read_gpt_oss_experts(ckpt, bank, row, name, part, out, E)
+                _read_gpt_oss_experts(ckpt, bank, row, name, part, out, experts)
         del out  # the writable views; views taken after freeze() are read-only
         banks = ExpertBanks(**host, format=fmt)
         banks.freeze()
@@ -821,7 +865,7 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.Weig
 
 
 def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtype=None,
-                    quantize: str | None = None) -> LoadedCheckpoint:
+                    quantize: str | None = None, experts: range | None = None) -> LoadedCheckpoint:
     """Load config, dense model and host banks of a Hugging Face MoE checkpoint folder.
 
     Args:
@@ -833,6 +877,10 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
             embedding table (ft_jax.config.quantization.quantize_applies). FP8 (quantization_config quant_method
             "fp8") and MXFP4 (gpt-oss) checkpoints are always kept as stored: expert banks in that format, FP8
             dense projections as QuantizedTensor.
+        experts: the experts of every MoE layer this process's banks hold (expert parallelism:
+            ft_jax.offload.expert_parallel.ExpertPartition.process_experts), a range in [0, E); default all. Only
+            their tensors (their rows of a fused [E, ...] tensor) are read; bank row moe_layer * len(experts) + j
+            holds expert experts[j].
     Returns:
         LoadedCheckpoint(config, model, banks, checkpoint_bytes); banks.format is the experts' weight format.
     Memory: expert tensors stored as the bank holds them are mapped from the file into the bank rows (no copy, see
@@ -845,7 +893,8 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
             rules and unsafe shard names in the index), missing tensor, wrong shape or dtype, a NaN/Inf weight or
             scale (FP8 NaN, an MXFP4 scale of 255 or one that overflows float32 included), a row length that does
             not fit the format's blocks (names the file and the tensor).
-        ValueError: a dtype or quantize value not listed above.
+        ValueError: a dtype or quantize value not listed above, an experts range that is empty, has a step or
+            leaves [0, E).
         ConfigError / NotImplementedError: from :func:`ft_jax.config.load_config` (an unsupported quant_method), or
             quantize given for an FP8 / MXFP4 checkpoint (ft_jax.config.quantization.expert_format).
     """
@@ -854,8 +903,8 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     bank_dtype = dense_dtype if expert_dtype is None else _np_dtype(expert_dtype)
     fmt = expert_format(cfg, bank_dtype, quantize)
     with SafetensorsCheckpoint(model_dir) as ckpt:
-        plan = expert_tensor_plan(cfg, ckpt, fmt)
+        plan = expert_tensor_plan(cfg, ckpt, fmt, experts)
         model = MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None))
-        banks = load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype)
+        banks = load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts)
         nbytes = ckpt.nbytes
     return LoadedCheckpoint(cfg, model, banks, nbytes)

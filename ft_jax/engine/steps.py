@@ -9,6 +9,7 @@ import numpy as np
 from flax import nnx
 
 from ft_jax.engine.sampling import check_finite, sample_next
+from ft_jax.offload.expert_parallel import host_value
 
 
 def _forward(graphdef, params, backend, tokens, positions, kv_cache, expert_state, last_logits_only: bool,
@@ -67,9 +68,9 @@ def decode_n_tokens(decode_step, params, kv_cache, expert_state, ops, last, pos,
         feed_pos = np.where(done, -1, pos).astype(np.int32)
         nxt, kv_cache, expert_state, *recorded = decode_step(params, feed_tokens, feed_pos, kv_cache, expert_state,
                                                              *ops)
-        nxt = np.asarray(nxt)  # the one host sync per step: the tokens to stream
+        nxt = host_value(nxt)  # the one host sync per step: the tokens to stream
         if routing is not None:
-            routing.append(tuple(np.asarray(a) for a in recorded[0]))
+            routing.append(tuple(host_value(a) for a in recorded[0]))
         steps += 1
         check_finite(np.where(done, 0, nxt), i)
         new: list[int | None] = [None if done[b] else int(nxt[b]) for b in range(len(out))]

@@ -324,15 +324,21 @@ def use_huge_pages(tree) -> int:
     for arrays on other devices, nothing happens.
 
     Args:
-        tree: a pytree of jax arrays (e.g. the nnx parameter state).
+        tree: a pytree of jax arrays (e.g. the nnx parameter state), on one device or sharded / replicated over
+            several (each addressable shard's buffer, once).
     Returns:
         how many buffers were moved onto huge pages.
     """
-    moved = 0
+    moved, seen = 0, set()
     for leaf in jax.tree_util.tree_leaves(tree):
-        if not isinstance(leaf, jax.Array) or leaf.nbytes < HUGE_PAGE_MIN_BYTES or leaf.is_deleted():
+        if not isinstance(leaf, jax.Array) or leaf.is_deleted():
             continue
-        if any(d.platform != "cpu" for d in leaf.devices()):
-            continue
-        moved += bool(_ffi.use_huge_pages(leaf.unsafe_buffer_pointer(), leaf.nbytes))
+        for shard in leaf.addressable_shards:  # one per device (a mesh's replicas may share one host buffer)
+            data = shard.data
+            if data.nbytes < HUGE_PAGE_MIN_BYTES or data.device.platform != "cpu":
+                continue
+            address = data.unsafe_buffer_pointer()
+            if address not in seen:
+                seen.add(address)
+                moved += bool(_ffi.use_huge_pages(address, data.nbytes))
     return moved
