@@ -7,8 +7,9 @@
     (40, ['length'])
 
 Public names: load, Model, Generation, Request (ft_jax/api.py); Engine, Sampling, GenerationResult, NonFiniteLogitsError
-(ft_jax/engine/); Policy, parse_policy (ft_jax/offload/policy.py); load_checkpoint, load_config, load_tokenizer,
-HostBank, bundled_model_path; __version__. They are imported on first use.
+(ft_jax/engine/); Policy, parse_policy (ft_jax/offload/policy.py); expert_mesh (ft_jax/offload/expert_parallel.py);
+load_checkpoint, load_config, load_tokenizer, HostBank, bundled_model_path; __version__. They are imported on first
+use.
 
 Importing the package registers the XLA FFI targets of the compiled extension (ft_jax/kernels/__init__.py);
 ``CUDA_ENABLED`` says whether the CUDA handlers were registered too.
@@ -17,8 +18,10 @@ Importing the package registers the XLA FFI targets of the compiled extension (f
 import importlib
 
 from ft_jax import interrupts as _interrupts
+from ft_jax import launch as _launch
 
 _interrupts.install_for_command_line()  # `ft-jax` only, before jax is imported: Ctrl-C at any moment (interrupts.py)
+_launch.setup_for_command_line()  # `ft-jax generate --devices / --coordinator`: before JAX starts (launch.py)
 
 from ft_jax.kernels import CUDA_ENABLED  # noqa: E402  # registers the FFI targets (ft_jax/kernels/__init__.py)
 
@@ -31,6 +34,7 @@ _PUBLIC = {
     "NonFiniteLogitsError": "ft_jax.engine.sampling", "Policy": "ft_jax.offload.policy",
     "parse_policy": "ft_jax.offload.policy", "load_checkpoint": "ft_jax.checkpoint", "load_config": "ft_jax.config",
     "load_tokenizer": "ft_jax.tokenizer", "HostBank": "ft_jax.kernels.host_bank",
+    "expert_mesh": "ft_jax.offload.expert_parallel",
 }
 __all__ = sorted(_PUBLIC) + ["__version__", "CUDA_ENABLED"]
 

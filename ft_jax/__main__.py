@@ -1,7 +1,5 @@
 """`python -m ft_jax ...` is the `ft-jax` command line (see ft_jax.cli)."""
 
-import sys
+from ft_jax.cli import console_main
 
-from ft_jax.cli import main
-
-sys.exit(main())
+console_main()

@@ -8,8 +8,8 @@ generation requests are checked (make_request / check_request, used by Model.gen
     (True, True)
 
 Defaults as ``ft-jax generate``: the checkpoint's dtype, the auto policy (costs from the stored bandwidth profile of
-this machine, or a quick one), half of all experts as device slots, temperature 0.8 (docs/DESIGN.md, "Engine, API
-and CLI").
+this machine, or a quick one) with half of all experts as device slots on an accelerator, host-all with one slot on a
+CPU-only backend (defaults.default_policy), temperature 0.8 (docs/DESIGN.md, "Engine, API and CLI").
 """
 
 from __future__ import annotations
@@ -33,13 +33,16 @@ from ft_jax.config.quantization import expert_format
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
 from ft_jax.memory import check_host_memory, planned_expert_bytes
-from ft_jax.offload.policy import Policy, parse_policy
-from ft_jax.offload.profile import resolve_policy
+from ft_jax.offload.expert_parallel import ExpertPartition
+from ft_jax.offload.policy import Policy, PolicyKind, parse_policy
+from ft_jax.offload.prefill_split import prefill_min_tokens_for
+from ft_jax.offload.profile import cost_model_for, resolve_policy
 from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 from ft_jax.units import model_dtype, parse_bytes
 
 from ft_jax.defaults import (BUNDLED_MODEL, DEFAULT_CACHE_FRACTION, DEFAULT_NEW_TOKENS, DEFAULT_POLICY,  # noqa: F401
-                             DEFAULT_TEMPERATURE, bundled_model_path)
+                             DEFAULT_TEMPERATURE, bundled_model_path, default_policy)
+from ft_jax.offload.policy import PolicyKind
 
 
 def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
@@ -146,16 +149,20 @@ class Request:
     single: bool = True
 
 
-def check_request(config, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+def check_request(config, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                  context: tuple[int, str] | None = None) -> None:
     """Validate token-id prompts against a model config before any work is done.
 
     Args:
         config: ft_jax.config.MoEConfig (vocab_size, max_position_embeddings).
         prompts: B lists of token ids.
         max_new_tokens: tokens to generate per prompt.
+        context: (tokens, the phrase naming them) when the context is smaller than the model's, e.g. (2048, "the
+            server's context of 2048 tokens (--ctx-size)"); default: max_position_embeddings, "the model's context
+            of N tokens (max_position_embeddings)".
     Raises:
         ValueError: no prompt, an empty prompt, an id outside [0, vocab), max_new_tokens < 1, or a prompt plus the
-            new tokens longer than the context (max_position_embeddings); the message names the prompt and values.
+            new tokens longer than the context; the message names the prompt and values.
     """
     if not prompts:
         raise ValueError("no prompt given")
@@ -167,20 +174,23 @@ def check_request(config, prompts: Sequence[Sequence[int]], max_new_tokens: int)
             raise ValueError(f"prompt {i}: token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    longest, context = max(len(p) for p in prompts), config.max_position_embeddings
-    if longest + max_new_tokens > context:
-        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context of "
-                         f"{context} tokens (max_position_embeddings)")
+    longest, (size, what) = max(len(p) for p in prompts), _context(config, context)
+    if longest + max_new_tokens > size:
+        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds {what}")
 
 
-def default_new_tokens(config, prompts: Sequence[Sequence[int]]) -> int:
-    """max_new_tokens when none is given: DEFAULT_NEW_TOKENS, or what the context leaves after the longest prompt.
-    Raises ValueError if the longest prompt already fills the context (no room for one new token)."""
-    longest, context = max(len(p) for p in prompts), config.max_position_embeddings
-    if longest >= context:
-        raise ValueError(f"prompt of {longest} tokens fills the model's context of {context} tokens "
-                         "(max_position_embeddings): no room for a new token")
-    return min(DEFAULT_NEW_TOKENS, context - longest)
+def _context(config, context: tuple[int, str] | None) -> tuple[int, str]:
+    size = config.max_position_embeddings
+    return context or (size, f"the model's context of {size} tokens (max_position_embeddings)")
+
+
+def default_new_tokens(config, prompts: Sequence[Sequence[int]], context: tuple[int, str] | None = None) -> int:
+    """max_new_tokens when none is given: DEFAULT_NEW_TOKENS, or what the context (check_request) leaves after the
+    longest prompt. Raises ValueError if the longest prompt already fills the context (no room for one new token)."""
+    longest, (size, what) = max(len(p) for p in prompts), _context(config, context)
+    if longest >= size:
+        raise ValueError(f"prompt of {longest} tokens fills {what}: no room for a new token")
+    return min(DEFAULT_NEW_TOKENS, size - longest)
 
 
 def encode_prompt(path: str, tokenizer, prompt, *, chat: bool = False) -> list[int]:
@@ -234,26 +244,30 @@ def _check_types(max_new_tokens, temperature, top_p, seed, stop) -> tuple[str, .
 
 def make_request(path: str, config, tokenizer, prompts, *, max_new_tokens: int | None = None,
                  temperature: float = DEFAULT_TEMPERATURE, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 stop: Sequence[str] = (), chat: bool = False) -> Request:
+                 stop: Sequence[str] = (), chat: bool = False, context: tuple[int, str] | None = None) -> Request:
     """Every check of a generation request, in one place: needs only the config and the tokenizer, so the CLI calls
-    it before loading the weights, and Model.generate calls it too. Arguments as Model.generate; path: the model
-    folder (for the chat template and messages). Returns a Request. Raises TypeError / ValueError naming the
-    argument (see Model.generate), ChatTemplateError for chat without a chat template."""
+    it before loading the weights, and Model.generate and the server (ft_jax.serve) call it too. Arguments as
+    Model.generate; path: the model folder (for the chat template and messages); context: see check_request.
+    Returns a Request. Raises TypeError / ValueError naming the argument (see Model.generate), ChatTemplateError for
+    chat without a chat template."""
     rows, single = _prompt_rows(prompts)
     stop = _check_types(max_new_tokens, temperature, top_p, seed, stop)
     if stop and tokenizer is None:
         raise ValueError(f"{path} has no tokenizer (no tokenizer.json): stop strings need one")
     ids = [encode_prompt(path, tokenizer, p, chat=chat) for p in rows]
     if max_new_tokens is None:
-        max_new_tokens = default_new_tokens(config, ids) if all(ids) else DEFAULT_NEW_TOKENS
-    check_request(config, ids, int(max_new_tokens))
+        max_new_tokens = default_new_tokens(config, ids, context) if all(ids) else DEFAULT_NEW_TOKENS
+    check_request(config, ids, int(max_new_tokens), context)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     return Request(prompt_ids=ids, max_new_tokens=int(max_new_tokens), sampling=sampling, seed=seed, stop=stop,
                    single=single)
 
 
-class _StopWatch:
-    """Incremental text of one row and stop-string detection; releases only text that cannot start a stop string."""
+class StopWatch:
+    """Incremental text of one row and stop-string detection; releases only text that cannot start a stop string.
+
+    push(token) -> the new text that can be released; finish() -> the rest (the decoder flushed, cut at a stop
+    string); text: all text so far; cut: where the first stop string starts, once found (None before)."""
 
     def __init__(self, tokenizer, stop: tuple[str, ...]):
         self.decoder = tokenizer.stream_decoder()
@@ -295,7 +309,7 @@ class _StopWatch:
 class Model:
     """A loaded model ready to generate (ft_jax.load). Attributes: path, config (MoEConfig), tokenizer (or None),
     checkpoint (LoadedCheckpoint), engine (ft_jax.engine.engine.Engine), policy, dtype, note (the bandwidth-profile
-    message, or None)."""
+    message, or the CPU-only default's, or None)."""
 
     def __init__(self, path, config, tokenizer, checkpoint, engine, dtype: str, note: str | None):
         self.path, self.config, self.tokenizer, self.checkpoint, self.engine = path, config, tokenizer, checkpoint, engine
@@ -343,7 +357,7 @@ class Model:
         if on_text is not None and not callable(on_text):
             raise TypeError(f"on_text must be callable with (row, text), got {on_text!r}")
         ids = request.prompt_ids
-        watches = [_StopWatch(self.tokenizer, request.stop) for _ in ids] if self.tokenizer is not None else None
+        watches = [StopWatch(self.tokenizer, request.stop) for _ in ids] if self.tokenizer is not None else None
         eos = set(self.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
         stopped = [False] * len(ids)
 
@@ -373,30 +387,39 @@ class Model:
                           stats=result.stats, routing=result.routing, single=request.single)
 
 
-def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=DEFAULT_POLICY, cache=None,
+def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=None, cache=None,
          profile: str | None = None, measure: bool = True, on_message: Callable[[str], None] | None = None,
-         on_compile: Callable[[str, bool], None] | None = None, quantize: str | None = None) -> Model:
+         on_compile: Callable[[str, bool], None] | None = None, quantize: str | None = None, mesh=None) -> Model:
     """Load a Hugging Face MoE model folder (or the bundled model) for generation, as ``ft-jax generate`` does.
 
     Args:
         path: model folder (config.json + safetensors); None: the bundled tiny Shakespeare model.
         dtype: "auto" (the checkpoint's: float32 for float32 checkpoints, else bfloat16), bf16/bfloat16, f32/float32:
             the dense weights, the activations and the expert host banks.
-        policy: "auto" (default), "qstar", "qstar:FRAC", "fetch-all", "host-all", "fixed-cap:K", "resident", or a
-            Policy (docs/policies.md).
-        cache: device expert slots: None (half of all experts), slots (int), a fraction (float), or bytes ("8GiB").
+        policy: "auto", "qstar", "qstar:FRAC", "fetch-all", "host-all", "fixed-cap:K", "resident", or a Policy
+            (docs/policies.md); None: defaults.default_policy of the JAX backend ("auto" with an accelerator,
+            "host-all" on a CPU-only one, said through on_message).
+        cache: device expert slots: None (half of all experts; one slot under host-all, which never fills them),
+            slots (int), a fraction (float), or bytes ("8GiB"); with a mesh, of each device (fractions of the experts
+            a device owns).
         profile: bandwidth profile store (default: the user cache directory). measure: run a quick profile when
             none is stored (else qstar falls back to fixed-cap:1).
         on_message: called with one-line notes (which bandwidth profile qstar uses). on_compile: see Engine.
         quantize: None, "q8_0" or "q4_0": quantize a float checkpoint while loading (ft_jax.checkpoint.load_checkpoint:
             the expert banks and the dense 2-D projections but routers and embeddings). FP8 and MXFP4 checkpoints
             are used as stored without it. A byte budget in ``cache`` counts experts at their stored size.
+        mesh: None (one device), or a jax.sharding.Mesh with an ``expert`` axis (ft_jax.expert_mesh()): expert
+            parallelism (ft_jax.offload.expert_parallel): each MoE layer's experts split over the axis's devices,
+            each with its own slots and cache; this process loads only the experts its devices own. For N CPU
+            devices set ``jax.config.update("jax_num_cpu_devices", N)``, and for several processes call
+            ``jax.distributed.initialize(...)``, before importing ft_jax (README, "Several devices").
     Returns:
         Model.
     Raises:
         ConfigError, CheckpointError, NotImplementedError: the folder cannot be used (the message names the file);
             quantize given for an FP8 / MXFP4 checkpoint.
-        ValueError: a bad dtype, policy, quantize or cache budget.
+        ValueError: a bad dtype, policy, quantize or cache budget; a mesh whose expert axis does not divide the
+            experts or that does not match the processes (ExpertPartition.from_mesh).
         ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
             available (checked from the headers before anything is allocated).
     """
@@ -404,27 +427,56 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=D
     if kernels.environment_problem():  # the CLI refuses it; the library says it once
         warnings.warn(f"ft_jax: {kernels.environment_problem()}; it is ignored", stacklevel=2)
     cfg = load_config(path)
+    defaulted = policy is None
+    if defaulted:
+        policy = default_policy(jax.default_backend())
     if not isinstance(policy, Policy):
         policy = parse_policy(policy)  # errors before any loading
+    if cache is None and policy.kind is PolicyKind.HOST_ALL:
+        cache = 1  # host-all never fills a slot
     dtype = model_dtype(dtype, cfg.dtype)
     fmt = expert_format(cfg, jnp.dtype(dtype), quantize)  # errors before any loading
+    partition = None if mesh is None else ExpertPartition.from_mesh(mesh, cfg.num_experts)  # errors before loading
+    per_device = cfg.num_experts if partition is None else partition.experts_per_shard
+    local_devices = 1 if partition is None else partition.local_shards
     # The cache budget's form and range, and the host memory, before loading (the bytes per expert from the config,
     # at the stored size of the experts' weight format).
-    planned_slots = num_slots_for(cache, cfg.num_moe_layers * cfg.num_experts,
+    planned_slots = num_slots_for(cache, cfg.num_moe_layers * per_device,
                                   planned_expert_bytes(cfg, jnp.dtype(dtype), fmt))
     tokenizer = load_tokenizer_or_none(path)
     with checkpoint_lib.SafetensorsCheckpoint(path) as headers:  # headers only: checked before anything is allocated
-        check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), planned_slots,
-                          slots_in_host=jax.default_backend() == "cpu", fmt=fmt)
-    checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype), quantize=quantize)
+        check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), planned_slots * local_devices,
+                          slots_in_host=jax.default_backend() == "cpu", fmt=fmt,
+                          experts_held=None if partition is None else len(partition.process_experts))
+    checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype), quantize=quantize,
+                                                experts=None if partition is None else partition.process_experts)
     banks = checkpoint.banks
-    slots = num_slots_for(cache, banks.num_rows, banks.expert_bytes)
+    slots = num_slots_for(cache, cfg.num_moe_layers * per_device, banks.expert_bytes)
     policy, note = resolve_policy(policy, banks, cfg.hidden_size, cfg.moe_intermediate_size, profile=profile,
                                   measure=measure)
+    if defaulted and policy.kind is PolicyKind.HOST_ALL:
+        note = ("no accelerator: every expert is computed on the CPU from the host banks (policy host-all; slots "
+                "would be copies in the same memory; --policy auto uses them anyway)")
     if note and on_message is not None:
         on_message(note)
-    engine = Engine(checkpoint, policy=policy, num_slots=slots, on_compile=on_compile)
+    engine = Engine(checkpoint, policy=policy, num_slots=slots, on_compile=on_compile,
+                    prefill_fetch_min_tokens=_prefill_split(policy, banks, cfg, profile), mesh=mesh)
     return Model(path, checkpoint.config, tokenizer, checkpoint, engine, dtype, note)
+
+
+def _prefill_split(policy, banks, cfg, profile) -> int | None:
+    """The Engine's prefill_fetch_min_tokens of a bound qstar / auto policy on a GPU (offload.prefill_split, from the
+    stored bandwidth profile resolve_policy used); None (the Engine's default) on a CPU device, for other policies,
+    or when the stored profile cannot be read."""
+    if policy.kind not in (PolicyKind.QSTAR, PolicyKind.AUTO) or jax.default_backend() == "cpu":
+        return None
+    fmt = banks.format if banks.quantized else None
+    try:
+        model = cost_model_for("stored", banks.expert_bytes, dtype="bfloat16" if fmt else banks.gate_up.dtype,
+                               profile_path=profile, fmt=fmt)
+    except ValueError:
+        return None
+    return prefill_min_tokens_for(policy, model, banks, cfg.hidden_size, cfg.moe_intermediate_size)
 
 
 def load_tokenizer_or_none(path: str):

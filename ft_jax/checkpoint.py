@@ -63,15 +63,18 @@ _E8M0_NAN = 255  # the E8M0 scale that means NaN (OCP Microscaling Formats v1.0)
 
 # Float dtype -> (unsigned int, signed int of the same width, exponent field mask). An element is Inf or NaN iff its
 # exponent bits are all ones (IEEE 754: binary64 11 bits, binary32 8, binary16 5; bfloat16 = the top half of a
-# binary32, 8 bits).
+# binary32, 8 bits). float8_e4m3fn has no Inf and one NaN magnitude, S.1111.111: its "mask" is those 7 bits, so the
+# same test (magnitude bits >= mask) finds exactly its NaNs.
 _EXPONENT_MASKS: dict[np.dtype, tuple[type, type, int]] = {
     np.dtype(np.float64): (np.uint64, np.int64, 0x7FF0_0000_0000_0000),
     np.dtype(np.float32): (np.uint32, np.int32, 0x7F80_0000),
     np.dtype(np.float16): (np.uint16, np.int16, 0x7C00), np.dtype(ml_dtypes.bfloat16): (np.uint16, np.int16, 0x7F80),
+    _F8[0]: (np.uint8, np.int8, _F8_NAN),
 }
 # Bytes per positioned read: small enough that the finite check reads the piece from cache (L2 is 1-2 MiB on
 # current x86 cores), large enough that the per-read overhead is negligible.
 _READ_CHUNK_BYTES = 1 << 20
+_MADV_POPULATE_READ = 22  # Linux >= 5.14 (mmap.MADV_POPULATE_READ from Python 3.12 on)
 # Tensors from this size up are mapped into a host bank destination when the offsets allow (smaller ones are copied:
 # a mapping costs a kernel call and a VMA, and is limited per process).
 _MAP_MIN_BYTES = 1 << 20
@@ -312,22 +315,44 @@ class SafetensorsCheckpoint:
         self._pread(f"{name}[{start}:{stop}]", part, out.reshape(-1).view(np.uint8))
         return out
 
-    def read_into(self, name: str, out: np.ndarray, shape: tuple[int, ...] | None = None) -> None:
-        """Read tensor ``name`` into the C-contiguous array ``out`` (same number of elements), casting to
-        out.dtype if the stored dtype differs (via one temporary of the tensor's size). ``shape``: expected
-        stored shape (default out.shape).
+    def read_into(self, name: str, out: np.ndarray, shape: tuple[int, ...] | None = None,
+                  dtypes: tuple[np.dtype, ...] = _FLOAT_NP, rows: range | None = None) -> None:
+        """Read tensor ``name`` (or with ``rows``, its rows rows.start:rows.stop along the leading axis) into the
+        C-contiguous array ``out`` (same number of elements), casting to out.dtype if the stored dtype differs (via
+        one temporary of the part's size). ``shape``: expected stored shape of the whole tensor (default out.shape,
+        or out.shape with the tensor's leading size when ``rows`` is given); ``dtypes``: the stored dtypes allowed
+        (default: a float type).
 
         Raises CheckpointError: missing tensor, wrong shape or dtype, truncated file, or a NaN/Inf element (the
-        stored values are checked before any cast). ValueError: ``out`` not C-contiguous or of the wrong size."""
-        info = self.info(name, out.shape if shape is None else shape)
+        stored values are checked before any cast; FP8 e4m3fn: a NaN). ValueError: ``out`` not C-contiguous or of
+        the wrong size, rows outside the tensor or with a step."""
+        if rows is not None:
+            whole = self.info(name, shape, dtypes)
+            if rows.step != 1 or not 0 <= rows.start < rows.stop <= whole.shape[0]:
+                raise ValueError(f"read_into({name!r}): rows {rows.start}:{rows.stop} outside its {whole.shape[0]} "
+                                 f"rows")
+            row_bytes = whole.nbytes // whole.shape[0]
+            info = dataclasses.replace(whole, shape=(len(rows), *whole.shape[1:]),
+                                       offset=whole.offset + rows.start * row_bytes, nbytes=len(rows) * row_bytes)
+            if not out.flags.c_contiguous or out.size != math.prod(info.shape):
+                raise ValueError(f"read_into({name!r}): destination must be C-contiguous with {math.prod(info.shape)} "
+                                 f"elements, got shape {out.shape}")
+            self._read_part(f"{name}[{rows.start}:{rows.stop}]", info, out)
+            return
+        info = self.info(name, out.shape if shape is None else shape, dtypes)
         if not out.flags.c_contiguous or out.size != math.prod(info.shape):
             raise ValueError(f"read_into({name!r}): destination must be C-contiguous with {math.prod(info.shape)} "
                              f"elements, got shape {out.shape}")
+        self._read_part(name, info, out)
+
+    def _read_part(self, what: str, info: TensorInfo, out: np.ndarray) -> None:
+        """The bytes of ``info`` (a tensor or a row range of one) into ``out``, cast through a temporary when the
+        dtypes differ."""
         if info.dtype == out.dtype:
-            self._pread(name, info, out.reshape(-1).view(np.uint8))
+            self._pread(what, info, out.reshape(-1).view(np.uint8))
         else:
             tmp = np.empty(info.shape, info.dtype)
-            self._pread(name, info, tmp.reshape(-1).view(np.uint8))
+            self._pread(what, info, tmp.reshape(-1).view(np.uint8))
             out.reshape(info.shape)[...] = tmp.astype(out.dtype)
 
     def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
@@ -369,14 +394,15 @@ class SafetensorsCheckpoint:
         page = max(by_page, key=by_page.get)
         return max((r for r in by_huge if r % mmap.PAGESIZE == page), key=by_huge.get)
 
-    def view(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """Tensor ``name`` as a read-only numpy array in its stored dtype that maps the file's pages (no copy; the
-        mapping goes away with the array), checked for NaN/Inf as :meth:`read_into` does, in the one pass that
-        brings the pages in. For data that is copied (stacked, cast, moved to a device) right after: the copy is
-        then the only one.
+    def view(self, name: str, shape: tuple[int, ...] | None = None,
+             dtypes: tuple[np.dtype, ...] = _FLOAT_NP) -> np.ndarray:
+        """Tensor ``name`` as a read-only numpy array in its stored dtype (one of ``dtypes``, default a float type)
+        that maps the file's pages (no copy; the mapping goes away with the array), checked for NaN/Inf as
+        :meth:`read_into` does, in the one pass that brings the pages in. For data that is copied (stacked, cast,
+        moved to a device) right after: the copy is then the only one.
 
         Raises CheckpointError as :meth:`read_into`."""
-        info = self.info(name, shape)
+        info = self.info(name, shape, dtypes)
         fh = self._file(info.file)
         self._check_size(fh, name, info)
         if info.nbytes == 0:
@@ -387,6 +413,10 @@ class SafetensorsCheckpoint:
                                prot=mmap.PROT_READ, offset=first)
         except OSError as e:
             raise CheckpointError(f"{info.file}: cannot map tensor {name!r}: {e.strerror or e}") from None
+        try:  # the page tables in one call, not a fault per 4 KiB page as the check reads it
+            region.madvise(_MADV_POPULATE_READ)
+        except OSError:  # Linux < 5.14: faulted in by the reads
+            pass
         out = np.frombuffer(region, info.dtype, math.prod(info.shape), info.offset - first).reshape(info.shape)
         data, checked, found = out.reshape(-1).view(np.uint8), 0, False
         while checked < info.nbytes and not found:
@@ -479,10 +509,13 @@ def _has_non_finite(bits: np.ndarray, signed: type, mask: int) -> bool:
 def _non_finite_error(name: str, info: TensorInfo, bits: np.ndarray, mask: int) -> CheckpointError:
     """The error for a tensor with Inf/NaN elements; bits: its raw element bits [size] (an unsigned int view)."""
     bad = np.flatnonzero((bits & mask) == mask)  # flat indices of the Inf/NaN elements
+    first = [int(i) for i in np.unravel_index(int(bad[0]), info.shape)]
+    if info.dtype == _F8[0]:  # S.1111.111, its only non-finite value
+        return CheckpointError(f"{info.file}: tensor {name!r} {list(info.shape)} holds NaN: {bad.size} of {bits.size} "
+                               f"FP8 elements are NaN, the first at index {first} (a corrupted checkpoint)")
     magnitude = bits[bad] & (mask | (mask - 1))  # sign cleared: == mask is Inf, > mask is NaN
     kinds = " and ".join(k for k, present in (("NaN", (magnitude > mask).any()), ("Inf", (magnitude == mask).any()))
                          if present)
-    first = [int(i) for i in np.unravel_index(int(bad[0]), info.shape)]
     return CheckpointError(f"{info.file}: tensor {name!r} {list(info.shape)} holds {kinds}: {bad.size} of {bits.size} "
                            f"elements are not finite, the first at index {first} (a corrupted or unconverted "
                            "checkpoint; NaN/Inf weights make every logit NaN)")
@@ -506,6 +539,18 @@ class LoadedCheckpoint:
     checkpoint_bytes: int
 
 
+def check_experts(cfg: MoEConfig, experts: range | None) -> range:
+    """The experts a process's banks hold: ``experts`` checked (a non-empty range of step 1 in [0, E)), or all E.
+    Raises ValueError naming the range."""
+    E = cfg.num_experts
+    if experts is None:
+        return range(E)
+    if not isinstance(experts, range) or experts.step != 1 or not 0 <= experts.start < experts.stop <= E:
+        raise ValueError(f"experts must be a non-empty range of step 1 within the {E} experts per MoE layer, got "
+                         f"{experts!r}")
+    return experts
+
+
 def _np_dtype(dtype) -> np.dtype:
     d = np.dtype(jnp.dtype(dtype))
     if d not in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
@@ -521,10 +566,10 @@ def _fits(fmt: wf.WeightFormat, info: TensorInfo, name: str, cols: int) -> None:
         raise CheckpointError(str(e)) from None
 
 
-def _gpt_oss_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFormat
+def _gpt_oss_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFormat, Ep: int
                   ) -> list[tuple[str, int, str, tuple]]:
     """expert_tensor_plan for gpt-oss: plain (float) or, when fmt is MXFP4, MXFP4 expert weights, plus the two bias
-    tensors."""
+    tensors; Ep experts per layer in the banks."""
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     plan = []
     for m, layer in enumerate(cfg.moe_layers):
@@ -536,10 +581,10 @@ def _gpt_oss_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFor
                 _fits(fmt, ckpt.info(blocks, dtypes=_U8), blocks, cols)
                 ckpt.info(blocks, (E, rows, cols // wf.QBLOCK, wf.QBLOCK // 2), _U8)
                 ckpt.info(scales, (E, rows, cols // wf.QBLOCK), _U8)
-                plan.append((bank, m * E, blocks, ("mxfp4", scales, interleaved)))
+                plan.append((bank, m * Ep, blocks, ("mxfp4", scales, interleaved)))
             elif fmt is not wf.MXFP4 and name in ckpt:  # as GptOssExperts holds them: [E, in, out]
                 _fits(fmt, ckpt.info(name, (E, cols, rows)), name, cols)
-                plan.append((bank, m * E, name, ("transposed", interleaved)))
+                plan.append((bank, m * Ep, name, ("transposed", interleaved)))
             elif fmt is wf.MXFP4:
                 raise CheckpointError(f"{ckpt._directory_file}: missing tensor {blocks!r} + {scales!r} (the MXFP4 "
                                       f"form of {name!r} that quantization_config quant_method 'mxfp4' announces)")
@@ -549,8 +594,8 @@ def _gpt_oss_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFor
                                       "'mxfp4' in config.json)")
         ckpt.info(f"{p}.gate_up_proj_bias", (E, 2 * I))
         ckpt.info(f"{p}.down_proj_bias", (E, H))
-        plan += [("gate_up_bias", m * E, f"{p}.gate_up_proj_bias", ("interleaved_rows",)),
-                 ("down_bias", m * E, f"{p}.down_proj_bias", ("fused",))]
+        plan += [("gate_up_bias", m * Ep, f"{p}.gate_up_proj_bias", ("interleaved_rows",)),
+                 ("down_bias", m * Ep, f"{p}.down_proj_bias", ("fused",))]
     return plan
 
 
@@ -559,25 +604,30 @@ def _deinterleave(rows: np.ndarray) -> np.ndarray:
     return np.concatenate([rows[0::2], rows[1::2]])
 
 
-def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFormat | None = None
-                       ) -> list[tuple[str, int, str, tuple]]:
+def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFormat | None = None,
+                       experts: range | None = None) -> list[tuple[str, int, str, tuple]]:
     """Which tensors fill which bank rows, validated against the headers (names, shapes, dtypes, the fit of each row
     length to fmt's blocks) before any reading.
 
     Args:
         cfg: the MoEConfig. ckpt: the checkpoint's headers. fmt: the banks' weight format (config.quantization.expert_format;
             default the float format: float tensors as stored).
+        experts: the experts of every MoE layer the banks hold (check_experts; default all E): bank row
+            moe_layer * len(experts) + j holds expert experts[j].
     Returns a list of (bank "gate_up" | "down" | "gate_up_bias" | "down_bias", first flat row, tensor name, part)
     where part is ("fused",) for an [E, ...] tensor covering rows first..first+E-1, ("rows", a, b) for one expert
     tensor going to rows a:b of the row's leading axis, ("fp8_rows", a, b, scale tensor name, first scale row) for
     one FP8 expert tensor and its weight_scale_inv, or for gpt-oss ("transposed", interleaved), ("mxfp4", scales
-    tensor name, interleaved) and ("interleaved_rows",) (see _read_gpt_oss_experts).
+    tensor name, interleaved) and ("interleaved_rows",) (see _read_gpt_oss_experts). The entries of an [E, ...]
+    tensor cover the bank rows first..first+len(experts)-1 with its rows experts.start..experts.stop-1.
     Raises CheckpointError (missing tensor / wrong shape or dtype / a row length that does not fit fmt's blocks,
     naming file and tensor).
     """
     fmt = wf.F32 if fmt is None else fmt
+    experts = check_experts(cfg, experts)
+    Ep = len(experts)
     if cfg.family == "gpt_oss":
-        return _gpt_oss_plan(cfg, ckpt, fmt)
+        return _gpt_oss_plan(cfg, ckpt, fmt, Ep)
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     fp8 = fmt.name == "fp8"
     plan = []
@@ -587,16 +637,16 @@ def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.Weig
         if fused_gu in ckpt and not fp8:
             _fits(fmt, ckpt.info(fused_gu, (E, 2 * I, H)), fused_gu, H)
             _fits(fmt, ckpt.info(fused_dn, (E, H, I)), fused_dn, I)
-            plan += [("gate_up", m * E, fused_gu, ("fused",)), ("down", m * E, fused_dn, ("fused",))]
+            plan += [("gate_up", m * Ep, fused_gu, ("fused",)), ("down", m * Ep, fused_dn, ("fused",))]
             continue
-        for e in range(E):
+        for e in experts:
             if cfg.family == "mixtral":
                 base = f"{p}.block_sparse_moe.experts.{e}"
                 gate, up, down = f"{base}.w1.weight", f"{base}.w3.weight", f"{base}.w2.weight"
             else:
                 base = f"{p}.mlp.experts.{e}"
                 gate, up, down = (f"{base}.{n}_proj.weight" for n in ("gate", "up", "down"))
-            row = m * E + e
+            row = m * Ep + e - experts.start
             parts = (("gate_up", gate, (I, H), 0), ("gate_up", up, (I, H), I), ("down", down, (H, I), 0))
             for bank, name, shape, first in parts:
                 if fp8:
@@ -611,16 +661,6 @@ def expert_tensor_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.Weig
     return plan
 
 
-def _check_fp8(ckpt: SafetensorsCheckpoint, name: str, data: np.ndarray) -> None:
-    """CheckpointError naming the file and tensor when FP8 e4m3fn ``data`` holds NaN (it has no Inf)."""
-    bad = np.flatnonzero((data.view(np.uint8) & _F8_NAN) == _F8_NAN)
-    if bad.size:
-        first = [int(i) for i in np.unravel_index(int(bad[0]), data.shape)]
-        raise CheckpointError(f"{ckpt.info(name, dtypes=_F8).file}: tensor {name!r} {list(data.shape)} holds NaN: "
-                              f"{bad.size} of {data.size} FP8 elements are NaN, the first at index {first} (a "
-                              "corrupted checkpoint)")
-
-
 def _read_stored(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...], dtypes: tuple[np.dtype, ...]
                  ) -> np.ndarray:
     """The whole tensor ``name`` as stored (shape and dtype checked; float ones NaN/Inf-checked while read)."""
@@ -628,15 +668,21 @@ def _read_stored(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, ...],
     return ckpt.read_rows(name, 0, shape[0], dtypes)
 
 
+def _read_fp8_scales(ckpt: SafetensorsCheckpoint, scale_name: str, shape: tuple[int, int],
+                     fmt: wf.WeightFormat) -> np.ndarray:
+    """The scales f32 [ceil(rows / br), ceil(cols / bc)] of an FP8 matrix [rows, cols]: its weight_scale_inv as
+    stored (a bf16 scale_inv widened to f32, exactly). Raises CheckpointError: wrong shape or dtype, a non-finite
+    scale."""
+    return _read_stored(ckpt, scale_name, fmt.scale_shape(*shape), _SCALE_DTYPES).astype(np.float32)
+
+
 def _read_fp8(ckpt: SafetensorsCheckpoint, name: str, scale_name: str, shape: tuple[int, int],
               fmt: wf.WeightFormat) -> tuple[np.ndarray, np.ndarray]:
-    """(data f8e4m3fn [rows, cols], scales f32 [ceil(rows / br), ceil(cols / bc)]) of one FP8 matrix and its
-    weight_scale_inv as stored (a bf16 scale_inv widened to f32, exactly). Raises CheckpointError: wrong shape or
-    dtype, NaN data, a non-finite scale."""
-    data = _read_stored(ckpt, name, shape, _F8)
-    _check_fp8(ckpt, name, data)
-    scales = _read_stored(ckpt, scale_name, fmt.scale_shape(*shape), _SCALE_DTYPES)  # finite-checked by the read
-    return data, scales.astype(np.float32)
+    """(data f8e4m3fn [rows, cols]: a read-only view of the file (SafetensorsCheckpoint.view), scales f32) of one FP8
+    matrix and its weight_scale_inv (_read_fp8_scales). Raises CheckpointError: wrong shape or dtype, NaN data, a
+    non-finite scale."""
+    data = ckpt.view(name, shape, _F8)  # NaN-checked while mapped
+    return data, _read_fp8_scales(ckpt, scale_name, shape, fmt)
 
 
 def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_name: str, expert: int,
@@ -697,53 +743,60 @@ class _BankWriter:
 
 
 def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name: str, part: tuple,
-                          out: _BankWriter, E: int) -> None:
-    """Fill the bank rows row..row+E-1 of one layer from a gpt-oss expert tensor, one expert at a time. part:
+                          out: _BankWriter, experts: range) -> None:
+    """Fill the bank rows row..row+len(experts)-1 of one layer from the experts' rows of a gpt-oss expert tensor,
+    one expert at a time. part:
     ("transposed", interleaved) (float [E, in, out]; the temporary is one expert's weights) | ("mxfp4", scales name,
     interleaved) (blocks and scales copied as stored, rows de-interleaved; never dequantized) |
     ("interleaved_rows",) (the gate_up bias)."""
     if part[0] == "interleaved_rows":
         dst = out.arrays[bank]
-        dst[row:row + E] = np.stack([_deinterleave(b) for b in ckpt.read(name)]).astype(dst.dtype)  # [E, 2I]
+        rows = ckpt.read_rows(name, experts.start, experts.stop)  # [Ep, 2I]
+        dst[row:row + len(experts)] = np.stack([_deinterleave(b) for b in rows]).astype(dst.dtype)
         return
-    for e in range(E):
+    for j, e in enumerate(experts):
         if part[0] == "mxfp4":
             blocks, scales = ckpt.read_rows(name, e, e + 1, _U8)[0], ckpt.read_rows(part[1], e, e + 1, _U8)[0]
             _check_mxfp4_scales(ckpt, name, part[1], e, blocks, scales)
             data = blocks.reshape(blocks.shape[0], -1)  # u8[rows, cols / 2]: byte j = elements 2j, 2j + 1
             if part[-1]:
                 data, scales = _deinterleave(data), _deinterleave(scales)
-            out.arrays[bank][row + e] = data
-            out.arrays[f"{bank}_scale"][row + e] = scales
+            out.arrays[bank][row + j] = data
+            out.arrays[f"{bank}_scale"][row + j] = scales
         else:
             w = ckpt.read_rows(name, e, e + 1)[0].T  # [in, out] -> [out, in]
             what = f"{ckpt.tensors[name].file}: tensor {name!r} (expert {e})"
-            out.put(bank, row + e, 0, _deinterleave(w) if part[-1] else w, what)
+            out.put(bank, row + j, 0, _deinterleave(w) if part[-1] else w, what)
 
 
 def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, fmt: wf.WeightFormat,
-                      bias_dtype) -> ExpertBanks:
-    """The expert banks of a checkpoint in weight format ``fmt``, filled by ``plan`` (expert_tensor_plan).
+                      bias_dtype, experts: range | None = None) -> ExpertBanks:
+    """The expert banks of a checkpoint in weight format ``fmt``, filled by ``plan`` (expert_tensor_plan with the
+    same ``experts``: the experts of every MoE layer the banks hold, default all; only their tensors, or their rows
+    of a fused tensor, are read).
 
     Float formats: tensors are read straight into the bank rows (a cast through one tensor-sized temporary when the
     stored dtype differs). q8_0 / q4_0: each expert tensor (one expert of a fused one) is read, quantized with
-    weight_formats.quantize and written into the rows; the float copy is one expert's matrix. fp8 / mxfp4: the
-    stored bytes and scales are copied into the rows (fp8 bf16 scale_inv widened to f32; mxfp4 gate/up rows
-    de-interleaved), checked for NaN (FP8 S.1111.111, an E8M0 scale of 255, a non-finite scale) and never
-    dequantized. Biases (gpt-oss) go to float banks of ``bias_dtype``.
+    weight_formats.quantize and written into the rows; the float copy is one expert's matrix. fp8: the stored bytes
+    go into the rows as float tensors do (mapped from the file where the offsets allow, else read), the scales are
+    copied (a bf16 scale_inv widened to f32); mxfp4: blocks and scales copied (gate/up rows de-interleaved); both
+    checked for NaN (FP8 S.1111.111 as read, an E8M0 scale of 255, a non-finite scale) and never dequantized. Biases (gpt-oss) go to float banks of ``bias_dtype``.
 
-    Returns: ExpertBanks (frozen). Raises CheckpointError (naming file and tensor); on any error the banks made so far
-    are released.
+    Returns: ExpertBanks (frozen) of L_moe * len(experts) rows. Raises CheckpointError (naming file and tensor); on any
+    error the banks made so far are released.
     """
-    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    rows = cfg.num_moe_layers * E
+    experts = check_experts(cfg, experts)
+    Ep, H, I = len(experts), cfg.hidden_size, cfg.moe_intermediate_size
+    rows = cfg.num_moe_layers * Ep
     row_specs = wf.expert_rows(fmt, H, I)
     # Each bank's page_offset from the tensors read_into puts into it as stored, so that it maps them (no copy).
     row_bytes = {k: math.prod(shape) * np.dtype(dtype).itemsize for k, (shape, dtype) in row_specs.items()}
     regions = {k: [] for k in row_specs}  # bank -> [(tensor, byte offset in the bank)]
     for bank, row, name, part in plan:
-        if bank in row_specs and not fmt.quantized and part[0] in ("fused", "rows"):
-            within = part[1] * row_bytes[bank] // row_specs[bank][0][0] if part[0] == "rows" else 0
+        if bank in row_specs and (not fmt.quantized and part[0] in ("fused", "rows") or part[0] == "fp8_rows"):
+            # a fused tensor's row experts.start lands at bank row `row`
+            within = part[1] * row_bytes[bank] // row_specs[bank][0][0] if part[0] != "fused" else \
+                -experts.start * row_bytes[bank]
             regions[bank].append((name, row * row_bytes[bank] + within))
     host = {name: HostBank(rows, shape, dtype, ckpt.page_offset(regions[name]))
             for name, (shape, dtype) in row_specs.items()}
@@ -754,22 +807,22 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
         for bank, row, name, part in plan:
             arr = out.arrays[bank]
             if part[0] == "fused" and not (fmt.quantized and bank in ("gate_up", "down")):
-                ckpt.read_into(name, arr[row:row + E])
+                ckpt.read_into(name, arr[row:row + Ep], rows=experts)
             elif part[0] == "fused":  # quantized while loading, one expert at a time
-                for e in range(E):
+                for j, e in enumerate(experts):
                     what = f"{ckpt.tensors[name].file}: tensor {name!r} (expert {e})"
-                    out.put(bank, row + e, 0, ckpt.read_rows(name, e, e + 1)[0], what)
+                    out.put(bank, row + j, 0, ckpt.read_rows(name, e, e + 1)[0], what)
             elif part[0] == "rows" and not fmt.quantized:
                 ckpt.read_into(name, arr[row, part[1]:part[2]])
             elif part[0] == "rows":
                 what = f"{ckpt.tensors[name].file}: tensor {name!r}"
                 out.put(bank, row, part[1], ckpt.view(name), what)  # quantized: read once, never copied
-            elif part[0] == "fp8_rows":
-                data, scales = _read_fp8(ckpt, name, part[3], (part[2] - part[1], arr.shape[-1]), fmt)
-                arr[row, part[1]:part[2]] = data
+            elif part[0] == "fp8_rows":  # the data mapped or read straight into the rows, NaN-checked as read
+                ckpt.read_into(name, arr[row, part[1]:part[2]], dtypes=_F8)
+                scales = _read_fp8_scales(ckpt, part[3], (part[2] - part[1], arr.shape[-1]), fmt)
                 out.arrays[f"{bank}_scale"][row, part[4]:part[4] + scales.shape[0]] = scales
             else:
-                _read_gpt_oss_experts(ckpt, bank, row, name, part, out, E)
+                _read_gpt_oss_experts(ckpt, bank, row, name, part, out, experts)
         del out  # the writable views; views taken after freeze() are read-only
         banks = ExpertBanks(**host, format=fmt)
         banks.freeze()
@@ -812,7 +865,7 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.Weig
 
 
 def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtype=None,
-                    quantize: str | None = None) -> LoadedCheckpoint:
+                    quantize: str | None = None, experts: range | None = None) -> LoadedCheckpoint:
     """Load config, dense model and host banks of a Hugging Face MoE checkpoint folder.
 
     Args:
@@ -824,6 +877,10 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
             embedding table (ft_jax.config.quantization.quantize_applies). FP8 (quantization_config quant_method
             "fp8") and MXFP4 (gpt-oss) checkpoints are always kept as stored: expert banks in that format, FP8
             dense projections as QuantizedTensor.
+        experts: the experts of every MoE layer this process's banks hold (expert parallelism:
+            ft_jax.offload.expert_parallel.ExpertPartition.process_experts), a range in [0, E); default all. Only
+            their tensors (their rows of a fused [E, ...] tensor) are read; bank row moe_layer * len(experts) + j
+            holds expert experts[j].
     Returns:
         LoadedCheckpoint(config, model, banks, checkpoint_bytes); banks.format is the experts' weight format.
     Memory: expert tensors stored as the bank holds them are mapped from the file into the bank rows (no copy, see
@@ -836,7 +893,8 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
             rules and unsafe shard names in the index), missing tensor, wrong shape or dtype, a NaN/Inf weight or
             scale (FP8 NaN, an MXFP4 scale of 255 or one that overflows float32 included), a row length that does
             not fit the format's blocks (names the file and the tensor).
-        ValueError: a dtype or quantize value not listed above.
+        ValueError: a dtype or quantize value not listed above, an experts range that is empty, has a step or
+            leaves [0, E).
         ConfigError / NotImplementedError: from :func:`ft_jax.config.load_config` (an unsupported quant_method), or
             quantize given for an FP8 / MXFP4 checkpoint (ft_jax.config.quantization.expert_format).
     """
@@ -845,8 +903,8 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     bank_dtype = dense_dtype if expert_dtype is None else _np_dtype(expert_dtype)
     fmt = expert_format(cfg, bank_dtype, quantize)
     with SafetensorsCheckpoint(model_dir) as ckpt:
-        plan = expert_tensor_plan(cfg, ckpt, fmt)
+        plan = expert_tensor_plan(cfg, ckpt, fmt, experts)
         model = MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None))
-        banks = load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype)
+        banks = load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts)
         nbytes = ckpt.nbytes
     return LoadedCheckpoint(cfg, model, banks, nbytes)

@@ -44,8 +44,16 @@ def _watch(read_fd: int) -> None:
         if not data:
             return
         signum = data[0]
-        if signum in _SIGNALS:
+        if signum not in _SIGNALS:
+            continue
+        graceful = _state.pop("graceful", None)
+        if graceful is None:
             exit_now(signum)
+        try:
+            graceful(signum)
+        except Exception as e:  # a failing callback must not leave the process without a way out
+            os.write(2, f"\n{_state['label']}: the shutdown failed to start ({e}); exiting\n".encode())
+            os._exit(128 + signum)
 
 
 def exit_now(signum: int) -> None:
@@ -74,6 +82,13 @@ def install(label: str = "ft-jax") -> bool:
     threading.Thread(target=_watch, args=(read_fd,), name="ft_jax-signals", daemon=True).start()
     _state.update(label=label, installed=True)
     return True
+
+
+def on_first_signal(callback) -> None:
+    """Graceful mode (``ft-jax serve``): the next SIGINT or SIGTERM calls callback(signum) on the watcher thread
+    instead of exiting, and the command exits by itself once it has shut down; a signal after that one exits at
+    once, as without this."""
+    _state["graceful"] = callback
 
 
 def set_label(label: str) -> None:

@@ -122,7 +122,8 @@ def _dense_bytes(name: str, info, itemsize: int, fmt) -> int:
     return _elements(info) * itemsize
 
 
-def host_need(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool, fmt=None) -> HostNeed:
+def host_need(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool, fmt=None,
+              experts_held: int | None = None) -> HostNeed:
     """Host bytes of a load, from the config and the headers.
 
     Args:
@@ -131,6 +132,8 @@ def host_need(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool, fm
         num_slots: device expert slots. slots_in_host: True on a CPU backend (the slots are host arrays).
         fmt: the experts' weight format (ft_jax.config.quantization.expert_format; default the float format of
             dtype): banks and slots at its stored size, and with q8_0 / q4_0 the dense 2-D projections too.
+        experts_held: experts of every MoE layer this process's banks hold (expert parallelism:
+            len(ExpertPartition.process_experts)); default all E.
     Returns:
         HostNeed. Expert tensors are those with ".experts." in their name; every other tensor counts as dense
         (_dense_bytes).
@@ -142,7 +145,8 @@ def host_need(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool, fm
     load = np.dtype(dtype)
     largest = max((_elements(t) for name, t in tensors.items()
                    if ".experts." not in name or np.dtype(t.dtype) != load), default=0) * max(itemsize, 4)
-    return HostNeed(banks=cfg.num_moe_layers * cfg.num_experts * expert, dense=dense,
+    held = cfg.num_experts if experts_held is None else experts_held
+    return HostNeed(banks=cfg.num_moe_layers * held * expert, dense=dense,
                     slots=num_slots * expert if slots_in_host else 0, temporary=largest)
 
 
@@ -172,7 +176,8 @@ def refusal(need: HostNeed, available: int, source: str, *, dtype: str, expert_b
             f"is available ({source}); what would fit: {' or '.join(fits)}")
 
 
-def check_host_memory(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool, fmt=None) -> HostNeed:
+def check_host_memory(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool, fmt=None,
+                      experts_held: int | None = None) -> HostNeed:
     """Refuse a load that cannot fit, before anything is allocated (arguments as host_need).
 
     Returns:
@@ -180,7 +185,7 @@ def check_host_memory(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: 
     Raises:
         InsufficientMemoryError: one line naming the need, the available memory and what would fit.
     """
-    need = host_need(cfg, tensors, dtype, num_slots, slots_in_host, fmt)
+    need = host_need(cfg, tensors, dtype, num_slots, slots_in_host, fmt, experts_held)
     found = available_host_memory()
     if found is not None:
         message = refusal(need, found[0], found[1], dtype=np.dtype(dtype).name,

@@ -3,6 +3,7 @@
 
     python3 scripts/bench_compile.py                       # 4 vs 32 layers, qstar and host-all, 3 rounds
     python3 scripts/bench_compile.py --layers 4 8 32 48 --policies fetch-all --rounds 2 --json
+    python3 scripts/bench_compile.py --layers 32 --devices 1 4    # expert parallelism: 4 CPU devices vs one
 
 Issue 9's target: the 32-layer decode step compiles in <= 1.5x the time of the 4-layer one, and in <= 10 s on a
 quiet machine. Each measurement is ``lower_decode_step(engine, kv_len).compile()`` (XLA's compile of the whole
@@ -10,7 +11,10 @@ step: the scanned layers, the cache plan, the FFI calls, the sampler) in a fresh
 compilation cache off, so nothing is reused between variants. The weights are zeros (compile time does not depend
 on them; host banks are anonymous memory that costs nothing until written), so no checkpoint is written. Variants
 alternate within each round; the table gives the median [min-max] seconds, the ratio to the smallest depth, and
-the load average.
+the load average. --devices N builds the step of an expert mesh of N CPU devices (ft_jax.offload.expert_parallel:
+the MoE layers in a shard_map with one psum each; jax_num_cpu_devices is set to the largest N before JAX starts),
+with the same slots per device as one device has in all (cache fraction of the device's own experts); issue 23's
+target: 4 devices compile in <= 1.5x the time of one.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ def mixtral_config(layers: int, hidden: int, intermediate: int, experts: int, to
         source="bench_compile")
 
 
-def build_engine(cfg, policy: str, cache_fraction: float):
-    """An Engine over zero weights (dense on the device, experts in zero host banks) for cfg."""
+def build_engine(cfg, policy: str, cache_fraction: float, devices: int = 1):
+    """An Engine over zero weights (dense on the device, experts in zero host banks) for cfg; devices > 1: on an
+    expert mesh of that many devices (one process: its banks hold every expert)."""
     import ml_dtypes
 
     from ft_jax.checkpoint import LoadedCheckpoint
@@ -48,6 +53,7 @@ def build_engine(cfg, policy: str, cache_fraction: float):
     from ft_jax.models.decoder import MoETransformer
     from ft_jax.kernels.host_bank import HostBank
     from ft_jax.offload.banks import ExpertBanks
+    from ft_jax.offload.expert_parallel import expert_mesh
     from ft_jax.offload.policy import parse_policy
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
@@ -56,7 +62,8 @@ def build_engine(cfg, policy: str, cache_fraction: float):
     banks = ExpertBanks(HostBank(rows, (2 * I, H), bf16), HostBank(rows, (H, I), bf16))
     ckpt = LoadedCheckpoint(cfg, model, banks, 0)
     policy = parse_policy(policy if policy != "qstar" else "qstar:0.4")
-    return Engine(ckpt, policy=policy, num_slots=max(1, round(cache_fraction * rows)))
+    mesh = expert_mesh(devices) if devices > 1 else None
+    return Engine(ckpt, policy=policy, num_slots=max(1, round(cache_fraction * rows / devices)), mesh=mesh)
 
 
 def lower_decode_step(engine, kv_len: int):
@@ -68,12 +75,12 @@ def lower_decode_step(engine, kv_len: int):
 
     kv_cache = jax.eval_shape(lambda: engine.init_kv_cache(1, kv_len))
     ids = jax.ShapeDtypeStruct((1,), jnp.int32)
-    return engine._decode.lower(engine.params, ids, ids, kv_cache, engine.expert_state, jax.random.key(0),
-                                *Sampling().operands(), greedy=True)
+    return engine._decode.lower(engine.params, ids, ids, kv_cache, engine.expert_state, np.zeros((1, 2), np.uint32),
+                                *Sampling().operands(1), greedy=True)
 
 
-def compile_seconds(cfg, policy: str, cache_fraction: float, kv_len: int) -> float:
-    engine = build_engine(cfg, policy, cache_fraction)
+def compile_seconds(cfg, policy: str, cache_fraction: float, kv_len: int, devices: int = 1) -> float:
+    engine = build_engine(cfg, policy, cache_fraction, devices)
     t0 = time.perf_counter()
     lower_decode_step(engine, kv_len).compile()
     seconds = time.perf_counter() - t0
@@ -84,6 +91,7 @@ def compile_seconds(cfg, policy: str, cache_fraction: float, kv_len: int) -> flo
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, nargs="+", default=[4, 32], help="depths to compare (default 4 32)")
+    p.add_argument("--devices", type=int, nargs="+", default=[1], help="expert-mesh sizes to compare (default 1)")
     p.add_argument("--policies", nargs="+", default=["qstar", "host-all"], help="decode policies (default qstar "
                                                                                  "host-all)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; variants alternate within each (default 3)")
@@ -101,34 +109,39 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import jax
 
+    jax.config.update("jax_num_cpu_devices", max(args.devices))  # before ft_jax starts the backend
+
     jax.config.update("jax_compilation_cache_dir", None)  # nothing reused between variants
-    times: dict[tuple[str, int], list[float]] = {}
+    times: dict[tuple[str, int, int], list[float]] = {}
     load_before = os.getloadavg()
-    variants = [(pol, L) for pol in args.policies for L in args.layers]
+    variants = [(pol, L, n) for pol in args.policies for L in args.layers for n in args.devices]
     for r in range(args.rounds):
-        for pol, L in variants[r % len(variants):] + variants[:r % len(variants)]:
+        for pol, L, n in variants[r % len(variants):] + variants[:r % len(variants)]:
             cfg = mixtral_config(L, args.hidden, args.intermediate, args.experts, args.top_k, args.heads,
                                  args.kv_heads, args.head_dim, args.vocab)
-            s = compile_seconds(cfg, pol, args.cache_fraction, args.kv_len)
-            times.setdefault((pol, L), []).append(s)
-            print(f"[bench_compile] round {r + 1}: {pol} {L} layers: {s:.2f} s", file=sys.stderr, flush=True)
+            s = compile_seconds(cfg, pol, args.cache_fraction, args.kv_len, n)
+            times.setdefault((pol, L, n), []).append(s)
+            print(f"[bench_compile] round {r + 1}: {pol} {L} layers {n} device(s): {s:.2f} s (load "
+                  f"{os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
     load_after = os.getloadavg()
     rows = []
     for pol in args.policies:
-        base = statistics.median(times[(pol, args.layers[0])])
+        base = statistics.median(times[(pol, args.layers[0], args.devices[0])])
         for L in args.layers:
-            t = times[(pol, L)]
-            rows.append({"policy": pol, "layers": L, "median_s": statistics.median(t), "min_s": min(t),
-                         "max_s": max(t), "ratio_to_first": statistics.median(t) / base})
+            for n in args.devices:
+                t = times[(pol, L, n)]
+                rows.append({"policy": pol, "layers": L, "devices": n, "median_s": statistics.median(t),
+                             "min_s": min(t), "max_s": max(t), "ratio_to_first": statistics.median(t) / base})
     if args.json:
         print(json.dumps({"results": rows, "load_average": {"before": load_before, "after": load_after},
                           "jax": jax.__version__, "settings": vars(args)}))
         return 0
     print(f"decode-step compile seconds, median [min-max] of {args.rounds} rounds (XLA:CPU, jax {jax.__version__})")
-    print(f"{'policy':10s} {'layers':>6} {'seconds':>22} {'x ' + str(args.layers[0]) + ' layers':>12}")
+    first = f"x {args.layers[0]} layers, {args.devices[0]} dev"
+    print(f"{'policy':10s} {'layers':>6} {'devices':>7} {'seconds':>22} {first:>20}")
     for row in rows:
-        print(f"{row['policy']:10s} {row['layers']:6d} {row['median_s']:8.2f} [{row['min_s']:.2f}-{row['max_s']:.2f}]"
-              f"{'':>5} {row['ratio_to_first']:11.2f}")
+        print(f"{row['policy']:10s} {row['layers']:6d} {row['devices']:7d} {row['median_s']:8.2f} "
+              f"[{row['min_s']:.2f}-{row['max_s']:.2f}]{'':>5} {row['ratio_to_first']:19.2f}")
     print(f"load average before/after (1 min): {load_before[0]:.2f} / {load_after[0]:.2f} on {os.cpu_count()} cores")
     return 0
 

@@ -10,7 +10,8 @@ round, so no program always runs first):
   ft_jax     ``python -m ft_jax generate --model DIR --prompt-ids IDS --max-new-tokens N --temperature 0 --json``
              plus --ft-jax-args (default policy and cache, as a user runs it; the compilation cache and the stored
              bandwidth profile of earlier runs are used, as they are on a user's second run)
-  baseline   with --baseline-repo, the same ft_jax command from another checkout (e.g. /work/main): before/after
+  baseline   with --baseline-repo, the same ft_jax command from another checkout (e.g. /work/main), run by that
+             checkout's own .venv/bin/python when it has one (ft_jax_python): before/after
   llama.cpp  ``llama-bench -m MODEL-bf16.gguf -p 0 -n N -r 1 -t T --no-warmup -o json`` (the same weights as GGUF:
              load, N decoded tokens, exit), when the llama.cpp build of scripts/llama_cpp_build.py (the "peer"
              benchmark's, under --cache-dir) and the GGUF exist; skipped with a note otherwise
@@ -92,8 +93,16 @@ def find_llama_bench(cache_dir: Path) -> str | None:
     return None
 
 
+def ft_jax_python(repo: Path) -> str:
+    """The interpreter that runs ``repo``'s ft_jax: its own .venv when it has one (an editable install there is what
+    imports that checkout's code and extension; this interpreter's editable install would win over PYTHONPATH),
+    else this one with the checkout on PYTHONPATH."""
+    venv = repo / ".venv" / "bin" / "python"
+    return str(venv) if venv.is_file() else sys.executable
+
+
 def ft_jax_run(model: Path, prompt: list[int], tokens: int, extra: list[str], timeout: float, repo: Path) -> dict:
-    cmd = [sys.executable, "-m", "ft_jax", "generate", "--model", str(model), "--prompt-ids",
+    cmd = [ft_jax_python(repo), "-m", "ft_jax", "generate", "--model", str(model), "--prompt-ids",
            ",".join(map(str, prompt)), "--max-new-tokens", str(tokens), "--temperature", "0", "--json", *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     r = measure(cmd, env, timeout)

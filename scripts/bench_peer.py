@@ -6,6 +6,8 @@
     python3 scripts/bench_peer.py --programs llama.cpp,host-all --rounds 5   # a subset, more rounds
     python3 scripts/bench_peer.py --layers 4 --quick --json                  # another shape (flags of the model)
     python3 scripts/bench_peer.py --quant bf16,q8_0,q4_0 --programs llama.cpp,host-all   # quantized weights
+    python3 scripts/bench_peer.py --prefill 512,2048,8192 --max-positions 16384 --json-out /tmp/prefill.json
+                                                                             # prefill tokens/s (issue 20)
 
 What runs (all on the CPU, side by side in one run):
   llama.cpp     ``llama-bench -m MODEL.gguf -p 0 -d P -n N -t T -r 1 -o json`` (text generation of N tokens after a
@@ -20,6 +22,15 @@ What runs (all on the CPU, side by side in one run):
   numpy         read baseline: np.add.reduce over a --numpy-gib GiB float32 array (far above the last-level cache),
                 on 1 thread and on T threads (each thread sums a 1/T slice; numpy releases the GIL), as
                 scripts/bench_ffi.py does; the median of --numpy-repeats passes per round after one untimed pass
+
+Prefill (--prefill P1,P2,..): prompt processing instead of decoding, every prompt length in every round, each run's
+programs in the rotated order: llama.cpp ``llama-bench -p P -n 0`` (its avg_ts: prompt tokens/s of one timed run
+after its own warm-up) against ``ft-jax generate --prompt-ids (P fixed random ids) --max-new-tokens 1`` (its stats'
+prefill_tokens_per_s: prompt tokens over the wall time from the first prefill chunk to the first token, compilation
+excluded; --prefill-chunk passes ft-jax's chunk size). Reported per length and program: tokens/s median [min-max],
+the ratio to llama.cpp (medians; per round), and ft_jax's own rate at each length over its rate at the shortest
+(the issue's "rate at 2048 >= 0.9x rate at 512"). A length needs --max-positions above it (ft-jax refuses a prompt
+that fills the context); the bench model's default is 4096.
 
 Quantized weights (--quant, default bf16 only): for each type Q in the list every program runs on weights of that
 type, and each ft_jax program's ratio is to llama.cpp of the same type:
@@ -150,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens before decoding (ft_jax: a fixed random prompt; llama.cpp: -d depth) "
                         "(default %(default)s)")
     p.add_argument("--quick", action="store_true", help="fewer rounds and tokens (2 x 12), for a run of minutes")
+    p.add_argument("--prefill", default=None, metavar="P1,P2,..",
+                   help="measure prefill tokens/s at these prompt lengths instead of decoding (module docstring)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="with --prefill: ft-jax's --prefill-chunk (default: ft-jax's default)")
     p.add_argument("--programs", default=",".join(ALL_PROGRAMS),
                    help=f"comma-separated subset of {','.join(ALL_PROGRAMS)} (default: all)")
     p.add_argument("--quant", default=None,
@@ -305,6 +320,26 @@ def run_llama_bench(bench: str, gguf_path: Path, new_tokens: int, depth: int, th
             "command": cmd, "result": {k: rec[k] for k in LLAMA_BENCH_FIELDS if k in rec}}
 
 
+def run_llama_bench_prefill(bench: str, gguf_path: Path, prompt_len: int, threads: int, timeout: float) -> dict:
+    """One llama-bench prompt-processing run (``-p P -n 0``, its own warm-up first, the GGUF read once into the page
+    cache before). Returns {"tokens_per_s" (its avg_ts), "wall_s", "page_cache_s", "command", "result"}.
+    Raises RuntimeError (non-zero exit, no JSON record for n_prompt = P) with the tail of its output."""
+    page_cache_s = warm_page_cache(gguf_path)
+    cmd = [bench, "-m", str(gguf_path), "-p", str(prompt_len), "-n", "0", "-t", str(threads), "-r", "1", "-o",
+           "json"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise RuntimeError(f"llama-bench exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
+    try:
+        rec = next(r for r in json.loads(proc.stdout) if r.get("n_prompt") == prompt_len and r.get("n_gen") == 0)
+    except (json.JSONDecodeError, StopIteration) as e:
+        raise RuntimeError(f"llama-bench printed no prompt-processing JSON record ({e}): {proc.stdout[-400:]}")
+    return {"tokens_per_s": float(rec["avg_ts"]), "wall_s": round(wall, 2), "page_cache_s": round(page_cache_s, 2),
+            "command": cmd, "result": {k: rec[k] for k in LLAMA_BENCH_FIELDS if k in rec}}
+
+
 def ft_jax_command() -> list[str]:
     """The ``ft-jax`` console script next to this interpreter, else ``python -m ft_jax``."""
     exe = Path(sys.executable).parent / "ft-jax"
@@ -312,12 +347,14 @@ def ft_jax_command() -> list[str]:
 
 
 def run_ft_jax(model_dir: Path, policy: str, prompt: list[int], new_tokens: int, cache_fraction: float,
-               threads: int, profile: Path, timeout: float, quantize: str | None = None) -> dict:
+               threads: int, profile: Path, timeout: float, quantize: str | None = None,
+               prefill_chunk: int | None = None) -> dict:
     """One ``ft-jax generate --json`` run. ``profile``: the --profile file of qstar (if it holds no profile for
     this expert shape, ft-jax runs its quick profile and saves it there, as it does in the user cache directory).
-    ``quantize``: the --quantize value (q8_0 / q4_0), None for the checkpoint as stored.
-    Returns {"tokens_per_s" (decode, compile excluded), "wall_s", "command", "stats": its stats without the
-    per-layer counts, "profile_message"}. Raises RuntimeError (non-zero exit, no JSON)."""
+    ``quantize``: the --quantize value (q8_0 / q4_0), None for the checkpoint as stored. ``prefill_chunk``: its
+    --prefill-chunk (None: its default).
+    Returns {"tokens_per_s" (decode, compile excluded), "prefill_tokens_per_s", "wall_s", "command", "stats": its
+    stats without the per-layer counts, "profile_message"}. Raises RuntimeError (non-zero exit, no JSON)."""
     cmd = ft_jax_command() + ["generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, prompt)),
                               "--max-new-tokens", str(new_tokens), "--temperature", "0", "--json", "--policy", policy]
     if policy != "resident":
@@ -326,6 +363,8 @@ def run_ft_jax(model_dir: Path, policy: str, prompt: list[int], new_tokens: int,
         cmd += ["--profile", str(profile)]
     if quantize is not None:
         cmd += ["--quantize", quantize]
+    if prefill_chunk is not None:
+        cmd += ["--prefill-chunk", str(prefill_chunk)]
     env = {**os.environ, "FT_JAX_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -337,7 +376,9 @@ def run_ft_jax(model_dir: Path, policy: str, prompt: list[int], new_tokens: int,
         raise RuntimeError(f"ft-jax generate --policy {policy} printed no JSON: {proc.stdout[-400:]}")
     out = json.loads(lines[-1])
     stats = {k: v for k, v in out["stats"].items() if k != "per_layer"}
-    return {"tokens_per_s": float(stats["decode_tokens_per_s"]), "wall_s": round(wall, 2), "command": cmd,
+    decode = stats["decode_tokens_per_s"]  # None when only the first token was generated (--prefill)
+    return {"tokens_per_s": None if decode is None else float(decode),
+            "prefill_tokens_per_s": float(stats["prefill_tokens_per_s"]), "wall_s": round(wall, 2), "command": cmd,
             "stats": stats, "profile_message": out.get("profile_message")}
 
 
@@ -492,6 +533,133 @@ def format_table(result: dict) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def parse_prefill_lengths(text: str, max_positions: int) -> list[int]:
+    """The --prefill prompt lengths: distinct positive integers below max_positions (ft-jax also needs the position of
+    the one generated token). Raises ValueError naming the flag and the bad item."""
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--prefill {text!r}: give comma-separated prompt lengths, e.g. 512,2048,8192") from None
+    if not lengths or len(set(lengths)) != len(lengths) or min(lengths) < 1:
+        raise ValueError(f"--prefill {text!r}: give distinct prompt lengths >= 1")
+    if max(lengths) >= max_positions:
+        raise ValueError(f"--prefill {text!r}: a prompt of {max(lengths)} tokens needs --max-positions above it "
+                         f"(the model has {max_positions})")
+    return lengths
+
+
+def summarize_prefill(samples: dict[int, dict[str, list[float]]], reference: dict[str, str]) -> dict:
+    """Per prompt length and program: tokens/s spread, ratio to llama.cpp of the same weight type (medians; per
+    round over aligned rounds) and, for ft_jax programs, the median over its median at the shortest length."""
+    out = {}
+    shortest = min(samples)
+    for P, progs in samples.items():
+        rows = {}
+        for name, tps in progs.items():
+            if not tps:
+                continue
+            row = {"tokens_per_s": _spread(tps), "tokens_per_s_per_round": tps}
+            llama = progs.get(reference[name])
+            if llama and name != reference[name]:
+                row["ratio_to_llama_cpp"] = statistics.median(tps) / statistics.median(llama)
+                if len(llama) == len(tps):
+                    row["ratio_to_llama_cpp_per_round"] = _spread([a / b for a, b in zip(tps, llama)])
+            base = samples[shortest].get(name)
+            if base and P != shortest:
+                row[f"rate_over_rate_at_{shortest}"] = statistics.median(tps) / statistics.median(base)
+            rows[name] = row
+        out[str(P)] = rows
+    return out
+
+
+def format_prefill_table(result: dict) -> str:
+    """The human-readable table (stderr) of a --prefill result."""
+    s, load = result["settings"], result["load_average"]
+    lines = [f"bench_peer --prefill: {s['rounds']} rounds, {s['threads']} threads, prompt lengths "
+             f"{s['prefill']}; load average before {load['before']}, after {load['after']}",
+             f"{'prompt':>7} {'program':<30} {'tokens/s':>9} {'[min-max]':<17} {'x llama.cpp':>11} "
+             f"{'[per round]':<13} {'x own rate at shortest':>22}"]
+    for P, rows in result["prefill"].items():
+        for name, row in rows.items():
+            t = row["tokens_per_s"]
+            ratio = f"{row['ratio_to_llama_cpp']:.2f}" if "ratio_to_llama_cpp" in row else "-"
+            per = row.get("ratio_to_llama_cpp_per_round")
+            per = f"[{per['min']:.2f}-{per['max']:.2f}]" if per else ""
+            own = next((f"{v:.2f}" for k, v in row.items() if k.startswith("rate_over_rate_at_")), "-")
+            lines.append(f"{P:>7} {program_title(name):<30} {t['median']:9.2f} "
+                         f"{'[%.2f-%.2f]' % (t['min'], t['max']):<17} {ratio:>11} {per:<13} {own:>22}")
+    other = [r["other_cores"] for runs in result["runs"].values() for r in runs if r.get("other_cores") is not None]
+    if other and max(other) > QUIET_CORES:
+        lines.append(f"WARNING: other processes used up to {max(other):.2f} of the {result['machine']['cores']} "
+                     "cores during some runs: the figures are not steady")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def run_prefill(args, config: dict, variants: list, build: dict | None, ggufs: dict, model_dir: Path,
+                model_record: dict, reference: dict, load_start: list) -> int:
+    """The --prefill benchmark (module docstring): every length in every round, programs rotated per round."""
+    lengths = parse_prefill_lengths(args.prefill, config["max_position_embeddings"])
+    rounds = args.rounds or (2 if args.quick else 3)
+    labels = [label for label, prog, _ in variants if prog != "numpy"]
+    by_label = {label: (prog, quant) for label, prog, quant in variants}
+    samples = {P: {label: [] for label in labels} for P in lengths}
+    runs: dict[str, list[dict]] = {label: [] for label in labels}
+    commands: dict[str, list[str]] = {}
+    failed: dict[str, str] = {}
+    load_before, t_start = _loadavg(), time.perf_counter()
+    for r in range(rounds):
+        order = [label for label in labels[r % len(labels):] + labels[:r % len(labels)]]
+        for P in lengths:
+            prompt = prompt_ids(config["vocab_size"], P, args.seed)
+            for label in order:
+                if label in failed:
+                    continue
+                prog, quant = by_label[label]
+                _log(f"round {r + 1}/{rounds}: prefill {P} tokens, {label}")
+                load_at_start, meter = _loadavg(), CpuMeter()
+                try:
+                    if prog == "llama.cpp":
+                        run = run_llama_bench_prefill(build["llama_bench"], ggufs[quant], P, args.threads,
+                                                      args.timeout)
+                    else:
+                        run = run_ft_jax(model_dir, prog, prompt, 1, args.cache_fraction, args.threads,
+                                         args.cache_dir.expanduser() / "ft_jax_profiles.json", args.timeout,
+                                         FT_JAX_QUANTIZE[quant], args.prefill_chunk)
+                        run["tokens_per_s"] = run.pop("prefill_tokens_per_s")
+                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                    failed[label] = str(e)
+                    _log(f"  FAILED, left out of the later runs: {e}")
+                    continue
+                run.update(meter.stop(), load_average_at_start=load_at_start, prompt_len=P, round=r)
+                samples[P][label].append(run["tokens_per_s"])
+                commands[f"{label}@{P}"] = run.pop("command")
+                runs[label].append(run)
+                _log(f"  {run['tokens_per_s']:.2f} prompt tokens/s (wall {run['wall_s']:.1f} s, other processes "
+                     f"used {run['other_cores']} cores meanwhile, load average {load_at_start})")
+    result = {
+        "settings": {"rounds": rounds, "prefill": lengths, "prefill_chunk": args.prefill_chunk,
+                     "threads": args.threads, "cache_fraction": args.cache_fraction,
+                     "programs": labels, "seed": args.seed},
+        "model": {"config": config, "dir": str(model_dir), "gguf": {q: str(p) for q, p in ggufs.items()},
+                  "created": {k: v for k, v in model_record.items() if k != "config"}},
+        "load_average": {"at_start": load_start, "before": load_before, "after": _loadavg()},
+        "benchmark_wall_s": round(time.perf_counter() - t_start, 1),
+        "machine": _machine(), "versions": _versions(build), "llama_cpp_build": build,
+        "prefill": summarize_prefill(samples, reference),
+        "commands": commands, "failed": failed, "runs": runs,
+    }
+    print(format_prefill_table(result), file=sys.stderr)
+    for label, error in failed.items():
+        print(f"bench_peer: {label} FAILED: {error}", file=sys.stderr)
+    text = json.dumps(result, indent=1)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+        _log(f"wrote {args.json_out}")
+    if args.json:
+        print(text)
+    return 1 if failed else 0
+
+
 def _versions(build: dict | None) -> dict:
     import jax
     import jaxlib
@@ -582,6 +750,13 @@ def main(argv=None) -> int:
         print(f"bench_peer: error: --prompt-len {args.prompt_len} + --new-tokens {new_tokens} exceeds "
               f"--max-positions {config['max_position_embeddings']}", file=sys.stderr)
         return 2
+    if args.prefill:
+        try:
+            parse_prefill_lengths(args.prefill, config["max_position_embeddings"])
+        except ValueError as e:
+            print(f"bench_peer: error: {e}", file=sys.stderr)
+            return 2
+        programs = [p for p in programs if p != "numpy"]
     variants, skipped = plan_variants(programs, quants)
     for pair in skipped:
         _log(f"skipping {pair}: ft_jax has no such quantizer (it runs MXFP4 checkpoints as stored)")
@@ -626,6 +801,8 @@ def main(argv=None) -> int:
             detail = synthetic_checkpoint.weight_bytes_per_token(config, fmt)
         bytes_per_token[label], bytes_detail[label] = detail["total"], detail
         reference[label] = variant_label("llama.cpp", quant)
+    if args.prefill:
+        return run_prefill(args, config, variants, build, ggufs, model_dir, model_record, reference, load_start)
     prompt = prompt_ids(config["vocab_size"], args.prompt_len, args.seed)
     numpy_read = NumpyRead(int(args.numpy_gib * GiB), args.threads) if "numpy" in programs else None
 

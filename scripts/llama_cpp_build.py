@@ -10,11 +10,13 @@ Steps (each skipped when its output is already in the cache directory):
      its build requirements, which pip installs to read its metadata, may be wheels)
   2. unpack it to CACHE/llama_cpp_python-VERSION/ (llama.cpp is its vendor/llama.cpp)
   3. ``cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON`` with everything but the CPU backend and the
-     tools off (no CUDA/Metal, no OpenSSL, no server, no tests/examples), then ``cmake --build --target T`` for
-     each requested target (--targets; default llama-bench and llama-quantize, which bench_peer.py runs, and
-     llama-results, which writes a prompt's logits to a GGUF file for tests/test_gpt_oss_gguf.py) into
+     tools off (no CUDA/Metal, no OpenSSL, no tests/examples; the server without its web UI, so nothing is
+     downloaded), then ``cmake --build --target T`` for each requested target (--targets; default llama-bench and
+     llama-quantize, which bench_peer.py runs, and llama-results, which writes a prompt's logits to a GGUF file for
+     tests/test_gpt_oss_gguf.py; scripts/bench_serve.py asks for llama-server) into
      CACHE/build-VERSION/; CACHE/build-VERSION/ft_jax_build_info.json records the built binaries after each
-     target. A later call asking for a target not yet built builds only that one (the object files are reused).
+     target. A later call asking for a target not yet built builds only that one (the object files are reused);
+     a build folder configured with other flags (an older version of this script) is configured again first.
      On the 2-core dev VM (loaded by other jobs) the first build of both took about 11 minutes.
 
 The sdist has no .git, so the llama.cpp commit is taken from the sdist's CHANGELOG.md ("update llama.cpp to
@@ -37,11 +39,12 @@ from pathlib import Path
 
 DEFAULT_CACHE_DIR = Path("~/.cache/ft_jax/bench_peer").expanduser()
 BUILD_INFO = "ft_jax_build_info.json"
-# CPU-only Release build of just the libraries llama-bench needs.
+# CPU-only Release build of the tools' libraries (llama-server without its web UI: nothing is downloaded).
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_CUDA=OFF",
     "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF", "-DGGML_RPC=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_TOOLS=ON",
 ]
 _SDIST_RE = re.compile(r"llama_cpp_python-(\d[0-9A-Za-z.+-]*)\.tar\.gz$")
 
@@ -153,7 +156,7 @@ def ensure_llama_cpp(cache_dir: Path = DEFAULT_CACHE_DIR, version: str | None = 
     flags = CMAKE_FLAGS + [f"-DLLAMA_BUILD_COMMIT={commit}", "-DLLAMA_BUILD_NUMBER=0"]
     build_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    if not (build_dir / "CMakeCache.txt").is_file():
+    if not (build_dir / "CMakeCache.txt").is_file() or info.get("cmake_flags", flags) != flags:
         _run_logged(["cmake", "-S", str(src), "-B", str(build_dir), *generator, *flags],
                     build_dir / "configure.log", "cmake configure")
     info = {"binaries": binaries, "llama_cpp_python_version": version, "llama_cpp_commit": commit,

@@ -22,5 +22,6 @@ def lower_decode_step(engine: Engine, batch_size: int, kv_len: int,
     """
     kv_cache = jax.eval_shape(lambda: engine.init_kv_cache(batch_size, kv_len))
     ids = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
-    return engine._decode.lower(engine.params, ids, ids, kv_cache, engine.expert_state, jax.random.key(0),
-                                *sampling.operands(), greedy=sampling.greedy)
+    key_data = jax.ShapeDtypeStruct((batch_size, 2), jnp.uint32)
+    return engine._decode.lower(engine.params, ids, ids, kv_cache, engine.expert_state, key_data,
+                                *sampling.operands(batch_size), greedy=sampling.greedy)

@@ -18,6 +18,7 @@ import pytest
 
 import ft_jax
 from ft_jax import api, units
+from ft_jax.defaults import default_policy
 from ft_jax.chat import ChatTemplateError, load_chat_template
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
@@ -38,7 +39,8 @@ def test_public_names_and_defaults_match_the_cli():
 
     args = cli.build_parser().parse_args(["generate"])
     assert args.temperature == api.DEFAULT_TEMPERATURE == 0.8
-    assert str(args.policy) == api.DEFAULT_POLICY and args.dtype is None  # the API's "auto": the checkpoint's dtype
+    assert args.policy is None and args.dtype is None  # the API's defaults: the backend's policy, the checkpoint's dtype
+    assert default_policy("cpu") == "host-all" and default_policy("gpu") == api.DEFAULT_POLICY == "auto"
     assert units.model_dtype("auto", "float32") == "float32" and units.model_dtype("auto", "bfloat16") == "bfloat16"
     assert [units.parse_dtype(t) for t in ("bf16", "BFloat16", "f32", "float32")] == ["bfloat16", "bfloat16",
                                                                                    "float32", "float32"]

@@ -157,10 +157,13 @@ def test_default_new_tokens_fit_the_context(capsys):
 
 
 def test_single_token_has_no_decode_statistics(capsys):
-    out = _generate_json(capsys, "--prompt", "A", "--max-new-tokens", "1", "--policy", "host-all")
+    """(Default flags: on this CPU-only backend, host-all with one slot, and a note saying why.)"""
+    out = _generate_json(capsys, "--prompt", "A", "--max-new-tokens", "1")
     stats = out["stats"]
     assert stats["decode_steps"] == 0 and stats["decode_tokens"] == 0
     assert stats["decode_tokens_per_s"] is None and stats["hit_rate"] is None
+    assert out["settings"]["policy"] == "host-all" and stats["num_slots"] == 1
+    assert any(n.startswith("no accelerator: every expert is computed on the CPU") for n in out["notes"])
 
 
 def test_a_second_identical_process_compiles_nothing(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from ft_jax.checkpoint import load_checkpoint
 from engine_helpers import decode_cache_size, lower_decode_step
 from ft_jax.engine.engine import Engine, kv_bucket, prefill_bucket
-from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, sample_next
+from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, row_key_data, sample_next
 from ft_jax.offload.cost_model import auto_costs
 from ft_jax.offload.policy import Policy
 
@@ -187,8 +187,27 @@ def test_non_finite_logits_are_reported_not_decoded(mixtral):
 
 
 def _draws(logits, sampling, n=400):
-    step = jax.jit(lambda key, t, k, p: sample_next(logits, key, t, k, p, greedy=sampling.greedy))
-    return np.array([int(step(jax.random.key(i), *sampling.operands())[0]) for i in range(n)])
+    step = jax.jit(lambda key, t, k, p: sample_next(logits, key, jnp.zeros(1, jnp.int32), t, k, p,
+                                                    greedy=sampling.greedy))
+    return np.array([int(step(row_key_data(i, 0)[None], *sampling.operands(1))[0]) for i in range(n)])
+
+
+def test_a_row_samples_the_same_whatever_its_neighbours():
+    """Per-row keys and sampling values: row 0's draws depend on its own logits, key and counter only; a greedy row
+    (temperature 0) in the sampling executable takes the argmax."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(3, 50)), jnp.float32)
+    keys = np.stack([row_key_data(7, 0), row_key_data(1, 1), row_key_data(2, 2)])
+    ops = (np.array([1.0, 0.0, 0.5], np.float32), np.array([0, 0, 5], np.int32), np.array([0.9, 1.0, 1.0], np.float32))
+    step = jax.jit(lambda l, k, c, *o: sample_next(l, k, c, *o, greedy=False))
+    counters = np.array([4, 9, 2], np.int32)
+    out = np.asarray(step(logits, keys, counters, *ops))
+    assert out[1] == int(jnp.argmax(logits[1]))
+    other = logits.at[1:].set(jnp.asarray(rng.normal(size=(2, 50)), jnp.float32))
+    alone = [int(step(l[None], keys[:1], counters[:1], *(o[:1] for o in ops))[0]) for l in (logits[0], other[0])]
+    assert out[0] == alone[0] == alone[1] == int(step(other, keys, counters, *ops)[0])
+    draws = {int(step(logits, keys, np.array([c, 9, 2], np.int32), *ops)[0]) for c in range(20)}
+    assert len(draws) > 1  # the counter (the position) gives every step its own draw
 
 
 def test_sampling_rules():
@@ -207,8 +226,9 @@ def test_sampling_rules():
     # no filter: all four tokens appear with their probabilities
     assert np.abs(np.bincount(_draws(logits, Sampling(1.0)), minlength=4) / 400 - probs).max() < 0.08
     nan_row = jnp.asarray([[0.0, jnp.nan, 1.0, 0.0]], jnp.float32)
-    assert int(sample_next(nan_row, jax.random.key(0), *Sampling().operands(), greedy=True)[0]) == -1
-    assert int(sample_next(nan_row, jax.random.key(0), *Sampling(1.0).operands(), greedy=False)[0]) == -1
+    key, counter = row_key_data(0, 0)[None], jnp.zeros(1, jnp.int32)
+    assert int(sample_next(nan_row, key, counter, *Sampling().operands(1), greedy=True)[0]) == -1
+    assert int(sample_next(nan_row, key, counter, *Sampling(1.0).operands(1), greedy=False)[0]) == -1
     with pytest.raises(ValueError, match="top_p"):
         Sampling(1.0, top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):

@@ -441,8 +441,8 @@ def test_decode_step_lowered_for_cuda_uses_only_the_cuda_forms(family, quantize,
         engine = Engine(ckpt, policy=Policy(kind, frac=0.5) if kind == "qstar" else Policy(kind), num_slots=8)
         kv = jax.eval_shape(lambda: engine.init_kv_cache(1, 64))
         ids = jax.ShapeDtypeStruct((1,), jnp.int32)
-        traced = engine._decode.trace(engine.params, ids, ids, kv, engine.expert_state, jax.random.key(0),
-                                      *Sampling().operands(), greedy=True)
+        traced = engine._decode.trace(engine.params, ids, ids, kv, engine.expert_state,
+                                      jax.ShapeDtypeStruct((1, 2), jnp.uint32), *Sampling().operands(1), greedy=True)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert set(re.findall(r"custom_call @([\w$.]+)", text)) == targets, kind
         assert ("optimization_barrier" in text) == (kind == "qstar"), kind

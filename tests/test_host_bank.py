@@ -3,6 +3,7 @@ maps), lifetime (release, double release, keep-alive of views, garbage collectio
 mapped into a bank; stack_on_huge_pages and use_huge_pages keep the values."""
 
 import gc
+import mmap
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from ft_jax import _ffi
-from ft_jax.kernels.host_bank import MAP_ALIGNMENT, HostBank, stack_on_huge_pages, use_huge_pages
+from ft_jax.kernels.host_bank import MAP_ALIGNMENT, HostBank, host_array, stack_on_huge_pages, use_huge_pages
 
 
 @pytest.mark.parametrize("dtype, itemsize", [(np.float32, 4), (ml_dtypes.bfloat16, 2)])
@@ -231,6 +232,23 @@ def test_stack_on_huge_pages_stacks_and_concatenates():
         stack_on_huge_pages([[np.zeros(4, np.float32)], [np.zeros(3, np.float32)]])
     with pytest.raises(ValueError, match="no layers"):
         stack_on_huge_pages([])
+
+
+def test_host_array_aliases_what_it_can_and_copies_the_rest_once():
+    """An aligned read-only buffer (as a file view) becomes the jax array's memory; one jax cannot use (32 bytes off,
+    as a safetensors tensor often is) is copied once onto huge pages; the values are the same."""
+    region = mmap.mmap(-1, 8 << 20)
+    region[:] = np.random.default_rng(4).integers(0, 1 << 16, 4 << 20, dtype=np.uint16).tobytes()
+    aligned = np.frombuffer(region, np.uint16, (4 << 20) - 64).reshape(-1, 64)
+    shifted = np.frombuffer(region, np.uint16, (4 << 20) - 64, 32).reshape(-1, 64)
+    for a in (aligned, shifted):
+        a.flags.writeable = False
+        out = host_array(a)
+        np.testing.assert_array_equal(np.asarray(out), a)
+        if jax.default_backend() == "cpu":
+            assert (out.unsafe_buffer_pointer() == a.ctypes.data) == (a is aligned)
+            if a is shifted:
+                assert out.unsafe_buffer_pointer() % MAP_ALIGNMENT == 0
 
 
 def test_use_huge_pages_keeps_the_values():

@@ -27,12 +27,16 @@ CHUNKED_FAMILIES = ["mixtral", "gpt_oss", "deepseek_v3"]
 
 @pytest.fixture(scope="module", params=CHUNKED_FAMILIES)
 def small_blocks(request):
-    """A fixture's model traced with 8-key blocks, so a 40-entry cache is 5 blocks, the last one moved back."""
-    saved, layers.KV_BLOCK = layers.KV_BLOCK, 8
+    """A fixture's model traced with 8-key blocks, so a 40-entry cache is 5 blocks, the last one moved back, and
+    queries in blocks of 4 (layers.query_blocks), so every chunk of more than 4 tokens attends block by block, each
+    query block over the keys up to its own last position (and gpt-oss's window layers from the first block their
+    window of 8 reaches)."""
+    saved = layers.KV_BLOCK, layers.QUERY_BLOCK
+    layers.KV_BLOCK, layers.QUERY_BLOCK = 8, 4
     try:
         yield Loaded(request.param)
     finally:
-        layers.KV_BLOCK = saved
+        layers.KV_BLOCK, layers.QUERY_BLOCK = saved
 
 
 def test_chunked_full_sequence_logits_match_transformers(small_blocks):

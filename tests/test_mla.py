@@ -8,13 +8,16 @@ import os
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from ft_jax.config import RopeScaling, load_config
 from ft_jax.models.decoder import MoETransformer
 from ft_jax.models.layers import Stacked, attention_inputs, random_param_factory, rope_frequencies
-from ft_jax.models.mla import MultiHeadLatentAttention, _heads_dot, _heads_ffi, mla_softmax_scale, per_head_linear
+from ft_jax.models.mla import (MultiHeadLatentAttention, _heads_dot, _heads_ffi, mla_softmax_scale, per_head_linear,
+                                split_kv_b)
+from ft_jax.weight_formats import QuantizedTensor, dequantize, fp8
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 V3 = load_config(os.path.join(FIXTURES, "deepseek_v3"))
@@ -189,3 +192,46 @@ def test_per_head_linear_both_backends_equal_float64(dtype):
                 jax.jit(_heads_dot)(x, w, base)):
         assert got.dtype == jnp.float32 and got.shape == (N, NH, O)
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_per_head_linear_on_fp8_heads_equals_float64():
+    """An fp8 stack of heads (the form split_kv_b keeps, partial blocks) read as stored by both forms, against the
+    float64 dot with its dequantized values."""
+    rng = np.random.default_rng(6)
+    n, NH, N, O, K, fmt = 2, 3, 4, 10, 7, fp8((4, 3))
+    data = jnp.asarray(rng.standard_normal((n * NH, O, K)).astype(ml_dtypes.float8_e4m3fn))
+    scales = jnp.asarray(rng.uniform(0.5, 2.0, (n * NH, *fmt.scale_shape(O, K))).astype(np.float32))
+    w = QuantizedTensor(data, scales, fmt)
+    x = jnp.asarray(rng.standard_normal((N, NH, K)), jnp.float32)
+    layer = 1
+    values = dequantize(np.asarray(data), np.asarray(scales), fmt, dtype=np.float64).reshape(n, NH, O, K)
+    want = np.einsum("nhk,hok->nho", np.asarray(x, np.float64), values[layer])
+    base = jnp.int32(layer * NH)
+    for got in (jax.jit(per_head_linear, static_argnums=3)(x, w, layer, NH), jax.jit(_heads_ffi)(x, w, base),
+                jax.jit(_heads_dot)(x, w, base)):
+        assert got.dtype == jnp.float32 and got.shape == (N, NH, O)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block,dn,dv,C", [((8, 8), 8, 8, 24), ((6, 5), 5, 7, 13), ((4, 16), 6, 2, 40)],
+                         ids=["aligned", "partial", "narrow"])
+def test_split_kv_b_keeps_fp8_as_stored(block, dn, dv, C):
+    """split_kv_b of an fp8 kv_b_proj [NH (dn + dv), C]: every head's W_uk^T and W_uv dequantize (float64, the
+    stored bytes times their scales) to exactly the rows of the dequantized matrix, transposed for W_uk; data stays
+    float8_e4m3fn (no dequantized copy); aligned blocks (DeepSeek-V3's 128s scaled down) give W_uk^T block (bc, br)."""
+    NH = 3
+    rng = np.random.default_rng(7)
+    rows = NH * (dn + dv)
+    fmt = fp8(block)
+    data = rng.standard_normal((rows, C)).astype(ml_dtypes.float8_e4m3fn)
+    scales = rng.uniform(0.5, 2.0, fmt.scale_shape(rows, C)).astype(np.float32)
+    full = dequantize(data, scales, fmt, dtype=np.float64)  # [NH (dn + dv), C]
+    uk, uv = split_kv_b(QuantizedTensor(data, scales, fmt), NH, dn, dv)
+    for h in range(NH):
+        w = full[h * (dn + dv):(h + 1) * (dn + dv)]
+        assert uk[h].shape == (C, dn) and uv[h].shape == (dv, C)
+        assert uk[h].data.dtype == uv[h].data.dtype == np.dtype(ml_dtypes.float8_e4m3fn)
+        np.testing.assert_array_equal(dequantize(uk[h].data, uk[h].scales, uk[h].fmt, dtype=np.float64), w[:dn].T)
+        np.testing.assert_array_equal(dequantize(uv[h].data, uv[h].scales, uv[h].fmt, dtype=np.float64), w[dn:])
+    if block == (8, 8):
+        assert uk[0].fmt == fp8((8, 8))

@@ -254,7 +254,7 @@ def int8_activations(x):
 
 
 @pytest.mark.skipif(not INT8_PATH, reason="this CPU's kernels keep float32 activations for q8_0 / q4_0")
-@pytest.mark.parametrize("fmt,K", [(wf.Q8_0, 96), (wf.Q4_0, 32), (wf.Q4_0, 160), (wf.Q8_0, 4096)])
+@pytest.mark.parametrize("fmt,K", [(wf.Q8_0, 96), (wf.Q4_0, 32), (wf.Q4_0, 160), (wf.Q4_0, 224), (wf.Q8_0, 4096)])
 def test_int8_activation_dots_match_their_quantized_activations(fmt, K):
     """The int8 path against a float64 reference fed with the activations quantized as the kernel quantizes them
     (int8_activations): then only the float32 scaling and summation of exact integer block dots differ,

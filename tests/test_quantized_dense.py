@@ -220,7 +220,7 @@ def _banks(cfg, rng, dtype):
 
 
 # deepseek_v3 (MLA, a dense first layer, shared experts): kv_b_proj (16 columns) stays float with q4_0 and is
-# dequantized at construction with fp8
+# split per head as stored with fp8 (W_uk^T transposed: models/mla.py split_kv_b)
 MODEL_CASES = [("mixtral", "q8_0"), ("qwen2_moe", "q4_0"), ("gpt_oss", "mxfp4"), ("deepseek_v3", "q4_0"),
                ("deepseek_v3", "fp8_24x48"), ("deepseek_v3", "fp8_32x32"), ("mixtral", "fp8_24x48")]
 
@@ -268,6 +268,8 @@ def test_quantized_model_equals_the_dequantized_float_model(family, name, dtype,
     assert isinstance(qmodel.lm_head[...], QuantizedTensor)
     if fmt.block[0] > 1:  # q/k/v rows 64, 32, 32 and a_proj 32 + 24 fit 32-row blocks, not 24-row ones
         assert qkv.fmt == (fmt if fmt.block[0] == 32 else fp8((1, fmt.block[1])))
+    if cfg.kv_lora_rank and fmt.name == "fp8":  # MLA's kv_b_proj per head, as stored
+        assert isinstance(stack.attn.w_uk_t[...], QuantizedTensor) and isinstance(stack.attn.w_uv[...], QuantizedTensor)
     leaves = jax.tree.leaves(nnx.state(qmodel))
     assert any(leaf.dtype == fmt.data_dtype for leaf in leaves)
     rng = np.random.default_rng(5)

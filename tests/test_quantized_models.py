@@ -134,13 +134,19 @@ def test_fp8_dense_projections_are_kept_as_stored(fx):
         assert not quantized
         return
     assert quantized
+    model = fx.ckpt.model
+    # MLA's W_uk^T per head is a transpose of kv_b_proj rows (block (bc, gcd(br, dn + dv)), models/mla.py split_kv_b)
+    transposed = [a.w_uk_t[...] for s in model.stacks if hasattr(a := s.attn, "w_uk_t")]
     for q in quantized:
-        assert q.fmt.name == "fp8" and q.fmt.block[1] == fmt.block[1] and q.fmt.block[0] in (fmt.block[0], 1), q.fmt
         assert np.dtype(q.data.dtype) == np.dtype(ml_dtypes.float8_e4m3fn)
-    # Every dense FP8 matrix, once, except MLA's kv_b_proj: the model reads it per head (W_uk, W_uv absorbed into
-    # the query and the output, models/mla.py), so it is dequantized at construction.
+        if any(q.data is t.data for t in transposed):
+            cfg = fx.cfg
+            assert q.fmt == fp8((fmt.block[1], math.gcd(fmt.block[0], cfg.qk_nope_head_dim + cfg.v_head_dim)))
+            continue
+        assert q.fmt.name == "fp8" and q.fmt.block[1] == fmt.block[1] and q.fmt.block[0] in (fmt.block[0], 1), q.fmt
+    # Every dense FP8 matrix, once (MLA's kv_b_proj as W_uk^T and W_uv per head): none dequantized.
     stored_fp8 = sum(int(np.prod(v.shape)) for k, v in fx.stored().items()
-                     if v.dtype == ml_dtypes.float8_e4m3fn and ".experts." not in k and ".kv_b_proj." not in k)
+                     if v.dtype == ml_dtypes.float8_e4m3fn and ".experts." not in k)
     assert sum(math.prod(q.shape) for q in quantized) == stored_fp8
 
 

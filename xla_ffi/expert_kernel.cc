@@ -9,6 +9,7 @@
 
 #include "xla_ffi/common.h"
 #include "xla_ffi/dot_kernels.h"
+#include "xla_ffi/gemm_bf16.h"
 #include "xla_ffi/host_bank.h"
 #include "xla_ffi/parallel.h"
 #include "xla_ffi/worker_pool.h"
@@ -141,7 +142,9 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
   // up + b_up) for the block: the activation runs on every thread, inside the tasks. A bf16 model rounds a to bf16
   // (as transformers' bf16 expert computes it), kept as bits too for the bf16 x bf16 dots. A task whose expert id
   // is out of range throws ExpertIdError before reading anything (ParallelFor hands it to the caller).
-  const int64_t rpt1 = RowsPerTask(2 * gu_row, I, 1, threads);
+  // Rows per task: a multiple of the register tile's rows where the bf16 tiles run (gemm_bf16.h), else any.
+  const int64_t row_multiple = bf16_dots ? gemm_bf16::kRows : 1;
+  const int64_t rpt1 = RowsPerTask(2 * gu_row, I, row_multiple, threads);
   const int64_t blocks1 = (I + rpt1 - 1) / rpt1;
   run(G * blocks1, [&](int64_t task) {
     const int64_t grp = task / blocks1, blk = task % blocks1;
@@ -175,7 +178,7 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
 
   // Phase 2: tasks = blocks of output rows h; inside a task every expert group in ascending order, routes in order,
   // so each y element is summed in one fixed order.
-  const int64_t rpt2 = RowsPerTask(static_cast<size_t>(G) * dn_row, H, 1, threads);
+  const int64_t rpt2 = RowsPerTask(static_cast<size_t>(G) * dn_row, H, row_multiple, threads);
   const int64_t blocks2 = (H + rpt2 - 1) / rpt2;
   run(blocks2, [&](int64_t blk) {
     const int64_t h0 = blk * rpt2, h1 = std::min(H, (blk + 1) * rpt2);

@@ -8,12 +8,15 @@
 
 #include "xla_ffi/common.h"
 #include "xla_ffi/dot_kernels.h"
+#include "xla_ffi/gemm_bf16.h"
 #include "xla_ffi/host_bank.h"
 
 #if FT_JAX_HAVE_AVX2_PATH
 #define FT_JAX_AVX2_F16C __attribute__((target("avx2,fma,f16c")))
 #define FT_JAX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #define FT_JAX_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+// For lambdas inside FT_JAX_VNNI functions (a lambda does not inherit its function's target; inlined into it).
+#define FT_JAX_VNNI_LAMBDA __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"), always_inline))
 #endif
 
 namespace ft_jax {
@@ -176,9 +179,9 @@ FT_JAX_AVX2_F16C void DequantAvx2(const MatrixView& w, int64_t r, float* out) {
     }
     case WFormat::kFp8: {
       const float* sc = reinterpret_cast<const float*>(srow);
-      for (int64_t c0 = 0; c0 < w.cols; c0 += w.block_cols) {
+      for (int64_t c0 = 0, j = 0; c0 < w.cols; c0 += w.block_cols, ++j) {  // j = c0 / block_cols
         const int64_t end = std::min(w.cols, c0 + w.block_cols);
-        const float s = sc[c0 / w.block_cols];
+        const float s = sc[j];
         const __m256 s256 = _mm256_set1_ps(s * 256.0f);
         int64_t c = c0;
         for (; c + 8 <= end; c += 8) {
@@ -289,11 +292,14 @@ FT_JAX_AVX2_F16C void DotRowsInt8Avx2(const MatrixView& w, int64_t r0, int64_t r
 // of 16 lanes over chunks of 128 elements, then single vectors into accumulator 0, then TailSum), so a token's result
 // does not depend on how many tokens share the call.
 
-// The scalar tail of a dot: s + w[0] x[0] + ... + w[n-1] x[n-1], left to right (one function for every caller, so
-// every caller rounds it alike).
-__attribute__((noinline)) float TailSum(float s, const float* w, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) s += w[i] * x[i];
-  return s;
+// The scalar tail of a dot: s + w[0] x[0] + ... + w[n-1] x[n-1], left to right, a product then a sum (two roundings,
+// never contracted to a fused multiply-add: one function for every caller, so every caller rounds it alike).
+// VEX-encoded like its callers: a legacy-SSE instruction after AVX-512 code that used ZMM16-31 (which VZEROUPPER does
+// not clear) pays an SSE/AVX transition on Intel cores, measured at ~1000 cycles per call (per row) here.
+FT_JAX_AVX512 __attribute__((noinline)) float TailSum(float s, const float* w, const float* x, int64_t n) {
+  __m128 acc = _mm_set_ss(s);
+  for (int64_t i = 0; i < n; ++i) acc = _mm_add_ss(acc, _mm_mul_ss(_mm_load_ss(w + i), _mm_load_ss(x + i)));
+  return _mm_cvtss_f32(acc);
 }
 
 FT_JAX_AVX512 inline float ReduceAcc(__m512* acc) {
@@ -419,9 +425,9 @@ FT_JAX_AVX512 void DequantFp8Avx512(const MatrixView& w, int64_t r, float* out) 
   if (RowHasNan(row, w.cols)) return DequantGeneric(w, r, out);
   const float* sc = reinterpret_cast<const float*>(ScaleRow(w, r));
   const Tables& tab = Tab();
-  for (int64_t c0 = 0; c0 < w.cols; c0 += w.block_cols) {
+  for (int64_t c0 = 0, j = 0; c0 < w.cols; c0 += w.block_cols, ++j) {  // j = c0 / block_cols (no division)
     const int64_t end = std::min(w.cols, c0 + w.block_cols);
-    const float s = sc[c0 / w.block_cols];
+    const float s = sc[j];
     const __m512 s256 = _mm512_set1_ps(s * 256.0f);
     int64_t c = c0;
     for (; c + 16 <= end; c += 16) _mm512_storeu_ps(out + c, DecodeFp8(row + c, s256));
@@ -444,11 +450,18 @@ FT_JAX_AVX512 bool DotFp8(const MatrixView& w, const uint8_t* row, const float* 
   for (int t = 0; t < NT; ++t)
     for (int a = 0; a < kAccumulators; ++a) acc[t][a] = _mm512_setzero_ps();
   int64_t i = 0;
+  // the scale block of chunk i / 128 without a division per chunk (an integer division costs tens of cycles)
+  const int64_t chunks_per_block = bc / 128;
+  int64_t block = 0, chunk_in_block = 0;
   for (; i + 128 <= len; i += 128) {
     const __m512i b0 = _mm512_loadu_si512(row + i), b1 = _mm512_loadu_si512(row + i + 64);
     any |= _mm512_cmpeq_epi8_mask(_mm512_and_si512(b0, low7), low7) |
            _mm512_cmpeq_epi8_mask(_mm512_and_si512(b1, low7), low7);
-    const __m512 s256 = _mm512_set1_ps(sc[i / bc] * 256.0f);
+    const __m512 s256 = _mm512_set1_ps(sc[block] * 256.0f);
+    if (++chunk_in_block == chunks_per_block) {
+      chunk_in_block = 0;
+      ++block;
+    }
     for (int a = 0; a < kAccumulators; ++a) {
       const __m512 v = DecodeFp8(row + i + 16 * a, s256);
       for (int t = 0; t < NT; ++t)
@@ -599,18 +612,26 @@ FT_JAX_AVX512 void DotRowsBlocks(const MatrixView& w, int64_t r0, int64_t r1, co
 // a block's integer dot is exact (VPDPBUSD), then scaled by dw * dx in float32. Error (docs/DESIGN.md section 15.1):
 // |x - dx q| <= dx / 2 per element, so a row adds at most sum_b (max_b |x| / 254) sum_{i in b} |w_i| to the float32
 // dot's own error.
-struct Int8Acts {
-  uint8_t* q;   // [T, cols]: q8_0: q + 128 (unsigned, element order); q4_0: q (signed) in the q4_0 pair order
-  float* dx;    // [T, nb] block scales
-  float* corr;  // [T, nb] q4_0: -8 dx_b sum_i q_i (the "- 8" of the weights, applied per row as a dot with dw)
-};
+//
+// Both formats dot unsigned weight bytes with the signed activations q (VPDPBUSD multiplies unsigned by signed
+// bytes): q4_0 its nibbles n (the weight is n - 8), q8_0 its int8 codes w flipped to w + 128 (one XOR). The weights'
+// offsets make an integer per block and token that depends on the activations only, -8 sum(q) for q4_0 and
+// -128 sum(q) for q8_0: the int32 lanes of each block's dot start from these corrections (Int8Corrections) instead
+// of zero, so the block's integer sum is the exact sum w q at no extra instruction per row.
+//
+// Corrections per token, int32 lanes in the order the dots fill them: q4_0 16 per group of 4 blocks (block 4g + j in
+// lane 4j, the first of the 4 lanes its low nibbles go to), 16 for a last pair (lanes 0 and 4), 16 for a last single
+// block (lane 0); q8_0 16 per pair of blocks (lanes 0 and 8), 16 for a last single block (lane 0).
+int64_t Int8Corrections(WFormat f, int64_t nb) { return f == WFormat::kQ4_0 ? 16 * (nb / 4 + 2) : 16 * (nb / 2 + 1); }
 
 // q4_0 activation order (matches the weight bytes of blocks 4g .. 4g + 3 split into low then high nibbles):
 // x[b0 0..15], x[b1 0..15], x[b2 0..15], x[b3 0..15], x[b0 16..31], .., x[b3 16..31]; of the last nb % 4 blocks a
-// pair as x[b0 0..15], x[b1 0..15], x[b0 16..31], x[b1 16..31], a single block in element order.
-FT_JAX_VNNI void QuantizeActs(WFormat f, const float* x, int64_t cols, uint8_t* q, float* dx, float* corr) {
+// pair as x[b0 0..15], x[b1 0..15], x[b0 16..31], x[b1 16..31], a single block in element order. q8_0: element order.
+// corr: Int8Corrections(f, nb) int32 lanes.
+FT_JAX_VNNI void QuantizeActs(WFormat f, const float* x, int64_t cols, int8_t* q, float* dx, int32_t* corr) {
   const int64_t nb = cols / kQBlock;
   alignas(64) int8_t tmp[32];
+  std::fill(corr, corr + Int8Corrections(f, nb), 0);
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
@@ -620,127 +641,176 @@ FT_JAX_VNNI void QuantizeActs(WFormat f, const float* x, int64_t cols, uint8_t* 
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
     const __m128i lo = _mm512_cvtsepi32_epi8(q0), hi = _mm512_cvtsepi32_epi8(q1);
     dx[b] = d;
-    if (f == WFormat::kQ8_0) {  // q + 128 = q ^ 0x80 as a byte
-      const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm_xor_si128(lo, flip));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm_xor_si128(hi, flip));
+    // the saturated int8 values: the sum the dot sees
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_cvtepi8_epi32(lo), _mm512_cvtepi8_epi32(hi)));
+    if (f == WFormat::kQ8_0) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), lo);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), hi);
+      corr[16 * (b / 2) + 8 * (b % 2)] = -128 * sum;
       continue;
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp), lo);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(tmp + 16), hi);
-    corr[b] = -8.0f * d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
     // Groups of 4 blocks (low halves of blocks 4g..4g+3, then their high halves), then a pair, then a single block.
     const int64_t quads = nb / 4, rest = nb - 4 * quads;
     if (b < 4 * quads) {
       std::memcpy(q + 128 * (b / 4) + 16 * (b % 4), tmp, 16);
       std::memcpy(q + 128 * (b / 4) + 64 + 16 * (b % 4), tmp + 16, 16);
+      corr[16 * (b / 4) + 4 * (b % 4)] = -8 * sum;
     } else if (rest >= 2 && b < 4 * quads + 2) {
       const int64_t j = b - 4 * quads;
       std::memcpy(q + 128 * quads + 16 * j, tmp, 16);
       std::memcpy(q + 128 * quads + 32 + 16 * j, tmp + 16, 16);
+      corr[16 * quads + 4 * j] = -8 * sum;
     } else {
       std::memcpy(q + 32 * b, tmp, 32);
+      corr[16 * quads + 16] = -8 * sum;
     }
   }
 }
 
-// dot of one q8_0 / q4_0 row with one token's int8 activations: sum_b sdx_b (w_b . q_b), sdx_b = dw_b dx_b
-// (q4_0: + sum_b dw_b corr_b).
-template <WFormat F>
-FT_JAX_VNNI float DotInt8(const uint8_t* row, const float* sw, const float* sdx, int64_t nb, const uint8_t* q,
-                          const float* corr) {
-  const int64_t nb_all = nb;
-  __m512 acc[4];
-  for (int a = 0; a < 4; ++a) acc[a] = _mm512_setzero_ps();
-  const __m512i zero = _mm512_setzero_si512();
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  int64_t p = 0;
+// One token's activations as the int8 dots read them (QuantizeActs): q [cols], the block products sdx_b = dw_b dx_b
+// of the current row [nb], the corrections [Int8Corrections].
+struct Int8Token {
+  const int8_t* q;
+  const float* sdx;
+  const int32_t* corr;
+};
+
+// out[t * out_stride] = sum_b sdx_b (w_b . q_b) of one q8_0 / q4_0 row for NT tokens at once, the weight bytes loaded
+// and unpacked once for all of them; each token has its own accumulators in the order a single token sums (block
+// b's products into accumulator b % 4 of its step), so its result is bit for bit the same whatever NT.
+template <WFormat F, int NT>
+FT_JAX_VNNI void DotInt8(const uint8_t* row, int64_t nb, const Int8Token* tok, float* out, int64_t out_stride) {
+  __m512 acc[NT][4];
+  for (int t = 0; t < NT; ++t)
+    for (int a = 0; a < 4; ++a) acc[t][a] = _mm512_setzero_ps();
+  int64_t b0 = 0;   // the first block the pair / single code below starts at
+  int64_t c0 = 0;   // its first correction lane
   if constexpr (F == WFormat::kQ4_0) {  // 4 blocks per step: their low nibbles, then their high nibbles
     const __m512i m4z = _mm512_set1_epi8(0x0F);
     const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    int64_t g = 0;
-    for (; 4 * g + 4 <= nb; ++g) {
+    // group g of 4 blocks into accumulator a = g % 4 of every token
+    auto group = [&](int64_t g, int a) FT_JAX_VNNI_LAMBDA {
       const __m512i wb = _mm512_loadu_si512(row + 64 * g);
       const __m512i lo = _mm512_and_si512(wb, m4z), hi = _mm512_and_si512(_mm512_srli_epi16(wb, 4), m4z);
-      const __m512i isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(q + 128 * g)), hi,
-                                               _mm512_loadu_si512(q + 128 * g + 64));
-      const __m512 s = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(sdx + 4 * g)));
-      acc[g % 4] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[g % 4]);
+      for (int t = 0; t < NT; ++t) {
+        const int8_t* qt = tok[t].q + 128 * g;
+        const __m512i isum = _mm512_dpbusd_epi32(
+            _mm512_dpbusd_epi32(_mm512_loadu_si512(tok[t].corr + 16 * g), lo, _mm512_loadu_si512(qt)), hi,
+            _mm512_loadu_si512(qt + 64));
+        const __m512 s = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(tok[t].sdx + 4 * g)));
+        acc[t][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[t][a]);
+      }
+    };
+    int64_t g = 0;
+    for (; 4 * g + 16 <= nb; g += 4) {  // the accumulator indices constant: the accumulators stay in registers
+      group(g, 0);
+      group(g + 1, 1);
+      group(g + 2, 2);
+      group(g + 3, 3);
     }
-    // the pair and single block below start at block 4g: shift the pointers so that they see them as blocks 0, 1
-    row += 64 * g;
-    q += 128 * g;
-    sdx += 4 * g;
-    nb -= 4 * g;
-  }
-  for (; 2 * p + 2 <= nb; ++p) {
-    __m512i isum;
-    __mmask16 second;  // lanes of block 2p + 1
-    if constexpr (F == WFormat::kQ8_0) {
-      const __m512i w = _mm512_loadu_si512(row + 64 * p);
-      const __m512i xu = _mm512_loadu_si512(q + 64 * p);
-      // (q + 128) . w - 128 sum(w): VPDPBUSD multiplies unsigned by signed bytes
-      isum = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xu, w),
-                              _mm512_slli_epi32(_mm512_dpbusd_epi32(zero, _mm512_set1_epi8(1), w), 7));
-      second = 0xFF00;
-    } else {
-      const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * p));
+    for (int a = 0; 4 * g + 4 <= nb; ++g, ++a) group(g, a);
+    b0 = 4 * g;
+    c0 = 16 * g;
+    if (nb - b0 >= 2) {  // a last pair: low nibbles of both blocks, then high nibbles
+      const __m256i m4 = _mm256_set1_epi8(0x0F);
+      const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * b0));
       const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(wb, m4)),
                                            _mm256_and_si256(_mm256_srli_epi16(wb, 4), m4), 1);
-      isum = _mm512_dpbusd_epi32(zero, w, _mm512_loadu_si512(q + 64 * p));
-      second = 0xF0F0;
+      for (int t = 0; t < NT; ++t) {
+        const __m512i isum = _mm512_dpbusd_epi32(_mm512_loadu_si512(tok[t].corr + c0), w,
+                                                 _mm512_loadu_si512(tok[t].q + 32 * b0));
+        const __m512 s = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(tok[t].sdx[b0]),
+                                              _mm512_set1_ps(tok[t].sdx[b0 + 1]));
+        acc[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[t][0]);
+      }
+      b0 += 2;
     }
-    const __m512 s = _mm512_mask_blend_ps(second, _mm512_set1_ps(sdx[2 * p]), _mm512_set1_ps(sdx[2 * p + 1]));
-    acc[p % 4] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[p % 4]);
+    c0 += 16;  // the single block's lanes follow the pair's
+  } else {  // q8_0: 2 blocks per step, the codes flipped to unsigned once for all tokens
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    // pair p of blocks into accumulator a = p % 4 of every token
+    auto pair = [&](int64_t p, int a) FT_JAX_VNNI_LAMBDA {
+      const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(row + 64 * p), flip);
+      for (int t = 0; t < NT; ++t) {
+        const __m512i isum = _mm512_dpbusd_epi32(_mm512_loadu_si512(tok[t].corr + 16 * p), wu,
+                                                 _mm512_loadu_si512(tok[t].q + 64 * p));
+        const __m512 s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(tok[t].sdx[2 * p]),
+                                              _mm512_set1_ps(tok[t].sdx[2 * p + 1]));
+        acc[t][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[t][a]);
+      }
+    };
+    int64_t p = 0;
+    for (; 2 * p + 8 <= nb; p += 4) {  // constant accumulator indices
+      pair(p, 0);
+      pair(p + 1, 1);
+      pair(p + 2, 2);
+      pair(p + 3, 3);
+    }
+    for (int a = 0; 2 * p + 2 <= nb; ++p, ++a) pair(p, a);
+    b0 = 2 * p;
+    c0 = 16 * p;
   }
-  if (2 * p < nb) {  // an odd last block
-    const int64_t b = 2 * p;
-    __m256i isum;
-    const __m256i z = _mm256_setzero_si256();
+  if (b0 < nb) {  // an odd last block
+    __m256i w;
     if constexpr (F == WFormat::kQ8_0) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
-      const __m256i xu = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
-      isum = _mm256_sub_epi32(_mm256_dpbusd_epi32(z, xu, w),
-                              _mm256_slli_epi32(_mm256_dpbusd_epi32(z, _mm256_set1_epi8(1), w), 7));
+      w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b0)),
+                           _mm256_set1_epi8(static_cast<char>(0x80)));
     } else {
-      const __m128i wb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
+      const __m128i wb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b0));
       const __m128i m4x = _mm_set1_epi8(0x0F);
-      const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(wb, 4), m4x), _mm_and_si128(wb, m4x));
-      isum = _mm256_dpbusd_epi32(z, w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b)));
+      w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(wb, 4), m4x), _mm_and_si128(wb, m4x));
     }
-    const __m512 f = _mm512_zextps256_ps512(_mm256_cvtepi32_ps(isum));
-    acc[0] = _mm512_fmadd_ps(f, _mm512_set1_ps(sdx[b]), acc[0]);
+    for (int t = 0; t < NT; ++t) {
+      const __m256i isum = _mm256_dpbusd_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tok[t].corr + c0)),
+                                               w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tok[t].q + 32 * b0)));
+      const __m512 f = _mm512_zextps256_ps512(_mm256_cvtepi32_ps(isum));
+      acc[t][0] = _mm512_fmadd_ps(f, _mm512_set1_ps(tok[t].sdx[b0]), acc[t][0]);
+    }
   }
-  acc[0] = _mm512_add_ps(acc[0], acc[2]);
-  acc[1] = _mm512_add_ps(acc[1], acc[3]);
-  float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
-  if constexpr (F == WFormat::kQ4_0) sum += DotRowAvx512(sw, corr, nb_all);
-  return sum;
+  for (int t = 0; t < NT; ++t) {
+    acc[t][0] = _mm512_add_ps(acc[t][0], acc[t][2]);
+    acc[t][1] = _mm512_add_ps(acc[t][1], acc[t][3]);
+    out[t * out_stride] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
+  }
 }
 
 template <WFormat F>
 FT_JAX_VNNI void DotRowsInt8(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
                              int64_t out_stride) {
   const int64_t cols = w.cols, nb = cols / kQBlock;
-  // row scales [nb], their products with dx [nb], dx [T, nb], corr [T, nb], activations [T, cols] bytes
+  // row scales [nb], the block products of every token [T, nb], dx [T, nb], corrections [T, nc] (int32), activations
+  // [T, cols] bytes
+  const int64_t nc = Int8Corrections(F, nb);
   thread_local std::vector<float> storage;
-  Scratch<float> scratch(storage, static_cast<size_t>(nb * (2 + 2 * T) + (T * cols + 3) / 4));
+  Scratch<float> scratch(storage, static_cast<size_t>(nb * (1 + 2 * T) + T * nc + (T * cols + 3) / 4));
   float* sw = scratch.data();
   float* sdx = sw + nb;
-  float* dx = sdx + nb;
-  float* corr = dx + T * nb;
-  uint8_t* q = reinterpret_cast<uint8_t*>(corr + T * nb);
-  for (int64_t t = 0; t < T; ++t) QuantizeActs(F, x + t * cols, cols, q + t * cols, dx + t * nb, corr + t * nb);
+  float* dx = sdx + T * nb;
+  int32_t* corr = reinterpret_cast<int32_t*>(dx + T * nb);
+  int8_t* q = reinterpret_cast<int8_t*>(corr + T * nc);
+  for (int64_t t = 0; t < T; ++t) QuantizeActs(F, x + t * cols, cols, q + t * cols, dx + t * nb, corr + t * nc);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = RowData(w, r);
     RowScales(F, ScaleRow(w, r), nb, sw);
     for (int64_t t = 0; t < T; ++t) {
       const float* dxt = dx + t * nb;
+      float* sdxt = sdx + t * nb;
       int64_t b = 0;
       for (; b + 16 <= nb; b += 16)
-        _mm512_storeu_ps(sdx + b, _mm512_mul_ps(_mm512_loadu_ps(sw + b), _mm512_loadu_ps(dxt + b)));
-      for (; b < nb; ++b) sdx[b] = sw[b] * dxt[b];
-      out[t * out_stride + r] = DotInt8<F>(row, sw, sdx, nb, q + t * cols, corr + t * nb);
+        _mm512_storeu_ps(sdxt + b, _mm512_mul_ps(_mm512_loadu_ps(sw + b), _mm512_loadu_ps(dxt + b)));
+      for (; b < nb; ++b) sdxt[b] = sw[b] * dxt[b];
+    }
+    int64_t t = 0;
+    for (; t + 2 <= T; t += 2) {  // tokens in pairs sharing the row's loads and unpacking
+      const Int8Token tok[2] = {{q + t * cols, sdx + t * nb, corr + t * nc},
+                                {q + (t + 1) * cols, sdx + (t + 1) * nb, corr + (t + 1) * nc}};
+      DotInt8<F, 2>(row, nb, tok, out + t * out_stride + r, out_stride);
+    }
+    if (t < T) {
+      const Int8Token tok[1] = {{q + t * cols, sdx + t * nb, corr + t * nc}};
+      DotInt8<F, 1>(row, nb, tok, out + t * out_stride + r, out_stride);
     }
   }
 }
@@ -837,7 +907,7 @@ FT_JAX_BF16DOT void DotFp8Bf16(const MatrixView& w, int64_t r0, int64_t r1, cons
     const float* sc = reinterpret_cast<const float*>(ScaleRow(w, r));
     __m512 acc[NT][2];
     for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-    for (int64_t c0 = 0; c0 < cols; c0 += bc) {
+    for (int64_t c0 = 0, j = 0; c0 < cols; c0 += bc, ++j) {  // j = c0 / bc (no division)
       const int64_t end = std::min(cols, c0 + bc);
       __m512 tmp[NT][2];
       for (int t = 0; t < NT; ++t) tmp[t][0] = tmp[t][1] = _mm512_setzero_ps();
@@ -852,7 +922,7 @@ FT_JAX_BF16DOT void DotFp8Bf16(const MatrixView& w, int64_t r0, int64_t r1, cons
           tmp[t][1] = Dp(tmp[t][1], w1, xp + t * padded + c + 32);
         }
       }
-      const __m512 s = _mm512_set1_ps(sc[c0 / bc]);
+      const __m512 s = _mm512_set1_ps(sc[j]);
       for (int t = 0; t < NT; ++t) {
         acc[t][0] = _mm512_fmadd_ps(tmp[t][0], s, acc[t][0]);
         acc[t][1] = _mm512_fmadd_ps(tmp[t][1], s, acc[t][1]);
@@ -1133,8 +1203,14 @@ void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const flo
     return DotRows<float>(isa, reinterpret_cast<const float*>(w.data), w.cols, r0, r1, x, xb, T, out, out_stride);
   }
   if (w.format == WFormat::kBF16) {
-    return DotRows<uint16_t>(isa, reinterpret_cast<const uint16_t*>(w.data), w.cols, r0, r1, x, xb, T, out,
-                             out_stride);
+    const uint16_t* data = reinterpret_cast<const uint16_t*>(w.data);
+#if FT_JAX_HAVE_AVX2_PATH
+    // many tokens: register tiles, bit for bit the dots of DotRows' bf16 x bf16 path (gemm_bf16.h)
+    if (isa == Isa::kAvx512Bf16 && xb != nullptr && T >= kBf16TileMinTokens) {
+      return DotRowsBf16Tiled(data, w.cols, r0, r1, xb, T, out, out_stride);
+    }
+#endif
+    return DotRows<uint16_t>(isa, data, w.cols, r0, r1, x, xb, T, out, out_stride);
   }
 #if FT_JAX_HAVE_AVX2_PATH
   if (isa == Isa::kAvx512Bf16) return DotRowsAvx512(w, r0, r1, x, xb, T, out, out_stride);

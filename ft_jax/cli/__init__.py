@@ -1,7 +1,8 @@
 """The `ft-jax` command line: main and the parser, assembled from one module per subcommand (generate, profile,
-trace, plan; docs/DESIGN.md sec. 11, "Engine, API and CLI").
+trace, plan, serve; docs/DESIGN.md sec. 11, "Engine, API and CLI").
 
     ft-jax generate --prompt "ROMEO:"                  # the bundled tiny Shakespeare MoE
+    ft-jax serve --port 8000                           # the OpenAI HTTP API (the serve extra)
     ft-jax profile --model ~/models/Mixtral-8x7B
     ft-jax trace --help; ft-jax plan --help
 
@@ -17,25 +18,26 @@ import traceback
 from typing import Sequence
 
 from ft_jax import __version__, interrupts, kernels
-from ft_jax.cli import generate, plan, profile, trace
+from ft_jax.cli import generate, plan, profile, serve, trace
 from ft_jax.cli.usage import Parser, UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `ft-jax` argument parser with its generate, profile, trace and plan subcommands."""
+    """The `ft-jax` argument parser with its generate, serve, profile, trace and plan subcommands."""
     parser = Parser(
         prog="ft-jax", description="Mixture-of-Experts decoding in JAX with the experts in host memory: a device "
         "slot cache plus host expert GEMVs, split by the bandwidth-balanced q* policy.")
     parser.add_argument("--version", action="version", version=f"ft-jax {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     generate.add_arguments(sub)
+    serve.add_arguments(sub)
     profile.add_arguments(sub)
     trace.add_trace_arguments(sub)
     plan.add_plan_arguments(sub)
     return parser
 
 
-RUN = {"generate": generate.run, "profile": profile.run, "trace": trace.run_trace, "plan": plan.run_plan}
+RUN = {"generate": generate.run, "serve": serve.run, "profile": profile.run, "trace": trace.run_trace, "plan": plan.run_plan}
 
 
 def _quiet_broken_pipe() -> int:
@@ -45,8 +47,16 @@ def _quiet_broken_pipe() -> int:
     return 141  # 128 + SIGPIPE, as a shell reports a writer whose pipe closed
 
 
+def _skip_ipython() -> None:
+    """Make `import IPython` fail in this process unless IPython is already loaded: flax imports it (~0.3 s, a sixth
+    of the imports before any work) only to ask whether it runs inside IPython, which a command never does (flax then
+    takes its ImportError as "no")."""
+    sys.modules.setdefault("IPython", None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ft-jax` console script (and `python -m ft_jax`)."""
+    _skip_ipython()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -67,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     interrupts.set_label(f"ft-jax {args.command}")  # the Ctrl-C line (ft_jax/interrupts.py)
     user_errors: tuple[type[BaseException], ...] = (UsageError, NotImplementedError, ValueError, OSError,
                                                      MemoryError)  # ft_jax.memory.InsufficientMemoryError
-    if args.command == "generate":
+    if args.command in ("generate", "serve"):
         from ft_jax.checkpoint import CheckpointError  # the model code: not loaded for --help or another command
 
         user_errors += (CheckpointError,)
@@ -85,3 +95,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nft-jax {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def console_main() -> None:
+    """The process entry of `ft-jax` and `python -m ft_jax`: main, then the output flushed and the process ended at
+    once with main's status (os._exit). The interpreter's own teardown (the JAX runtime, every module and cached
+    executable, the host banks one by one) took 1.1-1.5 s of a 5 GB model's launch-to-exit time (docs/DESIGN.md
+    section 15.9); nothing is left to do by then: files are closed and the compilation cache is written as steps are
+    compiled. ``main`` itself returns (tests call it in-process)."""
+    status = main()
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:  # started with it closed
+                stream.flush()
+    except BrokenPipeError:
+        status = _quiet_broken_pipe()
+    os._exit(status)
+

@@ -28,6 +28,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    value = _number(text, int)
+    if value is None or value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port number in [1, 65535] (0 is refused: the server would listen on a port nobody knows)."""
+    value = _number(text, int)
+    if value is None or not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in [1, 65535], got {text!r}")
+    return value
+
+
 def non_negative(text: str) -> float:
     """A finite number >= 0."""
     value = _number(text)

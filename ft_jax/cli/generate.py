@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from ft_jax import defaults, interrupts, units
+from ft_jax import defaults, interrupts, launch, units
 from ft_jax.cli import arg_types
 from ft_jax.cli.usage import UsageError, escaped_text
 from ft_jax.config import SUPPORTED_ARCHITECTURES, load_config
@@ -16,17 +16,22 @@ from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
 from ft_jax.offload.policy import PolicyKind
 from ft_jax.tools.trace_io import routing_records, write_trace
 
-POLICY_HELP = ("auto (default: per layer, the number of misses to fetch that minimises the modelled layer time minus "
-               "the observed reuse of fetched experts; docs/policies.md), qstar (split misses by the measured "
+POLICY_HELP = ("auto (per layer, the number of misses to fetch that minimises the modelled layer time minus the "
+               "observed reuse of fetched experts; docs/policies.md; the default with an accelerator), qstar (split misses by the measured "
                "bandwidths; qstar:FRAC fixes the fetch fraction), fetch-all (classic LRU offload: every miss is copied "
                "into a slot), host-all (every miss computed on the CPU; the cache never changes), fixed-cap:K (fetch "
-               "at most K misses per layer), resident (every expert on the device)")
+               "at most K misses per layer), resident (every expert on the device). Default: auto with an accelerator, host-all "
+               "on a CPU-only machine (slots there would be copies of the host banks in the same memory)")
 EXAMPLES = """examples:
   ft-jax generate --prompt "ROMEO:"                          # the bundled tiny Shakespeare MoE
   ft-jax generate --prompt "KING:" --temperature 0 --max-new-tokens 50 --stop "\\n\\n"
   ft-jax generate --model ~/models/Mixtral-8x7B-Instruct-v0.1 --chat --prompt "Write a haiku" --cache-fraction 0.25
   ft-jax generate --model ~/models/Qwen3-30B-A3B --device-memory 8GiB --policy host-all --json
   ft-jax generate --model DIR --prompt-ids 1,17,42 --temperature 0     # no tokenizer needed
+  ft-jax generate --model DIR --devices 4 --prompt "Hi"       # experts split over 4 devices (CPU-only: 4 CPU devices)
+  # two processes (here on one machine), each holding half of the experts; process 0 prints:
+  ft-jax generate --model DIR --coordinator localhost:5000 --num-processes 2 --process-id 1 &
+  ft-jax generate --model DIR --coordinator localhost:5000 --num-processes 2 --process-id 0
 
 Supported architectures: {architectures}. Compiled steps are kept in JAX's persistent compilation cache under the
 user cache directory (see --no-compile-cache); the qstar policy uses the bandwidth profile stored there (see
@@ -62,43 +67,55 @@ def add_arguments(sub) -> None:
                           "(tokenizer_config.json or chat_template.jinja)")
     gen.add_argument("--seed", type=arg_types.seed, default=0,
                      help=f"sampling seed, an integer in [0, {arg_types.SEED_MAX}] (32 bits; default 0)")
-    gen.add_argument("--dtype", type=arg_types.dtype, default=None,
-                     help="bf16/bfloat16 or f32/float32: dtype of the dense weights, the activations and the expert "
-                          "host banks (default: float32 for float32 checkpoints, else bfloat16)")
-    gen.add_argument("--quantize", type=arg_types.quantize, default=None, metavar="TYPE", help=arg_types.QUANTIZE_HELP)
-    budget = gen.add_mutually_exclusive_group()
-    budget.add_argument("--cache-slots", type=arg_types.positive_int, metavar="S", help="device expert slots shared by all layers")
-    budget.add_argument("--cache-fraction", type=arg_types.fraction, metavar="F",
-                        help=f"slots as a fraction of all experts (default {defaults.DEFAULT_CACHE_FRACTION})")
-    budget.add_argument("--device-memory", type=arg_types.byte_text, metavar="BYTES",
-                        help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert as stored: "
-                             "a quantized expert's data and scales)")
-    gen.add_argument("--policy", type=arg_types.policy, default=defaults.DEFAULT_POLICY, metavar="POLICY",
-                     help=POLICY_HELP)
-    gen.add_argument("--profile", metavar="PATH", help="bandwidth profile file for auto and qstar (default: the user "
-                                                       "cache directory; see `ft-jax profile`)")
-    gen.add_argument("--no-measure", action="store_true",
-                     help="auto or qstar without a stored profile: do not run a quick profile, fall back to fixed-cap:1")
+    add_load_arguments(gen)
     gen.add_argument("--record-trace", metavar="FILE",
                      help="write the routing of every decode step to FILE as a routing trace (JSON lines, or .npz "
                           "by name) for `ft-jax trace` / `ft-jax plan`")
-    gen.add_argument("--prefill-chunk", type=arg_types.positive_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
-                     help=f"prompt tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}): a longer prompt is "
-                          "prefilled in chunks appended to the KV cache, bounding its memory, with one compiled step "
-                          "for every prompt length")
     gen.add_argument("--json", action="store_true", help="print one JSON object (ids, text, statistics) instead")
-    gen.add_argument("--no-compile-cache", action="store_true",
-                     help="do not use JAX's persistent compilation cache (default: compiled steps are kept in "
-                          "compile/ under the user cache directory, e.g. ~/.cache/ft_jax, so the next run with the "
-                          "same model and shapes loads them instead of compiling)")
+    launch.add_arguments(gen)
     gen.add_argument("--verbose", action="store_true", help="show tracebacks")
+
+
+def add_load_arguments(parser) -> None:
+    """The flags that load a model, shared by `generate` and `serve`: dtype, quantize, the cache budget, policy,
+    profile, prefill chunk, compilation cache."""
+    parser.add_argument("--dtype", type=arg_types.dtype, default=None,
+                        help="bf16/bfloat16 or f32/float32: dtype of the dense weights, the activations and the "
+                             "expert host banks (default: float32 for float32 checkpoints, else bfloat16)")
+    parser.add_argument("--quantize", type=arg_types.quantize, default=None, metavar="TYPE",
+                        help=arg_types.QUANTIZE_HELP)
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--cache-slots", type=arg_types.positive_int, metavar="S",
+                        help="device expert slots shared by all layers (of each device, with generate --devices or "
+                             "several processes)")
+    budget.add_argument("--cache-fraction", type=arg_types.fraction, metavar="F",
+                        help=f"slots as a fraction of all experts (default {defaults.DEFAULT_CACHE_FRACTION}; one slot "
+                             "under host-all)")
+    budget.add_argument("--device-memory", type=arg_types.byte_text, metavar="BYTES",
+                        help="device memory for expert slots, e.g. 8GiB (slots = BYTES / bytes per expert as stored: "
+                             "a quantized expert's data and scales)")
+    parser.add_argument("--policy", type=arg_types.policy, default=None, metavar="POLICY",
+                        help=POLICY_HELP)
+    parser.add_argument("--profile", metavar="PATH", help="bandwidth profile file for auto and qstar (default: the "
+                                                          "user cache directory; see `ft-jax profile`)")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="auto or qstar without a stored profile: do not run a quick profile, fall back to "
+                             "fixed-cap:1")
+    parser.add_argument("--prefill-chunk", type=arg_types.positive_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                        help=f"prompt tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}): a longer prompt is "
+                             "prefilled in chunks appended to the KV cache, bounding its memory, with one compiled "
+                             "step for every prompt length")
+    parser.add_argument("--no-compile-cache", action="store_true",
+                        help="do not use JAX's persistent compilation cache (default: compiled steps are kept in "
+                             "compile/ under the user cache directory, e.g. ~/.cache/ft_jax, so the next run with "
+                             "the same model and shapes loads them instead of compiling)")
 
 
 def flag_conflicts(args: argparse.Namespace) -> str | None:
     """A combination of flags that cannot mean anything (reported by the parser), or None."""
     if args.chat and args.prompt_ids is not None:
         return "--chat renders text prompts with the chat template: it cannot be used with --prompt-ids"
-    return None
+    return launch.check_flags(args.devices, args.coordinator, args.num_processes, args.process_id)
 
 
 def _request(args: argparse.Namespace, api, path: str, cfg, tokenizer):
@@ -125,10 +142,11 @@ def _check_record_trace(file: str | None) -> None:
         raise UsageError(f"--record-trace {file}: folder {folder} does not exist or is not writable")
 
 
-def _cache(args: argparse.Namespace, cfg, note) -> int | float | str | None:
-    """The cache budget of the flags for api.load; a --cache-slots above the number of experts is said in a note."""
-    experts = cfg.num_moe_layers * cfg.num_experts
-    if args.cache_slots is not None and args.cache_slots > experts and args.policy.kind is not PolicyKind.RESIDENT:
+def _cache(args: argparse.Namespace, cfg, note, devices: int = 1) -> int | float | str | None:
+    """The cache budget of the flags for api.load (of each of the ``devices`` devices, which own 1/devices of the
+    experts); a --cache-slots above the number of experts is said in a note."""
+    experts = cfg.num_moe_layers * cfg.num_experts // devices
+    if args.cache_slots is not None and args.cache_slots > experts and not _resident(args):
         note(f"note: --cache-slots {args.cache_slots} is more than the {experts} experts; using {experts}")
     if args.cache_fraction is not None and round(args.cache_fraction * experts) < 1:
         note(f"note: --cache-fraction {args.cache_fraction:g} of the {experts} experts is less than one slot; "
@@ -137,15 +155,43 @@ def _cache(args: argparse.Namespace, cfg, note) -> int | float | str | None:
         args.cache_fraction if args.cache_fraction is not None else args.device_memory)
 
 
-def _device_memory_note(args: argparse.Namespace, cfg, expert_bytes: int, note) -> None:
-    """A --device-memory that holds more than every expert is clamped to all of them: said in a note."""
-    experts = cfg.num_moe_layers * cfg.num_experts
-    if args.device_memory is None or args.policy.kind is PolicyKind.RESIDENT:
+def _resident(args: argparse.Namespace) -> bool:
+    """Whether --policy resident was given (the default policy never is)."""
+    return args.policy is not None and args.policy.kind is PolicyKind.RESIDENT
+
+
+def _device_memory_note(args: argparse.Namespace, cfg, expert_bytes: int, note, devices: int = 1) -> None:
+    """A --device-memory that holds more than every expert (of a device) is clamped to all of them: said in a
+    note."""
+    experts = cfg.num_moe_layers * cfg.num_experts // devices
+    if args.device_memory is None or _resident(args):
         return
     fits = units.parse_bytes(args.device_memory) // expert_bytes
     if fits > experts:
         note(f"note: --device-memory {args.device_memory} holds {fits} experts, more than the {experts} experts; "
              f"using {experts}")
+
+
+def _mesh(args: argparse.Namespace):
+    """The expert mesh of --devices / --coordinator (None without them); UsageError when JAX was not set up for them
+    (ft_jax.launch: they act only on the command line, before JAX starts) or a process has no device."""
+    if args.devices is None and args.coordinator is None:
+        return None
+    import jax
+
+    from ft_jax.offload.expert_parallel import expert_mesh
+
+    if args.coordinator is not None and jax.process_count() != args.num_processes:
+        raise UsageError(f"--coordinator: this process is not part of a {args.num_processes}-process run (JAX has "
+                         f"{jax.process_count()} process); the flags take effect only on the `ft-jax` command line, "
+                         "which sets JAX up before it starts")
+    if args.coordinator is not None:
+        return expert_mesh()  # every device of every process
+    try:
+        return expert_mesh(args.devices)
+    except ValueError as e:
+        raise UsageError(f"--devices {args.devices}: {e}; the flag sets the CPU device count only on the `ft-jax` "
+                         "command line, which sets JAX up before it starts") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,6 +200,10 @@ def run(args: argparse.Namespace) -> int:
     from ft_jax import api  # the model code (flax, checkpoint): imported on use, so `ft-jax --help` stays fast
     from ft_jax.tokenizer import load_tokenizer
 
+    mesh = _mesh(args)
+    devices = 1 if mesh is None else mesh.size
+    primary = mesh is None or _process_index() == 0  # prints the text, the statistics and the trace
+    who = "ft-jax" if args.coordinator is None else f"ft-jax (process {_process_index()})"
     path = args.model or defaults.bundled_model_path()
     cfg = load_config(path)
     tokenizer = load_tokenizer(path) if args.prompt_ids is None else api.load_tokenizer_or_none(path)
@@ -166,29 +216,30 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             notes.append(text)
         else:
-            print(f"ft-jax: {text}", file=sys.stderr)
+            print(f"{who}: {text}", file=sys.stderr)
 
     def on_compile(text: str, finished: bool) -> None:
         if not args.json:
-            print(text if finished else f"ft-jax: {text}", end="\n" if finished else "", file=sys.stderr, flush=True)
+            print(text if finished else f"{who}: {text}", end="\n" if finished else "", file=sys.stderr, flush=True)
 
-    cache = _cache(args, cfg, note)
+    cache = _cache(args, cfg, note, devices)
     if not args.no_compile_cache:
         off = api.enable_compile_cache(api.default_compile_cache_dir())
         if off:
             note(off)
     try:
         model = api.load(path, dtype=args.dtype or "auto", policy=args.policy, cache=cache, profile=args.profile,
-                         measure=not args.no_measure, on_message=note, on_compile=on_compile, quantize=args.quantize)
+                         measure=not args.no_measure, on_message=note, on_compile=on_compile, quantize=args.quantize,
+                         mesh=mesh)
     except ValueError as e:
         if "slot" in str(e) or "cache" in str(e):
             raise UsageError(f"--cache-slots / --cache-fraction / --device-memory: {e}") from None
         raise
-    _device_memory_note(args, cfg, model.engine.expert_bytes, note)
+    _device_memory_note(args, cfg, model.engine.expert_bytes, note, devices)
     model.engine.prefill_chunk = args.prefill_chunk
-    if not args.json:
+    if not args.json and primary:
         model.engine.on_prefill = PrefillProgress(sys.stderr)
-    streaming = not args.json and len(request.prompt_ids) == 1
+    streaming = not args.json and len(request.prompt_ids) == 1 and primary
     echoed = []
 
     def on_text(row: int, text: str) -> None:
@@ -200,12 +251,20 @@ def run(args: argparse.Namespace) -> int:
 
     out = model.run_request(request, on_text=on_text if streaming else None,
                             record_routing=args.record_trace is not None)
-    if args.record_trace is not None:
+    if not primary and not args.json:
+        return 0
+    if args.record_trace is not None and primary:
         with interrupts.deferred_exit():  # never a half-written trace
             write_trace(args.record_trace, routing_records(*out.routing,
                                                            dataset=os.path.basename(os.path.normpath(path))))
     _print_result(args, path, model, request, out, streaming, tokenizer, notes)
     return 0
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
 
 
 class PrefillProgress:
@@ -236,7 +295,8 @@ def _print_result(args, path: str, model, request, out, streamed: bool, tokenize
         settings = {"max_new_tokens": request.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                     "top_p": args.top_p, "seed": args.seed, "dtype": model.dtype, "policy": str(model.policy),
                     "stop": list(request.stop), "chat": bool(args.chat), "quantize": args.quantize,
-                    "weight_format": out.stats["weight_format"]}
+                    "weight_format": out.stats["weight_format"], "devices": out.stats["devices"],
+                    "num_processes": args.num_processes or 1, "process_id": args.process_id or 0}
         print(json.dumps({"model": path, "prompt_ids": request.prompt_ids, "generated_ids": out.token_ids,
                           "text": out.texts, "finish_reasons": out.finish_reasons, "settings": settings,
                           "profile_message": model.note, "notes": notes, "stats": out.stats}))
@@ -253,6 +313,8 @@ def _print_result(args, path: str, model, request, out, streamed: bool, tokenize
 
 def _slots_row(stats: dict) -> str:
     size = f"{stats['num_slots']} x {stats['expert_bytes'] / 2**20:.2f} MiB"
+    if stats["devices"] > 1:
+        size += f" on each of {stats['devices']} devices (each MoE layer's experts split over them)"
     if stats["policy"] == PolicyKind.HOST_ALL:
         return "none used (host-all computes every miss on the CPU from the host banks)"
     if stats["policy"] == PolicyKind.RESIDENT:
@@ -289,5 +351,10 @@ def stats_table(stats: dict) -> str:
                     f"{mib(stats['weight_bytes_per_token'])} read per token (dense "
                     f"{stats['dense_weight_bytes'] / 2**20:.2f} MiB per step + the active experts)"),
     ]
+    for d, dev in enumerate(stats.get("per_device", ())):
+        rate = num(None if dev["hit_rate"] is None else 100 * dev["hit_rate"], "{:.1f} %")
+        rows.append((f"device {d}", f"hit rate {rate}, active {num(dev['active_per_step'])}, hits "
+                                    f"{num(dev['hits_per_step'])}, fetched {num(dev['fetched_per_step'])}, "
+                                    f"host-computed {num(dev['host_per_step'])} per step"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -11,6 +11,7 @@ import json
 from ft_jax.cli import arg_types
 from ft_jax.cli.trace import COST_MODEL_HELP, add_model_arguments, load_inputs
 from ft_jax.tools import plan
+from ft_jax.tools.multi_device import check_devices
 from ft_jax.tools.report import format_table, report
 
 DEFAULT_CANDIDATES = "auto,qstar,fetch-all,host-all,fixed-cap:1,fixed-cap:2"
@@ -41,7 +42,10 @@ def add_plan_arguments(sub) -> None:
                        epilog=COST_MODEL_HELP, description=plan.__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("trace", nargs="+", metavar="TRACE", help="routing trace file(s) (JSON lines or .npz)")
     p.add_argument("--device-memory", type=nbytes, required=True, metavar="BYTES",
-                   help="device memory for expert slots, e.g. 24GiB")
+                   help="device memory for expert slots, e.g. 24GiB (of each device with --devices)")
+    p.add_argument("--devices", type=arg_types.positive_int, default=1, metavar="N",
+                   help="model N devices of expert parallelism (each owns E/N experts of every layer, with its own "
+                        "cache and link; see below), and state one device's figure beside it (default 1)")
     p.add_argument("--candidates", type=policies, default=policies(DEFAULT_CANDIDATES), metavar="LIST",
                    help=f"policies to compare (default {DEFAULT_CANDIDATES})")
     p.add_argument("--observed", type=observed_figures, default={}, metavar="LIST",
@@ -54,22 +58,32 @@ def add_plan_arguments(sub) -> None:
 def run_plan(args) -> int:
     """`ft-jax plan`: returns the exit status; bad input raises ValueError / OSError."""
     trace, model = load_inputs(args)
+    if args.devices > 1:
+        check_devices(trace, args.devices)
     rec = plan.recommend(trace, model, args.device_memory, args.candidates, carry_cache=args.carry_cache,
-                    batch=args.batch, observed=args.observed)
+                         batch=args.batch, observed=args.observed, devices=args.devices,
+                         host_sockets=min(args.host_sockets, args.devices), allreduce_ms=args.allreduce_ms)
     rep = report(trace, model, rec["results"], args.carry_cache, args.batch)
     if args.json:
         print(json.dumps({**rep, **{k: v for k, v in rec.items() if k != "results"}}, indent=1))
         return 0
     best = rec["best"]
-    total = trace.num_layers * trace.num_experts
+    total = trace.num_layers * trace.num_experts // args.devices
     if rec["resident"]:
         print(f"recommendation: --policy resident: the budget holds {rec['budget_slots']} experts, all {total} fit "
               f"({best['ms_per_token']:.2f} ms/token modelled, hits only)")
     else:
         gib = best["cache_slots"] * model.expert_bytes / 2**30
-        print(f"recommendation: --policy {best['policy']} --cache-slots {best['cache_slots']} ({gib:.2f} GiB, "
-              f"{100 * best['cache_fraction']:.1f}% of the {total} experts; budget {rec['budget_slots']} slots): "
-              f"{best['ms_per_token']:.2f} ms/token modelled, hit rate {100 * best['hit_rate']:.1f}%")
+        each = f" on each of {args.devices} devices" if args.devices > 1 else ""
+        print(f"recommendation: --policy {best['policy']} --cache-slots {best['cache_slots']} ({gib:.2f} GiB{each}, "
+              f"{100 * best['cache_slots'] / total:.1f}% of the {total} experts of a device; budget "
+              f"{rec['budget_slots']} slots): {best['ms_per_token']:.2f} ms/token modelled, hit rate "
+              f"{100 * best['hit_rate']:.1f}%")
+    if args.devices > 1:
+        one = rec["one_device"]
+        print(f"  one device with the same budget: --policy {one['policy']} --cache-slots {one['cache_slots']}: "
+              f"{one['ms_per_token']:.2f} ms/token modelled ({one['ms_per_token'] / best['ms_per_token']:.2f}x the "
+              f"{args.devices} devices' time)")
     for alt in sorted(rec["alternatives"], key=lambda a: a["speedup"]):
         print(f"  beats {alt['policy']:<16} ({alt['ms_per_token']:.2f} ms/token) by {alt['speedup']:.3f}x")
     for o in rec["observed"]:

@@ -16,6 +16,7 @@ from ft_jax.config.quantization import expert_format
 from ft_jax.memory import planned_expert_bytes
 from ft_jax.offload.cost_model import ASSUMED_DEVICE_GBPS, PRESETS, CostModel
 from ft_jax.offload.profile import cost_model_for, dtype_name
+from ft_jax.tools.multi_device import evaluate_devices
 from ft_jax.tools.replay import evaluate
 from ft_jax.tools.report import format_table, plot, report
 from ft_jax.tools.trace_io import Trace, read_trace
@@ -33,7 +34,13 @@ COST_MODEL_HELP = """cost model, per MoE layer with F fetched, H host-computed a
   solo bandwidth (BP or BH); each path that runs adds its fixed cost (--fill-fixed-ms, --host-fixed-ms);
   the device computes its D experts after the fill: --device-fixed-ms + D*S_e/BD (BD = --device-bandwidth);
   layer = max(fill end + device, host end); a token = the sum over its MoE layers (attention not counted).
-  Each sequence starts from a cold cache (a trace has no prompt), unless --carry-cache."""
+  Each sequence starts from a cold cache (a trace has no prompt), unless --carry-cache.
+N devices (--devices, expert parallelism): each device owns E/N experts of every layer, replays its share of the
+  trace through its own cache of the given slots and is priced as above on its own link (BP, BPc); the devices of
+  one of --host-sockets sockets share its BH, BHc (their host experts pooled); a layer ends with its slowest device
+  plus --allreduce-ms (the psum of the partial outputs), e.g. Mixtral-8x7B on 1, 2 and 4 GPUs of 24 GiB each:
+    ft-jax trace TRACE --expert-bytes 352321536 --bandwidth sapphire-rapids --devices 1,2,4 --cache-slots 73
+    ft-jax plan TRACE --expert-bytes 352321536 --bandwidth xeon-6526y --device-memory 24GiB --devices 2"""
 
 
 def add_model_arguments(p) -> None:
@@ -61,6 +68,12 @@ def add_model_arguments(p) -> None:
                             "measured per-call cost with --bandwidth stored, else 0" +
                             ("; DESIGN.md sec. 5 cites FreeToken PR #39 for 0.08 ms on its CPU path)" if path == "host"
                              else ")"))
+    p.add_argument("--host-sockets", type=arg_types.positive_int, default=1, metavar="K",
+                   help="with --devices: the devices spread over K sockets (or hosts), each with the profile's host "
+                        "GEMV bandwidth shared by its devices (default 1: one host CPU for all; K = N: one each, as "
+                        "with one process per host)")
+    p.add_argument("--allreduce-ms", type=arg_types.non_negative, default=0.0, metavar="MS",
+                   help="with --devices N > 1: time of the psum of one MoE layer's partial outputs (default 0)")
     p.add_argument("--carry-cache", action="store_true", help="keep the cache across sequences (default: cold)")
     p.add_argument("--batch", action="store_true",
                    help="the sequences are the rows of one batch decoded together (a trace recorded by "
@@ -112,9 +125,12 @@ def add_trace_arguments(sub) -> None:
     p.add_argument("trace", nargs="+", metavar="TRACE", help="routing trace file(s)")
     p.add_argument("--policy", type=policies, default=policies(DEFAULT_POLICIES), metavar="LIST",
                    help=f"comma-separated policies (default {DEFAULT_POLICIES})")
+    p.add_argument("--devices", type=arg_types.comma_list(arg_types.positive_int, "--devices"), default=[1],
+                   metavar="LIST", help="comma-separated device counts to model (expert parallelism, see below; "
+                                        "default 1); cache sizes are per device")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--cache-slots", type=arg_types.comma_list(arg_types.positive_int, "--cache-slots"), metavar="LIST",
-                      help="comma-separated cache sizes in slots (shared by all MoE layers)")
+                      help="comma-separated cache sizes in slots (shared by all MoE layers; of each device)")
     size.add_argument("--cache-fraction", type=arg_types.comma_list(arg_types.fraction, "--cache-fraction"), metavar="LIST",
                       help=f"comma-separated cache sizes as fractions of the L*E experts (default {DEFAULT_FRACTIONS})")
     add_model_arguments(p)
@@ -159,8 +175,15 @@ def run_trace(args) -> int:
             sys.stderr.write(f"\r\033[Kft-jax trace: replayed {done} of {total}")
             sys.stderr.flush()
 
-    results = evaluate(trace, args.policy, sizes, model, carry_cache=args.carry_cache, batch=args.batch,
-                       progress=progress)
+    results = []
+    for n in args.devices:
+        if n == 1:
+            results += evaluate(trace, args.policy, sizes, model, carry_cache=args.carry_cache, batch=args.batch,
+                                progress=progress)
+        else:
+            results += evaluate_devices(trace, args.policy, sizes, model, n, host_sockets=min(args.host_sockets, n),
+                                        allreduce_ms=args.allreduce_ms, carry_cache=args.carry_cache,
+                                        batch=args.batch, progress=progress)
     if not args.json and sys.stderr.isatty():
         sys.stderr.write("\r\033[K")
     rep = report(trace, model, results, args.carry_cache, args.batch)

@@ -24,9 +24,11 @@ from flax import nnx
 from ft_jax.checkpoint import LoadedCheckpoint
 from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
 from ft_jax.engine import stats as stats_lib
-from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, check_finite
+from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, check_finite, row_key_data
 from ft_jax.engine.steps import bound_step, decode_n_tokens, decode_one_token, prefill
 from ft_jax.kernels.host_bank import use_huge_pages
+from ft_jax.offload import expert_parallel
+from ft_jax.offload.cost_model import PREFILL_NEVER
 from ft_jax.offload.experts import OffloadedExperts
 from ft_jax.offload.policy import Policy, PolicyKind
 
@@ -110,13 +112,25 @@ class Engine:
             prompt is prefilled in chunks appended to the KV cache, all by one executable per (batch, KV bucket).
         on_prefill: on_prefill(tokens done, tokens in all, seconds since the prefill began) after each chunk of a
             prompt longer than one chunk (the attribute may be set later), or None.
+        prefill_fetch_min_tokens: the prefill split of the qstar and auto policies (cost_model.
+            prefill_fetch_min_tokens): prefill fetches only the misses routed at least this many tokens of a chunk and
+            computes the rest on the host. None: cost_model.PREFILL_NEVER on a CPU device (its slot experts run the
+            host kernel, so a fill would only add a copy), else 1 (every miss). Other policies: fetch-all and
+            fixed-cap prefill as fetch-all, host-all on the host, resident in the slots (docs/DESIGN.md sec. 17).
+        mesh: None (one device), or a jax.sharding.Mesh with an ``expert`` axis (ft_jax.offload.expert_parallel:
+            expert_mesh): the experts of every MoE layer split over its N devices, each with ``num_slots`` slots of
+            its own and the policy; the checkpoint's banks must hold this process's experts
+            (load_checkpoint(experts=ExpertPartition.from_mesh(mesh, E).process_experts)); the dense weights and the
+            KV cache are replicated on every device.
     Raises:
-        ValueError: num_slots < 1 for an offloading policy, or prefill_chunk < 1.
+        ValueError: num_slots < 1 for an offloading policy, prefill_chunk < 1, or a mesh that does not fit the
+            model or the processes (ExpertPartition.from_mesh), or banks that do not hold this process's experts.
     """
 
     def __init__(self, checkpoint: LoadedCheckpoint, *, policy: Policy, num_slots: int,
                  on_compile: Callable[[str, bool], None] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 on_prefill: Callable[[int, int, float], None] | None = None):
+                 on_prefill: Callable[[int, int, float], None] | None = None,
+                 prefill_fetch_min_tokens: int | None = None, mesh=None):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         cfg = checkpoint.config
@@ -125,20 +139,39 @@ class Engine:
         self.on_compile = on_compile
         self.prefill_chunk, self.on_prefill = prefill_chunk, on_prefill
         self.graphdef, self.params = nnx.split(checkpoint.model)
-        experts = dict(banks=checkpoint.banks, num_experts=cfg.num_experts, activation=cfg.activation,
-                       swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
-        self.decode_backend = OffloadedExperts(**experts, policy=policy)
+        self.mesh = mesh
+        experts = dict(banks=checkpoint.banks, activation=cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
+                       swiglu_limit=cfg.swiglu_limit)
         prefill_policy = policy if not policy.kind.fetches else Policy(PolicyKind.FETCH_ALL)
-        self.prefill_backend = OffloadedExperts(**experts, policy=prefill_policy)
+        min_tokens = None
+        if policy.kind in (PolicyKind.QSTAR, PolicyKind.AUTO):  # priced by the cost model
+            min_tokens = prefill_fetch_min_tokens
+            if min_tokens is None:
+                min_tokens = PREFILL_NEVER if jax.default_backend() == "cpu" else 1
+        self.prefill_fetch_min_tokens = min_tokens
+        if mesh is None:
+            self.num_devices, experts_per_device = 1, cfg.num_experts
+            self.decode_backend = OffloadedExperts(**experts, num_experts=cfg.num_experts, policy=policy)
+            self.prefill_backend = OffloadedExperts(**experts, num_experts=cfg.num_experts, policy=prefill_policy,
+                                                    fetch_min_tokens=min_tokens)
+        else:
+            partition = expert_parallel.ExpertPartition.from_mesh(mesh, cfg.num_experts)
+            self.num_devices, experts_per_device = partition.num_shards, partition.experts_per_shard
+            sharded = dict(experts, partition=partition, mesh=mesh)
+            self.decode_backend = expert_parallel.ShardedExperts(**sharded, policies=(policy,) * partition.local_shards)
+            self.prefill_backend = expert_parallel.ShardedExperts(
+                **sharded, policies=(prefill_policy,) * partition.local_shards, fetch_min_tokens=min_tokens)
+            self.params = expert_parallel.replicate(self.params, mesh)
         resident = policy.kind is PolicyKind.RESIDENT
-        self.num_slots = cfg.num_experts * self.decode_backend.num_layers if resident else num_slots
+        self.num_slots = experts_per_device * self.decode_backend.num_layers if resident else num_slots
         self.expert_bytes = checkpoint.banks.expert_bytes
+        self.host_bank_bytes = checkpoint.banks.num_rows * checkpoint.banks.expert_bytes  # this process's experts
         self.weight_format = checkpoint.banks.format
         self.dense_bytes = dense_weight_bytes(self.params, cfg.tie_word_embeddings)
         self.expert_state = self.decode_backend.init_state(self.num_slots)
         use_huge_pages((self.params, self.expert_state))  # the dense weights and slot pools, read every step
         # Donated: the KV cache (3) and the expert state (4) of f(params, tokens, positions, kv_cache, expert_state,
-        # key, temperature, top_k, top_p); see steps.bound_step.
+        # key_data, temperature, top_k, top_p); see steps.bound_step.
         self._prefill = jax.jit(bound_step(prefill, self.graphdef, self.prefill_backend),
                                 static_argnames=("greedy",), donate_argnums=(3, 4))
         self._decode = jax.jit(bound_step(decode_one_token, self.graphdef, self.decode_backend),
@@ -148,8 +181,13 @@ class Engine:
         stats_lib.CompileCounter.install()
 
     def init_kv_cache(self, batch_size: int, max_len: int):
-        """Zero KV cache for batch_size sequences of up to max_len tokens (ft_jax.models.decoder.KVCache)."""
-        return nnx.merge(self.graphdef, self.params).init_kv_cache(batch_size, max_len)
+        """Zero KV cache for batch_size sequences of up to max_len tokens (ft_jax.models.decoder.KVCache); with a mesh,
+        a copy of its own on every device."""
+        model = nnx.merge(self.graphdef, self.params)
+        if self.mesh is None:
+            return model.init_kv_cache(batch_size, max_len)
+        shapes = jax.eval_shape(lambda: model.init_kv_cache(batch_size, max_len))
+        return expert_parallel.replicated_zeros(shapes, self.mesh)
 
     def _executable(self, kind: str, args: tuple, greedy: bool, what: str, tally: dict, record_routing: bool = False):
         """The compiled step for these argument shapes, compiling it (and announcing it) the first time."""
@@ -188,7 +226,8 @@ class Engine:
             prompts: B lists of token ids (each non-empty, ids in [0, vocab)).
             max_new_tokens: tokens to generate per prompt (>= 1); prompt + new tokens must fit
                 config.max_position_embeddings.
-            sampling: Sampling rule. seed: PRNG seed for sampling (any int; reduced modulo 2^32).
+            sampling: Sampling rule. seed: PRNG seed for sampling (any int; reduced modulo 2^32); prompt b samples
+                with sampling.row_key_data(seed, b), whatever the other prompts.
             eos_token_ids: a row stops after producing any of them (empty: never stop early).
             on_tokens: called after every step with (step index, the new token of each row or None if the row had
                 already finished): used to stream text. It may return one bool per row: True ends that row there
@@ -205,8 +244,8 @@ class Engine:
         eos, B = frozenset(eos_token_ids), len(prompts)
         lengths = np.asarray([len(p) for p in prompts], np.int32)
         kv_len = kv_bucket(int(lengths.max()) + max_new_tokens, self.config.max_position_embeddings)
-        tally, ops = stats_lib.new_tally(), sampling.operands()
-        key, sub = jax.random.split(jax.random.key(seed % 2**32))
+        tally = stats_lib.new_tally()
+        ops = (np.stack([row_key_data(seed, b) for b in range(B)]), *sampling.operands(B))  # per-row operands
         with self._lock:
             try:
                 kv_cache = self.init_kv_cache(B, kv_len)
@@ -214,31 +253,37 @@ class Engine:
                 chunk = prefill_bucket(int(lengths.max()), self.prefill_chunk)
                 tokens, positions = _left_padded(prompts, chunk)
                 prefill_args = (self.params, tokens[:, :chunk], positions[:, :chunk], kv_cache, self.expert_state,
-                                sub, *ops)
-                prefill_step, decode_step = self._compile_steps(prefill_args, kv_len, key, max_new_tokens > 1,
-                                                                sampling, record_routing, tally)
+                                *ops)
+                prefill_step, decode_step = self._compile_steps(prefill_args, kv_len, max_new_tokens > 1, sampling,
+                                                                record_routing, tally)
                 t0 = time.perf_counter()
                 first, kv_cache = self._prefill_chunks(prefill_step, prefill_args, tokens, positions, chunk)
-                first = np.asarray(first)  # i32[B]
+                first = expert_parallel.host_value(first)  # i32[B]
                 t_first = time.perf_counter()
-                stats_after_prefill = self.decode_backend.read_stats(self.expert_state)  # one sync
+                stats_after_prefill = self._read_stats()  # one sync
                 check_finite(first, 0)
                 out: list[list[int]] = [[int(t)] for t in first]
                 done = np.array([int(t) in eos for t in first])
                 if on_tokens is not None:
                     done |= np.asarray(on_tokens(0, [int(t) for t in first]) or False, bool)
                 routing: list | None = [] if record_routing else None
-                steps, kv_cache, self.expert_state, key = decode_n_tokens(
-                    decode_step, self.params, kv_cache, self.expert_state, key, ops, first, lengths, done,
+                steps, kv_cache, self.expert_state = decode_n_tokens(
+                    decode_step, self.params, kv_cache, self.expert_state, ops, first, lengths, done,
                     max_new_tokens - 1, eos, out, on_tokens, routing)
-                per_layer = self.decode_backend.read_stats(self.expert_state) - stats_after_prefill
+                per_device = self._read_stats() - stats_after_prefill  # [N, L, 6]
             except BaseException:
                 if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.expert_state)):
                     self.expert_state = self.decode_backend.init_state(self.num_slots)  # the donated state is gone
                 raise
         stats = stats_lib.generation_stats(self, prompts, out, steps, (t0, t_first, time.perf_counter()), tally,
-                                           kv_len, per_layer)
+                                           kv_len, per_device.sum(axis=0),
+                                           per_device if self.mesh is not None else None)
         return GenerationResult(tokens=out, stats=stats, routing=self._routing_arrays(routing, B))
+
+    def _read_stats(self) -> np.ndarray:
+        """The expert cache counters of every device: i32[N, L, 6] (N = 1 without a mesh)."""
+        stats = np.asarray(self.decode_backend.read_stats(self.expert_state))
+        return stats if self.mesh is not None else stats[None]
 
     def _prefill_chunks(self, prefill_step, args: tuple, tokens: np.ndarray, positions: np.ndarray, chunk: int):
         """The prompt through prefill_step chunk by chunk (the chunks of tokens, positions i32[B, n * chunk] in order,
@@ -256,7 +301,7 @@ class Engine:
                 self.on_prefill(done, int((positions.max(axis=1) + 1).sum()), time.perf_counter() - t0)
         return first, kv_cache
 
-    def _compile_steps(self, prefill_args: tuple, kv_len: int, key, decodes: bool, sampling: Sampling,
+    def _compile_steps(self, prefill_args: tuple, kv_len: int, decodes: bool, sampling: Sampling,
                        record_routing: bool, tally: dict):
         """(prefill executable, decode executable or None): both before the first token, so the stream is never
         held up by a compile."""
@@ -266,8 +311,7 @@ class Engine:
                                         f"the prefill step ({shape}, prompt bucket {bucket})", tally)
         if not decodes:
             return prefill_step, None
-        step_args = (self.params, prefill_args[1][:, 0], prefill_args[2][:, 0], *prefill_args[3:5], key,
-                     *prefill_args[6:])
+        step_args = (self.params, prefill_args[1][:, 0], prefill_args[2][:, 0], *prefill_args[3:])
         return prefill_step, self._executable("decode", step_args, sampling.greedy, f"the decode step ({shape})",
                                               tally, record_routing)
 

@@ -32,8 +32,9 @@ def check_finite(tokens: np.ndarray, step: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """Next-token sampling rule. Passed to the compiled steps as operands: changing it does not recompile (greedy,
-    temperature 0, is its own executable).
+    """Next-token sampling rule. Passed to the compiled steps as per-row operands (operands): changing it does not
+    recompile. Greedy (temperature 0 on every row) is its own executable; in the sampling executable a row at
+    temperature 0 takes the argmax, so greedy and sampled rows share one batch.
 
     Attributes:
         temperature: 0 = greedy (argmax); else logits / temperature.
@@ -64,41 +65,56 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def operands(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(temperature f32[], top_k i32[], top_p f32[]) for the compiled steps."""
-        return (np.float32(self.temperature if self.temperature > 0 else 1.0), np.int32(self.top_k),
-                np.float32(self.top_p))
+    def operands(self, batch_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(temperature f32[B], top_k i32[B], top_p f32[B]): this rule for every row of the compiled steps."""
+        return (np.full(batch_size, self.temperature, np.float32), np.full(batch_size, self.top_k, np.int32),
+                np.full(batch_size, self.top_p, np.float32))
 
 
-def sample_next(logits: jax.Array, key: jax.Array, temperature, top_k, top_p, *, greedy: bool) -> jax.Array:
+def row_key_data(seed: int, row: int) -> np.ndarray:
+    """The PRNG key of one sequence, as its raw data u32[2] (an operand of the compiled steps): jax.random.key(seed)
+    folded with the row index. A row's draws depend only on (seed, row, the positions it samples at), never on the
+    other rows of its batch (Model.generate gives prompt b row b; the server gives every request row 0)."""
+    return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed % 2**32), row)))
+
+
+def sample_next(logits: jax.Array, key_data: jax.Array, counters: jax.Array, temperature, top_k, top_p, *,
+                greedy: bool) -> jax.Array:
     """Pick the next token of every row; -1 for a row whose logits are not all finite.
+
+    Every row samples with its own key and sampling values, so its token never depends on the other rows.
 
     Args:
         logits: f32[B, V] next-token logits.
-        key: PRNG key (unused when greedy).
-        temperature: f32[] (> 0), top_k: i32[] (0 = off), top_p: f32[] (1 = off): see Sampling. Operands.
-        greedy: argmax (static).
+        key_data: u32[B, 2] each row's key (row_key_data), folded with the row's counter: a fresh key per step.
+        counters: i32[B] the position of each row's last input token (distinct for every step of a sequence).
+        temperature: f32[B] (0 = greedy: argmax), top_k: i32[B] (0 = off), top_p: f32[B] (1 = off): see Sampling.
+        greedy: every row argmax, no sampler (static: its own executable).
     Returns:
         i32[B] token ids, -1 where a logit of the row is NaN or infinite.
     """
     finite = jnp.all(jnp.isfinite(logits), axis=-1)  # bool[B]
+    best = jnp.argmax(logits, axis=-1)  # i32[B]
     if greedy:
-        return jnp.where(finite, jnp.argmax(logits, axis=-1), -1).astype(jnp.int32)
-    logits = logits / temperature  # f32[B, V]
+        return jnp.where(finite, best, -1).astype(jnp.int32)
+    row_greedy = temperature == 0.0  # bool[B]
+    scaled = logits / jnp.where(row_greedy, 1.0, temperature)[:, None]  # f32[B, V]
     V = logits.shape[-1]
 
     def truncate(logits):
         sorted_desc = jnp.sort(logits, axis=-1)[:, ::-1]  # f32[B, V]
-        kth = sorted_desc[:, jnp.clip(top_k - 1, 0, V - 1)][:, None]  # f32[B, 1]
-        kth = jnp.where((top_k > 0) & (top_k < V), kth, -jnp.inf)
+        kth = jnp.take_along_axis(sorted_desc, jnp.clip(top_k - 1, 0, V - 1)[:, None], axis=-1)  # f32[B, 1]
+        kth = jnp.where(((top_k > 0) & (top_k < V))[:, None], kth, -jnp.inf)
         logits = jnp.where(logits < kth, -jnp.inf, logits)
         sorted_desc = jnp.where(sorted_desc < kth, -jnp.inf, sorted_desc)
         probs = jax.nn.softmax(sorted_desc, axis=-1)
         # Keep a token while the mass strictly before it is < top_p (the most likely token is always kept).
-        keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p  # bool[B, V]
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]  # bool[B, V]
         cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)  # f32[B, 1]
-        cutoff = jnp.where(top_p < 1.0, cutoff, -jnp.inf)
+        cutoff = jnp.where((top_p < 1.0)[:, None], cutoff, -jnp.inf)
         return jnp.where(logits < cutoff, -jnp.inf, logits)
 
-    logits = jax.lax.cond((top_k > 0) | (top_p < 1.0), truncate, lambda l: l, logits)
-    return jnp.where(finite, jax.random.categorical(key, logits, axis=-1), -1).astype(jnp.int32)
+    scaled = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)), truncate, lambda l: l, scaled)
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data), counters)  # [B] keys
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled)  # i32[B]
+    return jnp.where(finite, jnp.where(row_greedy, best, drawn), -1).astype(jnp.int32)

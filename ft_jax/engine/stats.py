@@ -55,8 +55,19 @@ def new_tally() -> dict:
     return dict(compile_s=0.0, xla_compiles=0, cache_hits=0, prefill_compiles=0, decode_compiles=0)
 
 
+def _counter_stats(per_layer: np.ndarray, steps: int, expert_bytes: int) -> dict:
+    """hit_rate, active/hits/misses/fetched/host per step, h2d_bytes_per_step and host_bytes_per_step of cache
+    counters i64[L, len(STAT_FIELDS)] over ``steps`` decode steps (None without a step or an active expert)."""
+    totals = dict(zip(STAT_FIELDS, per_layer.sum(axis=0).tolist()))
+    per_step = (lambda v: v / steps if steps else None)
+    return {"hit_rate": totals["hits"] / totals["active"] if totals["active"] else None,
+            **{f"{k}_per_step": per_step(totals[k]) for k in ("active", "hits", "misses", "fetched", "host")},
+            "h2d_bytes_per_step": per_step(totals["fetched"] * expert_bytes),
+            "host_bytes_per_step": per_step(totals["host"] * expert_bytes)}
+
+
 def generation_stats(engine, prompts, out, steps: int, times: tuple[float, float, float], tally: dict, kv_len: int,
-                     per_layer: np.ndarray) -> dict:
+                     per_layer: np.ndarray, per_device: np.ndarray | None = None) -> dict:
     """The statistics dict of one generate call: policy, fraction, num_slots, expert_bytes, batch_size, prompt_tokens,
     generated_tokens, ttft_s (wall time to the first token, compilation included), prefill_s, prefill_tokens_per_s,
     decode_s, decode_tokens (tokens produced by decode steps, i.e. after the first), decode_tokens_per_s (rates
@@ -64,16 +75,21 @@ def generation_stats(engine, prompts, out, steps: int, times: tuple[float, float
     call), prefill_compiles and decode_compiles (executables this call built: 0 once the shapes were seen),
     xla_compiles and cache_hits (of those, how many XLA compiled and how many came from the persistent compilation
     cache), kv_cache_len, decode_steps, weight_format (the experts' weight format name, e.g. "bf16", "q4_0"),
-    dense_weight_bytes (Engine.dense_bytes: the dense weights a step reads), and over the decode steps (None without
+    dense_weight_bytes (Engine.dense_bytes: the dense weights a step reads), host_bank_bytes (the bytes of this
+    process's expert banks: all experts, or with a mesh those of its devices), and over the decode steps (None without
     one): active/hits/misses/fetched/host per step (summed over MoE layers), hit_rate, h2d_bytes_per_step (slot
     fills), host_bytes_per_step (expert weights read by the CPU), weight_bytes_per_token (weights read per generated
     token: (dense_weight_bytes + active experts per step * expert_bytes) / batch size, every byte as stored),
-    per_layer (the raw counters).
+    per_layer (the raw counters), devices (N, the devices of the expert axis; 1 without a mesh) and, with a mesh,
+    per_device: one dict per device of the counter figures above (hit_rate, active/hits/misses/fetched/host per step,
+    h2d_bytes_per_step, host_bytes_per_step; the summed figures are theirs added up) and its per_layer counters.
+    num_slots is per device.
 
     Args:
         engine: the Engine (policy, num_slots, expert_bytes, weight_format, dense_bytes). prompts: B prompts; out: B generated id lists.
         steps: decode steps run. times: perf_counter at prefill start, first token, end. tally: new_tally().
-        kv_len: KV-cache length. per_layer: i64[L_moe, len(STAT_FIELDS)] cache counters of the decode steps.
+        kv_len: KV-cache length. per_layer: i64[L_moe, len(STAT_FIELDS)] cache counters of the decode steps, summed
+        over the devices. per_device: with a mesh, the same counters of every device i64[N, L_moe, len(STAT_FIELDS)].
     """
     t0, t_first, t_end = times
     B = len(prompts)
@@ -83,12 +99,18 @@ def generation_stats(engine, prompts, out, steps: int, times: tuple[float, float
     decode_s = max(t_end - t_first, 1e-9)
     totals = dict(zip(STAT_FIELDS, per_layer.sum(axis=0).tolist()))
     per_step = (lambda v: v / steps if steps else None)
+    devices = {"devices": 1 if per_device is None else len(per_device)}
+    if per_device is not None:
+        devices["per_device"] = [{**_counter_stats(d, steps, engine.expert_bytes),
+                                  "per_layer": {k: d[:, i].tolist() for i, k in enumerate(STAT_FIELDS)}}
+                                 for d in per_device]
     policy = engine.policy
     return {
         "policy": str(policy),
         "fraction": policy.frac if policy.kind is PolicyKind.QSTAR else None,
         "num_slots": engine.num_slots,
         "expert_bytes": engine.expert_bytes,
+        "host_bank_bytes": engine.host_bank_bytes,
         "weight_format": engine.weight_format.name,
         "dense_weight_bytes": engine.dense_bytes,
         "batch_size": B,
@@ -103,10 +125,8 @@ def generation_stats(engine, prompts, out, steps: int, times: tuple[float, float
         "decode_steps": steps,
         "decode_tokens_per_s": decode_tokens / decode_s if steps else None,
         **tally,
-        "hit_rate": totals["hits"] / totals["active"] if totals["active"] else None,
-        **{f"{k}_per_step": per_step(totals[k]) for k in ("active", "hits", "misses", "fetched", "host")},
-        "h2d_bytes_per_step": per_step(totals["fetched"] * engine.expert_bytes),
-        "host_bytes_per_step": per_step(totals["host"] * engine.expert_bytes),
+        **_counter_stats(per_layer, steps, engine.expert_bytes),
         "weight_bytes_per_token": per_step((engine.dense_bytes * steps + totals["active"] * engine.expert_bytes) / B),
         "per_layer": {k: per_layer[:, i].tolist() for i, k in enumerate(STAT_FIELDS)},
+        **devices,
     }

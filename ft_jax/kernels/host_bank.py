@@ -244,6 +244,34 @@ class HostBank:
 HUGE_PAGE_MIN_BYTES = 4 << 20
 
 
+def _huge_page_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised numpy array; from HUGE_PAGE_MIN_BYTES up in a 2 MiB-aligned anonymous mmap advised
+    MADV_HUGEPAGE (its first write commits transparent huge pages)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE_MIN_BYTES:
+        return np.empty(shape, dtype)
+    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pad = -_address(region) % _HUGE_PAGE  # to the next 2 MiB boundary
+    region.madvise(mmap.MADV_HUGEPAGE, pad, nbytes)
+    return np.frombuffer(region, dtype, math.prod(shape), pad).reshape(shape)
+
+
+def host_array(a: np.ndarray) -> jax.Array:
+    """A host numpy array (e.g. a read-only file view, SafetensorsCheckpoint.view) as a jax array on the default
+    device, copied at most once. On the CPU backend an array jax can use as it is (64-byte aligned) is aliased
+    (jax.device_put with may_alias: a file view stays the file's page-cache pages, nothing is copied, and jax keeps
+    the view alive); another is copied once onto huge pages (_huge_page_buffer), never through a temporary. Other
+    backends copy it to the device. For arrays that are never donated or written (parameters)."""
+    if jax.default_backend() == "cpu" and a.ctypes.data % _JAX_CPU_ALIGNMENT == 0 and a.flags.c_contiguous:
+        out = jax.device_put(a, may_alias=True)
+        if out.unsafe_buffer_pointer() == a.ctypes.data:
+            return out
+    buf = _huge_page_buffer(a.shape, a.dtype)
+    buf[...] = a
+    return jax.device_put(buf, may_alias=True)
+
+
 def stack_on_huge_pages(layers: Sequence[Sequence[np.ndarray]]) -> jax.Array:
     """Stack per-layer host arrays into one jax array, copying the data once.
 
@@ -264,16 +292,9 @@ def stack_on_huge_pages(layers: Sequence[Sequence[np.ndarray]]) -> jax.Array:
     if not layers or not layers[0]:
         raise ValueError("stack_on_huge_pages: no layers (or a layer without parts)")
     first = layers[0]
-    dtype = np.result_type(*first)
-    shape = (len(layers), sum(p.shape[0] for p in first), *first[0].shape[1:])
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_PAGE_MIN_BYTES:
-        out = np.empty(shape, dtype)
-    else:
-        region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        pad = -_address(region) % _HUGE_PAGE  # to the next 2 MiB boundary
-        region.madvise(mmap.MADV_HUGEPAGE, pad, nbytes)
-        out = np.frombuffer(region, dtype, math.prod(shape), pad).reshape(shape)
+    out = _huge_page_buffer((len(layers), sum(p.shape[0] for p in first), *first[0].shape[1:]),
+                            np.result_type(*first))
+    shape = out.shape
     for i, parts in enumerate(layers):
         if sum(p.shape[0] for p in parts) != shape[1]:
             raise ValueError(f"stack_on_huge_pages: layer {i} has {sum(p.shape[0] for p in parts)} rows, layer 0 "
@@ -286,6 +307,7 @@ def stack_on_huge_pages(layers: Sequence[Sequence[np.ndarray]]) -> jax.Array:
 
 
 _HUGE_PAGE = 2 << 20
+_JAX_CPU_ALIGNMENT = 64  # the CPU backend uses a numpy buffer in place only at this alignment (else it copies it)
 
 
 def _address(region: mmap.mmap) -> int:
@@ -302,15 +324,21 @@ def use_huge_pages(tree) -> int:
     for arrays on other devices, nothing happens.
 
     Args:
-        tree: a pytree of jax arrays (e.g. the nnx parameter state).
+        tree: a pytree of jax arrays (e.g. the nnx parameter state), on one device or sharded / replicated over
+            several (each addressable shard's buffer, once).
     Returns:
         how many buffers were moved onto huge pages.
     """
-    moved = 0
+    moved, seen = 0, set()
     for leaf in jax.tree_util.tree_leaves(tree):
-        if not isinstance(leaf, jax.Array) or leaf.nbytes < HUGE_PAGE_MIN_BYTES or leaf.is_deleted():
+        if not isinstance(leaf, jax.Array) or leaf.is_deleted():
             continue
-        if any(d.platform != "cpu" for d in leaf.devices()):
-            continue
-        moved += bool(_ffi.use_huge_pages(leaf.unsafe_buffer_pointer(), leaf.nbytes))
+        for shard in leaf.addressable_shards:  # one per device (a mesh's replicas may share one host buffer)
+            data = shard.data
+            if data.nbytes < HUGE_PAGE_MIN_BYTES or data.device.platform != "cpu":
+                continue
+            address = data.unsafe_buffer_pointer()
+            if address not in seen:
+                seen.add(address)
+                moved += bool(_ffi.use_huge_pages(address, data.nbytes))
     return moved

@@ -13,7 +13,7 @@ from flax import nnx
 
 from ft_jax.config import MoEConfig
 from ft_jax.models.layers import (HIGHEST, AttentionInputs, Stacked, apply_rope, attend_live_blocks, cache_store,
-                                  linear, rms_norm, rope_cos_sin)
+                                  linear, query_blocks, rms_norm, rope_cos_sin)
 
 
 class GroupedQueryAttention(nnx.Module):
@@ -66,27 +66,41 @@ class GroupedQueryAttention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         NH, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q, k, v = self._qkv(i, x, ctx.positions)  # [B, T, NH, D], [B, T, KVH, D], [B, T, KVH, D]
+        with jax.named_scope("qkv_proj"):
+            q, k, v = self._qkv(i, x, ctx.positions)  # [B, T, NH, D], [B, T, KVH, D], [B, T, KVH, D]
         k_cache, v_cache = cache
         k_cache = k_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(k), mode="drop")
         v_cache = v_cache.at[i, ctx.rows, ctx.write_idx].set(cache_store(v), mode="drop")
 
         G = NH // KVH  # query head h uses KV head h // G (transformers' repeat_kv)
-        qg = q.reshape(B, T, KVH, G, D)
+        # The queries of a KV head as the rows of one matrix [G T, D], and each block's keys and values per KV head
+        # [blk, D]: both products of a block are then plain batched matrix products whose results are laid out as
+        # the softmax reads them (the layout [B, T, KVH, G, D] made XLA transpose the scores twice per block, which
+        # cost 6x the products; docs/DESIGN.md sec. 16).
+        def attend(sub: AttentionInputs, q):  # the queries q [B, Tq, NH, D] -> [B, Tq, KVH, G, D] in q.dtype
+            Tq = q.shape[1]
+            qt = q.reshape(B, Tq, KVH, G, D).transpose(0, 2, 3, 1, 4).reshape(B, KVH, G * Tq, D)
 
-        def scores(blocks):  # keys [B, blk, KVH, D] -> f32[B, KVH, G, T, blk]
-            s = jnp.einsum("btkgd,bskd->bkgts", qg, blocks[0], precision=HIGHEST) * (D ** -0.5)
-            return s.astype(jnp.float32)
+            def scores(blocks):  # keys [B, blk, KVH, D] -> f32[B, KVH, G, Tq, blk]
+                keys = blocks[0].transpose(0, 2, 1, 3)  # [B, KVH, blk, D]
+                s = jnp.einsum("bkqd,bksd->bkqs", qt, keys, precision=HIGHEST) * (D ** -0.5)  # [B, KVH, G Tq, blk]
+                return s.astype(jnp.float32).reshape(B, KVH, G, Tq, -1)
 
-        def values(probs, blocks):  # probs [B, KVH, G, T, blk], values [B, blk, KVH, D] -> f32[B, T, KVH, G, D]
-            return jnp.einsum("bkgts,bskd->btkgd", probs, blocks[1], precision=HIGHEST,
-                              preferred_element_type=jnp.float32)
+            def values(probs, blocks):  # probs [B, KVH, G, Tq, blk], values [B, blk, KVH, D] -> f32[B, KVH, G Tq, D]
+                vals = blocks[1].transpose(0, 2, 1, 3)  # [B, KVH, blk, D]
+                return jnp.einsum("bkqs,bksd->bkqd", probs.reshape(B, KVH, G * Tq, -1), vals, precision=HIGHEST,
+                                  preferred_element_type=jnp.float32)
 
-        out = attend_live_blocks(ctx, (k_cache, v_cache), i, q.dtype, scores, values, (B, T, KVH, G, D),
-                                 sink=self._sink(i), window=self._window(i, k_cache.shape[2])).astype(q.dtype)
-        o = linear(out.reshape(B, T, NH * D), self.o[...], i)  # f32[B, T, H]
-        if self.o_bias is not None:
-            o = o + self.o_bias[...][i].astype(jnp.float32)
+            out = attend_live_blocks(sub, (k_cache, v_cache), i, q.dtype, scores, values, (B, KVH, G * Tq, D),
+                                     sink=self._sink(i), window=self._window(i, k_cache.shape[2]))
+            return out.reshape(B, KVH, G, Tq, D).transpose(0, 3, 1, 2, 4).astype(q.dtype)
+
+        with jax.named_scope("softmax_attention"):
+            out = jnp.concatenate([attend(sub, q[:, part]) for part, sub in query_blocks(ctx)], axis=1)
+        with jax.named_scope("o_proj"):
+            o = linear(out.reshape(B, T, NH * D), self.o[...], i)  # f32[B, T, H]
+            if self.o_bias is not None:
+                o = o + self.o_bias[...][i].astype(jnp.float32)
         return o.astype(x.dtype), (k_cache, v_cache)
 
     def _qkv(self, i, x, positions):

@@ -22,12 +22,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ft_jax.config import MoEConfig
+from ft_jax.kernels.host_bank import host_array
 from ft_jax.models.attention import GroupedQueryAttention
 from ft_jax.models.layers import (AttentionInputs, ParamFactory, Stacked, as_float, attention_inputs, cache_load,
-                                  cache_store, gated_mlp, linear, rms_norm)
+                                  gated_mlp, linear, rms_norm)
 from ft_jax.models.mla import MultiHeadLatentAttention
 from ft_jax.models.moe import DeepseekMoEBlock, ExpertBackend, MoEBlock
 from ft_jax.weight_formats import QuantizedTensor
@@ -91,10 +93,11 @@ class DenseMLP(nnx.Module):
 
 
 def _on_device(t):
-    """A factory's numpy array or QuantizedTensor (data and scales) as jax arrays."""
+    """A factory's numpy array or QuantizedTensor (data and scales) as jax arrays, copied at most once
+    (host_bank.host_array: a file view the CPU backend can use in place is not copied at all)."""
     if isinstance(t, QuantizedTensor):
-        return QuantizedTensor(jnp.asarray(t.data), jnp.asarray(t.scales), t.fmt)
-    return jnp.asarray(t)
+        return QuantizedTensor(host_array(t.data), host_array(t.scales), t.fmt)
+    return host_array(t)
 
 
 def _layer_kind(cfg: MoEConfig, layer: int) -> str:
@@ -139,10 +142,12 @@ class DecoderStack(nnx.Module):
         """Decoder layer i of the stack (the scan body). h: [B, T, H]; valid: bool[B, T].
         Returns (h, cache, expert_state, routing (router logits [N, E], topk ids [N, k], weights [N, k]) or None)."""
         eps = self.cfg.rms_norm_eps
-        a, cache = self.attn(i, rms_norm(h, self.input_norm[...][i], eps), ctx, cache)
+        with jax.named_scope("attention"):  # named scopes: the parts of a profile (scripts/profile_prefill.py)
+            a, cache = self.attn(i, rms_norm(h, self.input_norm[...][i], eps), ctx, cache)
         h = h + a
-        y, expert_state, routing = self.ffn(i, rms_norm(h, self.post_norm[...][i], eps), valid, expert_state,
-                                            experts)
+        with jax.named_scope("ffn"):
+            y, expert_state, routing = self.ffn(i, rms_norm(h, self.post_norm[...][i], eps), valid, expert_state,
+                                                experts)
         return h + y, cache, expert_state, routing
 
     def __call__(self, h, cache, ctx: AttentionInputs, valid, expert_state, experts: ExpertBackend,
@@ -175,7 +180,8 @@ class MoETransformer(nnx.Module):
         # gather (a 250 MiB copy per step for a 32000 x 2048 vocabulary). take_rows and linear read the bits. The
         # table is gathered (and read by the tied lm_head), so a quantized one is dequantized here.
         embed = as_float(make("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), "weight"), norm.dtype)
-        self.embed_tokens = nnx.Param(cache_store(jnp.asarray(embed)))
+        bits = embed.view(np.uint16) if embed.dtype == jnp.bfloat16 else embed  # cache_store's form, in numpy
+        self.embed_tokens = nnx.Param(host_array(bits))
         runs = itertools.groupby(range(cfg.num_layers), key=lambda l: _layer_kind(cfg, l))
         self.stacks = nnx.List([DecoderStack(cfg, make, tuple(layers)) for _, layers in runs])
         self.norm = nnx.Param(jnp.asarray(norm))
@@ -220,10 +226,11 @@ class MoETransformer(nnx.Module):
                 hidden.append(ys[0])
                 if ys[1] is not None:
                     routing.append(ys[1])
-        h = rms_norm(h, self.norm[...], cfg.rms_norm_eps)
-        head = self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
-        h_out = h[:, -1:] if last_logits_only else h
-        logits = linear(h_out, head)  # f32[B, T, V]
+        with jax.named_scope("lm_head"):
+            h = rms_norm(h, self.norm[...], cfg.rms_norm_eps)
+            head = self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
+            h_out = h[:, -1:] if last_logits_only else h
+            logits = linear(h_out, head)  # f32[B, T, V]
         kv_cache = KVCache(tuple(caches))
         if not collect:
             return logits, kv_cache, expert_state

@@ -39,8 +39,8 @@ For kind "weight" of a 2-D matrix [rows, cols] the factory may instead return a 
 ft_jax.weight_formats.QuantizedTensor (one matrix: data [rows, cols / values_per_item], scales
 fmt.scale_shape(rows, cols); logical shape == shape): the model keeps it as stored and every projection read through
 :func:`linear` dequantizes it per call. Weights read any other way (embeddings, the tied lm_head through
-embed_tokens, MLA's kv_b_proj absorbed into W_uk^T / W_uv) are dequantized to the model dtype at construction
-(:meth:`Stacked.dense`). Norms and biases are always arrays."""
+embed_tokens) are dequantized to the model dtype at construction; MLA's kv_b_proj, split per head into W_uk^T /
+W_uv, keeps fp8 as stored (ft_jax/models/mla.py). Norms and biases are always arrays."""
 
 
 def random_param_factory(seed: int = 0, dtype=np.float32, std: float = 0.02) -> ParamFactory:
@@ -89,9 +89,10 @@ def _one_format(ts: list, what: str) -> list:
                      f"({', '.join(sorted(f'{f.name} {list(f.block)}' for f in fmts))}); one parameter needs one")
 
 
-def _stack(ts: list, what: str):
-    """One tensor per layer -> [n, ...] on the device: a jax array, or a QuantizedTensor of stacked data / scales
-    (written once onto huge pages, host_bank.stack_on_huge_pages)."""
+def stack(ts: list, what: str):
+    """One tensor per layer (numpy arrays or QuantizedTensors; ``what`` names them in errors) -> [n, ...] on the
+    device: a jax array, or a QuantizedTensor of stacked data / scales (written once onto huge pages,
+    host_bank.stack_on_huge_pages)."""
     ts = _one_format(ts, what)
     if isinstance(ts[0], QuantizedTensor):
         data = stack_on_huge_pages([[t.data] for t in ts])  # [n, ...]
@@ -131,18 +132,18 @@ class Stacked:
         return t
 
     def __call__(self, suffix: str, shape: tuple[int, ...], kind: str = "weight") -> nnx.Param:
-        return nnx.Param(_stack([self._read(suffix, shape, kind, l) for l in self.layers], suffix))
+        return nnx.Param(stack([self._read(suffix, shape, kind, l) for l in self.layers], suffix))
 
     def rows(self, parts: list[tuple[str, tuple[int, ...]]], kind: str = "weight") -> nnx.Param:
         """Concatenates several tensors of each layer along their first axis (fused q/k/v or gate/up)."""
         what = " + ".join(s for s, _ in parts)
-        return nnx.Param(_stack([_concat_rows([self._read(s, shape, kind, l) for s, shape in parts], what)
+        return nnx.Param(stack([_concat_rows([self._read(s, shape, kind, l) for s, shape in parts], what)
                                  for l in self.layers], what))
 
-    def dense(self, suffix: str, shape: tuple[int, ...], dtype, kind: str = "weight") -> jax.Array:
-        """[n, *shape] as a plain jax array in ``dtype`` (the model dtype): for weights read other than through
-        :func:`linear` (MLA's kv_b_proj); a quantized tensor is dequantized here, once (:func:`as_float`)."""
-        return jnp.asarray(np.stack([as_float(self._read(suffix, shape, kind, l), dtype) for l in self.layers]))
+    def each(self, suffix: str, shape: tuple[int, ...], kind: str = "weight") -> list:
+        """The factory's tensor of every layer (numpy arrays or QuantizedTensors of ``shape``) in one storage format,
+        for a parameter the model rearranges before stacking it (:func:`stack`; MLA's kv_b_proj split per head)."""
+        return _one_format([self._read(suffix, shape, kind, l) for l in self.layers], suffix)
 
 
 class AttentionInputs(NamedTuple):
@@ -168,6 +169,21 @@ def attention_inputs(positions: jax.Array, max_len: int) -> AttentionInputs:
 # Keys per block of the decode/prefill attention loop over the live part of the KV cache (measured: docs/DESIGN.md
 # sec. 11, "Attention over the live KV blocks").
 KV_BLOCK = 128
+# Queries per block of a prefill chunk's attention (query_blocks; docs/DESIGN.md sec. 16).
+QUERY_BLOCK = 128
+
+
+def query_blocks(ctx: AttentionInputs, block: int | None = None) -> list[tuple[slice, AttentionInputs]]:
+    """The queries of a step in consecutive blocks of ``block`` (default QUERY_BLOCK) tokens: [(static slice of the
+    T axis, the AttentionInputs of those queries)]. Attending block by block, each block reads the keys up to its own
+    last position (attend_live_blocks' trip count), so a prefill chunk's first queries skip the key blocks above the
+    causal diagonal (the chunk's later keys). A step of at most one block (decode) is one block."""
+    T = ctx.positions.shape[1]
+    qb = QUERY_BLOCK if block is None else block
+    if T <= qb:
+        return [(slice(0, T), ctx)]
+    return [(slice(q0, min(T, q0 + qb)), AttentionInputs(*(a[:, q0:q0 + qb] for a in ctx)))
+            for q0 in range(0, T, qb)]
 
 
 def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], layer, dtype,
@@ -175,8 +191,10 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
                        sink: jax.Array | None = None, window=None, block: int | None = None) -> jax.Array:
     """Softmax attention over the live KV blocks of layer ``layer``: keys 0 .. max(positions) of the cache only.
 
-    Two loops of ceil((max(positions) + 1) / block) iterations (a traced trip count: one executable for any live
-    length): the first reads the keys block by block and keeps each query's running max m and normaliser l (online
+    Two loops over the key blocks from the first one a query can see to ceil((max(positions) + 1) / block) (traced
+    trip counts: one executable for any live length; with a sliding window the loops start at the block of the
+    earliest position a query's window reaches, so a window layer reads the blocks inside the windows only): the
+    first reads the keys block by block and keeps each query's running max m and normaliser l (online
     softmax, with the sink logit as one more key when given); the second reads keys and values again and adds
     (exp(s - m) / l rounded to ``dtype``) @ values per block in float32. The weights are the ones a full softmax
     over the visible keys gives (normalised before the rounding to ``dtype``, as transformers does). A block that
@@ -198,6 +216,10 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
     blk = min(KV_BLOCK if block is None else block, S)
     live = jnp.max(ctx.positions) + 1
     num_blocks = jnp.maximum(1, (live + blk - 1) // blk)
+    first_block = jnp.int32(0)
+    if window is not None:  # the block of the earliest key any query's window reaches (padding queries see none)
+        earliest = jnp.min(jnp.where(ctx.positions >= 0, ctx.positions, jnp.iinfo(jnp.int32).max // 2)) - window + 1
+        first_block = jnp.minimum(jnp.maximum(earliest, 0) // blk, num_blocks).astype(jnp.int32)
     fmin = jnp.finfo(jnp.float32).min
 
     def load(j):
@@ -234,13 +256,13 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
         ml0 = (jnp.full(stat_shape, fmin), jnp.zeros(stat_shape, jnp.float32))
     else:
         ml0 = (jnp.broadcast_to(sink, stat_shape).astype(jnp.float32), jnp.ones(stat_shape, jnp.float32))
-    m, l = jax.lax.fori_loop(0, num_blocks, stats, ml0)
+    m, l = jax.lax.fori_loop(first_block, num_blocks, stats, ml0)
 
     def accumulate(j, acc):
         blocks, s = load(j)
         return acc + values_fn((jnp.exp(s - m) / l).astype(dtype), blocks)
 
-    return jax.lax.fori_loop(0, num_blocks, accumulate, jnp.zeros(out_shape, jnp.float32))
+    return jax.lax.fori_loop(first_block, num_blocks, accumulate, jnp.zeros(out_shape, jnp.float32))
 
 
 def linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer=None) -> jax.Array:

@@ -12,12 +12,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ft_jax.config import MoEConfig
 from ft_jax.kernels import ffi_ops
-from ft_jax.models.layers import (HIGHEST, AttentionInputs, Stacked, apply_rope, attend_live_blocks, cache_store,
-                                  linear, rms_norm, rope_cos_sin)
+from ft_jax.models.layers import (HIGHEST, AttentionInputs, Stacked, apply_rope, as_float, attend_live_blocks,
+                                  cache_store, linear, query_blocks, rms_norm, rope_cos_sin, stack)
+from ft_jax.weight_formats import QuantizedTensor, dequantize_jnp, fp8, fp8_rowwise
 
 
 def mla_softmax_scale(cfg: MoEConfig) -> float:
@@ -31,11 +33,12 @@ def mla_softmax_scale(cfg: MoEConfig) -> float:
     return scale
 
 
-def per_head_linear(x: jax.Array, w: jax.Array, layer, num_heads: int) -> jax.Array:
+def per_head_linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer, num_heads: int) -> jax.Array:
     """y[n, h, o] = sum_k x[n, h, k] * w[layer * num_heads + h, o, k], float32 accumulation.
 
     Args:
-        x: f32 | bf16 [N, NH, K]. w: f32 | bf16 [n * NH, O, K]: head h of layer l at row l * NH + h.
+        x: f32 | bf16 [N, NH, K]. w: f32 | bf16 [n * NH, O, K], or an fp8 QuantizedTensor of that logical shape
+            (read as stored): head h of layer l at row l * NH + h.
         layer: i32[] index into the stack (traced inside the layer scan). num_heads: NH.
     Returns:
         f32[N, NH, O].
@@ -47,18 +50,69 @@ def per_head_linear(x: jax.Array, w: jax.Array, layer, num_heads: int) -> jax.Ar
     return jax.lax.platform_dependent(x, w, base, cpu=_heads_ffi, default=_heads_dot)
 
 
-def _heads_ffi(x: jax.Array, w: jax.Array, base: jax.Array) -> jax.Array:
+def _heads_ffi(x: jax.Array, w, base: jax.Array) -> jax.Array:
     """per_head_linear with heads base .. base + NH - 1 of w, one ffi_ops.linear call per head. x [N, NH, K]."""
     NH = x.shape[1]
-    ys = jax.lax.map(lambda hx: ffi_ops.linear(hx[1], w, base + hx[0]),
+    if isinstance(w, QuantizedTensor):
+        def gemv(xh, head):  # the stored bytes, dequantized in registers
+            return ffi_ops.linear(xh, w.data, head, scales=w.scales, weight_format=w.fmt)
+    else:
+        def gemv(xh, head):
+            return ffi_ops.linear(xh, w, head)
+    ys = jax.lax.map(lambda hx: gemv(hx[1], base + hx[0]),
                      (jnp.arange(NH, dtype=jnp.int32), jnp.swapaxes(x, 0, 1)))  # [NH, N, O]
     return jnp.swapaxes(ys, 0, 1)
 
 
-def _heads_dot(x: jax.Array, w: jax.Array, base: jax.Array) -> jax.Array:
-    """per_head_linear as one batched XLA dot over w[base : base + NH]. x [N, NH, K]."""
-    wl = jax.lax.dynamic_slice_in_dim(w, base, x.shape[1])  # [NH, O, K]
+def _heads_dot(x: jax.Array, w, base: jax.Array) -> jax.Array:
+    """per_head_linear as one batched XLA dot over w[base : base + NH] (an fp8 w dequantized to x's dtype).
+    x [N, NH, K]."""
+    NH = x.shape[1]
+    if isinstance(w, QuantizedTensor):
+        part = QuantizedTensor(jax.lax.dynamic_slice_in_dim(w.data, base, NH),
+                               jax.lax.dynamic_slice_in_dim(w.scales, base, NH), w.fmt)
+        wl = dequantize_jnp(part, x.dtype)  # [NH, O, K]
+    else:
+        wl = jax.lax.dynamic_slice_in_dim(w, base, NH)  # [NH, O, K]
     return jnp.einsum("nhk,hok->nho", x.astype(wl.dtype), wl, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+def split_kv_b(t, num_heads: int, dn: int, dv: int) -> tuple[list, list]:
+    """One layer's kv_b_proj [NH (dn + dv), C] split per head into (W_uk^T [C, dn] of every head, W_uv [dv, C] of
+    every head), as numpy arrays, or as fp8 QuantizedTensors when it is stored in fp8 (read as stored, never
+    dequantized; the values are exactly the stored ones):
+
+    - W_uv of head h: rows h (dn + dv) + dn .. (h + 1)(dn + dv) of the matrix with one scale row per matrix row
+      (fp8_rowwise: format fp8((1, bc))), so any block rows slice per head.
+    - W_uk^T of head h: the transpose of rows h (dn + dv) .. h (dn + dv) + dn, format fp8((bc, g)) with
+      g = gcd(br, dn + dv): a g-wide column group of the transpose comes from g consecutive rows starting at a
+      multiple of g, which lie in one block row of the stored grid (g divides br), so the transpose's scale of
+      (column block c, group j) is the stored scale of block (row (h (dn + dv) + j g) // br, c). DeepSeek-V3's
+      dn = dv = br = bc = 128 gives g = 128: fp8((128, 128)) as stored.
+
+    Other formats (q8_0 / q4_0 from --quantize) must be dequantized by the caller first.
+
+    Args:
+        t: numpy [NH (dn + dv), C] or an fp8 QuantizedTensor of that logical shape. num_heads: NH.
+        dn: qk_nope_head_dim. dv: v_head_dim.
+    Returns:
+        (uk_t, uv): lists of NH arrays / QuantizedTensors [C, dn] and [dv, C].
+    """
+    w = dn + dv
+    if not isinstance(t, QuantizedTensor):
+        heads = t.reshape(num_heads, w, -1)  # [NH, dn + dv, C]
+        return [heads[h, :dn].T for h in range(num_heads)], [heads[h, dn:] for h in range(num_heads)]
+    br, bc = t.fmt.block
+    rowwise = fp8_rowwise(t)  # scales [NH (dn + dv), ceil(C / bc)]
+    uv = [QuantizedTensor(t.data[h * w + dn:(h + 1) * w], rowwise.scales[h * w + dn:(h + 1) * w], rowwise.fmt)
+          for h in range(num_heads)]
+    g = math.gcd(br, w)
+    uk_fmt = fp8((bc, g))
+    uk = []
+    for h in range(num_heads):
+        groups = (h * w + np.arange(0, dn, g)) // br  # stored block row of each g-wide column group
+        uk.append(QuantizedTensor(t.data[h * w:h * w + dn].T, np.asarray(t.scales)[groups].T, uk_fmt))  # [C, dn]
+    return uk, uv
 
 
 def _deinterleave(x: jax.Array) -> jax.Array:
@@ -74,7 +128,7 @@ class MultiHeadLatentAttention(nnx.Module):
     kv_a_proj_with_mqa [C + dr, H] fused into one [n, Q + C + dr, H] projection (+ bias with attention_bias),
     q_a_layernorm [n, Q], q_b_proj [n, NH (dn + dr), Q]; without, q_proj [n, NH (dn + dr), H] and kv_a_proj_with_mqa
     [n, C + dr, H] (+ bias). kv_a_layernorm [n, C]; kv_b_proj [NH (dn + dv), C] kept as W_uk^T [n * NH, C, dn] and
-    W_uv [n * NH, dv, C] (per head, for per_head_linear); o_proj [n, H, NH dv] (+ bias).
+    W_uv [n * NH, dv, C] (per head, for per_head_linear; fp8 as stored, split_kv_b); o_proj [n, H, NH dv] (+ bias).
     KV cache of the stack: (latent [n, B, S, C], rope_key [n, B, S, dr]).
     """
 
@@ -99,13 +153,14 @@ class MultiHeadLatentAttention(nnx.Module):
             self.q_a_norm = self.q_b = None
             self.q_proj = p(f"{a}.q_proj.weight", (NH * (dn + dr), H))  # [n, NH (dn + dr), H]; never a bias
         self.kv_a_norm = p(f"{a}.kv_a_layernorm.weight", (C,), "norm")  # [n, C]
-        # [n, NH (dn + dv), C] in the model dtype: read per head (per_head_linear), so a quantized kv_b_proj is
-        # dequantized here once
-        kv_b = p.dense(f"{a}.kv_b_proj.weight", (NH * (dn + dv), C), self.kv_a_norm[...].dtype)
-        n = kv_b.shape[0]
-        kv_b = kv_b.reshape(n, NH, dn + dv, C)
-        self.w_uk_t = nnx.Param(jnp.swapaxes(kv_b[:, :, :dn], -1, -2).reshape(n * NH, C, dn))  # [n NH, C, dn]
-        self.w_uv = nnx.Param(kv_b[:, :, dn:].reshape(n * NH, dv, C))  # [n NH, dv, C]
+        # kv_b_proj [NH (dn + dv), C] per layer, read per head (per_head_linear): fp8 as stored (split_kv_b), other
+        # quantized formats dequantized here once
+        dtype = self.kv_a_norm[...].dtype
+        kv_b = [t if not isinstance(t, QuantizedTensor) or t.fmt.name == "fp8" else as_float(t, dtype)
+                for t in p.each(f"{a}.kv_b_proj.weight", (NH * (dn + dv), C))]
+        heads = [split_kv_b(t, NH, dn, dv) for t in kv_b]
+        self.w_uk_t = nnx.Param(stack([uk for layer in heads for uk in layer[0]], "kv_b_proj (W_uk^T)"))  # [n NH, C, dn]
+        self.w_uv = nnx.Param(stack([uv for layer in heads for uv in layer[1]], "kv_b_proj (W_uv)"))  # [n NH, dv, C]
         self.o = p(f"{a}.o_proj.weight", (H, NH * dv))  # [n, H, NH dv]
         self.o_bias = p(f"{a}.o_proj.bias", (H,), "bias") if cfg.o_bias else None
 
@@ -151,18 +206,30 @@ class MultiHeadLatentAttention(nnx.Module):
         q_lat = per_head_linear(q_nope.reshape(B * T, NH, dn), self.w_uk_t[...], i, NH)  # f32[B T, NH, C]
         q_lat = q_lat.astype(x.dtype).reshape(B, T, NH, C)
 
-        def scores(blocks):  # latents [B, blk, C], rope keys [B, blk, dr] -> f32[B, NH, T, blk]
-            latents, rope_keys = blocks
-            return (jnp.einsum("bthc,bsc->bhts", q_lat, latents, precision=HIGHEST, preferred_element_type=jnp.float32)
-                    + jnp.einsum("bthr,bsr->bhts", q_pe, rope_keys, precision=HIGHEST,
-                                 preferred_element_type=jnp.float32)) * self.scale
+        def attend(sub: AttentionInputs, q_lat, q_pe):  # [B, Tq, NH, C], [B, Tq, NH, dr] -> [B, Tq, NH, C]
+            Tq = q_lat.shape[1]
+            # Every head's queries as the rows of one matrix [NH Tq, .] (all heads share the latent keys): a block's
+            # products are plain batched matrix products laid out as the softmax reads them (as in attention.py).
+            q_lat_t = q_lat.transpose(0, 2, 1, 3).reshape(B, NH * Tq, C)
+            q_pe_t = q_pe.transpose(0, 2, 1, 3).reshape(B, NH * Tq, dr)
 
-        def values(probs, blocks):  # probs [B, NH, T, blk] -> f32[B, T, NH, C]
-            return jnp.einsum("bhts,bsc->bthc", probs, blocks[0], precision=HIGHEST,
-                              preferred_element_type=jnp.float32)
+            def scores(blocks):  # latents [B, blk, C], rope keys [B, blk, dr] -> f32[B, NH, Tq, blk]
+                latents, rope_keys = blocks
+                s = (jnp.einsum("bqc,bsc->bqs", q_lat_t, latents, precision=HIGHEST,
+                                preferred_element_type=jnp.float32)
+                     + jnp.einsum("bqr,bsr->bqs", q_pe_t, rope_keys, precision=HIGHEST,
+                                  preferred_element_type=jnp.float32)) * self.scale  # [B, NH Tq, blk]
+                return s.reshape(B, NH, Tq, -1)
 
-        o_lat = attend_live_blocks(ctx, (latent_cache, rope_cache), i, x.dtype, scores, values,
-                                   (B, T, NH, C)).astype(x.dtype)  # [B, T, NH, C]
+            def values(probs, blocks):  # probs [B, NH, Tq, blk] -> f32[B, NH Tq, C]
+                return jnp.einsum("bqs,bsc->bqc", probs.reshape(B, NH * Tq, -1), blocks[0], precision=HIGHEST,
+                                  preferred_element_type=jnp.float32)
+
+            o = attend_live_blocks(sub, (latent_cache, rope_cache), i, x.dtype, scores, values, (B, NH * Tq, C))
+            return o.reshape(B, NH, Tq, C).transpose(0, 2, 1, 3).astype(x.dtype)
+
+        o_lat = jnp.concatenate([attend(sub, q_lat[:, part], q_pe[:, part]) for part, sub in query_blocks(ctx)],
+                                axis=1)  # [B, T, NH, C]
         # absorbed W_uv: out[h] = W_uv[h] o_lat[h]
         out = per_head_linear(o_lat.reshape(B * T, NH, C), self.w_uv[...], i, NH).astype(x.dtype)  # [B T, NH, dv]
         o = linear(out.reshape(B, T, NH * cfg.v_head_dim), self.o[...], i)  # f32[B, T, H]

@@ -54,16 +54,20 @@ class MoEBlock(nnx.Module):
         cfg = self.cfg
         B, T, H = x.shape
         xf = x.reshape(B * T, H)  # [N, H]
-        logits = linear(xf, self.router[...], i)  # f32[N, E]
-        if self.router_bias is not None:
-            logits = logits + self.router_bias[...][i].astype(jnp.float32)
-        logits = logits.astype(x.dtype).astype(jnp.float32)  # rounded to the model dtype, as transformers
-        r = route(cfg, logits, valid.reshape(B * T))
-        routed, expert_state = experts(jnp.int32(self.moe_base) + i, xf, r.topk_ids, r.topk_weights, expert_state)
+        with jax.named_scope("router"):
+            logits = linear(xf, self.router[...], i)  # f32[N, E]
+            if self.router_bias is not None:
+                logits = logits + self.router_bias[...][i].astype(jnp.float32)
+            logits = logits.astype(x.dtype).astype(jnp.float32)  # rounded to the model dtype, as transformers
+            r = route(cfg, logits, valid.reshape(B * T))
+        with jax.named_scope("experts"):
+            routed, expert_state = experts(jnp.int32(self.moe_base) + i, xf, r.topk_ids, r.topk_weights,
+                                           expert_state)
         y = routed.astype(x.dtype)  # [N, H]
         if self.shared_gate_up is not None:
-            gate = jax.nn.sigmoid(linear(xf, self.shared_gate[...], i).astype(x.dtype))  # [N, 1]
-            y = y + gate * gated_mlp(xf, self.shared_gate_up[...], self.shared_down[...], i, cfg.activation)
+            with jax.named_scope("shared_experts"):
+                gate = jax.nn.sigmoid(linear(xf, self.shared_gate[...], i).astype(x.dtype))  # [N, 1]
+                y = y + gate * gated_mlp(xf, self.shared_gate_up[...], self.shared_down[...], i, cfg.activation)
         return y.reshape(B, T, H), expert_state, (r.logits, r.topk_ids, r.topk_weights)
 
 
@@ -93,12 +97,16 @@ class DeepseekMoEBlock(nnx.Module):
         cfg = self.cfg
         B, T, H = x.shape
         xf = x.reshape(B * T, H)  # [N, H]
-        logits = linear(xf.astype(jnp.float32), self.router[...], i)  # f32[N, E], as transformers: all in float32
-        bias = None if self.score_bias is None else self.score_bias[...][i]
-        r = route_deepseek(cfg, logits, valid.reshape(B * T), bias)
-        routed, expert_state = experts(jnp.int32(self.moe_base) + i, xf, r.topk_ids, r.topk_weights, expert_state)
+        with jax.named_scope("router"):
+            logits = linear(xf.astype(jnp.float32), self.router[...], i)  # f32[N, E], as transformers: in float32
+            bias = None if self.score_bias is None else self.score_bias[...][i]
+            r = route_deepseek(cfg, logits, valid.reshape(B * T), bias)
+        with jax.named_scope("experts"):
+            routed, expert_state = experts(jnp.int32(self.moe_base) + i, xf, r.topk_ids, r.topk_weights,
+                                           expert_state)
         y = routed.astype(x.dtype)  # [N, H]
         if self.shared_gate_up is not None:
-            y = y + gated_mlp(xf, self.shared_gate_up[...], self.shared_down[...], i, cfg.activation)
+            with jax.named_scope("shared_experts"):
+                y = y + gated_mlp(xf, self.shared_gate_up[...], self.shared_down[...], i, cfg.activation)
         return y.reshape(B, T, H), expert_state, (r.logits, r.topk_ids, r.topk_weights)
 

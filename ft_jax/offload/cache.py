@@ -331,22 +331,32 @@ def _fill_tables(state: CacheState, layer, active, lay: _Layer, count, P: int):
     return slot_of_expert, expert_of_slot, state.usage.at[usage_slots].set(state.step, mode="drop"), fills
 
 
-def _lane_call(state: CacheState, tables, candidate, layer, active, costs, P: int):
+def _fetchable_misses(lay: _Layer, fetchable) -> _Layer:
+    """The layer's view with only the misses the policy may fetch (plan_layer's `fetchable` bool[E]; None: all)."""
+    if fetchable is None:
+        return lay
+    miss = lay.miss & fetchable
+    return lay._replace(miss=miss, m=jnp.sum(miss, dtype=jnp.int32))
+
+
+def _lane_call(state: CacheState, tables, candidate, layer, active, costs, P: int, fetchable):
     """One lane's plan of this call (vmapped over the lanes): the real cache's recency and step with the lane's own
     tables (slot_of_expert i32[L, E], expert_of_slot i32[S], usage i32[S], reuse i32[2]) and the split of its
-    candidate (i32[], index into AUTO_CANDIDATES). Returns (the lane's new tables, its modelled ticks i32[])."""
+    candidate (i32[], index into AUTO_CANDIDATES) among the fetchable misses (bool[E] or None: all). Returns (the
+    lane's new tables, its modelled ticks i32[])."""
     lane = state._replace(slot_of_expert=tables[0], expert_of_slot=tables[1], usage=tables[2], reuse=tables[3],
                           lanes=None)
     lay = _classify(lane, layer, active)
     reuse = _observe_misses(lane, layer, lay)
+    wanted = _fetchable_misses(lay, fetchable)
     evictable = jnp.sum(_eligible_slots(lane, lay, active), dtype=jnp.int32)
-    count = auto_candidate_counts(costs, lay.m, lay.n_hits, evictable, reuse, P)[candidate]
-    slot_of_expert, expert_of_slot, usage, _ = _fill_tables(lane, layer, active, lay, count, P)
+    count = auto_candidate_counts(costs, wanted.m, lay.n_hits, evictable, reuse, P)[candidate]
+    slot_of_expert, expert_of_slot, usage, _ = _fill_tables(lane, layer, active, wanted, count, P)
     ticks = auto_layer_ticks(costs, lay.m, lay.n_hits, count)
     return (slot_of_expert, expert_of_slot, usage, reuse), ticks
 
 
-def _advance_lanes(state: CacheState, layer, active, costs, P: int) -> LaneState:
+def _advance_lanes(state: CacheState, layer, active, costs, P: int, fetchable) -> LaneState:
     """auto, step 2b (docs/policies.md, "The auto rule"): when a window of AUTO_WINDOW_TOKENS calls of every layer has
     ended, the candidate that cost least in it becomes the leader (the current one on ties) and every lane restarts
     from a copy of the real cache's tables with the costs at 0; then every lane plans this call with its candidate's
@@ -362,8 +372,8 @@ def _advance_lanes(state: CacheState, layer, active, costs, P: int) -> LaneState
     tables = tuple(jnp.where(boundary, jnp.broadcast_to(r, t.shape), t)
                    for r, t in zip(real, (lanes.slot_of_expert, lanes.expert_of_slot, lanes.usage, lanes.reuse)))
     cost = jnp.where(boundary, 0, lanes.cost)
-    tables, ticks = jax.vmap(_lane_call, in_axes=(None, 0, 0, None, None, None, None))(
-        state, tables, jnp.arange(1, K + 1, dtype=jnp.int32), layer, active, costs, P)  # ticks i32[K]
+    tables, ticks = jax.vmap(_lane_call, in_axes=(None, 0, 0, None, None, None, None, None))(
+        state, tables, jnp.arange(1, K + 1, dtype=jnp.int32), layer, active, costs, P, fetchable)  # ticks i32[K]
     cold = auto_layer_ticks(costs, jnp.sum(active, dtype=jnp.int32), 0, 0)  # host-all from a cold cache
     ticks = jnp.concatenate([cold[None], ticks])  # i32[C]
     cost = jnp.minimum(cost, AUTO_MAX_COST) + jnp.clip(ticks, 0, AUTO_MAX_COST)  # no int32 overflow: < 2^31
@@ -371,8 +381,8 @@ def _advance_lanes(state: CacheState, layer, active, costs, P: int) -> LaneState
                      window_start=jnp.where(boundary, state.step, lanes.window_start))
 
 
-def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int | None = None
-               ) -> tuple[CacheState, LayerPlan]:
+def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int | None = None,
+               fetchable=None) -> tuple[CacheState, LayerPlan]:
     """Plan one MoE layer's experts and update the cache tables (rules: module docstring, docs/DESIGN.md sec. 1-3).
 
     Steps: 1 classify hits and misses; 2 F from the policy's split (policy.fetch_split; auto first counts its repeat
@@ -389,6 +399,8 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
         policy: Policy; "resident" requires S == L*E (init_cache_state_resident).
         max_active: static bound on the number of active experts (T * k for T tokens of top-k routing), which
             bounds the fills: P = min(E, S, max_active). None: P = min(E, S).
+        fetchable: bool[E], the misses the policy may fetch (prefill: the experts routed enough tokens to be worth
+            their fill, OffloadedExperts.fetch_min_tokens); the others are computed on the host. None: every miss.
     Returns:
         (new_state, LayerPlan). new_state.step = state.step + 1.
     Raises:
@@ -411,11 +423,12 @@ def plan_layer(state: CacheState, layer, active, policy: Policy, max_active: int
         leader = None
         if policy.kind is PolicyKind.AUTO:
             reuse = _observe_misses(state, layer, lay)  # 2a
-            lanes = _advance_lanes(state, layer, active, policy.costs, P)  # 2b
+            lanes = _advance_lanes(state, layer, active, policy.costs, P, fetchable)  # 2b
             leader = lanes.leader
+        wanted = _fetchable_misses(lay, fetchable)
         evictable = jnp.sum(_eligible_slots(state, lay, active), dtype=jnp.int32)
-        count = fetch_split(policy, lay.m, lay.n_hits, evictable, reuse, P, leader)  # 2: F
-        slot_of_expert, expert_of_slot, usage, fills = _fill_tables(state, layer, active, lay, count, P)  # 3-5
+        count = fetch_split(policy, wanted.m, lay.n_hits, evictable, reuse, P, leader)  # 2: F
+        slot_of_expert, expert_of_slot, usage, fills = _fill_tables(state, layer, active, wanted, count, P)  # 3-5
         fetch, fill_flat_ids, fill_slot_ids = fills.fetch, fills.flat_ids, fills.slot_ids
 
     # 5: every active expert gets recency = step; the stats.

@@ -436,3 +436,55 @@ def parse_bandwidth(spec: str) -> dict | None:
     bpc, bhc = (values[2], values[3]) if len(values) == 4 else (None, None)
     return {"bp": values[0], "bh": values[1], "bp_contended": bpc, "bh_contended": bhc,
             "source": f"--bandwidth {spec}", "name": spec}
+
+
+# --- Prefill: an expert's host time grows with its tokens (issue 20 item 5) ---------------------------------------------
+
+PREFILL_NEVER = 2**31 - 1  # a minimum token count no expert reaches: prefill fetches no miss
+# Dense bf16 FLOP/s assumed for a GPU's expert matrix products when none is measured (a consumer GPU's tensor cores
+# give ~165 TFLOP/s, a data-center one several hundred): a device expert's time is then its weight read, S_e/BD,
+# up to thousands of tokens.
+ASSUMED_DEVICE_TFLOPS = 100.0
+
+
+def expert_flops_per_token(hidden: int, inter: int) -> float:
+    """FLOPs one token costs in one expert: 2 * 3 * H * I (the gate, up and down products, a multiply-add = 2)."""
+    return 6.0 * hidden * inter
+
+
+def prefill_expert_ms(c: PathCosts, tokens, host_ms_per_token: float, device_ms_per_token: float):
+    """(host ms, fetched ms) of one missed expert routed ``tokens`` tokens in a prefill call, from the decode costs
+    c (PathCosts): the host kernel reads the expert once and computes every token (xla_ffi/gemm_bf16.h), so
+    host = max(host_solo, tokens * host_ms_per_token); fetched = fill_solo + max(device, tokens *
+    device_ms_per_token). A GEMV (one token) costs what decode's model says; many tokens are compute-bound.
+    ``tokens``: an int or a numpy array (elementwise)."""
+    host = np.maximum(c.host_solo, tokens * host_ms_per_token)
+    fetched = c.fill_solo + np.maximum(c.device, tokens * device_ms_per_token)
+    return host, fetched
+
+
+def prefill_fetch_min_tokens(c: PathCosts, host_ms_per_token: float, device_ms_per_token: float,
+                             max_tokens: int = 1 << 16) -> int:
+    """The prefill split of the cost model: the smallest number of routed tokens from which a missed expert is
+    cheaper fetched (fill + device) than computed on the host (prefill_expert_ms), or PREFILL_NEVER when no count
+    up to max_tokens is (a CPU device, whose slot experts run the host kernel: the fill only adds its copy).
+
+    Per expert rather than per layer: the prompt's experts have very different token counts, and the choice that
+    makes each expert cheapest makes the layer's paths shortest when the fill and host paths do not share a
+    bandwidth (a GPU behind PCIe); the policy's cap on fills (free slots) then takes the counted misses in its order.
+
+    Args:
+        c: PathCosts (ms). host_ms_per_token, device_ms_per_token: ms one token costs in one expert on each side
+            (expert_flops_per_token / FLOP/s), > 0.
+    Returns:
+        int >= 1, or PREFILL_NEVER.
+    Raises:
+        ValueError: a per-token time that is not finite and > 0.
+    """
+    for name, v in (("host_ms_per_token", host_ms_per_token), ("device_ms_per_token", device_ms_per_token)):
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"cost model: {name} must be a finite time > 0 ms, got {v!r}")
+    n = np.arange(1, max_tokens + 1, dtype=np.float64)
+    host, fetched = prefill_expert_ms(c, n, host_ms_per_token, device_ms_per_token)
+    cheaper = np.flatnonzero(fetched < host)
+    return int(n[cheaper[0]]) if cheaper.size else PREFILL_NEVER

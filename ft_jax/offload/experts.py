@@ -58,6 +58,9 @@ class OffloadedExperts:
         policy: Policy deciding how many misses are fetched (static: baked into the compiled step).
         activation: "silu" (SwiGLU), "gelu_tanh" or "swiglu_oai" (gpt-oss's clamped SwiGLU).
         swiglu_alpha, swiglu_limit: the clamped SwiGLU's parameters (read by "swiglu_oai" only).
+        fetch_min_tokens: None, or the prefill split of the cost model (cost_model.prefill_fetch_min_tokens): only a
+            miss routed at least this many tokens in the call may be fetched (the policy's F is taken among those),
+            the others are computed on the host (cost_model.PREFILL_NEVER: none is fetched).
     """
 
     banks: ExpertBanks
@@ -66,6 +69,7 @@ class OffloadedExperts:
     activation: str = "silu"
     swiglu_alpha: float = ffi_ops.SWIGLU_ALPHA
     swiglu_limit: float = ffi_ops.SWIGLU_LIMIT
+    fetch_min_tokens: int | None = None
 
     @property
     def num_layers(self) -> int:
@@ -108,7 +112,11 @@ class OffloadedExperts:
         """
         stats, fill_errors, route_errors = jax.device_get((state.cache.stats, state.fill_errors,
                                                            state.host_route_errors))
-        n_fill, n_route = int(fill_errors), int(route_errors)
+        self.check_error_counts(int(fill_errors), int(route_errors))
+        return stats
+
+    def check_error_counts(self, n_fill: int, n_route: int) -> None:
+        """Raises read_stats' RuntimeError when the GPU error counters (fill_errors, host_route_errors) are not 0."""
         if n_fill:
             raise RuntimeError(f"slot_fill: fill_errors = {n_fill}: {n_fill} slot fill entries had a flat id >= "
                                f"{self.banks.num_rows} or a slot id >= the slot count and were skipped (the GPU "
@@ -117,7 +125,6 @@ class OffloadedExperts:
             raise RuntimeError(f"host_experts: host_route_errors = {n_route}: {n_route} host_experts calls had a flat "
                                f"id outside [0, {self.banks.num_rows}) or a released bank and returned zeros "
                                f"(the GPU host node counts what the CPU handler raises for)")
-        return stats
 
     def __call__(self, moe_layer, x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
                  state: OffloadState) -> tuple[jax.Array, OffloadState]:
@@ -136,15 +143,25 @@ class OffloadedExperts:
         topk_ids = topk_ids.astype(jnp.int32)
         topk_weights = topk_weights.astype(jnp.float32)
         active = expert_cache.active_from_topk(topk_ids, E)  # bool[E]
+        fetchable = None
+        if self.fetch_min_tokens is not None:  # prefill: only experts with enough tokens are worth their fill
+            counts = jnp.zeros((E,), jnp.int32).at[jnp.where(topk_ids >= 0, topk_ids, E)].add(1, mode="drop")
+            fetchable = counts >= self.fetch_min_tokens  # bool[E]
         cache, plan = expert_cache.plan_layer(state.cache, moe_layer, active, self.policy,
-                                              max_active=topk_ids.size)
+                                              max_active=topk_ids.size, fetchable=fetchable)
         pools, fill_errors = self._fill(state.pools, plan, state.fill_errors)
         routed = topk_ids >= 0  # bool[N, k]; -1 = padding token, no expert
         ids = jnp.where(routed, topk_ids, 0)  # i32[N, k], safe to index with
         route_slot = jnp.where(routed, plan.device_slot_of_expert[ids], -1)  # i32[N, k], -1 = not in a slot
-        route_host = jnp.where(routed & plan.host_mask[ids], moe_layer * E + ids, -1)  # i32[N, k] flat ids
+        route_host = jnp.where(routed & plan.host_mask[ids], self.bank_rows(moe_layer * E + ids), -1)  # i32[N, k]
         y, route_errors = self._compute(x, route_slot, route_host, topk_weights, pools)
         return y, OffloadState(cache, pools, fill_errors, state.host_route_errors + route_errors)
+
+    def bank_rows(self, flat_ids: jax.Array) -> jax.Array:
+        """Host bank rows of the cache's flat ids i32[...] (moe_layer * E + expert; -1 = padding, kept): the same ids
+        here, where the banks hold every expert; a shard of ft_jax.offload.expert_parallel maps them into its
+        process's banks."""
+        return flat_ids
 
     def _fill(self, pools: dict[str, jax.Array], plan: expert_cache.LayerPlan, fill_errors: jax.Array):
         """The plan's fills copied from the host banks into the slot pools: one slot_fill for every pool, in place.
@@ -154,8 +171,9 @@ class OffloadedExperts:
             # slot_experts read, so XLA copied the whole pool before every fill (8 copies per step on 4 layers).
             return pools, fill_errors
         names = self.banks.names
-        filled, errors = ffi_ops.slot_fill_with_errors(tuple(pools[n] for n in names), plan.fill_flat_ids,
-                                                       plan.fill_slot_ids, self.banks.banks)
+        filled, errors = ffi_ops.slot_fill_with_errors(tuple(pools[n] for n in names),
+                                                       self.bank_rows(plan.fill_flat_ids), plan.fill_slot_ids,
+                                                       self.banks.banks)
         return dict(zip(names, filled)), fill_errors + errors
 
     def _compute(self, x, route_slot, route_host, topk_weights, pools: dict[str, jax.Array]):

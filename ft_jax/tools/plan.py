@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ft_jax.offload.cost_model import CostModel
 from ft_jax.offload.policy import Policy, PolicyKind
+from ft_jax.tools.multi_device import evaluate_devices
 from ft_jax.tools.replay import evaluate
 from ft_jax.tools.trace_io import Trace
 
@@ -41,13 +42,18 @@ def side_by_side(rows: list[dict], observed: dict) -> list[dict]:
 
 
 def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, carry_cache: bool = False,
-              batch: bool = False, observed: dict | None = None) -> dict:
+              batch: bool = False, observed: dict | None = None, devices: int = 1, host_sockets: int = 1,
+              allreduce_ms: float = 0.0) -> dict:
     """Replay the candidates and pick a (policy, cache size) for a device budget (module docstring).
 
     Args:
-        trace, model: a Trace and a CostModel (e.g. from ft_jax.cli.trace.load_inputs). budget_bytes: device memory for expert slots, bytes.
+        trace, model: a Trace and a CostModel (e.g. from ft_jax.cli.trace.load_inputs). budget_bytes: device memory
+            for expert slots, bytes (of each device).
         policies: candidate Policy objects (unbound). carry_cache, batch: as in replay.
         observed: {(policy name, cache slots): measured MoE ms per token} to state beside the modelled figures.
+        devices, host_sockets, allreduce_ms: N devices of expert parallelism, each with this budget for the experts
+            it owns (ft_jax.tools.multi_device.evaluate_devices); with N > 1 the result also holds "one_device",
+            the recommendation for one device with the same budget, to state next to it.
     Returns:
         {"budget_bytes", "budget_slots", "resident": bool (resident is the recommendation; a candidate only when
          every expert fits), "results" (evaluate's rows),
@@ -56,22 +62,33 @@ def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, ca
     Raises:
         ValueError: the budget holds no expert slot.
     """
-    total = trace.num_layers * trace.num_experts
+    total = trace.num_layers * trace.num_experts // devices  # the experts of one device
     slots = budget_bytes // model.expert_bytes
     if slots < 1:
         raise ValueError(f"the device budget of {budget_bytes} bytes holds no expert of {model.expert_bytes} bytes")
+
+    def run(candidates, sizes):
+        if devices == 1:
+            return evaluate(trace, candidates, sizes, model, carry_cache=carry_cache, batch=batch)
+        return evaluate_devices(trace, candidates, sizes, model, devices, host_sockets=host_sockets,
+                                allreduce_ms=allreduce_ms, carry_cache=carry_cache, batch=batch)
+
     # Every expert fitting makes resident one more candidate, not the answer: on a CPU device the host path beside
     # the slots can still be faster than hits only.
     sizes = sorted({max(1, int(min(slots, total) * f)) for f in SIZE_STEPS})
-    rows = evaluate(trace, policies, sizes, model, carry_cache=carry_cache, batch=batch)
+    rows = run(policies, sizes)
     if slots >= total:
-        rows += evaluate(trace, [Policy(PolicyKind.RESIDENT)], [total], model, carry_cache=carry_cache, batch=batch)
+        rows += run([Policy(PolicyKind.RESIDENT)], [total])
     fastest = min(r["ms_per_token"] for r in rows)
     best = min((r for r in rows if r["ms_per_token"] <= WITHIN * fastest),
                key=lambda r: (r["cache_slots"], r["ms_per_token"]))
     alternatives = [{"policy": r["bound"], "ms_per_token": r["ms_per_token"],
                      "speedup": r["ms_per_token"] / best["ms_per_token"] if best["ms_per_token"] > 0 else 1.0}
                     for r in rows if r["cache_slots"] == best["cache_slots"] and r is not best]
-    return {"budget_bytes": budget_bytes, "budget_slots": int(slots), "resident": best["policy"] == PolicyKind.RESIDENT,
-            "results": rows, "best": best, "alternatives": alternatives,
-            "observed": side_by_side(rows, observed or {})}
+    out = {"budget_bytes": budget_bytes, "budget_slots": int(slots), "resident": best["policy"] == PolicyKind.RESIDENT,
+           "results": rows, "best": best, "alternatives": alternatives, "observed": side_by_side(rows, observed or {}),
+           "devices": devices}
+    if devices > 1:
+        out["one_device"] = recommend(trace, model, budget_bytes, policies, carry_cache=carry_cache,
+                                      batch=batch)["best"]
+    return out

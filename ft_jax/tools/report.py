@@ -20,25 +20,32 @@ def report(trace: Trace, model: CostModel, results: list[dict], carry_cache: boo
 
 
 def format_table(rep: dict) -> str:
-    """Human-readable table of a report(): one row per (cache size, policy), with each row's ms relative to the best
-    policy at that size."""
+    """Human-readable table of a report(): one row per (devices, cache size, policy), with each row's ms relative to
+    the best policy at that size and device count; a devices column when some row models several devices (its cache
+    size is per device)."""
     seqs = ", ".join(f"{s['name']} {s['tokens']}" for s in rep["sequences"])
+    several = any(r.get("devices", 1) > 1 for r in rep["results"])
     cm = rep["cost_model"]
     lines = [f"trace {', '.join(rep['trace'])}: {rep['tokens']} tokens ({seqs}), {rep['skipped_tokens']} incomplete "
              f"skipped; L = {rep['num_layers']} MoE layers x E = {rep['num_experts']}, top-{rep['top_k']}; "
              + ("one cache carried across sequences" if rep["carry_cache"] else "cold cache per sequence"),
              f"cost model: {CostModel(**{k: cm[k] for k in (f.name for f in dataclasses.fields(CostModel))}).describe()}",
              f"  bandwidths: {cm['source']}", "",
-             f"{'slots':>6} {'frac':>5}  {'policy':<16} {'hit rate':>8} {'fetched/tok':>11} {'host/tok':>9} "
-             f"{'ms/token':>10} {'vs best':>8}"]
-    for S in dict.fromkeys(r["cache_slots"] for r in rep["results"]):
-        group = [r for r in rep["results"] if r["cache_slots"] == S]
+             f"{'devices':>7} " * several + f"{'slots':>6} {'frac':>5}  {'policy':<16} {'hit rate':>8} "
+             f"{'fetched/tok':>11} {'host/tok':>9} {'ms/token':>10} {'vs best':>8}"]
+    for N, S in dict.fromkeys((r.get("devices", 1), r["cache_slots"]) for r in rep["results"]):
+        group = [r for r in rep["results"] if (r.get("devices", 1), r["cache_slots"]) == (N, S)]
         best = min(r["ms_per_token"] for r in group)
         for r in group:
-            lines.append(f"{S:>6} {r['cache_fraction']:>5.2f}  {r['bound']:<16} {100 * r['hit_rate']:>7.1f}% "
-                         f"{r['fetched_per_token']:>11.2f} {r['host_per_token']:>9.2f} {r['ms_per_token']:>10.2f} "
-                         f"{r['ms_per_token'] / best if best > 0 else 1.0:>7.3f}x")
-    lines += ["", "per token, summed over the MoE layers; vs best = ms/token over the best policy at that cache size"]
+            lines.append(f"{N:>7} " * several + f"{S:>6} {r['cache_fraction']:>5.2f}  {r['bound']:<16} "
+                         f"{100 * r['hit_rate']:>7.1f}% {r['fetched_per_token']:>11.2f} {r['host_per_token']:>9.2f} "
+                         f"{r['ms_per_token']:>10.2f} {r['ms_per_token'] / best if best > 0 else 1.0:>7.3f}x")
+    lines += ["", "per token, summed over the MoE layers (and the devices); vs best = ms/token over the best policy at "
+              "that cache size" + (" and device count; slots and frac are per device" if several else "")]
+    if several:
+        row = next(r for r in rep["results"] if r.get("devices", 1) > 1)
+        lines.append(f"N devices: {row['host_sockets']} host socket(s) sharing the host GEMV bandwidth (at most one per "
+                     f"device), {row['allreduce_ms']:g} ms per layer for the psum")
     return "\n".join(lines)
 
 

@@ -1,0 +1,271 @@
+"""The OpenAI HTTP API's request and response objects for /v1/completions and /v1/chat/completions (no web
+framework here: app.py routes, this module parses and formats).
+
+Requests are parsed field by field (RequestError names the field, as OpenAI's error object does in "param"), then
+checked by ft_jax.api.make_request with the server's context, the one place every generation request is checked.
+Supported: prompt (a text, a list of one text, token ids or a list of one id list) / messages (roles system,
+developer, user, assistant; content a text or a list of {"type": "text", "text"} parts), max_tokens (chat also
+max_completion_tokens), temperature, top_p, top_k and ignore_eos (extensions, as llama-server and vLLM have them),
+seed, stop (a text or a list of texts), stream, stream_options.include_usage, n = 1. Fields that would change the
+output in a way this server does not do (n > 1, logprobs, echo, best_of, suffix, penalties, logit_bias, tools, a
+response format other than text) are refused with 400 when given a value other than their default; other unknown
+fields are ignored.
+Reference: the OpenAI API reference for the legacy completions and the chat completions endpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+import uuid
+from typing import Any
+
+from ft_jax.chat import ChatTemplate, ChatTemplateError
+from ft_jax.engine.sampling import Sampling
+
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; vLLM and llama-server more); each is checked every step
+MAX_STOP_CHARS = 256  # characters per stop string
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default for both endpoints
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+# Fields refused unless absent or at the value that changes nothing.
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+               "function_call": (None, "none")}
+
+
+class RequestError(ValueError):
+    """A request the server refuses: an OpenAI error object with HTTP status ``status``.
+
+    Attributes: message, param (the request field, or None), status (400 unless said), type, code.
+    """
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        """{"error": {"message", "type", "param", "code"}} as the OpenAI API returns errors."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationParams:
+    """A checked request: what the batcher decodes and how the answer is sent.
+
+    Attributes:
+        chat: /v1/chat/completions (else /v1/completions). prompt_ids: the prompt's token ids (after the chat
+        template). max_tokens: tokens to generate (>= 1). sampling: Sampling. seed: in [0, 2^32) (a random one when
+        the request gave none). stop: stop strings. stream: send server-sent events. include_usage: a last event with
+        the usage (stream_options.include_usage). model: the name the answer reports. ignore_eos: generate
+        max_tokens tokens even past an EOS id (benchmarks).
+    """
+
+    chat: bool
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    seed: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    model: str
+    ignore_eos: bool = False
+
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise RequestError(f"'{name}' must be {what}, got {value!r}", name)
+    return value
+
+
+def _prompt(body: dict):
+    """The completions prompt: a text or a list of token ids (one prompt)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if prompt == "":
+        raise RequestError("'prompt' is empty: give a non-empty text or a list of token ids", "prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and _is_ids(prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        raise RequestError(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request", "prompt")
+    raise RequestError(f"'prompt' must be a non-empty text or a list of token ids, got {prompt!r:.200}", "prompt")
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _messages(body: dict) -> list[dict]:
+    """The chat messages as [{"role", "content": text}] (text parts joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(f"'messages' must be a non-empty list of {{role, content}} objects, got {messages!r}",
+                           "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise RequestError(f"'{where}' must be an object with 'role' and 'content', got {m!r}", where)
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise RequestError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+        if isinstance(content, list):
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise RequestError(f"'{where}.content': only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                                   "supported", f"{where}.content")
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise RequestError(f"'{where}.content' must be a text or a list of text parts, got {content!r}",
+                               f"{where}.content")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _unsupported(body: dict) -> None:
+    for name, harmless in UNSUPPORTED.items():
+        if body.get(name) not in harmless:
+            raise RequestError(f"'{name}' is not supported by this server (got {body[name]!r})", name)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise RequestError(f"'response_format' other than {{\"type\": \"text\"}} is not supported, got {fmt!r}",
+                           "response_format")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise RequestError(f"'n' must be 1 (one choice per request), got {n!r}", "n")
+
+
+# make_request's messages name its arguments; the request field each one comes from.
+_ARGUMENT_FIELDS = (("max_new_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                    ("top_k", "top_k"), ("seed", "seed"), ("stop", "stop"))
+
+
+def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str, context: int,
+                  model_name: str) -> GenerationParams:
+    """A checked GenerationParams from a request body (the parsed JSON).
+
+    Args:
+        body: the JSON body. chat: /v1/chat/completions. model: the ft_jax.api.Model (Model.request, tokenizer).
+        template: the model's chat template, or why it has none (the message a chat request gets).
+        context: tokens per row of the server (--ctx-size): prompt + max_tokens must fit. model_name: reported back.
+    Raises:
+        RequestError: 400 naming the field: a wrong type or value, an unsupported field, a prompt over the context
+            (code "context_length_exceeded"), chat without a chat template, more than MAX_STOP stop strings; 404
+            (code "model_not_found") for a 'model' other than model_name.
+    """
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    _unsupported(body)
+    stream = _field(body, "stream", (bool,), "true or false", False)
+    options = _field(body, "stream_options", (dict,), "an object", {})
+    if options and not stream:
+        raise RequestError("'stream_options' is only allowed with 'stream': true", "stream_options")
+    include_usage = _field(options, "include_usage", (bool,), "true or false", False)
+    limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _field(body, limit, (int,), "an integer >= 1")
+    if max_tokens is None and not chat:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if max_tokens is not None and max_tokens < 1:
+        raise RequestError(f"'{limit}' must be an integer >= 1, got {max_tokens}", limit)
+    temperature = _field(body, "temperature", (int, float), "a number >= 0", DEFAULT_TEMPERATURE)
+    top_p = _field(body, "top_p", (int, float), "a number in (0, 1]", 1.0)
+    top_k = _field(body, "top_k", (int,), "an integer >= 0", 0)
+    ignore_eos = _field(body, "ignore_eos", (bool,), "true or false", False)
+    seed = _field(body, "seed", (int,), "an integer in [0, 2^32)")
+    stop = _field(body, "stop", (str, list), "a text or a list of texts", ())
+    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
+        raise RequestError(f"'stop' must be a text or a list of texts, got {stop!r:.200}", "stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise RequestError(f"'stop' may hold at most {MAX_STOP} texts of at most {MAX_STOP_CHARS} characters each, "
+                           f"got {len(stops)} (longest {max(map(len, stops))})", "stop")
+    requested = body.get("model")
+    if requested is not None and not isinstance(requested, str):
+        raise RequestError(f"'model' must be a text, got {requested!r:.200}", "model")
+    if requested is not None and requested != model_name:
+        raise RequestError(f"the model {requested!r:.200} does not exist: this server serves {model_name!r} "
+                           "(GET /v1/models)", "model", status=404, code="model_not_found")
+    if chat:
+        messages = _messages(body)
+        if isinstance(template, str):
+            raise RequestError(template, "messages")
+        try:
+            text = template.render(messages)
+        except ChatTemplateError as e:
+            raise RequestError(str(e), "messages") from None
+        prompt = model.tokenizer.encode(text, add_special_tokens=False)
+    else:
+        prompt = _prompt(body)
+    where = "messages" if chat else "prompt"
+    try:
+        request = model.request(prompt, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=secrets.randbits(32) if seed is None else seed, stop=stop,
+                                context=(context, f"the server's context of {context} tokens (--ctx-size)"))
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        if "context" in message:
+            raise RequestError(message, where, code="context_length_exceeded") from None
+        field = next((f for arg, f in _ARGUMENT_FIELDS if arg in message), where)
+        if field == "max_tokens":
+            field, message = limit, message.replace("max_new_tokens", limit)
+        raise RequestError(message, field) from None
+    return GenerationParams(chat=chat, prompt_ids=request.prompt_ids[0], max_tokens=request.max_new_tokens,
+                            sampling=request.sampling, seed=request.seed, stop=request.stop, stream=stream,
+                            include_usage=include_usage, model=model_name, ignore_eos=ignore_eos)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Answer:
+    """The response objects of one request (ids and the creation time fixed at construction)."""
+
+    def __init__(self, params: GenerationParams):
+        self.params = params
+        self.id = ("chatcmpl-" if params.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if params.chat else "text_completion"
+
+    def _head(self, chunk: bool) -> dict:
+        kind = self.object + (".chunk" if chunk and self.params.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.params.model}
+
+    def full(self, text: str, finish_reason: str, completion_tokens: int) -> dict:
+        """The non-streamed answer."""
+        if self.params.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head(False), "choices": [choice],
+                "usage": usage(len(self.params.prompt_ids), completion_tokens)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+        """One streamed event: new text (None: none), or the end with its finish reason."""
+        if self.params.chat:
+            delta = {"role": "assistant", "content": text or ""} if first else (
+                {} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head(True), "choices": [choice]}
+
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        """The last event with stream_options.include_usage: no choices, the usage."""
+        return {**self._head(True), "choices": [], "usage": usage(len(self.params.prompt_ids), completion_tokens)}

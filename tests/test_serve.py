@@ -1,0 +1,407 @@
+"""`ft-jax serve` with real clients: the official openai package and httpx against a server on a free port.
+
+One server (the bundled tiny model with a chat template added, 8 rows of 256 tokens, an API key) runs in this
+process for the module, so the tests can read its rows and swap its weights; the SIGTERM test starts `ft-jax serve`
+as a subprocess. References are Model.generate of the same model, each prompt alone.
+"""
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jax
+import jax.numpy as jnp
+import openai
+import pytest
+import uvicorn
+
+import ft_jax
+from ft_jax.chat import load_chat_template
+from ft_jax.serve.app import ServerState, create_app
+from ft_jax.serve.batcher import Batcher
+
+KEY = "test-key"
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+ROWS, CTX = 8, 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The bundled model's files (linked) plus a tokenizer_config.json with a chat template."""
+    folder = tmp_path_factory.mktemp("tiny_chat")
+    bundled = ft_jax.bundled_model_path()
+    for name in os.listdir(bundled):
+        os.symlink(os.path.join(bundled, name), folder / name)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    model = ft_jax.load(model_dir, policy="fetch-all", cache=0.5)
+    state = ServerState(model_name="tiny", api_key=KEY, ctx_size=CTX, max_batch=ROWS)
+    batcher = Batcher(model, max_batch=ROWS, ctx_size=CTX, max_queue=16, metrics=state.metrics)
+    batcher.warm_up()
+    batcher.start()
+    state.ready(model, batcher, load_chat_template(model_dir))
+    port = _free_port()
+    uv = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, loop="asyncio",
+                                       log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.05)
+
+    class Server:
+        url = f"http://127.0.0.1:{port}"
+        headers = {"Authorization": f"Bearer {KEY}"}
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+
+    Server.model, Server.state, Server.batcher = model, state, batcher
+    yield Server
+    uv.should_exit = True
+    thread.join(30)
+    batcher.stop()
+
+
+def _rows(server) -> dict:
+    return httpx.get(server.url + "/rows", headers=server.headers).json()
+
+
+def _wait_rows(server, predicate, timeout=30.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        rows = _rows(server)
+        if predicate(rows) or time.time() > deadline:
+            return rows
+        time.sleep(0.05)
+
+
+def test_completions_and_chat_equal_generate_streamed_or_not(server):
+    client, model = server.client, server.model
+    ref = model.generate("ROMEO:", max_new_tokens=24, temperature=0)
+    out = client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=24, temperature=0)
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (6, 24, 30)
+    assert out.model == "tiny" and out.object == "text_completion"
+    events = list(client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(e.choices[0].text for e in events if e.choices) == ref.text
+    assert [e.choices[0].finish_reason for e in events if e.choices][-1] == "length"
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == 24
+
+    # stop strings: cut where they start, finish_reason "stop", as Model.generate
+    ref = model.generate("ROMEO:", max_new_tokens=40, temperature=0, stop=["e"])
+    out = client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=40, temperature=0, stop="e")
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == "stop"
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Speak."}]
+    prompt = load_chat_template(model.path).render(messages)
+    ref = model.generate(model.tokenizer.encode(prompt, add_special_tokens=False), max_new_tokens=20, temperature=0)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    assert out.choices[0].message.content == ref.text and out.choices[0].message.role == "assistant"
+    assert out.object == "chat.completion" and out.usage.prompt_tokens == len(ref.prompt_ids[0])
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_eight_concurrent_clients_each_equal_their_solo_run(server):
+    prompts = ["ROMEO:", "JULIET: O", "KING HENRY:\nWhat", "A", "First Citizen:\n", "Nurse:", "MERCUTIO: Nay",
+               "To be, or not"]
+    requests = [dict(prompt=p, max_tokens=8 + 5 * i, temperature=0 if i % 2 else 0.9, seed=100 + i, top_p=0.95)
+                for i, p in enumerate(prompts)]
+
+    def ask(kwargs):
+        return server.client.completions.create(model="tiny", **kwargs).choices[0].text
+
+    solo = [ask(r) for r in requests]
+    barrier = threading.Barrier(len(requests))
+
+    def together(kwargs):
+        barrier.wait()
+        return ask(kwargs)
+
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        assert list(pool.map(together, requests)) == solo
+    assert _wait_rows(server, lambda r: r["busy"] == 0)["busy"] == 0
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
+    """The batcher thread is held after the first token (so the request cannot finish first, however fast the
+    model), the client disconnects; released, the batcher frees the row and counts the request cancelled."""
+    batcher = server.batcher
+    before = _rows(server)["finished"].get("cancelled", 0)
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        gate.wait(60)
+
+    body = {"prompt": "ROMEO:", "max_tokens": 200, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as response:
+            assert next(response.iter_lines()).startswith("data: ")
+            holder = threading.Thread(target=batcher.call, args=(hold, 60))
+            holder.start()
+            entered.wait(30)
+            assert batcher.busy_rows() == 1
+            (row,) = batcher.rows.values()
+        deadline = time.time() + 30
+        while not row.ticket.cancelled and time.time() < deadline:  # the server noticed the disconnect
+            time.sleep(0.01)
+        assert row.ticket.cancelled
+    finally:
+        gate.set()
+    holder.join()
+    rows = _wait_rows(server, lambda r: r["busy"] == 0)
+    assert rows["busy"] == 0 and rows["free"] == ROWS and rows["finished"]["cancelled"] == before + 1
+    assert all(r["state"] == "free" and r["position"] == -1 for r in rows["rows"])
+
+
+def test_a_non_streamed_client_that_gives_up_is_cancelled(server):
+    """The batcher thread held, a request without "stream" waits in the queue and its client gives up (read timeout):
+    the server notices (a plain ASGI auth middleware keeps Request.is_disconnected working) and cancels it; released,
+    the batcher drops it without decoding."""
+    batcher, gate = server.batcher, threading.Event()
+    before = _rows(server)["finished"]
+    holder = threading.Thread(target=batcher.call, args=(gate.wait, 60))
+    holder.start()
+    body = {"prompt": "ROMEO:", "max_tokens": 200, "temperature": 0}
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=1.0)
+        (ticket,) = batcher.waiting
+        deadline = time.time() + 30
+        while not ticket.cancelled and time.time() < deadline:
+            time.sleep(0.01)
+        assert ticket.cancelled
+    finally:
+        gate.set()
+        holder.join()
+    after = _wait_rows(server, lambda r: r["finished"].get("cancelled", 0) > before.get("cancelled", 0))["finished"]
+    assert after.get("cancelled", 0) == before.get("cancelled", 0) + 1
+    assert after.get("length", 0) == before.get("length", 0)  # never decoded
+
+
+def test_a_full_queue_answers_429_with_retry_after(server):
+    """The batcher thread held (a call that waits): 8 requests wait for the 8 free rows, with max_queue 0 a ninth is
+    refused; released, the 8 complete."""
+    gate, batcher = threading.Event(), server.batcher
+    holder = threading.Thread(target=batcher.call, args=(gate.wait, 60))
+    holder.start()
+    batcher.max_queue = 0
+    body = {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0}
+
+    def post():
+        return httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=60)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(ROWS) as pool:
+            waiting = [pool.submit(post) for _ in range(ROWS)]
+            while batcher.queue_depth() < ROWS:
+                time.sleep(0.01)
+            r = post()
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1, r.text
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            gate.set()
+            assert [w.result().status_code for w in waiting] == [200] * ROWS
+    finally:
+        gate.set()
+        batcher.max_queue = 16
+        holder.join()
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt": "x", "temperature": "hot"}, "temperature", "'temperature' must be a number >= 0"),
+    ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be a finite number >= 0"),
+    ({"prompt": "x", "top_p": 0}, "top_p", "top_p must be in (0, 1]"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "'max_tokens' must be an integer >= 1"),
+    ({"prompt": "x", "seed": -3}, "seed", "seed must be an integer in [0, 2^32)"),
+    ({"prompt": "x", "n": 2}, "n", "'n' must be 1"),
+    ({"prompt": "x", "logprobs": 3}, "logprobs", "'logprobs' is not supported"),
+    ({"prompt": "x", "stop": [1]}, "stop", "'stop' must be a text or a list of texts"),
+    ({"prompt": ["a", "b"]}, "prompt", "holds 2 prompts"),
+    ({"prompt": [1, 300]}, "prompt", "token id 300 is outside the vocabulary [0, 256)"),
+    ({"prompt": "x" * 200, "max_tokens": 100}, "prompt",
+     "prompt of 200 tokens + 100 new tokens exceeds the server's context of 256 tokens (--ctx-size)"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed with 'stream'"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop", "'stop' may hold at most 16 texts of at most 256 characters"),
+    ({"prompt": "x", "stop": "a" * 257}, "stop", "got 1 (longest 257)"),
+    ({"prompt": ""}, "prompt", "'prompt' is empty"),
+    ({"prompt": [[[1]]]}, "prompt", "'prompt' must be a non-empty text or a list of token ids"),
+    ({"prompt": "x", "model": 4}, "model", "'model' must be a text, got 4"),
+])
+def test_malformed_requests_get_400_naming_the_field(server, body, param, message):
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"] and error["type"] == "invalid_request_error"
+    if param == "prompt" and "context" in message:
+        assert error["code"] == "context_length_exceeded"
+
+
+def test_chat_field_errors_and_bodies_that_are_not_json(server):
+    post = lambda path, **kw: httpx.post(server.url + path, headers=server.headers, **kw)  # noqa: E731
+    r = post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
+    r = post("/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = post("/v1/completions", content=b"{not json")
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = post("/v1/completions", content=b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "x"}',
+                   headers={**server.headers, "Content-Type": "text/plain"})
+    assert r.status_code == 415 and "'text/plain'" in r.json()["error"]["message"]
+    r = post("/v1/completions", json={"prompt": "x", "model": "gpt-4"})
+    error = r.json()["error"]
+    assert r.status_code == 404 and error["code"] == "model_not_found" and "serves 'tiny'" in error["message"]
+
+
+def test_unknown_routes_and_methods_get_openai_error_objects(server):
+    r = httpx.get(server.url + "/v1/embeddings", headers=server.headers)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "no route /v1/embeddings"
+    r = httpx.get(server.url + "/v1/completions", headers=server.headers)
+    assert r.status_code == 405 and r.json()["error"]["message"] == "GET is not allowed on /v1/completions"
+
+
+def test_listen_refuses_a_taken_port_and_a_bad_host_before_loading():
+    from ft_jax.cli.serve import _listen
+    from ft_jax.cli.usage import UsageError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(UsageError, match=f"cannot listen on http://127.0.0.1:{port}: .*pick another with --port"):
+            _listen("127.0.0.1", port)
+    with pytest.raises(UsageError, match="--host is empty"):
+        _listen("", port)
+    with pytest.raises(UsageError, match="--host '999.1.1.1' is not an address of this machine"):
+        _listen("999.1.1.1", port)
+
+
+def test_api_key_is_required_except_for_health(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    for path in ("/v1/models", "/metrics", "/rows"):
+        r = httpx.get(server.url + path)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).completions.create(
+            model="tiny", prompt="x", max_tokens=1)
+
+
+def test_non_finite_logits_fail_only_that_request(server):
+    engine, tilde = server.model.engine, ord("~")
+    good = engine.params
+    bad = jax.tree_util.tree_map(lambda x: x, good)
+    bad["embed_tokens"] = bad["embed_tokens"].replace(good["embed_tokens"][...].at[tilde].set(jnp.nan))
+    ref = server.client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=30, temperature=0)
+    with engine._lock:
+        engine.params = bad
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            fine = pool.submit(server.client.completions.create, model="tiny", prompt="ROMEO:", max_tokens=30,
+                               temperature=0)
+            broken = pool.submit(httpx.post, server.url + "/v1/completions", headers=server.headers,
+                                 json={"prompt": "~ROMEO", "max_tokens": 30})
+            assert fine.result().choices[0].text == ref.choices[0].text
+            r = broken.result()
+    finally:
+        with engine._lock:
+            engine.params = good
+    assert r.status_code == 500 and "non-finite" in r.json()["error"]["message"]
+    assert _wait_rows(server, lambda r: r["busy"] == 0)["busy"] == 0
+
+
+def test_metrics_and_the_expert_cache_view(server):
+    server.client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=4, temperature=0)
+    text = httpx.get(server.url + "/metrics", headers=server.headers).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['ft_jax_requests_total{endpoint="completions"}'] >= 1
+    assert values["ft_jax_time_to_first_token_seconds_count"] >= 1
+    assert values["ft_jax_time_per_output_token_seconds_count"] >= 3
+    assert values["ft_jax_max_batch"] == ROWS and values["ft_jax_queue_depth"] == 0
+    cache = httpx.get(server.url + "/cache", headers=server.headers).json()
+    assert cache["policy"] == "fetch-all" and cache["num_slots"] == 16 and len(cache["layers"]) == 4
+    for layer in cache["layers"]:
+        assert layer["hits"] + layer["misses"] == layer["active"] and layer["fetched"] <= layer["misses"]
+    totals = cache["totals"]
+    assert totals["active"] == sum(l["active"] for l in cache["layers"]) > 0
+    assert values["ft_jax_expert_cache_hits_total"] == pytest.approx(totals["hits"], rel=0.5)
+    assert totals["fill_bytes"] == totals["fetched"] * cache["expert_bytes"]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_thousand_short_requests_keep_memory_flat(server):
+    body = {"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0.5}
+
+    def run(n):
+        with httpx.Client(headers=server.headers, timeout=60) as http:
+            for _ in range(n):
+                assert http.post(server.url + "/v1/completions", json=body).status_code == 200
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(run, [13] * 8))  # 104 to warm up (every executable built, allocator pools grown)
+        before = _rss_bytes()
+        list(pool.map(run, [112] * 8))  # then 896: 1000 in all
+    after = _rss_bytes()
+    assert after <= before * 1.05, (before, after)
+    assert _rows(server)["busy"] == 0
+
+
+def test_sigterm_finishes_the_running_request_and_exits_0(tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ft_jax", "serve", "--port", str(port), "--max-batch", "1",
+                             "--ctx-size", "64", "--policy", "host-all"], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        seen = set()
+        while True:
+            try:
+                status = httpx.get(url + "/health").status_code
+            except httpx.TransportError:
+                status = None
+            seen.add(status)
+            if status == 200 or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert 503 in seen and status == 200, (seen, proc.poll())  # 503 while loading and compiling
+        body = {"prompt": "ROMEO:", "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "shutting down" in proc.stderr.read()

@@ -1,0 +1,130 @@
+// bf16 x bf16 products of many rows and many tokens (prefill) in register tiles, bit for bit what DotRowBf16
+// (dot_kernels.h) gives for every (row, token) pair.
+//
+// DotRowBf16 sums a dot in 8 accumulators of 16 float32 lanes: accumulator a takes the 32-element chunks at
+// i = 256 j + 32 a (VDPBF16PS), then the chunks of a length that is not a multiple of 256 go to accumulator 0, the
+// 8 are added by a fixed tree ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), reduced across lanes, and the last
+// len % 32 products are added one by one. Each accumulator's value depends only on the order of its own additions,
+// so the 8 may be computed one after the other: a tile of R rows x T tokens runs 8 passes, pass a holding R x T
+// accumulators in registers (one per output) over the chunks of accumulator a, each weight chunk loaded once for T
+// tokens and each token chunk once for R rows (R + T loads for R x T VDPBF16PS, against 2 loads per VDPBF16PS row by
+// row). The 8 partial vectors of every output are kept and added by DotRowBf16's tree. Over the 8 passes every
+// 64-byte line of the tile's rows and tokens is read once, so the tile's data is read once from L2 whatever the pass
+// order. Measured (docs/DESIGN.md sec. 16): 4 rows x 6 tokens ran at 1.9x the row-by-row DotRows on one core.
+//
+// Bit-identity is what lets the expert kernel use the tiles for an expert with many tokens and DotRows for one with
+// few: a token's result never depends on how many other tokens share its expert (chunked prefill equals unchunked,
+// a batch row equals the row alone, prefill's rows equal decode's).
+#ifndef FT_JAX_XLA_FFI_GEMM_BF16_H_
+#define FT_JAX_XLA_FFI_GEMM_BF16_H_
+
+#include <algorithm>
+#include <cstdint>
+
+#include "xla_ffi/dot_kernels.h"
+
+namespace ft_jax {
+
+// Tokens from which DotRows runs its bf16 x bf16 rows through the tiles (fewer: one row at a time, which is as fast
+// for a token or two and reads each row once as one stream).
+constexpr int64_t kBf16TileMinTokens = 4;
+
+namespace gemm_bf16 {
+
+constexpr int kRows = 4;    // R: rows of a register tile
+constexpr int kTokens = 6;  // T: tokens of a register tile (R x T = 24 accumulators + R + 1 loaded vectors)
+
+}  // namespace gemm_bf16
+
+#if FT_JAX_HAVE_AVX2_PATH
+namespace gemm_bf16 {
+
+// acc[r][t] += the 32-element chunk at i of row r times that of token t (VDPBF16PS): R + NT loads, R x NT products.
+template <int R, int NT>
+FT_JAX_AVX512BF16 inline void Chunk(const uint16_t* const* wr, const uint16_t* const* xt, int64_t i,
+                                    __m512 (&acc)[R][NT]) {
+  __m512i wv[R];
+  for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(wr[r] + i);
+  for (int t = 0; t < NT; ++t) {
+    const __m512i xv = _mm512_loadu_si512(xt[t] + i);
+    for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)wv[r], (__m512bh)xv);
+  }
+}
+
+// One tile: rows r0 .. r0 + R - 1 of w ([rows, len], row r at w + r * len) times tokens t0 .. t0 + NT - 1 of xb
+// ([T, len]) into out[t * out_stride + r], as DotRowBf16 computes each.
+template <int R, int NT>
+FT_JAX_AVX512BF16 void Tile(const uint16_t* w, int64_t len, int64_t r0, const uint16_t* xb, int64_t t0, float* out,
+                            int64_t out_stride) {
+  constexpr int A = kAccumulators;
+  const int64_t full = len / (32 * A) * (32 * A);  // elements of the 8-accumulator loop of DotRowBf16
+  const uint16_t* wr[R];
+  const uint16_t* xt[NT];
+  for (int r = 0; r < R; ++r) wr[r] = w + (r0 + r) * len;
+  for (int t = 0; t < NT; ++t) xt[t] = xb + (t0 + t) * len;
+  __m512 part[A][R][NT];  // accumulator a of every output
+  for (int a = 0; a < A; ++a) {
+    __m512 acc[R][NT];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t i = 32 * a; i < full; i += 32 * A) Chunk<R, NT>(wr, xt, i, acc);
+    if (a == 0)  // the chunks past the 8-accumulator loop, into accumulator 0 in order
+      for (int64_t i = full; i + 32 <= len; i += 32) Chunk<R, NT>(wr, xt, i, acc);
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < NT; ++t) part[a][r][t] = acc[r][t];
+  }
+  const int64_t tail = len / 32 * 32;
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      __m512 v[A];
+      for (int a = 0; a < A; ++a) v[a] = part[a][r][t];
+      for (int width = A / 2; width >= 1; width /= 2)
+        for (int j = 0; j < width; ++j) v[j] = _mm512_add_ps(v[j], v[j + width]);
+      float s = _mm512_reduce_add_ps(v[0]);
+      for (int64_t i = tail; i < len; ++i) s += ToF32(wr[r][i]) * ToF32(xt[t][i]);
+      out[(t0 + t) * out_stride + r0 + r] = s;
+    }
+  }
+}
+
+// Tokens t0 .. t0 + nt - 1 (nt <= kTokens) of rows r0 .. r0 + R - 1.
+template <int R>
+FT_JAX_AVX512BF16 void TokenTile(int64_t nt, const uint16_t* w, int64_t len, int64_t r0, const uint16_t* xb,
+                                 int64_t t0, float* out, int64_t out_stride) {
+  switch (nt) {
+    case 6: return Tile<R, 6>(w, len, r0, xb, t0, out, out_stride);
+    case 5: return Tile<R, 5>(w, len, r0, xb, t0, out, out_stride);
+    case 4: return Tile<R, 4>(w, len, r0, xb, t0, out, out_stride);
+    case 3: return Tile<R, 3>(w, len, r0, xb, t0, out, out_stride);
+    case 2: return Tile<R, 2>(w, len, r0, xb, t0, out, out_stride);
+    default: return Tile<R, 1>(w, len, r0, xb, t0, out, out_stride);
+  }
+}
+
+}  // namespace gemm_bf16
+
+// out[t * out_stride + r] = DotRowBf16(w + r * len, xb + t * len, len) for rows r in [r0, r1) and tokens t < T, bit
+// for bit, in register tiles (module comment). Rows are taken kRows at a time, each group against every token: the
+// group's rows stay in L1 while the tokens stream from L2; the last r1 - r0 mod kRows rows form one narrower tile.
+// Callers should hand out row ranges of a multiple of kRows (a tile of 1 row loads 7 vectors per 6 products).
+// Needs the AVX-512 BF16 level (Isa::kAvx512Bf16).
+FT_JAX_AVX512BF16 inline void DotRowsBf16Tiled(const uint16_t* w, int64_t len, int64_t r0, int64_t r1,
+                                               const uint16_t* xb, int64_t T, float* out, int64_t out_stride) {
+  using namespace gemm_bf16;
+  int64_t r = r0;
+  for (; r + kRows <= r1; r += kRows)
+    for (int64_t t = 0; t < T; t += kTokens) TokenTile<kRows>(std::min<int64_t>(kTokens, T - t), w, len, r, xb, t,
+                                                             out, out_stride);
+  const int64_t left = r1 - r;  // 0 .. kRows - 1 rows: one tile of that many rows
+  for (int64_t t = 0; t < T && left > 0; t += kTokens) {
+    const int64_t nt = std::min<int64_t>(kTokens, T - t);
+    if (left == 3) TokenTile<3>(nt, w, len, r, xb, t, out, out_stride);
+    if (left == 2) TokenTile<2>(nt, w, len, r, xb, t, out, out_stride);
+    if (left == 1) TokenTile<1>(nt, w, len, r, xb, t, out, out_stride);
+  }
+}
+#endif
+
+}  // namespace ft_jax
+
+#endif  // FT_JAX_XLA_FFI_GEMM_BF16_H_
