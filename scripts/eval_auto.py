@@ -137,11 +137,13 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidths", default=",".join(BANDWIDTHS))
     p.add_argument("--fractions", default=",".join(f"{f:g}" for f in FRACTIONS))
     p.add_argument("--tune-seeds", default="0")
-    p.add_argument("--held-out-seeds", help="default 1,2 (--quick: 1)")
+    p.add_argument("--held-out-seeds", help="default 1,2 (--quick: 1); '' for none")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--sequences", type=int, help="sequences per trace, replayed with the cache carried "
                                                   "(default 4; --quick 2)")
     p.add_argument("--tokens", type=int, help="tokens per sequence (default 500; --quick 150)")
+    p.add_argument("--profile", help="bandwidth profile store of the 'stored' bandwidth (default: the user cache "
+                                     "directory's, written by `ft-jax profile`)")
     p.add_argument("--json", help="write every row (and the notes) to this file")
     p.add_argument("--from-json", help="print the tables of a previous --json file (no replay)")
     args = p.parse_args(argv)
@@ -155,8 +157,8 @@ def main(argv=None) -> int:
         return 0
     sequences = args.sequences or (2 if args.quick else 4)
     tokens = args.tokens or (150 if args.quick else 500)
-    held = args.held_out_seeds or ("1" if args.quick else "1,2")
-    seeds = [(int(s), "tune") for s in args.tune_seeds.split(",")] + [(int(s), "held-out") for s in held.split(",")]
+    held = args.held_out_seeds if args.held_out_seeds is not None else ("1" if args.quick else "1,2")
+    seeds = [(int(s), "tune") for s in args.tune_seeds.split(",")] + [(int(s), "held-out") for s in held.split(",") if s]
     fractions = [float(f) for f in args.fractions.split(",")]
     notes, rows, t0 = [], [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
             cost_models = {}
             for bw in args.bandwidths.split(","):
                 try:
-                    cost_models[bw] = cost_model_for(BANDWIDTHS.get(bw, bw), MODELS[model][2])
+                    cost_models[bw] = cost_model_for(BANDWIDTHS.get(bw, bw), MODELS[model][2], profile_path=args.profile)
                 except ValueError as e:
                     notes.append(f"{model}: bandwidth {bw} skipped: {e}")
                     print(notes[-1], file=sys.stderr)
