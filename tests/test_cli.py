@@ -27,11 +27,12 @@ def _generate_json(capsys, *args):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_ids_equal_transformers_under_every_policy(family, capsys, monkeypatch, tmp_path):
+def test_greedy_ids_equal_transformers_under_the_policies(family, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     info = json.load(open(os.path.join(FIXTURES, family, "reference", "info.json")))
     prompt = ",".join(map(str, info["prompt_ids"]))
-    for policy in POLICIES:
+    shift = 2 * FAMILIES.index(family)  # two policies per family, rotated: every policy runs on several families
+    for policy in (POLICIES[shift % len(POLICIES)], POLICIES[(shift + 1) % len(POLICIES)]):
         out = _generate_json(capsys, "--model", os.path.join(FIXTURES, family), "--prompt-ids", prompt,
                              "--temperature", "0", "--max-new-tokens", "16", "--policy", policy,
                              "--cache-slots", "3", "--no-measure")

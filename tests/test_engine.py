@@ -287,5 +287,7 @@ def test_bf16_models_decode_alike_under_every_policy_and_cache_size(tmp_path, ar
 
     path = testing.write_random_checkpoint(tmp_path, testing.tiny_config(architecture), seed=2, std=0.2,
                                            dtype="bfloat16")
-    tokens = testing.assert_policies_agree(path, [3, 1, 4, 1, 5, 9], max_new_tokens=6)
+    # one slot (every policy splits a layer's misses) everywhere; half of the experts too on the plain SwiGLU model
+    slots = (1, None) if architecture == "MixtralForCausalLM" else (1,)
+    tokens = testing.assert_policies_agree(path, [3, 1, 4, 1, 5, 9], cache_slots=slots, max_new_tokens=6)
     assert len(tokens) == 6

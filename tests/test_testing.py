@@ -83,7 +83,7 @@ def test_written_layout_matches_the_transformers_fixture(tmp_path, architecture)
 def test_every_family_writes_loads_and_decodes_alike_under_every_policy(tmp_path, architecture):
     path = testing.write_random_checkpoint(tmp_path, testing.tiny_config(architecture), seed=1)
     tokens = testing.assert_policies_agree(path, [1, 5, 9, 13], policies=("resident", "host-all", "fixed-cap:1"),
-                                           max_new_tokens=4)
+                                           cache_slots=(1,), max_new_tokens=4)
     assert len(tokens) == 4 and all(0 <= t < 256 for t in tokens)
     model = ft_jax.load(path, policy="host-all")
     assert model.config.architecture == architecture
