@@ -11,7 +11,7 @@ import pytest
 
 from ft_jax.checkpoint import load_checkpoint
 from ft_jax.engine.engine import Engine
-from ft_jax.engine.sampling import Sampling
+from ft_jax.engine.sampling import Sampling, row_key_data
 from ft_jax.offload.cache import STAT_FIELDS, init_cache_state, plan_layer
 from ft_jax.offload.cost_model import (PREFILL_NEVER, CostModel, PathCosts, expert_flops_per_token,
                                        prefill_expert_ms, prefill_fetch_min_tokens)
@@ -81,8 +81,8 @@ def test_prefill_on_a_cpu_device(mixtral):
         tokens = np.asarray([[0] * 6 + prompt], np.int32)
         positions = np.asarray([[-1] * 6 + list(range(len(prompt)))], np.int32)
         _, _, state = engine._prefill(engine.params, tokens, positions, engine.init_kv_cache(1, 64),
-                                      engine.decode_backend.init_state(4), jax.random.key(0),
-                                      *Sampling().operands(), greedy=True)
+                                      engine.decode_backend.init_state(4), row_key_data(0, 0)[None],
+                                      *Sampling().operands(1), greedy=True)
         stats = dict(zip(STAT_FIELDS, np.asarray(state.cache.stats).sum(axis=0)))
         assert stats["misses"] > 0
         if qstar:
