@@ -13,7 +13,7 @@ import pytest
 from ft_jax.checkpoint import load_checkpoint
 from engine_helpers import decode_cache_size, lower_decode_step
 from ft_jax.engine.engine import Engine, kv_bucket, prefill_bucket
-from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, row_key_data, sample_next
+from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, first_argmax, row_key_data, sample_next
 from ft_jax.offload.cost_model import auto_costs
 from ft_jax.offload.policy import Policy
 
@@ -233,6 +233,19 @@ def test_sampling_rules():
         Sampling(1.0, top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         Sampling(float("inf"))
+
+
+def test_first_argmax_is_numpys_argmax_ties_first():
+    """The greedy pick: numpy's argmax (the first index of the maximum) on random rows, on rows with ties (equal
+    values, -0.0 against 0.0, a tie at the last index) and on a row of one value; a NaN row gives V."""
+    rng = np.random.default_rng(3)
+    rows = [rng.normal(size=50), np.round(rng.normal(size=50)), np.r_[np.zeros(49), 3.0],
+            np.r_[[-0.0, 0.0], -np.ones(48)], np.r_[[0.0, -0.0], -np.ones(48)], np.r_[np.ones(49) * 2, 5.0 - 3.0],
+            np.full(50, -7.5)]
+    logits = np.asarray(rows, np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(logits))), np.argmax(logits, axis=-1))
+    nan_row = np.r_[[1.0, np.nan], np.zeros(48)].astype(np.float32)[None]
+    assert int(first_argmax(jnp.asarray(nan_row))[0]) == 50
 
 
 def test_recorded_routing_is_the_reference_decode_routing(mixtral):

@@ -78,6 +78,16 @@ def row_key_data(seed: int, row: int) -> np.ndarray:
     return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed % 2**32), row)))
 
 
+def first_argmax(logits: jax.Array) -> jax.Array:
+    """i32[B]: the first index of each row's maximum of f32[B, V], as jnp.argmax for a row of finite values (a row
+    with a NaN gives V). Two plain reductions (the maximum, then the lowest index holding it) instead of argmax's
+    reduction over (value, index) pairs, which XLA:CPU runs one element at a time: 0.14 ms of a decode step over a
+    32000-entry vocabulary (docs/DESIGN.md sec. 20)."""
+    V = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)  # f32[B, 1]
+    return jnp.min(jnp.where(logits == top, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+
+
 def sample_next(logits: jax.Array, key_data: jax.Array, counters: jax.Array, temperature, top_k, top_p, *,
                 greedy: bool) -> jax.Array:
     """Pick the next token of every row; -1 for a row whose logits are not all finite.
@@ -94,7 +104,7 @@ def sample_next(logits: jax.Array, key_data: jax.Array, counters: jax.Array, tem
         i32[B] token ids, -1 where a logit of the row is NaN or infinite.
     """
     finite = jnp.all(jnp.isfinite(logits), axis=-1)  # bool[B]
-    best = jnp.argmax(logits, axis=-1)  # i32[B]
+    best = first_argmax(logits)  # i32[B]
     if greedy:
         return jnp.where(finite, best, -1).astype(jnp.int32)
     row_greedy = temperature == 0.0  # bool[B]

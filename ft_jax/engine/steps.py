@@ -5,6 +5,7 @@ routing, and why prefill uses fetch-all: docs/DESIGN.md sec. 11, "Engine, API an
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -26,7 +27,8 @@ def prefill(graphdef, backend, params, tokens, positions, kv_cache, expert_state
     Returns (first tokens i32[B] (-1: non-finite logits), kv_cache, expert_state)."""
     logits, kv_cache, expert_state = _forward(graphdef, params, backend, tokens, positions, kv_cache, expert_state,
                                               last_logits_only=True)  # logits f32[B, 1, V]
-    nxt = sample_next(logits[:, 0], key_data, positions[:, -1], temperature, top_k, top_p, greedy=greedy)
+    with jax.named_scope("sampling"):  # a part of the profiles (scripts/profile_decode.py)
+        nxt = sample_next(logits[:, 0], key_data, positions[:, -1], temperature, top_k, top_p, greedy=greedy)
     return nxt, kv_cache, expert_state
 
 
@@ -39,7 +41,8 @@ def decode_one_token(graphdef, backend, params, tokens, positions, kv_cache, exp
     out = _forward(graphdef, params, backend, tokens[:, None], positions[:, None], kv_cache, expert_state,
                    last_logits_only=False, collect=record_routing)  # logits f32[B, 1, V], ...
     logits, kv_cache, expert_state = out[:3]
-    nxt = sample_next(logits[:, 0], key_data, positions, temperature, top_k, top_p, greedy=greedy)
+    with jax.named_scope("sampling"):
+        nxt = sample_next(logits[:, 0], key_data, positions, temperature, top_k, top_p, greedy=greedy)
     if not record_routing:
         return nxt, kv_cache, expert_state
     return nxt, kv_cache, expert_state, (out[3].topk_ids[:, :, 0], out[3].topk_weights[:, :, 0])

@@ -443,9 +443,14 @@ def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, scaling: Rop
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x * cos + rotate_half(x) * sin with rotate_half(x) = concat(-x2, x1). x: [B, T, heads, D];
-    cos, sin: f32[B, T, D] (cast to x.dtype, as transformers does)."""
+    cos, sin: f32[B, T, D] (cast to x.dtype, as transformers does).
+
+    rotate_half is the two halves reversed along an axis of 2 and the first negated (exact): XLA fuses a reverse into
+    the loop that uses it, where a concatenate stays an op of its own with its own inputs' ops (docs/DESIGN.md
+    sec. 20); the values are the formula's."""
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
-    half = x.shape[-1] // 2
-    rot = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)  # [..., 2, D/2]: (x1, x2)
+    sign = jnp.asarray([-1, 1], x.dtype)[:, None]
+    rot = (halves[..., ::-1, :] * sign).reshape(x.shape)  # (-x2, x1)
     return x * cos + rot * sin
