@@ -156,6 +156,22 @@ def test_bazel_sources_match_cmake():
     assert "xla_ffi/module.cc" not in _bazel_sources()
 
 
+def test_bazel_headers_hold_every_included_header():
+    """FFI_HDRS lists every xla_ffi/ header the sources include, directly or through another header (Bazel's
+    sandbox sees only the listed files: a missing one fails the build, not this machine's CMake build)."""
+    text = (REPO / "BUILD.bazel").read_text()
+    match = re.search(r"FFI_HDRS\s*=\s*\[([^\]]*)\]", text)
+    assert match, "BUILD.bazel: FFI_HDRS = [...] not found"
+    listed = set(re.findall(r'"([^"]+)"', match.group(1)))
+    todo, needed = list(_bazel_sources()), set()
+    while todo:
+        for header in re.findall(r'#include "(xla_ffi/[^"]+)"', (REPO / todo.pop()).read_text()):
+            if header not in needed:
+                needed.add(header)
+                todo.append(header)
+    assert needed - listed == set(), f"BUILD.bazel FFI_HDRS misses {sorted(needed - listed)}"
+
+
 def test_exports_every_handler_and_the_state_type(lib):
     """Every CPU handler symbol of xla_ffi/ffi_handlers.h and the BoundBanks type hooks are exported (export.h)."""
     for name in ("FtJaxSlotFill", "FtJaxSlotFillInstantiate", "FtJaxHostExperts", "FtJaxHostExpertsInstantiate",
