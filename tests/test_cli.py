@@ -62,6 +62,16 @@ def test_streaming_output_and_table(capsys):
         assert label in err
 
 
+def test_prompt_shown_when_the_first_token_hits_the_stop_string(capsys):
+    """The bundled model's greedy first token after "ROMEO:" is a newline: a --stop of it ends the row with no text,
+    and the streamed output is still the prompt (then the end-of-output newline)."""
+    status = cli.main(["generate", "--prompt", "ROMEO:", "--stop", "\n", "--temperature", "0",
+                       "--max-new-tokens", "20", "--policy", "host-all"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert out.startswith("ROMEO:"), repr(out)
+
+
 def _error(capsys, *args):
     status = cli.main(["generate", *args])
     out, err = capsys.readouterr()

@@ -242,15 +242,20 @@ def run(args: argparse.Namespace) -> int:
     streaming = not args.json and len(request.prompt_ids) == 1 and primary
     echoed = []
 
-    def on_text(row: int, text: str) -> None:
+    def echo_prompt() -> None:
         if not echoed and tokenizer is not None:  # the prompt echo comes after the compile notes
             sys.stdout.write(tokenizer.decode(request.prompt_ids[0]))
             echoed.append(True)
+
+    def on_text(row: int, text: str) -> None:
+        echo_prompt()
         sys.stdout.write(text)
         sys.stdout.flush()
 
     out = model.run_request(request, on_text=on_text if streaming else None,
                             record_routing=args.record_trace is not None)
+    if streaming:
+        echo_prompt()  # no text came (a stop string at the first token): the prompt is still shown
     if not primary and not args.json:
         return 0
     if args.record_trace is not None and primary:
