@@ -197,7 +197,10 @@ def test_trace_cli_json_and_help(tmp_path, capsys):
 def test_trace_cli_errors(tmp_path, capsys):
     _write(tmp_path / "t.jsonl", _routing(4))
     base = ["trace", str(tmp_path / "t.jsonl")]
-    for extra, msg in [([], "give --model DIR or --expert-bytes"),
+    from ft_jax.defaults import bundled_model_path
+
+    for extra, msg in [([], f"give --model DIR or --expert-bytes B (bytes of one expert) to price the replay (a trace "
+                            f"of the bundled model: --model {bundled_model_path()})"),
                        (["--expert-bytes", "10", "--bandwidth", "nope"], "expected 'stored', a preset"),
                        (["--expert-bytes", "10", "--bandwidth", "1,2", "--cache-slots", "0"], "--cache-slots: expected an integer >= 1")]:
         try:

@@ -13,6 +13,7 @@ import sys
 from ft_jax.cli import arg_types
 from ft_jax.config import load_config
 from ft_jax.config.quantization import expert_format
+from ft_jax.defaults import bundled_model_path
 from ft_jax.memory import planned_expert_bytes
 from ft_jax.offload.cost_model import ASSUMED_DEVICE_GBPS, PRESETS, CostModel
 from ft_jax.offload.profile import cost_model_for, dtype_name
@@ -103,7 +104,8 @@ def load_inputs(args) -> tuple[Trace, CostModel]:
                 raise ValueError(f"{name} {given} disagrees with --model ({value})")
         L, E = cfg.num_moe_layers, cfg.num_experts
     if eb is None:
-        raise ValueError("give --model DIR or --expert-bytes B (bytes of one expert) to price the replay")
+        raise ValueError(f"give --model DIR or --expert-bytes B (bytes of one expert) to price the replay (a trace "
+                         f"of the bundled model: --model {bundled_model_path()})")
     dtype = dtype_name(dtype or "bfloat16")
     trace = read_trace(args.trace, L, E)
     model = cost_model_for(args.bandwidth, eb, dtype=dtype, profile_path=args.profile,
