@@ -86,6 +86,13 @@ def test_error_missing_path(capsys, tmp_path):
     assert "does not exist" in _error(capsys, "--model", str(tmp_path / "nope"), "--prompt-ids", "1")
 
 
+def test_error_max_new_tokens_names_the_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own error (the flag's type)
+        cli.main(["generate", "--prompt-ids", "1", "--max-new-tokens", "0"])
+    assert exit_info.value.code == 2
+    assert "argument --max-new-tokens: expected an integer >= 1, got '0'" in capsys.readouterr().err
+
+
 def test_error_folder_without_config(capsys, tmp_path):
     assert "no config.json" in _error(capsys, "--model", str(tmp_path), "--prompt-ids", "1")
 

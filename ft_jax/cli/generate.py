@@ -52,7 +52,7 @@ def add_arguments(sub) -> None:
                           "(default: a single newline)")
     src.add_argument("--prompt-ids", action="append", type=arg_types.token_ids, metavar="IDS",
                      help="prompt as comma-separated token ids (no tokenizer needed); repeatable")
-    gen.add_argument("--max-new-tokens", type=int, default=None,
+    gen.add_argument("--max-new-tokens", type=arg_types.positive_int, default=None,
                      help=f"tokens to generate per prompt (default {defaults.DEFAULT_NEW_TOKENS}, or what the model's "
                           "context leaves after the prompt)")
     gen.add_argument("--temperature", type=arg_types.non_negative, default=defaults.DEFAULT_TEMPERATURE,
@@ -86,7 +86,7 @@ def add_load_arguments(parser) -> None:
                         help=arg_types.QUANTIZE_HELP)
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--cache-slots", type=arg_types.positive_int, metavar="S",
-                        help="device expert slots shared by all layers (of each device, with generate --devices or "
+                        help="device expert slots shared by all layers (of each device under expert parallelism: generate --devices or "
                              "several processes)")
     budget.add_argument("--cache-fraction", type=arg_types.fraction, metavar="F",
                         help=f"slots as a fraction of all experts (default {defaults.DEFAULT_CACHE_FRACTION}; one slot "
