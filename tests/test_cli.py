@@ -161,7 +161,6 @@ def test_request_errors_come_before_loading(capsys, monkeypatch):
         raise AssertionError("the checkpoint must not be loaded for a bad request")
 
     monkeypatch.setattr("ft_jax.checkpoint.load_checkpoint", no_loading)
-    assert "max_new_tokens" in _error(capsys, "--prompt", "hi", "--max-new-tokens", "0")
     assert "outside the vocabulary" in _error(capsys, "--prompt-ids", "1,2,300")
     assert "empty" in _error(capsys, "--prompt", "")
 
