@@ -39,12 +39,12 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_prefill import PARTS, op_parts  # noqa: E402  (scripts/ is not a package)
+# scripts/ is not a package
+from profile_prefill import PARTS, add_engine_arguments, load_engine, op_parts, write_result  # noqa: E402
 
 DECODE_PARTS = PARTS[:-1] + ("sampling", "other")
 _FFI_RE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*custom_call_target="(ft_jax_\w+)"')
@@ -175,37 +175,17 @@ def format_table(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="Hugging Face model folder (e.g. bench_peer's synthetic model)")
+    add_engine_arguments(p)
     p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens (default %(default)s, bench_peer's)")
     p.add_argument("--steps", type=int, default=32, help="decode steps traced (default %(default)s)")
     p.add_argument("--untraced", type=int, default=2, help="untraced runs for the tokens/s (default %(default)s)")
-    p.add_argument("--policy", default="host-all", help="ft_jax policy (default %(default)s)")
-    p.add_argument("--cache-fraction", type=float, default=0.5, help="slots as a fraction of all experts")
-    p.add_argument("--quantize", default=None, help="q8_0 or q4_0: quantize the weights while loading")
     p.add_argument("--top-ops", type=int, default=12, help="list the N costliest ops (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print the JSON result to stdout")
-    p.add_argument("--json-out", type=Path, default=None, help="write the JSON result to this file")
     args = p.parse_args(argv)
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from ft_jax.checkpoint import load_checkpoint
-    from ft_jax.engine.engine import Engine
-    from ft_jax.offload.policy import parse_policy
-
-    load_before = [round(x, 2) for x in os.getloadavg()]
-    t0 = time.perf_counter()
-    ckpt = load_checkpoint(args.model, dtype=jnp.bfloat16, quantize=args.quantize)
-    cfg = ckpt.config
-    _log(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s")
-    policy = parse_policy(args.policy)
-    if policy.kind.value == "qstar" and policy.frac is None:
-        policy = policy.with_frac(0.5)
-    total = cfg.num_experts * sum(1 for l in range(cfg.num_layers) if cfg.moe_layer_index(l) is not None)
-    engine = Engine(ckpt, policy=policy, num_slots=max(1, int(total * args.cache_fraction)))
+    engine, cfg, policy, load_before = load_engine(args, log=_log)
     rng = np.random.default_rng(args.seed + 1)
     prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, args.prompt_len)]
     run = lambda: engine.generate([prompt], max_new_tokens=args.steps + 1).stats  # noqa: E731
@@ -227,12 +207,7 @@ def main(argv=None) -> int:
               "tokens_per_s_untraced": statistics.median(untraced), "tokens_per_s_untraced_runs": untraced,
               "tokens_per_s_traced": stats["decode_tokens_per_s"],
               "weight_bytes_per_token": int(engine.dense_bytes + expert_bytes), "summary": summary}
-    print(format_table(result), file=sys.stderr)
-    text = json.dumps(result, indent=1)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
-    if args.json:
-        print(text)
+    write_result(args, result, format_table(result))
     return 0
 
 

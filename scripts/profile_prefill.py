@@ -247,51 +247,71 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags profile_prefill.py and profile_decode.py share: the model, its policy and cache, the weights'
+    quantization, the seed and the JSON output."""
     p.add_argument("--model", required=True, help="Hugging Face model folder (e.g. bench_peer's synthetic model)")
-    p.add_argument("--prompt-len", default="512,2048", help="comma-separated prompt lengths (default %(default)s)")
-    p.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: ft_jax's default)")
     p.add_argument("--policy", default="host-all", help="ft_jax policy (default %(default)s)")
     p.add_argument("--cache-fraction", type=float, default=0.5, help="slots as a fraction of all experts")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--quantize", default=None, help="q8_0 or q4_0: quantize the weights while loading")
-    p.add_argument("--top-ops", type=int, default=0, help="also list the N costliest ops")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the JSON result to stdout")
     p.add_argument("--json-out", type=Path, default=None, help="write the JSON result to this file")
-    args = p.parse_args(argv)
 
+
+def load_engine(args, dtype: str = "bfloat16", log=None):
+    """(Engine, config, bound policy, load average before loading) of add_engine_arguments' flags: the checkpoint in
+    ``dtype`` (quantized with --quantize), qstar without a fraction at 0.5, --cache-fraction of all experts as
+    slots (at least one)."""
     import jax.numpy as jnp
 
     from ft_jax.checkpoint import load_checkpoint
-    from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
     from ft_jax.engine.engine import Engine
     from ft_jax.offload.policy import parse_policy
 
-    lengths = [int(x) for x in args.prompt_len.split(",") if x.strip()]
-    chunk = args.chunk or DEFAULT_PREFILL_CHUNK
     load_before = [round(x, 2) for x in os.getloadavg()]
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(args.model, dtype=getattr(jnp, args.dtype), quantize=args.quantize)
+    ckpt = load_checkpoint(args.model, dtype=getattr(jnp, dtype), quantize=args.quantize)
     cfg = ckpt.config
-    _log(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s")
+    (log or _log)(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s")
     policy = parse_policy(args.policy)
     if policy.kind.value == "qstar" and policy.frac is None:
         policy = policy.with_frac(0.5)
     total = cfg.num_experts * sum(1 for l in range(cfg.num_layers) if cfg.moe_layer_index(l) is not None)
     engine = Engine(ckpt, policy=policy, num_slots=max(1, int(total * args.cache_fraction)))
-    profiles = [profile_one(engine, cfg, n, chunk, args.seed, args.top_ops) for n in lengths]
-    result = {"model": args.model, "policy": str(policy), "dtype": args.dtype, "quantize": args.quantize,
-              "threads": os.environ.get("FT_JAX_NUM_THREADS", str(os.cpu_count())),
-              "load_average": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
-              "profiles": profiles}
-    print(format_table(result), file=sys.stderr)
+    return engine, cfg, policy, load_before
+
+
+def write_result(args, result: dict, table: str) -> None:
+    """The table on stderr; the JSON to --json-out and, with --json, to stdout."""
+    print(table, file=sys.stderr)
     text = json.dumps(result, indent=1)
     if args.json_out:
         args.json_out.write_text(text + "\n")
     if args.json:
         print(text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_arguments(p)
+    p.add_argument("--prompt-len", default="512,2048", help="comma-separated prompt lengths (default %(default)s)")
+    p.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: ft_jax's default)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--top-ops", type=int, default=0, help="also list the N costliest ops")
+    args = p.parse_args(argv)
+
+    from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
+
+    lengths = [int(x) for x in args.prompt_len.split(",") if x.strip()]
+    chunk = args.chunk or DEFAULT_PREFILL_CHUNK
+    engine, cfg, policy, load_before = load_engine(args, args.dtype)
+    profiles = [profile_one(engine, cfg, n, chunk, args.seed, args.top_ops) for n in lengths]
+    result = {"model": args.model, "policy": str(policy), "dtype": args.dtype, "quantize": args.quantize,
+              "threads": os.environ.get("FT_JAX_NUM_THREADS", str(os.cpu_count())),
+              "load_average": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
+              "profiles": profiles}
+    write_result(args, result, format_table(result))
     return 0
 
 
