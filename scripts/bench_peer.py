@@ -648,7 +648,12 @@ def run_prefill(args, config: dict, variants: list, build: dict | None, ggufs: d
         "prefill": summarize_prefill(samples, reference),
         "commands": commands, "failed": failed, "runs": runs,
     }
-    print(format_prefill_table(result), file=sys.stderr)
+    return _report(args, result, format_prefill_table(result), failed)
+
+
+def _report(args, result: dict, table: str, failed: dict) -> int:
+    """The table and the failed programs on stderr, the JSON to --json-out / stdout; exit status 1 if any failed."""
+    print(table, file=sys.stderr)
     for label, error in failed.items():
         print(f"bench_peer: {label} FAILED: {error}", file=sys.stderr)
     text = json.dumps(result, indent=1)
@@ -888,16 +893,7 @@ def main(argv=None) -> int:
         "rounds": round_log,
         "runs": runs,
     }
-    print(format_table(result), file=sys.stderr)
-    for label, error in failed.items():
-        print(f"bench_peer: {label} FAILED: {error}", file=sys.stderr)
-    text = json.dumps(result, indent=1)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
-        _log(f"wrote {args.json_out}")
-    if args.json:
-        print(text)
-    return 1 if failed else 0
+    return _report(args, result, format_table(result), failed)
 
 
 if __name__ == "__main__":
