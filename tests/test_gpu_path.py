@@ -36,7 +36,7 @@ def _glu(g, u, activation, alpha=1.702, limit=7.0):
     return (u + 1) * g / (1 + np.exp(-alpha * g))
 
 
-def _reference(x, ids, w, gu, dn, activation, gb=None, db=None):
+def float64_experts(x, ids, w, gu, dn, activation, gb=None, db=None):
     """float64: y[t] = sum_j w[t, j] * (dn_e @ a + bd), a = glu(gu_e[:I] x + bg, gu_e[I:] x + bu), e = ids[t, j] >= 0;
     a rounded to bf16 when x is bf16 (a bf16 model, as the CPU kernel and transformers)."""
     round_a = np.dtype(x.dtype) == BF16
@@ -79,7 +79,7 @@ def test_pallas_slot_experts_match_float64(activation, dtype, x_dtype, bias, T):
     rng = np.random.default_rng(T)
     x, ids, w, gu, dn, biases = _case(rng, T, 2, 4, 64, 48, dtype, x_dtype, bias)  # tokens share the 4 slots
     got = device_experts.slot_experts(x, ids, w, gu, dn, activation, interpret=True, **biases)
-    want = _reference(x, ids, w, gu, dn, activation, biases.get("gate_up_bias_slots"),
+    want = float64_experts(x, ids, w, gu, dn, activation, biases.get("gate_up_bias_slots"),
                       biases.get("down_bias_slots"))
     assert got.shape == (T, 64) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
@@ -163,7 +163,7 @@ def test_pallas_slot_experts_quantized_pools_match_float64(name, activation, x_d
     got = device_experts.slot_experts(x, ids, w, gu_data, dn_data, activation, interpret=True,
                                       gate_up_scale_slots=gu_scales, down_scale_slots=dn_scales, weight_format=fmt,
                                       **biases)
-    want = _reference(x, ids, w, gu, dn, activation, biases.get("gate_up_bias_slots"),
+    want = float64_experts(x, ids, w, gu, dn, activation, biases.get("gate_up_bias_slots"),
                       biases.get("down_bias_slots"))
     assert got.shape == (T, H) and got.dtype == jnp.float32
     assert np.abs(want).max() > 0.05  # a non-trivial output to compare
@@ -182,7 +182,7 @@ def test_pallas_slot_experts_quantized_pools_over_several_tiles(name, inter):
     x, ids, w, _, _, _ = _case(rng, 2, 2, S, H, inter, np.float32, np.float32, False)
     got = device_experts.slot_experts(x, ids, w, gu_data, dn_data, "gelu_tanh", interpret=True,
                                       gate_up_scale_slots=gu_scales, down_scale_slots=dn_scales, weight_format=fmt)
-    want = _reference(x, ids, w, gu, dn, "gelu_tanh")
+    want = float64_experts(x, ids, w, gu, dn, "gelu_tanh")
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
@@ -205,7 +205,7 @@ def test_ffi_slot_experts_cuda_form_passes_the_scale_pools(name, monkeypatch):
     monkeypatch.setattr(device_experts, "slot_experts", lambda *a, **k: real(*a, interpret=True, **k))
     on_gpu = np.asarray(ffi_ops.slot_experts(*args, **kw))
     gb, db = biases["gate_up_bias_slots"], biases["down_bias_slots"]
-    want = _reference(x, ids, w, gu, dn, "swiglu_oai", gb, db)
+    want = float64_experts(x, ids, w, gu, dn, "swiglu_oai", gb, db)
     np.testing.assert_allclose(on_gpu, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
     # the CPU handler within its own derived bound (int8 activations for q4_0 on AVX2 or AVX-512 VNNI)
     check_within(on_cpu, *experts_reference(x, ids, w, gu, dn, "swiglu_oai", fmt, gb, db), "CPU slot_experts")

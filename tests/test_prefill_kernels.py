@@ -10,30 +10,10 @@ import pytest
 
 from ft_jax.kernels import ffi_ops
 from ft_jax.kernels.host_bank import HostBank
+from test_gpu_path import float64_experts
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32_EPS = 2.0**-24
-
-
-def _glu_silu(g, u):
-    return g / (1.0 + np.exp(-g)) * u
-
-
-def _reference(x, ids, weights, gate_up, down):
-    """float64 y[t] = sum_j w[t, j] down[e] @ bf16(silu(gate[e] @ x[t]) * (up[e] @ x[t])), e = ids[t, j] >= 0: a bf16
-    model's expert (the activations rounded to bf16 before the down projection, as the kernels and transformers do)."""
-    x = x.astype(np.float64)
-    inter = gate_up.shape[1] // 2
-    y = np.zeros(x.shape)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = ids[t, j]
-            if e < 0:
-                continue
-            gu = gate_up[e].astype(np.float64) @ x[t]
-            a = _glu_silu(gu[:inter], gu[inter:]).astype(np.float32).astype(BF16).astype(np.float64)
-            y[t] += weights[t, j] * (down[e].astype(np.float64) @ a)
-    return y
 
 
 def _rel_err(got, expected):
@@ -65,7 +45,7 @@ def bf16_experts(request):
 def test_bf16_experts_with_many_tokens_match_float64(bf16_experts):
     x, ids, weights, gate_up, down, banks = bf16_experts
     y = np.asarray(ffi_ops.host_experts(jnp.asarray(x), ids, weights, *banks))
-    expected = _reference(x, ids, weights, gate_up, down)
+    expected = float64_experts(x, ids, weights, gate_up, down, "silu")  # bf16 x: the activations rounded
     H, I = x.shape[1], down.shape[2]
     # bf16 products are exact in float32: what is left is the float32 accumulation over H + I terms per route
     assert _rel_err(y, expected) < (H + I) * F32_EPS
