@@ -145,39 +145,41 @@ def test_eight_concurrent_clients_each_equal_their_solo_run(server):
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
-    """The batcher thread is held after the first token (so the request cannot finish first, however fast the
+    """The batcher thread is held once the request decodes in its row (so it cannot finish first, however fast the
     model), the client disconnects; released, the batcher frees the row and counts the request cancelled."""
     batcher = server.batcher
     before = _rows(server)["finished"].get("cancelled", 0)
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold():  # on the batcher thread, between two steps
+        if not batcher.rows:  # the first stream event can come before the request has joined the decode rows
+            return False
+        entered.set()
+        gate.wait(60)
+        return True
+
+    def hold_when_decoding():
+        while not batcher.call(hold, 60):
+            time.sleep(0.001)
+
     body = {"prompt": "ROMEO:", "max_tokens": 200, "temperature": 0, "stream": True}
-    for attempt in range(3):  # a client thread descheduled long enough can see the whole answer before the hold
-        entered, gate, holder = threading.Event(), threading.Event(), None
-
-        def hold(entered=entered, gate=gate):
-            entered.set()
-            gate.wait(60)
-
-        try:
-            with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as response:
-                assert next(response.iter_lines()).startswith("data: ")
-                holder = threading.Thread(target=batcher.call, args=(hold, 60))
-                holder.start()
-                entered.wait(30)
-                if batcher.busy_rows() == 0:  # already answered: nothing to disconnect from, try again
-                    continue
-                assert batcher.busy_rows() == 1
-                (row,) = batcher.rows.values()
-            deadline = time.time() + 30
-            while not row.ticket.cancelled and time.time() < deadline:  # the server noticed the disconnect
-                time.sleep(0.01)
-            assert row.ticket.cancelled
-            break
-        finally:
-            gate.set()
-            if holder is not None:
-                holder.join()
-    else:
-        pytest.fail("every request finished before the batcher could be held")
+    holder = None
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as response:
+            assert next(response.iter_lines()).startswith("data: ")
+            holder = threading.Thread(target=hold_when_decoding)
+            holder.start()
+            assert entered.wait(30)
+            assert batcher.busy_rows() == 1
+            (row,) = batcher.rows.values()
+        deadline = time.time() + 30
+        while not row.ticket.cancelled and time.time() < deadline:  # the server noticed the disconnect
+            time.sleep(0.01)
+        assert row.ticket.cancelled
+    finally:
+        gate.set()
+        if holder is not None:
+            holder.join()
     rows = _wait_rows(server, lambda r: r["busy"] == 0)
     assert rows["busy"] == 0 and rows["free"] == ROWS and rows["finished"]["cancelled"] == before + 1
     assert all(r["state"] == "free" and r["position"] == -1 for r in rows["rows"])
