@@ -1,4 +1,4 @@
-"""Units of what users type: byte counts ("8GiB") and dtype names ("bf16"), parsed in one place."""
+"""Units of what users type and read: byte counts ("8GiB") and dtype names ("bf16"), parsed and shown in one place."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ def parse_bytes(text: str) -> int:
     if not m or m.group(2).lower() not in SIZE_UNITS:
         raise ValueError(f"not a byte count: {text!r} (examples: 4096, 512MiB, 2GB)")
     return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    """A byte count in the largest binary unit that keeps it >= 1, two decimals: 1536 -> "1.50 KiB",
+    3 * 2**30 -> "3.00 GiB", 100 -> "100 B"."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def parse_dtype(text: str) -> str:

@@ -318,11 +318,24 @@ def test_empty_list_items_are_refused():
 
 
 def test_clamp_notes_reach_the_json(tmp_path):
-    proc = _run("--model", FIXTURE, "--prompt-ids", "1,2,3", "--policy", "host-all", "--max-new-tokens", "2",
+    proc = _run("--model", FIXTURE, "--prompt-ids", "1,2,3", "--policy", "fetch-all", "--max-new-tokens", "2",
                 "--temperature", "0", "--cache-fraction", "1e-9", "--json")
     assert proc.returncode == 0, proc.stderr
     notes = json.loads(proc.stdout)["notes"]
     assert any("less than one slot; using 1" in n for n in notes), notes
+
+
+def test_cache_flags_under_host_all_say_they_are_not_used(tmp_path):
+    """host-all (the CPU default here) never fills a slot: a cache budget is said to be unused and no slots are
+    allocated for it (one, as without the flag)."""
+    proc = _run("--model", FIXTURE, "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--temperature", "0",
+                "--cache-slots", "1000", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["stats"]["policy"] == "host-all" and out["stats"]["num_slots"] == 1
+    assert [n for n in out["notes"] if "--cache-slots" in n] == [
+        "note: --cache-slots 1000 is not used: host-all computes every expert on the CPU and never fills a slot "
+        "(give --policy auto, qstar or fetch-all to use slots)"]
 
 
 def test_a_damaged_npz_trace_is_one_line(tmp_path, capsys):

@@ -293,6 +293,9 @@ def test_profile_report_and_store_for_a_model_folder(tmp_path):
     assert lines[-1] == f"  saved to {store}"
     (entry,) = json.loads(store.read_text())["profiles"]
     assert entry["key"]["dtype"] == "bfloat16" and entry["key"]["expert_bytes"] == 3 * H_ * I_ * 2
+    c = entry["call_ms"]  # the stored per-call costs are printed too, as stored
+    assert (f"  per call in a compiled step (the cost model's fixed ms per layer): fill {c['fill']:.3f}, host_experts "
+            f"{c['host']:.3f}, slot_experts {c['slot']:.3f} ms, with one route {c['slot_route']:.3f} ms") in lines
 
 
 def test_profile_errors_are_one_line(tmp_path):

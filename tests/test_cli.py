@@ -114,7 +114,8 @@ def test_error_prompt_longer_than_context(capsys):
 
 
 def test_error_device_budget_below_one_slot(capsys):
-    line = _error(capsys, "--model", os.path.join(FIXTURES, "olmoe"), "--prompt-ids", "1", "--device-memory", "1KiB")
+    line = _error(capsys, "--model", os.path.join(FIXTURES, "olmoe"), "--prompt-ids", "1", "--device-memory", "1KiB",
+                  "--policy", "fetch-all")
     cfg = json.load(open(os.path.join(FIXTURES, "olmoe", "config.json")))
     expert_bytes = 3 * cfg["hidden_size"] * cfg["intermediate_size"] * 4  # float32 gate, up and down weights
     assert "smaller than one expert slot" in line and f"({expert_bytes} bytes:" in line
@@ -125,6 +126,14 @@ def test_error_unknown_policy(capsys):
         cli.main(["generate", "--model", os.path.join(FIXTURES, "olmoe"), "--prompt-ids", "1", "--policy", "magic"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and "magic" in err, err
+
+
+def test_format_bytes_picks_the_unit_that_keeps_digits():
+    assert units.format_bytes(100) == "100 B"
+    assert units.format_bytes(1536) == "1.50 KiB"
+    assert units.format_bytes(352321536) == "336.00 MiB"  # a Mixtral-8x7B bf16 expert
+    assert units.format_bytes(3 * 2**30) == "3.00 GiB"
+    assert units.parse_bytes(units.format_bytes(5 * 2**40).replace(" ", "")) == 5 * 2**40
 
 
 def test_parse_bytes():
@@ -235,7 +244,7 @@ def test_quantize_budgets_and_errors(capsys, tmp_path):
     cfg = json.load(open(os.path.join(FIXTURES, "olmoe", "config.json")))
     H, I = cfg["hidden_size"], cfg["intermediate_size"]
     line = _error(capsys, "--model", os.path.join(FIXTURES, "olmoe"), "--prompt-ids", "1", "--device-memory", "1KiB",
-                  "--quantize", "q4_0")
+                  "--quantize", "q4_0", "--policy", "qstar")
     assert f"({wf.Q4_0.nbytes(2 * I, H) + wf.Q4_0.nbytes(H, I)} bytes:" in line
     line = _error(capsys, "--model", os.path.join(FIXTURES, "gpt_oss_mxfp4"), "--prompt-ids", "1", "--quantize",
                   "q8_0")

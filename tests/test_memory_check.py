@@ -134,8 +134,7 @@ def test_generate_refuses_with_one_line_exit_2_small_rss(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO)
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", launcher, sys.executable, "-m", "ft_jax", "generate", "--model",
-                        str(tmp_path / "big"), "--prompt-ids", "1,2,3", "--no-compile-cache", "--policy", "host-all",
-                        "--cache-slots", "4"], capture_output=True, text=True, env=env, timeout=120)
+                        str(tmp_path / "big"), "--prompt-ids", "1,2,3", "--no-compile-cache", "--policy", "host-all"], capture_output=True, text=True, env=env, timeout=120)
     wall = time.perf_counter() - t0
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()

@@ -257,6 +257,10 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     ({"prompt": ""}, "prompt", "'prompt' is empty"),
     ({"prompt": [[[1]]]}, "prompt", "'prompt' must be a non-empty text or a list of token ids"),
     ({"prompt": "x", "model": 4}, "model", "'model' must be a text, got 4"),
+    # values are shown as the client wrote them (JSON), not as Python reprs
+    ({"prompt": "x", "stop": [""]}, "stop", """'stop' texts must be non-empty, got [""]"""),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens", "'max_tokens' must be an integer >= 1, got true"),
+    ({"prompt": "x", "echo": True}, "echo", "'echo' is not supported by this server (got true)"),
 ])
 def test_malformed_requests_get_400_naming_the_field(server, body, param, message):
     r = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers)
@@ -282,7 +286,7 @@ def test_chat_field_errors_and_bodies_that_are_not_json(server):
     assert r.status_code == 415 and "'text/plain'" in r.json()["error"]["message"]
     r = post("/v1/completions", json={"prompt": "x", "model": "gpt-4"})
     error = r.json()["error"]
-    assert r.status_code == 404 and error["code"] == "model_not_found" and "serves 'tiny'" in error["message"]
+    assert r.status_code == 404 and error["code"] == "model_not_found" and error["message"].startswith('the model "gpt-4" does not exist: this server serves "tiny"')
 
 
 def test_unknown_routes_and_methods_get_openai_error_objects(server):

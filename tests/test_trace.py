@@ -194,6 +194,23 @@ def test_trace_cli_json_and_help(tmp_path, capsys):
         assert needle in text, needle
 
 
+def test_batch_figures_are_per_token_not_per_step(tmp_path, capsys):
+    """--batch replays a step of R rows (the union of their experts) and divides its figures by R: host-all on a
+    cold cache computes every distinct expert of a step on the host, worked out here from the routing itself."""
+    routing = _routing(5, lengths=(7, 7))
+    _write(tmp_path / "t.jsonl", routing)
+    assert cli.main(["trace", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),
+                     "--bandwidth", "2,8", "--cache-slots", "8", "--policy", "host-all", "--batch", "--json"]) == 0
+    host_all = json.loads(capsys.readouterr().out)["results"][0]
+    distinct = np.mean([sum(len(set(routing[0][t, layer]) | set(routing[1][t, layer])) for layer in range(L))
+                        for t in range(7)])  # distinct experts per step, summed over layers
+    assert host_all["host_per_token"] == pytest.approx(distinct / 2)
+    assert host_all["ms_per_token"] == pytest.approx(distinct / 2 * 125.0)  # 1 GB at 8 GB/s each
+    assert cli.main(["trace", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),
+                     "--bandwidth", "2,8", "--cache-slots", "8", "--policy", "host-all", "--batch"]) == 0
+    assert "the 2 sequences are the rows of one decode step" in capsys.readouterr().out
+
+
 def test_trace_cli_errors(tmp_path, capsys):
     _write(tmp_path / "t.jsonl", _routing(4))
     base = ["trace", str(tmp_path / "t.jsonl")]

@@ -146,6 +146,14 @@ def _cache(args: argparse.Namespace, cfg, note, devices: int = 1) -> int | float
     """The cache budget of the flags for api.load (of each of the ``devices`` devices, which own 1/devices of the
     experts); a --cache-slots above the number of experts is said in a note."""
     experts = cfg.num_moe_layers * cfg.num_experts // devices
+    given = next((f"--{flag.replace('_', '-')} {value:g}" if isinstance(value, float) else
+                  f"--{flag.replace('_', '-')} {value}" for flag, value in
+                  (("cache_slots", args.cache_slots), ("cache_fraction", args.cache_fraction),
+                   ("device_memory", args.device_memory)) if value is not None), None)
+    if given is not None and _host_all(args):
+        note(f"note: {given} is not used: host-all computes every expert on the CPU and never fills a slot (give "
+             "--policy auto, qstar or fetch-all to use slots)")
+        return None  # api.load's one slot
     if args.cache_slots is not None and args.cache_slots > experts and not _resident(args):
         note(f"note: --cache-slots {args.cache_slots} is more than the {experts} experts; using {experts}")
     if args.cache_fraction is not None and round(args.cache_fraction * experts) < 1:
@@ -153,6 +161,15 @@ def _cache(args: argparse.Namespace, cfg, note, devices: int = 1) -> int | float
              "using 1")
     return args.cache_slots if args.cache_slots is not None else (
         args.cache_fraction if args.cache_fraction is not None else args.device_memory)
+
+
+def _host_all(args: argparse.Namespace) -> bool:
+    """Whether the run's policy is host-all: given, or the default of a CPU-only JAX backend."""
+    if args.policy is not None:
+        return args.policy.kind is PolicyKind.HOST_ALL
+    import jax
+
+    return defaults.default_policy(jax.default_backend()) == defaults.CPU_POLICY
 
 
 def _resident(args: argparse.Namespace) -> bool:
@@ -164,7 +181,7 @@ def _device_memory_note(args: argparse.Namespace, cfg, expert_bytes: int, note, 
     """A --device-memory that holds more than every expert (of a device) is clamped to all of them: said in a
     note."""
     experts = cfg.num_moe_layers * cfg.num_experts // devices
-    if args.device_memory is None or _resident(args):
+    if args.device_memory is None or _resident(args) or _host_all(args):
         return
     fits = units.parse_bytes(args.device_memory) // expert_bytes
     if fits > experts:

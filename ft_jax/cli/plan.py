@@ -13,6 +13,7 @@ from ft_jax.cli.trace import COST_MODEL_HELP, add_model_arguments, load_inputs
 from ft_jax.tools import plan
 from ft_jax.tools.multi_device import check_devices
 from ft_jax.tools.report import format_table, report
+from ft_jax.units import format_bytes
 
 DEFAULT_CANDIDATES = "auto,qstar,fetch-all,host-all,fixed-cap:1,fixed-cap:2"
 
@@ -73,9 +74,9 @@ def run_plan(args) -> int:
         print(f"recommendation: --policy resident: the budget holds {rec['budget_slots']} experts, all {total} fit "
               f"({best['ms_per_token']:.2f} ms/token modelled, hits only)")
     else:
-        gib = best["cache_slots"] * model.expert_bytes / 2**30
+        size = format_bytes(best["cache_slots"] * model.expert_bytes)
         each = f" on each of {args.devices} devices" if args.devices > 1 else ""
-        print(f"recommendation: --policy {best['policy']} --cache-slots {best['cache_slots']} ({gib:.2f} GiB{each}, "
+        print(f"recommendation: --policy {best['policy']} --cache-slots {best['cache_slots']} ({size}{each}, "
               f"{100 * best['cache_slots'] / total:.1f}% of the {total} experts of a device; budget "
               f"{rec['budget_slots']} slots): {best['ms_per_token']:.2f} ms/token modelled, hit rate "
               f"{100 * best['hit_rate']:.1f}%")
@@ -85,7 +86,10 @@ def run_plan(args) -> int:
               f"{one['ms_per_token']:.2f} ms/token modelled ({one['ms_per_token'] / best['ms_per_token']:.2f}x the "
               f"{args.devices} devices' time)")
     for alt in sorted(rec["alternatives"], key=lambda a: a["speedup"]):
-        print(f"  beats {alt['policy']:<16} ({alt['ms_per_token']:.2f} ms/token) by {alt['speedup']:.3f}x")
+        if alt["speedup"] < 1.0005:  # equal to the printed digits: e.g. qstar and auto taking the same fills
+            print(f"  ties  {alt['policy']:<16} ({alt['ms_per_token']:.2f} ms/token)")
+        else:
+            print(f"  beats {alt['policy']:<16} ({alt['ms_per_token']:.2f} ms/token) by {alt['speedup']:.3f}x")
     for o in rec["observed"]:
         modelled = "not replayed" if o["modelled_ms"] is None else f"{o['modelled_ms']:.2f} ms/token modelled"
         r = o["modelled_over_observed"]

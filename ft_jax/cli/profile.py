@@ -96,6 +96,9 @@ def report(profile, q_star: dict[int, int], saved: str) -> str:
         *(f"  {label:<26}{getattr(profile, name):8.2f} GB/s  [{profile.spreads[name][0]:.2f}, "
           f"{profile.spreads[name][1]:.2f}]" for label, name in rows),
         f"  fetch fraction q*/m = {profile.fraction():.3f} (BPc / (BPc + BHc))",
+        *([] if not profile.call_ms else [
+            "  per call in a compiled step (the cost model's fixed ms per layer): fill {fill:.3f}, host_experts "
+            "{host:.3f}, slot_experts {slot:.3f} ms, with one route {slot_route:.3f} ms".format(**profile.call_ms)]),
         "  q* for m = 1..8:  " + "  ".join(f"m={m}:{q}" for m, q in q_star.items()),
         f"  recommendation: {recommendation(profile)}",
     ]

@@ -16,6 +16,7 @@ Reference: the OpenAI API reference for the legacy completions and the chat comp
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 import time
 import uuid
@@ -80,12 +81,18 @@ class GenerationParams:
     ignore_eos: bool = False
 
 
+def _shown(value, limit: int = 200) -> str:
+    """A request value as the client wrote it (JSON, not Python's repr), cut to ``limit`` characters."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None):
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise RequestError(f"'{name}' must be {what}, got {value!r}", name)
+        raise RequestError(f"'{name}' must be {what}, got {_shown(value)}", name)
     return value
 
 
@@ -102,7 +109,7 @@ def _prompt(body: dict):
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
         raise RequestError(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request", "prompt")
-    raise RequestError(f"'prompt' must be a non-empty text or a list of token ids, got {prompt!r:.200}", "prompt")
+    raise RequestError(f"'prompt' must be a non-empty text or a list of token ids, got {_shown(prompt)}", "prompt")
 
 
 def _is_ids(value) -> bool:
@@ -113,16 +120,17 @@ def _messages(body: dict) -> list[dict]:
     """The chat messages as [{"role", "content": text}] (text parts joined)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise RequestError(f"'messages' must be a non-empty list of {{role, content}} objects, got {messages!r}",
-                           "messages")
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects, got "
+                           f"{_shown(messages)}", "messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise RequestError(f"'{where}' must be an object with 'role' and 'content', got {m!r}", where)
+            raise RequestError(f"'{where}' must be an object with 'role' and 'content', got {_shown(m)}", where)
         role, content = m.get("role"), m.get("content")
         if role not in CHAT_ROLES:
-            raise RequestError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}", f"{where}.role")
+            raise RequestError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {_shown(role)}",
+                               f"{where}.role")
         if isinstance(content, list):
             texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
@@ -130,7 +138,7 @@ def _messages(body: dict) -> list[dict]:
                                    "supported", f"{where}.content")
             content = "".join(texts)
         if not isinstance(content, str):
-            raise RequestError(f"'{where}.content' must be a text or a list of text parts, got {content!r}",
+            raise RequestError(f"'{where}.content' must be a text or a list of text parts, got {_shown(content)}",
                                f"{where}.content")
         out.append({"role": role, "content": content})
     return out
@@ -139,14 +147,14 @@ def _messages(body: dict) -> list[dict]:
 def _unsupported(body: dict) -> None:
     for name, harmless in UNSUPPORTED.items():
         if body.get(name) not in harmless:
-            raise RequestError(f"'{name}' is not supported by this server (got {body[name]!r})", name)
+            raise RequestError(f"'{name}' is not supported by this server (got {_shown(body[name])})", name)
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise RequestError(f"'response_format' other than {{\"type\": \"text\"}} is not supported, got {fmt!r}",
+        raise RequestError(f"'response_format' other than {{\"type\": \"text\"}} is not supported, got {_shown(fmt)}",
                            "response_format")
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
-        raise RequestError(f"'n' must be 1 (one choice per request), got {n!r}", "n")
+        raise RequestError(f"'n' must be 1 (one choice per request), got {_shown(n)}", "n")
 
 
 # make_request's messages name its arguments; the request field each one comes from.
@@ -188,16 +196,18 @@ def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str,
     seed = _field(body, "seed", (int,), "an integer in [0, 2^32)")
     stop = _field(body, "stop", (str, list), "a text or a list of texts", ())
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
-        raise RequestError(f"'stop' must be a text or a list of texts, got {stop!r:.200}", "stop")
+        raise RequestError(f"'stop' must be a text or a list of texts, got {_shown(stop)}", "stop")
     stops = [stop] if isinstance(stop, str) else stop
+    if any(s == "" for s in stops):
+        raise RequestError(f"'stop' texts must be non-empty, got {_shown(stop)}", "stop")
     if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
         raise RequestError(f"'stop' may hold at most {MAX_STOP} texts of at most {MAX_STOP_CHARS} characters each, "
                            f"got {len(stops)} (longest {max(map(len, stops))})", "stop")
     requested = body.get("model")
     if requested is not None and not isinstance(requested, str):
-        raise RequestError(f"'model' must be a text, got {requested!r:.200}", "model")
+        raise RequestError(f"'model' must be a text, got {_shown(requested)}", "model")
     if requested is not None and requested != model_name:
-        raise RequestError(f"the model {requested!r:.200} does not exist: this server serves {model_name!r} "
+        raise RequestError(f"the model {_shown(requested)} does not exist: this server serves {_shown(model_name)} "
                            "(GET /v1/models)", "model", status=404, code="model_not_found")
     if chat:
         messages = _messages(body)

@@ -107,11 +107,12 @@ def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: 
             stats = np.stack([replay(t, b, slots, carry_cache=carry_cache, batch=batch).stats
                               for t, b in zip(shards, bound)])  # i32[N, T, L, 5]
             s = stats.astype(np.float64)
+            rows = len(trace.sequences) if batch else 1  # a replayed step decodes one token of each row
             active, hits = s[..., 0].sum(), s[..., 1].sum()
             per_device = [{"hit_rate": float(d[..., 1].sum() / d[..., 0].sum()) if d[..., 0].sum() else 0.0,
-                           "fetched_per_token": float(d[..., 3].sum(axis=1).mean()),
-                           "host_per_token": float(d[..., 4].sum(axis=1).mean())} for d in s]
-            per_token = s.sum(axis=(0, 2))  # f64[T, 5]
+                           "fetched_per_token": float(d[..., 3].sum(axis=1).mean()) / rows,
+                           "host_per_token": float(d[..., 4].sum(axis=1).mean()) / rows} for d in s]
+            per_token = s.sum(axis=(0, 2)) / rows  # f64[T, 5]
             out.append({"policy": str(policy), "bound": str(bound[0]), "cache_slots": slots,
                         "cache_fraction": slots / (L * E), "devices": devices, "host_sockets": host_sockets,
                         "allreduce_ms": allreduce_ms,
@@ -120,7 +121,7 @@ def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: 
                         "hits_per_token": float(per_token[:, 1].mean()),
                         "fetched_per_token": float(per_token[:, 3].mean()),
                         "host_per_token": float(per_token[:, 4].mean()),
-                        "ms_per_token": float(token_ms(stats, models, host_sockets, allreduce_ms).mean()),
+                        "ms_per_token": float(token_ms(stats, models, host_sockets, allreduce_ms).mean()) / rows,
                         "per_device": per_device})
             if progress is not None:
                 progress(len(out), total)

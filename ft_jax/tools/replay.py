@@ -121,16 +121,17 @@ def replay(trace: Trace, policy, num_slots: int, *, carry_cache: bool = False, b
     return ReplayResult(stats=stats, state=state)
 
 
-def summarize(stats: np.ndarray, model: CostModel) -> dict:
-    """Per-token figures of replayed stats i32[N, L, 5] (N > 0): hit_rate (hits / active experts), active, hits,
-    fetched and host experts per token (summed over MoE layers), ms_per_token (mean of CostModel.token_ms)."""
+def summarize(stats: np.ndarray, model: CostModel, rows: int = 1) -> dict:
+    """Per-token figures of replayed stats i32[N, L, 5] (N > 0 decode steps of ``rows`` rows, one token per row):
+    hit_rate (hits / active experts), active, hits, fetched and host experts per token (summed over MoE layers),
+    ms_per_token (mean of CostModel.token_ms); a step's figures are divided by its rows (replay's batch)."""
     s = stats.astype(np.float64)
     active, hits = s[..., 0].sum(), s[..., 1].sum()
-    per_token = s.sum(axis=1)  # f64[N, 5]
+    per_token = s.sum(axis=1) / rows  # f64[N, 5]
     return {"hit_rate": float(hits / active) if active else 0.0,
             "active_per_token": float(per_token[:, 0].mean()), "hits_per_token": float(per_token[:, 1].mean()),
             "fetched_per_token": float(per_token[:, 3].mean()), "host_per_token": float(per_token[:, 4].mean()),
-            "ms_per_token": float(model.token_ms(stats).mean())}
+            "ms_per_token": float(model.token_ms(stats).mean()) / rows}
 
 
 def evaluate(trace: Trace, policies: Seq, slot_counts: Seq[int], model: CostModel, *, carry_cache: bool = False,
@@ -152,7 +153,8 @@ def evaluate(trace: Trace, policies: Seq, slot_counts: Seq[int], model: CostMode
             res = replay(trace, bound, trace.num_layers * trace.num_experts if policy.kind is PolicyKind.RESIDENT else S,
                          carry_cache=carry_cache, batch=batch)
             out.append({"policy": str(policy), "bound": str(bound), "cache_slots": int(S),
-                        "cache_fraction": S / (trace.num_layers * trace.num_experts), **summarize(res.stats, model)})
+                        "cache_fraction": S / (trace.num_layers * trace.num_experts),
+                        **summarize(res.stats, model, len(trace.sequences) if batch else 1)})
             if progress is not None:
                 progress(len(out), total)
     return out

@@ -42,6 +42,10 @@ def format_table(rep: dict) -> str:
                          f"{r['ms_per_token']:>10.2f} {r['ms_per_token'] / best if best > 0 else 1.0:>7.3f}x")
     lines += ["", "per token, summed over the MoE layers (and the devices); vs best = ms/token over the best policy at "
               "that cache size" + (" and device count; slots and frac are per device" if several else "")]
+    if rep["batch"]:
+        rows = len(rep["sequences"])
+        lines.append(f"batch: the {rows} sequences are the rows of one decode step; a step's figures are divided by "
+                     f"its {rows} tokens")
     if several:
         row = next(r for r in rep["results"] if r.get("devices", 1) > 1)
         lines.append(f"N devices: {row['host_sockets']} host socket(s) sharing the host GEMV bandwidth (at most one per "
