@@ -38,6 +38,10 @@ def auto_layer_time(costs, misses: int, hits: int, fetched: int) -> int:
     """Modelled layer time in ticks with F fetched, H = misses - F on the host, D = hits + F on the device."""
     c = costs
     F, H, D = fetched, misses - fetched, hits + fetched
+    device = c.device_fixed + D * c.device if D > 0 else 0
+    if c.serial:  # a CPU device: the three paths one after another, at their solo rates
+        return ((c.fill_fixed + F * c.fill_solo) if F > 0 else 0) + device + (
+            (c.host_fixed + H * c.host_solo) if H > 0 else 0)
     if F > 0 and H > 0:
         fill_alone = F * c.fill_cont  # contended duration of the fill
         host_alone = H * c.host_cont
@@ -56,7 +60,6 @@ def auto_layer_time(costs, misses: int, hits: int, fetched: int) -> int:
         fill_end += c.fill_fixed
     if H > 0:
         host_end += c.host_fixed
-    device = c.device_fixed + D * c.device if D > 0 else 0
     return max(fill_end + device, host_end)
 
 

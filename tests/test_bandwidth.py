@@ -352,8 +352,10 @@ def test_resolve_policy_takes_the_stored_profile(tmp_path):
     qstar, note = bandwidth.resolve_policy("qstar", banks, H, I, profile=path, measure=False)
     assert qstar == Policy("qstar", frac=1.5 / 7.5) and "stored" in note
     auto, _ = bandwidth.resolve_policy(Policy("auto"), banks, H, I, profile=path, measure=False)
-    device = 8.0 if here()["platform"] == "cpu" else cost_model.ASSUMED_DEVICE_GBPS
-    assert auto == Policy("auto", costs=cost_model.auto_costs(banks.expert_bytes, 2.0, 8.0, 1.5, 6.0, device))
+    cpu = here()["platform"] == "cpu"  # a CPU device: slot experts at BH, its paths one after another
+    device = 8.0 if cpu else cost_model.ASSUMED_DEVICE_GBPS
+    assert auto == Policy("auto", costs=cost_model.auto_costs(banks.expert_bytes, 2.0, 8.0, 1.5, 6.0, device,
+                                                              serial=cpu))
 
 
 def test_resolve_policy_without_a_profile_falls_back_to_fixed_cap_1(tmp_path):

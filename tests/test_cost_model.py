@@ -35,3 +35,27 @@ def test_ticks_and_ms_agree_on_random_layers():
         assert abs(ticks * costs.tick_ms - ms) <= bound * costs.tick_ms, (model, m, hits, F, ticks, ms)
         checked += 1
     assert checked > 200
+
+
+def test_a_cpu_device_runs_the_paths_one_after_another():
+    """A profile measured on a CPU device (CostModel.from_spec(platform="cpu")) prices the fill, the slot experts and
+    the host GEMV as one sequence on the same cores, worked by hand: 1 GB experts at BP 10, BH 20, BD 25 GB/s are
+    100, 50 and 40 ms; fixed costs 1, 2, 3 ms. Two fills, three host experts and four on the device (two hits):
+    (1 + 2 * 100) + (3 + 4 * 40) + (2 + 3 * 50) = 516 ms, where a GPU's overlapping paths would take max(fill +
+    device, host). The tick form agrees within its rounding, and the decode step's reference mirrors it."""
+    from cache_reference import auto_layer_time
+
+    spec = {"bp": 10.0, "bh": 20.0, "bp_contended": None, "bh_contended": None, "fill_fixed_ms": 1.0,
+            "host_fixed_ms": 2.0, "device_fixed_ms": 3.0, "device_bandwidth": 25.0}
+    cpu = CostModel.from_spec(spec, 10**9, platform="cpu")
+    gpu = CostModel.from_spec(spec, 10**9, platform="gpu")
+    assert cpu.serial_paths and not gpu.serial_paths
+    assert cpu.layer_ms(2, 3, 4) == 516.0
+    assert gpu.layer_ms(2, 3, 4) < 516.0
+    assert cpu.layer_ms(0, 3, 0) == 152.0 and cpu.layer_ms(0, 0, 0) == 0.0
+    costs = cpu.auto_costs()
+    assert costs.serial
+    ticks = int(auto_layer_ticks(costs, 5, 2, 2))  # 5 misses, 2 hits, 2 fetched: F 2, H 3, D 4
+    assert abs(ticks * costs.tick_ms - 516.0) <= (2 + 3 + 4 + 3) * costs.tick_ms
+    assert auto_layer_time(costs, 5, 2, 2) == ticks
+    assert "one after another" in cpu.describe()

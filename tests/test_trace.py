@@ -261,6 +261,15 @@ def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):
     fits = plan.recommend(trace, cpu_like, 2 * L * E * GB, policies)
     resident = next(r for r in fits["results"] if r["policy"] == "resident")
     assert not fits["resident"] and fits["best"]["ms_per_token"] < resident["ms_per_token"]
+    # A profile measured on a CPU device: its slots are the same memory and cores, so a fill is pure extra work
+    # and a hit costs a host GEMV; the recommendation fetches nothing (host-all; ties with whatever also fetches
+    # nothing), which is what the engine's CPU default does.
+    on_cpu = CostModel.from_spec({"bp": 16.0, "bh": 22.0, "bp_contended": 14.0, "bh_contended": 16.0}, GB,
+                                 platform="cpu")
+    rec_cpu = plan.recommend(trace, on_cpu, 16 * GB, policies)
+    assert rec_cpu["best"]["fetched_per_token"] == 0 and rec_cpu["best"]["hits_per_token"] == 0
+    host_all = next(r for r in rec_cpu["results"] if r["policy"] == "host-all")
+    assert rec_cpu["best"]["ms_per_token"] == pytest.approx(host_all["ms_per_token"])
     with pytest.raises(ValueError, match="holds no expert"):
         plan.recommend(trace, model, GB // 2, policies)
     assert cli.main(["plan", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),

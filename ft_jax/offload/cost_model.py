@@ -6,7 +6,10 @@ fill_cont, host_solo, host_cont, device and per-layer fixed costs,
   * the fill (F > 0) and the host GEMV (H > 0) start together at the contended times; when one ends, the other goes
     on solo; each path that runs adds its fixed cost;
   * the device path (D > 0) starts when the fill ends and takes device_fixed + D * device;
-  * layer time = max(fill end + device time, host end).
+  * layer time = max(fill end + device time, host end);
+  * except on a CPU "device" (``serial``): the slots are host memory and the slot experts, the slot fill and the host
+    GEMV run on the same cores and memory bus, so nothing overlaps: layer time = fill + device time + host at the
+    solo rates (measured: docs/DESIGN.md sec. 19.5).
 ``PathCosts`` holds the per-expert times in float ms (CostModel.path_costs); ``AutoCosts`` the same times rounded to
 integer ticks (auto_costs, rounding stated there). ``layer_ms`` and ``auto_layer_ticks`` are ``layer_time`` on
 each, with the float or the int32 arithmetic (``FLOAT_OPS``, ``TICK_OPS``). Bandwidths GB/s (1e9 B/s), times ms.
@@ -88,15 +91,19 @@ def path_ends(c, fetched, host, ops=FLOAT_OPS):
 
 def layer_time(c, fetched, host, device, ops=FLOAT_OPS):
     """Modelled time of one MoE layer (module docstring) in the unit and number type of the costs ``c``:
-    max(fill end + device time, host end), device time = device_fixed + D * device when D = ``device`` > 0.
+    max(fill end + device time, host end), device time = device_fixed + D * device when D = ``device`` > 0; with
+    ``c.serial`` (a CPU device) the sum of the three paths at their solo rates.
 
     Args:
         c, fetched, host, ops: as in path_ends. device: D = hits + F.
     Returns:
         float ms for FLOAT_OPS, ticks (elementwise, the inputs' integer type) for TICK_OPS.
     """
-    fill_end, host_end = path_ends(c, fetched, host, ops)
     device_time = ops.where(device > 0, c.device_fixed + device * c.device, 0)
+    if c.serial:  # static: one processor runs the fill, the slot experts and the host GEMV one after another
+        fill = ops.where(fetched > 0, c.fill_fixed + fetched * c.fill_solo, 0)
+        return fill + device_time + ops.where(host > 0, c.host_fixed + host * c.host_solo, 0)
+    fill_end, host_end = path_ends(c, fetched, host, ops)
     return ops.maximum(fill_end + device_time, host_end)
 
 
@@ -105,7 +112,8 @@ class PathCosts:
     """Per-expert times (ms) of each path and per-layer fixed costs (ms): the float form's costs.
 
     fill_solo = S_e/BP, fill_cont = S_e/BPc, host_solo = S_e/BH, host_cont = S_e/BHc (inf for BHc = 0),
-    device = S_e/BD; fill_fixed, host_fixed, device_fixed. Built by path_costs.
+    device = S_e/BD; fill_fixed, host_fixed, device_fixed; serial: the paths run one after another (a CPU device).
+    Built by path_costs.
     """
 
     fill_solo: float
@@ -116,6 +124,7 @@ class PathCosts:
     fill_fixed: float
     host_fixed: float
     device_fixed: float
+    serial: bool = False
 
 
 def expert_ms(expert_bytes: int, gbps: float) -> float:
@@ -132,11 +141,11 @@ def contended_pair(bp: float, bh: float, bp_contended: float | None, bh_contende
 
 
 def path_costs(expert_bytes: int, bp: float, bh: float, bpc: float, bhc: float, bd: float, fill_fixed_ms: float = 0.0,
-               host_fixed_ms: float = 0.0, device_fixed_ms: float = 0.0) -> PathCosts:
+               host_fixed_ms: float = 0.0, device_fixed_ms: float = 0.0, serial: bool = False) -> PathCosts:
     """PathCosts (ms) of an expert size and the five bandwidths (GB/s; the pair already resolved)."""
     ms = lambda gbps: expert_ms(expert_bytes, gbps)  # noqa: E731
     return PathCosts(ms(bp), ms(bpc), ms(bh), ms(bhc), ms(bd), float(fill_fixed_ms), float(host_fixed_ms),
-                     float(device_fixed_ms))
+                     float(device_fixed_ms), bool(serial))
 
 
 # --- The tick form (the auto policy, on the device) ------------------------------------------------------------------
@@ -205,7 +214,8 @@ class AutoCosts:
     device = S_e/BD; per layer in which the path runs: fill_fixed, host_fixed, device_fixed. A tick is
     tick_ms milliseconds, chosen so that max(fill_solo, host_solo, device) = AUTO_TICKS; every value is capped at
     AUTO_MAX_TICKS. qstar_q16: the q* fraction of the same bandwidths (fraction_from_bandwidth, frac_to_q16), the
-    split of auto's qstar candidate. Built by auto_costs; frozen and hashable (part of a static Policy).
+    split of auto's qstar candidate. serial: the paths run one after another (a CPU device; layer_time). Built by
+    auto_costs; frozen and hashable (part of a static Policy).
     """
 
     fill_solo: int
@@ -218,6 +228,7 @@ class AutoCosts:
     device_fixed: int
     tick_ms: float
     qstar_q16: int = Q16_ONE
+    serial: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -225,6 +236,9 @@ class AutoCosts:
             if f.name == "qstar_q16":
                 if not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= Q16_ONE):
                     raise ValueError(f"policy: AutoCosts.qstar_q16 must be an integer in [0, {Q16_ONE}], got {v!r}")
+            elif f.name == "serial":
+                if not isinstance(v, bool):
+                    raise ValueError(f"policy: AutoCosts.serial must be a bool, got {v!r}")
             elif f.name == "tick_ms":
                 if not (isinstance(v, float) and math.isfinite(v) and v > 0):
                     raise ValueError(f"policy: AutoCosts.tick_ms must be a positive float, got {v!r}")
@@ -239,9 +253,9 @@ class AutoCosts:
 
 def auto_costs(expert_bytes: int, bp: float, bh: float, bp_contended: float | None = None,
                bh_contended: float | None = None, device_bandwidth: float | None = None, fill_fixed_ms: float = 0.0,
-               host_fixed_ms: float = 0.0, device_fixed_ms: float = 0.0) -> AutoCosts:
+               host_fixed_ms: float = 0.0, device_fixed_ms: float = 0.0, serial: bool = False) -> AutoCosts:
     """AutoCosts of an expert size, bandwidths (GB/s = 1e9 B/s) and fixed costs (ms per layer): the PathCosts in ms
-    rounded to ticks, and the q* fraction of the bandwidths in Q16 (qstar_q16).
+    rounded to ticks, and the q* fraction of the bandwidths in Q16 (qstar_q16); serial: a CPU device (layer_time).
 
     Without a contended pair: contended_pair. device_bandwidth None: BH (a CPU device: its slot experts run the host
     GEMV kernel in the same memory). Rounding: tick_ms = max(fill_solo, host_solo, device) / AUTO_TICKS; ticks =
@@ -284,7 +298,8 @@ def auto_costs(expert_bytes: int, bp: float, bh: float, bp_contended: float | No
     q16 = frac_to_q16(fraction_from_bandwidth(bp, bh, bp_contended, bh_contended))
     return AutoCosts(fill_solo=ticks(c.fill_solo, 1), fill_cont=ticks(c.fill_cont, 1), host_solo=ticks(c.host_solo, 1),
                      host_cont=ticks(c.host_cont, 1), device=ticks(c.device, 1), fill_fixed=fixed[0],
-                     host_fixed=fixed[1], device_fixed=fixed[2], tick_ms=float(tick), qstar_q16=q16)
+                     host_fixed=fixed[1], device_fixed=fixed[2], tick_ms=float(tick), qstar_q16=q16,
+                     serial=bool(serial))
 
 
 def auto_layer_ticks(costs: AutoCosts, misses, hits, fetched):
@@ -317,6 +332,8 @@ class CostModel:
         fill_fixed_ms, host_fixed_ms, device_fixed_ms: c_F, c_H, c_D, fixed cost of each path per layer in which it
             runs (>= 0).
         source: where the bandwidths come from (one line).
+        serial_paths: the device is the host CPU (a CPU backend's slots): the paths run one after another
+            (layer_time); from_spec sets it for a profile measured on a CPU device.
     Raises:
         ValueError: a bandwidth not finite and > 0 (BHc may be 0), a negative fixed cost, only one of the pair.
     """
@@ -331,6 +348,7 @@ class CostModel:
     host_fixed_ms: float = 0.0
     device_fixed_ms: float = 0.0
     source: str = ""
+    serial_paths: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.expert_bytes, int) and self.expert_bytes >= 1):
@@ -359,12 +377,13 @@ class CostModel:
     def path_costs(self) -> PathCosts:
         """The per-expert and fixed times of this model in ms."""
         return path_costs(self.expert_bytes, self.bp, self.bh, *self.pair, self.device_bandwidth, self.fill_fixed_ms,
-                          self.host_fixed_ms, self.device_fixed_ms)
+                          self.host_fixed_ms, self.device_fixed_ms, self.serial_paths)
 
     def auto_costs(self) -> AutoCosts:
         """AutoCosts of this model: the auto policy decides with the same costs, rounded to ticks."""
         return auto_costs(self.expert_bytes, self.bp, self.bh, self.bp_contended, self.bh_contended,
-                          self.device_bandwidth, self.fill_fixed_ms, self.host_fixed_ms, self.device_fixed_ms)
+                          self.device_bandwidth, self.fill_fixed_ms, self.host_fixed_ms, self.device_fixed_ms,
+                          self.serial_paths)
 
     def paths_ms(self, fetched: int, host: int) -> tuple[float, float]:
         """(fill end, host end) in ms of one layer with `fetched` fills and `host` host experts: layer_time's two
@@ -393,7 +412,8 @@ class CostModel:
                                                                  " (assumed: BP, BH - BP)"))
         return (f"BP {self.bp:.2f}, BH {self.bh:.2f} GB/s, {pair}, device {self.device_bandwidth:.0f} GB/s; fixed "
                 f"ms per layer: fill {self.fill_fixed_ms:g}, host {self.host_fixed_ms:g}, device "
-                f"{self.device_fixed_ms:g}; S_e {self.expert_bytes / 2**20:.2f} MiB")
+                f"{self.device_fixed_ms:g}; S_e {self.expert_bytes / 2**20:.2f} MiB"
+                + ("; a CPU device: fill, slot experts and host GEMV one after another" if self.serial_paths else ""))
 
     @classmethod
     def from_spec(cls, spec: dict, expert_bytes: int, *, platform: str | None = None,
@@ -403,7 +423,8 @@ class CostModel:
         size. An argument left None takes the spec's value when it has one (a stored profile's measured fixed costs
         and CPU slot-expert bandwidth: profile.Profile.fixed_costs), else its default: fixed costs 0, and a device
         bandwidth of BH when the bandwidths were measured on a CPU device (platform "cpu": its slot_experts kernel
-        is the host GEMV kernel reading slots in the same memory), else ASSUMED_DEVICE_GBPS."""
+        is the host GEMV kernel reading slots in the same memory), else ASSUMED_DEVICE_GBPS. A CPU device's paths
+        share its cores: serial_paths."""
         def pick(value, name, default):
             return float(value if value is not None else spec.get(name, default))
 
@@ -412,7 +433,8 @@ class CostModel:
                    bh_contended=spec["bh_contended"], device_bandwidth=bd,
                    fill_fixed_ms=pick(fill_fixed_ms, "fill_fixed_ms", 0.0),
                    host_fixed_ms=pick(host_fixed_ms, "host_fixed_ms", 0.0),
-                   device_fixed_ms=pick(device_fixed_ms, "device_fixed_ms", 0.0), source=spec.get("source", ""))
+                   device_fixed_ms=pick(device_fixed_ms, "device_fixed_ms", 0.0), source=spec.get("source", ""),
+                   serial_paths=platform == "cpu")
 
 
 def parse_bandwidth(spec: str) -> dict | None:
