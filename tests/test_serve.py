@@ -146,29 +146,29 @@ def test_eight_concurrent_clients_each_equal_their_solo_run(server):
 
 def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
     """The batcher thread is held once the request decodes in its row (so it cannot finish first, however fast the
-    model), the client disconnects; released, the batcher frees the row and counts the request cancelled."""
+    model: the hold is offered at every step boundary from before the request is sent), the client disconnects;
+    released, the batcher frees the row and counts the request cancelled."""
     batcher = server.batcher
     before = _rows(server)["finished"].get("cancelled", 0)
-    entered, gate = threading.Event(), threading.Event()
+    entered, gate, stop = threading.Event(), threading.Event(), threading.Event()
 
     def hold():  # on the batcher thread, between two steps
-        if not batcher.rows:  # the first stream event can come before the request has joined the decode rows
+        if not batcher.rows:  # not decoding yet (queued, prefilling) or not sent yet
             return False
         entered.set()
         gate.wait(60)
         return True
 
     def hold_when_decoding():
-        while not batcher.call(hold, 60):
+        while not stop.is_set() and not batcher.call(hold, 60):
             time.sleep(0.001)
 
-    body = {"prompt": "ROMEO:", "max_tokens": 200, "temperature": 0, "stream": True}
-    holder = None
+    body = {"prompt": "ROMEO:", "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    holder = threading.Thread(target=hold_when_decoding)
+    holder.start()
     try:
         with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as response:
             assert next(response.iter_lines()).startswith("data: ")
-            holder = threading.Thread(target=hold_when_decoding)
-            holder.start()
             assert entered.wait(30)
             assert batcher.busy_rows() == 1
             (row,) = batcher.rows.values()
@@ -177,9 +177,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
             time.sleep(0.01)
         assert row.ticket.cancelled
     finally:
+        stop.set()
         gate.set()
-        if holder is not None:
-            holder.join()
+        holder.join(60)
     rows = _wait_rows(server, lambda r: r["busy"] == 0)
     assert rows["busy"] == 0 and rows["free"] == ROWS and rows["finished"]["cancelled"] == before + 1
     assert all(r["state"] == "free" and r["position"] == -1 for r in rows["rows"])
