@@ -456,7 +456,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
                                   measure=measure)
     if defaulted and policy.kind is PolicyKind.HOST_ALL:
         note = ("no accelerator: every expert is computed on the CPU from the host banks (policy host-all; slots "
-                "would be copies in the same memory; --policy auto uses them anyway)")
+                "would be copies in the same memory, read by the same cores; --policy fetch-all or qstar fills them "
+                "anyway)")
     if note and on_message is not None:
         on_message(note)
     engine = Engine(checkpoint, policy=policy, num_slots=slots, on_compile=on_compile,
