@@ -146,12 +146,12 @@ def _cache(args: argparse.Namespace, cfg, note, devices: int = 1) -> int | float
     """The cache budget of the flags for api.load (of each of the ``devices`` devices, which own 1/devices of the
     experts); a --cache-slots above the number of experts is said in a note."""
     experts = cfg.num_moe_layers * cfg.num_experts // devices
-    given = next((f"--{flag.replace('_', '-')} {value:g}" if isinstance(value, float) else
-                  f"--{flag.replace('_', '-')} {value}" for flag, value in
-                  (("cache_slots", args.cache_slots), ("cache_fraction", args.cache_fraction),
-                   ("device_memory", args.device_memory)) if value is not None), None)
-    if given is not None and _host_all(args):
-        note(f"note: {given} is not used: host-all computes every expert on the CPU and never fills a slot (give "
+    flags = {"--cache-slots": args.cache_slots, "--cache-fraction": args.cache_fraction,
+             "--device-memory": args.device_memory}
+    given = [f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+             for flag, value in flags.items() if value is not None]
+    if given and _host_all(args):
+        note(f"note: {given[0]} is not used: host-all computes every expert on the CPU and never fills a slot (give "
              "--policy auto, qstar or fetch-all to use slots)")
         return None  # api.load's one slot
     if args.cache_slots is not None and args.cache_slots > experts and not _resident(args):

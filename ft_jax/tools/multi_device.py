@@ -21,7 +21,7 @@ import numpy as np
 
 from ft_jax.offload.cost_model import CostModel
 from ft_jax.offload.policy import PolicyKind, bind_policy
-from ft_jax.tools.replay import replay
+from ft_jax.tools.replay import replay, rows_per_step
 from ft_jax.tools.trace_io import Trace
 
 
@@ -107,7 +107,7 @@ def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: 
             stats = np.stack([replay(t, b, slots, carry_cache=carry_cache, batch=batch).stats
                               for t, b in zip(shards, bound)])  # i32[N, T, L, 5]
             s = stats.astype(np.float64)
-            rows = len(trace.sequences) if batch else 1  # a replayed step decodes one token of each row
+            rows = rows_per_step(trace, batch)
             active, hits = s[..., 0].sum(), s[..., 1].sum()
             per_device = [{"hit_rate": float(d[..., 1].sum() / d[..., 0].sum()) if d[..., 0].sum() else 0.0,
                            "fetched_per_token": float(d[..., 3].sum(axis=1).mean()) / rows,

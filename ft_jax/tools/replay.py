@@ -77,6 +77,11 @@ def _streams(trace: Trace, batch: bool) -> list[np.ndarray]:
     return [merged]
 
 
+def rows_per_step(trace: Trace, batch: bool) -> int:
+    """Tokens one replayed step decodes: every sequence's (batch: the sequences are the rows of one batch), else 1."""
+    return len(trace.sequences) if batch else 1
+
+
 def replay(trace: Trace, policy, num_slots: int, *, carry_cache: bool = False, batch: bool = False,
            initial_state=None) -> ReplayResult:
     """Replay every complete token of a trace through plan_layer, the decode step's cache plan.
@@ -98,7 +103,7 @@ def replay(trace: Trace, policy, num_slots: int, *, carry_cache: bool = False, b
     L, E = trace.num_layers, trace.num_experts
     if not isinstance(num_slots, int) or not 1 <= num_slots <= L * E:
         raise ValueError(f"trace: cache slots must be an integer in [1, L*E = {L * E}], got {num_slots!r}")
-    rows = len(trace.sequences) if batch else 1
+    rows = rows_per_step(trace, batch)
     step = _replay_step(policy, max_active=rows * trace.top_k)
 
     def cold():
@@ -154,7 +159,7 @@ def evaluate(trace: Trace, policies: Seq, slot_counts: Seq[int], model: CostMode
                          carry_cache=carry_cache, batch=batch)
             out.append({"policy": str(policy), "bound": str(bound), "cache_slots": int(S),
                         "cache_fraction": S / (trace.num_layers * trace.num_experts),
-                        **summarize(res.stats, model, len(trace.sequences) if batch else 1)})
+                        **summarize(res.stats, model, rows_per_step(trace, batch))})
             if progress is not None:
                 progress(len(out), total)
     return out
