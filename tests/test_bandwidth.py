@@ -81,7 +81,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, command: str, needl
 
 def test_fraction_from_a_hand_worked_pair():
     assert make_profile(bp=2.0, bh=8.0).fraction() == pytest.approx(0.25)  # min(1, BP / BH)
-    contended = make_profile(bp=2.0, bh=8.0, bpc=1.0, bhc=3.1)
+    contended = make_profile(bp=2.0, bh=8.0, bpc=1.0, bhc=3.1, platform="gpu", device_kind="Test GPU")
     assert contended.fraction() == pytest.approx(1.0 / 4.1)  # BPc / (BPc + BHc) takes precedence
     assert make_profile(bp=8.0, bh=4.0).fraction() == 1.0  # BH <= BP: fetch everything
     # f = round(0.25 * 65536) = 16384; m=3: lo=0, cost(0) = 49152 = cost(1) -> 0; m=8: lo=2, cost(2)=98304 -> 2
@@ -90,8 +90,18 @@ def test_fraction_from_a_hand_worked_pair():
     assert text == ("the host path is 3.1x faster than the fill (while both run): compute about 3 of every 4 misses "
                     "on the CPU (fetch the other 1 into device slots)")
     assert cli.profile.recommendation(make_profile(bp=8.0, bh=8.6)).startswith("the host path is about as fast as the fill")
-    assert cli.profile.recommendation(make_profile(bp=8.0, bh=4.0)).endswith("fetch every miss into device slots (like "
-                                                                     "fetch-all)")
+    assert cli.profile.recommendation(make_profile(bp=8.0, bh=4.0, platform="gpu")).endswith(
+        "fetch every miss into device slots (like fetch-all)")
+
+
+@pytest.mark.parametrize("bp, bh", [(2.0, 8.0), (8.0, 4.0), (8.0, 8.6)])
+def test_a_cpu_profile_recommends_the_cpu_default_not_fetching(bp, bh):
+    # On a CPU device a slot is a copy in the same host memory, read by the same cores: whatever the pair, the advice
+    # is host-all, never "fetch ... into device slots" (a trial's quick profile on a CPU advised fetching).
+    text = cli.profile.recommendation(make_profile(bp=bp, bh=bh, platform="cpu"))
+    assert text.endswith(": keep the CPU default, host-all (compute every expert on the CPU): on a CPU device a slot "
+                         "is a copy in the same host memory, read by the same cores, so slots do not speed up decode")
+    assert "fetch" not in text
 
 
 def test_dtype_spellings():
@@ -290,6 +300,9 @@ def test_profile_report_and_store_for_a_model_folder(tmp_path):
     for label in ("BP  slot fill", "BH  host expert GEMV", "BPc slot fill, contended", "BHc host GEMV, contended",
                   "fetch fraction q*/m = ", "q* for m = 1..8:  m=1:", "recommendation: "):
         assert sum(line.startswith(f"  {label}") for line in lines) == 1, label
+    (advice,) = [line for line in lines if line.startswith("  recommendation: ")]
+    if here()["platform"] == "cpu":  # slots are copies in the same memory: the CPU default, not fetching
+        assert "keep the CPU default, host-all" in advice and "into device slots" not in advice, advice
     assert lines[-1] == f"  saved to {store}"
     (entry,) = json.loads(store.read_text())["profiles"]
     assert entry["key"]["dtype"] == "bfloat16" and entry["key"]["expert_bytes"] == 3 * H_ * I_ * 2
@@ -356,6 +369,22 @@ def test_resolve_policy_takes_the_stored_profile(tmp_path):
     device = 8.0 if cpu else cost_model.ASSUMED_DEVICE_GBPS
     assert auto == Policy("auto", costs=cost_model.auto_costs(banks.expert_bytes, 2.0, 8.0, 1.5, 6.0, device,
                                                               serial=cpu))
+
+
+def test_a_cpu_profile_prices_slot_experts_at_bh_and_keeps_its_call_costs(tmp_path):
+    # A trial's quick profile timed slot_experts with one route from the cache (the same small slot every call of
+    # the loop): 15 GB/s against a BH of 7.8, and `ft-jax plan` then recommended resident slots on a CPU. On a CPU
+    # device the slot experts are the host kernel in the same memory: the model prices them at BH whatever
+    # slot_route says; the per-call costs are still its fixed costs.
+    path = tmp_path / "p.json"
+    if here()["platform"] != "cpu":
+        pytest.skip("a CPU device's profile")
+    profile = make_profile(bp=2.0, bh=8.0, **here())
+    profile.call_ms = {"fill": 0.01, "host": 0.02, "slot": 0.03, "slot_route": 0.031}  # 1 us per route: "fast"
+    bandwidth.save_profile(profile, path)
+    model = bandwidth.cost_model_for("stored", profile.key["expert_bytes"], dtype="float32", profile_path=str(path))
+    assert model.device_bandwidth == 8.0 and model.serial_paths
+    assert (model.fill_fixed_ms, model.host_fixed_ms, model.device_fixed_ms) == (0.01, 0.02, 0.03)
 
 
 def test_resolve_policy_without_a_profile_falls_back_to_fixed_cap_1(tmp_path):

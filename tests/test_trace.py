@@ -270,6 +270,10 @@ def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):
     assert rec_cpu["best"]["fetched_per_token"] == 0 and rec_cpu["best"]["hits_per_token"] == 0
     host_all = next(r for r in rec_cpu["results"] if r["policy"] == "host-all")
     assert rec_cpu["best"]["ms_per_token"] == pytest.approx(host_all["ms_per_token"])
+    # Every expert fitting does not make resident a candidate there: it would be a second copy of every expert.
+    fits_cpu = plan.recommend(trace, on_cpu, 2 * L * E * GB, policies)
+    assert not fits_cpu["resident"] and "resident" not in {r["policy"] for r in fits_cpu["results"]}
+    assert fits_cpu["best"]["fetched_per_token"] == 0
     with pytest.raises(ValueError, match="holds no expert"):
         plan.recommend(trace, model, GB // 2, policies)
     assert cli.main(["plan", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),

@@ -420,8 +420,8 @@ class CostModel:
                   device_bandwidth: float | None = None, fill_fixed_ms: float | None = None,
                   host_fixed_ms: float | None = None, device_fixed_ms: float | None = None) -> "CostModel":
         """The CostModel of a bandwidth spec (a preset's dict, parse_bandwidth's, or a stored profile's) at an expert
-        size. An argument left None takes the spec's value when it has one (a stored profile's measured fixed costs
-        and CPU slot-expert bandwidth: profile.Profile.fixed_costs), else its default: fixed costs 0, and a device
+        size. An argument left None takes the spec's value when it has one (a stored profile's measured fixed costs:
+        profile.Profile.fixed_costs), else its default: fixed costs 0, and a device
         bandwidth of BH when the bandwidths were measured on a CPU device (platform "cpu": its slot_experts kernel
         is the host GEMV kernel reading slots in the same memory), else ASSUMED_DEVICE_GBPS. A CPU device's paths
         share its cores: serial_paths."""

@@ -8,8 +8,7 @@ stored expert weight bytes:
 - BPc, BHc: both loops at once in two threads (JAX releases the GIL while a computation runs, so they execute
   concurrently, as in the decode step where the fill and the host GEMV have no data dependency);
 - the cost of one call of slot_fill, host_experts and slot_experts (with no and with one route) inside a compiled
-  loop (``Bench.call_costs``): the cost model's fixed costs per layer and, on a CPU device, the slot experts' own
-  bandwidth (``Profile.fixed_costs``).
+  loop (``Bench.call_costs``): the cost model's fixed costs per layer (``Profile.fixed_costs``).
 Rows and slots rotate past twice the last-level cache (``Bench``); each value is the median of timed windows
 (``measure_rates``) with the min-max spread. Quick mode: 3 windows of 0.04 s, a few seconds in all.
 
@@ -160,17 +159,17 @@ class Profile:
     def fixed_costs(self) -> dict[str, float]:
         """The cost model's per-layer terms from call_ms (cost_model.CostModel; {} without call_ms):
         fill_fixed_ms = the slot_fill call, host_fixed_ms = the host_experts call, device_fixed_ms = the slot_experts
-        call (each with nothing to do: what a layer pays for the call itself), and on a CPU device device_bandwidth =
-        expert_bytes / (slot_route - slot) GB/s (the slot experts' own rate for one route; a non-positive difference,
-        timing noise, leaves it out)."""
+        call (each with nothing to do: what a layer pays for the call itself).
+
+        No device bandwidth: on a CPU device the slot experts are the host GEMV kernel on the same cores reading a
+        copy in the same memory, so the cost model takes BH for them (CostModel.from_spec). slot_route is not turned
+        into a rate: its one route reads the same slot in every call of the loop, so a small expert is timed from
+        the cache (a trial's quick profile on the bundled model: 15 GB/s against a BH of 7.8, which made `ft-jax
+        plan` recommend resident slots on a CPU)."""
         if not self.call_ms:
             return {}
         c = self.call_ms
-        out = {"fill_fixed_ms": c["fill"], "host_fixed_ms": c["host"], "device_fixed_ms": c["slot"]}
-        route_ms = c["slot_route"] - c["slot"]
-        if self.key["platform"] == "cpu" and route_ms > 0:
-            out["device_bandwidth"] = self.key["expert_bytes"] / (route_ms * 1e-3) / GB
-        return out
+        return {"fill_fixed_ms": c["fill"], "host_fixed_ms": c["host"], "device_fixed_ms": c["slot"]}
 
     def summary(self) -> str:
         """One line: BP, BH, the contended pair, the fetch fraction and (when measured) the per-call costs."""
@@ -565,8 +564,8 @@ def stored_profile(expert_bytes: int, dtype: str, path: str | os.PathLike | None
 
 
 def _spec(profile: Profile, source: str) -> dict:
-    """A bandwidth spec (cost_model.parse_bandwidth's keys) of a stored profile, with its fixed costs and, on a CPU
-    device, its slot experts' bandwidth (Profile.fixed_costs)."""
+    """A bandwidth spec (cost_model.parse_bandwidth's keys) of a stored profile, with its fixed costs
+    (Profile.fixed_costs)."""
     return {"bp": profile.bp, "bh": profile.bh, "bp_contended": profile.bp_contended,
             "bh_contended": profile.bh_contended, "source": source, **profile.fixed_costs()}
 
@@ -578,9 +577,9 @@ def cost_model_for(bandwidth: str, expert_bytes: int, *, dtype: str = "bfloat16"
     """The CostModel of a --bandwidth spec (cost_model.parse_bandwidth; "stored": stored_profile) at an expert size
     (stored bytes; ``fmt``: the weight format whose stored profile is looked up, default the float one of dtype).
 
-    device_bandwidth and the fixed costs (ms per layer) None: a stored profile's (Profile.fixed_costs: measured per
-    call; the device bandwidth of a CPU device from its slot experts, else BH), else ASSUMED_DEVICE_GBPS and 0
-    (CostModel.from_spec). Raises ValueError (bad spec, no stored profile)."""
+    device_bandwidth and the fixed costs (ms per layer) None: a stored profile's fixed costs (Profile.fixed_costs:
+    measured per call) and, for a profile measured on a CPU device, BH as the device bandwidth; else
+    ASSUMED_DEVICE_GBPS and 0 (CostModel.from_spec). Raises ValueError (bad spec, no stored profile)."""
     spec = parse_bandwidth(bandwidth)
     platform_name = None
     if spec is None:

@@ -56,7 +56,7 @@ def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, ca
             the recommendation for one device with the same budget, to state next to it.
     Returns:
         {"budget_bytes", "budget_slots", "resident": bool (resident is the recommendation; a candidate only when
-         every expert fits), "results" (evaluate's rows),
+         every expert fits, on a device that is not a CPU), "results" (evaluate's rows),
          "best": the recommended row, "alternatives": [{"policy", "ms_per_token", "speedup"} at the best's size,
          speedup = their ms / the best's], "observed": side_by_side's rows ([] without observed)}.
     Raises:
@@ -73,11 +73,12 @@ def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, ca
         return evaluate_devices(trace, candidates, sizes, model, devices, host_sockets=host_sockets,
                                 allreduce_ms=allreduce_ms, carry_cache=carry_cache, batch=batch)
 
-    # Every expert fitting makes resident one more candidate, not the answer: on a CPU device the host path beside
-    # the slots can still be faster than hits only.
+    # Every expert fitting makes resident one more candidate, not the answer: the host path beside the slots can
+    # still be faster than hits only. Never on a CPU device (serial_paths): its slots would be a second copy of every
+    # expert in the same memory, read by the same kernel on the same cores.
     sizes = sorted({max(1, int(min(slots, total) * f)) for f in SIZE_STEPS})
     rows = run(policies, sizes)
-    if slots >= total:
+    if slots >= total and not model.serial_paths:
         rows += run([Policy(PolicyKind.RESIDENT)], [total])
     fastest = min(r["ms_per_token"] for r in rows)
     best = min((r for r in rows if r["ms_per_token"] <= WITHIN * fastest),
