@@ -335,7 +335,27 @@ def test_cache_flags_under_host_all_say_they_are_not_used(tmp_path):
     assert out["stats"]["policy"] == "host-all" and out["stats"]["num_slots"] == 1
     assert [n for n in out["notes"] if "--cache-slots" in n] == [
         "note: --cache-slots 1000 is not used: host-all computes every expert on the CPU and never fills a slot "
-        "(give --policy auto, qstar or fetch-all to use slots)"]
+        "(give --policy fetch-all or qstar to use slots)"]
+
+
+@pytest.mark.parametrize("backend, policies", [("cpu", "fetch-all or qstar"), ("gpu", "auto, qstar or fetch-all")])
+def test_the_host_all_cache_note_names_the_policies_that_fill_slots_on_the_device(monkeypatch, backend, policies):
+    """auto fills no slot on a CPU device (its cost model runs the paths serially there), so the note under an
+    explicit host-all names it only on an accelerator."""
+    import argparse
+
+    import jax
+
+    from ft_jax.cli import arg_types, generate
+    from ft_jax.config import load_config
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    args = argparse.Namespace(cache_slots=None, cache_fraction=0.5, device_memory=None,
+                              policy=arg_types.policy("host-all"))
+    notes = []
+    assert generate._cache(args, load_config(FIXTURE), notes.append) is None
+    assert notes == ["note: --cache-fraction 0.5 is not used: host-all computes every expert on the CPU and never "
+                     f"fills a slot (give --policy {policies} to use slots)"]
 
 
 def test_a_damaged_npz_trace_is_one_line(tmp_path, capsys):

@@ -8,6 +8,7 @@ as a subprocess. References are Model.generate of the same model, each prompt al
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import ft_jax
 from ft_jax.chat import load_chat_template
 from ft_jax.serve.app import ServerState, create_app
 from ft_jax.serve.batcher import Batcher
+from ft_jax.serve.protocol import RequestError, parse_request
 
 KEY = "test-key"
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
@@ -246,20 +248,20 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     ({"prompt": "x", "seed": -3}, "seed", "seed must be an integer in [0, 2^32)"),
     ({"prompt": "x", "n": 2}, "n", "'n' must be 1"),
     ({"prompt": "x", "logprobs": 3}, "logprobs", "'logprobs' is not supported"),
-    ({"prompt": "x", "stop": [1]}, "stop", "'stop' must be a text or a list of texts"),
+    ({"prompt": "x", "stop": [1]}, "stop", "'stop' must be a string or an array of strings"),
     ({"prompt": ["a", "b"]}, "prompt", "holds 2 prompts"),
     ({"prompt": [1, 300]}, "prompt", "token id 300 is outside the vocabulary [0, 256)"),
     ({"prompt": "x" * 200, "max_tokens": 100}, "prompt",
      "prompt of 200 tokens + 100 new tokens exceeds the server's context of 256 tokens (--ctx-size)"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed with 'stream'"),
-    ({"prompt": "x", "stop": ["a"] * 17}, "stop", "'stop' may hold at most 16 texts of at most 256 characters"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop", "'stop' may hold at most 16 strings of at most 256 characters"),
     ({"prompt": "x", "stop": "a" * 257}, "stop", "got 1 (longest 257)"),
     ({"prompt": ""}, "prompt", "'prompt' is empty"),
-    ({"prompt": [[[1]]]}, "prompt", "'prompt' must be a non-empty text or a list of token ids"),
-    ({"prompt": "x", "model": 4}, "model", "'model' must be a text, got 4"),
+    ({"prompt": [[[1]]]}, "prompt", "'prompt' must be a non-empty string or an array of token ids"),
+    ({"prompt": "x", "model": 4}, "model", "'model' must be a string, got a number: 4"),
     # values are shown as the client wrote them (JSON), not as Python reprs
-    ({"prompt": "x", "stop": [""]}, "stop", """'stop' texts must be non-empty, got [""]"""),
-    ({"prompt": "x", "max_tokens": True}, "max_tokens", "'max_tokens' must be an integer >= 1, got true"),
+    ({"prompt": "x", "stop": [""]}, "stop", """'stop' strings must be non-empty, got [""]"""),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens", "'max_tokens' must be an integer >= 1, got a boolean: true"),
     ({"prompt": "x", "echo": True}, "echo", "'echo' is not supported by this server (got true)"),
 ])
 def test_malformed_requests_get_400_naming_the_field(server, body, param, message):
@@ -269,6 +271,37 @@ def test_malformed_requests_get_400_naming_the_field(server, body, param, messag
     assert error["param"] == param and message in error["message"] and error["type"] == "invalid_request_error"
     if param == "prompt" and "context" in message:
         assert error["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("body, chat, param, message", [
+    # a list where a string is expected, a dict where a number or an array is: JSON's type names, JSON's values
+    ({"prompt": "x", "model": ["tiny"]}, False, "model", """'model' must be a string, got an array: ["tiny"]"""),
+    ({"prompt": "x", "temperature": {"value": 0.5}}, False, "temperature",
+     """'temperature' must be a number >= 0, got an object: {"value": 0.5}"""),
+    ({"prompt": "x", "stop": {"a": 1}}, False, "stop",
+     """'stop' must be a string or an array of strings, got an object: {"a": 1}"""),
+    ({"prompt": {"text": "x"}}, False, "prompt",
+     """'prompt' must be a non-empty string or an array of token ids, got an object: {"text": "x"}"""),
+    ({"prompt": "x", "stream": True, "stream_options": [True]}, False, "stream_options",
+     "'stream_options' must be an object, got an array: [true]"),
+    ({"prompt": "x", "max_tokens": 1e9}, False, "max_tokens",  # an integer-valued float is still "a number"
+     "'max_tokens' must be an integer >= 1, got a number: 1000000000.0"),
+    ({"prompt": "x", "top_k": "3"}, False, "top_k", """'top_k' must be an integer >= 0, got a string: "3\""""),
+    ({"messages": {"role": "user", "content": "hi"}}, True, "messages",
+     "'messages' must be a non-empty array of {role, content} objects, got an object: "
+     """{"role": "user", "content": "hi"}"""),
+    ({"messages": [{"role": "user", "content": {"text": "hi"}}]}, True, "messages[0].content",
+     """'messages[0].content' must be a string or an array of text parts, got an object: {"text": "hi"}"""),
+    ({"messages": [{"role": ["user"], "content": "hi"}]}, True, "messages[0].role",
+     """'messages[0].role' must be one of system, developer, user, assistant, got an array: ["user"]"""),
+    (["x"], False, None, """the request body must be a JSON object, got an array: ["x"]"""),
+])
+def test_type_errors_use_json_type_names(body, chat, param, message):
+    # Checked before the prompt is tokenized: no model or server needed.
+    with pytest.raises(RequestError) as e:
+        parse_request(body, chat=chat, model=None, template="no chat template", context=CTX, model_name="tiny")
+    assert (e.value.status, e.value.param, e.value.message) == (400, param, message)
+    assert not re.search(r"\b(list|dict|str|int|float|bool|NoneType|True|False|None)\b", message), message
 
 
 def test_chat_field_errors_and_bodies_that_are_not_json(server):

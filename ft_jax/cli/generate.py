@@ -151,8 +151,12 @@ def _cache(args: argparse.Namespace, cfg, note, devices: int = 1) -> int | float
     given = [f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
              for flag, value in flags.items() if value is not None]
     if given and _host_all(args):
+        import jax
+
+        # auto fills no slot on a CPU device (its cost model runs the paths serially there; DESIGN sec. 19.5)
+        policies = "fetch-all or qstar" if jax.default_backend() == "cpu" else "auto, qstar or fetch-all"
         note(f"note: {given[0]} is not used: host-all computes every expert on the CPU and never fills a slot (give "
-             "--policy auto, qstar or fetch-all to use slots)")
+             f"--policy {policies} to use slots)")
         return None  # api.load's one slot
     if args.cache_slots is not None and args.cache_slots > experts and not _resident(args):
         note(f"note: --cache-slots {args.cache_slots} is more than the {experts} experts; using {experts}")

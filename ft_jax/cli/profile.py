@@ -60,7 +60,8 @@ def recommendation(profile) -> str:
     """Plain advice from the bandwidth pair the fetch fraction uses (the contended one when present), e.g. "the host
     path is 3.1x faster than the fill (while both run): compute about 3 of every 4 misses on the CPU (fetch the other
     1 into device slots)". Within a factor 1.1 the two are "about as fast"; the CPU share 1 - fraction is rounded to
-    a fraction with denominator <= 8."""
+    a fraction with denominator <= 8. On a CPU device (the profile's key platform "cpu") a slot is a copy in the same
+    host memory read by the same cores, so the advice is the CPU default host-all whatever the pair says."""
     contended = profile.bp_contended is not None
     bp, bh = (profile.bp_contended, profile.bh_contended) if contended else (profile.bp, profile.bh)
     which = "while both run" if contended else "measured alone"
@@ -70,6 +71,9 @@ def recommendation(profile) -> str:
         speed = f"the host path is {bh / bp:.1f}x faster than the fill ({which})"
     else:
         speed = f"the fill is {bp / bh:.1f}x faster than the host path ({which})"
+    if profile.key.get("platform") == "cpu":
+        return (f"{speed}: keep the CPU default, host-all (compute every expert on the CPU): on a CPU device a slot is "
+                "a copy in the same host memory, read by the same cores, so slots do not speed up decode")
     host = 1.0 - profile.fraction()
     share = fractions.Fraction(host).limit_denominator(8)
     if share == 0 or host < 1 / 16:

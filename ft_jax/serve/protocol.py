@@ -87,12 +87,29 @@ def _shown(value, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _json_type(value) -> str:
+    """JSON's name for the type of a parsed request value, with its article: "an array", "an object", "a string",
+    "a number" (an integer-valued one too: 1e9 arrives as a float), "a boolean" or "null"."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), f"a {type(value).__name__}")
+
+
+def _got(value) -> str:
+    """A value of the wrong type, named as JSON names it and shown as the client wrote it: 'an array: [1]'."""
+    return "null" if value is None else f"{_json_type(value)}: {_shown(value)}"
+
+
 def _field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None):
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise RequestError(f"'{name}' must be {what}, got {_shown(value)}", name)
+        raise RequestError(f"'{name}' must be {what}, got {_got(value)}", name)
     return value
 
 
@@ -102,14 +119,15 @@ def _prompt(body: dict):
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if prompt == "":
-        raise RequestError("'prompt' is empty: give a non-empty text or a list of token ids", "prompt")
+        raise RequestError("'prompt' is empty: give a non-empty string or an array of token ids", "prompt")
     if isinstance(prompt, str):
         return prompt
     if prompt and _is_ids(prompt):
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
         raise RequestError(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request", "prompt")
-    raise RequestError(f"'prompt' must be a non-empty text or a list of token ids, got {_shown(prompt)}", "prompt")
+    raise RequestError(f"'prompt' must be a non-empty string or an array of token ids, got {_got(prompt)}",
+                       "prompt")
 
 
 def _is_ids(value) -> bool:
@@ -120,16 +138,17 @@ def _messages(body: dict) -> list[dict]:
     """The chat messages as [{"role", "content": text}] (text parts joined)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list of {role, content} objects, got "
-                           f"{_shown(messages)}", "messages")
+        raise RequestError("'messages' must be a non-empty array of {role, content} objects, got "
+                           f"{_got(messages)}", "messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise RequestError(f"'{where}' must be an object with 'role' and 'content', got {_shown(m)}", where)
+            raise RequestError(f"'{where}' must be an object with 'role' and 'content', got {_got(m)}", where)
         role, content = m.get("role"), m.get("content")
         if role not in CHAT_ROLES:
-            raise RequestError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {_shown(role)}",
+            raise RequestError(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got "
+                               f"{_shown(role) if isinstance(role, str) else _got(role)}",
                                f"{where}.role")
         if isinstance(content, list):
             texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
@@ -138,7 +157,7 @@ def _messages(body: dict) -> list[dict]:
                                    "supported", f"{where}.content")
             content = "".join(texts)
         if not isinstance(content, str):
-            raise RequestError(f"'{where}.content' must be a text or a list of text parts, got {_shown(content)}",
+            raise RequestError(f"'{where}.content' must be a string or an array of text parts, got {_got(content)}",
                                f"{where}.content")
         out.append({"role": role, "content": content})
     return out
@@ -150,11 +169,13 @@ def _unsupported(body: dict) -> None:
             raise RequestError(f"'{name}' is not supported by this server (got {_shown(body[name])})", name)
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise RequestError(f"'response_format' other than {{\"type\": \"text\"}} is not supported, got {_shown(fmt)}",
+        raise RequestError("'response_format' other than {\"type\": \"text\"} is not supported, got "
+                           f"{_shown(fmt) if isinstance(fmt, dict) else _got(fmt)}",
                            "response_format")
     n = body.get("n")
     if n is not None and (isinstance(n, bool) or n != 1):
-        raise RequestError(f"'n' must be 1 (one choice per request), got {_shown(n)}", "n")
+        raise RequestError("'n' must be 1 (one choice per request), got "
+                           f"{_shown(n) if _json_type(n) == 'a number' else _got(n)}", "n")
 
 
 # make_request's messages name its arguments; the request field each one comes from.
@@ -176,7 +197,7 @@ def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str,
             (code "model_not_found") for a 'model' other than model_name.
     """
     if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise RequestError(f"the request body must be a JSON object, got {_got(body)}")
     _unsupported(body)
     stream = _field(body, "stream", (bool,), "true or false", False)
     options = _field(body, "stream_options", (dict,), "an object", {})
@@ -188,24 +209,24 @@ def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str,
     if max_tokens is None and not chat:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     if max_tokens is not None and max_tokens < 1:
-        raise RequestError(f"'{limit}' must be an integer >= 1, got {max_tokens}", limit)
+        raise RequestError(f"'{limit}' must be an integer >= 1, got {_shown(max_tokens)}", limit)
     temperature = _field(body, "temperature", (int, float), "a number >= 0", DEFAULT_TEMPERATURE)
     top_p = _field(body, "top_p", (int, float), "a number in (0, 1]", 1.0)
     top_k = _field(body, "top_k", (int,), "an integer >= 0", 0)
     ignore_eos = _field(body, "ignore_eos", (bool,), "true or false", False)
     seed = _field(body, "seed", (int,), "an integer in [0, 2^32)")
-    stop = _field(body, "stop", (str, list), "a text or a list of texts", ())
+    stop = _field(body, "stop", (str, list), "a string or an array of strings", ())
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
-        raise RequestError(f"'stop' must be a text or a list of texts, got {_shown(stop)}", "stop")
+        raise RequestError(f"'stop' must be a string or an array of strings, got {_shown(stop)}", "stop")
     stops = [stop] if isinstance(stop, str) else stop
     if any(s == "" for s in stops):
-        raise RequestError(f"'stop' texts must be non-empty, got {_shown(stop)}", "stop")
+        raise RequestError(f"'stop' strings must be non-empty, got {_shown(stop)}", "stop")
     if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise RequestError(f"'stop' may hold at most {MAX_STOP} texts of at most {MAX_STOP_CHARS} characters each, "
+        raise RequestError(f"'stop' may hold at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each, "
                            f"got {len(stops)} (longest {max(map(len, stops))})", "stop")
     requested = body.get("model")
     if requested is not None and not isinstance(requested, str):
-        raise RequestError(f"'model' must be a text, got {_shown(requested)}", "model")
+        raise RequestError(f"'model' must be a string, got {_got(requested)}", "model")
     if requested is not None and requested != model_name:
         raise RequestError(f"the model {_shown(requested)} does not exist: this server serves {_shown(model_name)} "
                            "(GET /v1/models)", "model", status=404, code="model_not_found")
