@@ -864,6 +864,18 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.Weig
     return make
 
 
+def load_banks(model_dir: str | os.PathLike, dtype=jnp.float32, quantize: str | None = None,
+               experts: range | None = None) -> ExpertBanks:
+    """The expert banks of a checkpoint folder alone (no dense model), as load_checkpoint builds them with expert
+    dtype ``dtype``: the experts ``experts`` (a range in [0, E), default all) of every MoE layer, bank row
+    moe_layer * len(experts) + j holding expert experts[j]. Raises as load_checkpoint."""
+    cfg = load_config(model_dir)
+    bank_dtype = _np_dtype(dtype)
+    fmt = expert_format(cfg, bank_dtype, quantize)
+    with SafetensorsCheckpoint(model_dir) as ckpt:
+        return load_expert_banks(cfg, ckpt, expert_tensor_plan(cfg, ckpt, fmt, experts), fmt, bank_dtype, experts)
+
+
 def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtype=None,
                     quantize: str | None = None, experts: range | None = None) -> LoadedCheckpoint:
     """Load config, dense model and host banks of a Hugging Face MoE checkpoint folder.

@@ -14,8 +14,9 @@ experts):
    its spread over the runs checks the split;
 4. the trace read back and replayed through the cost model (ft_jax.tools.replay: what `ft-jax trace` / `ft-jax plan`
    run) from that same state, priced with the bandwidth profile measured at the start of this run and stored
-   (`ft-jax profile`: BP, BH, the contended pair and the per-call costs, Profile.fixed_costs): the modelled MoE ms
-   per token.
+   (`ft-jax profile`: BP, BH, the contended pair and the per-call costs, Profile.fixed_costs), timed on the loaded
+   model's own banks (measure_profile's model_banks: the checkpoint's mapped pages, as the engine reads them): the
+   modelled MoE ms per token.
 
 Printed: modelled / measured MoE ms per token for every policy and cache size (target 0.85-1.15), the replayed hit
 and fetch counts against the engine's own counters (equal: the replay starts from the state the decode started
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
     store = args.profile or os.path.join(tempfile.mkdtemp(prefix="ft_jax_calibration_"), "profiles.json")
     log(f"measuring the bandwidth profile (full) at H={cfg.hidden_size}, I={cfg.moe_intermediate_size}; "
         f"{load_average()}")
-    prof = bandwidth.measure_profile(cfg.hidden_size, cfg.moe_intermediate_size, "bfloat16")
+    prof = bandwidth.measure_profile(cfg.hidden_size, cfg.moe_intermediate_size, "bfloat16", model_banks=banks)
     bandwidth.save_profile(prof, store)
     log(f"profile: {prof.summary()}; {load_average()}")
     model = bandwidth.cost_model_for("stored", banks.expert_bytes, profile_path=store)

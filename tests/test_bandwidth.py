@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ft_jax import api, cli
@@ -240,6 +241,40 @@ def test_bench_rotation_exceeds_the_last_level_cache():
         b.gemv()
 
 
+def test_bench_times_a_models_own_banks_when_they_hold_the_rotation(monkeypatch):
+    # The engine reads banks that map the checkpoint's pages; a profile timed on fresh anonymous banks measured a BH
+    # ~13 % above what the engine reads on the bench model (DESIGN.md sec. 19.5). A loaded model's banks with 2R rows
+    # are timed themselves, rows 0 .. 2R - 1, and left alive; fewer rows, or banks of another shape, are not used.
+    from ft_jax.kernels.host_bank import HostBank
+    from ft_jax.offload.banks import ExpertBanks
+
+    monkeypatch.setattr(bandwidth, "last_level_cache_bytes", lambda: 4 * 3 * H * I * 4)  # R = 8 rows
+    assert bandwidth.Bench.rotation_rows(3 * H * I * 4, 1, 4 * 3 * H * I * 4) == (1, 8)
+    model = ExpertBanks(HostBank(16, (2 * I, H), np.float32), HostBank(16, (H, I), np.float32))
+    small = ExpertBanks(HostBank(15, (2 * I, H), np.float32), HostBank(15, (H, I), np.float32))
+    try:
+        for bank in (*model.banks, *small.banks):
+            bank.numpy()[...] = 0.5
+        with bandwidth.Bench(H, I, "float32", call_bytes=1, model_banks=model) as b:
+            assert b.on_model_banks and b.rows == 8 and b.gate_up is model.gate_up and b.down is model.down
+            assert b.gemv_rows[0].tolist() == [8]  # the second half of the model's rows
+            b.fill()
+            b.gemv()
+        assert model.gate_up.alive and model.down.alive  # not released: the model's
+        with pytest.raises(ValueError, match="hold 15 experts, the rotation needs 16"):
+            bandwidth.Bench(H, I, "float32", call_bytes=1, model_banks=small)
+        with pytest.raises(ValueError, match=f"are not f32 experts of H={H}, I={2 * I}"):
+            bandwidth.Bench(H, 2 * I, "float32", call_bytes=1, model_banks=model)
+        quick = dict(bandwidth.MODES["quick"], call_bytes=1)
+        monkeypatch.setitem(bandwidth.MODES, "quick", quick)
+        assert bandwidth.measure_profile(H, I, "float32", quick=True, model_banks=model).details["banks"] == "model"
+        assert bandwidth.measure_profile(H, I, "float32", quick=True, model_banks=small).details["banks"] == "fresh"
+        assert model.gate_up.alive and small.gate_up.alive
+    finally:
+        model.release()
+        small.release()
+
+
 def test_quick_profile_is_measured_saved_and_reused(tmp_path):
     path = tmp_path / "p.json"
     profile, msg = bandwidth.get_or_measure_profile(H, I, "float32", path=path)
@@ -300,6 +335,7 @@ def test_profile_report_and_store_for_a_model_folder(tmp_path):
     for label in ("BP  slot fill", "BH  host expert GEMV", "BPc slot fill, contended", "BHc host GEMV, contended",
                   "fetch fraction q*/m = ", "q* for m = 1..8:  m=1:", "recommendation: "):
         assert sum(line.startswith(f"  {label}") for line in lines) == 1, label
+    assert "  banks    fresh host banks of this expert size" in lines  # too few experts to rotate past the cache
     (advice,) = [line for line in lines if line.startswith("  recommendation: ")]
     if here()["platform"] == "cpu":  # slots are copies in the same memory: the CPU default, not fetching
         assert "keep the CPU default, host-all" in advice and "into device slots" not in advice, advice
@@ -309,6 +345,25 @@ def test_profile_report_and_store_for_a_model_folder(tmp_path):
     c = entry["call_ms"]  # the stored per-call costs are printed too, as stored
     assert (f"  per call in a compiled step (the cost model's fixed ms per layer): fill {c['fill']:.3f}, host_experts "
             f"{c['host']:.3f}, slot_experts {c['slot']:.3f} ms, with one route {c['slot_route']:.3f} ms") in lines
+
+
+def test_profile_of_a_model_folder_times_its_own_banks_when_they_rotate_past_the_cache(monkeypatch, capsys):
+    # With a last-level cache of one expert, the rotation needs 2R = 4 rows: the fixture's first experts of each
+    # layer, loaded as generate loads them, are timed instead of fresh banks.
+    from ft_jax import checkpoint
+
+    config = json.loads((FIXTURES / "mixtral" / "config.json").read_text())
+    eb = 3 * config["hidden_size"] * config["intermediate_size"] * 2
+    monkeypatch.setattr(bandwidth, "last_level_cache_bytes", lambda: eb)
+    monkeypatch.setitem(bandwidth.MODES, "quick", dict(bandwidth.MODES["quick"], call_bytes=1))
+    loaded = []
+    real = checkpoint.load_banks
+    monkeypatch.setattr(checkpoint, "load_banks", lambda *a: loaded.append(a) or real(*a))
+    assert cli.main(["profile", "--model", str(FIXTURES / "mixtral"), "--dtype", "bf16", "--quick", "--repeats", "1",
+                     "--no-save"]) == 0
+    assert "  banks    the model's own expert banks, as generate loads them" in capsys.readouterr().out.splitlines()
+    layers = config["num_hidden_layers"]
+    assert [a[3] for a in loaded] == [range(-(-4 // layers))]  # the fewest experts per layer that give 4 rows
 
 
 def test_profile_errors_are_one_line(tmp_path):

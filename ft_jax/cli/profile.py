@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import fractions
 import json
+import os
 import sys
 import warnings
 
@@ -97,6 +98,8 @@ def report(profile, q_star: dict[int, int], saved: str) -> str:
         f"  expert   H={profile.hidden_size} I={profile.intermediate_size} {k['dtype']}: "
         f"{k['expert_bytes'] / 2**20:.2f} MiB; working set {d['working_set_bytes'] / 2**20:.0f} MiB "
         f"(last-level cache {d['llc_bytes'] / 2**20:.0f} MiB)",
+        "  banks    " + ("the model's own expert banks, as generate loads them" if d.get("banks") == "model" else
+                         "fresh host banks of this expert size"),
         *(f"  {label:<26}{getattr(profile, name):8.2f} GB/s  [{profile.spreads[name][0]:.2f}, "
           f"{profile.spreads[name][1]:.2f}]" for label, name in rows),
         f"  fetch fraction q*/m = {profile.fraction():.3f} (BPc / (BPc + BHc))",
@@ -135,14 +138,40 @@ def _expert_shape(args: argparse.Namespace) -> tuple[int, int, str, object]:
     return H, I, dtype, fmt
 
 
+def _model_banks(args: argparse.Namespace, H: int, I: int, dtype, fmt):
+    """With --model (not --hidden-size): the banks of the model's first k experts of every MoE layer, loaded as
+    generate loads them (the checkpoint's pages mapped where the file allows), k the fewest whose L * k rows hold
+    the profile's rotation (Bench.rotation_rows), so BH is timed on the memory the engine reads; None when the model
+    has too few experts for it (small experts rotate through the fresh banks instead) or the folder has no weights."""
+    if args.model is None:
+        return None
+    cfg = load_config(args.model)
+    mode = bandwidth.MODES["quick" if args.quick else "full"]
+    _, rows = bandwidth.Bench.rotation_rows(bandwidth.expert_nbytes(H, I, dtype, fmt), mode["call_bytes"],
+                                            bandwidth.last_level_cache_bytes())
+    k = -(-2 * rows // cfg.num_moe_layers)
+    if k > cfg.num_experts:
+        return None
+    from ft_jax import checkpoint  # the model code: imported when used, so that --help stays fast
+
+    if not any(os.path.exists(os.path.join(args.model, f)) for f in (checkpoint.SINGLE_FILE, checkpoint.INDEX_FILE)):
+        return None
+    return checkpoint.load_banks(args.model, dtype, args.quantize, range(k))
+
+
 def run(args: argparse.Namespace) -> int:
     """`ft-jax profile`: returns the exit status (0 measured, and saved unless --no-save; 1 measured and printed
     but not saved). Bad arguments, --model or --profile raise UsageError / ConfigError / OSError before measuring."""
     H, I, dtype, fmt = _expert_shape(args)
     if not args.no_save:
         bandwidth.read_profiles(args.profile)  # NotAStoreError before measuring, not after
-    profile = bandwidth.measure_profile(H, I, dtype, quick=args.quick, repeats=args.repeats, progress=not args.json,
-                                        fmt=fmt)
+    banks = _model_banks(args, H, I, dtype, fmt)
+    try:
+        profile = bandwidth.measure_profile(H, I, dtype, quick=args.quick, repeats=args.repeats,
+                                            progress=not args.json, fmt=fmt, model_banks=banks)
+    finally:
+        if banks is not None:
+            banks.release()
     saved_to, saved, status = None, "not saved", 0
     if not args.no_save:
         try:

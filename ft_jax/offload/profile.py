@@ -215,27 +215,46 @@ class Bench:
     (x f32[T, H]) to the same n experts. Attributes: expert_bytes (stored bytes, expert_nbytes), fmt, n, nbytes
     (bytes per call = n * expert_bytes), rows (R), llc_bytes, banks (ExpertBanks), gate_up, down (HostBank),
     fill_rows, gemv_rows (the rotation: np.int32[n] bank rows of call j at j % len; fill_rows are also the slots).
-    A context manager: leaving it releases the banks. Raises ValueError: a size < 1, a bad dtype, H or I that does
-    not fit the format's blocks, or banks + slots over half the host memory.
+
+    model_banks: a loaded model's ExpertBanks (of these H, I and format) with at least 2R rows: the timed rows are
+    its rows 0 .. 2R - 1 instead of fresh banks, so BH is measured on the memory the engine reads (banks that map the
+    checkpoint's page-cache pages read ~13 % slower than fresh anonymous huge pages on the bench model, DESIGN.md
+    sec. 19.5); its bias banks are left out (host_experts is timed without biases either way) and it is not
+    released on exit. on_model_banks says which.
+    A context manager: leaving it releases the banks it made. Raises ValueError: a size < 1, a bad dtype, H or I that
+    does not fit the format's blocks, model_banks of another expert shape or format or with fewer than 2R rows, or
+    banks + slots over half the host memory.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *,
-                 call_bytes: int = 16 << 20, tokens: int = 1, fmt: WeightFormat | None = None):
+                 call_bytes: int = 16 << 20, tokens: int = 1, fmt: WeightFormat | None = None,
+                 model_banks: ExpertBanks | None = None):
         H, I = int(hidden_size), int(intermediate_size)
         if min(H, I, tokens) < 1:
             raise ValueError(f"bandwidth: H, I and tokens must be >= 1, got H={H}, I={I}, tokens={tokens}")
         self.fmt = fmt = weight_format(dtype, fmt)
         self.expert_bytes, self.llc_bytes = eb, llc = expert_nbytes(H, I, dtype, fmt), last_level_cache_bytes()
-        self.n = n = max(1, math.ceil(call_bytes / eb))
-        self.rows = R = max(n, math.ceil(2 * llc / eb), 2)
+        self.n, self.rows = n, R = self.rotation_rows(eb, call_bytes, llc)
         self.nbytes, ram = n * eb, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if 3 * R * eb > ram // 2:
-            raise ValueError(f"bandwidth: measuring {eb / 2**20:.1f} MiB experts needs {3 * R * eb / 2**20:.0f} MiB "
-                             f"of banks and slots, over half of the {ram / 2**20:.0f} MiB of host memory")
         rows = weight_formats.expert_rows(fmt, H, I)
-        host = {name: HostBank(2 * R, shape, dtype) for name, (shape, dtype) in rows.items()}
-        for bank in host.values():  # touch every page: no first-touch faults while timed
-            bank.numpy()[...] = np.asarray(_BENCH_VALUES[bank.dtype.name], bank.dtype)
+        self.on_model_banks = model_banks is not None
+        if model_banks is not None:
+            got = {name: (getattr(model_banks, name, None), shape, dtype) for name, (shape, dtype) in rows.items()}
+            if model_banks.format != fmt or any(b is None or b.row_shape != tuple(shape) or b.dtype != dtype
+                                                for b, shape, dtype in got.values()):
+                raise ValueError(f"bandwidth: the model's banks ({model_banks.format.name}, gate_up rows "
+                                 f"{list(model_banks.gate_up.row_shape)}) are not {fmt.name} experts of H={H}, I={I}")
+            if model_banks.num_rows < 2 * R:
+                raise ValueError(f"bandwidth: the model's banks hold {model_banks.num_rows} experts, the rotation "
+                                 f"needs {2 * R}")
+            host = {name: bank for name, (bank, _, _) in got.items()}
+        else:
+            if 3 * R * eb > ram // 2:
+                raise ValueError(f"bandwidth: measuring {eb / 2**20:.1f} MiB experts needs {3 * R * eb / 2**20:.0f} "
+                                 f"MiB of banks and slots, over half of the {ram / 2**20:.0f} MiB of host memory")
+            host = {name: HostBank(2 * R, shape, dtype) for name, (shape, dtype) in rows.items()}
+            for bank in host.values():  # touch every page: no first-touch faults while timed
+                bank.numpy()[...] = np.asarray(_BENCH_VALUES[bank.dtype.name], bank.dtype)
         self.banks = banks = ExpertBanks(**host, format=fmt)
         self.gate_up, self.down = banks.gate_up, banks.down
         self._slots = tuple(jnp.array(np.zeros(shape, dtype)) for shape, dtype in banks.pool_shapes(R).values())
@@ -321,9 +340,17 @@ class Bench:
     def __enter__(self) -> "Bench":
         return self
 
+    @staticmethod
+    def rotation_rows(expert_bytes: int, call_bytes: int, llc_bytes: int) -> tuple[int, int]:
+        """(n, R): experts per call, n = ceil(call_bytes / expert_bytes), and rows per rotation, R = max(n,
+        ceil(2 * llc_bytes / expert_bytes), 2), so a rotation's rows exceed twice the last-level cache."""
+        n = max(1, math.ceil(call_bytes / expert_bytes))
+        return n, max(n, math.ceil(2 * llc_bytes / expert_bytes), 2)
+
     def __exit__(self, *exc) -> None:
         self._slots = ()
-        self.banks.release()
+        if not self.on_model_banks:
+            self.banks.release()
 
 
 def measure_rates(calls: dict[str, tuple[Callable[[], Any], int]], repeats: int,
@@ -368,15 +395,20 @@ def contended_rates(fill: Callable[[], Any], gemv: Callable[[], Any], nbytes: in
 
 
 def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *, quick: bool = False,
-                    repeats: int | None = None, progress: bool = False, fmt: WeightFormat | None = None) -> Profile:
+                    repeats: int | None = None, progress: bool = False, fmt: WeightFormat | None = None,
+                    model_banks: ExpertBanks | None = None) -> Profile:
     """Measure BP, BH, the contended pair and the per-call costs (Bench.call_costs) at expert size (H, I, dtype) on
     the default jax device, with the experts in weight format ``fmt`` (default the float format of dtype; a
     quantized format: its stored bytes, read by the kernels that dequantize them).
 
     quick: MODES["quick"] (a few seconds) instead of MODES["full"]; repeats: timed windows per bandwidth (default
-    the mode's), >= 1; progress: show the stage on stderr when it is a terminal.
-    Returns a Profile keyed by machine_key (details["load_average_1m"]: 1-minute load average afterwards).
-    Raises ValueError: bad sizes, dtype or repeats, or the working set does not fit (Bench).
+    the mode's), >= 1; progress: show the stage on stderr when it is a terminal; model_banks: a loaded model's
+    ExpertBanks of this expert shape and format, timed instead of fresh banks when they hold the rotation's 2R rows
+    (Bench), so BH is the rate of the memory the engine reads.
+    Returns a Profile keyed by machine_key (details["load_average_1m"]: 1-minute load average afterwards;
+    details["banks"]: "model" or "fresh", which banks were timed).
+    Raises ValueError: bad sizes, dtype or repeats, model_banks of another shape or format, or the working set does
+    not fit (Bench).
     """
     mode = MODES["quick" if quick else "full"]
     repeats = mode["repeats"] if repeats is None else int(repeats)
@@ -390,7 +422,12 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
 
     t0 = time.perf_counter()
     stage("ft-jax profile: allocating host banks and slots")
-    with Bench(hidden_size, intermediate_size, dtype, call_bytes=mode["call_bytes"], fmt=fmt) as b:
+    if model_banks is not None:  # too few rows to rotate past the last-level cache: fresh banks
+        _, R = Bench.rotation_rows(expert_nbytes(hidden_size, intermediate_size, dtype, fmt), mode["call_bytes"],
+                                   last_level_cache_bytes())
+        model_banks = model_banks if model_banks.num_rows >= 2 * R else None
+    with Bench(hidden_size, intermediate_size, dtype, call_bytes=mode["call_bytes"], fmt=fmt,
+               model_banks=model_banks) as b:
         stage("ft-jax profile: slot fill (BP) and host GEMV (BH), each alone")
         rates = measure_rates({"bp": (b.fill, b.nbytes), "bh": (b.gemv, b.nbytes)}, repeats, mode["min_time"])
         window = max(2 * mode["min_time"], 4 * b.nbytes / GB / min(rates["bp"][0], rates["bh"][0]))  # >= ~4 calls
@@ -410,7 +447,8 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
         hidden_size=int(hidden_size), intermediate_size=int(intermediate_size),
         details={"working_set_bytes": 3 * b.rows * b.expert_bytes, "llc_bytes": b.llc_bytes,
                  "experts_per_call": b.n, "seconds": round(time.perf_counter() - t0, 3),
-                 "load_average_1m": round(os.getloadavg()[0], 2), "jax_version": jax.__version__},
+                 "load_average_1m": round(os.getloadavg()[0], 2), "jax_version": jax.__version__,
+                 "banks": "model" if b.on_model_banks else "fresh"},
         call_ms={name: round(ms, 6) for name, ms in call_ms.items()})
 
 
@@ -490,7 +528,8 @@ def save_profile(profile: Profile, path: str | os.PathLike | None = None) -> tup
 
 def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bfloat16", *,
                            allow_measure: bool = True, path: str | os.PathLike | None = None, save: bool = True,
-                           progress: bool = False, fmt: WeightFormat | None = None) -> tuple[Profile | None, str]:
+                           progress: bool = False, fmt: WeightFormat | None = None,
+                           model_banks: ExpertBanks | None = None) -> tuple[Profile | None, str]:
     """(the profile decoding uses for experts (H, I, dtype; in weight format ``fmt``, default the float format of
     dtype) on this machine, or None; a one-line message).
 
@@ -498,7 +537,8 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
     UserWarning; profiles of other machines are ignored and named in the message). 2. Else, if ``allow_measure``,
     a quick profile, saved unless ``save`` is False (a failed save is told in the message; the profile is still
     returned). 3. Else, or if the quick profile fails (ValueError, MemoryError, OSError): None and a UserWarning;
-    decoding then uses the fixed-cap 1 policy. ``path``: the store (default default_store_path()).
+    decoding then uses the fixed-cap 1 policy. ``path``: the store (default default_store_path()); model_banks:
+    the loaded model's banks, which the quick profile times when they are large enough (measure_profile).
     """
     key = machine_key(dtype, expert_nbytes(hidden_size, intermediate_size, dtype, fmt), fmt)
     store = Path(path) if path is not None else default_store_path()
@@ -524,7 +564,8 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
         warnings.warn(msg, stacklevel=2)
         return None, msg
     try:
-        profile = measure_profile(hidden_size, intermediate_size, dtype, quick=True, progress=progress, fmt=fmt)
+        profile = measure_profile(hidden_size, intermediate_size, dtype, quick=True, progress=progress, fmt=fmt,
+                                  model_banks=model_banks)
     except (ValueError, MemoryError, OSError) as e:
         msg = f"{why}; the quick bandwidth profile failed ({e}): falling back to the fixed-cap 1 policy"
         warnings.warn(msg, stacklevel=2)
@@ -596,7 +637,8 @@ def resolve_policy(policy, banks: ExpertBanks, hidden_size: int, intermediate_si
     """The decode Policy bound to this machine's bandwidth profile, and a one-line note.
 
     auto takes its costs, and a qstar policy without a fraction its fraction, from the stored profile of this machine
-    for experts (hidden_size, intermediate_size, the banks' weight format), or a quick profile (stored), or, with
+    for experts (hidden_size, intermediate_size, the banks' weight format), or a quick profile (stored; timed on
+    ``banks`` themselves when they hold enough experts to rotate past the last-level cache), or, with
     measure=False and none stored, falls back to fixed-cap:1 (the note says so). The costs are those of
     CostModel.from_spec at banks.expert_bytes: device bandwidth BH on a CPU device (the slot experts run the host
     kernel), else cost_model.ASSUMED_DEVICE_GBPS. Other policies, and a qstar policy with its fraction, pass through.
@@ -619,7 +661,8 @@ def resolve_policy(policy, banks: ExpertBanks, hidden_size: int, intermediate_si
         warnings.simplefilter("ignore")  # the note says it
         fmt = banks.format if banks.quantized else None  # a quantized format sets the key (format_key), not dtype
         found, note = get_or_measure_profile(hidden_size, intermediate_size, "bfloat16" if fmt else banks.gate_up.dtype,
-                                             allow_measure=measure, path=profile, progress=progress, fmt=fmt)
+                                             allow_measure=measure, path=profile, progress=progress, fmt=fmt,
+                                             model_banks=banks)
     if found is None:
         return Policy(PolicyKind.FIXED_CAP, cap=1), note
     model = CostModel.from_spec(_spec(found, note), banks.expert_bytes, platform=found.key["platform"])
