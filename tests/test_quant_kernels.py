@@ -254,7 +254,8 @@ def int8_activations(x):
 
 
 @pytest.mark.skipif(not INT8_PATH, reason="this CPU's kernels keep float32 activations for q8_0 / q4_0")
-@pytest.mark.parametrize("fmt,K", [(wf.Q8_0, 96), (wf.Q4_0, 32), (wf.Q4_0, 160), (wf.Q4_0, 224), (wf.Q8_0, 4096)])
+@pytest.mark.parametrize("fmt,K", [(wf.Q8_0, 96), (wf.Q4_0, 32), (wf.Q4_0, 160), (wf.Q4_0, 224), (wf.Q8_0, 4096),
+                                   (wf.Q4_0, 800), (wf.Q4_0, 896)])  # 16 blocks + 2 or 3 groups of 4 (+ 1 block)
 def test_int8_activation_dots_match_their_quantized_activations(fmt, K):
     """The int8 path against a float64 reference fed with the activations quantized as the kernel quantizes them
     (int8_activations): then only the float32 scaling and summation of exact integer block dots differ,
@@ -271,6 +272,9 @@ def test_int8_activation_dots_match_their_quantized_activations(fmt, K):
         xq = int8_activations(x[t])
         check_within(y[t:t + 1], (w @ xq)[None], (gamma(K + 4) * (mag @ np.abs(xq)))[None],
                      f"{fmt.name} int8 dot, token {t}")
+        # tokens 0 and 1 share the row loads (the two-token form), token 2 runs alone: each equals its solo call
+        solo = np.asarray(ffi_ops.linear(x[t:t + 1], data, scales=scales, weight_format=fmt))
+        np.testing.assert_array_equal(y[t:t + 1], solo, err_msg=f"{fmt.name} token {t} of 3 vs alone")
 
 
 @pytest.mark.parametrize("fmt,K,O", [(f, h, 3 * i + 5 if f.name == "fp8" else 3 * i + 1) for f, h, i in CASES],

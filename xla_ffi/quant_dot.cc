@@ -677,6 +677,18 @@ struct Int8Token {
   const int32_t* corr;
 };
 
+// acc + the block sums of q4_0 group g (blocks 4g .. 4g + 3; lo, hi: their low and high nibbles) of one token,
+// each block's int32 lanes scaled by its sdx: one token's step of DotInt8<kQ4_0>.
+FT_JAX_VNNI_LAMBDA inline __m512 Q4GroupFma(__m512 acc, __m512i lo, __m512i hi, const Int8Token& tok, int64_t g) {
+  const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int8_t* qt = tok.q + 128 * g;
+  const __m512i isum = _mm512_dpbusd_epi32(
+      _mm512_dpbusd_epi32(_mm512_loadu_si512(tok.corr + 16 * g), lo, _mm512_loadu_si512(qt)), hi,
+      _mm512_loadu_si512(qt + 64));
+  const __m512 s = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(tok.sdx + 4 * g)));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc);
+}
+
 // out[t * out_stride] = sum_b sdx_b (w_b . q_b) of one q8_0 / q4_0 row for NT tokens at once, the weight bytes loaded
 // and unpacked once for all of them; each token has its own accumulators in the order a single token sums (block
 // b's products into accumulator b % 4 of its step), so its result is bit for bit the same whatever NT.
@@ -689,28 +701,50 @@ FT_JAX_VNNI void DotInt8(const uint8_t* row, int64_t nb, const Int8Token* tok, f
   int64_t c0 = 0;   // its first correction lane
   if constexpr (F == WFormat::kQ4_0) {  // 4 blocks per step: their low nibbles, then their high nibbles
     const __m512i m4z = _mm512_set1_epi8(0x0F);
-    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    // group g of 4 blocks into accumulator a = g % 4 of every token
-    auto group = [&](int64_t g, int a) FT_JAX_VNNI_LAMBDA {
-      const __m512i wb = _mm512_loadu_si512(row + 64 * g);
-      const __m512i lo = _mm512_and_si512(wb, m4z), hi = _mm512_and_si512(_mm512_srli_epi16(wb, 4), m4z);
-      for (int t = 0; t < NT; ++t) {
-        const int8_t* qt = tok[t].q + 128 * g;
-        const __m512i isum = _mm512_dpbusd_epi32(
-            _mm512_dpbusd_epi32(_mm512_loadu_si512(tok[t].corr + 16 * g), lo, _mm512_loadu_si512(qt)), hi,
-            _mm512_loadu_si512(qt + 64));
-        const __m512 s = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(tok[t].sdx + 4 * g)));
-        acc[t][a] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[t][a]);
-      }
-    };
     int64_t g = 0;
-    for (; 4 * g + 16 <= nb; g += 4) {  // the accumulator indices constant: the accumulators stay in registers
-      group(g, 0);
-      group(g + 1, 1);
-      group(g + 2, 2);
-      group(g + 3, 3);
+    if constexpr (NT == 1) {
+      // One token (decode): the accumulators as plain variables. Through the array of the general form below, GCC
+      // stored every accumulator to the stack once per group; this form read q4_0 rows 8 % faster on one thread
+      // (in-process A/B, 12 alternated rounds on the 2-core EPYC VM: median 10.7 -> 11.6 GB/s; same bits).
+      __m512 a0 = acc[0][0], a1 = acc[0][1], a2 = acc[0][2], a3 = acc[0][3];
+      auto step = [&](__m512 a, int64_t at) FT_JAX_VNNI_LAMBDA {
+        const __m512i wb = _mm512_loadu_si512(row + 64 * at);
+        return Q4GroupFma(a, _mm512_and_si512(wb, m4z), _mm512_and_si512(_mm512_srli_epi16(wb, 4), m4z), tok[0], at);
+      };
+      for (; 4 * g + 16 <= nb; g += 4) {
+        a0 = step(a0, g);
+        a1 = step(a1, g + 1);
+        a2 = step(a2, g + 2);
+        a3 = step(a3, g + 3);
+      }
+      if (4 * g + 4 <= nb) {  // the last groups into accumulators 0, 1, 2, as the general form
+        a0 = step(a0, g);
+        ++g;
+      }
+      if (4 * g + 4 <= nb) {
+        a1 = step(a1, g);
+        ++g;
+      }
+      if (4 * g + 4 <= nb) {
+        a2 = step(a2, g);
+        ++g;
+      }
+      acc[0][0] = a0, acc[0][1] = a1, acc[0][2] = a2, acc[0][3] = a3;
+    } else {
+      // group g of 4 blocks into accumulator a = g % 4 of every token
+      auto group = [&](int64_t g, int a) FT_JAX_VNNI_LAMBDA {
+        const __m512i wb = _mm512_loadu_si512(row + 64 * g);
+        const __m512i lo = _mm512_and_si512(wb, m4z), hi = _mm512_and_si512(_mm512_srli_epi16(wb, 4), m4z);
+        for (int t = 0; t < NT; ++t) acc[t][a] = Q4GroupFma(acc[t][a], lo, hi, tok[t], g);
+      };
+      for (; 4 * g + 16 <= nb; g += 4) {  // the accumulator indices constant
+        group(g, 0);
+        group(g + 1, 1);
+        group(g + 2, 2);
+        group(g + 3, 3);
+      }
+      for (int a = 0; 4 * g + 4 <= nb; ++g, ++a) group(g, a);
     }
-    for (int a = 0; 4 * g + 4 <= nb; ++g, ++a) group(g, a);
     b0 = 4 * g;
     c0 = 16 * g;
     if (nb - b0 >= 2) {  // a last pair: low nibbles of both blocks, then high nibbles
