@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import httpx
 import jax
@@ -24,7 +25,9 @@ import pytest
 import uvicorn
 
 import ft_jax
-from ft_jax.chat import load_chat_template
+from ft_jax.api import load_tokenizer_or_none, make_request
+from ft_jax.chat import ChatTemplate, load_chat_template
+from ft_jax.config import load_config
 from ft_jax.serve.app import ServerState, create_app
 from ft_jax.serve.batcher import Batcher
 from ft_jax.serve.protocol import RequestError, parse_request
@@ -242,22 +245,22 @@ def test_a_full_queue_answers_429_with_retry_after(server):
 
 @pytest.mark.parametrize("body, param, message", [
     ({"prompt": "x", "temperature": "hot"}, "temperature", "'temperature' must be a number >= 0"),
-    ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be a finite number >= 0"),
-    ({"prompt": "x", "top_p": 0}, "top_p", "top_p must be in (0, 1]"),
+    ({"prompt": "x", "temperature": -1}, "temperature", "'temperature' must be a finite number >= 0, got -1"),
+    ({"prompt": "x", "top_p": 0}, "top_p", "'top_p' must be in (0, 1], got 0"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "'max_tokens' must be an integer >= 1"),
-    ({"prompt": "x", "seed": -3}, "seed", "seed must be an integer in [0, 2^32)"),
+    ({"prompt": "x", "seed": -3}, "seed", "'seed' must be an integer in [0, 2^32), got -3"),
     ({"prompt": "x", "n": 2}, "n", "'n' must be 1"),
     ({"prompt": "x", "logprobs": 3}, "logprobs", "'logprobs' is not supported"),
-    ({"prompt": "x", "stop": [1]}, "stop", "'stop' must be a string or an array of strings"),
+    ({"prompt": "x", "stop": [1]}, "stop", "'stop[0]' must be a string, got a number: 1"),
     ({"prompt": ["a", "b"]}, "prompt", "holds 2 prompts"),
-    ({"prompt": [1, 300]}, "prompt", "token id 300 is outside the vocabulary [0, 256)"),
+    ({"prompt": [1, 300]}, "prompt", "'prompt[1]' must be a token id in the vocabulary [0, 256), got 300"),
     ({"prompt": "x" * 200, "max_tokens": 100}, "prompt",
      "prompt of 200 tokens + 100 new tokens exceeds the server's context of 256 tokens (--ctx-size)"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed with 'stream'"),
     ({"prompt": "x", "stop": ["a"] * 17}, "stop", "'stop' may hold at most 16 strings of at most 256 characters"),
     ({"prompt": "x", "stop": "a" * 257}, "stop", "got 1 (longest 257)"),
     ({"prompt": ""}, "prompt", "'prompt' is empty"),
-    ({"prompt": [[[1]]]}, "prompt", "'prompt' must be a non-empty string or an array of token ids"),
+    ({"prompt": [[[1]]]}, "prompt", "'prompt[0][0]' must be a token id (an integer), got an array: [1]"),
     ({"prompt": "x", "model": 4}, "model", "'model' must be a string, got a number: 4"),
     # values are shown as the client wrote them (JSON), not as Python reprs
     ({"prompt": "x", "stop": [""]}, "stop", """'stop' strings must be non-empty, got [""]"""),
@@ -284,6 +287,24 @@ def test_malformed_requests_get_400_naming_the_field(server, body, param, messag
      """'prompt' must be a non-empty string or an array of token ids, got an object: {"text": "x"}"""),
     ({"prompt": "x", "stream": True, "stream_options": [True]}, False, "stream_options",
      "'stream_options' must be an object, got an array: [true]"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, False,
+     "stream_options.include_usage", """'stream_options.include_usage' must be true or false, got a string: "yes\""""),
+    # an array of the right type with an element of the wrong one: the element named, with its JSON type
+    ({"prompt": "x", "stop": [1]}, False, "stop", "'stop[0]' must be a string, got a number: 1"),
+    ({"prompt": "x", "stop": ["a", None]}, False, "stop", "'stop[1]' must be a string, got null"),
+    ({"prompt": "x", "stop": ["a", ["b"]]}, False, "stop", """'stop[1]' must be a string, got an array: ["b"]"""),
+    ({"prompt": [1, 2, "x"]}, False, "prompt", """'prompt[2]' must be a token id (an integer), got a string: "x\""""),
+    ({"prompt": [1, True]}, False, "prompt", "'prompt[1]' must be a token id (an integer), got a boolean: true"),
+    ({"prompt": [1, 2.5]}, False, "prompt", "'prompt[1]' must be a token id (an integer), got a number: 2.5"),
+    ({"prompt": [[1, "x"]]}, False, "prompt",  # a batch of one prompt
+     """'prompt[0][1]' must be a token id (an integer), got a string: "x\""""),
+    ({"prompt": [[[1]]]}, False, "prompt", "'prompt[0][0]' must be a token id (an integer), got an array: [1]"),
+    ({"prompt": ["a", 1]}, False, "prompt", "'prompt[1]' must be a string or an array of token ids, got a number: 1"),
+    ({"prompt": ["a", "b"]}, False, "prompt", "'prompt' holds 2 prompts; this server takes one prompt per request"),
+    ({"prompt": []}, False, "prompt", "'prompt' is empty: give a non-empty string or an array of token ids"),
+    ({"prompt": [""]}, False, "prompt", "'prompt[0]' is empty: give a non-empty string or an array of token ids"),
+    ({"prompt": 7}, False, "prompt",  # a wrong type at the top level: the whole value
+     "'prompt' must be a non-empty string or an array of token ids, got a number: 7"),
     ({"prompt": "x", "max_tokens": 1e9}, False, "max_tokens",  # an integer-valued float is still "a number"
      "'max_tokens' must be an integer >= 1, got a number: 1000000000.0"),
     ({"prompt": "x", "top_k": "3"}, False, "top_k", """'top_k' must be an integer >= 0, got a string: "3\""""),
@@ -302,6 +323,81 @@ def test_type_errors_use_json_type_names(body, chat, param, message):
         parse_request(body, chat=chat, model=None, template="no chat template", context=CTX, model_name="tiny")
     assert (e.value.status, e.value.param, e.value.message) == (400, param, message)
     assert not re.search(r"\b(list|dict|str|int|float|bool|NoneType|True|False|None)\b", message), message
+
+
+@pytest.fixture(scope="module")
+def offline_model():
+    """What parse_request uses of a Model (path, config, tokenizer, request = ft_jax.api.make_request) for the
+    bundled model (vocabulary [0, 256)), without its weights: the real checks and messages of make_request."""
+    path = ft_jax.bundled_model_path()
+    model = types.SimpleNamespace(path=path, config=load_config(path), tokenizer=load_tokenizer_or_none(path))
+    model.request = lambda prompts, **kw: make_request(model.path, model.config, model.tokenizer, prompts, **kw)
+    return model
+
+
+@pytest.mark.parametrize("text, chat, param, message", [
+    # token ids outside the vocabulary: checked before make_request, naming the position (no batch index)
+    ('{"prompt": [70, 999999]}', False, "prompt",
+     "'prompt[1]' must be a token id in the vocabulary [0, 256), got 999999"),
+    ('{"prompt": [[70, -1]]}', False, "prompt", "'prompt[0][1]' must be a token id in the vocabulary [0, 256), got -1"),
+    # make_request's and Sampling's messages re-phrased: the field quoted as in the server's own messages
+    ('{"prompt": "x", "temperature": -1}', False, "temperature", "'temperature' must be a finite number >= 0, got -1"),
+    ('{"prompt": "x", "temperature": -0.5}', True, "temperature",
+     "'temperature' must be a finite number >= 0, got -0.5"),
+    ('{"prompt": "x", "temperature": 1e-20}', False, "temperature",
+     "'temperature' of 1e-20 is outside [1e-10, 1e+10] (0 = greedy): logits / temperature would overflow or "
+     "underflow float32"),
+    ('{"prompt": "x", "temperature": 100000000000000000000}', False, "temperature",  # past int64: as a double
+     "'temperature' of 1e+20 is outside [1e-10, 1e+10] (0 = greedy): logits / temperature would overflow or "
+     "underflow float32"),
+    ('{"prompt": "x", "top_p": 0}', False, "top_p", "'top_p' must be in (0, 1], got 0"),
+    ('{"prompt": "x", "top_p": 1.5}', False, "top_p", "'top_p' must be in (0, 1], got 1.5"),
+    ('{"prompt": "x", "top_k": -1}', False, "top_k", "'top_k' must be an integer in [0, 2^31), got -1"),
+    ('{"prompt": "x", "seed": -3}', False, "seed", "'seed' must be an integer in [0, 2^32), got -3"),
+    ('{"prompt": "x", "seed": 4294967296}', False, "seed", "'seed' must be an integer in [0, 2^32), got 4294967296"),
+    # non-finite numbers (NaN, Infinity, -Infinity are not JSON, but Python's parser reads them; 1e999 overflows):
+    # refused naming the field, shown as JSON spells them
+    ('{"prompt": "x", "temperature": Infinity}', False, "temperature",
+     "'temperature' must be a finite number, got Infinity"),
+    ('{"prompt": "x", "temperature": 1e999}', False, "temperature",
+     "'temperature' must be a finite number, got Infinity"),
+    ('{"prompt": "x", "temperature": NaN}', True, "temperature", "'temperature' must be a finite number, got NaN"),
+    ('{"prompt": "x", "top_p": -Infinity}', False, "top_p", "'top_p' must be a finite number, got -Infinity"),
+    ('{"prompt": "x", "top_p": -1e999}', False, "top_p", "'top_p' must be a finite number, got -Infinity"),
+    ('{"prompt": "x", "temperature": 1' + "0" * 400 + '}', False, "temperature",  # an integer past a double
+     "'temperature' must be a finite number, got 1" + "0" * 199 + "..."),
+    ('{"prompt": "x", "max_tokens": Infinity}', False, "max_tokens",
+     "'max_tokens' must be an integer >= 1, got a number: Infinity"),
+    ('{"prompt": "x", "top_k": NaN}', False, "top_k", "'top_k' must be an integer >= 0, got a number: NaN"),
+    ('{"prompt": "x", "seed": 1e999}', False, "seed", "'seed' must be an integer in [0, 2^32), got a number: Infinity"),
+    ('{"prompt": "x", "seed": 1e10}', False, "seed",  # an integer-valued float: json.dumps's spelling
+     "'seed' must be an integer in [0, 2^32), got a number: 10000000000.0"),
+    ('{"prompt": "x", "n": NaN}', False, "n", "'n' must be 1 (one choice per request), got NaN"),
+    ('{"prompt": "x", "presence_penalty": Infinity}', False, "presence_penalty",
+     "'presence_penalty' is not supported by this server (got Infinity)"),
+    ('{"prompt": [70, -Infinity]}', False, "prompt",
+     "'prompt[1]' must be a token id (an integer), got a number: -Infinity"),
+    ('{"prompt": "x", "stop": ["a", NaN]}', False, "stop", "'stop[1]' must be a string, got a number: NaN"),
+])
+def test_value_errors_name_the_field(offline_model, text, chat, param, message):
+    body = json.loads(text)  # as the server parses the request body
+    if chat:
+        body = {"messages": [{"role": "user", "content": body.pop("prompt")}], **body}
+    with pytest.raises(RequestError) as e:
+        parse_request(body, chat=chat, model=offline_model, template=ChatTemplate("test", CHAT_TEMPLATE),
+                      context=CTX, model_name="tiny")
+    assert (e.value.status, e.value.param, e.value.message) == (400, param, message)
+    assert not re.search(r"\b(inf|nan|list|dict|tuple|NoneType|True|False|None|prompt \d)\b", message), message
+
+
+def test_valid_numbers_pass_as_written(offline_model):
+    body = json.loads('{"prompt": [[70, 255]], "temperature": 1e-5, "top_p": 1, "top_k": 3, "seed": 4294967295, '
+                      '"max_tokens": 2, "stop": ["a"]}')
+    params = parse_request(body, chat=False, model=offline_model, template="no chat template", context=CTX,
+                           model_name="tiny")
+    assert params.prompt_ids == [70, 255] and params.max_tokens == 2 and params.seed == 2**32 - 1
+    assert (params.sampling.temperature, params.sampling.top_p, params.sampling.top_k) == (1e-5, 1, 3)
+    assert params.stop == ("a",)
 
 
 def test_chat_field_errors_and_bodies_that_are_not_json(server):

@@ -1,8 +1,12 @@
 """The OpenAI HTTP API's request and response objects for /v1/completions and /v1/chat/completions (no web
 framework here: app.py routes, this module parses and formats).
 
-Requests are parsed field by field (RequestError names the field, as OpenAI's error object does in "param"), then
-checked by ft_jax.api.make_request with the server's context, the one place every generation request is checked.
+Requests are parsed field by field (RequestError names the field, as OpenAI's error object does in "param"; the
+message quotes it, with the element of an array: 'stop[1]', 'prompt[2]'), then checked by ft_jax.api.make_request with
+the server's context, the one place every generation request is checked; its messages name its arguments, so they are
+re-phrased here with the request's field quoted ('temperature' must be ...). Two checks are made here first, for
+messages that name what make_request cannot: a prompt's token id outside the vocabulary (its position in the array)
+and a non-finite number (Python's json reads NaN, Infinity and 1e999; shown as JSON spells them).
 Supported: prompt (a text, a list of one text, token ids or a list of one id list) / messages (roles system,
 developer, user, assistant; content a text or a list of {"type": "text", "text"} parts), max_tokens (chat also
 max_completion_tokens), temperature, top_p, top_k and ignore_eos (extensions, as llama-server and vLLM have them),
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import secrets
 import time
 import uuid
@@ -104,34 +110,56 @@ def _got(value) -> str:
     return "null" if value is None else f"{_json_type(value)}: {_shown(value)}"
 
 
-def _field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None):
+def _field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None, where: str | None = None):
+    """body[name] if it is one of ``kinds`` (a boolean only if bool is one), ``default`` if absent or null; else a
+    RequestError naming ``where`` (the field's full name, e.g. "stream_options.include_usage"; default ``name``)."""
+    where = where or name
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise RequestError(f"'{name}' must be {what}, got {_got(value)}", name)
+        raise RequestError(f"'{where}' must be {what}, got {_got(value)}", where)
     return value
 
 
-def _prompt(body: dict):
-    """The completions prompt: a text or a list of token ids (one prompt)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if prompt == "":
-        raise RequestError("'prompt' is empty: give a non-empty string or an array of token ids", "prompt")
+def _number(body: dict, name: str, what: str, default: float):
+    """A real-valued field (temperature, top_p) as _field, and finite: Python's json reads NaN, Infinity, -Infinity
+    and 1e999 (as inf); an integer beyond a double's range is refused the same way (as a double it is infinite)."""
+    value = _field(body, name, (int, float), what, default)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise RequestError(f"'{name}' must be a finite number, got {_shown(value)}", name)
+    # as written (make_request's messages show it), but an integer past 2^53 as a double (numpy refuses big ints)
+    return value if isinstance(value, float) or abs(value) < 2**53 else number
+
+
+def _prompt(body: dict) -> tuple[str | list[int], str]:
+    """The completions prompt, a text or token ids (one prompt, also as a batch of one), and where it is in the
+    request: "prompt", or "prompt[0]" for a batch of one (messages name an element as 'prompt[0][2]')."""
+    prompt, where = body.get("prompt"), "prompt"
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch of prompts
+        if len(prompt) > 1:
+            bad = next((i for i, p in enumerate(prompt) if not isinstance(p, (str, list))), None)
+            if bad is not None:
+                raise RequestError(f"'prompt[{bad}]' must be a string or an array of token ids, got "
+                                   f"{_got(prompt[bad])}", "prompt")
+            raise RequestError(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request",
+                               "prompt")
+        prompt, where = prompt[0], "prompt[0]"
+    if prompt == "" or prompt == []:
+        raise RequestError(f"'{where}' is empty: give a non-empty string or an array of token ids", "prompt")
     if isinstance(prompt, str):
-        return prompt
-    if prompt and _is_ids(prompt):
-        return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) or _is_ids(p) for p in prompt):
-        raise RequestError(f"'prompt' holds {len(prompt)} prompts; this server takes one prompt per request", "prompt")
-    raise RequestError(f"'prompt' must be a non-empty string or an array of token ids, got {_got(prompt)}",
-                       "prompt")
-
-
-def _is_ids(value) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        return prompt, where
+    if not isinstance(prompt, list):
+        raise RequestError(f"'{where}' must be a non-empty string or an array of token ids, got {_got(prompt)}",
+                           "prompt")
+    for i, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise RequestError(f"'{where}[{i}]' must be a token id (an integer), got {_got(t)}", "prompt")
+    return prompt, where
 
 
 def _messages(body: dict) -> list[dict]:
@@ -183,6 +211,22 @@ _ARGUMENT_FIELDS = (("max_new_tokens", "max_tokens"), ("temperature", "temperatu
                     ("top_k", "top_k"), ("seed", "seed"), ("stop", "stop"))
 
 
+def _rephrased(message: str, chat: bool, default_field: str, limit: str) -> tuple[str, str]:
+    """A make_request / Sampling message for the client, and the request field it is about: the argument that starts
+    it quoted as that field ("temperature must be a finite number >= 0, got -1" -> "'temperature' must be ...";
+    "temperature 1e+20 is outside ..." -> "'temperature' of 1e+20 is outside ..."), check_request's batch index
+    dropped ("prompt 0: token id ..." -> "'prompt': token id ..."). ``limit``: the max_tokens field used."""
+    for arg, field in _ARGUMENT_FIELDS:
+        field = limit if field == "max_tokens" else field
+        if message.startswith(arg + " "):
+            rest = message[len(arg):]
+            if re.match(r" \S+ is outside ", rest):
+                rest = " of" + rest
+            return f"'{field}'{rest}", field
+    field = next((limit if f == "max_tokens" else f for arg, f in _ARGUMENT_FIELDS if arg in message), default_field)
+    return re.sub(r"^prompt 0\b", "the prompt" if chat else "'prompt'", message), field
+
+
 def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str, context: int,
                   model_name: str) -> GenerationParams:
     """A checked GenerationParams from a request body (the parsed JSON).
@@ -203,21 +247,23 @@ def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str,
     options = _field(body, "stream_options", (dict,), "an object", {})
     if options and not stream:
         raise RequestError("'stream_options' is only allowed with 'stream': true", "stream_options")
-    include_usage = _field(options, "include_usage", (bool,), "true or false", False)
+    include_usage = _field(options, "include_usage", (bool,), "true or false", False,
+                           where="stream_options.include_usage")
     limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _field(body, limit, (int,), "an integer >= 1")
     if max_tokens is None and not chat:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     if max_tokens is not None and max_tokens < 1:
         raise RequestError(f"'{limit}' must be an integer >= 1, got {_shown(max_tokens)}", limit)
-    temperature = _field(body, "temperature", (int, float), "a number >= 0", DEFAULT_TEMPERATURE)
-    top_p = _field(body, "top_p", (int, float), "a number in (0, 1]", 1.0)
+    temperature = _number(body, "temperature", "a number >= 0", DEFAULT_TEMPERATURE)
+    top_p = _number(body, "top_p", "a number in (0, 1]", 1.0)
     top_k = _field(body, "top_k", (int,), "an integer >= 0", 0)
     ignore_eos = _field(body, "ignore_eos", (bool,), "true or false", False)
     seed = _field(body, "seed", (int,), "an integer in [0, 2^32)")
     stop = _field(body, "stop", (str, list), "a string or an array of strings", ())
-    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
-        raise RequestError(f"'stop' must be a string or an array of strings, got {_shown(stop)}", "stop")
+    for i, s in enumerate(stop if isinstance(stop, list) else ()):
+        if not isinstance(s, str):
+            raise RequestError(f"'stop[{i}]' must be a string, got {_got(s)}", "stop")
     stops = [stop] if isinstance(stop, str) else stop
     if any(s == "" for s in stops):
         raise RequestError(f"'stop' strings must be non-empty, got {_shown(stop)}", "stop")
@@ -240,7 +286,12 @@ def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str,
             raise RequestError(str(e), "messages") from None
         prompt = model.tokenizer.encode(text, add_special_tokens=False)
     else:
-        prompt = _prompt(body)
+        prompt, at = _prompt(body)
+        vocab = model.config.vocab_size
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None) if isinstance(prompt, list) else None
+        if bad is not None:
+            raise RequestError(f"'{at}[{bad}]' must be a token id in the vocabulary [0, {vocab}), got "
+                               f"{_shown(prompt[bad])}", "prompt")
     where = "messages" if chat else "prompt"
     try:
         request = model.request(prompt, max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -250,9 +301,7 @@ def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str,
         message = str(e)
         if "context" in message:
             raise RequestError(message, where, code="context_length_exceeded") from None
-        field = next((f for arg, f in _ARGUMENT_FIELDS if arg in message), where)
-        if field == "max_tokens":
-            field, message = limit, message.replace("max_new_tokens", limit)
+        message, field = _rephrased(message, chat, where, limit)
         raise RequestError(message, field) from None
     return GenerationParams(chat=chat, prompt_ids=request.prompt_ids[0], max_tokens=request.max_new_tokens,
                             sampling=request.sampling, seed=request.seed, stop=request.stop, stream=stream,
