@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -347,7 +348,8 @@ def test_profile_report_and_store_for_a_model_folder(tmp_path):
             f"{c['host']:.3f}, slot_experts {c['slot']:.3f} ms, with one route {c['slot_route']:.3f} ms") in lines
 
 
-def test_profile_of_a_model_folder_times_its_own_banks_when_they_rotate_past_the_cache(monkeypatch, capsys):
+def test_profile_of_a_model_folder_times_its_own_banks_when_they_rotate_past_the_cache(monkeypatch, capsys,
+                                                                                         tmp_path):
     # With a last-level cache of one expert, the rotation needs 2R = 4 rows: the fixture's first experts of each
     # layer, loaded as generate loads them, are timed instead of fresh banks.
     from ft_jax import checkpoint
@@ -364,6 +366,14 @@ def test_profile_of_a_model_folder_times_its_own_banks_when_they_rotate_past_the
     assert "  banks    the model's own expert banks, as generate loads them" in capsys.readouterr().out.splitlines()
     layers = config["num_hidden_layers"]
     assert [a[3] for a in loaded] == [range(-(-4 // layers))]  # the fewest experts per layer that give 4 rows
+    # A damaged checkpoint is then read: a one-line error naming the file, exit status 2 (a trial got a traceback).
+    damaged = tmp_path / "damaged"
+    shutil.copytree(FIXTURES / "mixtral", damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    assert cli.main(["profile", "--model", str(damaged), "--quick", "--no-save"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ft-jax profile: error: {weights}") and "truncated" in err and err.count("\n") == 1, err
 
 
 def test_profile_errors_are_one_line(tmp_path):

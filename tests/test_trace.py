@@ -16,6 +16,7 @@ import pytest
 
 from cache_reference import ReferenceCache
 from ft_jax import cli
+from ft_jax.offload import profile as bandwidth
 from ft_jax.offload.cache import CacheState
 from ft_jax.offload.policy import Policy, auto_layer_ticks, parse_policy
 from ft_jax.offload.cost_model import CostModel
@@ -273,7 +274,13 @@ def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):
     # Every expert fitting does not make resident a candidate there: it would be a second copy of every expert.
     fits_cpu = plan.recommend(trace, on_cpu, 2 * L * E * GB, policies)
     assert not fits_cpu["resident"] and "resident" not in {r["policy"] for r in fits_cpu["results"]}
-    assert fits_cpu["best"]["fetched_per_token"] == 0
+    # host-all, which needs no slot, wins its ties there (auto fetching nothing ties it), is a candidate even when
+    # not asked for, and a budget that holds no expert is no error on a CPU (host-all needs none).
+    assert rec_cpu["best"]["policy"] == fits_cpu["best"]["policy"] == "host-all"
+    without = plan.recommend(trace, on_cpu, 16 * GB, [parse_policy(p) for p in ("auto", "fetch-all")])
+    assert without["best"]["policy"] == "host-all"
+    tiny = plan.recommend(trace, on_cpu, GB // 2, policies)
+    assert tiny["budget_slots"] == 0 and {r["policy"] for r in tiny["results"]} == {"host-all"}
     with pytest.raises(ValueError, match="holds no expert"):
         plan.recommend(trace, model, GB // 2, policies)
     assert cli.main(["plan", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),
@@ -281,6 +288,18 @@ def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):
                      "--candidates", "auto,fetch-all,host-all", "--observed", "fetch-all@8=123.5,host-all@3=5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("recommendation: --policy ") and "beats" in out
+    # A stored profile of a CPU device: host-all, with no cache size (it never fills a slot).
+    store = tmp_path / "profiles.json"
+    bandwidth.save_profile(bandwidth.Profile(
+        key=bandwidth.machine_key("bfloat16", GB), bp=16.0, bh=22.0, bp_contended=14.0, bh_contended=16.0,
+        spreads={}, repeats=1, quick=True, measured_at="2026-01-01T00:00:00+00:00", hidden_size=1, intermediate_size=1),
+        store)
+    if bandwidth.machine_key("bfloat16", GB)["platform"] == "cpu":
+        assert cli.main(["plan", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),
+                         "--profile", str(store), "--device-memory", "16GB"]) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        assert first.startswith("recommendation: --policy host-all, no slots: every expert on the CPU (a CPU device: "
+                                "a slot would be a copy in the same memory, read by the same cores): "), first
     # Measured figures are stated beside the modelled ones (item 4 of issue 21).
     modelled = next(r["ms_per_token"] for r in rec["results"] if r["policy"] == "fetch-all" and r["cache_slots"] == 8)
     assert (f"fetch-all at 8 slots: {modelled:.2f} ms/token modelled, 123.50 observed (modelled / observed "

@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     interrupts.set_label(f"ft-jax {args.command}")  # the Ctrl-C line (ft_jax/interrupts.py)
     user_errors: tuple[type[BaseException], ...] = (UsageError, NotImplementedError, ValueError, OSError,
                                                      MemoryError)  # ft_jax.memory.InsufficientMemoryError
-    if args.command in ("generate", "serve"):
+    if args.command in ("generate", "serve", "profile"):  # profile --model reads the model's expert banks
         from ft_jax.checkpoint import CheckpointError  # the model code: not loaded for --help or another command
 
         user_errors += (CheckpointError,)

@@ -73,6 +73,11 @@ def run_plan(args) -> int:
     if rec["resident"]:
         print(f"recommendation: --policy resident: the budget holds {rec['budget_slots']} experts, all {total} fit "
               f"({best['ms_per_token']:.2f} ms/token modelled, hits only)")
+    elif best["policy"] == "host-all":  # it never fills a slot: no cache size to give
+        where = (" (a CPU device: a slot would be a copy in the same memory, read by the same cores)"
+                 if model.serial_paths else "")
+        print(f"recommendation: --policy host-all, no slots: every expert on the CPU{where}: "
+              f"{best['ms_per_token']:.2f} ms/token modelled")
     else:
         size = format_bytes(best["cache_slots"] * model.expert_bytes)
         each = f" on each of {args.devices} devices" if args.devices > 1 else ""

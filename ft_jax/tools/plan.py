@@ -4,7 +4,9 @@ The trace is replayed (ft_jax.tools.replay.evaluate: the decode step's own cache
 ft_jax.offload.cost_model) for the candidate policies at cache sizes up to the budget: the budget's own size and 1/4, 1/2
 of it (more slots never hurt a policy's hit rate, but they cost device memory that the KV cache could use). The
 recommendation is the (policy, size) with the fewest modelled ms per token, the smallest size within 1% of it;
-the report says by how much it beats every other policy at that size.
+the report says by how much it beats every other policy at that size. On a CPU device (the cost model's
+serial_paths) host-all, which needs no slot, is the recommendation whenever it is within 1% of the fastest: a slot
+there is a copy of an expert in the same memory, read by the same cores.
 """
 
 from __future__ import annotations
@@ -60,12 +62,16 @@ def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, ca
          "best": the recommended row, "alternatives": [{"policy", "ms_per_token", "speedup"} at the best's size,
          speedup = their ms / the best's], "observed": side_by_side's rows ([] without observed)}.
     Raises:
-        ValueError: the budget holds no expert slot.
+        ValueError: the budget holds no expert slot (on a CPU device: only host-all is replayed then).
     """
     total = trace.num_layers * trace.num_experts // devices  # the experts of one device
     slots = budget_bytes // model.expert_bytes
+    host_all = [p for p in policies if p.kind is PolicyKind.HOST_ALL] or [Policy(PolicyKind.HOST_ALL)]
     if slots < 1:
-        raise ValueError(f"the device budget of {budget_bytes} bytes holds no expert of {model.expert_bytes} bytes")
+        if not model.serial_paths:
+            raise ValueError(f"the device budget of {budget_bytes} bytes holds no expert of {model.expert_bytes} "
+                             "bytes")
+        policies = host_all  # a CPU device: host-all needs no slot (replayed with one, which it never fills)
 
     def run(candidates, sizes):
         if devices == 1:
@@ -77,12 +83,16 @@ def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, ca
     # still be faster than hits only. Never on a CPU device (serial_paths): its slots would be a second copy of every
     # expert in the same memory, read by the same kernel on the same cores.
     sizes = sorted({max(1, int(min(slots, total) * f)) for f in SIZE_STEPS})
+    if model.serial_paths and not any(p.kind is PolicyKind.HOST_ALL for p in policies):
+        policies = [*policies, *host_all]  # a CPU device's default is always a candidate there
     rows = run(policies, sizes)
     if slots >= total and not model.serial_paths:
         rows += run([Policy(PolicyKind.RESIDENT)], [total])
     fastest = min(r["ms_per_token"] for r in rows)
-    best = min((r for r in rows if r["ms_per_token"] <= WITHIN * fastest),
-               key=lambda r: (r["cache_slots"], r["ms_per_token"]))
+    near = [r for r in rows if r["ms_per_token"] <= WITHIN * fastest]
+    if model.serial_paths and any(r["policy"] == PolicyKind.HOST_ALL for r in near):
+        near = [r for r in near if r["policy"] == PolicyKind.HOST_ALL]
+    best = min(near, key=lambda r: (r["cache_slots"], r["ms_per_token"]))
     alternatives = [{"policy": r["bound"], "ms_per_token": r["ms_per_token"],
                      "speedup": r["ms_per_token"] / best["ms_per_token"] if best["ms_per_token"] > 0 else 1.0}
                     for r in rows if r["cache_slots"] == best["cache_slots"] and r is not best]
