@@ -358,6 +358,25 @@ def test_the_host_all_cache_note_names_the_policies_that_fill_slots_on_the_devic
                      f"fills a slot (give --policy {policies} to use slots)"]
 
 
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_auto_on_a_cpu_device_says_its_slots_stay_unused(monkeypatch, backend):
+    """A trial's `--policy auto` on a CPU allocated 16 slots and filled none (hit rate 0.0 %) without a word."""
+    import argparse
+
+    import jax
+
+    from ft_jax.cli import arg_types, generate
+    from ft_jax.config import load_config
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    args = argparse.Namespace(cache_slots=8, cache_fraction=None, device_memory=None, policy=arg_types.policy("auto"))
+    notes = []
+    assert generate._cache(args, load_config(FIXTURE), notes.append) == 8
+    assert notes == (["note: --policy auto on a CPU device fills no slot: a slot there is a copy in the same memory, "
+                      "read by the same cores, so a fill never pays; its slots stay unused (--policy qstar or "
+                      "fetch-all fill them)"] if backend == "cpu" else [])
+
+
 def test_a_damaged_npz_trace_is_one_line(tmp_path, capsys):
     from ft_jax import cli
 

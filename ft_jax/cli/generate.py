@@ -158,6 +158,13 @@ def _cache(args: argparse.Namespace, cfg, note, devices: int = 1) -> int | float
         note(f"note: {given[0]} is not used: host-all computes every expert on the CPU and never fills a slot (give "
              f"--policy {policies} to use slots)")
         return None  # api.load's one slot
+    if args.policy is not None and args.policy.kind is PolicyKind.AUTO:
+        import jax
+
+        if jax.default_backend() == "cpu":  # its CPU cost model: a hit costs a host GEMV (DESIGN secs. 19.5, 19.6)
+            note("note: --policy auto on a CPU device fills no slot: a slot there is a copy in the same memory, read "
+                 "by the same cores, so a fill never pays; its slots stay unused (--policy qstar or fetch-all fill "
+                 "them)")
     if args.cache_slots is not None and args.cache_slots > experts and not _resident(args):
         note(f"note: --cache-slots {args.cache_slots} is more than the {experts} experts; using {experts}")
     if args.cache_fraction is not None and round(args.cache_fraction * experts) < 1:
