@@ -336,7 +336,10 @@ def test_profile_report_and_store_for_a_model_folder(tmp_path):
     for label in ("BP  slot fill", "BH  host expert GEMV", "BPc slot fill, contended", "BHc host GEMV, contended",
                   "fetch fraction q*/m = ", "q* for m = 1..8:  m=1:", "recommendation: "):
         assert sum(line.startswith(f"  {label}") for line in lines) == 1, label
-    assert "  banks    fresh host banks of this expert size" in lines  # too few experts to rotate past the cache
+    (banks,) = [line for line in lines if line.startswith("  banks    ")]  # too few experts to rotate past the cache
+    assert banks.startswith(f"  banks    fresh host banks of this expert size (the model's "
+                            f"{config['num_hidden_layers'] * config['num_local_experts']} experts are too few to "
+                            "rotate past twice the "), banks
     (advice,) = [line for line in lines if line.startswith("  recommendation: ")]
     if here()["platform"] == "cpu":  # slots are copies in the same memory: the CPU default, not fetching
         assert "keep the CPU default, host-all" in advice and "into device slots" not in advice, advice

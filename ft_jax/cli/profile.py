@@ -86,8 +86,9 @@ def recommendation(profile) -> str:
             f"(fetch the other {den - num} into device slots)")
 
 
-def report(profile, q_star: dict[int, int], saved: str) -> str:
-    """The profile as the printed report: bandwidths with their spread, q*, the recommendation, where it was saved."""
+def report(profile, q_star: dict[int, int], saved: str, fresh_why: str = "") -> str:
+    """The profile as the printed report: bandwidths with their spread, q*, the recommendation, where it was saved;
+    fresh_why: why fresh banks were timed although --model was given ("" for none)."""
     k, d = profile.key, profile.details
     rows = [("BP  slot fill", "bp"), ("BH  host expert GEMV", "bh"),
             ("BPc slot fill, contended", "bp_contended"), ("BHc host GEMV, contended", "bh_contended")]
@@ -99,7 +100,7 @@ def report(profile, q_star: dict[int, int], saved: str) -> str:
         f"{k['expert_bytes'] / 2**20:.2f} MiB; working set {d['working_set_bytes'] / 2**20:.0f} MiB "
         f"(last-level cache {d['llc_bytes'] / 2**20:.0f} MiB)",
         "  banks    " + ("the model's own expert banks, as generate loads them" if d.get("banks") == "model" else
-                         "fresh host banks of this expert size"),
+                         "fresh host banks of this expert size" + (f" ({fresh_why})" if fresh_why else "")),
         *(f"  {label:<26}{getattr(profile, name):8.2f} GB/s  [{profile.spreads[name][0]:.2f}, "
           f"{profile.spreads[name][1]:.2f}]" for label, name in rows),
         f"  fetch fraction q*/m = {profile.fraction():.3f} (BPc / (BPc + BHc))",
@@ -139,24 +140,26 @@ def _expert_shape(args: argparse.Namespace) -> tuple[int, int, str, object]:
 
 
 def _model_banks(args: argparse.Namespace, H: int, I: int, dtype, fmt):
-    """With --model (not --hidden-size): the banks of the model's first k experts of every MoE layer, loaded as
+    """With --model (not --hidden-size): (the banks of the model's first k experts of every MoE layer, ""), loaded as
     generate loads them (the checkpoint's pages mapped where the file allows), k the fewest whose L * k rows hold
-    the profile's rotation (Bench.rotation_rows), so BH is timed on the memory the engine reads; None when the model
-    has too few experts for it (small experts rotate through the fresh banks instead) or the folder has no weights."""
+    the profile's rotation (Bench.rotation_rows), so BH is timed on the memory the engine reads; (None, why) when the
+    model has too few experts for it (small experts rotate through fresh banks instead) or the folder has no
+    weights; (None, "") without --model."""
     if args.model is None:
-        return None
+        return None, ""
     cfg = load_config(args.model)
     mode = bandwidth.MODES["quick" if args.quick else "full"]
-    _, rows = bandwidth.Bench.rotation_rows(bandwidth.expert_nbytes(H, I, dtype, fmt), mode["call_bytes"],
-                                            bandwidth.last_level_cache_bytes())
+    llc = bandwidth.last_level_cache_bytes()
+    _, rows = bandwidth.Bench.rotation_rows(bandwidth.expert_nbytes(H, I, dtype, fmt), mode["call_bytes"], llc)
     k = -(-2 * rows // cfg.num_moe_layers)
     if k > cfg.num_experts:
-        return None
+        return None, (f"the model's {cfg.num_moe_layers * cfg.num_experts} experts are too few to rotate past twice "
+                      f"the {llc / 2**20:.0f} MiB last-level cache: {2 * rows} needed")
     from ft_jax import checkpoint  # the model code: imported when used, so that --help stays fast
 
     if not any(os.path.exists(os.path.join(args.model, f)) for f in (checkpoint.SINGLE_FILE, checkpoint.INDEX_FILE)):
-        return None
-    return checkpoint.load_banks(args.model, dtype, args.quantize, range(k))
+        return None, f"{args.model} holds no {checkpoint.SINGLE_FILE} or {checkpoint.INDEX_FILE}"
+    return checkpoint.load_banks(args.model, dtype, args.quantize, range(k)), ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     H, I, dtype, fmt = _expert_shape(args)
     if not args.no_save:
         bandwidth.read_profiles(args.profile)  # NotAStoreError before measuring, not after
-    banks = _model_banks(args, H, I, dtype, fmt)
+    banks, fresh_why = _model_banks(args, H, I, dtype, fmt)
     try:
         profile = bandwidth.measure_profile(H, I, dtype, quick=args.quick, repeats=args.repeats,
                                             progress=not args.json, fmt=fmt, model_banks=banks)
@@ -188,5 +191,5 @@ def run(args: argparse.Namespace) -> int:
                           "recommendation": recommendation(profile),
                           "saved_to": str(saved_to) if saved_to else None}))
     else:
-        print(report(profile, q_star, saved))
+        print(report(profile, q_star, saved, fresh_why))
     return status
