@@ -323,6 +323,15 @@ def test_profile_without_arguments_profiles_the_bundled_model(tmp_path):
     assert doc["saved_to"] is None and not (tmp_path / "cache").exists()
 
 
+def test_profile_of_the_bundled_model_says_why_it_times_fresh_banks(capsys):
+    config = json.loads((BUNDLED / "config.json").read_text())
+    assert cli.main(["profile", "--quick", "--no-save", "--repeats", "1"]) == 0
+    (banks,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  banks    ")]
+    experts = config["num_hidden_layers"] * config["num_local_experts"]
+    assert banks.startswith(f"  banks    fresh host banks of this expert size (the model's {experts} experts are too "
+                            "few to rotate past twice the "), banks
+
+
 def test_profile_report_and_store_for_a_model_folder(tmp_path):
     store = tmp_path / "store.json"
     proc = run_cli("profile", "--model", str(FIXTURES / "mixtral"), "--dtype", "bf16", "--quick", "--repeats", "1",

@@ -277,10 +277,13 @@ def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):
     # host-all, which needs no slot, wins its ties there (auto fetching nothing ties it), is a candidate even when
     # not asked for, and a budget that holds no expert is no error on a CPU (host-all needs none).
     assert rec_cpu["best"]["policy"] == fits_cpu["best"]["policy"] == "host-all"
+    assert rec_cpu["recommended_slots"] == 0 and rec_cpu["added_candidates"] == []  # it needs no slot
     without = plan.recommend(trace, on_cpu, 16 * GB, [parse_policy(p) for p in ("auto", "fetch-all")])
-    assert without["best"]["policy"] == "host-all"
+    assert without["best"]["policy"] == "host-all" and without["added_candidates"] == ["host-all"]
     tiny = plan.recommend(trace, on_cpu, GB // 2, policies)
-    assert tiny["budget_slots"] == 0 and {r["policy"] for r in tiny["results"]} == {"host-all"}
+    assert tiny["budget_slots"] == tiny["recommended_slots"] == 0
+    assert {r["policy"] for r in tiny["results"]} == {"host-all"}
+    assert rec["recommended_slots"] == rec["best"]["cache_slots"] and rec["added_candidates"] == []
     with pytest.raises(ValueError, match="holds no expert"):
         plan.recommend(trace, model, GB // 2, policies)
     assert cli.main(["plan", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),

@@ -90,6 +90,8 @@ def run_plan(args) -> int:
         print(f"  one device with the same budget: --policy {one['policy']} --cache-slots {one['cache_slots']}: "
               f"{one['ms_per_token']:.2f} ms/token modelled ({one['ms_per_token'] / best['ms_per_token']:.2f}x the "
               f"{args.devices} devices' time)")
+    if rec["added_candidates"]:
+        print(f"  ({', '.join(rec['added_candidates'])} added to the candidates: the CPU device's default)")
     for alt in sorted(rec["alternatives"], key=lambda a: a["speedup"]):
         if alt["speedup"] < 1.0005:  # equal to the printed digits: e.g. qstar and auto taking the same fills
             print(f"  ties  {alt['policy']:<16} ({alt['ms_per_token']:.2f} ms/token)")

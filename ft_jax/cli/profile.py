@@ -140,14 +140,16 @@ def _expert_shape(args: argparse.Namespace) -> tuple[int, int, str, object]:
 
 
 def _model_banks(args: argparse.Namespace, H: int, I: int, dtype, fmt):
-    """With --model (not --hidden-size): (the banks of the model's first k experts of every MoE layer, ""), loaded as
+    """With --model or the bundled default (not --hidden-size): (the banks of the model's first k experts of every MoE
+    layer, ""), loaded as
     generate loads them (the checkpoint's pages mapped where the file allows), k the fewest whose L * k rows hold
     the profile's rotation (Bench.rotation_rows), so BH is timed on the memory the engine reads; (None, why) when the
     model has too few experts for it (small experts rotate through fresh banks instead) or the folder has no
-    weights; (None, "") without --model."""
-    if args.model is None:
+    weights; (None, "") with --hidden-size."""
+    if args.hidden_size is not None:
         return None, ""
-    cfg = load_config(args.model)
+    model = args.model or defaults.bundled_model_path()
+    cfg = load_config(model)
     mode = bandwidth.MODES["quick" if args.quick else "full"]
     llc = bandwidth.last_level_cache_bytes()
     _, rows = bandwidth.Bench.rotation_rows(bandwidth.expert_nbytes(H, I, dtype, fmt), mode["call_bytes"], llc)
@@ -157,9 +159,9 @@ def _model_banks(args: argparse.Namespace, H: int, I: int, dtype, fmt):
                       f"the {llc / 2**20:.0f} MiB last-level cache: {2 * rows} needed")
     from ft_jax import checkpoint  # the model code: imported when used, so that --help stays fast
 
-    if not any(os.path.exists(os.path.join(args.model, f)) for f in (checkpoint.SINGLE_FILE, checkpoint.INDEX_FILE)):
-        return None, f"{args.model} holds no {checkpoint.SINGLE_FILE} or {checkpoint.INDEX_FILE}"
-    return checkpoint.load_banks(args.model, dtype, args.quantize, range(k)), ""
+    if not any(os.path.exists(os.path.join(model, f)) for f in (checkpoint.SINGLE_FILE, checkpoint.INDEX_FILE)):
+        return None, f"{model} holds no {checkpoint.SINGLE_FILE} or {checkpoint.INDEX_FILE}"
+    return checkpoint.load_banks(model, dtype, args.quantize, range(k)), ""
 
 
 def run(args: argparse.Namespace) -> int:

@@ -58,7 +58,9 @@ def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, ca
             the recommendation for one device with the same budget, to state next to it.
     Returns:
         {"budget_bytes", "budget_slots", "resident": bool (resident is the recommendation; a candidate only when
-         every expert fits, on a device that is not a CPU), "results" (evaluate's rows),
+         every expert fits, on a device that is not a CPU), "recommended_slots" (the slots to give: 0 for host-all,
+         whatever size its row was replayed at), "added_candidates" (["host-all"] when a CPU device added it to
+         the given policies, else []), "results" (evaluate's rows),
          "best": the recommended row, "alternatives": [{"policy", "ms_per_token", "speedup"} at the best's size,
          speedup = their ms / the best's], "observed": side_by_side's rows ([] without observed)}.
     Raises:
@@ -67,6 +69,7 @@ def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, ca
     total = trace.num_layers * trace.num_experts // devices  # the experts of one device
     slots = budget_bytes // model.expert_bytes
     host_all = [p for p in policies if p.kind is PolicyKind.HOST_ALL] or [Policy(PolicyKind.HOST_ALL)]
+    added = []  # candidates the caller did not give
     if slots < 1:
         if not model.serial_paths:
             raise ValueError(f"the device budget of {budget_bytes} bytes holds no expert of {model.expert_bytes} "
@@ -84,7 +87,7 @@ def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, ca
     # expert in the same memory, read by the same kernel on the same cores.
     sizes = sorted({max(1, int(min(slots, total) * f)) for f in SIZE_STEPS})
     if model.serial_paths and not any(p.kind is PolicyKind.HOST_ALL for p in policies):
-        policies = [*policies, *host_all]  # a CPU device's default is always a candidate there
+        policies, added = [*policies, *host_all], ["host-all"]  # a CPU device's default is always a candidate there
     rows = run(policies, sizes)
     if slots >= total and not model.serial_paths:
         rows += run([Policy(PolicyKind.RESIDENT)], [total])
@@ -96,9 +99,11 @@ def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, ca
     alternatives = [{"policy": r["bound"], "ms_per_token": r["ms_per_token"],
                      "speedup": r["ms_per_token"] / best["ms_per_token"] if best["ms_per_token"] > 0 else 1.0}
                     for r in rows if r["cache_slots"] == best["cache_slots"] and r is not best]
+    # host-all never fills a slot (its rows are replayed with the sizes of the others, or one slot): it needs none
+    needed = 0 if best["policy"] == PolicyKind.HOST_ALL else int(best["cache_slots"])
     out = {"budget_bytes": budget_bytes, "budget_slots": int(slots), "resident": best["policy"] == PolicyKind.RESIDENT,
-           "results": rows, "best": best, "alternatives": alternatives, "observed": side_by_side(rows, observed or {}),
-           "devices": devices}
+           "recommended_slots": needed, "added_candidates": added, "results": rows, "best": best,
+           "alternatives": alternatives, "observed": side_by_side(rows, observed or {}), "devices": devices}
     if devices > 1:
         out["one_device"] = recommend(trace, model, budget_bytes, policies, carry_cache=carry_cache,
                                       batch=batch)["best"]
