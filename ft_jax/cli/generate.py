@@ -150,21 +150,19 @@ def _cache(args: argparse.Namespace, cfg, note, devices: int = 1) -> int | float
              "--device-memory": args.device_memory}
     given = [f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
              for flag, value in flags.items() if value is not None]
-    if given and _host_all(args):
-        import jax
+    import jax
 
-        # auto fills no slot on a CPU device (its cost model runs the paths serially there; DESIGN sec. 19.5)
-        policies = "fetch-all or qstar" if jax.default_backend() == "cpu" else "auto, qstar or fetch-all"
+    # auto fills no slot on a CPU device: its cost model runs the paths serially there and a hit costs a host GEMV
+    # (DESIGN secs. 19.5, 19.6)
+    on_cpu = jax.default_backend() == "cpu"
+    if given and _host_all(args):
+        policies = "fetch-all or qstar" if on_cpu else "auto, qstar or fetch-all"
         note(f"note: {given[0]} is not used: host-all computes every expert on the CPU and never fills a slot (give "
              f"--policy {policies} to use slots)")
         return None  # api.load's one slot
-    if args.policy is not None and args.policy.kind is PolicyKind.AUTO:
-        import jax
-
-        if jax.default_backend() == "cpu":  # its CPU cost model: a hit costs a host GEMV (DESIGN secs. 19.5, 19.6)
-            note("note: --policy auto on a CPU device fills no slot: a slot there is a copy in the same memory, read "
-                 "by the same cores, so a fill never pays; its slots stay unused (--policy qstar or fetch-all fill "
-                 "them)")
+    if on_cpu and args.policy is not None and args.policy.kind is PolicyKind.AUTO:
+        note("note: --policy auto on a CPU device fills no slot: a slot there is a copy in the same memory, read by "
+             "the same cores, so a fill never pays; its slots stay unused (--policy qstar or fetch-all fill them)")
     if args.cache_slots is not None and args.cache_slots > experts and not _resident(args):
         note(f"note: --cache-slots {args.cache_slots} is more than the {experts} experts; using {experts}")
     if args.cache_fraction is not None and round(args.cache_fraction * experts) < 1:

@@ -218,8 +218,8 @@ class Bench:
 
     model_banks: a loaded model's ExpertBanks (of these H, I and format) with at least 2R rows: the timed rows are
     its rows 0 .. 2R - 1 instead of fresh banks, so BH is measured on the memory the engine reads (banks that map the
-    checkpoint's page-cache pages read ~13 % slower than fresh anonymous huge pages on the bench model, DESIGN.md
-    sec. 19.5); its bias banks are left out (host_experts is timed without biases either way) and it is not
+    checkpoint's page-cache pages, not fresh anonymous huge pages; on the bench model both read alike, DESIGN.md
+    sec. 19.6); its bias banks are left out (host_experts is timed without biases either way) and it is not
     released on exit. on_model_banks says which.
     A context manager: leaving it releases the banks it made. Raises ValueError: a size < 1, a bad dtype, H or I that
     does not fit the format's blocks, model_banks of another expert shape or format or with fewer than 2R rows, or
