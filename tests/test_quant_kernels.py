@@ -254,15 +254,19 @@ def int8_activations(x):
 
 
 @pytest.mark.skipif(not INT8_PATH, reason="this CPU's kernels keep float32 activations for q8_0 / q4_0")
-@pytest.mark.parametrize("fmt,K", [(wf.Q8_0, 96), (wf.Q4_0, 32), (wf.Q4_0, 160), (wf.Q4_0, 224), (wf.Q8_0, 4096),
-                                   (wf.Q4_0, 800), (wf.Q4_0, 896)])  # 16 blocks + 2 or 3 groups of 4 (+ 1 block)
-def test_int8_activation_dots_match_their_quantized_activations(fmt, K):
+@pytest.mark.parametrize("fmt,K,O", [(wf.Q8_0, 96, 67), (wf.Q4_0, 32, 67), (wf.Q4_0, 160, 67), (wf.Q4_0, 224, 67),
+                                     (wf.Q8_0, 4096, 67),
+                                     (wf.Q4_0, 800, 67), (wf.Q4_0, 896, 67),  # 16 blocks + 2 or 3 groups of 4 (+ 1)
+                                     (wf.Q8_0, 2048, 600), (wf.Q4_0, 2048, 1100)])  # > 1 MiB: row tasks on threads
+def test_int8_activation_dots_match_their_quantized_activations(fmt, K, O):
     """The int8 path against a float64 reference fed with the activations quantized as the kernel quantizes them
     (int8_activations): then only the float32 scaling and summation of exact integer block dots differ,
     |err| <= gamma_{K+4} (mag @ |x_q|) (mag as dot_bound: |w| for q8_0, 3 max_b |w| for q4_0), about 1e-6 of the
-    result where the bound against unquantized activations is ~1e-2: a wrong scale, block order or nibble shows."""
+    result where the bound against unquantized activations is ~1e-2: a wrong scale, block order or nibble shows.
+    Matrices above 1 MiB are split into row tasks on the thread pool, which all read the activations quantized
+    once per call (quant_dot.h Int8Acts), each task from its token's part."""
     rng = np.random.default_rng(K)
-    data, scales = stored_matrix(rng, fmt, 67, K)
+    data, scales = stored_matrix(rng, fmt, O, K)
     w = dequant64(data, scales, fmt)
     mag = np.abs(w) if fmt is wf.Q8_0 else np.repeat(3 * np.abs(w).reshape(len(w), -1, 32).max(axis=2), 32, axis=1)
     x = rng.standard_normal((3, K)).astype(np.float32)

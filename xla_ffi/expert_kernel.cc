@@ -136,6 +136,17 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
       std::copy(x_bf16 + g.token[n] * H, x_bf16 + (g.token[n] + 1) * H, xgb + n * H);
   }
   for (int64_t n = 0; n < routes; ++n) std::copy(x + g.token[n] * H, x + (g.token[n] + 1) * H, xg + n * H);
+  // q8_0 / q4_0 dots with int8 activations: xg quantized here once for every task (quant_dot.h Int8Acts), and a
+  // after phase 1; qxg / qa: nullptr where the dots read the floats.
+  thread_local std::vector<uint8_t> qxg_storage, qa_storage;
+  Scratch<uint8_t> keep_qxg(qxg_storage, 0), keep_qa(qa_storage, 0);  // freed after the call when large
+  Int8Acts qxg_all, qa_all;
+  const Int8Acts* qxg = nullptr;
+  const Int8Acts* qa = nullptr;
+  if (UsesInt8Acts(isa, fgu)) {
+    qxg_all = QuantizeActivations(isa, fgu, xg, H, routes, qxg_storage);
+    qxg = &qxg_all;
+  }
 
   // Phase 1: tasks = (expert group, block [i0, i1) of the I gate/up row pairs): the block's gate rows, then its up
   // rows (two sequential streams, each row read once for all the group's routes), then a = glu(gate + b_gate,
@@ -157,8 +168,10 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
     const uint16_t* xb = xgb == nullptr ? nullptr : xgb + b * H;
     // The gate matrix is rows 0..I-1; the up matrix its own view (data from row I, scales from its stacked grid).
     const MatrixView gate = MakeView(fgu, m.spec, gu, gus, H), up = MakeView(fgu, m.spec, gu, gus, H, I);
-    DotRowsView(isa, gate, i0, i1, xg + b * H, xb, e - b, hb + b * 2 * I, 2 * I);     // gate rows
-    DotRowsView(isa, up, i0, i1, xg + b * H, xb, e - b, hb + b * 2 * I + I, 2 * I);  // up rows
+    const Int8Acts qx = qxg == nullptr ? Int8Acts() : qxg->FromToken(b);
+    const Int8Acts* qxb = qxg == nullptr ? nullptr : &qx;
+    DotRowsView(isa, gate, i0, i1, xg + b * H, xb, e - b, hb + b * 2 * I, 2 * I, qxb);     // gate rows
+    DotRowsView(isa, up, i0, i1, xg + b * H, xb, e - b, hb + b * 2 * I + I, 2 * I, qxb);  // up rows
     const uint8_t* bias = m.gate_up_bias == nullptr ? nullptr : m.gate_up_bias + expert * m.gate_up_bias_stride;
     for (int64_t n = b; n < e; ++n) {
       const float* h = hb + n * 2 * I;
@@ -176,6 +189,11 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
     }
   });
 
+  if (UsesInt8Acts(isa, fdn)) {
+    qa_all = QuantizeActivations(isa, fdn, a, I, routes, qa_storage);
+    qa = &qa_all;
+  }
+
   // Phase 2: tasks = blocks of output rows h; inside a task every expert group in ascending order, routes in order,
   // so each y element is summed in one fixed order.
   const int64_t rpt2 = RowsPerTask(static_cast<size_t>(G) * dn_row, H, row_multiple, threads);
@@ -188,7 +206,9 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
       const size_t expert = static_cast<size_t>(g.expert[grp]);
       const uint8_t* dns = m.down_scale == nullptr ? nullptr : m.down_scale + expert * m.down_scale_stride;
       const MatrixView down = MakeView(fdn, m.spec, m.down + expert * m.down_stride, dns, I);
-      DotRowsView(isa, down, h0, h1, a + b * I, ab == nullptr ? nullptr : ab + b * I, e - b, d + b * H, H);
+      const Int8Acts qx = qa == nullptr ? Int8Acts() : qa->FromToken(b);
+      DotRowsView(isa, down, h0, h1, a + b * I, ab == nullptr ? nullptr : ab + b * I, e - b, d + b * H, H,
+                  qa == nullptr ? nullptr : &qx);
       const uint8_t* bias = m.down_bias == nullptr ? nullptr
                                                    : m.down_bias + static_cast<size_t>(g.expert[grp]) * m.down_bias_stride;
       for (int64_t n = b; n < e; ++n) {

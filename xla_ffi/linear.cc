@@ -44,11 +44,20 @@ void RunLinear(const MatrixView& w, const float* x, const uint16_t* xb, int64_t 
     DotRowsView(isa, w, 0, O, x, xb, N, y, O);
     return;
   }
+  // q8_0 / q4_0: x quantized once for every task (quant_dot.h Int8Acts)
+  thread_local std::vector<uint8_t> qx_storage;
+  Scratch<uint8_t> keep_qx(qx_storage, 0);  // freed after the call when large
+  Int8Acts qx_all;
+  const Int8Acts* qx = nullptr;
+  if (UsesInt8Acts(isa, w.format)) {
+    qx_all = QuantizeActivations(isa, w.format, x, w.cols, N, qx_storage);
+    qx = &qx_all;
+  }
   int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(kTaskBytes / row_bytes));
   rows = std::min(rows, (O + 4 * threads - 1) / (4 * threads));  // at least 4 tasks per thread
   rows = (std::max<int64_t>(rows, 1) + 3) / 4 * 4;
   const int64_t tasks = (O + rows - 1) / rows;
-  ParallelFor(pool, tasks, [&](int64_t t) { DotRowsView(isa, w, t * rows, std::min(O, (t + 1) * rows), x, xb, N, y, O); });
+  ParallelFor(pool, tasks, [&](int64_t t) { DotRowsView(isa, w, t * rows, std::min(O, (t + 1) * rows), x, xb, N, y, O, qx); });
 }
 
 // x as float32: the buffer itself, or bf16 data widened into `scratch`.

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "xla_ffi/common.h"
@@ -254,18 +256,23 @@ FT_JAX_AVX2_F16C float DotInt8Avx2(const uint8_t* row, const float* sdx, int64_t
   return HSum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3])));
 }
 
+// qx: x already quantized (QuantizeActivations at this level) or nullptr.
 template <WFormat F>
 FT_JAX_AVX2_F16C void DotRowsInt8Avx2(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T,
-                                      float* out, int64_t out_stride) {
+                                      float* out, int64_t out_stride, const Int8Acts* qx) {
   const int64_t cols = w.cols, nb = cols / kQBlock;
-  // row scales [nb], their products with a token's dx [nb], dx [T, nb], activations [T, cols] bytes
+  // row scales [nb], their products with a token's dx [nb]; without qx dx [T, nb], activations [T, cols] bytes
   thread_local std::vector<float> storage;
-  Scratch<float> scratch(storage, static_cast<size_t>(nb * (2 + T) + (T * cols + 3) / 4));
+  Scratch<float> scratch(storage, static_cast<size_t>(2 * nb + (qx != nullptr ? 0 : nb * T + (T * cols + 3) / 4)));
   float* sw = scratch.data();
   float* sdx = sw + nb;
-  float* dx = sdx + nb;
-  int8_t* q = reinterpret_cast<int8_t*>(dx + T * nb);
-  for (int64_t t = 0; t < T; ++t) QuantizeActsAvx2(x + t * cols, cols, q + t * cols, dx + t * nb);
+  const float* dx = qx != nullptr ? qx->dx : sdx + nb;
+  const int8_t* q = qx != nullptr ? qx->q : reinterpret_cast<const int8_t*>(dx + T * nb);
+  if (qx == nullptr) {
+    for (int64_t t = 0; t < T; ++t) {
+      QuantizeActsAvx2(x + t * cols, cols, const_cast<int8_t*>(q) + t * cols, const_cast<float*>(dx) + t * nb);
+    }
+  }
   for (int64_t r = r0; r < r1; ++r) {
     const uint16_t* d = reinterpret_cast<const uint16_t*>(ScaleRow(w, r));
     int64_t b = 0;
@@ -810,21 +817,34 @@ FT_JAX_VNNI void DotInt8(const uint8_t* row, int64_t nb, const Int8Token* tok, f
   }
 }
 
+// x [T, cols] quantized into dx [T, nb], corr [T, nc], q [T, cols] (QuantizeActs per token).
+FT_JAX_VNNI void QuantizeActsTokens(WFormat f, const float* x, int64_t cols, int64_t T, int8_t* q, float* dx,
+                                    int32_t* corr) {
+  const int64_t nb = cols / kQBlock, nc = Int8Corrections(f, nb);
+  for (int64_t t = 0; t < T; ++t) QuantizeActs(f, x + t * cols, cols, q + t * cols, dx + t * nb, corr + t * nc);
+}
+
+// qx: x already quantized (QuantizeActivations at this level) or nullptr.
 template <WFormat F>
 FT_JAX_VNNI void DotRowsInt8(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
-                             int64_t out_stride) {
+                             int64_t out_stride, const Int8Acts* qx) {
   const int64_t cols = w.cols, nb = cols / kQBlock;
-  // row scales [nb], the block products of every token [T, nb], dx [T, nb], corrections [T, nc] (int32), activations
-  // [T, cols] bytes
+  // row scales [nb], the block products of every token [T, nb]; without qx dx [T, nb], corrections [T, nc] (int32),
+  // activations [T, cols] bytes
   const int64_t nc = Int8Corrections(F, nb);
   thread_local std::vector<float> storage;
-  Scratch<float> scratch(storage, static_cast<size_t>(nb * (1 + 2 * T) + T * nc + (T * cols + 3) / 4));
+  Scratch<float> scratch(storage,
+                         static_cast<size_t>(nb * (1 + T) + (qx != nullptr ? 0 : T * (nb + nc) + (T * cols + 3) / 4)));
   float* sw = scratch.data();
   float* sdx = sw + nb;
-  float* dx = sdx + T * nb;
-  int32_t* corr = reinterpret_cast<int32_t*>(dx + T * nb);
-  int8_t* q = reinterpret_cast<int8_t*>(corr + T * nc);
-  for (int64_t t = 0; t < T; ++t) QuantizeActs(F, x + t * cols, cols, q + t * cols, dx + t * nb, corr + t * nc);
+  const float* dx = sdx + T * nb;
+  const int32_t* corr = reinterpret_cast<const int32_t*>(dx + T * nb);
+  const int8_t* q = reinterpret_cast<const int8_t*>(corr + T * nc);
+  if (qx != nullptr) {
+    dx = qx->dx, corr = qx->corr, q = qx->q;
+  } else {
+    QuantizeActsTokens(F, x, cols, T, const_cast<int8_t*>(q), const_cast<float*>(dx), const_cast<int32_t*>(corr));
+  }
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = RowData(w, r);
     RowScales(F, ScaleRow(w, r), nb, sw);
@@ -1045,7 +1065,7 @@ bool Bf16DotsApply(const MatrixView& w, bool bf16_x) {
 
 // DotRowsView's block formats at the AVX-512 level.
 FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb,
-                                 int64_t T, float* out, int64_t out_stride) {
+                                 int64_t T, float* out, int64_t out_stride, const Int8Acts* qx) {
   if (Bf16DotsApply(w, xb != nullptr)) return DotRowsBf16(w, r0, r1, xb, T, out, out_stride);
   thread_local std::vector<float> storage;  // a row buffer [cols], row scales [cols / 32], mxfp4's x [T, cols]
   const size_t cols = static_cast<size_t>(w.cols);
@@ -1055,10 +1075,10 @@ FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, co
   float* sf = buf + cols;
   switch (w.format) {
     case WFormat::kQ8_0:
-      if (HaveVnni()) return DotRowsInt8<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride);
+      if (HaveVnni()) return DotRowsInt8<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride, qx);
       return DotRowsBlocks<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride, sf);
     case WFormat::kQ4_0:
-      if (HaveVnni()) return DotRowsInt8<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride);
+      if (HaveVnni()) return DotRowsInt8<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride, qx);
       return DotRowsBlocks<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride, sf);
     case WFormat::kMxfp4: {
       float* xp = sf + cols / kQBlock;
@@ -1231,8 +1251,59 @@ MatrixView MakeView(WFormat f, const WeightSpec& s, const uint8_t* data, const u
   return v;
 }
 
+Int8Acts Int8Acts::FromToken(int64_t t) const {
+  Int8Acts v = *this;
+  v.q += t * cols;
+  v.dx += t * (cols / kQBlock);
+  v.corr += t * corr_stride;
+  return v;
+}
+
+bool UsesInt8Acts(Isa isa, WFormat f) {
+#if FT_JAX_HAVE_AVX2_PATH
+  if (f != WFormat::kQ8_0 && f != WFormat::kQ4_0) return false;
+  return isa == Isa::kAvx2 || (isa == Isa::kAvx512Bf16 && HaveVnni());
+#else
+  return false;
+#endif
+}
+
+Int8Acts QuantizeActivations(Isa isa, WFormat f, const float* x, int64_t cols, int64_t T,
+                             std::vector<uint8_t>& storage) {
+  if (!UsesInt8Acts(isa, f) || cols % kQBlock != 0) {
+    throw std::invalid_argument("QuantizeActivations: no int8 activations for this format, level and " +
+                                std::to_string(cols) + " columns");
+  }
+  Int8Acts v;
+  v.isa = isa;
+  v.format = f;
+  v.cols = cols;
+  const int64_t nb = cols / kQBlock;
+#if FT_JAX_HAVE_AVX2_PATH
+  v.corr_stride = isa == Isa::kAvx512Bf16 ? Int8Corrections(f, nb) : 0;
+#endif
+  // dx [T, nb] f32, corr [T, corr_stride] i32, q [T, cols] i8
+  const size_t words = static_cast<size_t>(T * (nb + v.corr_stride));
+  if (storage.size() < 4 * words + static_cast<size_t>(T * cols)) storage.resize(4 * words + T * cols);
+  float* dx = reinterpret_cast<float*>(storage.data());
+  int32_t* corr = reinterpret_cast<int32_t*>(dx + T * nb);
+  int8_t* q = reinterpret_cast<int8_t*>(storage.data() + 4 * words);
+  v.dx = dx, v.corr = corr, v.q = q;
+#if FT_JAX_HAVE_AVX2_PATH
+  if (isa == Isa::kAvx512Bf16) {
+    QuantizeActsTokens(f, x, cols, T, q, dx, corr);
+  } else {
+    for (int64_t t = 0; t < T; ++t) QuantizeActsAvx2(x + t * cols, cols, q + t * cols, dx + t * nb);
+  }
+#endif
+  return v;
+}
+
 void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb, int64_t T,
-                 float* out, int64_t out_stride) {
+                 float* out, int64_t out_stride, const Int8Acts* qx) {
+  if (qx != nullptr && (qx->isa != isa || qx->format != w.format || qx->cols != w.cols)) {
+    throw std::invalid_argument("DotRowsView: activations quantized for another level, format or width");
+  }
   if (w.format == WFormat::kF32) {
     return DotRows<float>(isa, reinterpret_cast<const float*>(w.data), w.cols, r0, r1, x, xb, T, out, out_stride);
   }
@@ -1247,12 +1318,12 @@ void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const flo
     return DotRows<uint16_t>(isa, data, w.cols, r0, r1, x, xb, T, out, out_stride);
   }
 #if FT_JAX_HAVE_AVX2_PATH
-  if (isa == Isa::kAvx512Bf16) return DotRowsAvx512(w, r0, r1, x, xb, T, out, out_stride);
+  if (isa == Isa::kAvx512Bf16) return DotRowsAvx512(w, r0, r1, x, xb, T, out, out_stride, qx);
   if (isa == Isa::kAvx2 && w.format == WFormat::kQ8_0) {
-    return DotRowsInt8Avx2<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride);
+    return DotRowsInt8Avx2<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride, qx);
   }
   if (isa == Isa::kAvx2 && w.format == WFormat::kQ4_0) {
-    return DotRowsInt8Avx2<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride);
+    return DotRowsInt8Avx2<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride, qx);
   }
   if (isa == Isa::kAvx2 && w.format == WFormat::kMxfp4) {
     return DotRowsMxfp4Avx2(w, r0, r1, x, T, out, out_stride);
