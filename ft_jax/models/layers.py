@@ -93,24 +93,30 @@ def stack(ts: list, what: str):
     """One tensor per layer (numpy arrays or QuantizedTensors; ``what`` names them in errors) -> [n, ...] on the
     device: a jax array, or a QuantizedTensor of stacked data / scales (written once onto huge pages,
     host_bank.stack_on_huge_pages)."""
-    ts = _one_format(ts, what)
-    if isinstance(ts[0], QuantizedTensor):
-        data = stack_on_huge_pages([[t.data] for t in ts])  # [n, ...]
-        return QuantizedTensor(data, stack_on_huge_pages([[t.scales] for t in ts]), ts[0].fmt)
-    return stack_on_huge_pages([[t] for t in ts])
+    return _stack_parts([[t] for t in _one_format(ts, what)])
 
 
-def _concat_rows(ts: list, what: str):
-    """Matrices of one layer concatenated along their rows (numpy). fp8 parts whose row counts (all but the last)
-    are not multiples of the block rows get one scale row per matrix row first (fp8_rowwise): a scale block must
-    not span two parts."""
-    ts = _one_format(ts, what)
-    if not isinstance(ts[0], QuantizedTensor):
-        return np.concatenate(ts)
-    br = ts[0].fmt.block[0]
-    if br > 1 and any(t.data.shape[0] % br for t in ts[:-1]):
-        ts = [fp8_rowwise(t) for t in ts]
-    return QuantizedTensor(np.concatenate([t.data for t in ts]), np.concatenate([t.scales for t in ts]), ts[0].fmt)
+def _stack_parts(layers: list[list]):
+    """Per layer its row parts (numpy arrays or QuantizedTensors, one storage format) -> [n, rows summed, ...]: each
+    part written once, straight into its place in the stacked buffer (no per-layer concatenation first)."""
+    if isinstance(layers[0][0], QuantizedTensor):
+        data = stack_on_huge_pages([[t.data for t in parts] for parts in layers])  # [n, ...]
+        return QuantizedTensor(data, stack_on_huge_pages([[t.scales for t in parts] for parts in layers]),
+                               layers[0][0].fmt)
+    return stack_on_huge_pages(layers)
+
+
+def _row_parts(layers: list[list], what: str) -> list[list]:
+    """Every layer's matrices that are concatenated along their rows (fused q/k/v, gate/up), brought to one storage
+    format (_one_format over all of them). fp8 parts whose row counts (all but the last) are not multiples of the
+    block rows get one scale row per matrix row (fp8_rowwise): a scale block must not span two parts."""
+    n = len(layers[0])
+    flat = _one_format([t for parts in layers for t in parts], what)
+    if isinstance(flat[0], QuantizedTensor):
+        br = flat[0].fmt.block[0]
+        if br > 1 and any(t.data.shape[0] % br for t in flat[:n - 1]):
+            flat = [fp8_rowwise(t) for t in flat]
+    return [flat[i:i + n] for i in range(0, len(flat), n)]
 
 
 class Stacked:
@@ -137,8 +143,8 @@ class Stacked:
     def rows(self, parts: list[tuple[str, tuple[int, ...]]], kind: str = "weight") -> nnx.Param:
         """Concatenates several tensors of each layer along their first axis (fused q/k/v or gate/up)."""
         what = " + ".join(s for s, _ in parts)
-        return nnx.Param(stack([_concat_rows([self._read(s, shape, kind, l) for s, shape in parts], what)
-                                 for l in self.layers], what))
+        return nnx.Param(_stack_parts(_row_parts([[self._read(s, shape, kind, l) for s, shape in parts]
+                                                  for l in self.layers], what)))
 
     def each(self, suffix: str, shape: tuple[int, ...], kind: str = "weight") -> list:
         """The factory's tensor of every layer (numpy arrays or QuantizedTensors of ``shape``) in one storage format,
