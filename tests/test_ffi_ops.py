@@ -663,10 +663,12 @@ np.save(f"{d}/y.npy", np.asarray(y)); np.save(f"{d}/lin.npy", np.asarray(lin)); 
 
 def test_calls_above_the_scratch_bound_stay_exact():
     """A prefill-sized call needs more kernel scratch than a thread keeps between calls (common.h
-    kScratchKeepBytes = 16 MiB: routes * (2H + 3I) floats = 2048 * 2312 * 4 B = 18.9 MB here), so its scratch is
-    freed after the call. f32 x: within float32 accumulation of the float64 reference; bf16 x (the widened copy and
-    the bf16 buffers too): bit-identical to the same tokens computed in calls of 128 (scratch under the bound), before
-    and after, so growing, trimming and regrowing the scratch changes nothing."""
+    kScratchKeepBytes = 16 MiB: routes * (2H + 3I) floats = 2048 * 2312 * 4 B = 18.9 MB here), so its scratch goes
+    back to the process's one spare after the call, and the next large call reuses that spare with the previous
+    call's values still in it. f32 x: within float32 accumulation of the float64 reference; bf16 x (the widened copy
+    and the bf16 buffers too): bit-identical to the same tokens computed in calls of 128 (scratch under the bound),
+    before and after, and a second large call equal to the first, so growing, handing back and reusing the scratch
+    changes nothing."""
     rng = np.random.default_rng(21)
     x, ids, weights, gate_up, down = _expert_case(rng, 1024, 2, num_experts=4, hidden=256, inter=600)
     ids[ids < 0] = 1

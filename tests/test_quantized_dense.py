@@ -145,6 +145,29 @@ def test_linear_on_a_quantized_stack_matches_float64(name, rows):
         linear(jnp.asarray(x[:, :64]), stack, 0)
 
 
+def test_xla_dot_of_a_bf16_stack_slices_it_as_stored():
+    """Above FFI_MAX_ROWS rows linear takes XLA's dot on w[layer]. XLA:CPU turned the dynamic slice of a bf16 stack
+    inside a scan over the layers into one float32 copy of the whole stack per call, hoisted out of the loop (335 MB
+    per prefill chunk on the bench model: docs/DESIGN.md sec. 20.11); linear slices the stack's bits instead. The
+    compiled scan holds no float32 array of the stack's shape, and its results equal the float64 reference within
+    float32 accumulation (bf16 products are exact in float32)."""
+    rng = np.random.default_rng(5)
+    n, O, K, N = 3, 40, 96, FFI_MAX_ROWS + 5
+    stack = rng.standard_normal((n, O, K)).astype(BF16)
+    x = rng.standard_normal((N, K)).astype(BF16)
+
+    def over_layers(x, stack):  # [n, N, O]
+        return jax.lax.scan(lambda c, i: (c, linear(x, stack, i)), 0, jnp.arange(n))[1]
+
+    compiled = jax.jit(over_layers).lower(jnp.asarray(x), jnp.asarray(stack)).compile().as_text()
+    assert f"f32[{n},{O},{K}]" not in compiled
+    y = np.asarray(jax.jit(over_layers)(jnp.asarray(x), jnp.asarray(stack)))
+    for layer in range(n):
+        expected = x.astype(np.float64) @ stack[layer].astype(np.float64).T
+        np.testing.assert_allclose(y[layer], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(),
+                                   err_msg=f"layer {layer}")
+
+
 # ---------------------------------------------------------------------------------------------- Stacked, fused rows
 def _factory(tensors: dict):
     return lambda name, shape, kind: tensors[name]

@@ -8,12 +8,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <new>
 #include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/host_bank.h"
+#include "xla_ffi/huge_pages.h"
 
 namespace ft_jax {
 
@@ -70,17 +72,48 @@ inline int64_t NumThreadsCap() {
 
 // Per-thread scratch kept between calls: at most this many bytes per buffer (docs/DESIGN.md sec. 9).
 constexpr size_t kScratchKeepBytes = size_t{16} << 20;
+// A larger buffer (a prefill chunk's) goes back, after its call, to one spare per element type shared by all threads,
+// kept up to this size: the next chunk's call reuses its pages instead of faulting in fresh ones (sec. 20.11).
+constexpr size_t kScratchSpareBytes = size_t{256} << 20;
 
-// A call's view of a thread_local buffer: grown to n elements for the call, freed at the end of the call (also on
-// error) when it holds more than kScratchKeepBytes, so a large prefill does not pin its scratch on every thread.
+namespace internal {
+// The process's spare large scratch buffer of element type T (empty: none), and its lock.
+template <typename T>
+struct ScratchSpare {
+  static std::mutex& Mutex() {
+    static std::mutex mu;
+    return mu;
+  }
+  static std::vector<T>& Buffer() {
+    static std::vector<T> buffer;
+    return buffer;
+  }
+};
+}  // namespace internal
+
+// A call's view of a thread_local buffer: grown to n elements for the call. Up to kScratchKeepBytes it stays with
+// the thread for its next call; a larger one is taken from and given back to the process's one spare (kept up to
+// kScratchSpareBytes; also on error), so a large prefill neither pins its scratch on every thread nor faults in
+// fresh pages on every chunk.
 template <typename T>
 class Scratch {
  public:
   Scratch(std::vector<T>& storage, size_t n) : storage_(storage) {
+    if (n * sizeof(T) > kScratchKeepBytes && storage_.capacity() * sizeof(T) <= kScratchKeepBytes) {
+      std::lock_guard<std::mutex> lock(internal::ScratchSpare<T>::Mutex());
+      std::vector<T>& spare = internal::ScratchSpare<T>::Buffer();
+      if (spare.capacity() > storage_.capacity()) storage_.swap(spare);
+    }
     if (storage_.size() < n) storage_.resize(n);
   }
   ~Scratch() {
-    if (storage_.capacity() * sizeof(T) > kScratchKeepBytes) std::vector<T>().swap(storage_);
+    if (storage_.capacity() * sizeof(T) <= kScratchKeepBytes) return;
+    std::vector<T> large;
+    large.swap(storage_);
+    if (large.capacity() * sizeof(T) > kScratchSpareBytes) return;  // freed
+    std::lock_guard<std::mutex> lock(internal::ScratchSpare<T>::Mutex());
+    std::vector<T>& spare = internal::ScratchSpare<T>::Buffer();
+    if (large.capacity() > spare.capacity()) spare.swap(large);  // the larger one is kept, the other freed
   }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
