@@ -417,7 +417,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
         Model.
     Raises:
         ConfigError, CheckpointError, NotImplementedError: the folder cannot be used (the message names the file);
-            quantize given for an FP8 / MXFP4 checkpoint.
+            quantize given for an FP8 / MXFP4 checkpoint, or for one with a tensor whose rows do not fit the blocks
+            (the message names the file and the tensor).
         ValueError: a bad dtype, policy, quantize or cache budget; a mesh whose expert axis does not divide the
             experts or that does not match the processes (ExpertPartition.from_mesh).
         ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
@@ -441,10 +442,12 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
     local_devices = 1 if partition is None else partition.local_shards
     # The cache budget's form and range, and the host memory, before loading (the bytes per expert from the config,
     # at the stored size of the experts' weight format).
-    planned_slots = num_slots_for(cache, cfg.num_moe_layers * per_device,
-                                  planned_expert_bytes(cfg, jnp.dtype(dtype), fmt))
-    tokenizer = load_tokenizer_or_none(path)
     with checkpoint_lib.SafetensorsCheckpoint(path) as headers:  # headers only: checked before anything is allocated
+        if quantize is not None:  # rows that do not fit the blocks, named before any size is computed from them
+            checkpoint_lib.check_quantize_fits(headers.tensors, fmt)
+        planned_slots = num_slots_for(cache, cfg.num_moe_layers * per_device,
+                                      planned_expert_bytes(cfg, jnp.dtype(dtype), fmt))
+        tokenizer = load_tokenizer_or_none(path)
         check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), planned_slots * local_devices,
                           slots_in_host=jax.default_backend() == "cpu", fmt=fmt,
                           experts_held=None if partition is None else len(partition.process_experts))

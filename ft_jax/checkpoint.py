@@ -566,6 +566,16 @@ def _fits(fmt: wf.WeightFormat, info: TensorInfo, name: str, cols: int) -> None:
         raise CheckpointError(str(e)) from None
 
 
+def check_quantize_fits(tensors: dict, fmt: wf.WeightFormat) -> None:
+    """Before anything is loaded: CheckpointError naming the file and the first float tensor that quantizing to fmt
+    (--quantize q8_0 / q4_0) would store in blocks (an expert matrix, or a dense 2-D projection quantize_applies
+    names) whose rows do not fit the blocks. tensors: {name: TensorInfo} (SafetensorsCheckpoint.tensors)."""
+    for name, info in tensors.items():
+        float_2d = len(info.shape) >= 2 and np.dtype(info.dtype).itemsize > 1
+        if float_2d and (".experts." in name or quantize_applies(name, info.shape)):
+            _fits(fmt, info, name, info.shape[-1])
+
+
 def _gpt_oss_plan(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, fmt: wf.WeightFormat, Ep: int
                   ) -> list[tuple[str, int, str, tuple]]:
     """expert_tensor_plan for gpt-oss: plain (float) or, when fmt is MXFP4, MXFP4 expert weights, plus the two bias

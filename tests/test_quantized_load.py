@@ -24,6 +24,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+import ft_jax
 from ft_jax import checkpoint, memory
 from ft_jax import weight_formats as wf
 from ft_jax.checkpoint import (CheckpointError, SafetensorsCheckpoint, _dense_factory, expert_tensor_plan,
@@ -133,6 +134,12 @@ def test_quantize_refuses_a_row_that_does_not_fit_its_blocks(tmp_path):
         with pytest.raises(CheckpointError, match=re.escape(f"tensor {name!r}: rows of {cfg.kv_lora_rank} elements "
                                                             "do not fit q8_0's blocks of 32")):
             make(name, ckpt.tensors[name].shape, "weight")
+    # ft_jax.load checks the rows from the headers before it sizes the banks and the host memory (found by a new
+    # user's trial: that sizing used to refuse first, with "a [128, 16] matrix" and no file or tensor)
+    for quantize in ("q8_0", "q4_0"):
+        with pytest.raises(CheckpointError, match=r"deepseek_v2/model.safetensors: tensor 'model.layers.\d+\."
+                                                  rf".+\.weight': rows of \d+ elements do not fit {quantize}'s"):
+            ft_jax.load(d, quantize=quantize)
 
 
 def _fp8_quantize(w: np.ndarray, block) -> tuple[np.ndarray, np.ndarray]:
