@@ -15,7 +15,6 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/host_bank.h"
-#include "xla_ffi/huge_pages.h"
 
 namespace ft_jax {
 

@@ -256,23 +256,18 @@ FT_JAX_AVX2_F16C float DotInt8Avx2(const uint8_t* row, const float* sdx, int64_t
   return HSum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3])));
 }
 
-// qx: x already quantized (QuantizeActivations at this level) or nullptr.
+// qx: x quantized at this level (QuantizeActivations).
 template <WFormat F>
-FT_JAX_AVX2_F16C void DotRowsInt8Avx2(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T,
-                                      float* out, int64_t out_stride, const Int8Acts* qx) {
+FT_JAX_AVX2_F16C void DotRowsInt8Avx2(const MatrixView& w, int64_t r0, int64_t r1, int64_t T, float* out,
+                                      int64_t out_stride, const Int8Acts& qx) {
   const int64_t cols = w.cols, nb = cols / kQBlock;
-  // row scales [nb], their products with a token's dx [nb]; without qx dx [T, nb], activations [T, cols] bytes
+  // row scales [nb], their products with a token's dx [nb]
   thread_local std::vector<float> storage;
-  Scratch<float> scratch(storage, static_cast<size_t>(2 * nb + (qx != nullptr ? 0 : nb * T + (T * cols + 3) / 4)));
+  Scratch<float> scratch(storage, static_cast<size_t>(2 * nb));
   float* sw = scratch.data();
   float* sdx = sw + nb;
-  const float* dx = qx != nullptr ? qx->dx : sdx + nb;
-  const int8_t* q = qx != nullptr ? qx->q : reinterpret_cast<const int8_t*>(dx + T * nb);
-  if (qx == nullptr) {
-    for (int64_t t = 0; t < T; ++t) {
-      QuantizeActsAvx2(x + t * cols, cols, const_cast<int8_t*>(q) + t * cols, const_cast<float*>(dx) + t * nb);
-    }
-  }
+  const float* dx = qx.dx;
+  const int8_t* q = qx.q;
   for (int64_t r = r0; r < r1; ++r) {
     const uint16_t* d = reinterpret_cast<const uint16_t*>(ScaleRow(w, r));
     int64_t b = 0;
@@ -824,27 +819,20 @@ FT_JAX_VNNI void QuantizeActsTokens(WFormat f, const float* x, int64_t cols, int
   for (int64_t t = 0; t < T; ++t) QuantizeActs(f, x + t * cols, cols, q + t * cols, dx + t * nb, corr + t * nc);
 }
 
-// qx: x already quantized (QuantizeActivations at this level) or nullptr.
+// qx: x quantized at this level (QuantizeActivations).
 template <WFormat F>
-FT_JAX_VNNI void DotRowsInt8(const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
-                             int64_t out_stride, const Int8Acts* qx) {
+FT_JAX_VNNI void DotRowsInt8(const MatrixView& w, int64_t r0, int64_t r1, int64_t T, float* out, int64_t out_stride,
+                             const Int8Acts& qx) {
   const int64_t cols = w.cols, nb = cols / kQBlock;
-  // row scales [nb], the block products of every token [T, nb]; without qx dx [T, nb], corrections [T, nc] (int32),
-  // activations [T, cols] bytes
   const int64_t nc = Int8Corrections(F, nb);
+  // row scales [nb], the block products of every token [T, nb]
   thread_local std::vector<float> storage;
-  Scratch<float> scratch(storage,
-                         static_cast<size_t>(nb * (1 + T) + (qx != nullptr ? 0 : T * (nb + nc) + (T * cols + 3) / 4)));
+  Scratch<float> scratch(storage, static_cast<size_t>(nb * (1 + T)));
   float* sw = scratch.data();
   float* sdx = sw + nb;
-  const float* dx = sdx + T * nb;
-  const int32_t* corr = reinterpret_cast<const int32_t*>(dx + T * nb);
-  const int8_t* q = reinterpret_cast<const int8_t*>(corr + T * nc);
-  if (qx != nullptr) {
-    dx = qx->dx, corr = qx->corr, q = qx->q;
-  } else {
-    QuantizeActsTokens(F, x, cols, T, const_cast<int8_t*>(q), const_cast<float*>(dx), const_cast<int32_t*>(corr));
-  }
+  const float* dx = qx.dx;
+  const int32_t* corr = qx.corr;
+  const int8_t* q = qx.q;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = RowData(w, r);
     RowScales(F, ScaleRow(w, r), nb, sw);
@@ -1075,10 +1063,10 @@ FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, co
   float* sf = buf + cols;
   switch (w.format) {
     case WFormat::kQ8_0:
-      if (HaveVnni()) return DotRowsInt8<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride, qx);
+      if (HaveVnni()) return DotRowsInt8<WFormat::kQ8_0>(w, r0, r1, T, out, out_stride, *qx);
       return DotRowsBlocks<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride, sf);
     case WFormat::kQ4_0:
-      if (HaveVnni()) return DotRowsInt8<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride, qx);
+      if (HaveVnni()) return DotRowsInt8<WFormat::kQ4_0>(w, r0, r1, T, out, out_stride, *qx);
       return DotRowsBlocks<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride, sf);
     case WFormat::kMxfp4: {
       float* xp = sf + cols / kQBlock;
@@ -1304,6 +1292,13 @@ void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const flo
   if (qx != nullptr && (qx->isa != isa || qx->format != w.format || qx->cols != w.cols)) {
     throw std::invalid_argument("DotRowsView: activations quantized for another level, format or width");
   }
+  thread_local std::vector<uint8_t> qx_storage;  // x quantized here when the caller did not
+  Scratch<uint8_t> keep_qx(qx_storage, 0);
+  Int8Acts own;
+  if (qx == nullptr && UsesInt8Acts(isa, w.format)) {
+    own = QuantizeActivations(isa, w.format, x, w.cols, T, qx_storage);
+    qx = &own;
+  }
   if (w.format == WFormat::kF32) {
     return DotRows<float>(isa, reinterpret_cast<const float*>(w.data), w.cols, r0, r1, x, xb, T, out, out_stride);
   }
@@ -1320,10 +1315,10 @@ void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const flo
 #if FT_JAX_HAVE_AVX2_PATH
   if (isa == Isa::kAvx512Bf16) return DotRowsAvx512(w, r0, r1, x, xb, T, out, out_stride, qx);
   if (isa == Isa::kAvx2 && w.format == WFormat::kQ8_0) {
-    return DotRowsInt8Avx2<WFormat::kQ8_0>(w, r0, r1, x, T, out, out_stride, qx);
+    return DotRowsInt8Avx2<WFormat::kQ8_0>(w, r0, r1, T, out, out_stride, *qx);
   }
   if (isa == Isa::kAvx2 && w.format == WFormat::kQ4_0) {
-    return DotRowsInt8Avx2<WFormat::kQ4_0>(w, r0, r1, x, T, out, out_stride, qx);
+    return DotRowsInt8Avx2<WFormat::kQ4_0>(w, r0, r1, T, out, out_stride, *qx);
   }
   if (isa == Isa::kAvx2 && w.format == WFormat::kMxfp4) {
     return DotRowsMxfp4Avx2(w, r0, r1, x, T, out, out_stride);
