@@ -123,16 +123,17 @@ inline float DotRow(bool avx2, const W* row, const float* x, int64_t len) {
 }
 
 // out[t * out_stride + r] = dot(w[r], x[t]) for rows r in [r0, r1) of w ([rows, len], row r at w + r * len) and
-// tokens t < T (x [T, len] float32; xb: the same values as bf16 bits, or nullptr): row by row; the first token reads
-// a row from memory, the others find it in cache. bf16 weights with xb use DotRowBf16 where the CPU has it.
+// tokens t < T (x [T, len] float32; xb: the same values as bf16 bits, token t at xb + t * xb_stride, or nullptr):
+// row by row; the first token reads a row from memory, the others find it in cache. bf16 weights with xb use
+// DotRowBf16 where the CPU has it.
 template <typename W>
 inline void DotRows(Isa isa, const W* w, int64_t len, int64_t r0, int64_t r1, const float* x, const uint16_t* xb,
-                    int64_t T, float* out, int64_t out_stride) {
+                    int64_t xb_stride, int64_t T, float* out, int64_t out_stride) {
 #if FT_JAX_HAVE_AVX2_PATH
   if constexpr (sizeof(W) == 2) {
     if (isa == Isa::kAvx512Bf16 && xb != nullptr) {
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRowBf16(w + r * len, xb + t * len, len);
+        for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRowBf16(w + r * len, xb + t * xb_stride, len);
       return;
     }
   }

@@ -117,12 +117,14 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
 
   // Per-call buffers of the calling thread (tasks write disjoint parts): the routes' inputs side by side
   // xg [routes, H], gate/up outputs hb [routes, 2I], activations a [routes, I], down outputs d [routes, H]; with
-  // bf16 dots also xgb [routes, H] and ab [routes, I] as bf16 bits. Freed after the call when above
-  // kScratchKeepBytes (common.h Scratch; the bound: docs/DESIGN.md sec. 9).
+  // bf16 dots also xgb [routes, Hs] and ab [routes, Is] as bf16 bits, their tokens Bf16TokenStride apart (the
+  // register tiles' L1 sets, gemm_bf16.h). Freed after the call when above kScratchKeepBytes (common.h Scratch; the
+  // bound: docs/DESIGN.md sec. 9).
+  const int64_t Hs = Bf16TokenStride(H), Is = Bf16TokenStride(I);
   thread_local std::vector<float> buf_storage;
   thread_local std::vector<uint16_t> buf16_storage;
   Scratch<float> buf(buf_storage, static_cast<size_t>(routes) * static_cast<size_t>(2 * H + 3 * I));
-  Scratch<uint16_t> buf16(buf16_storage, bf16_dots ? static_cast<size_t>(routes) * static_cast<size_t>(H + I) : 0);
+  Scratch<uint16_t> buf16(buf16_storage, bf16_dots ? static_cast<size_t>(routes) * static_cast<size_t>(Hs + Is) : 0);
   float* xg = buf.data();
   float* hb = xg + routes * H;
   float* a = hb + routes * 2 * I;
@@ -131,9 +133,9 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
   uint16_t* ab = nullptr;
   if (bf16_dots) {
     xgb = buf16.data();
-    ab = xgb + routes * H;
+    ab = xgb + routes * Hs;
     for (int64_t n = 0; n < routes; ++n)
-      std::copy(x_bf16 + g.token[n] * H, x_bf16 + (g.token[n] + 1) * H, xgb + n * H);
+      std::copy(x_bf16 + g.token[n] * H, x_bf16 + (g.token[n] + 1) * H, xgb + n * Hs);
   }
   for (int64_t n = 0; n < routes; ++n) std::copy(x + g.token[n] * H, x + (g.token[n] + 1) * H, xg + n * H);
   // q8_0 / q4_0 dots with int8 activations: xg quantized here once for every task (quant_dot.h Int8Acts), and a
@@ -165,13 +167,13 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
     const size_t expert = static_cast<size_t>(g.expert[grp]);
     const uint8_t* gu = m.gate_up + expert * m.gate_up_stride;
     const uint8_t* gus = m.gate_up_scale == nullptr ? nullptr : m.gate_up_scale + expert * m.gate_up_scale_stride;
-    const uint16_t* xb = xgb == nullptr ? nullptr : xgb + b * H;
+    const uint16_t* xb = xgb == nullptr ? nullptr : xgb + b * Hs;
     // The gate matrix is rows 0..I-1; the up matrix its own view (data from row I, scales from its stacked grid).
     const MatrixView gate = MakeView(fgu, m.spec, gu, gus, H), up = MakeView(fgu, m.spec, gu, gus, H, I);
     const Int8Acts qx = qxg == nullptr ? Int8Acts() : qxg->FromToken(b);
     const Int8Acts* qxb = qxg == nullptr ? nullptr : &qx;
-    DotRowsView(isa, gate, i0, i1, xg + b * H, xb, e - b, hb + b * 2 * I, 2 * I, qxb);     // gate rows
-    DotRowsView(isa, up, i0, i1, xg + b * H, xb, e - b, hb + b * 2 * I + I, 2 * I, qxb);  // up rows
+    DotRowsView(isa, gate, i0, i1, xg + b * H, xb, Hs, e - b, hb + b * 2 * I, 2 * I, qxb);     // gate rows
+    DotRowsView(isa, up, i0, i1, xg + b * H, xb, Hs, e - b, hb + b * 2 * I + I, 2 * I, qxb);  // up rows
     const uint8_t* bias = m.gate_up_bias == nullptr ? nullptr : m.gate_up_bias + expert * m.gate_up_bias_stride;
     for (int64_t n = b; n < e; ++n) {
       const float* h = hb + n * 2 * I;
@@ -183,7 +185,7 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
         if (bf16_model) {
           const uint16_t bits = ToBf16(an[i]);
           an[i] = ToF32(bits);
-          if (ab != nullptr) ab[n * I + i] = bits;
+          if (ab != nullptr) ab[n * Is + i] = bits;
         }
       }
     }
@@ -204,10 +206,16 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
     for (int64_t grp = 0; grp < G; ++grp) {
       const int64_t b = g.begin[grp], e = g.begin[grp + 1];
       const size_t expert = static_cast<size_t>(g.expert[grp]);
+      // Register tiles (prefill): the next group's rows h0..h1 (contiguous) into L2 while this group runs; the tiles
+      // read a row in 8 strided passes, which the hardware prefetchers do not run ahead of (gemm_bf16.h)
+      if (bf16_dots && e - b >= kBf16TileMinTokens && grp + 1 < G) {
+        const uint8_t* next = m.down + static_cast<size_t>(g.expert[grp + 1]) * m.down_stride + h0 * dn_row;
+        for (size_t at = 0; at < static_cast<size_t>(h1 - h0) * dn_row; at += 64) __builtin_prefetch(next + at, 0, 2);
+      }
       const uint8_t* dns = m.down_scale == nullptr ? nullptr : m.down_scale + expert * m.down_scale_stride;
       const MatrixView down = MakeView(fdn, m.spec, m.down + expert * m.down_stride, dns, I);
       const Int8Acts qx = qa == nullptr ? Int8Acts() : qa->FromToken(b);
-      DotRowsView(isa, down, h0, h1, a + b * I, ab == nullptr ? nullptr : ab + b * I, e - b, d + b * H, H,
+      DotRowsView(isa, down, h0, h1, a + b * I, ab == nullptr ? nullptr : ab + b * Is, Is, e - b, d + b * H, H,
                   qa == nullptr ? nullptr : &qx);
       const uint8_t* bias = m.down_bias == nullptr ? nullptr
                                                    : m.down_bias + static_cast<size_t>(g.expert[grp]) * m.down_bias_stride;

@@ -41,7 +41,7 @@ void RunLinear(const MatrixView& w, const float* x, const uint16_t* xb, int64_t 
   const size_t row_bytes = std::max<size_t>(w.row_bytes, 1);
   const int64_t threads = row_bytes * static_cast<size_t>(O) >= kParallelMinBytes ? LoopThreads(pool) : 1;
   if (threads <= 1) {
-    DotRowsView(isa, w, 0, O, x, xb, N, y, O);
+    DotRowsView(isa, w, 0, O, x, xb, w.cols, N, y, O);
     return;
   }
   // q8_0 / q4_0: x quantized once for every task (quant_dot.h Int8Acts)
@@ -57,7 +57,9 @@ void RunLinear(const MatrixView& w, const float* x, const uint16_t* xb, int64_t 
   rows = std::min(rows, (O + 4 * threads - 1) / (4 * threads));  // at least 4 tasks per thread
   rows = (std::max<int64_t>(rows, 1) + 3) / 4 * 4;
   const int64_t tasks = (O + rows - 1) / rows;
-  ParallelFor(pool, tasks, [&](int64_t t) { DotRowsView(isa, w, t * rows, std::min(O, (t + 1) * rows), x, xb, N, y, O, qx); });
+  ParallelFor(pool, tasks, [&](int64_t t) {
+    DotRowsView(isa, w, t * rows, std::min(O, (t + 1) * rows), x, xb, w.cols, N, y, O, qx);
+  });
 }
 
 // x as float32: the buffer itself, or bf16 data widened into `scratch`.

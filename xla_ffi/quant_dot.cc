@@ -902,11 +902,11 @@ const Fp8Bf16Tables& Fp8Bf16() {
 // Chunk lengths (elements) of the decodes: fp8 64 (one 64-byte load), mxfp4 128 (4 blocks, 64 bytes).
 constexpr int64_t Bf16Chunk(WFormat f) { return f == WFormat::kFp8 ? 64 : 128; }
 
-// xp[t * padded + c]: token t's bf16 activations xb [T, cols] in the element order of the decode of format f per
+// xp[t * padded + c]: token t's bf16 activations (xb + t * xb_stride, cols of them) in the element order of the decode of format f per
 // 64 elements (fp8: 128-bit lanes 0, 2 of each 32, then 1, 3, as VPUNPCKL/HBW pair the bytes; mxfp4: even elements,
 // then odd), zero from cols to padded (a multiple of Bf16Chunk(f)).
-FT_JAX_BF16DOT void PrepBf16Acts(WFormat f, const uint16_t* xb, int64_t T, int64_t cols, int64_t padded,
-                                 uint16_t* xp) {
+FT_JAX_BF16DOT void PrepBf16Acts(WFormat f, const uint16_t* xb, int64_t xb_stride, int64_t T, int64_t cols,
+                                 int64_t padded, uint16_t* xp) {
   alignas(64) static const uint16_t kEven[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                                  32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
   const __m512i even = _mm512_load_si512(kEven);
@@ -914,7 +914,7 @@ FT_JAX_BF16DOT void PrepBf16Acts(WFormat f, const uint16_t* xb, int64_t T, int64
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t c = 0; c < padded; c += 64) {
       const int64_t n = std::max<int64_t>(0, std::min<int64_t>(64, cols - c));
-      const uint16_t* p = xb + t * cols + c;
+      const uint16_t* p = xb + t * xb_stride + c;
       const __mmask32 m0 = n >= 32 ? ~0u : (1u << n) - 1, m1 = n >= 64 ? ~0u : n <= 32 ? 0u : (1u << (n - 32)) - 1;
       const __m512i x0 = _mm512_maskz_loadu_epi16(m0, p), x1 = _mm512_maskz_loadu_epi16(m1, p + 32);
       uint16_t* o = xp + t * padded + c;
@@ -1014,9 +1014,10 @@ FT_JAX_BF16DOT void DotMxfp4Bf16(const MatrixView& w, int64_t r0, int64_t r1, co
   }
 }
 
-// out[t * out_stride + r] for rows [r0, r1) and tokens t < T of bf16 activations xb [T, cols] (Bf16DotsApply).
-FT_JAX_BF16DOT void DotRowsBf16(const MatrixView& w, int64_t r0, int64_t r1, const uint16_t* xb, int64_t T,
-                                float* out, int64_t out_stride) {
+// out[t * out_stride + r] for rows [r0, r1) and tokens t < T of bf16 activations (token t at xb + t * xb_stride)
+// (Bf16DotsApply).
+FT_JAX_BF16DOT void DotRowsBf16(const MatrixView& w, int64_t r0, int64_t r1, const uint16_t* xb, int64_t xb_stride,
+                                int64_t T, float* out, int64_t out_stride) {
   const int64_t chunk = Bf16Chunk(w.format), padded = (w.cols + chunk - 1) / chunk * chunk;
   thread_local std::vector<uint16_t> xp_storage;  // the laid-out activations [T, padded]
   thread_local std::vector<float> sf_storage;     // mxfp4 row scales [padded / 32]
@@ -1024,7 +1025,7 @@ FT_JAX_BF16DOT void DotRowsBf16(const MatrixView& w, int64_t r0, int64_t r1, con
   Scratch<float> sfs(sf_storage, static_cast<size_t>(padded / kQBlock));
   uint16_t* xp = xps.data();
   float* sf = sfs.data();
-  PrepBf16Acts(w.format, xb, T, w.cols, padded, xp);
+  PrepBf16Acts(w.format, xb, xb_stride, T, w.cols, padded, xp);
   for (int64_t t0 = 0; t0 < T; t0 += 4) {
     const uint16_t* x = xp + t0 * padded;
     float* o = out + t0 * out_stride;
@@ -1053,8 +1054,8 @@ bool Bf16DotsApply(const MatrixView& w, bool bf16_x) {
 
 // DotRowsView's block formats at the AVX-512 level.
 FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb,
-                                 int64_t T, float* out, int64_t out_stride, const Int8Acts* qx) {
-  if (Bf16DotsApply(w, xb != nullptr)) return DotRowsBf16(w, r0, r1, xb, T, out, out_stride);
+                                 int64_t xb_stride, int64_t T, float* out, int64_t out_stride, const Int8Acts* qx) {
+  if (Bf16DotsApply(w, xb != nullptr)) return DotRowsBf16(w, r0, r1, xb, xb_stride, T, out, out_stride);
   thread_local std::vector<float> storage;  // a row buffer [cols], row scales [cols / 32], mxfp4's x [T, cols]
   const size_t cols = static_cast<size_t>(w.cols);
   const size_t need = cols + cols / kQBlock + (w.format == WFormat::kMxfp4 ? static_cast<size_t>(T) * cols : 0);
@@ -1287,8 +1288,8 @@ Int8Acts QuantizeActivations(Isa isa, WFormat f, const float* x, int64_t cols, i
   return v;
 }
 
-void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb, int64_t T,
-                 float* out, int64_t out_stride, const Int8Acts* qx) {
+void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb,
+                 int64_t xb_stride, int64_t T, float* out, int64_t out_stride, const Int8Acts* qx) {
   if (qx != nullptr && (qx->isa != isa || qx->format != w.format || qx->cols != w.cols)) {
     throw std::invalid_argument("DotRowsView: activations quantized for another level, format or width");
   }
@@ -1300,20 +1301,21 @@ void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const flo
     qx = &own;
   }
   if (w.format == WFormat::kF32) {
-    return DotRows<float>(isa, reinterpret_cast<const float*>(w.data), w.cols, r0, r1, x, xb, T, out, out_stride);
+    return DotRows<float>(isa, reinterpret_cast<const float*>(w.data), w.cols, r0, r1, x, xb, xb_stride, T, out,
+                          out_stride);
   }
   if (w.format == WFormat::kBF16) {
     const uint16_t* data = reinterpret_cast<const uint16_t*>(w.data);
 #if FT_JAX_HAVE_AVX2_PATH
     // many tokens: register tiles, bit for bit the dots of DotRows' bf16 x bf16 path (gemm_bf16.h)
     if (isa == Isa::kAvx512Bf16 && xb != nullptr && T >= kBf16TileMinTokens) {
-      return DotRowsBf16Tiled(data, w.cols, r0, r1, xb, T, out, out_stride);
+      return DotRowsBf16Tiled(data, w.cols, r0, r1, xb, xb_stride, T, out, out_stride);
     }
 #endif
-    return DotRows<uint16_t>(isa, data, w.cols, r0, r1, x, xb, T, out, out_stride);
+    return DotRows<uint16_t>(isa, data, w.cols, r0, r1, x, xb, xb_stride, T, out, out_stride);
   }
 #if FT_JAX_HAVE_AVX2_PATH
-  if (isa == Isa::kAvx512Bf16) return DotRowsAvx512(w, r0, r1, x, xb, T, out, out_stride, qx);
+  if (isa == Isa::kAvx512Bf16) return DotRowsAvx512(w, r0, r1, x, xb, xb_stride, T, out, out_stride, qx);
   if (isa == Isa::kAvx2 && w.format == WFormat::kQ8_0) {
     return DotRowsInt8Avx2<WFormat::kQ8_0>(w, r0, r1, T, out, out_stride, *qx);
   }

@@ -117,11 +117,12 @@ Int8Acts QuantizeActivations(Isa isa, WFormat f, const float* x, int64_t cols, i
                              std::vector<uint8_t>& storage);
 
 // out[t * out_stride + r] = dot(w[r], x[t]) for rows r in [r0, r1) and tokens t < T; x f32 [T, cols]; xb: the same
-// activations as bf16 bits or nullptr (bf16, fp8 and mxfp4 weights then use bf16 x bf16 dots where the CPU has
-// them; every other format reads x); qx: x already quantized for these T tokens (QuantizeActivations of the same
+// activations as bf16 bits, token t at xb + t * xb_stride (gemm_bf16.h Bf16TokenStride(cols) is fastest for many
+// tokens), or nullptr (bf16, fp8 and mxfp4 weights then use bf16 x bf16 dots where the CPU has them; every other
+// format reads x); qx: x already quantized for these T tokens (QuantizeActivations of the same
 // isa, format and cols) or nullptr (quantized here where the dots need it). Rows are read once each, front to back.
-void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb, int64_t T,
-                 float* out, int64_t out_stride, const Int8Acts* qx = nullptr);
+void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb,
+                 int64_t xb_stride, int64_t T, float* out, int64_t out_stride, const Int8Acts* qx = nullptr);
 
 }  // namespace ft_jax
 
