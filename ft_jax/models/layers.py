@@ -319,7 +319,8 @@ def linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer=None) -> jax.Ar
 
     def xla_dot(x2, w, index):
         if w.ndim == 3 and w.dtype == jnp.bfloat16:  # slice the bits: XLA:CPU converts a bf16 stack that it
-            w = jax.lax.bitcast_convert_type(w, jnp.uint16)  # slices to float32 as a whole (DESIGN sec. 20.11)
+            w, index = jax.lax.optimization_barrier((w, index))  # slices to float32 as a whole; the barrier keeps
+            w = jax.lax.bitcast_convert_type(w, jnp.uint16)  # the bitcast in the loop, fused into the slice (20.11)
         wl = w if w.ndim == 2 else jax.lax.dynamic_index_in_dim(w, index, keepdims=False)  # [O, K]
         wl = _unbits(wl, jnp.bfloat16) if wl.dtype == jnp.uint16 else wl
         return jax.lax.dot_general(x2.astype(wl.dtype), wl, (((1,), (1,)), ((), ())), precision=HIGHEST,
