@@ -405,9 +405,10 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
         profile: bandwidth profile store (default: the user cache directory). measure: run a quick profile when
             none is stored (else qstar falls back to fixed-cap:1).
         on_message: called with one-line notes (which bandwidth profile qstar uses). on_compile: see Engine.
-        quantize: None, "q8_0" or "q4_0": quantize a float checkpoint while loading (ft_jax.checkpoint.load_checkpoint:
-            the expert banks and the dense 2-D projections but routers and embeddings). FP8 and MXFP4 checkpoints
-            are used as stored without it. A byte budget in ``cache`` counts experts at their stored size.
+        quantize: None, "q8_0" or "q4_0" (any case, as --quantize): quantize a float checkpoint while loading
+            (ft_jax.checkpoint.load_checkpoint: the expert banks and the dense 2-D projections but routers and
+            embeddings). FP8 and MXFP4 checkpoints are used as stored without it. A byte budget in ``cache`` counts
+            experts at their stored size.
         mesh: None (one device), or a jax.sharding.Mesh with an ``expert`` axis (ft_jax.expert_mesh()): expert
             parallelism (ft_jax.offload.expert_parallel): each MoE layer's experts split over the axis's devices,
             each with its own slots and cache; this process loads only the experts its devices own. For N CPU
@@ -421,6 +422,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             (the message names the file and the tensor).
         ValueError: a bad dtype, policy, quantize or cache budget; a mesh whose expert axis does not divide the
             experts or that does not match the processes (ExpertPartition.from_mesh).
+        TypeError: quantize neither a str nor None.
         ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
             available (checked from the headers before anything is allocated).
     """

@@ -894,7 +894,7 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
         model_dir: folder with config.json and model.safetensors or model.safetensors.index.json.
         dtype: dense parameter dtype on the device (jnp.float32 or jnp.bfloat16) of the float tensors.
         expert_dtype: host-bank dtype of float experts and of expert biases (float32 or bfloat16); default ``dtype``.
-        quantize: None, "q8_0" or "q4_0": quantize a float checkpoint while loading (llama.cpp's rounding,
+        quantize: None, "q8_0" or "q4_0" (any case): quantize a float checkpoint while loading (llama.cpp's rounding,
             weight_formats.quantize): the expert banks and every dense 2-D projection but the routers and the
             embedding table (ft_jax.config.quantization.quantize_applies). FP8 (quantization_config quant_method
             "fp8") and MXFP4 (gpt-oss) checkpoints are always kept as stored: expert banks in that format, FP8
@@ -917,6 +917,7 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
             not fit the format's blocks (names the file and the tensor).
         ValueError: a dtype or quantize value not listed above, an experts range that is empty, has a step or
             leaves [0, E).
+        TypeError: quantize neither a str nor None.
         ConfigError / NotImplementedError: from :func:`ft_jax.config.load_config` (an unsupported quant_method), or
             quantize given for an FP8 / MXFP4 checkpoint (ft_jax.config.quantization.expert_format).
     """

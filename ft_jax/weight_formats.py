@@ -123,6 +123,29 @@ def fp8(block: tuple[int, int] = (128, 128)) -> WeightFormat:
 
 
 QUANTIZE_CHOICES = ("q8_0", "q4_0")  # what --quantize / load(quantize=...) makes from a float checkpoint
+
+
+def quantize_choice(value: str | None) -> str | None:
+    """The quantization target a user named, as --quantize and ``ft_jax.load(quantize=...)`` take it: "q8_0" or
+    "q4_0" in any case, with surrounding spaces ("Q8_0", " q4_0 "), normalized to its QUANTIZE_CHOICES name; None
+    stays None (no quantization). The one normalization of both (the CLI's arg_types.quantize and
+    ft_jax.config.quantization.expert_format, which every loader calls).
+
+    Raises:
+        TypeError: ``value`` is neither a str nor None (names the argument ``quantize`` and what it got).
+        ValueError: a str other than q8_0 / q4_0 (names the choices and what it got).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f'quantize must be a str ("q8_0" or "q4_0", any case) or None, got {type(value).__name__} '
+                        f"{value!r}")
+    name = value.strip().lower()
+    if name not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)} (any case) or None, got {value!r}")
+    return name
+
+
 _BY_NAME = {f.name: f for f in (F32, BF16, Q8_0, Q4_0, MXFP4)}
 
 

@@ -248,7 +248,7 @@ def test_quantize_budgets_and_errors(capsys, tmp_path):
     assert f"({wf.Q4_0.nbytes(2 * I, H) + wf.Q4_0.nbytes(H, I)} bytes:" in line
     line = _error(capsys, "--model", os.path.join(FIXTURES, "gpt_oss_mxfp4"), "--prompt-ids", "1", "--quantize",
                   "q8_0")
-    assert "--quantize q8_0: this GptOssForCausalLM checkpoint is already quantized (mxfp4" in line
+    assert "(--quantize q8_0): this GptOssForCausalLM checkpoint is already quantized (mxfp4" in line
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["generate", "--prompt-ids", "1", "--quantize", "q5_k"])
     assert exit_info.value.code == 2 and "expected q8_0 or q4_0, got 'q5_k'" in capsys.readouterr().err

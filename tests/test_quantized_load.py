@@ -221,8 +221,8 @@ def test_fp8_checkpoint_kept_as_stored(tmp_path):
     assert isinstance(emb, np.ndarray) and emb.dtype == ml_dtypes.bfloat16
     ckpt.close()
     banks.release()
-    with pytest.raises(ConfigError, match=r"--quantize q8_0: this Qwen3MoeForCausalLM checkpoint is already "
-                                          r"quantized \(fp8"):
+    with pytest.raises(ConfigError, match=r"^quantize='q8_0' \(--quantize q8_0\): this Qwen3MoeForCausalLM "
+                                          r"checkpoint is already quantized \(fp8"):
         load_checkpoint(d, quantize="q8_0")
 
 
@@ -303,6 +303,40 @@ def test_fp8_config_fields_are_checked():
         read_quantization({"quantization_config": {"quant_method": "mxfp4"}}, "c", "mixtral")
     with pytest.raises(ValueError, match="quantize must be one of q8_0, q4_0"):
         expert_format(load_config(os.path.join(FIXTURES, "mixtral")), np.float32, "q5_k")
+
+
+def test_load_accepts_the_cli_spellings_of_quantize():
+    """ft_jax.load(quantize=...) takes what --quantize takes (any case, surrounding spaces): one normalization,
+    weight_formats.quantize_choice, gives the same name to both, and the loaded experts are in that format."""
+    from ft_jax.cli import arg_types
+
+    model = ft_jax.load(quantize="Q8_0", policy="fixed-cap:1", measure=False)
+    assert model.checkpoint.banks.format is wf.Q8_0
+    model.checkpoint.banks.release()
+    for text, name in (("Q8_0", "q8_0"), ("q4_0", "q4_0"), (" Q4_0 ", "q4_0")):
+        assert wf.quantize_choice(text) == arg_types.quantize(text) == name
+    assert wf.quantize_choice(None) is None
+    with pytest.raises(ValueError, match=r"^quantize must be one of q8_0, q4_0 \(any case\) or None, got 'Q5_K'$"):
+        ft_jax.load(quantize="Q5_K")
+
+
+@pytest.mark.parametrize("value", [8, b"q8_0", wf.Q8_0])
+def test_load_refuses_a_quantize_that_is_not_a_str(value):
+    """quantize=8 (or bytes, or a WeightFormat) is a TypeError naming the argument, the expected type and the value."""
+    with pytest.raises(TypeError) as e:
+        ft_jax.load(quantize=value, policy="fixed-cap:1", measure=False)
+    assert str(e.value) == (f'quantize must be a str ("q8_0" or "q4_0", any case) or None, got '
+                            f"{type(value).__name__} {value!r}")
+
+
+def test_quantizing_a_quantized_checkpoint_names_the_argument():
+    """quantize= on an MXFP4 (gpt-oss) or FP8 checkpoint: the error names the Python argument (quantize='q8_0') and
+    the flag (--quantize q8_0), not the flag alone."""
+    for family, method in (("gpt_oss_mxfp4", "mxfp4"), ("qwen3_moe_fp8", "fp8")):
+        with pytest.raises(ConfigError) as e:
+            ft_jax.load(os.path.join(FIXTURES, family), quantize="q8_0", policy="fixed-cap:1", measure=False)
+        assert str(e.value).startswith("quantize='q8_0' (--quantize q8_0): this ") and \
+            f"checkpoint is already quantized ({method}, quantization_config of config.json)" in str(e.value), e.value
 
 
 def test_expert_banks_check_the_format_layout():

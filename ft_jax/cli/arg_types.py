@@ -114,11 +114,13 @@ QUANTIZE_HELP = ("quantize a float (bf16/f32) checkpoint while loading: q8_0 or 
 
 
 def quantize(text: str) -> str:
-    """--quantize: "q8_0" or "q4_0" (any case)."""
-    name = text.strip().lower()
-    if name not in weight_formats.QUANTIZE_CHOICES:
-        raise argparse.ArgumentTypeError(f"expected {' or '.join(weight_formats.QUANTIZE_CHOICES)}, got {text!r}")
-    return name
+    """--quantize: "q8_0" or "q4_0" (any case), normalized as ft_jax.load(quantize=...) is
+    (weight_formats.quantize_choice)."""
+    try:
+        return weight_formats.quantize_choice(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {' or '.join(weight_formats.QUANTIZE_CHOICES)}, "
+                                         f"got {text!r}") from None
 
 
 def token_ids(text: str) -> list[int]:

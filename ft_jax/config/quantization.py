@@ -104,19 +104,20 @@ def expert_format(cfg, expert_dtype, quantize: str | None = None) -> weight_form
     (float32 or bfloat16).
 
     Args:
-        cfg: MoEConfig (its quantization). expert_dtype: the float bank dtype. quantize: None, "q8_0" or "q4_0".
+        cfg: MoEConfig (its quantization). expert_dtype: the float bank dtype. quantize: None, "q8_0" or "q4_0" (any
+            case, as --quantize: weight_formats.quantize_choice).
     Raises:
-        ValueError: ``quantize`` not None, "q8_0" or "q4_0"; an expert_dtype other than float32 / bfloat16.
-        ConfigError: ``quantize`` given for a checkpoint that is already quantized (fp8 / mxfp4: used as stored).
+        TypeError: ``quantize`` neither a str nor None.
+        ValueError: ``quantize`` a str other than q8_0 / q4_0; an expert_dtype other than float32 / bfloat16.
+        ConfigError: ``quantize`` given for a checkpoint that is already quantized (fp8 / mxfp4: used as stored); the
+            message names the argument and the flag ("quantize='q8_0' (--quantize q8_0): ...").
     """
-    if quantize is not None and quantize not in weight_formats.QUANTIZE_CHOICES:
-        raise ValueError(f"quantize must be one of {', '.join(weight_formats.QUANTIZE_CHOICES)} (or None), got "
-                         f"{quantize!r}")
+    quantize = weight_formats.quantize_choice(quantize)
     q = cfg.quantization
     if quantize is not None and q is not None:
-        raise ConfigError(f"--quantize {quantize}: this {cfg.architecture} checkpoint is already quantized "
-                          f"({q.method}, quantization_config of config.json) and is used as stored; --quantize makes "
-                          "q8_0 / q4_0 from a float (bf16 / f32) checkpoint only")
+        raise ConfigError(f"quantize={quantize!r} (--quantize {quantize}): this {cfg.architecture} checkpoint is "
+                          f"already quantized ({q.method}, quantization_config of config.json) and is used as stored; "
+                          "quantizing while loading makes q8_0 / q4_0 from a float (bf16 / f32) checkpoint only")
     if quantize is not None:
         return weight_formats.by_name(quantize)
     if q is not None:
