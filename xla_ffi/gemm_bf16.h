@@ -117,29 +117,32 @@ FT_JAX_AVX512BF16 void TokenTile(int64_t nt, const uint16_t* w, int64_t len, int
 // out[t * out_stride + r] = DotRowBf16(w + r * len, xb + t * xs, len) for rows r in [r0, r1) and tokens t < T, bit
 // for bit, in register tiles (module comment); a token stride xs of Bf16TokenStride(len) runs fastest. Rows are taken
 // kRows at a time, each group against every token: the group's rows stay in L1 while the tokens stream from L2; the
-// last r1 - r0 mod kRows rows form one narrower tile.
+// last r1 - r0 mod kRows rows form one narrower tile. The T tokens go into ceil(T / kTokens) tiles of sizes that
+// differ by at most one (8 tokens: 4 + 4, not 6 + 2, whose 2-token tile loads 6 vectors per 8 products).
 // Callers should hand out row ranges of a multiple of kRows (a tile of 1 row loads 7 vectors per 6 products).
 // Needs the AVX-512 BF16 level (Isa::kAvx512Bf16).
 FT_JAX_AVX512BF16 inline void DotRowsBf16Tiled(const uint16_t* w, int64_t len, int64_t r0, int64_t r1,
                                                const uint16_t* xb, int64_t xs, int64_t T, float* out,
                                                int64_t out_stride) {
   using namespace gemm_bf16;
-  const int64_t tiles = (T + kTokens - 1) / kTokens;
+  if (T <= 0) return;
+  const int64_t tiles = (T + kTokens - 1) / kTokens, base = T / tiles, extra = T % tiles;
+  auto first = [&](int64_t i) { return i * base + std::min(i, extra); };  // tile i: tokens first(i) .. first(i + 1)
   int64_t r = r0;
   for (; r + kRows <= r1; r += kRows) {
     // the next group's rows (contiguous) into L2 while this group runs, a share per token tile
     const char* next = reinterpret_cast<const char*>(w + (r + kRows) * len);
     const int64_t next_lines = (std::min(r1, r + 2 * kRows) - std::min(r1, r + kRows)) * len * 2 / 64;
     const int64_t per_tile = (next_lines + tiles - 1) / tiles;
-    for (int64_t t = 0, line = 0; t < T; t += kTokens) {
+    for (int64_t i = 0, line = 0; i < tiles; ++i) {
       for (const int64_t end = std::min(next_lines, line + per_tile); line < end; ++line)
         __builtin_prefetch(next + 64 * line, 0, 2);
-      TokenTile<kRows>(std::min<int64_t>(kTokens, T - t), w, len, r, xb, xs, t, out, out_stride);
+      TokenTile<kRows>(first(i + 1) - first(i), w, len, r, xb, xs, first(i), out, out_stride);
     }
   }
   const int64_t left = r1 - r;  // 0 .. kRows - 1 rows: one tile of that many rows
-  for (int64_t t = 0; t < T && left > 0; t += kTokens) {
-    const int64_t nt = std::min<int64_t>(kTokens, T - t);
+  for (int64_t i = 0; i < tiles && left > 0; ++i) {
+    const int64_t t = first(i), nt = first(i + 1) - t;
     if (left == 3) TokenTile<3>(nt, w, len, r, xb, xs, t, out, out_stride);
     if (left == 2) TokenTile<2>(nt, w, len, r, xb, xs, t, out, out_stride);
     if (left == 1) TokenTile<1>(nt, w, len, r, xb, xs, t, out, out_stride);
