@@ -3,6 +3,7 @@
 
     python3 scripts/profile_decode.py --model DIR                       # host-all, batch 1, 8-token prompt, 32 steps
     python3 scripts/profile_decode.py --model DIR --quantize q4_0 --top-ops 15 --json-out /tmp/decode_profile.json
+    python3 scripts/profile_decode.py --model DIR --batch 8            # 8 rows, as `ft-jax serve --max-batch 8`
 
 What it does: loads the checkpoint (bf16 model dtype, or quantized while loading) into an Engine with the given
 policy, runs ``Engine.generate(prompt, max_new_tokens=N + 1)`` twice untimed (compilation, warm caches) and
@@ -148,8 +149,9 @@ def summarize(steps: list, ffi: dict[str, str], parts: dict, sampling: set, top_
 def format_table(result: dict) -> str:
     s = result["summary"]
     f = lambda q: f"{q['median']:.2f} ({q['min']:.2f})"  # noqa: E731
-    gb = result["weight_bytes_per_token"] / 1e6
-    lines = [f"profile_decode: {result['model']} policy {result['policy']}, weights {result['weights']}, batch 1, "
+    gb = result["weight_bytes_per_step"] / 1e6
+    lines = [f"profile_decode: {result['model']} policy {result['policy']}, weights {result['weights']}, "
+             f"batch {result['batch']}, "
              f"{result['threads']} FFI threads; load average before {result['load_average']['before']}, "
              f"after {result['load_average']['after']}",
              f"decode {result['tokens_per_s_untraced']:.2f} tok/s untraced ({1e3 / result['tokens_per_s_untraced']:.2f}"
@@ -159,7 +161,7 @@ def format_table(result: dict) -> str:
              f"{f(s['between_steps'])} (token read, Python loop, dispatch)",
              f"  execution span = ops {f(s['ops'])} (FFI {f(s['ffi'])}, XLA {f(s['xla_ops'])}; "
              f"{s['ops_per_step']:.0f} ops) + executor gaps {f(s['executor_gaps'])}",
-             f"  weight bytes per token {gb / 1e3:.3f} GB: {gb / s['ffi']['median']:.1f} ({gb / s['ffi']['min']:.1f}) "
+             f"  weight bytes per step {gb / 1e3:.3f} GB: {gb / s['ffi']['median']:.1f} ({gb / s['ffi']['min']:.1f}) "
              f"GB/s over the FFI time, {gb / s['period']['median']:.1f} ({gb / s['period']['min']:.1f}) GB/s over "
              f"the step period",
              f"  {'part (kind)':<40} {'median':>8} {'min':>8}"]
@@ -178,6 +180,8 @@ def main(argv=None) -> int:
     add_engine_arguments(p)
     p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens (default %(default)s, bench_peer's)")
     p.add_argument("--steps", type=int, default=32, help="decode steps traced (default %(default)s)")
+    p.add_argument("--batch", type=int, default=1, help="rows decoded together, each its own random prompt (default "
+                   "%(default)s)")
     p.add_argument("--untraced", type=int, default=2, help="untraced runs for the tokens/s (default %(default)s)")
     p.add_argument("--top-ops", type=int, default=12, help="list the N costliest ops (default %(default)s)")
     args = p.parse_args(argv)
@@ -187,8 +191,8 @@ def main(argv=None) -> int:
 
     engine, cfg, policy, load_before = load_engine(args, log=_log)
     rng = np.random.default_rng(args.seed + 1)
-    prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, args.prompt_len)]
-    run = lambda: engine.generate([prompt], max_new_tokens=args.steps + 1).stats  # noqa: E731
+    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, args.prompt_len)] for _ in range(args.batch)]
+    run = lambda: engine.generate(prompts, max_new_tokens=args.steps + 1).stats  # noqa: E731
     for _ in range(2):
         run()
     untraced = [run()["decode_tokens_per_s"] for _ in range(args.untraced)]
@@ -200,13 +204,16 @@ def main(argv=None) -> int:
         events, _ = decode_events(Path(tmp))
     parts, ffi, sampling = op_parts(hlo), ffi_targets(hlo), sampling_ops(hlo)
     summary = summarize(step_table(events, parts, ffi, sampling), ffi, parts, sampling, args.top_ops)
-    expert_bytes = engine.expert_bytes * cfg.top_k * engine.decode_backend.num_layers
+    # the experts a step reads: top-k per MoE layer at batch 1; with more rows the distinct active ones (cache counters)
+    expert_bytes = engine.expert_bytes * (cfg.top_k * engine.decode_backend.num_layers if args.batch == 1
+                                          else stats["active_per_step"])
     result = {"model": args.model, "policy": str(policy), "weights": args.quantize or "bf16",
               "threads": os.environ.get("FT_JAX_NUM_THREADS", str(os.cpu_count())),
               "load_average": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
+              "batch": args.batch,
               "tokens_per_s_untraced": statistics.median(untraced), "tokens_per_s_untraced_runs": untraced,
               "tokens_per_s_traced": stats["decode_tokens_per_s"],
-              "weight_bytes_per_token": int(engine.dense_bytes + expert_bytes), "summary": summary}
+              "weight_bytes_per_step": int(engine.dense_bytes + expert_bytes), "summary": summary}
     write_result(args, result, format_table(result))
     return 0
 

@@ -63,13 +63,14 @@ def test_bf16_experts_in_tiles_equal_each_token_alone(bf16_experts):
     np.testing.assert_array_equal(slots, together)
 
 
-@pytest.mark.parametrize("N", [4, 7, 13])
-def test_bf16_linear_in_tiles_equals_rows_alone_and_float64(N):
-    """The dense FFI projection (up to 128 rows) with bf16 weights and activations: N tokens in tiles equal each
-    token alone bit for bit, and the float64 product within float32 accumulation; 30 output rows = 7 tiles of 4 rows
-    plus 2 single rows; K = 551."""
+@pytest.mark.parametrize("N, O", [(4, 30), (7, 30), (13, 30), (40, 30), (300, 1000)])
+def test_bf16_linear_in_tiles_equals_rows_alone_and_float64(N, O):
+    """The dense FFI projection with bf16 weights and activations (any row count where the CPU has the bf16 dot): N
+    tokens in tiles equal each token alone bit for bit, and the float64 product within float32 accumulation. K = 551;
+    O = 30 rows = 7 tiles of 4 rows plus 2 single rows; from 32 tokens x is copied to the tiles' token stride, and
+    300 tokens are two token blocks (204 + 96) of a 1.1 MB matrix split over the threads."""
     rng = np.random.default_rng(N)
-    w = (rng.standard_normal((2, 30, 551)) / 20).astype(BF16)
+    w = (rng.standard_normal((2, O, 551)) / 20).astype(BF16)
     x = rng.standard_normal((N, 551)).astype(BF16)
     y = np.asarray(ffi_ops.linear(jnp.asarray(x), jnp.asarray(w), 1))
     expected = x.astype(np.float64) @ w[1].astype(np.float64).T

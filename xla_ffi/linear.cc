@@ -19,6 +19,7 @@
 #include "xla_ffi/common.h"
 #include "xla_ffi/dot_kernels.h"
 #include "xla_ffi/ffi_handlers.h"
+#include "xla_ffi/gemm_bf16.h"
 #include "xla_ffi/host_bank.h"
 #include "xla_ffi/parallel.h"
 #include "xla_ffi/quant_dot.h"
@@ -35,15 +36,38 @@ using I32Scalar = ffi::Buffer<ffi::DataType::S32, 0>;
 constexpr size_t kParallelMinBytes = size_t{1} << 20;  // below: the caller alone (waking helpers costs more)
 constexpr size_t kTaskBytes = size_t{256} << 10;       // weight bytes per task (fits L2 while the tokens pass)
 
+constexpr int64_t kTiledMinTokens = 32;               // from here a bf16 x bf16 call copies x to the tiles' stride
+constexpr size_t kTokenBlockBytes = size_t{256} << 10;  // bf16 token bytes per block (stays in L2 while rows pass)
+
 void RunLinear(const MatrixView& w, const float* x, const uint16_t* xb, int64_t N, int64_t O, float* y,
                ffi::ThreadPool& pool) {
   const Isa isa = KernelIsaLevel();
   const size_t row_bytes = std::max<size_t>(w.row_bytes, 1);
   const int64_t threads = row_bytes * static_cast<size_t>(O) >= kParallelMinBytes ? LoopThreads(pool) : 1;
-  if (threads <= 1) {
-    DotRowsView(isa, w, 0, O, x, xb, w.cols, N, y, O);
-    return;
+  // Many tokens of a bf16 x bf16 product (prefill): the register tiles (gemm_bf16.h) read x with its tokens
+  // Bf16TokenStride apart (a 4 KiB stride evicts the rows from L1) in blocks that stay in L2. Same bits per
+  // (row, token) as one token alone.
+  const bool tiled = x == nullptr && w.format == WFormat::kBF16 && isa == Isa::kAvx512Bf16 && N >= kTiledMinTokens;
+  const int64_t xs = tiled ? Bf16TokenStride(w.cols) : w.cols;
+  const int64_t token_block =
+      tiled ? std::max<int64_t>(gemm_bf16::kTokens, static_cast<int64_t>(kTokenBlockBytes / (2 * static_cast<size_t>(xs))) /
+                                                        gemm_bf16::kTokens * gemm_bf16::kTokens)
+            : N;
+  thread_local std::vector<uint16_t> xs_storage;
+  Scratch<uint16_t> x_strided(xs_storage, tiled ? static_cast<size_t>(N) * static_cast<size_t>(xs) : 0);
+  if (tiled) {
+    for (int64_t t = 0; t < N; ++t) std::copy(xb + t * w.cols, xb + (t + 1) * w.cols, x_strided.data() + t * xs);
+    xb = x_strided.data();
   }
+  // rows r0 .. r1 - 1 for every token, a block of tokens at a time
+  auto rows_times_tokens = [&](int64_t r0, int64_t r1, const Int8Acts* qx) {
+    for (int64_t t0 = 0; t0 < N; t0 += token_block) {
+      const int64_t nt = std::min(token_block, N - t0);
+      DotRowsView(isa, w, r0, r1, x == nullptr ? nullptr : x + t0 * w.cols, xb == nullptr ? nullptr : xb + t0 * xs,
+                  xs, nt, y + t0 * O, O, qx);
+    }
+  };
+  if (threads <= 1) return rows_times_tokens(0, O, nullptr);
   // q8_0 / q4_0: x quantized once for every task (quant_dot.h Int8Acts)
   thread_local std::vector<uint8_t> qx_storage;
   Scratch<uint8_t> keep_qx(qx_storage, 0);  // freed after the call when large
@@ -58,7 +82,7 @@ void RunLinear(const MatrixView& w, const float* x, const uint16_t* xb, int64_t 
   rows = (std::max<int64_t>(rows, 1) + 3) / 4 * 4;
   const int64_t tasks = (O + rows - 1) / rows;
   ParallelFor(pool, tasks, [&](int64_t t) {
-    DotRowsView(isa, w, t * rows, std::min(O, (t + 1) * rows), x, xb, w.cols, N, y, O, qx);
+    rows_times_tokens(t * rows, std::min(O, (t + 1) * rows), qx);
   });
 }
 

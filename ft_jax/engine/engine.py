@@ -38,6 +38,18 @@ MIN_PREFILL_BUCKET = 16
 MIN_KV_BUCKET = 64
 
 
+def step_compiler_options() -> dict[str, str]:
+    """XLA options the prefill and decode steps are compiled with: on the CPU backend YNNPACK takes the dots only.
+
+    XLA:CPU hands an elementwise or reduce fusion to YNNPACK from some size on (a 512-token prefill's router softmax,
+    not a 256-token one's), and YNNPACK's exp differs from XLA's own loops in the last bit, so a token's combine
+    weights (and then its greedy ids) changed with the other rows of its call: the prefill chunk, the other prompts of
+    a batch. Measured: no slower (docs/DESIGN.md sec. 15.3)."""
+    if jax.default_backend() != "cpu":
+        return {}
+    return {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+
 def _pow2_at_least(n: int, low: int) -> int:
     b = low
     while b < n:
@@ -202,7 +214,7 @@ class Engine:
         compiles_before, hits_before = stats_lib.CompileCounter.snapshot()
         t0 = time.perf_counter()
         extra = {} if kind == "prefill" else {"record_routing": record_routing}
-        exe = step.lower(*args, greedy=greedy, **extra).compile()
+        exe = step.lower(*args, greedy=greedy, **extra).compile(compiler_options=step_compiler_options())
         seconds = time.perf_counter() - t0
         compiles, hits = (a - b for a, b in zip(stats_lib.CompileCounter.snapshot(), (compiles_before, hits_before)))
         tally["compile_s"] += seconds

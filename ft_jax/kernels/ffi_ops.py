@@ -124,6 +124,12 @@ def _gate_up_scale_shape(fmt: WeightFormat, hidden: int, inter: int) -> tuple[in
     return 2 * fmt.scale_rows(inter), fmt.scale_shape(inter, hidden)[1]
 
 
+def kernel_isa() -> str:
+    """The inner loops the CPU kernels run: "avx512bf16", "avx2" or "generic" (the CPU's best, or FT_JAX_KERNEL's
+    cap; xla_ffi/isa.cc)."""
+    return ft_jax._ffi.kernel_isa()
+
+
 def slot_fill(pools, flat_ids, slot_ids, banks):
     """slot_fill_with_errors without the error count (tools and tests that check their ids themselves).
 

@@ -271,14 +271,25 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
     return jax.lax.fori_loop(first_block, num_blocks, accumulate, jnp.zeros(out_shape, jnp.float32))
 
 
+def _bf16_tiles(x2: jax.Array, w: jax.Array) -> bool:
+    """Whether the FFI call takes a bf16 x bf16 product at any row count: where the kernels have the AVX-512 BF16 dot,
+    its register tiles run at XLA's dot's rate (xla_ffi/gemm_bf16.h; docs/DESIGN.md sec. 15) and give each row the
+    bits of the one-row GEMV, so a token's projection never depends on the rows it shares a call with (the chunk
+    size, the other prompts of a batch). XLA's dot sums in another order."""
+    bf16 = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
+    return x2.dtype == jnp.bfloat16 and w.dtype in bf16 and ffi_ops.kernel_isa() == "avx512bf16"
+
+
 def linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer=None) -> jax.Array:
     """y[..., o] = sum_k x[..., k] * w[layer, o, k] with float32 accumulation.
 
     Up to FFI_MAX_ROWS rows on the CPU backend this is the ``ft_jax_linear`` FFI call (ffi_ops.linear), which reads
     the weight in place at memory bandwidth whatever the shapes; XLA:CPU's own bf16 matrix-vector products reach that
     only for a fused vector of < 16 KiB or a YNNPACK dot with >= 2 rows, and it converts a dynamically sliced bf16
-    weight stack to float32 as a whole (measured: docs/DESIGN.md sec. 5). Larger calls (long prefills, training) and
-    other backends use XLA's dot on ``w[layer]``, which is also the only path jax can differentiate.
+    weight stack to float32 as a whole (measured: docs/DESIGN.md sec. 5). bf16 x bf16 takes the FFI call at any row
+    count where the CPU has the AVX-512 BF16 dot (_bf16_tiles: the same bits per row whatever the rows). Other larger
+    calls (long prefills, training) and other backends use XLA's dot on ``w[layer]``, which is also the only path jax
+    can differentiate.
 
     A QuantizedTensor weight (any block format of ft_jax.weight_formats) is read as stored: the FFI call reads its
     data and scales (ffi_ops.linear with scales and weight_format; dequantized in registers, xla_ffi/quant_dot.h);
@@ -326,7 +337,7 @@ def linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer=None) -> jax.Ar
         return jax.lax.dot_general(x2.astype(wl.dtype), wl, (((1,), (1,)), ((), ())), precision=HIGHEST,
                                    preferred_element_type=jnp.float32)
 
-    if x2.shape[0] > FFI_MAX_ROWS:
+    if x2.shape[0] > FFI_MAX_ROWS and not _bf16_tiles(x2, w):
         return xla_dot(x2, w, index).reshape(*lead, O)
     y = jax.lax.platform_dependent(x2, w, index, cpu=ffi_ops.linear, default=xla_dot)  # f32[N, O]
     return y.reshape(*lead, O)

@@ -1,0 +1,67 @@
+"""A token's prefill is the same bits whatever rows share its calls (docs/DESIGN.md sec. 15.3): the prefill chunk, the
+other prompts of a batch and the server's group prefill give every prompt the KV cache and first token it gets alone.
+
+On near-tied logits (random weights) one last bit decides a greedy token, so equality is checked on the bits of the
+KV cache, which every layer's output reaches. Before the fix two things broke it on a bf16 model: above 128 rows the
+dense projections took XLA's dot (another summation order than the FFI's), and from ~512 rows XLA:CPU handed the
+router's softmax to YNNPACK, whose exp differs in the last bit."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ft_jax.checkpoint import load_checkpoint
+from ft_jax.engine.batch import DecodeBatch
+from ft_jax.engine.engine import Engine
+from ft_jax.engine.sampling import Sampling
+from ft_jax.offload.policy import Policy
+from ft_jax.testing import tiny_config, write_random_checkpoint
+
+KV_LEN = 1024
+PROMPTS = [[int(t) for t in np.random.default_rng(n).integers(0, 256, n)] for n in (300, 100, 17, 128)]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """A bf16 random-weight Mixtral (8 experts top-2, hidden 64), every expert on the host."""
+    path = write_random_checkpoint(tmp_path_factory.mktemp("bf16_mixtral"),
+                                   tiny_config(max_position_embeddings=KV_LEN), dtype="bfloat16")
+    return Engine(load_checkpoint(path, dtype=jnp.bfloat16), policy=Policy("host-all"), num_slots=1)
+
+
+def prefill(engine, prompts, chunk):
+    """prompts prefilled as one group in chunks of ``chunk`` tokens: (first tokens, each prompt's KV cache rows, as
+    float32 numpy arrays [layers, length, ...] per cache array)."""
+    engine.prefill_chunk = chunk
+    batch = DecodeBatch(engine, batch_size=4, kv_len=KV_LEN)
+    rows = list(range(len(prompts)))
+    job = batch.start_prefill(rows, prompts, [Sampling(0.0)] * len(prompts), [0] * len(prompts))
+    while not job.done:
+        job.run_chunk()
+    caches = [[np.asarray(a[:, r, :len(p)].astype(jnp.float32)) for stack in batch.kv_cache.stacks for a in stack]
+              for r, p in zip(rows, prompts)]
+    return job.first_tokens.tolist(), caches
+
+
+def assert_same_bits(got, want):
+    first_got, caches_got = got
+    first_want, caches_want = want
+    for i, (a, b) in enumerate(zip(caches_got, caches_want)):
+        for j, (x, y) in enumerate(zip(a, b)):
+            np.testing.assert_array_equal(x, y, err_msg=f"prompt {i}, KV array {j}")
+    assert first_got == first_want
+
+
+def test_a_prompt_in_two_chunks_equals_one_call_of_512_rows(engine):
+    """300 tokens as two calls of 256 rows, as one of 512 and as 19 of 16: the same KV cache bits."""
+    one = prefill(engine, PROMPTS[:1], 512)
+    assert_same_bits(prefill(engine, PROMPTS[:1], 256), one)
+    assert_same_bits(prefill(engine, PROMPTS[:1], 16), one)
+
+
+def test_a_group_prefill_equals_each_prompt_alone(engine):
+    """The server's group prefill (4 rows x a 128-token bucket = 512 rows per call) gives each prompt the bits of
+    its own one-row prefill."""
+    group = prefill(engine, PROMPTS[1:], 256)
+    alone = [prefill(engine, [p], 256) for p in PROMPTS[1:]]
+    assert_same_bits(group, ([a[0][0] for a in alone], [a[1][0] for a in alone]))
