@@ -176,7 +176,12 @@ def check_request(config, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     longest, (size, what) = max(len(p) for p in prompts), _context(config, context)
     if longest + max_new_tokens > size:
-        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds {what}")
+        raise ValueError(f"prompt of {_tokens(longest)} + {max_new_tokens} new {'token' if max_new_tokens == 1 else 'tokens'}"
+                         f" exceeds {what}")
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
 
 
 def _context(config, context: tuple[int, str] | None) -> tuple[int, str]:
@@ -189,7 +194,7 @@ def default_new_tokens(config, prompts: Sequence[Sequence[int]], context: tuple[
     longest prompt. Raises ValueError if the longest prompt already fills the context (no room for one new token)."""
     longest, (size, what) = max(len(p) for p in prompts), _context(config, context)
     if longest >= size:
-        raise ValueError(f"prompt of {longest} tokens fills {what}: no room for a new token")
+        raise ValueError(f"prompt of {_tokens(longest)} fills {what}: no room for a new token")
     return min(DEFAULT_NEW_TOKENS, size - longest)
 
 
@@ -213,9 +218,18 @@ def _prompt_rows(prompts) -> tuple[list, bool]:
         return isinstance(p, (list, tuple)) and all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p)
 
+    def as_lists(p):  # an integer numpy array of ids (1-D: one prompt, 2-D: one per row) as lists of ints
+        if isinstance(p, np.ndarray) and p.ndim in (1, 2) and np.issubdtype(p.dtype, np.integer):
+            return p.tolist()
+        return p
+
+    prompts = as_lists(prompts)
+    if isinstance(prompts, (list, tuple)):
+        prompts = [as_lists(p) for p in prompts]
     if not isinstance(prompts, (str, list, tuple)):
-        raise TypeError(f"prompts must be a text, a list of token ids or a list of texts / id lists, got "
-                        f"{type(prompts).__name__}")
+        raise TypeError(f"prompts must be a text, a list of token ids (or a 1-D / 2-D integer numpy array) or a list "
+                        f"of texts / id lists, got {type(prompts).__name__}"
+                        + (f" of {prompts.dtype}, shape {prompts.shape}" if isinstance(prompts, np.ndarray) else ""))
     if not len(prompts):
         raise ValueError("prompts is empty: give a text, a list of token ids, or a list of texts / id lists")
     one = isinstance(prompts, str) or isinstance(prompts[0], (int, np.integer))
@@ -331,7 +345,8 @@ class Model:
 
         Args:
             prompts: a text or a list of token ids (one prompt: Generation.text is its text), or a list of texts / id
-                lists (decoded together as one batch: Generation.texts, one per prompt).
+                lists (decoded together as one batch: Generation.texts, one per prompt). Integer numpy arrays of ids
+                are taken too: 1-D for one prompt, 2-D for one prompt per row.
             max_new_tokens: per prompt (default DEFAULT_NEW_TOKENS, or what the model's context leaves).
             temperature, top_k, top_p: sampling (ft_jax.engine.sampling.Sampling; temperature 0 = greedy).
             seed: sampling seed, an integer in [0, 2^32).

@@ -730,7 +730,7 @@ def _quantize_into(w: np.ndarray, fmt: wf.WeightFormat, data: np.ndarray, scales
             row, block = (int(i) for i in np.argwhere(bad)[0])
             raise CheckpointError(f"{what}: row {r + row}, block {block} (columns {32 * block}..{32 * block + 31}) "
                                   f"has values too large for {fmt.name} (its float16 block scale overflows 65504); "
-                                  "load it without --quantize")
+                                  "load it without quantize= (--quantize)")
 
 
 class _BankWriter:

@@ -153,7 +153,8 @@ def host_need(cfg, tensors: dict, dtype, num_slots: int, slots_in_host: bool, fm
 def refusal(need: HostNeed, available: int, source: str, *, dtype: str, expert_bytes: int, num_slots: int,
             slots_in_host: bool, quantizable: bool = False) -> str | None:
     """The one-line refusal when ``need.total`` exceeds ``available`` bytes, else None. It names both figures and
-    what would fit: fewer device slots (--cache-slots), bfloat16 instead of float32, --quantize q8_0 / q4_0 for a
+    what would fit, each as the CLI flag / the ft_jax.load argument: fewer device slots (--cache-slots / cache=),
+    bfloat16 instead of float32 (--dtype / dtype=), --quantize q8_0 / q4_0 (quantize=) for a
     float checkpoint loaded unquantized (``quantizable``), or a machine with more memory."""
     if need.total <= available:
         return None
@@ -166,11 +167,12 @@ def refusal(need: HostNeed, available: int, source: str, *, dtype: str, expert_b
     if slots_in_host and need.slots:
         room = available - (need.total - need.slots)
         if room >= expert_bytes:
-            fits.append(f"--cache-slots {room // expert_bytes} (a smaller cache)")
+            fits.append(f"--cache-slots {room // expert_bytes} / cache={room // expert_bytes} (a smaller cache)")
     if dtype == "float32" and need.total // 2 <= available:
-        fits.append("--dtype bf16 (half the bytes of float32)")
+        fits.append("--dtype bf16 / dtype='bf16' (half the bytes of float32)")
     if quantizable:
-        fits.append("--quantize q8_0 or q4_0 (8.5 or 4.5 bits per weight instead of 16 for bf16)")
+        fits.append("--quantize q8_0 or q4_0 / quantize='q8_0' or 'q4_0' (8.5 or 4.5 bits per weight instead of 16 "
+                    "for bf16)")
     fits.append(f"a machine with more than {-(-need.total // MIB)} MiB available")
     return (f"loading needs {-(-need.total // MIB)} MiB of host memory ({parts}) but only {available // MIB} MiB "
             f"is available ({source}); what would fit: {' or '.join(fits)}")

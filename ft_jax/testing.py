@@ -119,7 +119,11 @@ def write_random_checkpoint(path: str | os.PathLike, config: dict | None = None,
         else:
             tensors.update({f"{p}.gate_up_proj": normal(E, 2 * I, H), f"{p}.down_proj": normal(E, H, I)})
     os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(path, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    mask = os.umask(0)  # safetensors writes through a temporary file of mode 0600: give the file open()'s mode
+    os.umask(mask)
+    os.chmod(weights, 0o666 & ~mask)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     return os.fspath(path)

@@ -84,7 +84,10 @@ def test_stop_strings_cut_the_text_and_end_the_row(bundled):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(prompts=123), "prompts must be a text, a list of token ids or a list of texts / id lists, got int"),
+    (dict(prompts=123), "prompts must be a text, a list of token ids (or a 1-D / 2-D integer numpy array) or a list "
+                        "of texts / id lists, got int"),
+    (dict(prompts=np.array([1.5, 2.0])), "prompts must be a text, a list of token ids (or a 1-D / 2-D integer numpy "
+                                         "array) or a list of texts / id lists, got ndarray of float64, shape (2,)"),
     (dict(prompts=[1.5, 2]), "each prompt must be a text or a list of integer token ids, got 1.5"),
     (dict(prompts=[True, 2]), "each prompt must be a text or a list of integer token ids, got [True, 2]"),
     (dict(prompts=[1, 2], max_new_tokens=2.5), "max_new_tokens must be an integer, got 2.5"),
@@ -108,6 +111,26 @@ def test_batch_of_text_prompts_each_equal_alone(bundled):
     with pytest.raises(ValueError, match=r"a list of 2 prompt\(s\): use \.texts"):
         both.text
     assert bundled.generate(["ROMEO:"], max_new_tokens=2).texts[0] == bundled.generate("ROMEO:", max_new_tokens=2).text
+
+
+def test_numpy_ids_are_prompts_like_lists(bundled):
+    """A 1-D integer array is one prompt, a 2-D one a prompt per row, a list of arrays a batch: the tokens of the same
+    ids as lists."""
+    ids = bundled.tokenizer.encode("ROMEO:")
+    want = bundled.generate(ids, max_new_tokens=6, temperature=0).token_ids
+    assert bundled.generate(np.array(ids, np.int32), max_new_tokens=6, temperature=0).token_ids == want
+    rows = np.array([ids, ids[::-1]], np.int64)
+    both = bundled.generate(rows, max_new_tokens=6, temperature=0).token_ids
+    assert both == bundled.generate([ids, ids[::-1]], max_new_tokens=6, temperature=0).token_ids and both[0] == want[0]
+    assert bundled.generate(list(rows), max_new_tokens=6, temperature=0).token_ids == both
+
+
+def test_a_prompt_too_long_for_the_context_counts_its_tokens(bundled):
+    context = bundled.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"^prompt of 1 token \+ {context} new tokens exceeds the model's context"):
+        bundled.generate([5], max_new_tokens=context)
+    with pytest.raises(ValueError, match=rf"^prompt of {context} tokens \+ 1 new token exceeds the model's context"):
+        bundled.generate([5] * context, max_new_tokens=1)
 
 
 def test_no_prompt_is_a_value_error_naming_the_prompts(bundled):

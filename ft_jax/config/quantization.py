@@ -55,7 +55,7 @@ def read_quantization(raw: dict[str, Any], source: str, family: str) -> Quantiza
     if method not in QUANT_METHODS:
         raise ConfigError(f"{source}: quantization_config quant_method {method!r} is not implemented (supported: "
                           f"{', '.join(QUANT_METHODS)}: FP8 block-scaled and MXFP4 checkpoints, kept as stored; "
-                          "float checkpoints can be quantized while loading with --quantize q8_0|q4_0)")
+                          "float checkpoints can be quantized while loading with quantize='q8_0' | 'q4_0' (--quantize q8_0|q4_0))")
     skip = q.get("modules_to_not_convert") or []
     if not isinstance(skip, list) or not all(isinstance(m, str) for m in skip):
         raise ConfigError(f"{source}: quantization_config.modules_to_not_convert should be a list of module names, "
