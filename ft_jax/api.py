@@ -14,6 +14,7 @@ CPU-only backend (defaults.default_policy), temperature 0.8 (docs/DESIGN.md, "En
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
@@ -236,7 +237,8 @@ def _prompt_rows(prompts) -> tuple[list, bool]:
     rows = [prompts] if one else list(prompts)
     bad = [p for p in rows if not (isinstance(p, str) or token_ids(p))]
     if bad:
-        raise TypeError(f"each prompt must be a text or a list of integer token ids, got {bad[0]!r}")
+        raise TypeError(f"each prompt must be a text or a list (or 1-D integer numpy array) of integer token ids, "
+                        f"got {bad[0]!r}")
     return rows, one
 
 
@@ -402,6 +404,18 @@ class Model:
                           stats=result.stats, routing=result.routing, single=request.single)
 
 
+@contextlib.contextmanager
+def _argument(name: str, flags: str):
+    """A plain ValueError / TypeError raised while checking load()'s argument ``name`` again, its message prefixed
+    with the argument and the CLI flag(s) that set it ("cache= / --cache-slots, --device-memory: ...")."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        if type(e) not in (ValueError, TypeError):
+            raise
+        raise type(e)(f"{name}= / {flags}: {e}") from None
+
+
 def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=None, cache=None,
          profile: str | None = None, measure: bool = True, on_message: Callable[[str], None] | None = None,
          on_compile: Callable[[str, bool], None] | None = None, quantize: str | None = None, mesh=None) -> Model:
@@ -449,11 +463,14 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
     if defaulted:
         policy = default_policy(jax.default_backend())
     if not isinstance(policy, Policy):
-        policy = parse_policy(policy)  # errors before any loading
+        with _argument("policy", "--policy"):
+            policy = parse_policy(policy)  # errors before any loading
     if cache is None and policy.kind is PolicyKind.HOST_ALL:
         cache = 1  # host-all never fills a slot
-    dtype = model_dtype(dtype, cfg.dtype)
-    fmt = expert_format(cfg, jnp.dtype(dtype), quantize)  # errors before any loading
+    with _argument("dtype", "--dtype"):
+        dtype = model_dtype(dtype, cfg.dtype)
+    with _argument("quantize", "--quantize"):
+        fmt = expert_format(cfg, jnp.dtype(dtype), quantize)  # errors before any loading
     partition = None if mesh is None else ExpertPartition.from_mesh(mesh, cfg.num_experts)  # errors before loading
     per_device = cfg.num_experts if partition is None else partition.experts_per_shard
     local_devices = 1 if partition is None else partition.local_shards
@@ -462,8 +479,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
     with checkpoint_lib.SafetensorsCheckpoint(path) as headers:  # headers only: checked before anything is allocated
         if quantize is not None:  # rows that do not fit the blocks, named before any size is computed from them
             checkpoint_lib.check_quantize_fits(headers.tensors, fmt)
-        planned_slots = num_slots_for(cache, cfg.num_moe_layers * per_device,
-                                      planned_expert_bytes(cfg, jnp.dtype(dtype), fmt))
+        with _argument("cache", "--cache-slots, --device-memory"):
+            planned_slots = num_slots_for(cache, cfg.num_moe_layers * per_device,
+                                          planned_expert_bytes(cfg, jnp.dtype(dtype), fmt))
         tokenizer = load_tokenizer_or_none(path)
         check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), planned_slots * local_devices,
                           slots_in_host=jax.default_backend() == "cpu", fmt=fmt,

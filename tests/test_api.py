@@ -88,8 +88,10 @@ def test_stop_strings_cut_the_text_and_end_the_row(bundled):
                         "of texts / id lists, got int"),
     (dict(prompts=np.array([1.5, 2.0])), "prompts must be a text, a list of token ids (or a 1-D / 2-D integer numpy "
                                          "array) or a list of texts / id lists, got ndarray of float64, shape (2,)"),
-    (dict(prompts=[1.5, 2]), "each prompt must be a text or a list of integer token ids, got 1.5"),
-    (dict(prompts=[True, 2]), "each prompt must be a text or a list of integer token ids, got [True, 2]"),
+    (dict(prompts=[1.5, 2]), "each prompt must be a text or a list (or 1-D integer numpy array) of integer token ids, "
+                             "got 1.5"),
+    (dict(prompts=[True, 2]), "each prompt must be a text or a list (or 1-D integer numpy array) of integer token ids, "
+                              "got [True, 2]"),
     (dict(prompts=[1, 2], max_new_tokens=2.5), "max_new_tokens must be an integer, got 2.5"),
     (dict(prompts=[1, 2], temperature="hot"), "temperature must be a number, got 'hot'"),
     (dict(prompts=[1, 2], on_text=5), "on_text must be callable with (row, text), got 5"),
@@ -131,6 +133,19 @@ def test_a_prompt_too_long_for_the_context_counts_its_tokens(bundled):
         bundled.generate([5], max_new_tokens=context)
     with pytest.raises(ValueError, match=rf"^prompt of {context} tokens \+ 1 new token exceeds the model's context"):
         bundled.generate([5] * context, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("kwargs, start", [
+    (dict(cache=-1), "cache= / --cache-slots, --device-memory: the cache must hold at least one expert slot"),
+    (dict(cache="lots"), "cache= / --cache-slots, --device-memory: not a byte count: 'lots'"),
+    (dict(dtype="f16"), "dtype= / --dtype: dtype must be one of"),
+    (dict(policy="bogus"), "policy= / --policy: policy: unknown policy 'bogus'"),
+    (dict(quantize="q5_0"), "quantize= / --quantize: quantize must be one of q8_0, q4_0"),
+])
+def test_a_bad_load_argument_names_the_argument_and_the_flag(kwargs, start):
+    with pytest.raises(ValueError) as e:
+        ft_jax.load(**kwargs, measure=False)
+    assert str(e.value).startswith(start)
 
 
 def test_no_prompt_is_a_value_error_naming_the_prompts(bundled):

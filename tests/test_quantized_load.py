@@ -316,7 +316,8 @@ def test_load_accepts_the_cli_spellings_of_quantize():
     for text, name in (("Q8_0", "q8_0"), ("q4_0", "q4_0"), (" Q4_0 ", "q4_0")):
         assert wf.quantize_choice(text) == arg_types.quantize(text) == name
     assert wf.quantize_choice(None) is None
-    with pytest.raises(ValueError, match=r"^quantize must be one of q8_0, q4_0 \(any case\) or None, got 'Q5_K'$"):
+    with pytest.raises(ValueError, match=r"^quantize= / --quantize: quantize must be one of q8_0, q4_0 \(any case\) or "
+                                         r"None, got 'Q5_K'$"):
         ft_jax.load(quantize="Q5_K")
 
 
@@ -325,8 +326,8 @@ def test_load_refuses_a_quantize_that_is_not_a_str(value):
     """quantize=8 (or bytes, or a WeightFormat) is a TypeError naming the argument, the expected type and the value."""
     with pytest.raises(TypeError) as e:
         ft_jax.load(quantize=value, policy="fixed-cap:1", measure=False)
-    assert str(e.value) == (f'quantize must be a str ("q8_0" or "q4_0", any case) or None, got '
-                            f"{type(value).__name__} {value!r}")
+    assert str(e.value) == (f'quantize= / --quantize: quantize must be a str ("q8_0" or "q4_0", any case) or None, '
+                            f"got {type(value).__name__} {value!r}")
 
 
 def test_quantizing_a_quantized_checkpoint_names_the_argument():
