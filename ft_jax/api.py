@@ -177,12 +177,12 @@ def check_request(config, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     longest, (size, what) = max(len(p) for p in prompts), _context(config, context)
     if longest + max_new_tokens > size:
-        raise ValueError(f"prompt of {_tokens(longest)} + {max_new_tokens} new {'token' if max_new_tokens == 1 else 'tokens'}"
-                         f" exceeds {what}")
+        raise ValueError(f"prompt of {_tokens(longest)} + {_tokens(max_new_tokens, 'new ')} exceeds {what}")
 
 
-def _tokens(n: int) -> str:
-    return f"{n} token" if n == 1 else f"{n} tokens"
+def _tokens(n: int, kind: str = "") -> str:
+    """'1 token', '2 new tokens': a count for an error message."""
+    return f"{n} {kind}token" + ("" if n == 1 else "s")
 
 
 def _context(config, context: tuple[int, str] | None) -> tuple[int, str]:

@@ -49,22 +49,20 @@ void RunLinear(const MatrixView& w, const float* x, const uint16_t* xb, int64_t 
   // (row, token) as one token alone.
   const bool tiled = x == nullptr && w.format == WFormat::kBF16 && isa == Isa::kAvx512Bf16 && N >= kTiledMinTokens;
   const int64_t xs = tiled ? Bf16TokenStride(w.cols) : w.cols;
-  const int64_t token_block =
-      tiled ? std::max<int64_t>(gemm_bf16::kTokens, static_cast<int64_t>(kTokenBlockBytes / (2 * static_cast<size_t>(xs))) /
-                                                        gemm_bf16::kTokens * gemm_bf16::kTokens)
-            : N;
+  const int64_t token_block = std::max<int64_t>(  // a multiple of the tiles' tokens
+      gemm_bf16::kTokens, static_cast<int64_t>(kTokenBlockBytes / (2 * static_cast<size_t>(xs))) / gemm_bf16::kTokens *
+                              gemm_bf16::kTokens);
   thread_local std::vector<uint16_t> xs_storage;
   Scratch<uint16_t> x_strided(xs_storage, tiled ? static_cast<size_t>(N) * static_cast<size_t>(xs) : 0);
   if (tiled) {
     for (int64_t t = 0; t < N; ++t) std::copy(xb + t * w.cols, xb + (t + 1) * w.cols, x_strided.data() + t * xs);
     xb = x_strided.data();
   }
-  // rows r0 .. r1 - 1 for every token, a block of tokens at a time
+  // rows r0 .. r1 - 1 for every token (tiled: a block of tokens at a time)
   auto rows_times_tokens = [&](int64_t r0, int64_t r1, const Int8Acts* qx) {
+    if (!tiled) return DotRowsView(isa, w, r0, r1, x, xb, w.cols, N, y, O, qx);
     for (int64_t t0 = 0; t0 < N; t0 += token_block) {
-      const int64_t nt = std::min(token_block, N - t0);
-      DotRowsView(isa, w, r0, r1, x == nullptr ? nullptr : x + t0 * w.cols, xb == nullptr ? nullptr : xb + t0 * xs,
-                  xs, nt, y + t0 * O, O, qx);
+      DotRowsView(isa, w, r0, r1, nullptr, xb + t0 * xs, xs, std::min(token_block, N - t0), y + t0 * O, O, nullptr);
     }
   };
   if (threads <= 1) return rows_times_tokens(0, O, nullptr);
