@@ -479,7 +479,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
     with checkpoint_lib.SafetensorsCheckpoint(path) as headers:  # headers only: checked before anything is allocated
         if quantize is not None:  # rows that do not fit the blocks, named before any size is computed from them
             checkpoint_lib.check_quantize_fits(headers.tensors, fmt)
-        with _argument("cache", "--cache-slots, --device-memory"):
+        with _argument("cache", "--cache-slots, --cache-fraction, --device-memory"):
             planned_slots = num_slots_for(cache, cfg.num_moe_layers * per_device,
                                           planned_expert_bytes(cfg, jnp.dtype(dtype), fmt))
         tokenizer = load_tokenizer_or_none(path)

@@ -136,8 +136,10 @@ def test_a_prompt_too_long_for_the_context_counts_its_tokens(bundled):
 
 
 @pytest.mark.parametrize("kwargs, start", [
-    (dict(cache=-1), "cache= / --cache-slots, --device-memory: the cache must hold at least one expert slot"),
-    (dict(cache="lots"), "cache= / --cache-slots, --device-memory: not a byte count: 'lots'"),
+    (dict(cache=-1), "cache= / --cache-slots, --cache-fraction, --device-memory: the cache must hold at least one "
+                     "expert slot"),
+    (dict(cache="lots"), "cache= / --cache-slots, --cache-fraction, --device-memory: not a byte count: 'lots'"),
+    (dict(cache=1.5), "cache= / --cache-slots, --cache-fraction, --device-memory: a cache fraction must be in (0, 1]"),
     (dict(dtype="f16"), "dtype= / --dtype: dtype must be one of"),
     (dict(policy="bogus"), "policy= / --policy: policy: unknown policy 'bogus'"),
     (dict(quantize="q5_0"), "quantize= / --quantize: quantize must be one of q8_0, q4_0"),
