@@ -127,8 +127,9 @@ class Generation:
             ValueError: generate was given a list of prompts: their texts are ``texts``.
         """
         if not self.single:
-            raise ValueError(f"text is the text of a single prompt; this generation had a list of "
-                             f"{len(self.token_ids)} prompt(s): use .texts (one text per prompt)")
+            n = len(self.token_ids)
+            raise ValueError(f"text is the text of a single prompt; this generation had a list of {n} "
+                             f"prompt{'' if n == 1 else 's'}: use .texts (one text per prompt)")
         return None if self.texts is None else self.texts[0]
 
 
@@ -177,7 +178,16 @@ def check_request(config, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     longest, (size, what) = max(len(p) for p in prompts), _context(config, context)
     if longest + max_new_tokens > size:
-        raise ValueError(f"prompt of {_tokens(longest)} + {_tokens(max_new_tokens, 'new ')} exceeds {what}")
+        raise ValueError(f"{_which_prompt(prompts, longest)} of {_tokens(longest)} + "
+                         f"{_tokens(max_new_tokens, 'new ')} exceeds {what}")
+
+
+def _which_prompt(prompts: Sequence[Sequence[int]], length: int) -> str:
+    """'prompt' alone, else 'prompt 2 (of 3)': the first prompt of ``length`` tokens, for an error message."""
+    if len(prompts) == 1:
+        return "prompt"
+    i = next(i for i, p in enumerate(prompts) if len(p) == length)
+    return f"prompt {i} (of {len(prompts)})"
 
 
 def _tokens(n: int, kind: str = "") -> str:
@@ -195,7 +205,8 @@ def default_new_tokens(config, prompts: Sequence[Sequence[int]], context: tuple[
     longest prompt. Raises ValueError if the longest prompt already fills the context (no room for one new token)."""
     longest, (size, what) = max(len(p) for p in prompts), _context(config, context)
     if longest >= size:
-        raise ValueError(f"prompt of {_tokens(longest)} fills {what}: no room for a new token")
+        raise ValueError(f"{_which_prompt(prompts, longest)} of {_tokens(longest)} fills {what}: no room for a new "
+                         "token")
     return min(DEFAULT_NEW_TOKENS, size - longest)
 
 
@@ -219,7 +230,9 @@ def _prompt_rows(prompts) -> tuple[list, bool]:
         return isinstance(p, (list, tuple)) and all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p)
 
-    def as_lists(p):  # an integer numpy array of ids (1-D: one prompt, 2-D: one per row) as lists of ints
+    def as_lists(p):  # an integer array of ids (numpy or JAX; 1-D: one prompt, 2-D: one per row) as lists of ints
+        if not isinstance(p, (str, list, tuple, np.ndarray)) and hasattr(p, "__array__"):
+            p = np.asarray(p)  # a jax.Array (or another array type with __array__) is read to the host once
         if isinstance(p, np.ndarray) and p.ndim in (1, 2) and np.issubdtype(p.dtype, np.integer):
             return p.tolist()
         return p
@@ -231,6 +244,8 @@ def _prompt_rows(prompts) -> tuple[list, bool]:
         raise TypeError(f"prompts must be a text, a list of token ids (or a 1-D / 2-D integer numpy array) or a list "
                         f"of texts / id lists, got {type(prompts).__name__}"
                         + (f" of {prompts.dtype}, shape {prompts.shape}" if isinstance(prompts, np.ndarray) else ""))
+    if isinstance(prompts, str) and not prompts:
+        raise ValueError("the prompt text is empty: give at least one character (or token ids)")
     if not len(prompts):
         raise ValueError("prompts is empty: give a text, a list of token ids, or a list of texts / id lists")
     one = isinstance(prompts, str) or isinstance(prompts[0], (int, np.integer))
@@ -413,7 +428,10 @@ def _argument(name: str, flags: str):
     except (ValueError, TypeError) as e:
         if type(e) not in (ValueError, TypeError):
             raise
-        raise type(e)(f"{name}= / {flags}: {e}") from None
+        message = str(e)
+        if message.startswith(f"{name}: "):  # the check named the argument already
+            message = message[len(name) + 2:]
+        raise type(e)(f"{name}= / {flags}: {message}") from None
 
 
 def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=None, cache=None,

@@ -13,6 +13,7 @@ import sys
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -110,7 +111,7 @@ def test_batch_of_text_prompts_each_equal_alone(bundled):
     assert one.token_ids == both.token_ids[:1]
     # one prompt: .text is its text; a list of prompts: .texts, and .text says so
     assert one.text == both.texts[0] and isinstance(one.text, str)
-    with pytest.raises(ValueError, match=r"a list of 2 prompt\(s\): use \.texts"):
+    with pytest.raises(ValueError, match=r"a list of 2 prompts: use \.texts"):
         both.text
     assert bundled.generate(["ROMEO:"], max_new_tokens=2).texts[0] == bundled.generate("ROMEO:", max_new_tokens=2).text
 
@@ -133,6 +134,9 @@ def test_a_prompt_too_long_for_the_context_counts_its_tokens(bundled):
         bundled.generate([5], max_new_tokens=context)
     with pytest.raises(ValueError, match=rf"^prompt of {context} tokens \+ 1 new token exceeds the model's context"):
         bundled.generate([5] * context, max_new_tokens=1)
+    # in a batch the message says which prompt is too long
+    with pytest.raises(ValueError, match=rf"^prompt 1 \(of 3\) of {context} tokens \+ 1 new token exceeds"):
+        bundled.generate([[5], [5] * context, [6]], max_new_tokens=1)
 
 
 @pytest.mark.parametrize("kwargs, start", [
@@ -141,7 +145,7 @@ def test_a_prompt_too_long_for_the_context_counts_its_tokens(bundled):
     (dict(cache="lots"), "cache= / --cache-slots, --cache-fraction, --device-memory: not a byte count: 'lots'"),
     (dict(cache=1.5), "cache= / --cache-slots, --cache-fraction, --device-memory: a cache fraction must be in (0, 1]"),
     (dict(dtype="f16"), "dtype= / --dtype: dtype must be one of"),
-    (dict(policy="bogus"), "policy= / --policy: policy: unknown policy 'bogus'"),
+    (dict(policy="bogus"), "policy= / --policy: unknown policy 'bogus'"),
     (dict(quantize="q5_0"), "quantize= / --quantize: quantize must be one of q8_0, q4_0"),
 ])
 def test_a_bad_load_argument_names_the_argument_and_the_flag(kwargs, start):
@@ -154,6 +158,19 @@ def test_no_prompt_is_a_value_error_naming_the_prompts(bundled):
     for empty in ([], ()):
         with pytest.raises(ValueError, match="^prompts is empty: give a text, a list of token ids"):
             bundled.generate(empty)
+    with pytest.raises(ValueError, match="^the prompt text is empty"):
+        bundled.generate("")
+
+
+def test_a_jax_array_of_token_ids_is_a_prompt(bundled):
+    ids = [3, 17, 42, 5]
+    want = bundled.generate(ids, max_new_tokens=4, temperature=0).token_ids
+    assert bundled.generate(jnp.asarray(ids, jnp.int32), max_new_tokens=4, temperature=0).token_ids == want
+    batch = bundled.generate(jnp.asarray([ids, ids], jnp.int32), max_new_tokens=4, temperature=0)
+    assert batch.token_ids == want * 2
+    with pytest.raises(ValueError, match="^text is the text of a single prompt; this generation had a list of 2 "
+                                         "prompts: use .texts"):
+        batch.text
 
 
 def test_chat_templates_from_real_checkpoints():

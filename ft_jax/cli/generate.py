@@ -361,6 +361,7 @@ def stats_table(stats: dict) -> str:
     def mib(v):
         return "-" if v is None else f"{v / 2**20:.2f} MiB"
 
+    built = stats["prefill_compiles"] + stats["decode_compiles"]
     rows = [
         ("policy", stats["policy"]),
         ("expert slots", _slots_row(stats)),
@@ -369,7 +370,7 @@ def stats_table(stats: dict) -> str:
                     " (compilation excluded)"),
         ("decode", f"{stats['decode_tokens']} tokens after the first, {stats['decode_steps']} steps, "
                    f"{num(stats['decode_tokens_per_s'], '{:.1f}')} tokens/s (compilation excluded)"),
-        ("compile time", f"{stats['compile_s']:.2f} s ({stats['prefill_compiles'] + stats['decode_compiles']} steps "
+        ("compile time", f"{stats['compile_s']:.2f} s ({built} step{'' if built == 1 else 's'} "
                          f"built: {stats['xla_compiles']} compiled by XLA, {stats['cache_hits']} loaded from the "
                          "compilation cache)"),
         ("hit rate", num(None if stats["hit_rate"] is None else 100 * stats["hit_rate"], "{:.1f} %")),
