@@ -33,13 +33,13 @@ from ft_jax.config import load_config
 from ft_jax.config.quantization import expert_format
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
-from ft_jax.memory import check_host_memory, planned_expert_bytes
+from ft_jax.memory import budget_slots, check_host_memory, planned_expert_bytes
 from ft_jax.offload.expert_parallel import ExpertPartition
 from ft_jax.offload.policy import Policy, PolicyKind, parse_policy
 from ft_jax.offload.prefill_split import prefill_min_tokens_for
-from ft_jax.offload.profile import cost_model_for, resolve_policy
+from ft_jax.offload.profile import check_store_path, cost_model_for, resolve_policy
 from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
-from ft_jax.units import model_dtype, parse_bytes
+from ft_jax.units import model_dtype
 
 from ft_jax.defaults import (BUNDLED_MODEL, DEFAULT_CACHE_FRACTION, DEFAULT_NEW_TOKENS, DEFAULT_POLICY,  # noqa: F401
                              DEFAULT_TEMPERATURE, bundled_model_path, default_policy)
@@ -72,12 +72,14 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
             raise ValueError(f"a cache fraction must be in (0, 1], got {cache}")
         return max(1, min(num_experts, round(cache * num_experts)))
     if isinstance(cache, str):
-        nbytes = parse_bytes(cache)
-        if nbytes < expert_bytes:
-            raise ValueError(f"a device budget of {cache} ({nbytes} bytes) is smaller than one expert slot "
-                             f"({expert_bytes} bytes: gate, up and down weights of one expert as stored)")
-        return min(nbytes // expert_bytes, num_experts)
+        return min(budget_slots(cache, expert_bytes), num_experts)
     raise ValueError(f"cache must be slots (int), a fraction (float) or bytes ('8GiB'), got {cache!r}")
+
+
+def budget_note(given: str, fits: int, experts: int) -> str:
+    """The note of a byte budget that holds more than all ``experts`` (of a device) and is cut to them: ``given``
+    names the budget as it was given ("cache='8GiB'" in Model.note, "--device-memory 8GiB" in the CLI's note)."""
+    return f"{given} holds {fits} experts, more than the {experts} experts; using {experts}"
 
 
 def enable_compile_cache(path: str) -> str | None:
@@ -257,18 +259,28 @@ def _prompt_rows(prompts) -> tuple[list, bool]:
     return rows, one
 
 
-def _check_types(max_new_tokens, temperature, top_p, seed, stop) -> tuple[str, ...]:
-    """The argument types of a request (TypeError / ValueError naming the argument); returns the stop strings."""
-    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or
-                                       not isinstance(max_new_tokens, (int, np.integer))):
-        raise TypeError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+def _check_types(max_new_tokens, temperature, top_k, top_p, seed, stop) -> tuple[str, ...]:
+    """The argument types of a request: TypeError naming an argument of the wrong type (a bool is no number here),
+    ValueError naming one out of range (a seed outside [0, 2^32), an empty stop string; the other ranges are
+    check_request's and Sampling's). Returns the stop strings."""
+    def integer(value) -> bool:
+        return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("seed", seed)):
+        if not integer(value) and not (name == "max_new_tokens" and value is None):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
     for name, value in (("temperature", temperature), ("top_p", top_p)):
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise TypeError(f"{name} must be a number, got {value!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+    if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an integer in [0, 2^32), got {seed!r}")
-    stop = tuple(s for s in ([stop] if isinstance(stop, str) else stop))
-    if any(not isinstance(s, str) or not s for s in stop):
+    try:
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    except TypeError:
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}") from None
+    if any(not isinstance(s, str) for s in stop):
+        raise TypeError(f"stop strings must be strings, got {stop!r}")
+    if any(not s for s in stop):
         raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
     return stop
 
@@ -282,7 +294,7 @@ def make_request(path: str, config, tokenizer, prompts, *, max_new_tokens: int |
     Returns a Request. Raises TypeError / ValueError naming the argument (see Model.generate), ChatTemplateError for
     chat without a chat template."""
     rows, single = _prompt_rows(prompts)
-    stop = _check_types(max_new_tokens, temperature, top_p, seed, stop)
+    stop = _check_types(max_new_tokens, temperature, top_k, top_p, seed, stop)
     if stop and tokenizer is None:
         raise ValueError(f"{path} has no tokenizer (no tokenizer.json): stop strings need one")
     ids = [encode_prompt(path, tokenizer, p, chat=chat) for p in rows]
@@ -290,7 +302,7 @@ def make_request(path: str, config, tokenizer, prompts, *, max_new_tokens: int |
         max_new_tokens = default_new_tokens(config, ids, context) if all(ids) else DEFAULT_NEW_TOKENS
     check_request(config, ids, int(max_new_tokens), context)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
-    return Request(prompt_ids=ids, max_new_tokens=int(max_new_tokens), sampling=sampling, seed=seed, stop=stop,
+    return Request(prompt_ids=ids, max_new_tokens=int(max_new_tokens), sampling=sampling, seed=int(seed), stop=stop,
                    single=single)
 
 
@@ -339,8 +351,9 @@ class StopWatch:
 
 class Model:
     """A loaded model ready to generate (ft_jax.load). Attributes: path, config (MoEConfig), tokenizer (or None),
-    checkpoint (LoadedCheckpoint), engine (ft_jax.engine.engine.Engine), policy, dtype, note (the bandwidth-profile
-    message, or the CPU-only default's, or None)."""
+    checkpoint (LoadedCheckpoint), engine (ft_jax.engine.engine.Engine), policy, dtype, note (what load noted, one
+    line each: the bandwidth-profile message or the CPU-only default's, and a byte budget cut to every expert
+    (budget_note: "cache='8GiB' holds 21845 experts, more than the 32 experts; using 32"); or None)."""
 
     def __init__(self, path, config, tokenizer, checkpoint, engine, dtype: str, note: str | None):
         self.path, self.config, self.tokenizer, self.checkpoint, self.engine = path, config, tokenizer, checkpoint, engine
@@ -374,9 +387,11 @@ class Model:
         Returns:
             Generation.
         Raises:
-            TypeError: prompts, max_new_tokens, temperature, top_p or on_text of the wrong type (naming it).
-            ValueError: no prompt, an empty / out-of-vocabulary / too long prompt, a bad sampling value or seed, text
-                without a tokenizer, stop strings without a tokenizer, chat without a chat template.
+            TypeError: prompts, max_new_tokens, temperature, top_k, top_p, seed, stop or on_text of the wrong type
+                (naming it; a bool is no number here).
+            ValueError: no prompt, an empty / out-of-vocabulary / too long prompt, max_new_tokens < 1, a sampling
+                value or seed out of range, an empty stop string, text without a tokenizer, stop strings without a
+                tokenizer, chat without a chat template.
             ft_jax.engine.sampling.NonFiniteLogitsError: the model produced NaN or infinite logits.
         """
         request = self.request(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -419,10 +434,19 @@ class Model:
                           stats=result.stats, routing=result.routing, single=request.single)
 
 
+# The CLI flags that set each argument of load() that _argument checks, named in its messages.
+LOAD_FLAGS = {"policy": "--policy", "dtype": "--dtype", "quantize": "--quantize",
+              "cache": "--cache-slots, --cache-fraction, --device-memory", "profile": "--profile"}
+
+
+def _prefix(name: str) -> str:
+    return f"{name}= / {LOAD_FLAGS[name]}: "
+
+
 @contextlib.contextmanager
-def _argument(name: str, flags: str):
+def _argument(name: str):
     """A plain ValueError / TypeError raised while checking load()'s argument ``name`` again, its message prefixed
-    with the argument and the CLI flag(s) that set it ("cache= / --cache-slots, --device-memory: ...")."""
+    with the argument and the CLI flag(s) that set it (LOAD_FLAGS: "cache= / --cache-slots, --device-memory: ...")."""
     try:
         yield
     except (ValueError, TypeError) as e:
@@ -431,7 +455,16 @@ def _argument(name: str, flags: str):
         message = str(e)
         if message.startswith(f"{name}: "):  # the check named the argument already
             message = message[len(name) + 2:]
-        raise type(e)(f"{name}= / {flags}: {message}") from None
+        raise type(e)(_prefix(name) + message) from None
+
+
+def argument_message(error: BaseException, name: str) -> str | None:
+    """The message of an error load() raised about its argument ``name`` without the "name= / flags: " prefix (for
+    the CLI, which names the one flag given); None for any other error."""
+    message = str(error)
+    if type(error) in (ValueError, TypeError) and message.startswith(_prefix(name)):
+        return message[len(_prefix(name)):]
+    return None
 
 
 def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=None, cache=None,
@@ -447,10 +480,11 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             (docs/policies.md); None: defaults.default_policy of the JAX backend ("auto" with an accelerator,
             "host-all" on a CPU-only one, said through on_message).
         cache: device expert slots: None (half of all experts; one slot under host-all, which never fills them),
-            slots (int), a fraction (float), or bytes ("8GiB"); with a mesh, of each device (fractions of the experts
-            a device owns).
-        profile: bandwidth profile store (default: the user cache directory). measure: run a quick profile when
-            none is stored (else qstar falls back to fixed-cap:1).
+            slots (int), a fraction (float), or bytes ("8GiB"; a budget holding more than every expert is cut to them,
+            said in Model.note); with a mesh, of each device (fractions of the experts a device owns).
+        profile: bandwidth profile store (default: the user cache directory, created if need be; a path given here
+            must be in a folder that exists). measure: run a quick profile when none is stored (else qstar falls
+            back to fixed-cap:1).
         on_message: called with one-line notes (which bandwidth profile qstar uses). on_compile: see Engine.
         quantize: None, "q8_0" or "q4_0" (any case, as --quantize): quantize a float checkpoint while loading
             (ft_jax.checkpoint.load_checkpoint: the expert banks and the dense 2-D projections but routers and
@@ -467,8 +501,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
         ConfigError, CheckpointError, NotImplementedError: the folder cannot be used (the message names the file);
             quantize given for an FP8 / MXFP4 checkpoint, or for one with a tensor whose rows do not fit the blocks
             (the message names the file and the tensor).
-        ValueError: a bad dtype, policy, quantize or cache budget; a mesh whose expert axis does not divide the
-            experts or that does not match the processes (ExpertPartition.from_mesh).
+        ValueError: a bad dtype, policy, quantize or cache budget; a profile path that is a folder or in a folder
+            that does not exist; a mesh whose expert axis does not divide the experts or that does not match the
+            processes (ExpertPartition.from_mesh).
         TypeError: quantize neither a str nor None.
         ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
             available (checked from the headers before anything is allocated).
@@ -481,13 +516,16 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
     if defaulted:
         policy = default_policy(jax.default_backend())
     if not isinstance(policy, Policy):
-        with _argument("policy", "--policy"):
+        with _argument("policy"):
             policy = parse_policy(policy)  # errors before any loading
     if cache is None and policy.kind is PolicyKind.HOST_ALL:
         cache = 1  # host-all never fills a slot
-    with _argument("dtype", "--dtype"):
+    if profile is not None:  # an explicit store: its folder is never created (the default store's is)
+        with _argument("profile"):
+            check_store_path(profile)
+    with _argument("dtype"):
         dtype = model_dtype(dtype, cfg.dtype)
-    with _argument("quantize", "--quantize"):
+    with _argument("quantize"):
         fmt = expert_format(cfg, jnp.dtype(dtype), quantize)  # errors before any loading
     partition = None if mesh is None else ExpertPartition.from_mesh(mesh, cfg.num_experts)  # errors before loading
     per_device = cfg.num_experts if partition is None else partition.experts_per_shard
@@ -497,7 +535,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
     with checkpoint_lib.SafetensorsCheckpoint(path) as headers:  # headers only: checked before anything is allocated
         if quantize is not None:  # rows that do not fit the blocks, named before any size is computed from them
             checkpoint_lib.check_quantize_fits(headers.tensors, fmt)
-        with _argument("cache", "--cache-slots, --cache-fraction, --device-memory"):
+        with _argument("cache"):
             planned_slots = num_slots_for(cache, cfg.num_moe_layers * per_device,
                                           planned_expert_bytes(cfg, jnp.dtype(dtype), fmt))
         tokenizer = load_tokenizer_or_none(path)
@@ -507,7 +545,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
     checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype), quantize=quantize,
                                                 experts=None if partition is None else partition.process_experts)
     banks = checkpoint.banks
-    slots = num_slots_for(cache, cfg.num_moe_layers * per_device, banks.expert_bytes)
+    experts = cfg.num_moe_layers * per_device
+    slots = num_slots_for(cache, experts, banks.expert_bytes)
     policy, note = resolve_policy(policy, banks, cfg.hidden_size, cfg.moe_intermediate_size, profile=profile,
                                   measure=measure)
     if defaulted and policy.kind is PolicyKind.HOST_ALL:
@@ -516,9 +555,13 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
                 "anyway)")
     if note and on_message is not None:
         on_message(note)
+    notes = [note] if note else []
+    fits = budget_slots(cache, banks.expert_bytes) if isinstance(cache, str) else 0
+    if fits > experts and policy.kind not in (PolicyKind.HOST_ALL, PolicyKind.RESIDENT):  # they use no budget
+        notes.append(budget_note(f"cache={cache!r}", fits, experts))  # the CLI says it with its flag
     engine = Engine(checkpoint, policy=policy, num_slots=slots, on_compile=on_compile,
                     prefill_fetch_min_tokens=_prefill_split(policy, banks, cfg, profile), mesh=mesh)
-    return Model(path, checkpoint.config, tokenizer, checkpoint, engine, dtype, note)
+    return Model(path, checkpoint.config, tokenizer, checkpoint, engine, dtype, "\n".join(notes) or None)
 
 
 def _prefill_split(policy, banks, cfg, profile) -> int | None:

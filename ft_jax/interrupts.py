@@ -61,7 +61,7 @@ def exit_now(signum: int) -> None:
     with _busy:
         _busy.wait_for(lambda: _writers[0] == 0)
         name = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
-        # "\n" first: a progress line ("compiling ... ") may be waiting for its end.
+        # "\n" first: a progress line ("building the prefill step ... ") may be waiting for its end.
         os.write(2, f"\n{_state['label']}: {name}\n".encode())
         os._exit(128 + signum)
 

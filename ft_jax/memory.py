@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from ft_jax import weight_formats
+from ft_jax import units, weight_formats
 from ft_jax.config.quantization import quantize_applies
 
 MIB = 2**20
@@ -107,6 +107,21 @@ def planned_expert_bytes(cfg, dtype, fmt=None) -> int:
     weights = sum(math.prod(shape) * np.dtype(dt).itemsize for shape, dt in
                   weight_formats.expert_rows(fmt, H, I).values())
     return weights + ((2 * I + H) if cfg.expert_bias else 0) * np.dtype(dtype).itemsize
+
+
+def budget_slots(budget: str, expert_bytes: int) -> int:
+    """The whole expert slots a device budget given as bytes ("8GiB", units.parse_bytes) holds, not capped at the
+    number of experts: the one check of a byte budget (ft_jax.load's cache=, generate's and plan's --device-memory).
+
+    Raises:
+        ValueError: not a byte count, or a budget smaller than one expert slot of ``expert_bytes`` (the stored size:
+            planned_expert_bytes, ExpertBanks.expert_bytes).
+    """
+    nbytes = units.parse_bytes(budget)
+    if nbytes < expert_bytes:
+        raise ValueError(f"a device budget of {budget} ({nbytes} byte{'' if nbytes == 1 else 's'}) is smaller than "
+                         f"one expert slot ({expert_bytes} bytes: gate, up and down weights of one expert as stored)")
+    return nbytes // expert_bytes
 
 
 def _dense_bytes(name: str, info, itemsize: int, fmt) -> int:

@@ -94,13 +94,69 @@ def test_stop_strings_cut_the_text_and_end_the_row(bundled):
     (dict(prompts=[True, 2]), "each prompt must be a text or a list (or 1-D integer numpy array) of integer token ids, "
                               "got [True, 2]"),
     (dict(prompts=[1, 2], max_new_tokens=2.5), "max_new_tokens must be an integer, got 2.5"),
+    (dict(prompts=[1, 2], max_new_tokens="10"), "max_new_tokens must be an integer, got '10'"),
     (dict(prompts=[1, 2], temperature="hot"), "temperature must be a number, got 'hot'"),
+    (dict(prompts=[1, 2], top_p=True), "top_p must be a number, got True"),
+    (dict(prompts=[1, 2], top_k=1.5), "top_k must be an integer, got 1.5"),
+    (dict(prompts=[1, 2], top_k=True), "top_k must be an integer, got True"),
+    (dict(prompts=[1, 2], seed="a"), "seed must be an integer, got 'a'"),
+    (dict(prompts=[1, 2], seed=False), "seed must be an integer, got False"),
+    (dict(prompts=[1, 2], stop=5), "stop must be a string or a list of strings, got 5"),
+    (dict(prompts=[1, 2], stop=["x", 5]), "stop strings must be strings, got ('x', 5)"),
     (dict(prompts=[1, 2], on_text=5), "on_text must be callable with (row, text), got 5"),
 ])
 def test_wrong_argument_types_name_the_argument(bundled, kwargs, message):
     with pytest.raises(TypeError) as e:
         bundled.generate(kwargs.pop("prompts"), **kwargs)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
+    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+    (dict(top_k=-1), "top_k must be an integer in [0, 2^31), got -1"),
+    (dict(seed=-1), "seed must be an integer in [0, 2^32), got -1"),
+    (dict(seed=2**32), "seed must be an integer in [0, 2^32), got 4294967296"),
+    (dict(stop=["x", ""]), "stop strings must be non-empty strings, got ('x', '')"),
+])
+def test_argument_values_out_of_range_are_value_errors(bundled, kwargs, message):
+    """Wrong types are TypeError (above), wrong values of the right type ValueError, for every argument."""
+    with pytest.raises(ValueError) as e:
+        bundled.generate([1, 2], **kwargs)
+    assert type(e.value) is ValueError and str(e.value) == message
+
+
+def test_numpy_integers_are_integers(bundled):
+    out = bundled.generate([1, 2], max_new_tokens=np.int32(2), top_k=np.int64(2), seed=np.uint32(7))
+    assert out.token_ids == bundled.generate([1, 2], max_new_tokens=2, top_k=2, seed=7).token_ids
+
+
+def test_a_byte_budget_above_every_expert_is_said_in_model_note():
+    """cache="8GiB" on the bundled model (32 experts) is cut to 32 slots, said in Model.note in the CLI's words
+    (api.budget_note), beside the profile's note; a budget that fits, and host-all (no slot used), say nothing."""
+    fits = 8 * 2**30 // 393216
+    m = ft_jax.load(policy="fetch-all", cache="8GiB")
+    assert m.engine.num_slots == 32
+    assert m.note == f"cache='8GiB' holds {fits} experts, more than the 32 experts; using 32"
+    assert m.note == api.budget_note("cache='8GiB'", fits, 32)
+    stored = ft_jax.load(policy="qstar", cache="8GiB", measure=False).note.splitlines()
+    assert len(stored) == 2 and stored[1] == m.note
+    assert ft_jax.load(policy="fetch-all", cache="1MiB").note is None
+    assert ft_jax.load(policy="host-all", cache="8GiB").note is None
+
+
+def test_an_explicit_profile_path_needs_its_folder(tmp_path):
+    """profile= in a folder that does not exist is refused before loading, as --profile is (it was created); the
+    default store's folder is still created."""
+    missing = tmp_path / "no" / "p.json"
+    with pytest.raises(ValueError) as e:
+        ft_jax.load(policy="qstar", profile=str(missing))
+    assert str(e.value) == f"profile= / --profile: {missing}: folder {tmp_path / 'no'} does not exist"
+    assert not (tmp_path / "no").exists()
+    with pytest.raises(ValueError, match=rf"^profile= / --profile: {re.escape(str(tmp_path))}: is a directory"):
+        ft_jax.load(policy="qstar", profile=tmp_path)
+    assert ft_jax.load(policy="qstar:0.5", profile=tmp_path / "p.json").policy.frac == 0.5
 
 
 def test_batch_of_text_prompts_each_equal_alone(bundled):
@@ -144,6 +200,8 @@ def test_a_prompt_too_long_for_the_context_counts_its_tokens(bundled):
                      "expert slot"),
     (dict(cache="lots"), "cache= / --cache-slots, --cache-fraction, --device-memory: not a byte count: 'lots'"),
     (dict(cache=1.5), "cache= / --cache-slots, --cache-fraction, --device-memory: a cache fraction must be in (0, 1]"),
+    (dict(cache="100", policy="fetch-all"), "cache= / --cache-slots, --cache-fraction, --device-memory: a device "
+                                            "budget of 100 (100 bytes) is smaller than one expert slot (393216 bytes"),
     (dict(dtype="f16"), "dtype= / --dtype: dtype must be one of"),
     (dict(policy="bogus"), "policy= / --policy: unknown policy 'bogus'"),
     (dict(quantize="q5_0"), "quantize= / --quantize: quantize must be one of q8_0, q4_0"),
@@ -151,7 +209,10 @@ def test_a_prompt_too_long_for_the_context_counts_its_tokens(bundled):
 def test_a_bad_load_argument_names_the_argument_and_the_flag(kwargs, start):
     with pytest.raises(ValueError) as e:
         ft_jax.load(**kwargs, measure=False)
-    assert str(e.value).startswith(start)
+    assert str(e.value).startswith(start) and str(e.value).count(" / ") == 1  # one prefix, not repeated
+    name = start.partition("=")[0]
+    assert api.argument_message(e.value, name) == str(e.value)[len(start.partition(": ")[0]) + 2:]  # for the CLI
+    assert api.argument_message(e.value, "profile" if name != "profile" else "cache") is None
 
 
 def test_no_prompt_is_a_value_error_naming_the_prompts(bundled):

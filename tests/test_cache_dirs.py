@@ -21,7 +21,7 @@ def generate(cache_home, *extra):
 
 
 def notes(stderr):
-    return [line for line in stderr.splitlines() if line.startswith("ft-jax: ") and "compiling" not in line]
+    return [line for line in stderr.splitlines() if line.startswith("ft-jax: ") and "building the " not in line]
 
 
 def test_folder_problem(tmp_path):

@@ -119,6 +119,49 @@ def test_error_device_budget_below_one_slot(capsys):
     cfg = json.load(open(os.path.join(FIXTURES, "olmoe", "config.json")))
     expert_bytes = 3 * cfg["hidden_size"] * cfg["intermediate_size"] * 4  # float32 gate, up and down weights
     assert "smaller than one expert slot" in line and f"({expert_bytes} bytes:" in line
+    # the flag given, once (not "--cache-slots / ...: cache= / --cache-slots, ...: ")
+    assert line == ("ft-jax generate: error: --device-memory: a device budget of 1KiB (1024 bytes) is smaller than "
+                    f"one expert slot ({expert_bytes} bytes: gate, up and down weights of one expert as stored)")
+
+
+def test_plan_refuses_a_device_budget_below_one_slot_as_generate_does(capsys, tmp_path):
+    """`ft-jax plan --device-memory 0` (or 1) replayed host-all alone with one slot on a CPU device and exited 0; it
+    is refused with generate's message (memory.budget_slots), also with a stored CPU profile."""
+    from ft_jax.offload import profile as bandwidth
+    from ft_jax.tools.trace_io import write_trace
+
+    model = api.bundled_model_path()
+    trace = tmp_path / "t.jsonl"
+    write_trace(str(trace), [{"dataset": "t", "problem_id": 0, "layer": layer, "token_idx": t, "experts": [t % 8, 7],
+                              "gating_probs": [0.5, 0.5]} for layer in range(4) for t in range(6)])
+    store = tmp_path / "profiles.json"
+    bandwidth.save_profile(bandwidth.Profile(
+        key=bandwidth.machine_key("float32", 393216), bp=16.0, bh=22.0, bp_contended=14.0, bh_contended=16.0,
+        spreads={}, repeats=1, quick=True, measured_at="2026-01-01T00:00:00+00:00", hidden_size=1, intermediate_size=1),
+        store)
+    for budget, nbytes in (("0", "0 bytes"), ("1", "1 byte"), ("393215", "393215 bytes")):
+        for bandwidth_flags in (["--profile", str(store)], ["--bandwidth", "10,20"]):
+            assert cli.main(["plan", str(trace), "--model", model, "--device-memory", budget, *bandwidth_flags]) == 2
+            out, err = capsys.readouterr()
+            assert out == "" and err == (f"ft-jax plan: error: --device-memory: a device budget of {budget} ({nbytes}) "
+                                         "is smaller than one expert slot (393216 bytes: gate, up and down weights of "
+                                         "one expert as stored)\n"), err
+    assert cli.main(["plan", str(trace), "--model", model, "--device-memory", "384KiB", "--profile", str(store)]) == 0
+    assert capsys.readouterr().out.startswith("recommendation: ")
+
+
+def test_an_explicit_profile_path_needs_its_folder(capsys, monkeypatch, tmp_path):
+    """--profile in a folder that does not exist is refused before loading, as --record-trace is (it was created)."""
+    def no_loading(*a, **k):
+        raise AssertionError("the checkpoint must not be loaded for a bad --profile")
+
+    monkeypatch.setattr("ft_jax.checkpoint.load_checkpoint", no_loading)
+    missing = tmp_path / "no" / "p.json"
+    line = _error(capsys, "--policy", "qstar", "--profile", str(missing))
+    assert line == f"ft-jax generate: error: --profile {missing}: folder {tmp_path / 'no'} does not exist"
+    assert not (tmp_path / "no").exists()
+    line = _error(capsys, "--policy", "qstar", "--profile", str(tmp_path))
+    assert line == f"ft-jax generate: error: --profile {tmp_path}: is a directory, expected a file name"
 
 
 def test_error_unknown_policy(capsys):
@@ -212,30 +255,67 @@ def test_a_second_identical_process_compiles_nothing(tmp_path):
 
 
 def test_compile_notes_come_before_the_stream(tmp_path):
-    """One 'compiling ...' line per step on stderr, with its time, all before the first streamed token."""
+    """One 'building ...' line per step on stderr, with its time and how it was built (compiled, or loaded from the
+    compilation cache by a second process: never called compiling then), all before the first streamed token."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "ft_jax", "generate", "--prompt", "KING:", "--max-new-tokens", "8",
-                           "--policy", "host-all", "--temperature", "0"], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    notes = [l for l in proc.stderr.splitlines() if "compiling" in l]
-    assert len(notes) == 2 and all(re.search(r"ft-jax: compiling the (prefill|decode) step \(batch 1, .*\) \.\.\. "
-                                             r"(done|loaded from the compilation cache) in \d+\.\d s$", l) for l in notes)
-    assert proc.stdout.startswith("KING:")
-    assert "expert slots         none used (host-all" in proc.stderr
+    for how in ("compiled", "loaded from the compilation cache"):
+        proc = subprocess.run([sys.executable, "-m", "ft_jax", "generate", "--prompt", "KING:", "--max-new-tokens",
+                               "8", "--policy", "host-all", "--temperature", "0"], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        notes = [l for l in proc.stderr.splitlines() if "building the" in l]
+        assert len(notes) == 2 and all(re.search(r"^ft-jax: building the (prefill|decode) step \(batch 1, .*\) "
+                                                 rf"\.\.\. {how} in \d+\.\d s$", l) for l in notes), proc.stderr
+        assert "compiling" not in proc.stderr
+        assert proc.stdout.startswith("KING:")
+        assert "expert slots         none used (host-all" in proc.stderr
 
 
+def test_statistics_table_counts_and_labels(capsys):
+    """The table says '1 token' and '1 step' (not '1 tokens'), the qstar fraction rounded as the bandwidth profile's
+    note rounds it (--json keeps it exact), and labels the weights per token of a batch as the step's over its
+    rows."""
+    from ft_jax.cli.generate import stats_table
 
-def test_stop_escapes_follow_llama_cpp():
+    stats = _generate_json(capsys, "--prompt-ids", "5", "--max-new-tokens", "2", "--policy", "qstar:0.403632",
+                           "--temperature", "0", "--cache-slots", "4")["stats"]
+    assert stats["policy"] == "qstar:0.403632" and stats["batch_size"] == 1
+
+    def rows(table):
+        return dict(re.fullmatch(r"  (.+?) {2,}(.*)", line).groups() for line in table.splitlines())
+
+    one = rows(stats_table(stats))
+    assert one["policy"] == "qstar:0.404"
+    assert one["prefill"].startswith("1 token, ") and one["decode"].startswith("1 token after the first, 1 step, ")
+    assert re.fullmatch(r"f32 experts of 0\.38 MiB as stored; \d+\.\d\d MiB read per token \(dense 0\.90 MiB per "
+                        r"step \+ the active experts\)", one["weights"]), one["weights"]
+    two = rows(stats_table({**stats, "batch_size": 2, "prompt_tokens": 2, "decode_tokens": 2, "decode_steps": 1}))
+    assert two["prefill"].startswith("2 tokens, ") and two["decode"].startswith("2 tokens after the first, 1 step, ")
+    assert re.fullmatch(r"f32 experts of 0\.38 MiB as stored; \d+\.\d\d MiB read per token \(per step / 2 rows: "
+                        r"dense 0\.90 MiB per step \+ the active experts\)", two["weights"]), two["weights"]
+    assert rows(stats_table({**stats, "policy": "qstar:0.4"}))["policy"] == "qstar:0.4"
+
+
+def test_stop_escapes_follow_llama_cpp(capsys):
     """--stop processes escapes as llama.cpp's string_process_escapes: \\n \\r \\t \\' \\" \\\\ \\xHH; any other
-    backslash stays."""
+    backslash (which llama.cpp keeps) is refused, naming the stop string and the escape."""
     from ft_jax.cli.usage import process_escapes
 
-    cases = {r"\n\n": "\n\n", r"a\tb\r": "a\tb\r", r"\\n": "\\n", r"\'\"": "'\"", r"\x41\x4": "A\\x4",
-             r"\q": "\\q", "end\\": "end\\", "plain": "plain"}
+    cases = {r"\n\n": "\n\n", r"a\tb\r": "a\tb\r", r"\\n": "\\n", r"\'\"": "'\"", r"\x41\\": "A\\",
+             "plain": "plain"}
     assert {k: process_escapes(k) for k in cases} == cases
     args = cli.build_parser().parse_args(["generate", "--stop", r"\n\n", "--stop", "x"])
     assert args.stop == ["\n\n", "x"]
+    known = r"(escapes: \n, \r, \t, \\, \', \" and \xHH; \\ for a backslash) (see --help)"
+    for text, problem in ((r"\x", r"malformed escape \x: \xHH takes two hex digits"),
+                          (r"a\x4", r"malformed escape \x4: \xHH takes two hex digits"),
+                          (r"\xg1", r"malformed escape \xg1: \xHH takes two hex digits"),
+                          (r"\q", r"unknown escape \q"), (r"ab\n\d", r"unknown escape \d"),
+                          ("end\\", "a backslash at the end escapes nothing")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.build_parser().parse_args(["generate", "--stop", "x", "--stop", text])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == f"ft-jax generate: error: argument --stop: '{text}': {problem} {known}\n"
 
 
 def test_quantize_budgets_and_errors(capsys, tmp_path):

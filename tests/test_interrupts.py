@@ -76,7 +76,7 @@ def interrupt_run(tmp_path, phase: str, sig=signal.SIGINT, rng=random):
         assert _wait_handled(proc.pid), "the handlers were never installed"
         time.sleep(rng.uniform(0.0, 0.8))
     elif phase == "compile":
-        assert _wait_for(proc, proc.stderr, b"compiling the prefill", seen), bytes(seen)
+        assert _wait_for(proc, proc.stderr, b"building the prefill", seen), bytes(seen)
         time.sleep(rng.uniform(0.0, 0.5))
     else:
         streamed = bytearray()  # the first streamed text: decoding has started

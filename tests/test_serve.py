@@ -217,7 +217,7 @@ def test_a_non_streamed_client_that_gives_up_is_cancelled(server):
 
 def test_a_full_queue_answers_429_with_retry_after(server):
     """The batcher thread held (a call that waits): 8 requests wait for the 8 free rows, with max_queue 0 a ninth is
-    refused; released, the 8 complete."""
+    refused; with max_queue 1 a ninth waits and a tenth is refused ("1 request is"); released, the 9 complete."""
     gate, batcher = threading.Event(), server.batcher
     holder = threading.Thread(target=batcher.call, args=(gate.wait, 60))
     holder.start()
@@ -228,15 +228,23 @@ def test_a_full_queue_answers_429_with_retry_after(server):
         return httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=60)
 
     try:
-        with concurrent.futures.ThreadPoolExecutor(ROWS) as pool:
+        with concurrent.futures.ThreadPoolExecutor(ROWS + 1) as pool:
             waiting = [pool.submit(post) for _ in range(ROWS)]
             while batcher.queue_depth() < ROWS:
                 time.sleep(0.01)
             r = post()
             assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1, r.text
             assert r.json()["error"]["type"] == "rate_limit_error"
+            assert r.json()["error"]["message"].startswith("the server is busy: 0 requests are already waiting")
+            batcher.max_queue = 1
+            waiting.append(pool.submit(post))
+            while batcher.queue_depth() < ROWS + 1:
+                time.sleep(0.01)
+            r = post()
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["message"].startswith("the server is busy: 1 request is already waiting for a row")
             gate.set()
-            assert [w.result().status_code for w in waiting] == [200] * ROWS
+            assert [w.result().status_code for w in waiting] == [200] * (ROWS + 1)
     finally:
         gate.set()
         batcher.max_queue = 16
@@ -400,6 +408,98 @@ def test_valid_numbers_pass_as_written(offline_model):
     assert params.stop == ("a",)
 
 
+def _parse(body, chat, model):
+    return parse_request(body, chat=chat, model=model, template=ChatTemplate("test", CHAT_TEMPLATE), context=CTX,
+                         model_name="tiny")
+
+
+@pytest.mark.parametrize("text, chat, param, message", [
+    # a field of neither OpenAI request body nor the extensions: refused as OpenAI refuses it, a close name suggested
+    ('{"prompt": "R", "max_tokens": 3, "foo": 1}', False, "foo", "Unrecognized request argument supplied: foo"),
+    ('{"prompt": "R", "max_token": 3}', False, "max_token",
+     "Unrecognized request argument supplied: max_token (did you mean 'max_tokens'?)"),
+    ('{"prompt": "R", "temprature": 0}', True, "temprature",
+     "Unrecognized request argument supplied: temprature (did you mean 'temperature'?)"),
+    ('{"prompt": "R", "top-p": 0.5}', False, "top-p", "Unrecognized request argument supplied: top-p (did you mean "
+     "'top_p'?)"),
+    ('{"prompt": "R", "repetition_penalty": 1.1}', False, "repetition_penalty",  # no far-fetched suggestion
+     "Unrecognized request argument supplied: repetition_penalty"),
+    # a field of the other endpoint: said so
+    ('{"prompt": "R", "max_completion_tokens": 3}', False, "max_completion_tokens",
+     "Unrecognized request argument supplied: max_completion_tokens (a field of /v1/chat/completions)"),
+    ('{"prompt": "R", "messages": []}', False, "messages",
+     "Unrecognized request argument supplied: messages (a field of /v1/chat/completions)"),
+    ('{"messages": [{"role": "user", "content": "R"}], "prompt": "R"}', True, "prompt",
+     "Unrecognized request argument supplied: prompt (a field of /v1/completions)"),
+    ('{"prompt": "R", "echo": false}', True, "echo",
+     "Unrecognized request argument supplied: echo (a field of /v1/completions)"),
+    # inside stream_options; a name that is not valid Unicode shown as JSON escapes it
+    ('{"prompt": "R", "stream": true, "stream_options": {"include_usuage": true}}', False,
+     "stream_options.include_usuage",
+     "Unrecognized request argument supplied: stream_options.include_usuage (did you mean 'include_usage'?)"),
+    ('{"prompt": "R", "\\udc00": 1}', False, "\\udc00", "Unrecognized request argument supplied: \\udc00"),
+])
+def test_unknown_fields_are_refused_naming_them(offline_model, text, chat, param, message):
+    body = json.loads(text)
+    if chat and "messages" not in body:
+        body = {"messages": [{"role": "user", "content": body.pop("prompt")}], **body}
+    with pytest.raises(RequestError) as e:
+        _parse(body, chat, offline_model)
+    assert (e.value.status, e.value.param, e.value.message) == (400, param, message)
+
+
+def test_openai_fields_that_change_nothing_are_accepted(offline_model):
+    both = {"model": "tiny", "max_tokens": 2, "user": "u1", "n": 1, "seed": 1, "temperature": 0, "top_p": 1,
+            "top_k": 0, "ignore_eos": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+            "stop": None, "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    params = _parse({"prompt": "R", **both, "logprobs": None, "echo": False, "best_of": 1, "suffix": ""}, False,
+                    offline_model)
+    assert (params.max_tokens, params.include_usage) == (2, True)
+    chat = {"messages": [{"role": "user", "content": "R"}], **both, "max_completion_tokens": 3, "logprobs": False,
+            "top_logprobs": 0, "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+            "parallel_tool_calls": True, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+            "modalities": ["text"], "safety_identifier": "s", "prompt_cache_key": "p", "audio": None}
+    assert _parse(chat, True, offline_model).max_tokens == 3
+
+
+@pytest.mark.parametrize("text, chat, param, where, at, surrogate", [
+    ('{"prompt": "\\u0000\\udc00"}', False, "prompt", "prompt", 1, "\\udc00"),
+    ('{"prompt": ["ab\\ud800"]}', False, "prompt", "prompt[0]", 2, "\\ud800"),
+    ('{"prompt": "R", "stop": "\\udfff"}', False, "stop", "stop", 0, "\\udfff"),
+    ('{"prompt": "R", "stop": ["a", "b\\ud83d"]}', False, "stop", "stop[1]", 1, "\\ud83d"),
+    ('{"messages": [{"role": "user", "content": "hi \\udc00"}]}', True, "messages[0].content",
+     "messages[0].content", 3, "\\udc00"),
+    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, '
+     '{"type": "text", "text": "\\ude00"}]}]}', True, "messages[0].content", "messages[0].content[1].text", 0, "\\ude00"),
+])
+def test_unpaired_surrogates_are_refused_naming_field_and_position(offline_model, text, chat, param, where, at,
+                                                                   surrogate):
+    with pytest.raises(RequestError) as e:
+        _parse(json.loads(text), chat, offline_model)
+    assert (e.value.status, e.value.param, e.value.message) == (
+        400, param, f"'{where}' contains an unpaired UTF-16 surrogate ({surrogate}) at character {at}; send valid "
+                    "Unicode")
+    # a surrogate pair is one character, valid: encoded as UTF-8
+    assert _parse(json.loads('{"prompt": "\\ud83d\\ude00"}'), False, offline_model).prompt_ids == [240, 159, 152, 128]
+
+
+def test_unknown_fields_and_surrogates_over_http(server):
+    post = lambda body: httpx.post(server.url + "/v1/completions", headers={**server.headers,  # noqa: E731
+                                   "Content-Type": "application/json"}, content=body)
+    r = post(b'{"prompt": "R", "max_tokens": 3, "foo": 1}')
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "Unrecognized request argument supplied: foo", "type": "invalid_request_error", "param": "foo",
+        "code": None}
+    with pytest.raises(openai.BadRequestError, match=r"max_token \(did you mean 'max_tokens'\?\)"):
+        server.client.completions.create(model="tiny", prompt="R", extra_body={"max_token": 3})
+    r = post(b'{"prompt": "\\u0000\\udc00"}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["message"] == ("'prompt' contains an unpaired UTF-16 surrogate (\\udc00) at character 1; "
+                                            "send valid Unicode")
+    r = post(b'{"prompt": "R", "model": "\\udc00"}')  # echoed as JSON escapes it (a lone surrogate is not UTF-8)
+    assert r.status_code == 404 and r.json()["error"]["message"].startswith('the model "\\udc00" does not exist')
+
+
 def test_chat_field_errors_and_bodies_that_are_not_json(server):
     post = lambda path, **kw: httpx.post(server.url + path, headers=server.headers, **kw)  # noqa: E731
     r = post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "hi"}]})
@@ -546,4 +646,5 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert "shutting down" in proc.stderr.read()
+    stderr = proc.stderr.read()
+    assert "shutting down" in stderr and "(policy host-all, 1 row of 64 tokens)" in stderr, stderr

@@ -61,7 +61,8 @@ def add_arguments(sub) -> None:
     gen.add_argument("--top-p", type=arg_types.fraction, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
     gen.add_argument("--stop", action="append", metavar="TEXT", type=escaped_text,
                      help="stop a sequence once its text contains TEXT (cut off there); repeatable; escapes \\n, "
-                          "\\r, \\t, \\\\, \\', \\\" and \\xHH are processed as llama.cpp does")
+                          "\\r, \\t, \\\\, \\', \\\" and \\xHH are processed as llama.cpp does; any other "
+                          "backslash is refused (\\\\ for a backslash)")
     gen.add_argument("--chat", action="store_true",
                      help="render each --prompt as a user message with the checkpoint's chat template "
                           "(tokenizer_config.json or chat_template.jinja)")
@@ -142,14 +143,37 @@ def _check_record_trace(file: str | None) -> None:
         raise UsageError(f"--record-trace {file}: folder {folder} does not exist or is not writable")
 
 
+def _check_profile(file: str | None) -> None:
+    """An explicit --profile is checked before loading (offload.profile.check_store_path: as ft_jax.load does, named
+    by the flag): its folder is never created."""
+    if file is None:
+        return
+    from ft_jax.offload.profile import check_store_path
+
+    try:
+        check_store_path(file)
+    except ValueError as e:
+        raise UsageError(f"--profile {e}") from None
+
+
+def _budget_flags(args: argparse.Namespace) -> dict:
+    """{flag: value} of the three cache budget flags (mutually exclusive: at most one is not None)."""
+    return {"--cache-slots": args.cache_slots, "--cache-fraction": args.cache_fraction,
+            "--device-memory": args.device_memory}
+
+
+def _budget_flag(args: argparse.Namespace) -> str:
+    """The cache budget flag given (the three when none is), to name in an error."""
+    given = [flag for flag, value in _budget_flags(args).items() if value is not None]
+    return given[0] if given else " / ".join(_budget_flags(args))
+
+
 def _cache(args: argparse.Namespace, cfg, note, devices: int = 1) -> int | float | str | None:
     """The cache budget of the flags for api.load (of each of the ``devices`` devices, which own 1/devices of the
     experts); a --cache-slots above the number of experts is said in a note."""
     experts = cfg.num_moe_layers * cfg.num_experts // devices
-    flags = {"--cache-slots": args.cache_slots, "--cache-fraction": args.cache_fraction,
-             "--device-memory": args.device_memory}
     given = [f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
-             for flag, value in flags.items() if value is not None]
+             for flag, value in _budget_flags(args).items() if value is not None]
     import jax
 
     # auto fills no slot on a CPU device: its cost model runs the paths serially there and a hit costs a host GEMV
@@ -188,14 +212,15 @@ def _resident(args: argparse.Namespace) -> bool:
 
 def _device_memory_note(args: argparse.Namespace, cfg, expert_bytes: int, note, devices: int = 1) -> None:
     """A --device-memory that holds more than every expert (of a device) is clamped to all of them: said in a
-    note."""
+    note (api.budget_note, as Model.note says it of cache=)."""
+    from ft_jax import api
+
     experts = cfg.num_moe_layers * cfg.num_experts // devices
     if args.device_memory is None or _resident(args) or _host_all(args):
         return
     fits = units.parse_bytes(args.device_memory) // expert_bytes
     if fits > experts:
-        note(f"note: --device-memory {args.device_memory} holds {fits} experts, more than the {experts} experts; "
-             f"using {experts}")
+        note(f"note: {api.budget_note(f'--device-memory {args.device_memory}', fits, experts)}")
 
 
 def _mesh(args: argparse.Namespace):
@@ -235,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(path) if args.prompt_ids is None else api.load_tokenizer_or_none(path)
     request = _request(args, api, path, cfg, tokenizer)
     _check_record_trace(args.record_trace)
+    _check_profile(args.profile)
 
     notes: list[str] = []  # --json: in the object instead of on stderr
 
@@ -258,9 +284,10 @@ def run(args: argparse.Namespace) -> int:
                          measure=not args.no_measure, on_message=note, on_compile=on_compile, quantize=args.quantize,
                          mesh=mesh)
     except ValueError as e:
-        if "slot" in str(e) or "cache" in str(e):
-            raise UsageError(f"--cache-slots / --cache-fraction / --device-memory: {e}") from None
-        raise
+        message = api.argument_message(e, "cache")  # the message without load()'s "cache= / <every flag>: "
+        if message is None:
+            raise
+        raise UsageError(f"{_budget_flag(args)}: {message}") from None
     _device_memory_note(args, cfg, model.engine.expert_bytes, note, devices)
     model.engine.prefill_chunk = args.prefill_chunk
     if not args.json and primary:
@@ -353,6 +380,13 @@ def _slots_row(stats: dict) -> str:
     return size
 
 
+def _policy_text(policy: str) -> str:
+    """The policy as the table shows it: a qstar fraction to 3 decimals, as the bandwidth profile's note gives it
+    ("fetch fraction 0.404"; the exact one is in --json)."""
+    name, _, frac = policy.partition(":")
+    return f"qstar:{round(float(frac), 3):g}" if name == PolicyKind.QSTAR and frac else policy
+
+
 def stats_table(stats: dict) -> str:
     """The statistics of Engine.generate as the aligned table printed after the text."""
     def num(v, fmt="{:.2f}"):
@@ -361,18 +395,22 @@ def stats_table(stats: dict) -> str:
     def mib(v):
         return "-" if v is None else f"{v / 2**20:.2f} MiB"
 
-    built = stats["prefill_compiles"] + stats["decode_compiles"]
+    def count(n, word):  # "1 token", "2 tokens"
+        return f"{n} {word}{'' if n == 1 else 's'}"
+
+    built, rows_per_step = stats["prefill_compiles"] + stats["decode_compiles"], stats["batch_size"]
+    per_token = "" if rows_per_step == 1 else f"per step / {rows_per_step} rows: "
     rows = [
-        ("policy", stats["policy"]),
+        ("policy", _policy_text(stats["policy"])),
         ("expert slots", _slots_row(stats)),
         ("time to first token", f"{stats['ttft_s'] * 1e3:.1f} ms (compilation included)"),
-        ("prefill", f"{stats['prompt_tokens']} tokens, {num(stats['prefill_tokens_per_s'], '{:.1f}')} tokens/s"
-                    " (compilation excluded)"),
-        ("decode", f"{stats['decode_tokens']} tokens after the first, {stats['decode_steps']} steps, "
-                   f"{num(stats['decode_tokens_per_s'], '{:.1f}')} tokens/s (compilation excluded)"),
-        ("compile time", f"{stats['compile_s']:.2f} s ({built} step{'' if built == 1 else 's'} "
-                         f"built: {stats['xla_compiles']} compiled by XLA, {stats['cache_hits']} loaded from the "
-                         "compilation cache)"),
+        ("prefill", f"{count(stats['prompt_tokens'], 'token')}, {num(stats['prefill_tokens_per_s'], '{:.1f}')} "
+                    "tokens/s (compilation excluded)"),
+        ("decode", f"{count(stats['decode_tokens'], 'token')} after the first, "
+                   f"{count(stats['decode_steps'], 'step')}, {num(stats['decode_tokens_per_s'], '{:.1f}')} tokens/s "
+                   "(compilation excluded)"),
+        ("compile time", f"{stats['compile_s']:.2f} s ({count(built, 'step')} built: {stats['xla_compiles']} compiled "
+                         f"by XLA, {stats['cache_hits']} loaded from the compilation cache)"),
         ("hit rate", num(None if stats["hit_rate"] is None else 100 * stats["hit_rate"], "{:.1f} %")),
         ("experts per step", f"active {num(stats['active_per_step'])}, hits {num(stats['hits_per_step'])}, "
                              f"fetched {num(stats['fetched_per_step'])}, "
@@ -380,7 +418,7 @@ def stats_table(stats: dict) -> str:
         ("bytes per step", f"H2D slot fills {mib(stats['h2d_bytes_per_step'])}, "
                            f"host GEMV reads {mib(stats['host_bytes_per_step'])}"),
         ("weights", f"{stats['weight_format']} experts of {stats['expert_bytes'] / 2**20:.2f} MiB as stored; "
-                    f"{mib(stats['weight_bytes_per_token'])} read per token (dense "
+                    f"{mib(stats['weight_bytes_per_token'])} read per token ({per_token}dense "
                     f"{stats['dense_weight_bytes'] / 2**20:.2f} MiB per step + the active experts)"),
     ]
     for d, dev in enumerate(stats.get("per_device", ())):

@@ -10,10 +10,12 @@ import json
 
 from ft_jax.cli import arg_types
 from ft_jax.cli.trace import COST_MODEL_HELP, add_model_arguments, load_inputs
+from ft_jax.cli.usage import UsageError
+from ft_jax.memory import budget_slots
 from ft_jax.tools import plan
 from ft_jax.tools.multi_device import check_devices
 from ft_jax.tools.report import format_table, report
-from ft_jax.units import format_bytes
+from ft_jax.units import format_bytes, parse_bytes
 
 DEFAULT_CANDIDATES = "auto,qstar,fetch-all,host-all,fixed-cap:1,fixed-cap:2"
 
@@ -36,13 +38,13 @@ def observed_figures(text: str) -> dict:
 
 def add_plan_arguments(sub) -> None:
     """Register `ft-jax plan` on the CLI's subparsers."""
-    nbytes, policies = arg_types.byte_count, arg_types.policy_list("--candidates")
+    policies = arg_types.policy_list("--candidates")
 
     p = sub.add_parser("plan", help="recommend a policy and cache size for a device memory budget from a trace",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=COST_MODEL_HELP, description=plan.__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("trace", nargs="+", metavar="TRACE", help="routing trace file(s) (JSON lines or .npz)")
-    p.add_argument("--device-memory", type=nbytes, required=True, metavar="BYTES",
+    p.add_argument("--device-memory", type=arg_types.byte_text, required=True, metavar="BYTES",
                    help="device memory for expert slots, e.g. 24GiB (of each device with --devices)")
     p.add_argument("--devices", type=arg_types.positive_int, default=1, metavar="N",
                    help="model N devices of expert parallelism (each owns E/N experts of every layer, with its own "
@@ -59,9 +61,13 @@ def add_plan_arguments(sub) -> None:
 def run_plan(args) -> int:
     """`ft-jax plan`: returns the exit status; bad input raises ValueError / OSError."""
     trace, model = load_inputs(args)
+    try:  # generate's check (and message): a budget that holds no expert slot is refused
+        budget_slots(args.device_memory, model.expert_bytes)
+    except ValueError as e:
+        raise UsageError(f"--device-memory: {e}") from None
     if args.devices > 1:
         check_devices(trace, args.devices)
-    rec = plan.recommend(trace, model, args.device_memory, args.candidates, carry_cache=args.carry_cache,
+    rec = plan.recommend(trace, model, parse_bytes(args.device_memory), args.candidates, carry_cache=args.carry_cache,
                          batch=args.batch, observed=args.observed, devices=args.devices,
                          host_sockets=min(args.host_sockets, args.devices), allreduce_ms=args.allreduce_ms)
     rep = report(trace, model, rec["results"], args.carry_cache, args.batch)

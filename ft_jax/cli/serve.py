@@ -111,7 +111,8 @@ def _load(args, path: str, cfg, state, note, on_failure) -> None:
         return
     state.ready(model, batcher, template)
     print(f"ft-jax serve: ready: {state.model_name} on {_url(args.host, args.port)} (policy {model.policy}, "
-          f"{args.max_batch} rows of {state.ctx_size} tokens)", file=sys.stderr, flush=True)
+          f"{args.max_batch} row{'' if args.max_batch == 1 else 's'} of {state.ctx_size} tokens)", file=sys.stderr,
+          flush=True)
 
 
 def _url(host: str, port: int) -> str:

@@ -6,6 +6,7 @@ import argparse
 
 _ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
 _HEX = set("0123456789abcdefABCDEF")
+ESCAPES_HELP = "\\n, \\r, \\t, \\\\, \\', \\\" and \\xHH; \\\\ for a backslash"
 
 
 class UsageError(Exception):
@@ -21,15 +22,18 @@ class Parser(argparse.ArgumentParser):
 
 def process_escapes(text: str) -> str:
     r"""Backslash escapes as llama.cpp's command line processes them (common.cpp, string_process_escapes): \n, \r,
-    \t, \', \", \\ and \xHH (two hex digits: the character U+00HH); any other backslash, and a trailing one, stays
-    as it is. E.g. the two characters `\n` typed in a shell become a newline."""
+    \t, \', \", \\ and \xHH (two hex digits: the character U+00HH). E.g. the two characters `\n` typed in a shell
+    become a newline. Where llama.cpp keeps any other backslash as it is (a typo then never matches), this raises
+    ValueError naming the escape: an unknown one (\q), \x without two hex digits, a backslash at the end."""
     out, i = [], 0
     while i < len(text):
         c = text[i]
-        if c != "\\" or i + 1 == len(text):
+        if c != "\\":
             out.append(c)
             i += 1
             continue
+        if i + 1 == len(text):
+            raise ValueError("a backslash at the end escapes nothing")
         nxt, hexits = text[i + 1], text[i + 2:i + 4]
         if nxt in _ESCAPES:
             out.append(_ESCAPES[nxt])
@@ -37,15 +41,20 @@ def process_escapes(text: str) -> str:
         elif nxt == "x" and len(hexits) == 2 and set(hexits) <= _HEX:
             out.append(chr(int(hexits, 16)))
             i += 4
+        elif nxt == "x":
+            raise ValueError(f"malformed escape \\x{hexits}: \\xHH takes two hex digits")
         else:
-            out.append(c + nxt)
-            i += 2
+            raise ValueError(f"unknown escape \\{nxt}")
     return "".join(out)
 
 
 def escaped_text(text: str) -> str:
-    """argparse type: the text with llama.cpp's escapes processed (process_escapes); an empty result is refused."""
-    value = process_escapes(text)
+    """argparse type: the text with llama.cpp's escapes processed (process_escapes); a malformed or unknown escape
+    (named with the text) and an empty result are refused."""
+    try:
+        value = process_escapes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"'{text}': {e} (escapes: {ESCAPES_HELP})") from None
     if not value:
         raise argparse.ArgumentTypeError(f"expected a non-empty text, got {text!r}")
     return value

@@ -117,9 +117,10 @@ class Engine:
         checkpoint: LoadedCheckpoint (config, model with dense params on the device, gate_up and down host banks).
         policy: decode policy (ft_jax.offload.policy.Policy). A qstar policy needs its fraction (Policy.frac).
         num_slots: S, device expert slots shared by all MoE layers (ignored for the resident policy: S = L*E).
-        on_compile: on_compile(text, finished) is called before each compilation with ("compiling the decode step
-            (batch 1, KV cache 256) ...", False) and after it with (" done in 3.1 s" or " loaded from the compilation
-            cache in 0.2 s", True): the two texts make one line.
+        on_compile: on_compile(text, finished) is called before each compilation with ("building the decode step
+            (batch 1, KV cache 256) ...", False) and after it with (" compiled in 3.1 s" or " loaded from the
+            compilation cache in 0.2 s", True): the two texts make one line (the first is said before JAX knows
+            whether its persistent compilation cache has the step).
         prefill_chunk: prompt tokens per prefill call (>= 1; the attribute may be changed between calls): a longer
             prompt is prefilled in chunks appended to the KV cache, all by one executable per (batch, KV bucket).
         on_prefill: on_prefill(tokens done, tokens in all, seconds since the prefill began) after each chunk of a
@@ -210,7 +211,7 @@ class Engine:
             return exe
         step = self._prefill if kind == "prefill" else self._decode
         if self.on_compile is not None:
-            self.on_compile(f"compiling {what} ...", False)
+            self.on_compile(f"building {what} ...", False)
         compiles_before, hits_before = stats_lib.CompileCounter.snapshot()
         t0 = time.perf_counter()
         extra = {} if kind == "prefill" else {"record_routing": record_routing}
@@ -222,7 +223,7 @@ class Engine:
         tally["cache_hits"] += hits
         tally[f"{kind}_compiles"] += 1
         if self.on_compile is not None:
-            how = "loaded from the compilation cache" if hits and not compiles else "done"
+            how = "loaded from the compilation cache" if hits and not compiles else "compiled"
             self.on_compile(f" {how} in {seconds:.1f} s", True)
         self._executables[key] = exe
         return exe

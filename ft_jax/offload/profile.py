@@ -460,6 +460,17 @@ def default_store_path() -> Path:
     return platformdirs.user_cache_path("ft_jax") / "profiles.json"
 
 
+def check_store_path(path: str | os.PathLike) -> None:
+    """An explicit store path (ft_jax.load(profile=...), generate's --profile) names a file in a folder that exists:
+    only the default store's folder (default_store_path) is created. Raises ValueError naming the path."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: is a directory, expected a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{path}: folder {folder} does not exist")
+
+
 def read_profiles(path: str | os.PathLike | None = None) -> tuple[list[Profile], str]:
     """(every entry of the store that parses, "" or why the whole file is damaged); a missing file gives ([], "").
 

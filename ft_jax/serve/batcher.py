@@ -44,8 +44,8 @@ class QueueFullError(RuntimeError):
     """The waiting queue is full: the client should retry after ``retry_after`` seconds."""
 
     def __init__(self, waiting: int, retry_after: int):
-        super().__init__(f"the server is busy: {waiting} requests are already waiting for a row (--max-queue); "
-                         f"retry in {retry_after} s")
+        super().__init__(f"the server is busy: {waiting} request{' is' if waiting == 1 else 's are'} already waiting "
+                         f"for a row (--max-queue); retry in {retry_after} s")
         self.retry_after = retry_after
 
 

@@ -12,14 +12,19 @@ developer, user, assistant; content a text or a list of {"type": "text", "text"}
 max_completion_tokens), temperature, top_p, top_k and ignore_eos (extensions, as llama-server and vLLM have them),
 seed, stop (a text or a list of texts), stream, stream_options.include_usage, n = 1. Fields that would change the
 output in a way this server does not do (n > 1, logprobs, echo, best_of, suffix, penalties, logit_bias, tools, a
-response format other than text) are refused with 400 when given a value other than their default; other unknown
-fields are ignored.
+response format other than text, audio, ...) are refused with 400 when given a value other than their default; fields
+that change nothing here (user, metadata, store, service_tier, parallel_tool_calls, ...) are accepted and unused. A
+field that is in neither the endpoint's OpenAI request body nor the extensions is refused with 400 as OpenAI refuses it
+("Unrecognized request argument supplied: max_token (did you mean 'max_tokens'?)"), so a misspelt field never falls
+back to its default unnoticed; so is a text (prompt, message content, stop) with an unpaired UTF-16 surrogate, which
+JSON's \\uXXXX escapes can spell but no tokenizer can encode.
 Reference: the OpenAI API reference for the legacy completions and the chat completions endpoints.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import re
@@ -40,7 +45,18 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-               "function_call": (None, "none")}
+               "function_call": (None, "none"), "modalities": (None, ["text"]), "audio": (None,),
+               "prediction": (None,), "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,)}
+# The request bodies' fields in the OpenAI API reference, and the extensions top_k and ignore_eos; any other is refused.
+_COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+                  "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "user", "top_k", "ignore_eos"}
+COMPLETIONS_FIELDS = frozenset(_COMMON_FIELDS | {"prompt", "suffix", "echo", "best_of"})
+CHAT_FIELDS = frozenset(_COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls", "functions", "function_call", "metadata", "store", "service_tier", "safety_identifier",
+    "prompt_cache_key", "modalities", "audio", "prediction", "reasoning_effort", "verbosity", "web_search_options"})
+STREAM_OPTIONS_FIELDS = frozenset({"include_usage", "include_obfuscation"})
+_SURROGATE = re.compile(r"[\ud800-\udfff]")  # an unpaired UTF-16 surrogate (a pair is one character)
 
 
 class RequestError(ValueError):
@@ -87,10 +103,45 @@ class GenerationParams:
     ignore_eos: bool = False
 
 
+def _escaped(text: str) -> str:
+    """``text`` with each unpaired UTF-16 surrogate spelt as JSON escapes it (\\udc00): an error message holding one
+    could not be encoded as UTF-8."""
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 def _shown(value, limit: int = 200) -> str:
     """A request value as the client wrote it (JSON, not Python's repr), cut to ``limit`` characters."""
-    text = json.dumps(value, ensure_ascii=False, default=str)
+    text = _escaped(json.dumps(value, ensure_ascii=False, default=str))
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _unicode(text: str, where: str, param: str) -> str:
+    """``text`` if it is valid Unicode; else (an unpaired UTF-16 surrogate, which JSON's escapes can spell) a
+    RequestError with ``param``, naming ``where`` and the surrogate's position."""
+    bad = _SURROGATE.search(text)
+    if bad:
+        raise RequestError(f"'{where}' contains an unpaired UTF-16 surrogate ({_escaped(bad.group())}) at character "
+                           f"{bad.start()}; send valid Unicode", param)
+    return text
+
+
+def _known_fields(body: dict, chat: bool) -> None:
+    """Refuses the first field of ``body`` (or of its stream_options) that the endpoint's request body does not have,
+    as OpenAI does: RequestError "Unrecognized request argument supplied: NAME" with param NAME, saying when it is a
+    field of the other endpoint and suggesting a close known name."""
+    known, other, other_path = ((CHAT_FIELDS, COMPLETIONS_FIELDS, "/v1/completions") if chat else
+                                (COMPLETIONS_FIELDS, CHAT_FIELDS, "/v1/chat/completions"))
+    fields = [(name, name, known) for name in body]
+    if isinstance(body.get("stream_options"), dict):
+        fields += [(f"stream_options.{name}", name, STREAM_OPTIONS_FIELDS) for name in body["stream_options"]]
+    for where, name, allowed in fields:
+        if name not in allowed:
+            hints = [f"a field of {other_path}"] if allowed is known and name in other else []
+            # cutoff 0.8: typos (max_token, temprature, top-p), not other servers' fields (repetition_penalty)
+            hints += [f"did you mean '{m}'?" for m in difflib.get_close_matches(name, sorted(allowed), 1, 0.8)]
+            where = _escaped(where)
+            raise RequestError(f"Unrecognized request argument supplied: {where}"
+                               + (f" ({'; '.join(hints)})" if hints else ""), where)
 
 
 def _json_type(value) -> str:
@@ -152,7 +203,7 @@ def _prompt(body: dict) -> tuple[str | list[int], str]:
     if prompt == "" or prompt == []:
         raise RequestError(f"'{where}' is empty: give a non-empty string or an array of token ids", "prompt")
     if isinstance(prompt, str):
-        return prompt, where
+        return _unicode(prompt, where, "prompt"), where
     if not isinstance(prompt, list):
         raise RequestError(f"'{where}' must be a non-empty string or an array of token ids, got {_got(prompt)}",
                            "prompt")
@@ -183,10 +234,12 @@ def _messages(body: dict) -> list[dict]:
             if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
                 raise RequestError(f"'{where}.content': only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
                                    "supported", f"{where}.content")
-            content = "".join(texts)
+            content = "".join(_unicode(t, f"{where}.content[{j}].text", f"{where}.content")
+                              for j, t in enumerate(texts))
         if not isinstance(content, str):
             raise RequestError(f"'{where}.content' must be a string or an array of text parts, got {_got(content)}",
                                f"{where}.content")
+        _unicode(content, f"{where}.content", f"{where}.content")
         out.append({"role": role, "content": content})
     return out
 
@@ -236,12 +289,14 @@ def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str,
         template: the model's chat template, or why it has none (the message a chat request gets).
         context: tokens per row of the server (--ctx-size): prompt + max_tokens must fit. model_name: reported back.
     Raises:
-        RequestError: 400 naming the field: a wrong type or value, an unsupported field, a prompt over the context
-            (code "context_length_exceeded"), chat without a chat template, more than MAX_STOP stop strings; 404
+        RequestError: 400 naming the field: a field unknown to the endpoint, a wrong type or value, an unsupported
+            field, a text with an unpaired surrogate, a prompt over the context (code "context_length_exceeded"),
+            chat without a chat template, more than MAX_STOP stop strings; 404
             (code "model_not_found") for a 'model' other than model_name.
     """
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {_got(body)}")
+    _known_fields(body, chat)
     _unsupported(body)
     stream = _field(body, "stream", (bool,), "true or false", False)
     options = _field(body, "stream_options", (dict,), "an object", {})
@@ -265,6 +320,8 @@ def parse_request(body: Any, *, chat: bool, model, template: ChatTemplate | str,
         if not isinstance(s, str):
             raise RequestError(f"'stop[{i}]' must be a string, got {_got(s)}", "stop")
     stops = [stop] if isinstance(stop, str) else stop
+    for i, s in enumerate(stops):
+        _unicode(s, f"stop[{i}]" if isinstance(stop, list) else "stop", "stop")
     if any(s == "" for s in stops):
         raise RequestError(f"'stop' strings must be non-empty, got {_shown(stop)}", "stop")
     if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
