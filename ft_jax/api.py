@@ -39,6 +39,7 @@ from ft_jax.offload.policy import Policy, PolicyKind, parse_policy
 from ft_jax.offload.prefill_split import prefill_min_tokens_for
 from ft_jax.offload.profile import check_store_path, cost_model_for, resolve_policy
 from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
+from ft_jax import units
 from ft_jax.units import model_dtype
 
 from ft_jax.defaults import (BUNDLED_MODEL, DEFAULT_CACHE_FRACTION, DEFAULT_NEW_TOKENS, DEFAULT_POLICY,  # noqa: F401
@@ -130,8 +131,8 @@ class Generation:
         """
         if not self.single:
             n = len(self.token_ids)
-            raise ValueError(f"text is the text of a single prompt; this generation had a list of {n} "
-                             f"prompt{'' if n == 1 else 's'}: use .texts (one text per prompt)")
+            raise ValueError(f"text is the text of a single prompt; this generation had a list of "
+                             f"{units.count(n, 'prompt')}: use .texts (one text per prompt)")
         return None if self.texts is None else self.texts[0]
 
 
@@ -194,7 +195,7 @@ def _which_prompt(prompts: Sequence[Sequence[int]], length: int) -> str:
 
 def _tokens(n: int, kind: str = "") -> str:
     """'1 token', '2 new tokens': a count for an error message."""
-    return f"{n} {kind}token" + ("" if n == 1 else "s")
+    return units.count(n, f"{kind}token")
 
 
 def _context(config, context: tuple[int, str] | None) -> tuple[int, str]:

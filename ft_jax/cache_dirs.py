@@ -1,7 +1,9 @@
-"""User cache folders (compile/ and profiles.json under $XDG_CACHE_HOME/ft_jax): can one be created and written?
+"""Where ft_jax writes: can a user cache folder (compile/ and profiles.json under $XDG_CACHE_HOME/ft_jax) be created
+and written, and can a file the user named (--record-trace, --profile) be written?
 
-A folder that cannot (read-only file system, no permission, a regular file where a folder should be) turns its
-cache off with one note instead of stopping the run (ft_jax.api.enable_compile_cache, the bandwidth profile store).
+A cache folder that cannot (read-only file system, no permission, a regular file where a folder should be) turns its
+cache off with one note instead of stopping the run (ft_jax.api.enable_compile_cache, the bandwidth profile store); a
+named file that cannot is refused before anything is loaded, and its folder is never created.
 """
 
 from __future__ import annotations
@@ -22,4 +24,16 @@ def folder_problem(path: str | os.PathLike) -> str | None:
             pass
     except OSError as e:
         return os_error_cause(e)
+    return None
+
+
+def output_file_problem(path: str | os.PathLike) -> str | None:
+    """None when ``path`` names a file that can be written in a folder that exists, else the problem in a few words
+    ("is a directory, expected a file name", "folder /x does not exist or is not writable"). Creates nothing."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return "is a directory, expected a file name"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        return f"folder {folder} does not exist or is not writable"
     return None

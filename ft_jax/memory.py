@@ -119,7 +119,7 @@ def budget_slots(budget: str, expert_bytes: int) -> int:
     """
     nbytes = units.parse_bytes(budget)
     if nbytes < expert_bytes:
-        raise ValueError(f"a device budget of {budget} ({nbytes} byte{'' if nbytes == 1 else 's'}) is smaller than "
+        raise ValueError(f"a device budget of {budget} ({units.count(nbytes, 'byte')}) is smaller than "
                          f"one expert slot ({expert_bytes} bytes: gate, up and down weights of one expert as stored)")
     return nbytes // expert_bytes
 

@@ -1,4 +1,5 @@
-"""Units of what users type and read: byte counts ("8GiB") and dtype names ("bf16"), parsed and shown in one place."""
+"""Units of what users type and read: byte counts ("8GiB"), dtype names ("bf16") and counted nouns ("1 token"),
+parsed and shown in one place."""
 
 from __future__ import annotations
 
@@ -41,3 +42,8 @@ def model_dtype(dtype: str, checkpoint_dtype: str) -> str:
     if dtype != "auto":
         return dtype
     return "float32" if checkpoint_dtype == "float32" else "bfloat16"
+
+
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun`` in the plural unless n is 1: "1 token", "2 tokens", "0 rows" (English nouns that take -s)."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"

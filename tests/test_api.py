@@ -152,7 +152,7 @@ def test_an_explicit_profile_path_needs_its_folder(tmp_path):
     missing = tmp_path / "no" / "p.json"
     with pytest.raises(ValueError) as e:
         ft_jax.load(policy="qstar", profile=str(missing))
-    assert str(e.value) == f"profile= / --profile: {missing}: folder {tmp_path / 'no'} does not exist"
+    assert str(e.value) == f"profile= / --profile: {missing}: folder {tmp_path / 'no'} does not exist or is not writable"
     assert not (tmp_path / "no").exists()
     with pytest.raises(ValueError, match=rf"^profile= / --profile: {re.escape(str(tmp_path))}: is a directory"):
         ft_jax.load(policy="qstar", profile=tmp_path)

@@ -158,7 +158,7 @@ def test_an_explicit_profile_path_needs_its_folder(capsys, monkeypatch, tmp_path
     monkeypatch.setattr("ft_jax.checkpoint.load_checkpoint", no_loading)
     missing = tmp_path / "no" / "p.json"
     line = _error(capsys, "--policy", "qstar", "--profile", str(missing))
-    assert line == f"ft-jax generate: error: --profile {missing}: folder {tmp_path / 'no'} does not exist"
+    assert line == f"ft-jax generate: error: --profile {missing}: folder {tmp_path / 'no'} does not exist or is not writable"
     assert not (tmp_path / "no").exists()
     line = _error(capsys, "--policy", "qstar", "--profile", str(tmp_path))
     assert line == f"ft-jax generate: error: --profile {tmp_path}: is a directory, expected a file name"

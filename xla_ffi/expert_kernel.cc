@@ -19,18 +19,6 @@ namespace ft_jax {
 
 namespace {
 
-// Below this many weight bytes per call the kernel runs on the calling thread (waking workers costs more).
-constexpr size_t kParallelMinBytes = size_t{1} << 20;
-// Target weight bytes per task of a compute-bound call (many tokens per expert: prefill): small enough to balance the
-// threads when tasks differ in tokens.
-constexpr size_t kTaskBytes = size_t{256} << 10;
-// A memory-bound call (decode: fewer than kStreamMaxTokens tokens per expert on average) takes tasks as long as the
-// balance allows (RowsPerTask's 4 per thread): each thread then reads its rows as a few long sequential streams, which
-// the hardware prefetchers follow. Measured (profile_decode.py, bench model, bf16 host-all, 2 threads, alternated):
-// decode tok/s at batch 1 / 4 / 8: 25.3 / 34.8 / 47.8 with 256 KiB tasks, 30.8 / 44.1 / 57.6 with these.
-constexpr size_t kStreamTaskBytes = size_t{16} << 20;
-constexpr int64_t kStreamMaxTokens = 8;
-
 // glu(g, u) of the module comment: act(g) * u, or the clamped SwiGLU of gpt-oss.
 inline float Glu(const ExpertActivation& act, float g, float u) {
   if (act.kind == Activation::kSilu) return g / (1.0f + std::exp(-g)) * u;
@@ -81,14 +69,6 @@ void GroupRoutes(const int32_t* ids, const float* weights, int64_t T, int64_t k,
     g->weight[n] = weights[order[n]];
   }
   g->begin.push_back(static_cast<int64_t>(order.size()));
-}
-
-int64_t RowsPerTask(size_t row_bytes, int64_t rows, int64_t multiple, int64_t threads, size_t task_bytes) {
-  int64_t r = static_cast<int64_t>(task_bytes / std::max<size_t>(row_bytes, 1));
-  // At least 4 tasks per thread for balance.
-  int64_t cap = (rows + 4 * threads - 1) / (4 * threads);
-  r = std::max<int64_t>(1, std::min(r, cap));
-  return (r + multiple - 1) / multiple * multiple;
 }
 
 // The view of a float (dtype) or block-format matrix of `cols` columns.
@@ -164,7 +144,7 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
   // is out of range throws ExpertIdError before reading anything (ParallelFor hands it to the caller).
   // Rows per task: a multiple of the register tile's rows where the bf16 tiles run (gemm_bf16.h), else any.
   const int64_t row_multiple = bf16_dots ? gemm_bf16::kRows : 1;
-  const size_t task_bytes = routes < kStreamMaxTokens * G ? kStreamTaskBytes : kTaskBytes;
+  const size_t task_bytes = TaskBytes(routes, G);  // parallel.h: long tasks for decode, 256 KiB for prefill
   const int64_t rpt1 = RowsPerTask(2 * gu_row, I, row_multiple, threads, task_bytes);
   const int64_t blocks1 = (I + rpt1 - 1) / rpt1;
   run(G * blocks1, [&](int64_t task) {

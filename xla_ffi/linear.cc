@@ -33,12 +33,6 @@ using F32Matrix = ffi::Buffer<ffi::DataType::F32, 2>;
 using F32MatrixResult = ffi::ResultBuffer<ffi::DataType::F32, 2>;
 using I32Scalar = ffi::Buffer<ffi::DataType::S32, 0>;
 
-constexpr size_t kParallelMinBytes = size_t{1} << 20;  // below: the caller alone (waking helpers costs more)
-constexpr size_t kTaskBytes = size_t{256} << 10;       // weight bytes per task (fits L2 while the tokens pass)
-// Fewer than kStreamMaxTokens tokens (decode): tasks as long as the balance allows, a few long sequential streams per
-// thread (as the expert kernel's memory-bound calls, expert_kernel.cc).
-constexpr size_t kStreamTaskBytes = size_t{16} << 20;
-constexpr int64_t kStreamMaxTokens = 8;
 
 constexpr int64_t kTiledMinTokens = 32;               // from here a bf16 x bf16 call copies x to the tiles' stride
 constexpr size_t kTokenBlockBytes = size_t{256} << 10;  // bf16 token bytes per block (stays in L2 while rows pass)
@@ -79,9 +73,7 @@ void RunLinear(const MatrixView& w, const float* x, const uint16_t* xb, int64_t 
     qx_all = QuantizeActivations(isa, w.format, x, w.cols, N, qx_storage);
     qx = &qx_all;
   }
-  int64_t rows = std::max<int64_t>(1, static_cast<int64_t>((N < kStreamMaxTokens ? kStreamTaskBytes : kTaskBytes) / row_bytes));
-  rows = std::min(rows, (O + 4 * threads - 1) / (4 * threads));  // at least 4 tasks per thread
-  rows = (std::max<int64_t>(rows, 1) + 3) / 4 * 4;
+  const int64_t rows = RowsPerTask(row_bytes, O, 4, threads, TaskBytes(N, 1));  // parallel.h
   const int64_t tasks = (O + rows - 1) / rows;
   ParallelFor(pool, tasks, [&](int64_t t) {
     rows_times_tokens(t * rows, std::min(O, (t + 1) * rows), qx);

@@ -1,4 +1,5 @@
 // ParallelFor over the caller's XLA thread pool (the FFI's Ctx<ThreadPool>) or over a WorkerPool (worker_pool.h).
+// With it, how the kernels split a call into tasks: kParallelMinBytes, TaskBytes and RowsPerTask.
 // Pool is any type with num_threads() and Schedule(callable), as both have.
 //
 // ParallelFor(pool, n, fn) runs fn(0), ..., fn(n-1) and returns when every task has returned. The calling thread
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -30,6 +32,32 @@ template <typename Pool>
 int64_t LoopThreads(Pool& pool) {
   const int64_t n = std::max<int64_t>(pool.num_threads(), 1);
   return NumThreadsCap() ? std::min(n, NumThreadsCap()) : n;
+}
+
+// Below this many weight bytes per call a kernel runs on the calling thread (waking helpers costs more).
+constexpr size_t kParallelMinBytes = size_t{1} << 20;
+// Weight bytes per task of a compute-bound call (many tokens per weight row: prefill): small enough to balance the
+// threads when tasks differ in tokens, large enough to amortise the hand-out.
+constexpr size_t kTaskBytes = size_t{256} << 10;
+// A memory-bound call (decode: fewer than kStreamMaxTokens tokens per matrix on average) takes tasks as long as the
+// balance allows (RowsPerTask's 4 per thread): each thread then reads its rows as a few long sequential streams, which
+// the hardware prefetchers follow. Measured (profile_decode.py, bench model, bf16 host-all, 2 threads, the builds
+// alternated over 3 rounds; docs/DESIGN.md sec. 16): decode +10-15 % tok/s at batch 1, +4 % at batch 8. Prefill keeps
+// kTaskBytes (long tasks cost q8_0 experts at 64 tokens 15-25 %).
+constexpr size_t kStreamTaskBytes = size_t{16} << 20;
+constexpr int64_t kStreamMaxTokens = 8;
+
+// Target weight bytes per task of a call that applies `matrices` weight matrices to `tokens` token rows in all.
+inline size_t TaskBytes(int64_t tokens, int64_t matrices) {
+  return tokens < kStreamMaxTokens * matrices ? kStreamTaskBytes : kTaskBytes;
+}
+
+// Rows per task: task_bytes of rows of row_bytes, at least 4 tasks per thread for balance, rounded up to `multiple`.
+inline int64_t RowsPerTask(size_t row_bytes, int64_t rows, int64_t multiple, int64_t threads, size_t task_bytes) {
+  int64_t r = static_cast<int64_t>(task_bytes / std::max<size_t>(row_bytes, 1));
+  const int64_t cap = (rows + 4 * threads - 1) / (4 * threads);
+  r = std::max<int64_t>(1, std::min(r, cap));
+  return (r + multiple - 1) / multiple * multiple;
 }
 
 namespace internal {

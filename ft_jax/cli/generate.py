@@ -9,6 +9,7 @@ import os
 import sys
 
 from ft_jax import defaults, interrupts, launch, units
+from ft_jax.cache_dirs import output_file_problem
 from ft_jax.cli import arg_types
 from ft_jax.cli.usage import UsageError, escaped_text
 from ft_jax.config import SUPPORTED_ARCHITECTURES, load_config
@@ -132,28 +133,13 @@ def _request(args: argparse.Namespace, api, path: str, cfg, tokenizer):
         raise UsageError(f"{flag}: {e}" if flag else str(e)) from None
 
 
-def _check_record_trace(file: str | None) -> None:
-    """--record-trace is checked before loading: the trace is written after the whole generation."""
-    if file is None:
-        return
-    folder = os.path.dirname(os.path.abspath(file))
-    if os.path.isdir(file):
-        raise UsageError(f"--record-trace {file}: is a directory, expected a file name")
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise UsageError(f"--record-trace {file}: folder {folder} does not exist or is not writable")
-
-
-def _check_profile(file: str | None) -> None:
-    """An explicit --profile is checked before loading (offload.profile.check_store_path: as ft_jax.load does, named
-    by the flag): its folder is never created."""
-    if file is None:
-        return
-    from ft_jax.offload.profile import check_store_path
-
-    try:
-        check_store_path(file)
-    except ValueError as e:
-        raise UsageError(f"--profile {e}") from None
+def _check_output_file(flag: str, file: str | None) -> None:
+    """A file flag (--record-trace: written after the whole generation; --profile: an explicit bandwidth profile
+    store) is checked before loading (cache_dirs.output_file_problem, as ft_jax.load checks profile=): its folder is
+    never created."""
+    problem = None if file is None else output_file_problem(file)
+    if problem:
+        raise UsageError(f"{flag} {file}: {problem}")
 
 
 def _budget_flags(args: argparse.Namespace) -> dict:
@@ -259,8 +245,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(path)
     tokenizer = load_tokenizer(path) if args.prompt_ids is None else api.load_tokenizer_or_none(path)
     request = _request(args, api, path, cfg, tokenizer)
-    _check_record_trace(args.record_trace)
-    _check_profile(args.profile)
+    _check_output_file("--record-trace", args.record_trace)
+    _check_output_file("--profile", args.profile)
 
     notes: list[str] = []  # --json: in the object instead of on stderr
 
@@ -395,22 +381,20 @@ def stats_table(stats: dict) -> str:
     def mib(v):
         return "-" if v is None else f"{v / 2**20:.2f} MiB"
 
-    def count(n, word):  # "1 token", "2 tokens"
-        return f"{n} {word}{'' if n == 1 else 's'}"
-
     built, rows_per_step = stats["prefill_compiles"] + stats["decode_compiles"], stats["batch_size"]
     per_token = "" if rows_per_step == 1 else f"per step / {rows_per_step} rows: "
     rows = [
         ("policy", _policy_text(stats["policy"])),
         ("expert slots", _slots_row(stats)),
         ("time to first token", f"{stats['ttft_s'] * 1e3:.1f} ms (compilation included)"),
-        ("prefill", f"{count(stats['prompt_tokens'], 'token')}, {num(stats['prefill_tokens_per_s'], '{:.1f}')} "
-                    "tokens/s (compilation excluded)"),
-        ("decode", f"{count(stats['decode_tokens'], 'token')} after the first, "
-                   f"{count(stats['decode_steps'], 'step')}, {num(stats['decode_tokens_per_s'], '{:.1f}')} tokens/s "
-                   "(compilation excluded)"),
-        ("compile time", f"{stats['compile_s']:.2f} s ({count(built, 'step')} built: {stats['xla_compiles']} compiled "
-                         f"by XLA, {stats['cache_hits']} loaded from the compilation cache)"),
+        ("prefill", f"{units.count(stats['prompt_tokens'], 'token')}, "
+                    f"{num(stats['prefill_tokens_per_s'], '{:.1f}')} tokens/s (compilation excluded)"),
+        ("decode", f"{units.count(stats['decode_tokens'], 'token')} after the first, "
+                   f"{units.count(stats['decode_steps'], 'step')}, "
+                   f"{num(stats['decode_tokens_per_s'], '{:.1f}')} tokens/s (compilation excluded)"),
+        ("compile time", f"{stats['compile_s']:.2f} s ({units.count(built, 'step')} built: "
+                         f"{stats['xla_compiles']} compiled by XLA, {stats['cache_hits']} loaded from the "
+                         "compilation cache)"),
         ("hit rate", num(None if stats["hit_rate"] is None else 100 * stats["hit_rate"], "{:.1f} %")),
         ("experts per step", f"active {num(stats['active_per_step'])}, hits {num(stats['hits_per_step'])}, "
                              f"fetched {num(stats['fetched_per_step'])}, "

@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 
-from ft_jax import defaults, interrupts
+from ft_jax import defaults, interrupts, units
 from ft_jax.cli import arg_types
 from ft_jax.cli.generate import _cache, _device_memory_note, add_load_arguments
 from ft_jax.cli.usage import UsageError
@@ -111,8 +111,7 @@ def _load(args, path: str, cfg, state, note, on_failure) -> None:
         return
     state.ready(model, batcher, template)
     print(f"ft-jax serve: ready: {state.model_name} on {_url(args.host, args.port)} (policy {model.policy}, "
-          f"{args.max_batch} row{'' if args.max_batch == 1 else 's'} of {state.ctx_size} tokens)", file=sys.stderr,
-          flush=True)
+          f"{units.count(args.max_batch, 'row')} of {state.ctx_size} tokens)", file=sys.stderr, flush=True)
 
 
 def _url(host: str, port: int) -> str:

@@ -52,7 +52,7 @@ from ft_jax.kernels.host_bank import HostBank
 from ft_jax.offload.banks import ExpertBanks
 from ft_jax.offload.cost_model import PRESETS, CostModel, fraction_from_bandwidth, parse_bandwidth
 from ft_jax.offload.policy import Policy, PolicyKind, parse_policy
-from ft_jax.cache_dirs import folder_problem
+from ft_jax.cache_dirs import folder_problem, output_file_problem
 from ft_jax.interrupts import deferred_exit
 from ft_jax.weight_formats import WeightFormat
 
@@ -461,14 +461,12 @@ def default_store_path() -> Path:
 
 
 def check_store_path(path: str | os.PathLike) -> None:
-    """An explicit store path (ft_jax.load(profile=...), generate's --profile) names a file in a folder that exists:
-    only the default store's folder (default_store_path) is created. Raises ValueError naming the path."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise ValueError(f"{path}: is a directory, expected a file name")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"{path}: folder {folder} does not exist")
+    """An explicit store path (ft_jax.load(profile=...), generate's --profile) names a file that can be written in a
+    folder that exists (cache_dirs.output_file_problem): only the default store's folder (default_store_path) is
+    created. Raises ValueError naming the path."""
+    problem = output_file_problem(path)
+    if problem:
+        raise ValueError(f"{os.fspath(path)}: {problem}")
 
 
 def read_profiles(path: str | os.PathLike | None = None) -> tuple[list[Profile], str]:

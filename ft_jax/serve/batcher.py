@@ -29,6 +29,7 @@ import time
 import traceback
 from typing import Callable
 
+from ft_jax import units
 from ft_jax.api import StopWatch
 from ft_jax.engine.batch import DecodeBatch
 from ft_jax.engine.sampling import Sampling
@@ -44,8 +45,8 @@ class QueueFullError(RuntimeError):
     """The waiting queue is full: the client should retry after ``retry_after`` seconds."""
 
     def __init__(self, waiting: int, retry_after: int):
-        super().__init__(f"the server is busy: {waiting} request{' is' if waiting == 1 else 's are'} already waiting "
-                         f"for a row (--max-queue); retry in {retry_after} s")
+        super().__init__(f"the server is busy: {units.count(waiting, 'request')} {'is' if waiting == 1 else 'are'} "
+                         f"already waiting for a row (--max-queue); retry in {retry_after} s")
         self.retry_after = retry_after
 
 
