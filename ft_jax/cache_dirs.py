@@ -29,11 +29,23 @@ def folder_problem(path: str | os.PathLike) -> str | None:
 
 def output_file_problem(path: str | os.PathLike) -> str | None:
     """None when ``path`` names a file that can be written in a folder that exists, else the problem in a few words
-    ("is a directory, expected a file name", "folder /x does not exist or is not writable"). Creates nothing."""
+    ("expected a file name", "is a directory, expected a file name", "folder /x does not exist or is not
+    writable"). The folder is probed by creating a file there and removing it at once (as folder_problem does:
+    permission bits say nothing to root, and /proc or /sys refuse new files whatever they say); an existing file is
+    opened for appending and left as it was. Creates nothing that stays."""
     path = os.fspath(path)
+    if not path or path.endswith(os.sep):
+        return "expected a file name"
     if os.path.isdir(path):
         return "is a directory, expected a file name"
     folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+    try:
+        if os.path.exists(path):
+            with open(path, "ab"):
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=folder, prefix=".ft_jax_probe"):
+                pass
+    except OSError:
         return f"folder {folder} does not exist or is not writable"
     return None

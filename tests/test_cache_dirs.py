@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ft_jax import api
-from ft_jax.cache_dirs import folder_problem
+from ft_jax.cache_dirs import folder_problem, output_file_problem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,3 +81,19 @@ def test_read_only_cache_with_entries_decodes_with_one_note(tmp_path):
     assert "using the bandwidth profile stored in" in found[1]  # the store is still read
     assert len(found) == 2, r.stderr
     assert len(r.stderr.splitlines()) < 20, r.stderr  # was 54 lines with JAX's cache-write warnings
+
+
+def test_an_output_file_is_probed_not_trusted_to_permission_bits(tmp_path):
+    """output_file_problem (--record-trace, --profile, profile=): a name is needed, a folder is not one, and the folder
+    is probed by a write, so /proc (which exists, refuses new files, and whose bits root would pass) is refused;
+    nothing stays behind and an existing file keeps its bytes."""
+    assert output_file_problem("") == "expected a file name"
+    assert output_file_problem(str(tmp_path) + os.sep) == "expected a file name"
+    assert output_file_problem(str(tmp_path)) == "is a directory, expected a file name"
+    assert output_file_problem("/proc/x.json") == "folder /proc does not exist or is not writable"
+    assert output_file_problem(str(tmp_path / "no" / "x.json")) == (f"folder {tmp_path / 'no'} does not exist or is "
+                                                                     "not writable")
+    assert output_file_problem(str(tmp_path / "x.json")) is None
+    (tmp_path / "old.json").write_text("keep")
+    assert output_file_problem(str(tmp_path / "old.json")) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"] and (tmp_path / "old.json").read_text() == "keep"

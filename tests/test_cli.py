@@ -289,10 +289,11 @@ def test_statistics_table_counts_and_labels(capsys):
     assert one["prefill"].startswith("1 token, ") and one["decode"].startswith("1 token after the first, 1 step, ")
     assert re.fullmatch(r"f32 experts of 0\.38 MiB as stored; \d+\.\d\d MiB read per token \(dense 0\.90 MiB per "
                         r"step \+ the active experts\)", one["weights"]), one["weights"]
-    two = rows(stats_table({**stats, "batch_size": 2, "prompt_tokens": 2, "decode_tokens": 2, "decode_steps": 1}))
+    two = rows(stats_table({**stats, "batch_size": 2, "prompt_tokens": 2, "decode_tokens": 2, "decode_steps": 1,
+                            "weight_bytes_per_token": 3 * 2**20}))
     assert two["prefill"].startswith("2 tokens, ") and two["decode"].startswith("2 tokens after the first, 1 step, ")
-    assert re.fullmatch(r"f32 experts of 0\.38 MiB as stored; \d+\.\d\d MiB read per token \(per step / 2 rows: "
-                        r"dense 0\.90 MiB per step \+ the active experts\)", two["weights"]), two["weights"]
+    assert two["weights"] == ("f32 experts of 0.38 MiB as stored; 3.00 MiB read per token (dense 0.90 MiB per step + "
+                              "the active experts)"), two["weights"]
     assert rows(stats_table({**stats, "policy": "qstar:0.4"}))["policy"] == "qstar:0.4"
 
 

@@ -380,7 +380,8 @@ def test_stored_sizes_for_memory_check_and_profile(tmp_path):
 
 def test_weight_bytes_per_token_in_the_statistics():
     """Engine.generate's statistics name the weight format, and the weight bytes per token = (dense weights but the
-    embedding table + active experts per step * expert bytes) / batch, the dense bytes counted from the headers."""
+    embedding table + active experts per step * expert bytes) / batch, the dense bytes counted from the headers; a row
+    that ends early stops counting: the bytes are divided by the tokens the decode steps made."""
     d = bundled_model_path()
     ckpt = load_checkpoint(d, dtype=jnp.float32)
     with SafetensorsCheckpoint(d) as headers:
@@ -393,6 +394,16 @@ def test_weight_bytes_per_token_in_the_statistics():
     want = (dense + stats["active_per_step"] * ckpt.banks.expert_bytes) / 2
     assert stats["weight_bytes_per_token"] == pytest.approx(want, rel=1e-12)
     assert f"{want / 2**20:.2f} MiB read per token" in stats_table(stats)
+    # row 0 ends at its first decoded token (its eos): 2 steps of which only the first decodes row 0
+    first = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=2).tokens
+    eos = first[0][1]  # row 0's second token, produced by the first decode step
+    early = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=4, eos_token_ids=[eos])
+    row1_tokens = len(early.tokens[1]) - 1
+    assert len(early.tokens[0]) == 2 and row1_tokens > 1
+    s = early.stats
+    read = dense * s["decode_steps"] + s["active_per_step"] * s["decode_steps"] * ckpt.banks.expert_bytes
+    want = read / (1 + row1_tokens)
+    assert s["decode_tokens"] == 1 + row1_tokens and s["weight_bytes_per_token"] == pytest.approx(want, rel=1e-12)
     ckpt.banks.release()
 
 

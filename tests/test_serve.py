@@ -438,6 +438,9 @@ def _parse(body, chat, model):
      "stream_options.include_usuage",
      "Unrecognized request argument supplied: stream_options.include_usuage (did you mean 'include_usage'?)"),
     ('{"prompt": "R", "\\udc00": 1}', False, "\\udc00", "Unrecognized request argument supplied: \\udc00"),
+    # a very long name is cut (it is echoed twice: message and param)
+    pytest.param('{"prompt": "R", "%s": 1}' % ("k" * 5000), False, "k" * 100 + "...",
+                 "Unrecognized request argument supplied: " + "k" * 100 + "...", id="a-5000-character-name"),
 ])
 def test_unknown_fields_are_refused_naming_them(offline_model, text, chat, param, message):
     body = json.loads(text)

@@ -381,8 +381,7 @@ def stats_table(stats: dict) -> str:
     def mib(v):
         return "-" if v is None else f"{v / 2**20:.2f} MiB"
 
-    built, rows_per_step = stats["prefill_compiles"] + stats["decode_compiles"], stats["batch_size"]
-    per_token = "" if rows_per_step == 1 else f"per step / {rows_per_step} rows: "
+    built = stats["prefill_compiles"] + stats["decode_compiles"]
     rows = [
         ("policy", _policy_text(stats["policy"])),
         ("expert slots", _slots_row(stats)),
@@ -402,7 +401,7 @@ def stats_table(stats: dict) -> str:
         ("bytes per step", f"H2D slot fills {mib(stats['h2d_bytes_per_step'])}, "
                            f"host GEMV reads {mib(stats['host_bytes_per_step'])}"),
         ("weights", f"{stats['weight_format']} experts of {stats['expert_bytes'] / 2**20:.2f} MiB as stored; "
-                    f"{mib(stats['weight_bytes_per_token'])} read per token ({per_token}dense "
+                    f"{mib(stats['weight_bytes_per_token'])} read per token (dense "
                     f"{stats['dense_weight_bytes'] / 2**20:.2f} MiB per step + the active experts)"),
     ]
     for d, dev in enumerate(stats.get("per_device", ())):

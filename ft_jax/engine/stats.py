@@ -78,8 +78,9 @@ def generation_stats(engine, prompts, out, steps: int, times: tuple[float, float
     dense_weight_bytes (Engine.dense_bytes: the dense weights a step reads), host_bank_bytes (the bytes of this
     process's expert banks: all experts, or with a mesh those of its devices), and over the decode steps (None without
     one): active/hits/misses/fetched/host per step (summed over MoE layers), hit_rate, h2d_bytes_per_step (slot
-    fills), host_bytes_per_step (expert weights read by the CPU), weight_bytes_per_token (weights read per generated
-    token: (dense_weight_bytes + active experts per step * expert_bytes) / batch size, every byte as stored),
+    fills), host_bytes_per_step (expert weights read by the CPU), weight_bytes_per_token (weights read per token of the
+    decode steps: (dense_weight_bytes * steps + active experts of all steps * expert_bytes) / decode_tokens, every
+    byte as stored; with every row running to the end that is per step / batch size),
     per_layer (the raw counters), devices (N, the devices of the expert axis; 1 without a mesh) and, with a mesh,
     per_device: one dict per device of the counter figures above (hit_rate, active/hits/misses/fetched/host per step,
     h2d_bytes_per_step, host_bytes_per_step; the summed figures are theirs added up) and its per_layer counters.
@@ -126,7 +127,8 @@ def generation_stats(engine, prompts, out, steps: int, times: tuple[float, float
         "decode_tokens_per_s": decode_tokens / decode_s if steps else None,
         **tally,
         **_counter_stats(per_layer, steps, engine.expert_bytes),
-        "weight_bytes_per_token": per_step((engine.dense_bytes * steps + totals["active"] * engine.expert_bytes) / B),
+        "weight_bytes_per_token": ((engine.dense_bytes * steps + totals["active"] * engine.expert_bytes) / decode_tokens
+                                   if decode_tokens else None),
         "per_layer": {k: per_layer[:, i].tolist() for i, k in enumerate(STAT_FIELDS)},
         **devices,
     }
