@@ -91,6 +91,7 @@ def auto_count(costs, misses: int, hits: int, cap: int, repeat_misses: int, seen
 # The auto policy's candidates (cost order) and its window: docs/policies.md, "The auto rule".
 CANDIDATES = ("host-all", "fetch-all", "fixed-cap:1", "qstar", "reuse")
 WINDOW_TOKENS = 128
+FIRST_CHECK_TOKENS = 32  # in the first window the leader is also re-chosen every this many tokens
 
 
 def candidate_count(name: str, costs, misses: int, hits: int, evictable: int, repeat_misses: int,
@@ -152,6 +153,7 @@ class ReferenceCache:
             self.cost = [0] * len(CANDIDATES)
             self.leader = CANDIDATES.index("reuse")
             self.window_start = 0
+            self.window_active = [[False] * self.E for _ in range(self.L)]  # experts active in this window
         if resident:
             for layer in range(self.L):
                 for e in range(self.E):
@@ -201,18 +203,41 @@ class ReferenceCache:
             self.repeat_misses = self.repeat_misses - (self.repeat_misses >> 10) + 32 * repeats
             self.seen_misses = self.seen_misses - (self.seen_misses >> 10) + 32 * len(misses)
 
+    def _scores(self, costs) -> list[int]:
+        """Each candidate's window cost minus one host GEMV's ticks for every expert active in this window that its
+        lane's cache holds (host-all, a cold cache, none)."""
+        saving = max(costs.host_solo - (costs.device if costs.serial else 0), 0)
+        scores = [self.cost[0]]
+        for i, lane in enumerate(self.lanes):
+            warm = 0
+            for layer in range(self.L):
+                for e in range(self.E):
+                    if lane.slot_of_expert[layer][e] >= 0 and self.window_active[layer][e]:
+                        warm += 1
+            scores.append(self.cost[i + 1] - warm * saving)
+        return scores
+
     def _advance_lanes(self, layer: int, active: list[bool], costs) -> None:
-        """The window boundary (leader, fresh lanes) and every candidate's ticks of this call."""
-        if self.step - self.window_start >= WINDOW_TOKENS * self.L:
+        """The leader check (window boundary, or every FIRST_CHECK_TOKENS in the first window), fresh lanes at a
+        boundary, the window's active experts and every candidate's ticks of this call."""
+        boundary = self.step - self.window_start >= WINDOW_TOKENS * self.L
+        first = self.window_start == 0 and self.step > 0 and self.step % (FIRST_CHECK_TOKENS * self.L) == 0
+        if boundary or first:
+            scores = self._scores(costs)
             best = 0
             for i in range(1, len(CANDIDATES)):
-                if self.cost[i] < self.cost[best]:
+                if scores[i] < scores[best]:
                     best = i
-            if self.cost[best] < self.cost[self.leader]:
+            if scores[best] < scores[self.leader]:
                 self.leader = best
+        if boundary:
             self.lanes = [self._copy() for _ in CANDIDATES[1:]]
             self.cost = [0] * len(CANDIDATES)
+            self.window_active = [[False] * self.E for _ in range(self.L)]
             self.window_start = self.step
+        for e in range(self.E):
+            if active[e]:
+                self.window_active[layer][e] = True
         n_active = sum(1 for a in active if a)
         ticks = [auto_layer_time(costs, n_active, 0, 0)]  # host-all, every active expert a miss of a cold cache
         for name, lane in zip(CANDIDATES[1:], self.lanes):
@@ -328,7 +353,8 @@ class ReferenceCache:
             out["lanes"] = {
                 **{name: np.stack([lane[name] for lane in lanes]) for name in
                    ("slot_of_expert", "expert_of_slot", "usage", "reuse")},
-                "cost": np.array(self.cost, np.int32), "leader": np.array(self.leader, np.int32),
+                "cost": np.array(self.cost, np.int32), "window_active": np.array(self.window_active, bool).reshape(self.L, self.E),
+                "leader": np.array(self.leader, np.int32),
                 "window_start": np.array(self.window_start, np.int32),
             }
         return out

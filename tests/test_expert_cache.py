@@ -295,6 +295,8 @@ def test_auto_lanes_match_reference_across_windows(monkeypatch, num_slots, costs
     from ft_jax.offload import cache as cache_module
     monkeypatch.setattr(cache_module, "AUTO_WINDOW_TOKENS", 3)
     monkeypatch.setattr(cache_reference, "WINDOW_TOKENS", 3)
+    monkeypatch.setattr(cache_module, "AUTO_FIRST_CHECK_TOKENS", 1)  # checks after tokens 1 and 2 of the first window
+    monkeypatch.setattr(cache_reference, "FIRST_CHECK_TOKENS", 1)
     E, k, L, steps = 32, 4, 3, 300
     policy = parse_policy("auto").with_costs(costs)
     state, ref = init_cache_state(L, E, num_slots, auto=True), ReferenceCache(L, E, num_slots, auto=True)
@@ -315,26 +317,23 @@ def test_auto_lanes_match_reference_across_windows(monkeypatch, num_slots, costs
     print("leaders", sorted(leaders))
 
 
-def test_auto_leader_by_hand(monkeypatch):
-    """L=1, E=4, S=1, a 3-token window, expert 1 active in every call; a fill costs 3 host GEMVs (1024 vs 341 ticks),
-    a hit 3 ticks. The reuse rule (the first leader) fetches once its estimate reaches 2.5 hits (call 3: repeat
-    sums 96 / 128 of x32, 40 / 16 hits, credit 845 > 1027 - 341): window 2 then costs it 1027 + 3 + 3 against
-    host-all's cold 3 x 341 = 1023, so host-all leads from call 6 (the real cache keeps its expert: hits);
-    in window 3 every lane starts from that warm cache (9 ticks) against a cold host-all's 1023, and fetch-all, the
-    first of the cheapest, leads from call 9. Ties keep the leader (call 3: 1023 each)."""
+def _one_expert_auto(monkeypatch, costs, window_tokens: int, first_check_tokens: int):
+    """L=1, E=4, S=1 auto with the given window and first-window check: (policy, state, reference, jitted plan)."""
     import cache_reference
     from ft_jax.offload import cache as cache_module
-    monkeypatch.setattr(cache_module, "AUTO_WINDOW_TOKENS", 3)
-    monkeypatch.setattr(cache_reference, "WINDOW_TOKENS", 3)
-    costs = auto_costs(10**9, 8 / 3, 8.0, device_bandwidth=1000.0)
-    assert (costs.fill_solo, costs.fill_cont, costs.host_solo, costs.host_cont, costs.device) == (1024, 1024, 341, 512, 3)
+    monkeypatch.setattr(cache_module, "AUTO_WINDOW_TOKENS", window_tokens)
+    monkeypatch.setattr(cache_reference, "WINDOW_TOKENS", window_tokens)
+    monkeypatch.setattr(cache_module, "AUTO_FIRST_CHECK_TOKENS", first_check_tokens)
+    monkeypatch.setattr(cache_reference, "FIRST_CHECK_TOKENS", first_check_tokens)
     policy = parse_policy("auto").with_costs(costs)
     state, ref = init_cache_state(1, 4, 1, auto=True), ReferenceCache(1, 4, 1, auto=True)
-    step_fn = jax.jit(lambda s, a: plan_layer(s, 0, a, policy))
+    return policy, state, ref, jax.jit(lambda s, a: plan_layer(s, 0, a, policy))
+
+
+def _run_by_hand(policy, state, ref, step_fn, want: dict, calls: int):
+    """Expert 1 active in every call; after each call listed in want: (leader, fetched, window costs)."""
     only_1 = jnp.asarray([False, True, False, False])
-    want = {0: (4, 0, [341, 1027, 1027, 341, 341]), 2: (4, 0, [1023, 1033, 1033, 1023, 1023]),
-            3: (4, 1, [341, 1027, 1027, 341, 1027]), 6: (0, 0, [341, 3, 3, 3, 3]), 9: (1, 0, [341, 3, 3, 3, 3])}
-    for call in range(10):
+    for call in range(calls):
         state, plan = step_fn(state, only_1)
         ref.plan(0, np.asarray(only_1), policy)
         assert_state_equal(state, ref.arrays(), f"call {call}")
@@ -342,7 +341,43 @@ def test_auto_leader_by_hand(monkeypatch):
             leader, fetched, cost = want[call]
             assert (int(state.lanes.leader), int(plan.stats[3]), np.asarray(state.lanes.cost).tolist()) == \
                 (leader, fetched, cost), call
-    assert int(plan.stats[1]) == 1  # the real cache still hits expert 1
+    assert int(plan.stats[1]) == 1  # the real cache hits expert 1
+
+
+def test_auto_leader_by_hand(monkeypatch):
+    """L=1, E=4, S=1, a 3-token window, expert 1 active in every call; a fill costs 3 host GEMVs (1024 vs 341 ticks),
+    a hit 3 ticks. Window 1 (calls 0-2) follows the reuse rule, which fetches nothing yet: the fetch-all and
+    fixed-cap:1 lanes fill at call 0 (1024 + 3) and hit twice (1033), the others pay 3 x 341 = 1023. At call 3 the
+    score credits each lane one host GEMV (341) per expert active in the window that its cache holds: 1033 - 341 =
+    692 for the two lanes that hold expert 1 against 1023, so fetch-all (the first of the cheapest) leads and the
+    real cache fetches expert 1 at call 3. From then on every lane starts warm; at call 6 the lanes that hold expert 1
+    score 1033 - 341 = 692 against the cold qstar lane's (it never fetches) and host-all's 1023, and fetch-all keeps
+    the lead. On the window cost alone host-all (1023 < 1033) would have led from call 6: the myopic choice."""
+    costs = auto_costs(10**9, 8 / 3, 8.0, device_bandwidth=1000.0)
+    assert (costs.fill_solo, costs.fill_cont, costs.host_solo, costs.host_cont, costs.device) == (1024, 1024, 341, 512, 3)
+    policy, state, ref, step_fn = _one_expert_auto(monkeypatch, costs, 3, first_check_tokens=16)  # none in window 1
+    want = {0: (4, 0, [341, 1027, 1027, 341, 341]), 2: (4, 0, [1023, 1033, 1033, 1023, 1023]),
+            3: (1, 1, [341, 1027, 1027, 341, 1027]), 5: (1, 0, [1023, 1033, 1033, 1023, 1033]),
+            6: (1, 0, [341, 3, 3, 3, 3]), 9: (1, 0, [341, 3, 3, 3, 3])}
+    _run_by_hand(policy, state, ref, step_fn, want, 10)
+
+
+@pytest.mark.parametrize("first_check_tokens,switch", [(1, 18), (64, 32)])
+def test_auto_first_window_checks_by_hand(monkeypatch, first_check_tokens, switch):
+    """L=1, E=4, S=1, a 32-token window, expert 1 active in every call; a fill costs 16 host GEMVs (1024 vs 64
+    ticks), a hit 10. The reuse rule (the first leader) never fetches here; fetch-all's lane fills at call 0 and
+    then hits: 1024 + 10 n after n calls, against 64 n for the others. With a check after every token of the first
+    window its score (minus one host GEMV for the expert it holds) first drops below the others' at call 18:
+    1204 - 64 = 1140 < 1152 (call 17: 1194 - 64 = 1130 > 1088), so the real cache fetches expert 1 at call 18;
+    without checks inside the window (every 64 tokens) it waits for the window's end, call 32 (1344 - 64 < 2048)."""
+    costs = auto_costs(10**9, 0.5, 8.0, device_bandwidth=50.0)
+    assert (costs.fill_solo, costs.host_solo, costs.host_cont, costs.device) == (1024, 64, 68, 10)
+    policy, state, ref, step_fn = _one_expert_auto(monkeypatch, costs, 32, first_check_tokens)
+    before = switch - 1
+    want = {before: (4, 0, [64 * switch] + [1024 + 10 * switch] * 2 + [64 * switch] * 2),
+            switch: (1, 1, ([64 * (switch + 1)] + [1024 + 10 * (switch + 1)] * 2 + [64 * (switch + 1)] * 2)
+                     if switch < 32 else [64, 1034, 1034, 64, 64])}  # call 32: the lanes restart from the cold cache
+    _run_by_hand(policy, state, ref, step_fn, want, 34)
 
 
 def test_auto_repeat_misses_by_hand():

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from ft_jax.offload.cost_model import auto_layer_ticks
 from ft_jax.offload.policy import (AUTO_CANDIDATES, AUTO_DECAY_SHIFT, AUTO_FIRST_LEADER, AUTO_LANES, AUTO_MAX_COST,
-                                   AUTO_WINDOW_TOKENS, REUSE_FIELDS, Policy, PolicyKind, auto_candidate_counts,
+                                   AUTO_WINDOW_TOKENS, AUTO_FIRST_CHECK_TOKENS, REUSE_FIELDS, Policy, PolicyKind, auto_candidate_counts,
                                    fetch_split)
 
 # Columns of CacheState.stats (per MoE layer); LayerPlan.stats holds the first five for one call.
@@ -40,6 +40,8 @@ class LaneState(NamedTuple):
             lane (lane k runs candidate k + 1).
         cost: i32[C] ticks each candidate took in the current window (auto_layer_ticks of its own hits, misses and
             fills; host-all's from a cold cache, all misses), saturating at policy.AUTO_MAX_COST.
+        window_active: bool[L, E] the experts active in the current window (what a lane's cache is scored on at a
+            leader check).
         leader: i32[] the candidate the real cache follows (index into AUTO_CANDIDATES).
         window_start: i32[] global step at which the current window began.
     """
@@ -49,6 +51,7 @@ class LaneState(NamedTuple):
     usage: jax.Array
     reuse: jax.Array
     cost: jax.Array
+    window_active: jax.Array
     leader: jax.Array
     window_start: jax.Array
 
@@ -125,7 +128,7 @@ def init_cache_state(num_layers: int, num_experts: int, num_slots: int, *, auto:
         K = len(AUTO_LANES)
         lanes = LaneState(slot_of_expert=jnp.full((K, L, E), -1, jnp.int32), expert_of_slot=jnp.full((K, S), -1, jnp.int32),
                           usage=jnp.full((K, S), -1, jnp.int32), reuse=jnp.zeros((K, len(REUSE_FIELDS)), jnp.int32),
-                          cost=jnp.zeros((len(AUTO_CANDIDATES),), jnp.int32),
+                          cost=jnp.zeros((len(AUTO_CANDIDATES),), jnp.int32), window_active=jnp.zeros((L, E), bool),
                           leader=jnp.asarray(AUTO_FIRST_LEADER, jnp.int32), window_start=jnp.zeros((), jnp.int32))
     return CacheState(
         slot_of_expert=jnp.full((L, E), -1, jnp.int32),
@@ -356,28 +359,48 @@ def _lane_call(state: CacheState, tables, candidate, layer, active, costs, P: in
     return (slot_of_expert, expert_of_slot, usage, reuse), ticks
 
 
+def _warm_credit(lanes: LaneState, costs):
+    """What each candidate's cache is worth at a leader check, ticks i32[C]: one hit for every expert active in the
+    window (LaneState.window_active) that its lane's tables hold -- what a cache without it loses at the expert's next
+    activation --, at what a hit saves against a host GEMV (host_solo; on a CPU device, serial, host_solo - device).
+    host-all (a cold cache) gets none. Without it a lane's window cost is myopic: a rule that fills less leaves a
+    colder cache for the next window at the same cost (docs/policies.md). At most L*E <= 2^20 experts (plan_layer's
+    int32 bounds) times host_solo <= AUTO_TICKS = 2^10 ticks: no int32 overflow."""
+    warm = jnp.sum(lanes.window_active[None] & (lanes.slot_of_expert >= 0), axis=(1, 2), dtype=jnp.int32)  # i32[K]
+    saving = max(costs.host_solo - (costs.device if costs.serial else 0), 0)  # static int
+    credit = jnp.minimum(warm, 1 << 20) * saving  # i32[K]
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), credit.astype(jnp.int32)])
+
+
 def _advance_lanes(state: CacheState, layer, active, costs, P: int, fetchable) -> LaneState:
-    """auto, step 2b (docs/policies.md, "The auto rule"): when a window of AUTO_WINDOW_TOKENS calls of every layer has
-    ended, the candidate that cost least in it becomes the leader (the current one on ties) and every lane restarts
-    from a copy of the real cache's tables with the costs at 0; then every lane plans this call with its candidate's
-    split and every candidate adds its modelled ticks (host-all: this call's active experts as misses of a cold
-    cache)."""
+    """auto, step 2b (docs/policies.md, "The auto rule"): at a leader check -- a window of AUTO_WINDOW_TOKENS calls of
+    every layer has ended, or, in the first window, every AUTO_FIRST_CHECK_TOKENS tokens -- the candidate with the
+    lowest score (window cost minus _warm_credit) becomes the leader (the current one on ties); at a window's end
+    every lane then restarts from a copy of the real cache's tables, the costs at 0 and no expert active. Then this
+    call's active experts are marked, every lane plans this call with its candidate's split and every
+    candidate adds its modelled ticks (host-all: this call's active experts as misses of a cold cache)."""
     lanes = state.lanes
     L = state.slot_of_expert.shape[0]
     K = lanes.usage.shape[0]
     boundary = state.step - lanes.window_start >= AUTO_WINDOW_TOKENS * L
-    best = jnp.argmin(lanes.cost).astype(jnp.int32)
-    leader = jnp.where(boundary & (lanes.cost[best] < lanes.cost[lanes.leader]), best, lanes.leader)
+    first = (lanes.window_start == 0) & (state.step > 0) & (state.step % (AUTO_FIRST_CHECK_TOKENS * L) == 0)
+    check = boundary | first
+    score = lanes.cost - jax.lax.cond(check, lambda: _warm_credit(lanes, costs), lambda: jnp.zeros_like(lanes.cost))
+    best = jnp.argmin(score).astype(jnp.int32)
+    leader = jnp.where(check & (score[best] < score[lanes.leader]), best, lanes.leader)
     real = (state.slot_of_expert, state.expert_of_slot, state.usage, state.reuse)
     tables = tuple(jnp.where(boundary, jnp.broadcast_to(r, t.shape), t)
                    for r, t in zip(real, (lanes.slot_of_expert, lanes.expert_of_slot, lanes.usage, lanes.reuse)))
     cost = jnp.where(boundary, 0, lanes.cost)
+    window_active = lanes.window_active & ~boundary  # bool[L, E]
+    row = jax.lax.dynamic_index_in_dim(window_active, layer, keepdims=False) | active  # bool[E]
+    window_active = jax.lax.dynamic_update_index_in_dim(window_active, row, layer, axis=0)
     tables, ticks = jax.vmap(_lane_call, in_axes=(None, 0, 0, None, None, None, None, None))(
         state, tables, jnp.arange(1, K + 1, dtype=jnp.int32), layer, active, costs, P, fetchable)  # ticks i32[K]
     cold = auto_layer_ticks(costs, jnp.sum(active, dtype=jnp.int32), 0, 0)  # host-all from a cold cache
     ticks = jnp.concatenate([cold[None], ticks])  # i32[C]
     cost = jnp.minimum(cost, AUTO_MAX_COST) + jnp.clip(ticks, 0, AUTO_MAX_COST)  # no int32 overflow: < 2^31
-    return LaneState(*tables, cost=jnp.minimum(cost, AUTO_MAX_COST), leader=leader,
+    return LaneState(*tables, cost=jnp.minimum(cost, AUTO_MAX_COST), window_active=window_active, leader=leader,
                      window_start=jnp.where(boundary, state.step, lanes.window_start))
 
 
