@@ -17,8 +17,9 @@ from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
 from ft_jax.offload.policy import PolicyKind
 from ft_jax.tools.trace_io import routing_records, write_trace
 
-POLICY_HELP = ("auto (per layer, the number of misses to fetch that minimises the modelled layer time minus the "
-               "observed reuse of fetched experts; docs/policies.md; the default with an accelerator), qstar (split misses by the measured "
+POLICY_HELP = ("auto (follows whichever of host-all, fetch-all, fixed-cap:1, qstar and a reuse rule, each replayed "
+               "on its own copy of the cache, scored least in the last 128 steps; docs/policies.md; the default with "
+               "an accelerator), qstar (split misses by the measured "
                "bandwidths; qstar:FRAC fixes the fetch fraction), fetch-all (classic LRU offload: every miss is copied "
                "into a slot), host-all (every miss computed on the CPU; the cache never changes), fixed-cap:K (fetch "
                "at most K misses per layer), resident (every expert on the device). Default: auto with an accelerator, host-all "
