@@ -54,7 +54,8 @@ def build_engine(cfg, policy: str, cache_fraction: float, devices: int = 1):
     from ft_jax.kernels.host_bank import HostBank
     from ft_jax.offload.banks import ExpertBanks
     from ft_jax.offload.expert_parallel import expert_mesh
-    from ft_jax.offload.policy import parse_policy
+    from ft_jax.offload.policy import bind_policy, parse_policy
+    from ft_jax.offload.profile import cost_model_for
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     model = MoETransformer(cfg, lambda name, shape, kind: np.zeros(shape, bf16))
@@ -62,6 +63,8 @@ def build_engine(cfg, policy: str, cache_fraction: float, devices: int = 1):
     banks = ExpertBanks(HostBank(rows, (2 * I, H), bf16), HostBank(rows, (H, I), bf16))
     ckpt = LoadedCheckpoint(cfg, model, banks, 0)
     policy = parse_policy(policy if policy != "qstar" else "qstar:0.4")
+    # The step's program does not depend on the bandwidths: auto is bound to a named preset's costs.
+    policy = bind_policy(policy, cost_model_for("sapphire-rapids", banks.expert_bytes))
     mesh = expert_mesh(devices) if devices > 1 else None
     return Engine(ckpt, policy=policy, num_slots=max(1, round(cache_fraction * rows / devices)), mesh=mesh)
 

@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from ft_jax.offload.cost_model import auto_layer_ticks
-from ft_jax.offload.policy import (AUTO_CANDIDATES, AUTO_DECAY_SHIFT, AUTO_FIRST_LEADER, AUTO_LANES, AUTO_MAX_COST,
-                                   AUTO_WINDOW_TOKENS, AUTO_FIRST_CHECK_TOKENS, REUSE_FIELDS, Policy, PolicyKind, auto_candidate_counts,
-                                   fetch_split)
+from ft_jax.offload.policy import (AUTO_CANDIDATES, AUTO_DECAY_SHIFT, AUTO_FIRST_CHECK_TOKENS, AUTO_FIRST_LEADER,
+                                   AUTO_LANES, AUTO_MAX_COST, AUTO_WINDOW_TOKENS, REUSE_FIELDS, Policy, PolicyKind,
+                                   auto_candidate_counts, fetch_split)
 
 # Columns of CacheState.stats (per MoE layer); LayerPlan.stats holds the first five for one call.
 STAT_FIELDS = ("active", "hits", "misses", "fetched", "host", "steps")
@@ -364,8 +364,8 @@ def _warm_credit(lanes: LaneState, costs):
     window (LaneState.window_active) that its lane's tables hold -- what a cache without it loses at the expert's next
     activation --, at what a hit saves against a host GEMV (host_solo; on a CPU device, serial, host_solo - device).
     host-all (a cold cache) gets none. Without it a lane's window cost is myopic: a rule that fills less leaves a
-    colder cache for the next window at the same cost (docs/policies.md). At most L*E <= 2^20 experts (plan_layer's
-    int32 bounds) times host_solo <= AUTO_TICKS = 2^10 ticks: no int32 overflow."""
+    colder cache for the next window at the same cost (docs/policies.md). The count is clipped at 2^20 experts and
+    host_solo <= AUTO_TICKS = 2^10 ticks, so the credit stays below 2^30: no int32 overflow in cost - credit."""
     warm = jnp.sum(lanes.window_active[None] & (lanes.slot_of_expert >= 0), axis=(1, 2), dtype=jnp.int32)  # i32[K]
     saving = max(costs.host_solo - (costs.device if costs.serial else 0), 0)  # static int
     credit = jnp.minimum(warm, 1 << 20) * saving  # i32[K]
