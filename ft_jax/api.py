@@ -51,7 +51,8 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
     """Device expert slots for a cache budget.
 
     Args:
-        cache: None (DEFAULT_CACHE_FRACTION of all experts), an int (that many slots), a float in (0, 1] (that
+        cache: None (DEFAULT_CACHE_FRACTION of all experts), an int or numpy integer (that many slots; not a bool),
+            a float in (0, 1] (that
             fraction of all experts), or a byte count as a string ("8GiB": slots = bytes / expert_bytes).
         num_experts: all routed experts, L_moe * E. expert_bytes: bytes of one expert as stored (gate, up and down
             weights in their format, their scales and biases: ExpertBanks.expert_bytes).
@@ -64,10 +65,10 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
         cache = DEFAULT_CACHE_FRACTION
     if isinstance(cache, bool):
         raise ValueError(f"cache must be slots (int), a fraction (float) or bytes ('8GiB'), got {cache!r}")
-    if isinstance(cache, int):
+    if isinstance(cache, (int, np.integer)):
         if cache < 1:
             raise ValueError(f"the cache must hold at least one expert slot, got {cache} slots")
-        return min(cache, num_experts)
+        return min(int(cache), num_experts)
     if isinstance(cache, float):
         if not 0.0 < cache <= 1.0:
             raise ValueError(f"a cache fraction must be in (0, 1], got {cache}")
@@ -257,7 +258,20 @@ def _prompt_rows(prompts) -> tuple[list, bool]:
     if bad:
         raise TypeError(f"each prompt must be a text or a list (or 1-D integer numpy array) of integer token ids, "
                         f"got {bad[0]!r}")
+    for i, p in enumerate(rows):
+        if isinstance(p, str):
+            _check_utf8(p, "the prompt text" if one else f"prompt {i}")
     return rows, one
+
+
+def _check_utf8(text: str, what: str) -> None:
+    """ValueError naming ``what`` and the position when ``text`` cannot be encoded as UTF-8 (a lone surrogate, e.g.
+    from a file read with errors="surrogateescape"): the tokenizers take UTF-8 only."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode text: {text[e.start:e.end]!r} at character {e.start} is a "
+                         f"lone surrogate, which UTF-8 cannot encode") from None
 
 
 def _check_types(max_new_tokens, temperature, top_k, top_p, seed, stop) -> tuple[str, ...]:
@@ -275,14 +289,15 @@ def _check_types(max_new_tokens, temperature, top_k, top_p, seed, stop) -> tuple
             raise TypeError(f"{name} must be a number, got {value!r}")
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an integer in [0, 2^32), got {seed!r}")
-    try:
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    except TypeError:
-        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}") from None
+    if not isinstance(stop, (str, list, tuple)):  # a set or dict has no order, a generator would be used up
+        raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__} {stop!r}")
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if any(not isinstance(s, str) for s in stop):
         raise TypeError(f"stop strings must be strings, got {stop!r}")
     if any(not s for s in stop):
         raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+    for i, s in enumerate(stop):
+        _check_utf8(s, f"stop string {i}")
     return stop
 
 
@@ -296,13 +311,15 @@ def make_request(path: str, config, tokenizer, prompts, *, max_new_tokens: int |
     chat without a chat template."""
     rows, single = _prompt_rows(prompts)
     stop = _check_types(max_new_tokens, temperature, top_k, top_p, seed, stop)
+    if not isinstance(chat, (bool, np.bool_)):
+        raise TypeError(f"chat must be True or False, got {chat!r}")
     if stop and tokenizer is None:
         raise ValueError(f"{path} has no tokenizer (no tokenizer.json): stop strings need one")
     ids = [encode_prompt(path, tokenizer, p, chat=chat) for p in rows]
     if max_new_tokens is None:
         max_new_tokens = default_new_tokens(config, ids, context) if all(ids) else DEFAULT_NEW_TOKENS
     check_request(config, ids, int(max_new_tokens), context)
-    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    sampling = Sampling(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
     return Request(prompt_ids=ids, max_new_tokens=int(max_new_tokens), sampling=sampling, seed=int(seed), stop=stop,
                    single=single)
 
@@ -388,9 +405,10 @@ class Model:
         Returns:
             Generation.
         Raises:
-            TypeError: prompts, max_new_tokens, temperature, top_k, top_p, seed, stop or on_text of the wrong type
-                (naming it; a bool is no number here).
-            ValueError: no prompt, an empty / out-of-vocabulary / too long prompt, max_new_tokens < 1, a sampling
+            TypeError: prompts, max_new_tokens, temperature, top_k, top_p, seed, stop (a string, list or tuple),
+                chat (a bool) or on_text of the wrong type (naming it; a bool is no number here).
+            ValueError: no prompt, an empty / out-of-vocabulary / too long prompt, text (prompt or stop string) with a
+                lone surrogate, max_new_tokens < 1, a sampling
                 value or seed out of range, an empty stop string, text without a tokenizer, stop strings without a
                 tokenizer, chat without a chat template.
             ft_jax.engine.sampling.NonFiniteLogitsError: the model produced NaN or infinite logits.
