@@ -15,8 +15,11 @@ experts):
 4. the trace read back and replayed through the cost model (ft_jax.tools.replay: what `ft-jax trace` / `ft-jax plan`
    run) from that same state, priced with the bandwidth profile measured at the start of this run and stored
    (`ft-jax profile`: BP, BH, the contended pair and the per-call costs, Profile.fixed_costs), timed on the loaded
-   model's own banks (measure_profile's model_banks: the checkpoint's mapped pages, as the engine reads them): the
-   modelled MoE ms per token.
+   model's own banks (measure_profile's model_banks: the checkpoint's mapped pages, as the engine reads them), with
+   BP and BH the medians of the profile's own loops timed again after every run: the modelled MoE ms per token.
+   This VM's memory bandwidth drifts by up to +-25 % over minutes (one process timed the same host_experts scan at
+   38.7-65 ms per token), so one profile at the start prices the runs at another moment's speed; its figures are
+   printed beside ("start").
 
 Printed: modelled / measured MoE ms per token for every policy and cache size (target 0.85-1.15), the replayed hit
 and fetch counts against the engine's own counters (equal: the replay starts from the state the decode started
@@ -34,6 +37,7 @@ keeps the same model under ~/.cache/ft_jax/bench_peer/models/).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -109,7 +113,8 @@ def time_moe(backend: OffloadedExperts, state, x, ids: np.ndarray, weights: np.n
 
 
 def one_run(checkpoint, policy, slots: int, prompt: list[int], tokens: int, trace_path: str, cost_model) -> dict:
-    """One (policy, cache size): generate, MoE alone, replay priced by the cost model (module docstring)."""
+    """One (policy, cache size): generate, MoE alone, replay priced by the cost model (module docstring). The result
+    keeps the replayed stats (i64[N, L, 5]) to be priced again with the run's median bandwidths."""
     engine = Engine(checkpoint, policy=policy, num_slots=slots)
     backend = engine.decode_backend
     engine.generate([prompt], max_new_tokens=1)  # prefill only: compiles it; the state the decode starts from
@@ -135,7 +140,8 @@ def one_run(checkpoint, policy, slots: int, prompt: list[int], tokens: int, trac
     H = checkpoint.config.hidden_size
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, H)) * 0.1, jnp.bfloat16)  # bf16[1, H]
     moe_ms = time_moe(backend, state, x, ids, weights)
-    return {"decode_ms": decode_ms, "moe_ms": moe_ms, "modelled_ms": modelled["ms_per_token"],
+    return {"decode_ms": decode_ms, "moe_ms": moe_ms, "start_modelled_ms": modelled["ms_per_token"],
+            "replayed_stats": replayed.stats,
             "hit_rate": modelled["hit_rate"], "fetched_per_token": modelled["fetched_per_token"],
             "host_per_token": modelled["host_per_token"], "counts_equal": bool(np.array_equal(engine_counts,
                                                                                              replay_counts)),
@@ -143,19 +149,24 @@ def one_run(checkpoint, policy, slots: int, prompt: list[int], tokens: int, trac
 
 
 def table(results: list[dict]) -> str:
+    """The calibration table: per (policy, slots) the replayed counts, the modelled ms per token (priced with the
+    run's median BP and BH; "start": with the profile measured at the start), the measured MoE-alone and decode -
+    dense ms per token, and the ratios modelled / measured."""
     dense = statistics.median(r["decode_ms"] - r["moe_ms"] for r in results)
     lines = [f"{'policy':<10} {'slots':>5} {'hit':>6} {'fetch/t':>7} {'host/t':>6} {'modelled':>9} {'MoE alone':>9} "
-             f"{'ratio':>6} {'decode':>8} {'decode-dense':>12} {'ratio':>6} {'counts':>6}"]
+             f"{'ratio':>6} {'start':>6} {'decode':>8} {'decode-dense':>12} {'ratio':>6} {'start':>6} {'counts':>6}"]
     for r in results:
         measured = r["decode_ms"] - dense
         lines.append(
             f"{r['policy']:<10} {r['slots']:>5} {r['hit_rate']:6.3f} {r['fetched_per_token']:7.2f} "
             f"{r['host_per_token']:6.2f} {r['modelled_ms']:9.2f} {r['moe_ms']:9.2f} {r['modelled_ms'] / r['moe_ms']:6.3f} "
-            f"{r['decode_ms']:8.2f} {measured:12.2f} {r['modelled_ms'] / measured:6.3f} "
+            f"{r['start_modelled_ms'] / r['moe_ms']:6.3f} {r['decode_ms']:8.2f} {measured:12.2f} "
+            f"{r['modelled_ms'] / measured:6.3f} {r['start_modelled_ms'] / measured:6.3f} "
             f"{'equal' if r['counts_equal'] else 'DIFFER':>6}")
     spread = [r["decode_ms"] - r["moe_ms"] for r in results]
     lines.append(f"dense part (decode - MoE alone): median {dense:.2f} ms/token, range [{min(spread):.2f}, "
-                 f"{max(spread):.2f}]; times are ms per token; ratio = modelled / measured")
+                 f"{max(spread):.2f}]; times are ms per token; ratio = modelled / measured (start: priced with the "
+                 f"profile measured at the start)")
     return "\n".join(lines)
 
 
@@ -199,23 +210,43 @@ def main(argv=None) -> int:
         for f in (float(x) for x in args.fractions.split(",")):
             variants.append((name, policy, max(1, round(f * total))))
     runs: dict[tuple, list[dict]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    rates: dict[str, list[float]] = {"bp": [], "bh": []}  # timed after every run
+    mode = bandwidth.MODES["full"]
+    rows = bandwidth.Bench.rotation_rows(banks.expert_bytes, mode["call_bytes"], bandwidth.last_level_cache_bytes())[1]
+    with tempfile.TemporaryDirectory() as tmp, bandwidth.Bench(
+            cfg.hidden_size, cfg.moe_intermediate_size, "bfloat16", call_bytes=mode["call_bytes"],
+            model_banks=banks if banks.num_rows >= 2 * rows else None) as bench:
         for rnd in range(args.rounds):
             log(f"round {rnd + 1}/{args.rounds}: {load_average()}")
             for i, (name, policy, slots) in enumerate(variants):
                 r = one_run(checkpoint, policy, slots, prompt, args.tokens, os.path.join(tmp, f"trace_{i}.jsonl"),
                             model)
                 runs.setdefault((name, slots), []).append(r)
+                beside = bandwidth.measure_rates({"bp": (bench.fill, bench.nbytes), "bh": (bench.gemv, bench.nbytes)},
+                                                 3, mode["min_time"])
+                for key in rates:
+                    rates[key].append(beside[key][0])
                 log(f"  {name} at {slots} slots: decode {r['decode_ms']:.1f}, MoE alone {r['moe_ms']:.1f}, modelled "
-                    f"{r['modelled_ms']:.1f} ms/token; {load_average()}")
+                    f"with the start profile {r['start_modelled_ms']:.1f} ms/token; then BP {beside['bp'][0]:.1f}, "
+                    f"BH {beside['bh'][0]:.1f} GB/s; {load_average()}")
+        # The run's profile: the start profile with the median BP and BH of the loops timed after every run.
+        run_prof = dataclasses.replace(prof, bp=statistics.median(rates["bp"]), bh=statistics.median(rates["bh"]))
+        run_store = os.path.join(tmp, "run_profile.json")
+        bandwidth.save_profile(run_prof, run_store)
+        run_model = bandwidth.cost_model_for("stored", banks.expert_bytes, profile_path=run_store)
     results = []
     for (name, slots), rs in runs.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("decode_ms", "moe_ms")}
-        results.append({**rs[0], **med, "policy": name, "slots": slots, "rounds": len(rs)})
+        med = {k: statistics.median(r[k] for r in rs) for k in ("decode_ms", "moe_ms", "start_modelled_ms")}
+        modelled = statistics.median(summarize(r["replayed_stats"], run_model)["ms_per_token"] for r in rs)
+        results.append({**{k: v for k, v in rs[0].items() if k != "replayed_stats"}, **med, "modelled_ms": modelled,
+                        "policy": name, "slots": slots, "rounds": len(rs)})
     print(f"cost model against the engine: {cfg.num_moe_layers} MoE layers, {cfg.num_experts} experts top-"
           f"{cfg.top_k}, {banks.expert_bytes / 2**20:.1f} MiB experts, {args.tokens} decode tokens, median of "
           f"{args.rounds} rounds; {load_average()}")
-    print(f"profile: {prof.summary()}")
+    print(f"start profile: {prof.summary()}")
+    print(f"BP / BH timed after each of the {len(rates['bh'])} runs: median {run_prof.bp:.2f} / {run_prof.bh:.2f} GB/s, "
+          f"range [{min(rates['bp']):.2f}, {max(rates['bp']):.2f}] / [{min(rates['bh']):.2f}, {max(rates['bh']):.2f}]"
+          f"; the modelled column prices the replays with these medians")
     print(table(results))
     dense = statistics.median(r["decode_ms"] - r["moe_ms"] for r in results)
     ok = all(LOW <= r["modelled_ms"] / (r["decode_ms"] - dense) <= HIGH for r in results)
@@ -226,7 +257,8 @@ def main(argv=None) -> int:
         print(f"  ft-jax plan TRACE --model {path} --observed {observed}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": results, "dense_ms": dense, "profile": prof.__dict__, "cost_model": model.describe(),
+            json.dump({"results": results, "dense_ms": dense, "profile": prof.__dict__, "run_profile": run_prof.__dict__,
+                       "rates_after_runs": rates, "cost_model": run_model.describe(),
                        "load_average": os.getloadavg()}, f, indent=1, default=str)
     return 0 if ok else 1
 
