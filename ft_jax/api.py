@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import warnings
 from typing import Callable, Sequence
@@ -52,8 +53,8 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
 
     Args:
         cache: None (DEFAULT_CACHE_FRACTION of all experts), an int or numpy integer (that many slots; not a bool),
-            a float in (0, 1] (that
-            fraction of all experts), or a byte count as a string ("8GiB": slots = bytes / expert_bytes).
+            a float in (0, 1] (that fraction of all experts), or a byte count as a string ("8GiB": slots = bytes /
+            expert_bytes).
         num_experts: all routed experts, L_moe * E. expert_bytes: bytes of one expert as stored (gate, up and down
             weights in their format, their scales and biases: ExpertBanks.expert_bytes).
     Returns:
@@ -301,6 +302,15 @@ def _check_types(max_new_tokens, temperature, top_k, top_p, seed, stop) -> tuple
     return stop
 
 
+def _as_float(value) -> float:
+    """A checked number (int, float or numpy scalar) as a Python float (a float16 would overflow in the sampling
+    arithmetic); an int too large for a float becomes +-inf, which Sampling refuses by name."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def make_request(path: str, config, tokenizer, prompts, *, max_new_tokens: int | None = None,
                  temperature: float = DEFAULT_TEMPERATURE, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  stop: Sequence[str] = (), chat: bool = False, context: tuple[int, str] | None = None) -> Request:
@@ -319,7 +329,7 @@ def make_request(path: str, config, tokenizer, prompts, *, max_new_tokens: int |
     if max_new_tokens is None:
         max_new_tokens = default_new_tokens(config, ids, context) if all(ids) else DEFAULT_NEW_TOKENS
     check_request(config, ids, int(max_new_tokens), context)
-    sampling = Sampling(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    sampling = Sampling(temperature=_as_float(temperature), top_k=int(top_k), top_p=_as_float(top_p))
     return Request(prompt_ids=ids, max_new_tokens=int(max_new_tokens), sampling=sampling, seed=int(seed), stop=stop,
                    single=single)
 

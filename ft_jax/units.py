@@ -12,11 +12,15 @@ DTYPE_NAMES = {"auto": "auto", "bf16": "bfloat16", "bfloat16": "bfloat16", "f32"
 
 def parse_bytes(text: str) -> int:
     """A byte count with an optional unit: "512MiB", "2GB", "1.5g", "4096". KB/MB/GB/TB are powers of 1000;
-    KiB/MiB/GiB/TiB (and K/M/G) powers of 1024. Raises ValueError for anything else."""
+    KiB/MiB/GiB/TiB (and K/M/G) powers of 1024; a fraction needs a unit ("1.5" bytes is refused, "1.5GiB" is not).
+    Raises ValueError for anything else."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in SIZE_UNITS:
         raise ValueError(f"not a byte count: {text!r} (examples: 4096, 512MiB, 2GB)")
-    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+    unit = SIZE_UNITS[m.group(2).lower()]
+    if unit == 1 and not float(m.group(1)).is_integer():
+        raise ValueError(f"not a whole number of bytes: {text!r} (a fraction needs a unit, e.g. {m.group(1)}GiB)")
+    return int(float(m.group(1)) * unit)
 
 
 def format_bytes(n: float) -> str:

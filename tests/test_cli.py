@@ -72,6 +72,20 @@ def test_prompt_shown_when_the_first_token_hits_the_stop_string(capsys):
     assert out.startswith("ROMEO:"), repr(out)
 
 
+def test_an_error_after_streamed_text_starts_on_its_own_line(capsys, monkeypatch):
+    """A failure after some text was streamed (here a ValueError from the generation, as a non-finite logit would
+    raise mid-run) ends the streamed line first, so the error line is not glued to the text."""
+    def fail(self, request, *, on_text=None, record_routing=False):
+        on_text(0, " once")
+        raise ValueError("the row failed")
+
+    monkeypatch.setattr(api.Model, "run_request", fail)
+    status = cli.main(["generate", "--prompt", "ROMEO:", "--max-new-tokens", "2", "--policy", "host-all"])
+    out, err = capsys.readouterr()
+    assert status == 2 and out.endswith("ROMEO: once\n"), repr(out)
+    assert err.splitlines()[-1] == "ft-jax generate: error: the row failed"
+
+
 def _error(capsys, *args):
     status = cli.main(["generate", *args])
     out, err = capsys.readouterr()
@@ -186,6 +200,12 @@ def test_parse_bytes():
     assert units.parse_bytes("1.5g") == int(1.5 * 2**30)
     with pytest.raises(Exception, match="byte count"):
         units.parse_bytes("lots")
+    assert units.parse_bytes("2.0") == 2 and units.parse_bytes("1.5KB") == 1500
+    with pytest.raises(ValueError) as e:  # was 1 byte
+        units.parse_bytes("1.5")
+    assert str(e.value) == "not a whole number of bytes: '1.5' (a fraction needs a unit, e.g. 1.5GiB)"
+    with pytest.raises(ValueError, match="not a whole number of bytes: '0.5b'"):
+        units.parse_bytes("0.5b")
 
 
 def test_python_dash_m_help():

@@ -292,8 +292,14 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    out = model.run_request(request, on_text=on_text if streaming else None,
-                            record_routing=args.record_trace is not None)
+    try:
+        out = model.run_request(request, on_text=on_text if streaming else None,
+                                record_routing=args.record_trace is not None)
+    except BaseException:  # an error (or Ctrl-C) after streamed text: its message starts on a line of its own
+        if echoed:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
     if streaming:
         echo_prompt()  # no text came (a stop string at the first token): the prompt is still shown
     if not primary and not args.json:
