@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
 import warnings
 from typing import Callable, Sequence
 
@@ -53,7 +54,7 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
 
     Args:
         cache: None (DEFAULT_CACHE_FRACTION of all experts), an int or numpy integer (that many slots; not a bool),
-            a float in (0, 1] (that fraction of all experts), or a byte count as a string ("8GiB": slots = bytes /
+            a float or numpy float in (0, 1] (that fraction of all experts), or a byte count as a string ("8GiB": slots = bytes /
             expert_bytes).
         num_experts: all routed experts, L_moe * E. expert_bytes: bytes of one expert as stored (gate, up and down
             weights in their format, their scales and biases: ExpertBanks.expert_bytes).
@@ -70,7 +71,8 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
         if cache < 1:
             raise ValueError(f"the cache must hold at least one expert slot, got {cache} slots")
         return min(int(cache), num_experts)
-    if isinstance(cache, float):
+    if isinstance(cache, (float, np.floating)):
+        cache = float(cache)
         if not 0.0 < cache <= 1.0:
             raise ValueError(f"a cache fraction must be in (0, 1], got {cache}")
         return max(1, min(num_experts, round(cache * num_experts)))
@@ -302,13 +304,15 @@ def _check_types(max_new_tokens, temperature, top_k, top_p, seed, stop) -> tuple
     return stop
 
 
-def _as_float(value) -> float:
-    """A checked number (int, float or numpy scalar) as a Python float (a float16 would overflow in the sampling
-    arithmetic); an int too large for a float becomes +-inf, which Sampling refuses by name."""
-    try:
+def _as_float(value):
+    """A checked number for Sampling: a numpy float as a Python float (a float16 would overflow in the sampling
+    arithmetic); an int too large for a float as +-inf, which Sampling refuses by name; anything else as given (its
+    messages then show the value as the caller wrote it: -1, not -1.0)."""
+    if isinstance(value, np.floating):
         return float(value)
-    except OverflowError:
+    if isinstance(value, (int, np.integer)) and abs(int(value)) > sys.float_info.max:
         return math.inf if value > 0 else -math.inf
+    return value
 
 
 def make_request(path: str, config, tokenizer, prompts, *, max_new_tokens: int | None = None,

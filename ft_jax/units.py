@@ -3,6 +3,7 @@ parsed and shown in one place."""
 
 from __future__ import annotations
 
+import fractions
 import re
 
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -12,15 +13,17 @@ DTYPE_NAMES = {"auto": "auto", "bf16": "bfloat16", "bfloat16": "bfloat16", "f32"
 
 def parse_bytes(text: str) -> int:
     """A byte count with an optional unit: "512MiB", "2GB", "1.5g", "4096". KB/MB/GB/TB are powers of 1000;
-    KiB/MiB/GiB/TiB (and K/M/G) powers of 1024; a fraction needs a unit ("1.5" bytes is refused, "1.5GiB" is not).
+    KiB/MiB/GiB/TiB (and K/M/G) powers of 1024; a fraction needs a unit larger than a byte ("1.5" and "1.5b" are
+    refused, "1.5GiB" is not; "1.5KB" is 1500). Exact for any size (rational arithmetic).
     Raises ValueError for anything else."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in SIZE_UNITS:
         raise ValueError(f"not a byte count: {text!r} (examples: 4096, 512MiB, 2GB)")
-    unit = SIZE_UNITS[m.group(2).lower()]
-    if unit == 1 and not float(m.group(1)).is_integer():
-        raise ValueError(f"not a whole number of bytes: {text!r} (a fraction needs a unit, e.g. {m.group(1)}GiB)")
-    return int(float(m.group(1)) * unit)
+    nbytes = fractions.Fraction(m.group(1)) * SIZE_UNITS[m.group(2).lower()]  # exact: no float rounding or overflow
+    if nbytes.denominator != 1 and SIZE_UNITS[m.group(2).lower()] == 1:
+        raise ValueError(f"not a whole number of bytes: {text!r} (a fraction needs a unit larger than a byte, e.g. "
+                         f"{m.group(1)}GiB)")
+    return int(nbytes)
 
 
 def format_bytes(n: float) -> str:

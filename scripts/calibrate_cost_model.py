@@ -17,18 +17,23 @@ experts):
    (`ft-jax profile`: BP, BH, the contended pair and the per-call costs, Profile.fixed_costs), timed on the loaded
    model's own banks (measure_profile's model_banks: the checkpoint's mapped pages, as the engine reads them), with
    BP and BH the medians of the profile's own loops timed again after every run: the modelled MoE ms per token.
-   This VM's memory bandwidth drifts by up to +-25 % over minutes (one process timed the same host_experts scan at
+   A shared VM's memory bandwidth drifts by up to +-25 % over minutes (one process timed the same host_experts scan at
    38.7-65 ms per token), so one profile at the start prices the runs at another moment's speed; its figures are
    printed beside ("start").
 
-Printed: modelled / measured MoE ms per token for every policy and cache size (target 0.85-1.15), the replayed hit
-and fetch counts against the engine's own counters (equal: the replay starts from the state the decode started
-from), the dense part, and the `ft-jax plan --observed` figures. The variants alternate over --rounds (the median is
-reported); the load average is printed with every round. Run it alone:
+Printed: for every policy and cache size the replayed hit and fetch counts against the engine's own counters
+(equal: the replay starts from the state the decode started from), the modelled ms per token, and the ratio modelled /
+measured against both measures, the MoE layers alone ("MoE alone") and the decode step minus the median dense part
+("decode-dense"); each "start" column is the same ratio with the replay priced by the start profile instead. The
+verdict (target 0.85-1.15 for every policy and cache size) is taken on modelled / (decode - dense), the MoE layers'
+share of the real decode step. Then the `ft-jax plan --observed` figures. The variants alternate over --rounds (the
+median is reported); the load average is printed with every round. A run of the defaults takes about 15 minutes on
+a 2-core machine and needs the model's 4.9 GB in the page cache plus up to 48 slots of 66 MiB (3.2 GB). Run it with
+nothing else running:
 
-    flock /work/bench.lock python3 scripts/calibrate_cost_model.py --model DIR
-    flock /work/bench.lock python3 scripts/calibrate_cost_model.py --make-model /tmp/mixtral_8l --tokens 24 \\
-        --rounds 1 --json /tmp/calibration.json
+    python3 scripts/calibrate_cost_model.py --model DIR
+    python3 scripts/calibrate_cost_model.py --make-model /tmp/mixtral_8l --tokens 24 --rounds 1 \\
+        --json /tmp/calibration.json
 
 --make-model DIR writes the bench model there first unless DIR already holds one (4.9 GB; scripts/bench_peer.py
 keeps the same model under ~/.cache/ft_jax/bench_peer/models/).
@@ -175,9 +180,11 @@ def main(argv=None) -> int:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", help="the bench model folder (scripts/synthetic_checkpoint.py)")
     where.add_argument("--make-model", metavar="DIR", help="write the bench model to DIR first (unless it is there)")
-    p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--fractions", default=",".join(f"{f:g}" for f in FRACTIONS), help="cache sizes, fractions of "
-                                                                                         "the L x E experts")
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated policies to run (default {','.join(POLICIES)})")
+    p.add_argument("--fractions", default=",".join(f"{f:g}" for f in FRACTIONS),
+                   help=f"comma-separated cache sizes, fractions of the L x E experts (default "
+                        f"{','.join(f'{f:g}' for f in FRACTIONS)})")
     p.add_argument("--tokens", type=int, default=32, help="decode tokens timed per run (default 32)")
     p.add_argument("--prompt-len", type=int, default=4, help="prompt tokens (default 4)")
     p.add_argument("--rounds", type=int, default=2, help="rounds over all variants (default 2; median reported)")

@@ -49,6 +49,7 @@ def test_public_names_and_defaults_match_the_cli():
     assert api.num_slots_for(None, 32, 10) == 16 and api.num_slots_for(0.25, 32, 10) == 8
     assert api.num_slots_for(5, 32, 10) == 5 and api.num_slots_for("45", 32, 10) == 4
     assert api.num_slots_for(np.int64(5), 32, 10) == 5 and type(api.num_slots_for(np.int64(40), 32, 10)) is int
+    assert api.num_slots_for(np.float32(0.25), 32, 10) == 8
     with pytest.raises(ValueError, match="got True"):
         api.num_slots_for(True, 32, 10)
     with pytest.raises(ValueError, match="smaller than one expert slot"):

@@ -203,9 +203,12 @@ def test_parse_bytes():
     assert units.parse_bytes("2.0") == 2 and units.parse_bytes("1.5KB") == 1500
     with pytest.raises(ValueError) as e:  # was 1 byte
         units.parse_bytes("1.5")
-    assert str(e.value) == "not a whole number of bytes: '1.5' (a fraction needs a unit, e.g. 1.5GiB)"
+    assert str(e.value) == ("not a whole number of bytes: '1.5' (a fraction needs a unit larger than a byte, "
+                            "e.g. 1.5GiB)")
     with pytest.raises(ValueError, match="not a whole number of bytes: '0.5b'"):
         units.parse_bytes("0.5b")
+    assert units.parse_bytes("1" * 400 + "GiB") == int("1" * 400) * 2**30  # exact, no float overflow (was OverflowError)
+    assert units.parse_bytes("3.3KiB") == 3379  # 3379.2 bytes, whole bytes down
 
 
 def test_python_dash_m_help():

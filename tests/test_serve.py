@@ -440,8 +440,8 @@ def _parse(body, chat, model):
     ('{"prompt": "R", "\\udc00": 1}', False, "\\udc00", "Unrecognized request argument supplied: \\udc00"),
     # an empty name is said to be one (the message ended in ": " before)
     ('{"prompt": "R", "": 1}', False, "", "Unrecognized request argument supplied: '' (an empty name)"),
-    ('{"prompt": "R", "stream": true, "stream_options": {"": 1}}', False, "stream_options.",
-     "Unrecognized request argument supplied: 'stream_options.' (an empty name)"),
+    ('{"prompt": "R", "stream": true, "stream_options": {"": 1}}', False, "stream_options",
+     "Unrecognized request argument supplied: '' (an empty name in stream_options)"),
     # a very long name is cut (it is echoed twice: message and param)
     pytest.param('{"prompt": "R", "%s": 1}' % ("k" * 5000), False, "k" * 100 + "...",
                  "Unrecognized request argument supplied: " + "k" * 100 + "...", id="a-5000-character-name"),

@@ -140,7 +140,10 @@ def _known_fields(body: dict, chat: bool) -> None:
             # cutoff 0.8: typos (max_token, temprature, top-p), not other servers' fields (repetition_penalty)
             hints += [f"did you mean '{m}'?" for m in difflib.get_close_matches(name, sorted(allowed), 1, 0.8)]
             where = _escaped(where if len(where) <= 100 else where[:100] + "...")  # a name is echoed twice
-            shown = where if name else f"'{where}' (an empty name)"  # "" or "stream_options."
+            shown = where
+            if not name:  # the message ended in ": " (or "stream_options.")
+                where = where.rstrip(".")
+                shown = "'' (an empty name" + (" in stream_options)" if where else ")")
             raise RequestError(f"Unrecognized request argument supplied: {shown}"
                                + (f" ({'; '.join(hints)})" if hints else ""), where)
 
