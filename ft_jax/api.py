@@ -54,8 +54,8 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
 
     Args:
         cache: None (DEFAULT_CACHE_FRACTION of all experts), an int or numpy integer (that many slots; not a bool),
-            a float or numpy float in (0, 1] (that fraction of all experts), or a byte count as a string ("8GiB": slots = bytes /
-            expert_bytes).
+            a float or numpy float in (0, 1] (that fraction of all experts), or a byte count as a string ("8GiB":
+            slots = bytes / expert_bytes).
         num_experts: all routed experts, L_moe * E. expert_bytes: bytes of one expert as stored (gate, up and down
             weights in their format, their scales and biases: ExpertBanks.expert_bytes).
     Returns:
@@ -422,9 +422,8 @@ class Model:
             TypeError: prompts, max_new_tokens, temperature, top_k, top_p, seed, stop (a string, list or tuple),
                 chat (a bool) or on_text of the wrong type (naming it; a bool is no number here).
             ValueError: no prompt, an empty / out-of-vocabulary / too long prompt, text (prompt or stop string) with a
-                lone surrogate, max_new_tokens < 1, a sampling
-                value or seed out of range, an empty stop string, text without a tokenizer, stop strings without a
-                tokenizer, chat without a chat template.
+                lone surrogate, max_new_tokens < 1, a sampling value or seed out of range, an empty stop string, text
+                without a tokenizer, stop strings without a tokenizer, chat without a chat template.
             ft_jax.engine.sampling.NonFiniteLogitsError: the model produced NaN or infinite logits.
         """
         request = self.request(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,

@@ -19,8 +19,9 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in SIZE_UNITS:
         raise ValueError(f"not a byte count: {text!r} (examples: 4096, 512MiB, 2GB)")
-    nbytes = fractions.Fraction(m.group(1)) * SIZE_UNITS[m.group(2).lower()]  # exact: no float rounding or overflow
-    if nbytes.denominator != 1 and SIZE_UNITS[m.group(2).lower()] == 1:
+    unit = SIZE_UNITS[m.group(2).lower()]
+    nbytes = fractions.Fraction(m.group(1)) * unit  # exact: no float rounding or overflow
+    if nbytes.denominator != 1 and unit == 1:
         raise ValueError(f"not a whole number of bytes: {text!r} (a fraction needs a unit larger than a byte, e.g. "
                          f"{m.group(1)}GiB)")
     return int(nbytes)

@@ -219,10 +219,10 @@ def main(argv=None) -> int:
     runs: dict[tuple, list[dict]] = {}
     rates: dict[str, list[float]] = {"bp": [], "bh": []}  # timed after every run
     mode = bandwidth.MODES["full"]
-    rows = bandwidth.Bench.rotation_rows(banks.expert_bytes, mode["call_bytes"], bandwidth.last_level_cache_bytes())[1]
     with tempfile.TemporaryDirectory() as tmp, bandwidth.Bench(
             cfg.hidden_size, cfg.moe_intermediate_size, "bfloat16", call_bytes=mode["call_bytes"],
-            model_banks=banks if banks.num_rows >= 2 * rows else None) as bench:
+            model_banks=bandwidth.rotatable_banks(banks, cfg.hidden_size, cfg.moe_intermediate_size, "bfloat16",
+                                                  mode["call_bytes"])) as bench:
         for rnd in range(args.rounds):
             log(f"round {rnd + 1}/{args.rounds}: {load_average()}")
             for i, (name, policy, slots) in enumerate(variants):

@@ -353,6 +353,18 @@ class Bench:
             self.banks.release()
 
 
+def rotatable_banks(model_banks: ExpertBanks | None, hidden_size: int, intermediate_size: int, dtype: Any,
+                    call_bytes: int, fmt: WeightFormat | None = None) -> ExpertBanks | None:
+    """``model_banks`` if they hold the 2R rows Bench's rotation needs at ``call_bytes`` per call for experts of this
+    shape and format (so the timed rows are the engine's own memory), else None (too few rows to rotate past the
+    last-level cache: Bench times fresh banks)."""
+    if model_banks is None:
+        return None
+    _, R = Bench.rotation_rows(expert_nbytes(hidden_size, intermediate_size, dtype, fmt), call_bytes,
+                               last_level_cache_bytes())
+    return model_banks if model_banks.num_rows >= 2 * R else None
+
+
 def measure_rates(calls: dict[str, tuple[Callable[[], Any], int]], repeats: int,
                   min_time: float) -> dict[str, tuple[float, float, float]]:
     """GB/s {name: (median, min, max)} over ``repeats`` rounds of blocking calls {name: (call, bytes per call)}.
@@ -422,10 +434,7 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
 
     t0 = time.perf_counter()
     stage("ft-jax profile: allocating host banks and slots")
-    if model_banks is not None:  # too few rows to rotate past the last-level cache: fresh banks
-        _, R = Bench.rotation_rows(expert_nbytes(hidden_size, intermediate_size, dtype, fmt), mode["call_bytes"],
-                                   last_level_cache_bytes())
-        model_banks = model_banks if model_banks.num_rows >= 2 * R else None
+    model_banks = rotatable_banks(model_banks, hidden_size, intermediate_size, dtype, mode["call_bytes"], fmt)
     with Bench(hidden_size, intermediate_size, dtype, call_bytes=mode["call_bytes"], fmt=fmt,
                model_banks=model_banks) as b:
         stage("ft-jax profile: slot fill (BP) and host GEMV (BH), each alone")
