@@ -306,12 +306,13 @@ def _check_types(max_new_tokens, temperature, top_k, top_p, seed, stop) -> tuple
 
 def _as_float(value):
     """A checked number for Sampling: a numpy float as a Python float (a float16 would overflow in the sampling
-    arithmetic); an int too large for a float as +-inf, which Sampling refuses by name; anything else as given (its
-    messages then show the value as the caller wrote it: -1, not -1.0)."""
+    arithmetic); an int of 2^63 or more as a float (+-inf past the largest), which Sampling refuses by name
+    (numpy's isfinite takes no such int); anything else as given (its messages then show the value as the caller
+    wrote it: -1, not -1.0)."""
     if isinstance(value, np.floating):
         return float(value)
-    if isinstance(value, (int, np.integer)) and abs(int(value)) > sys.float_info.max:
-        return math.inf if value > 0 else -math.inf
+    if isinstance(value, (int, np.integer)) and abs(int(value)) >= 2**63:  # beyond numpy's integer checks
+        return float(value) if abs(int(value)) <= sys.float_info.max else (math.inf if value > 0 else -math.inf)
     return value
 
 

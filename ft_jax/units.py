@@ -14,7 +14,8 @@ DTYPE_NAMES = {"auto": "auto", "bf16": "bfloat16", "bfloat16": "bfloat16", "f32"
 def parse_bytes(text: str) -> int:
     """A byte count with an optional unit: "512MiB", "2GB", "1.5g", "4096". KB/MB/GB/TB are powers of 1000;
     KiB/MiB/GiB/TiB (and K/M/G) powers of 1024; a fraction needs a unit larger than a byte ("1.5" and "1.5b" are
-    refused, "1.5GiB" is not; "1.5KB" is 1500). Exact for any size (rational arithmetic).
+    refused, "1.5GiB" is not; "1.5KB" is 1500; "3.3KiB", 3379.2 bytes, is 3379: whole bytes, rounded down). Any
+    size, without float rounding or overflow (rational arithmetic).
     Raises ValueError for anything else."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in SIZE_UNITS:

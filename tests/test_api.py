@@ -123,6 +123,8 @@ def test_wrong_argument_types_name_the_argument(bundled, kwargs, message):
     (dict(max_new_tokens=0), "max_new_tokens must be >= 1, got 0"),
     (dict(temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
     (dict(temperature=10**400), "temperature must be a finite number >= 0, got inf"),
+    (dict(temperature=2**1023), "temperature 8.98847e+307 is outside [1e-10, 1e+10] (0 = greedy): logits / "
+                                "temperature would overflow or underflow float32"),
     (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
     (dict(top_k=-1), "top_k must be an integer in [0, 2^31), got -1"),
     (dict(seed=-1), "seed must be an integer in [0, 2^32), got -1"),
