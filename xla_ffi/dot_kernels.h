@@ -92,25 +92,55 @@ FT_JAX_AVX2 float DotRowAvx2(const W* row, const float* x, int64_t len) {
 #endif
 
 #if FT_JAX_HAVE_AVX2_PATH
-// dot(row[0:len], x[0:len]) for bf16 weights and bf16 activations: 8 accumulators of 16 float32 lanes, 32 elements
-// (16 pairs) per VDPBF16PS.
-FT_JAX_AVX512BF16 inline float DotRowBf16(const uint16_t* row, const uint16_t* x, int64_t len) {
-  constexpr int A = kAccumulators;
-  __m512 acc[A];
-  for (int a = 0; a < A; ++a) acc[a] = _mm512_setzero_ps();
+// Accumulators of a bf16 x bf16 dot (VDPBF16PS, 16 float32 lanes each). Two chains keep a memory-bound row at the
+// memory's speed (2 x 64 bytes per VDPBF16PS latency of ~6 cycles is several times what DRAM delivers to a core),
+// and the register tiles of gemm_bf16.h then read a tile's rows in 2 passes instead of 8. Measured (docs/DESIGN.md
+// sec. 20.15): host_experts on the bench shape, 1 and 3 tokens per expert, +14 % and +40 % over 8 accumulators.
+constexpr int kBf16Accumulators = 2;
+
+// out[t * out_stride] = dot(row[0:len], token t) for the NT bf16 tokens at xb + t * xs, bf16 weights: the row is
+// loaded once per chunk for all NT tokens. Each token has kBf16Accumulators accumulators; accumulator a takes the
+// 32-element chunks at i = 64 j + 32 a, a last chunk of 32 goes to accumulator 0, the two are added, reduced across
+// lanes, and the last len % 32 products are added one by one. A token's result depends only on its own additions, so
+// it is bit for bit the same whatever NT (and the register tiles of gemm_bf16.h follow the same order).
+template <int NT>
+FT_JAX_AVX512BF16 inline void DotRowBf16Tokens(const uint16_t* row, const uint16_t* xb, int64_t xs, int64_t len,
+                                               float* out, int64_t out_stride) {
+  constexpr int A = kBf16Accumulators;
+  __m512 acc[NT][A];
+  for (int t = 0; t < NT; ++t)
+    for (int a = 0; a < A; ++a) acc[t][a] = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + 32 * A <= len; i += 32 * A)
-    for (int a = 0; a < A; ++a)
-      acc[a] = _mm512_dpbf16_ps(acc[a], (__m512bh)_mm512_loadu_si512(row + i + 32 * a),
-                                (__m512bh)_mm512_loadu_si512(x + i + 32 * a));
-  for (; i + 32 <= len; i += 32)
-    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_loadu_si512(row + i), (__m512bh)_mm512_loadu_si512(x + i));
-  for (int width = A / 2; width >= 1; width /= 2)
-    for (int j = 0; j < width; ++j) acc[j] = _mm512_add_ps(acc[j], acc[j + width]);
-  float s = _mm512_reduce_add_ps(acc[0]);
-  for (; i < len; ++i) s += ToF32(row[i]) * ToF32(x[i]);
+  for (; i + 32 * A <= len; i += 32 * A) {
+    __m512i wv[A];
+    for (int a = 0; a < A; ++a) wv[a] = _mm512_loadu_si512(row + i + 32 * a);
+#pragma GCC unroll 16
+    for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+      for (int a = 0; a < A; ++a)
+        acc[t][a] = _mm512_dpbf16_ps(acc[t][a], (__m512bh)wv[a], (__m512bh)_mm512_loadu_si512(xb + t * xs + i + 32 * a));
+  }
+  for (; i + 32 <= len; i += 32) {
+    const __m512i wv = _mm512_loadu_si512(row + i);
+    for (int t = 0; t < NT; ++t)
+      acc[t][0] = _mm512_dpbf16_ps(acc[t][0], (__m512bh)wv, (__m512bh)_mm512_loadu_si512(xb + t * xs + i));
+  }
+  for (int t = 0; t < NT; ++t) {
+    for (int width = A / 2; width >= 1; width /= 2)
+      for (int j = 0; j < width; ++j) acc[t][j] = _mm512_add_ps(acc[t][j], acc[t][j + width]);
+    float s = _mm512_reduce_add_ps(acc[t][0]);
+    for (int64_t k = i; k < len; ++k) s += ToF32(row[k]) * ToF32(xb[t * xs + k]);
+    out[t * out_stride] = s;
+  }
+}
+
+// dot(row[0:len], x[0:len]) for bf16 weights and bf16 activations (DotRowBf16Tokens of one token).
+FT_JAX_AVX512BF16 inline float DotRowBf16(const uint16_t* row, const uint16_t* x, int64_t len) {
+  float s;
+  DotRowBf16Tokens<1>(row, x, 0, len, &s, 0);
   return s;
 }
+
 #endif
 
 template <typename W>
@@ -125,15 +155,20 @@ inline float DotRow(bool avx2, const W* row, const float* x, int64_t len) {
 // out[t * out_stride + r] = dot(w[r], x[t]) for rows r in [r0, r1) of w ([rows, len], row r at w + r * len) and
 // tokens t < T (x [T, len] float32; xb: the same values as bf16 bits, token t at xb + t * xb_stride, or nullptr):
 // row by row; the first token reads a row from memory, the others find it in cache. bf16 weights with xb use
-// DotRowBf16 where the CPU has it.
+// DotRowBf16Tokens where the CPU has it (each row read once for two tokens).
 template <typename W>
 inline void DotRows(Isa isa, const W* w, int64_t len, int64_t r0, int64_t r1, const float* x, const uint16_t* xb,
                     int64_t xb_stride, int64_t T, float* out, int64_t out_stride) {
 #if FT_JAX_HAVE_AVX2_PATH
   if constexpr (sizeof(W) == 2) {
     if (isa == Isa::kAvx512Bf16 && xb != nullptr) {
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRowBf16(w + r * len, xb + t * xb_stride, len);
+      // each row once for two tokens (more tokens take the register tiles of gemm_bf16.h)
+      for (int64_t r = r0; r < r1; ++r) {
+        int64_t t = 0;
+        for (; t + 2 <= T; t += 2)
+          DotRowBf16Tokens<2>(w + r * len, xb + t * xb_stride, xb_stride, len, out + t * out_stride + r, out_stride);
+        if (t < T) out[t * out_stride + r] = DotRowBf16(w + r * len, xb + t * xb_stride, len);
+      }
       return;
     }
   }

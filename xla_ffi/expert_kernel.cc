@@ -195,7 +195,7 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
       const int64_t b = g.begin[grp], e = g.begin[grp + 1];
       const size_t expert = static_cast<size_t>(g.expert[grp]);
       // bf16 dots: the first rows (one register tile's) of the next group's h0..h1 into L2 while this group runs, so
-      // its stream starts warm (the tiles read a row in 8 strided passes, which the hardware prefetchers do not run
+      // its stream starts warm (the tiles read a row in 2 strided passes, which the hardware prefetchers do not run
       // ahead of; inside a tiled call, gemm_bf16.h prefetches each next row group itself)
       if (bf16_dots && grp + 1 < G) {
         const uint8_t* next = m.down + static_cast<size_t>(g.expert[grp + 1]) * m.down_stride + h0 * dn_row;

@@ -1,16 +1,17 @@
 // bf16 x bf16 products of many rows and many tokens (prefill) in register tiles, bit for bit what DotRowBf16
 // (dot_kernels.h) gives for every (row, token) pair.
 //
-// DotRowBf16 sums a dot in 8 accumulators of 16 float32 lanes: accumulator a takes the 32-element chunks at
-// i = 256 j + 32 a (VDPBF16PS), then the chunks of a length that is not a multiple of 256 go to accumulator 0, the
-// 8 are added by a fixed tree ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), reduced across lanes, and the last
-// len % 32 products are added one by one. Each accumulator's value depends only on the order of its own additions,
-// so the 8 may be computed one after the other: a tile of R rows x T tokens runs 8 passes, pass a holding R x T
-// accumulators in registers (one per output) over the chunks of accumulator a, each weight chunk loaded once for T
-// tokens and each token chunk once for R rows (R + T loads for R x T VDPBF16PS, against 2 loads per VDPBF16PS row by
-// row). The 8 partial vectors of every output are kept and added by DotRowBf16's tree. Over the 8 passes every
-// 64-byte line of the tile's rows and tokens is read once, so the tile's data is read once from L2 whatever the pass
-// order. Measured (docs/DESIGN.md sec. 16): 4 rows x 6 tokens ran at 1.9x the row-by-row DotRows on one core.
+// DotRowBf16 sums a dot in A = kBf16Accumulators (2) accumulators of 16 float32 lanes: accumulator a takes the
+// 32-element chunks at i = 64 j + 32 a (VDPBF16PS), then a last chunk of 32 goes to accumulator 0, the two are added,
+// reduced across lanes, and the last len % 32 products are added one by one. Each accumulator's value depends only on
+// the order of its own additions, so the A may be computed one after the other: a tile of R rows x T tokens runs A
+// passes, pass a holding R x T accumulators in registers (one per output) over the chunks of accumulator a, each
+// weight chunk loaded once for T tokens and each token chunk once for R rows (R + T loads for R x T VDPBF16PS, against
+// about 1 load per VDPBF16PS for DotRowBf16Tokens). The A partial vectors of every output are kept and added in
+// DotRowBf16's order. Over the A passes every 64-byte line of the tile's rows and tokens is read once, so the tile's
+// data is read once from L2 whatever the pass order. Measured (docs/DESIGN.md sec. 16, with 8 accumulators then):
+// 4 rows x 6 tokens ran at 1.9x the row-by-row DotRows on one core; sec. 20.15: from 3 tokens on, a decode call's
+// rows read faster through the tiles than row by row.
 //
 // Bit-identity is what lets the expert kernel use the tiles for an expert with many tokens and DotRows for one with
 // few: a token's result never depends on how many other tokens share its expert (chunked prefill equals unchunked,
@@ -25,12 +26,13 @@
 
 namespace ft_jax {
 
-// Tokens from which DotRows runs its bf16 x bf16 rows through the tiles (fewer: one row at a time, which is as fast
-// for a token or two and reads each row once as one stream).
-constexpr int64_t kBf16TileMinTokens = 4;
+// Tokens from which DotRowsView runs its bf16 x bf16 rows through the tiles (fewer: DotRows, each row read once as
+// one stream for one or two tokens; at 3 tokens per expert the tiles read the bench shape's rows at 25 against 18 GB/s
+// on 2 threads, docs/DESIGN.md sec. 20.15).
+constexpr int64_t kBf16TileMinTokens = 3;
 
 // Elements between tokens of bf16 activations laid out for the tiles: cols rounded up to 32, plus 64, and more until
-// the row bytes are not a multiple of 1 KiB. A pass of a tile reads every 8th 64-byte line of its 4 rows and 6 tokens;
+// the row bytes are not a multiple of 1 KiB. A pass of a tile reads every A-th 64-byte line of its 4 rows and 6 tokens;
 // rows a multiple of 4 KiB apart (cols 2048) put all those lines in the same few L1 sets, which hold 8 lines each, so
 // the tokens evicted the rows on every pass. Measured on one core (AMD EPYC, 4 x 6 tiles, 128 tokens): cols 2048 with
 // a stride of 2048 ran at 86-90 GFLOP/s, with 2112 at 145-154; cols 5632 (11 KiB rows) 96-98 against 136 at 5696.
@@ -69,8 +71,8 @@ FT_JAX_AVX512BF16 inline void Chunk(const uint16_t* const* wr, const uint16_t* c
 template <int R, int NT>
 FT_JAX_AVX512BF16 void Tile(const uint16_t* w, int64_t len, int64_t r0, const uint16_t* xb, int64_t xs, int64_t t0,
                             float* out, int64_t out_stride, const char* pf, const char* pf_end) {
-  constexpr int A = kAccumulators;
-  const int64_t full = len / (32 * A) * (32 * A);  // elements of the 8-accumulator loop of DotRowBf16
+  constexpr int A = kBf16Accumulators;
+  const int64_t full = len / (32 * A) * (32 * A);  // elements of the A-accumulator loop of DotRowBf16Tokens
   const uint16_t* wr[R];
   const uint16_t* xt[NT];
   for (int r = 0; r < R; ++r) wr[r] = w + (r0 + r) * len;
