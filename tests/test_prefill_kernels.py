@@ -22,18 +22,20 @@ def _rel_err(got, expected):
 
 @pytest.fixture(scope="module", params=[(264, 165), (2 * 256 + 32 + 7, 96)], ids=["H264_I165", "H551_I96"])
 def bf16_experts(request):
-    """4 bf16 experts of odd sizes (H = 264: one 256 block plus a partial chunk; H = 551: a 32-chunk past the
-    8-accumulator loop plus a 7-element tail) and 23 tokens routed top-2 so that expert 0 gets 1 route, expert 1
-    none, expert 2 many and expert 3 the rest; a few routes skipped (-1)."""
+    """5 bf16 experts of odd sizes (H = 264: 4 chunk pairs of the 2-accumulator loop plus an 8-element tail; H = 551:
+    a 32-chunk past that loop plus a 7-element tail) and 23 tokens routed top-2 so that expert 0 gets 1 route,
+    expert 1 none, expert 4 two (the two-token row path), expert 2 many and expert 3 the rest; a few routes skipped
+    (-1)."""
     H, I = request.param
     rng = np.random.default_rng(H)
-    gate_up = (rng.standard_normal((4, 2 * I, H)) / np.sqrt(H)).astype(BF16)
-    down = (rng.standard_normal((4, H, I)) / np.sqrt(I)).astype(BF16)
+    gate_up = (rng.standard_normal((5, 2 * I, H)) / np.sqrt(H)).astype(BF16)
+    down = (rng.standard_normal((5, H, I)) / np.sqrt(I)).astype(BF16)
     T = 23
     x = rng.standard_normal((T, H)).astype(BF16)
     ids = np.full((T, 2), 2, np.int32)
     ids[:, 1] = 3
     ids[0, 1] = 0  # expert 0: one route
+    ids[1, 1] = ids[2, 1] = 4  # expert 4: two routes
     ids[5, 0] = ids[9, 1] = -1  # skipped routes
     weights = rng.random((T, 2)).astype(np.float32)
     banks = HostBank.from_numpy(gate_up), HostBank.from_numpy(down)
@@ -53,7 +55,7 @@ def test_bf16_experts_with_many_tokens_match_float64(bf16_experts):
 
 def test_bf16_experts_in_tiles_equal_each_token_alone(bf16_experts):
     """23 tokens (3 tiles of 6 + 5) through the register tiles are bit for bit the tokens computed one at a time
-    (one token per call: the row-by-row dots), for the expert with many routes, the one with one and none."""
+    (one token per call: the row-by-row dots), for the expert with many routes, the ones with two, one and none."""
     x, ids, weights, gate_up, down, banks = bf16_experts
     together = np.asarray(ffi_ops.host_experts(jnp.asarray(x), ids, weights, *banks))
     for t in range(x.shape[0]):
@@ -63,10 +65,11 @@ def test_bf16_experts_in_tiles_equal_each_token_alone(bf16_experts):
     np.testing.assert_array_equal(slots, together)
 
 
-@pytest.mark.parametrize("N, O", [(4, 30), (7, 30), (13, 30), (40, 30), (300, 1000)])
+@pytest.mark.parametrize("N, O", [(2, 30), (3, 30), (4, 30), (7, 30), (13, 30), (40, 30), (300, 1000)])
 def test_bf16_linear_in_tiles_equals_rows_alone_and_float64(N, O):
     """The dense FFI projection with bf16 weights and activations (any row count where the CPU has the bf16 dot): N
-    tokens in tiles equal each token alone bit for bit, and the float64 product within float32 accumulation. K = 551;
+    tokens (2: each row once for both, DotRowBf16Tokens; from 3: the tiles) equal each token alone bit for bit, and
+    the float64 product within float32 accumulation. K = 551;
     O = 30 rows = 7 tiles of 4 rows plus 2 single rows; from 32 tokens x is copied to the tiles' token stride, and
     300 tokens are two token blocks (204 + 96) of a 1.1 MB matrix split over the threads."""
     rng = np.random.default_rng(N)

@@ -86,7 +86,7 @@ FT_JAX_AVX512BF16 void Tile(const uint16_t* w, int64_t len, int64_t r0, const ui
       for (int r = 0; r < R && pf < pf_end; ++r, pf += 64) __builtin_prefetch(pf, 0, 2);
       Chunk<R, NT>(wr, xt, i, acc);
     }
-    if (a == 0)  // the chunks past the 8-accumulator loop, into accumulator 0 in order
+    if (a == 0)  // the chunk past the A-accumulator loop, into accumulator 0
       for (int64_t i = full; i + 32 <= len; i += 32) Chunk<R, NT>(wr, xt, i, acc);
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < NT; ++t) part[a][r][t] = acc[r][t];
