@@ -118,7 +118,8 @@ FT_JAX_AVX512BF16 inline void DotRowBf16Tokens(const uint16_t* row, const uint16
     for (int t = 0; t < NT; ++t)
 #pragma GCC unroll 4
       for (int a = 0; a < A; ++a)
-        acc[t][a] = _mm512_dpbf16_ps(acc[t][a], (__m512bh)wv[a], (__m512bh)_mm512_loadu_si512(xb + t * xs + i + 32 * a));
+        acc[t][a] = _mm512_dpbf16_ps(acc[t][a], (__m512bh)wv[a],
+                                     (__m512bh)_mm512_loadu_si512(xb + t * xs + i + 32 * a));
   }
   for (; i + 32 <= len; i += 32) {
     const __m512i wv = _mm512_loadu_si512(row + i);
