@@ -61,12 +61,13 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
     Returns:
         slots in [1, num_experts].
     Raises:
-        ValueError: a budget below one slot, a fraction outside (0, 1], or an unknown form (naming it).
+        ValueError: a budget below one slot, a fraction outside (0, 1], or a string that is no byte count.
+        TypeError: cache of another type (a bool, a list, ...), named.
     """
     if cache is None:
         cache = DEFAULT_CACHE_FRACTION
     if isinstance(cache, bool):
-        raise ValueError(f"cache must be slots (int), a fraction (float) or bytes ('8GiB'), got {cache!r}")
+        raise TypeError(f"cache must be slots (int), a fraction (float) or bytes ('8GiB'), got {cache!r}")
     if isinstance(cache, (int, np.integer)):
         if cache < 1:
             raise ValueError(f"the cache must hold at least one expert slot, got {cache} slots")
@@ -78,7 +79,7 @@ def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
         return max(1, min(num_experts, round(cache * num_experts)))
     if isinstance(cache, str):
         return min(budget_slots(cache, expert_bytes), num_experts)
-    raise ValueError(f"cache must be slots (int), a fraction (float) or bytes ('8GiB'), got {cache!r}")
+    raise TypeError(f"cache must be slots (int), a fraction (float) or bytes ('8GiB'), got {cache!r}")
 
 
 def budget_note(given: str, fits: int, experts: int) -> str:
@@ -219,16 +220,22 @@ def default_new_tokens(config, prompts: Sequence[Sequence[int]], context: tuple[
 
 def encode_prompt(path: str, tokenizer, prompt, *, chat: bool = False) -> list[int]:
     """Token ids of one prompt: ids are kept as they are; text is encoded by the tokenizer, after the chat template of
-    the model folder ``path`` with chat=True. Raises ValueError without a tokenizer for text; ChatTemplateError
-    without a chat template."""
+    the model folder ``path`` with chat=True. Raises ValueError without a tokenizer for text, or for a non-empty text
+    that encodes to no token (a tokenizer without an unknown token or byte fallback drops what it cannot encode);
+    ChatTemplateError without a chat template."""
     if not isinstance(prompt, str):
         return [int(t) for t in prompt]
     if tokenizer is None:
         raise ValueError(f"{path} has no tokenizer (no tokenizer.json): pass token ids instead of text")
     if chat:
         template = load_chat_template(path)
-        return tokenizer.encode(template.render([{"role": "user", "content": prompt}]), add_special_tokens=False)
-    return tokenizer.encode(prompt)
+        ids = tokenizer.encode(template.render([{"role": "user", "content": prompt}]), add_special_tokens=False)
+    else:
+        ids = tokenizer.encode(prompt)
+    if not ids and prompt:
+        raise ValueError(f"the prompt text ({units.count(len(prompt), 'character')}) encodes to no tokens: the model's "
+                         "tokenizer has no token for it; give other text or token ids")
+    return ids
 
 
 def _prompt_rows(prompts) -> tuple[list, bool]:
@@ -537,7 +544,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
         ValueError: a bad dtype, policy, quantize or cache budget; a profile path that is a folder or in a folder
             that does not exist; a mesh whose expert axis does not divide the experts or that does not match the
             processes (ExpertPartition.from_mesh).
-        TypeError: quantize neither a str nor None.
+        TypeError: quantize neither a str nor None; cache of another type than those above (a bool, a list, ...).
         ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
             available (checked from the headers before anything is allocated).
     """

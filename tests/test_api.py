@@ -24,6 +24,7 @@ from ft_jax.defaults import default_policy
 from ft_jax.chat import ChatTemplateError, load_chat_template
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
+from ft_jax.tokenizer import HFTokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT = os.path.join(os.path.dirname(__file__), "fixtures", "chat")
@@ -50,8 +51,10 @@ def test_public_names_and_defaults_match_the_cli():
     assert api.num_slots_for(5, 32, 10) == 5 and api.num_slots_for("45", 32, 10) == 4
     assert api.num_slots_for(np.int64(5), 32, 10) == 5 and type(api.num_slots_for(np.int64(40), 32, 10)) is int
     assert api.num_slots_for(np.float32(0.25), 32, 10) == 8
-    with pytest.raises(ValueError, match="got True"):
-        api.num_slots_for(True, 32, 10)
+    for wrong in (True, [4], {"slots": 4}):  # a type error, not a value error
+        with pytest.raises(TypeError, match=rf"^cache must be slots \(int\), a fraction \(float\) or bytes "
+                                            rf"\('8GiB'\), got {re.escape(repr(wrong))}$"):
+            api.num_slots_for(wrong, 32, 10)
     with pytest.raises(ValueError, match="smaller than one expert slot"):
         api.num_slots_for("9", 32, 10)
     with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\]"):
@@ -227,6 +230,12 @@ def test_a_prompt_too_long_for_the_context_counts_its_tokens(bundled):
         bundled.generate([[5], [5] * context, [6]], max_new_tokens=1)
 
 
+def test_a_load_argument_of_the_wrong_type_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match=r"^cache= / --cache-slots, --cache-fraction, --device-memory: cache must be "
+                                        r"slots \(int\), a fraction \(float\) or bytes \('8GiB'\), got True$"):
+        ft_jax.load(cache=True, measure=False)
+
+
 @pytest.mark.parametrize("kwargs, start", [
     (dict(cache=-1), "cache= / --cache-slots, --cache-fraction, --device-memory: the cache must hold at least one "
                      "expert slot"),
@@ -253,6 +262,18 @@ def test_no_prompt_is_a_value_error_naming_the_prompts(bundled):
             bundled.generate(empty)
     with pytest.raises(ValueError, match="^the prompt text is empty"):
         bundled.generate("")
+
+
+def test_a_text_that_encodes_to_no_tokens_is_named_not_called_empty(tmp_path):
+    """A tokenizer without an unknown token or byte fallback drops what it cannot encode: a non-empty text of such
+    characters is refused as that, not as "prompt 0 is empty" (a new user's report)."""
+    from tokenizers import Tokenizer as HFTok, models
+    HFTok(models.BPE(vocab={"a": 0, "b": 1}, merges=[])).save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    assert api.encode_prompt(str(tmp_path), tokenizer, "ab") == [0, 1]
+    with pytest.raises(ValueError, match=r"^the prompt text \(5 characters\) encodes to no tokens: the model's "
+                                         r"tokenizer has no token for it; give other text or token ids$"):
+        api.encode_prompt(str(tmp_path), tokenizer, "hello")
 
 
 def test_a_jax_array_of_token_ids_is_a_prompt(bundled):
