@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import sys
 import warnings
 from typing import Callable, Sequence
 
@@ -319,7 +318,10 @@ def _as_float(value):
     if isinstance(value, np.floating):
         return float(value)
     if isinstance(value, (int, np.integer)) and abs(int(value)) >= 2**63:  # beyond numpy's integer checks
-        return float(value) if abs(int(value)) <= sys.float_info.max else (math.inf if value > 0 else -math.inf)
+        try:
+            return float(value)
+        except OverflowError:  # past the largest float
+            return math.inf if value > 0 else -math.inf
     return value
 
 
