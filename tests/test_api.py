@@ -276,6 +276,14 @@ def test_a_text_that_encodes_to_no_tokens_is_named_not_called_empty(tmp_path):
         api.encode_prompt(str(tmp_path), tokenizer, "hello")
 
 
+def test_a_top_p_below_float32_keeps_the_most_likely_token(bundled):
+    """top_p = 1e-300 passes the (0, 1] check but is 0 in the float32 sampling step: the most likely token is kept, so
+    the text is the greedy one (it was 8 NUL characters: every token masked, id 0 drawn; a new user's report)."""
+    greedy = bundled.generate("ROMEO:", max_new_tokens=8, temperature=0).token_ids
+    for top_p in (1e-300, 1e-40):
+        assert bundled.generate("ROMEO:", max_new_tokens=8, temperature=1.0, top_p=top_p, seed=3).token_ids == greedy
+
+
 def test_a_jax_array_of_token_ids_is_a_prompt(bundled):
     ids = [3, 17, 42, 5]
     want = bundled.generate(ids, max_new_tokens=4, temperature=0).token_ids

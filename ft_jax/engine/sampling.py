@@ -121,6 +121,8 @@ def sample_next(logits: jax.Array, key_data: jax.Array, counters: jax.Array, tem
         # Keep a token while the mass strictly before it is < top_p (the most likely token is always kept).
         keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]  # bool[B, V]
         cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)  # f32[B, 1]
+        # a top_p that is 0 in float32 (1e-300 passes the (0, 1] check) keeps no token above: keep the first anyway
+        cutoff = jnp.minimum(cutoff, sorted_desc[:, :1])
         cutoff = jnp.where((top_p < 1.0)[:, None], cutoff, -jnp.inf)
         return jnp.where(logits < cutoff, -jnp.inf, logits)
 
