@@ -23,7 +23,7 @@ from ft_jax.checkpoint import load_checkpoint
 from ft_jax.engine.engine import Engine
 from ft_jax.offload.policy import Policy, PolicyKind
 from test_model import FIXTURES, HostBankExperts, _experts_of, bf16_logit_error_bound, jit_forward
-from test_quant_kernels import check_within, int8_acts, linear_reference
+from test_quant_kernels import check_within, linear_reference, quantized_acts
 from test_quantized_load import _load_parts, _write_fp8_checkpoint
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -102,9 +102,9 @@ def test_dequantize_jnp_rejects_scales_of_another_shape():
 # -------------------------------------------------------------------------------------------------------- linear
 def check_linear(y, x, w64, fmt, gemv: bool, what: str):
     """y [N, O] against x @ w64.T in float64: 1e-5 (relative and absolute) where the arithmetic keeps float32
-    activations, test_quant_kernels' derived bound (linear_reference) where the CPU GEMV quantizes them to int8
-    blocks (q8_0 / q4_0 on the AVX2 and AVX-512 VNNI paths)."""
-    if gemv and int8_acts(fmt):
+    activations, test_quant_kernels' derived bound (linear_reference) where the CPU GEMV quantizes them to integer
+    blocks (q8_0 / q4_0 on the AVX2 and AVX-512 VNNI paths; mxfp4 with bf16 x on AVX2)."""
+    if gemv and quantized_acts(fmt, bf16_x=np.asarray(x).dtype == BF16):
         check_within(y, *linear_reference(x, w64, fmt), what)
     else:
         np.testing.assert_allclose(np.asarray(y), np.asarray(x, np.float64) @ w64.T, rtol=1e-5, atol=1e-5,
@@ -277,12 +277,12 @@ def test_quantized_model_equals_the_dequantized_float_model(family, name, dtype,
     the exact stored values, the plain bf16 model their bf16 roundings). The quantized tensors stay stored
     (QuantizedTensor parameters, fp8 blocks split by fused parts expanded to rows); the decode step compiles once.
 
-    Where the CPU GEMV quantizes the activations (q8_0 / q4_0 on AVX2 or AVX-512 VNNI: int8_acts) both models take XLA's
-    dot instead (FFI_MAX_ROWS = 0): this test checks how the models hold and read quantized weights, exactly; the
-    GEMV's int8 error is test_linear_on_a_quantized_stack_matches_float64's (a derived bound) and, through a whole
+    Where the CPU GEMV quantizes the activations (q8_0 / q4_0 on AVX2 or AVX-512 VNNI, mxfp4 on AVX2:
+    quantized_acts) both models take XLA's dot instead (FFI_MAX_ROWS = 0): this test checks how the models hold and
+    read quantized weights, exactly; the GEMV's int8 / int16 error is test_linear_on_a_quantized_stack_matches_float64's (a derived bound) and, through a whole
     trained model, test_quantized_checkpoint_loads_and_decodes's."""
     fmt = FORMATS[name]
-    if int8_acts(fmt):
+    if quantized_acts(fmt, bf16_x=dtype == BF16):
         monkeypatch.setattr(layers, "FFI_MAX_ROWS", 0)
     cfg = load_config(f"{FIXTURES}/{family}")
     q_make, plain_make = quantizing_factory(fmt, dtype)
@@ -376,7 +376,7 @@ def test_quantized_checkpoint_loads_and_decodes(tmp_path, name):
     got, got_ids, _ = _run(ck.model, experts, tokens, 6)
     want, want_ids, _ = _run(plain, experts, tokens, 6)
     assert np.abs(want).max() > 0.1
-    if int8_acts(ck.banks.format):  # the GEMVs quantize activations: statistical bound, positions routed alike
+    if quantized_acts(ck.banks.format):  # the GEMVs quantize activations: statistical bound, positions routed alike
         same = np.all(got_ids == want_ids, axis=(1, 2))
         assert same.sum() >= len(same) - 2
         bound = int8_logit_error_bound(cfg.num_layers, np.abs(want).max(-1, keepdims=True))

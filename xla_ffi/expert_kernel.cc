@@ -125,14 +125,15 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
       std::copy(x_bf16 + g.token[n] * H, x_bf16 + (g.token[n] + 1) * H, xgb + n * Hs);
   }
   for (int64_t n = 0; n < routes; ++n) std::copy(x + g.token[n] * H, x + (g.token[n] + 1) * H, xg + n * H);
-  // q8_0 / q4_0 dots with int8 activations: xg quantized here once for every task (quant_dot.h Int8Acts), and a
-  // after phase 1; qxg / qa: nullptr where the dots read the floats.
+  // Integer dots (q8_0 / q4_0 with int8 activations; mxfp4 with a bf16 model's activations in int16 at the AVX2
+  // level): xg quantized here once for every task (quant_dot.h QuantizedActs), and a after phase 1; qxg / qa: nullptr
+  // where the dots read the floats.
   thread_local std::vector<uint8_t> qxg_storage, qa_storage;
   Scratch<uint8_t> keep_qxg(qxg_storage, 0), keep_qa(qa_storage, 0);  // freed after the call when large
-  Int8Acts qxg_all, qa_all;
-  const Int8Acts* qxg = nullptr;
-  const Int8Acts* qa = nullptr;
-  if (UsesInt8Acts(isa, fgu)) {
+  QuantizedActs qxg_all, qa_all;
+  const QuantizedActs* qxg = nullptr;
+  const QuantizedActs* qa = nullptr;
+  if (UsesQuantizedActs(isa, fgu, bf16_model)) {
     qxg_all = QuantizeActivations(isa, fgu, xg, H, routes, qxg_storage);
     qxg = &qxg_all;
   }
@@ -158,8 +159,8 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
     const uint16_t* xb = xgb == nullptr ? nullptr : xgb + b * Hs;
     // The gate matrix is rows 0..I-1; the up matrix its own view (data from row I, scales from its stacked grid).
     const MatrixView gate = MakeView(fgu, m.spec, gu, gus, H), up = MakeView(fgu, m.spec, gu, gus, H, I);
-    const Int8Acts qx = qxg == nullptr ? Int8Acts() : qxg->FromToken(b);
-    const Int8Acts* qxb = qxg == nullptr ? nullptr : &qx;
+    const QuantizedActs qx = qxg == nullptr ? QuantizedActs() : qxg->FromToken(b);
+    const QuantizedActs* qxb = qxg == nullptr ? nullptr : &qx;
     DotRowsView(isa, gate, i0, i1, xg + b * H, xb, Hs, e - b, hb + b * 2 * I, 2 * I, qxb);     // gate rows
     DotRowsView(isa, up, i0, i1, xg + b * H, xb, Hs, e - b, hb + b * 2 * I + I, 2 * I, qxb);  // up rows
     const uint8_t* bias = m.gate_up_bias == nullptr ? nullptr : m.gate_up_bias + expert * m.gate_up_bias_stride;
@@ -179,7 +180,7 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
     }
   });
 
-  if (UsesInt8Acts(isa, fdn)) {
+  if (UsesQuantizedActs(isa, fdn, bf16_model)) {
     qa_all = QuantizeActivations(isa, fdn, a, I, routes, qa_storage);
     qa = &qa_all;
   }
@@ -204,7 +205,7 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
       }
       const uint8_t* dns = m.down_scale == nullptr ? nullptr : m.down_scale + expert * m.down_scale_stride;
       const MatrixView down = MakeView(fdn, m.spec, m.down + expert * m.down_stride, dns, I);
-      const Int8Acts qx = qa == nullptr ? Int8Acts() : qa->FromToken(b);
+      const QuantizedActs qx = qa == nullptr ? QuantizedActs() : qa->FromToken(b);
       DotRowsView(isa, down, h0, h1, a + b * I, ab == nullptr ? nullptr : ab + b * Is, Is, e - b, d + b * H, H,
                   qa == nullptr ? nullptr : &qx);
       const uint8_t* bias = m.down_bias == nullptr ? nullptr

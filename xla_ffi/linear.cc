@@ -57,19 +57,20 @@ void RunLinear(const MatrixView& w, const float* x, const uint16_t* xb, int64_t 
     xb = x_strided.data();
   }
   // rows r0 .. r1 - 1 for every token (tiled: a block of tokens at a time)
-  auto rows_times_tokens = [&](int64_t r0, int64_t r1, const Int8Acts* qx) {
+  auto rows_times_tokens = [&](int64_t r0, int64_t r1, const QuantizedActs* qx) {
     if (!tiled) return DotRowsView(isa, w, r0, r1, x, xb, w.cols, N, y, O, qx);
     for (int64_t t0 = 0; t0 < N; t0 += token_block) {
       DotRowsView(isa, w, r0, r1, nullptr, xb + t0 * xs, xs, std::min(token_block, N - t0), y + t0 * O, O, nullptr);
     }
   };
   if (threads <= 1) return rows_times_tokens(0, O, nullptr);
-  // q8_0 / q4_0: x quantized once for every task (quant_dot.h Int8Acts)
+  // integer dots (q8_0 / q4_0; mxfp4 with bf16 x at the AVX2 level): x quantized once for every task
+  // (quant_dot.h QuantizedActs)
   thread_local std::vector<uint8_t> qx_storage;
   Scratch<uint8_t> keep_qx(qx_storage, 0);  // freed after the call when large
-  Int8Acts qx_all;
-  const Int8Acts* qx = nullptr;
-  if (UsesInt8Acts(isa, w.format)) {
+  QuantizedActs qx_all;
+  const QuantizedActs* qx = nullptr;
+  if (UsesQuantizedActs(isa, w.format, xb != nullptr)) {
     qx_all = QuantizeActivations(isa, w.format, x, w.cols, N, qx_storage);
     qx = &qx_all;
   }

@@ -240,26 +240,39 @@ FT_JAX_AVX2_F16C inline __m256i BlockCodesAvx2(const uint8_t* row, int64_t b) {
   }
 }
 
-// sum_b sdx_b (w_b . q_b) of one row with one token's int8 activations q [nb * 32], sdx_b = dw_b dx_b.
+// acc + sdx_b (w_b . q_b): block b of a row with one token's int8 activations q [nb * 32], sdx_b = dw_b dx_b.
+template <WFormat F>
+FT_JAX_AVX2_F16C inline __m256 Int8BlockFma(const uint8_t* row, const float* sdx, const int8_t* q, int64_t b,
+                                            __m256 acc) {
+  const __m256i w = BlockCodesAvx2<F>(row, b);
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  const __m256 block = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_fmadd_ps(block, _mm256_set1_ps(sdx[b]), acc);
+}
+
+// sum_b sdx_b (w_b . q_b) of one row with one token's int8 activations q [nb * 32], block b into accumulator b % 4
+// (four named registers: an array indexed by b % 4 was kept on the stack, a store and a load per block).
 template <WFormat F>
 FT_JAX_AVX2_F16C float DotInt8Avx2(const uint8_t* row, const float* sdx, int64_t nb, const int8_t* q) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[4];
-  for (int a = 0; a < 4; ++a) acc[a] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i w = BlockCodesAvx2<F>(row, b);
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    const __m256 block = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-    acc[b % 4] = _mm256_fmadd_ps(block, _mm256_set1_ps(sdx[b]), acc[b % 4]);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    a0 = Int8BlockFma<F>(row, sdx, q, b, a0);
+    a1 = Int8BlockFma<F>(row, sdx, q, b + 1, a1);
+    a2 = Int8BlockFma<F>(row, sdx, q, b + 2, a2);
+    a3 = Int8BlockFma<F>(row, sdx, q, b + 3, a3);
   }
-  return HSum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[2]), _mm256_add_ps(acc[1], acc[3])));
+  if (b < nb) a0 = Int8BlockFma<F>(row, sdx, q, b, a0);
+  if (b + 1 < nb) a1 = Int8BlockFma<F>(row, sdx, q, b + 1, a1);
+  if (b + 2 < nb) a2 = Int8BlockFma<F>(row, sdx, q, b + 2, a2);
+  return HSum(_mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3)));
 }
 
 // qx: x quantized at this level (QuantizeActivations).
 template <WFormat F>
 FT_JAX_AVX2_F16C void DotRowsInt8Avx2(const MatrixView& w, int64_t r0, int64_t r1, int64_t T, float* out,
-                                      int64_t out_stride, const Int8Acts& qx) {
+                                      int64_t out_stride, const QuantizedActs& qx) {
   const int64_t cols = w.cols, nb = cols / kQBlock;
   // row scales [nb], their products with a token's dx [nb]
   thread_local std::vector<float> storage;
@@ -546,6 +559,153 @@ FT_JAX_AVX2_F16C void DotRowsMxfp4Avx2(const MatrixView& w, int64_t r0, int64_t 
   }
 }
 
+// The even (imm 0x88) or odd (0xDD) elements of a and b, in order.
+template <int Imm>
+FT_JAX_AVX2_F16C inline __m256 Mxfp4Half(__m256 a, __m256 b) {
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, Imm)), 0xD8));
+}
+
+// 16 int16 in order: round-half-even(lo * s), round-half-even(hi * s), saturated (PACKSSDW interleaves 128-bit lanes).
+FT_JAX_AVX2_F16C inline __m256i RoundToInt16(__m256 lo, __m256 hi, __m256 s) {
+  const __m256i p = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(lo, s)), _mm256_cvtps_epi32(_mm256_mul_ps(hi, s)));
+  return _mm256_permute4x64_epi64(p, 0xD8);
+}
+
+// mxfp4 at the AVX2 level with int16 activations. Per token and block of 32, in the order the block's codes decode
+// (low nibbles: elements 0, 2, .., 30, then high nibbles: 1, 3, .., 31), x is quantized to q = round-half-even(x / dx)
+// saturated to int16, with dx = 2^(E - 15) a power of two and max_b |x| < 2^E (so |q| <= 32768, and x / dx is exact:
+// |x - dx q| <= dx / 2, or <= dx where +32768 saturates to 32767); dx = 0 for an all-zero block, NaN for a block with
+// a NaN or inf (the dot is then NaN, never a value computed as if it were not there). A bf16 activation within 2^7 of
+// its block's maximum is quantized exactly. Blocks below 2^-112 use dx = 2^-126.
+FT_JAX_AVX2_F16C void QuantizeMxfp4ActsAvx2(const float* x, int64_t cols, int16_t* q, float* dx) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < cols / kQBlock; ++b) {
+    __m256 v[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + 32 * b + 8 * j);
+      const __m256 a = _mm256_andnot_ps(sign, v[j]);
+      amax = _mm256_max_ps(amax, a);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));  // NaN
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    uint32_t bits;
+    const float mx = _mm_cvtss_f32(m);
+    std::memcpy(&bits, &mx, 4);
+    const int32_t eb = static_cast<int32_t>(bits >> 23);  // biased exponent of max |x|: max < 2^(eb - 126)
+    float d, inv;
+    if (_mm256_movemask_ps(bad) || eb == 255) {
+      d = std::numeric_limits<float>::quiet_NaN(), inv = 0.0f;
+    } else if (bits == 0) {
+      d = inv = 0.0f;
+    } else {
+      const int32_t e = std::max(eb, 15);  // dx = 2^(e - 141), 1 / dx = 2^(141 - e): both normal floats
+      const uint32_t db = static_cast<uint32_t>(e - 14) << 23, ib = static_cast<uint32_t>(268 - e) << 23;
+      std::memcpy(&d, &db, 4);
+      std::memcpy(&inv, &ib, 4);
+    }
+    dx[b] = d;
+    const __m256 s = _mm256_set1_ps(inv);
+    // even elements 0, 2, .., 30 and odd 1, 3, .., 31, each in order (SHUFPS within 128-bit lanes, then VPERMPD)
+    const __m256 e0 = Mxfp4Half<0x88>(v[0], v[1]), e1 = Mxfp4Half<0x88>(v[2], v[3]);
+    const __m256 o0 = Mxfp4Half<0xDD>(v[0], v[1]), o1 = Mxfp4Half<0xDD>(v[2], v[3]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), RoundToInt16(e0, e1, s));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b + 16), RoundToInt16(o0, o1, s));
+  }
+}
+
+// A row's block scales times one token's dx: sdx[b] = 2^(s_b - 128) dx[b] for b < nb (E8M0 s_b; 2^(s - 128), half the
+// scale, because the codes are doubled). A product of powers of two, exact unless below float32's subnormals; NaN
+// for s_b = 255 or a NaN dx.
+FT_JAX_AVX2_F16C void Mxfp4BlockScales(const uint8_t* srow, const float* dx, int64_t nb, float* sdx) {
+  const Tables& tab = Tab();
+  int64_t b = 0;
+  const __m256i one = _mm256_set1_epi32(1), two = _mm256_set1_epi32(2), nan = _mm256_set1_epi32(0x7FC00000);
+  for (; b + 8 <= nb; b += 8) {
+    const __m256i sv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(srow + b)));
+    // 2^(s - 128) as float32 bits: exponent field s - 1 for s >= 2; subnormal 2^-127 (s = 1), 2^-128 (s = 0)
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(sv, one), 23);
+    const __m256i sub = _mm256_srlv_epi32(_mm256_set1_epi32(0x00800000), _mm256_sub_epi32(two, sv));
+    __m256i bits = _mm256_blendv_epi8(sub, normal, _mm256_cmpgt_epi32(sv, one));
+    bits = _mm256_blendv_epi8(bits, nan, _mm256_cmpeq_epi32(sv, _mm256_set1_epi32(255)));
+    _mm256_storeu_ps(sdx + b, _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_loadu_ps(dx + b)));
+  }
+  for (; b < nb; ++b) sdx[b] = tab.e8m0_half[srow[b]] * dx[b];
+}
+
+// acc[n] + sdx_nb (code . q_nb) for N tokens n: block b of a row (its doubled codes as int16, w0: elements 0, 2, ..,
+// 30; w1: 1, 3, .., 31) with each token's int16 activations q + n * cols and block scales sdx + n * nb.
+template <int N>
+FT_JAX_AVX2_F16C inline void Int16BlockFma(__m256i w0, __m256i w1, const int16_t* q, const float* sdx, int64_t nb,
+                                           int64_t cols, int64_t b, __m256* acc) {
+  for (int n = 0; n < N; ++n) {
+    const int16_t* qb = q + n * cols + 32 * b;
+    const __m256i sum = _mm256_add_epi32(
+        _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb))),
+        _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 16))));
+    acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(sdx + n * nb + b), acc[n]);
+  }
+}
+
+// Block b of an mxfp4 row as its doubled FP4 codes in int16 (VPSHUFB over 2 * FP4_E2M1: exact): w0 the low nibbles
+// (elements 0, 2, .., 30), w1 the high ones (1, 3, .., 31).
+FT_JAX_AVX2_F16C inline void Mxfp4CodesInt16(const uint8_t* row, int64_t b, __m256i* w0, __m256i* w1) {
+  const __m128i lut2 = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);  // 2 * FP4
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
+  *w0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut2, _mm_and_si128(c, m4)));
+  *w1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut2, _mm_and_si128(_mm_srli_epi16(c, 4), m4)));
+}
+
+// One row's dots with N tokens' int16 activations (QuantizeMxfp4ActsAvx2; token n's at q + n * cols) and block
+// scales sdx + n * nb (Mxfp4BlockScales): a block's integer dot with a token's q is exact (VPMADDWD: |code| <= 12,
+// pair sums < 2^20, block sums < 2^24, so also exact in float32), then scaled by sdx_b into one of 2 accumulators per
+// token (block b into b % 2, named registers). Up to 2 tokens share a block's decode, each in its own fixed order, so
+// a token's result does not depend on the other. Error against the quantized activations: the float32 bound of the
+// scaled sum (gamma_{K/32+1}); against x, |w| . ex besides, ex <= dx per element.
+template <int N>
+FT_JAX_AVX2_F16C void DotMxfp4Int16Avx2(const uint8_t* row, int64_t nb, const int16_t* q, const float* sdx,
+                                        int64_t cols, float* out, int64_t out_stride) {
+  __m256 even[N], odd[N];
+  for (int n = 0; n < N; ++n) even[n] = odd[n] = _mm256_setzero_ps();
+  __m256i w0, w1;
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    Mxfp4CodesInt16(row, b, &w0, &w1);
+    Int16BlockFma<N>(w0, w1, q, sdx, nb, cols, b, even);
+    Mxfp4CodesInt16(row, b + 1, &w0, &w1);
+    Int16BlockFma<N>(w0, w1, q, sdx, nb, cols, b + 1, odd);
+  }
+  if (b < nb) {
+    Mxfp4CodesInt16(row, b, &w0, &w1);
+    Int16BlockFma<N>(w0, w1, q, sdx, nb, cols, b, even);
+  }
+  for (int n = 0; n < N; ++n) out[n * out_stride] = HSum(_mm256_add_ps(even[n], odd[n]));
+}
+
+// Rows [r0, r1) of an mxfp4 matrix with int16 activations quantized once per call (qx: QuantizeActivations of a bf16
+// model's activations), tokens in pairs sharing a block's decode (DotMxfp4Int16Avx2).
+FT_JAX_AVX2_F16C void DotRowsMxfp4Int16Avx2(const MatrixView& w, int64_t r0, int64_t r1, int64_t T, float* out,
+                                            int64_t out_stride, const QuantizedActs& qx) {
+  const int64_t cols = w.cols, nb = cols / kQBlock;
+  thread_local std::vector<float> storage;  // one row's block scales times each token's dx [T, nb]
+  Scratch<float> scratch(storage, static_cast<size_t>(T * nb));
+  float* sdx = scratch.data();
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t t = 0; t < T; ++t) Mxfp4BlockScales(ScaleRow(w, r), qx.dx + t * nb, nb, sdx + t * nb);
+    int64_t t = 0;
+    for (; t + 2 <= T; t += 2) {
+      DotMxfp4Int16Avx2<2>(RowData(w, r), nb, qx.q16 + t * cols, sdx + t * nb, cols, out + t * out_stride + r,
+                           out_stride);
+    }
+    if (t < T) {
+      DotMxfp4Int16Avx2<1>(RowData(w, r), nb, qx.q16 + t * cols, sdx + t * nb, cols, out + t * out_stride + r,
+                           out_stride);
+    }
+  }
+}
+
 // fp8 at the AVX2 level, dotted straight from the row's bytes (no row buffer): 8 codes at a time become halves of
 // value * 2^-8 (E4m3ToHalfScaled, exact) and float32 (F16C, exact); each token sums them times x over a column
 // block, then adds that sum times 256 * the block's float32 scale to one of 2 accumulators (block j into j % 2);
@@ -822,7 +982,7 @@ FT_JAX_VNNI void QuantizeActsTokens(WFormat f, const float* x, int64_t cols, int
 // qx: x quantized at this level (QuantizeActivations).
 template <WFormat F>
 FT_JAX_VNNI void DotRowsInt8(const MatrixView& w, int64_t r0, int64_t r1, int64_t T, float* out, int64_t out_stride,
-                             const Int8Acts& qx) {
+                             const QuantizedActs& qx) {
   const int64_t cols = w.cols, nb = cols / kQBlock;
   const int64_t nc = Int8Corrections(F, nb);
   // row scales [nb], the block products of every token [T, nb]
@@ -1054,7 +1214,7 @@ bool Bf16DotsApply(const MatrixView& w, bool bf16_x) {
 
 // DotRowsView's block formats at the AVX-512 level.
 FT_JAX_AVX512 void DotRowsAvx512(const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb,
-                                 int64_t xb_stride, int64_t T, float* out, int64_t out_stride, const Int8Acts* qx) {
+                                 int64_t xb_stride, int64_t T, float* out, int64_t out_stride, const QuantizedActs* qx) {
   if (Bf16DotsApply(w, xb != nullptr)) return DotRowsBf16(w, r0, r1, xb, xb_stride, T, out, out_stride);
   thread_local std::vector<float> storage;  // a row buffer [cols], row scales [cols / 32], mxfp4's x [T, cols]
   const size_t cols = static_cast<size_t>(w.cols);
@@ -1240,15 +1400,17 @@ MatrixView MakeView(WFormat f, const WeightSpec& s, const uint8_t* data, const u
   return v;
 }
 
-Int8Acts Int8Acts::FromToken(int64_t t) const {
-  Int8Acts v = *this;
-  v.q += t * cols;
+QuantizedActs QuantizedActs::FromToken(int64_t t) const {
+  QuantizedActs v = *this;
+  if (v.q != nullptr) v.q += t * cols;
+  if (v.q16 != nullptr) v.q16 += t * cols;
   v.dx += t * (cols / kQBlock);
   v.corr += t * corr_stride;
   return v;
 }
 
-bool UsesInt8Acts(Isa isa, WFormat f) {
+namespace {
+bool HasInt8Dots(Isa isa, WFormat f) {
 #if FT_JAX_HAVE_AVX2_PATH
   if (f != WFormat::kQ8_0 && f != WFormat::kQ4_0) return false;
   return isa == Isa::kAvx2 || (isa == Isa::kAvx512Bf16 && HaveVnni());
@@ -1257,13 +1419,21 @@ bool UsesInt8Acts(Isa isa, WFormat f) {
 #endif
 }
 
-Int8Acts QuantizeActivations(Isa isa, WFormat f, const float* x, int64_t cols, int64_t T,
-                             std::vector<uint8_t>& storage) {
-  if (!UsesInt8Acts(isa, f) || cols % kQBlock != 0) {
-    throw std::invalid_argument("QuantizeActivations: no int8 activations for this format, level and " +
+bool HasInt16Dots(Isa isa, WFormat f) { return FT_JAX_HAVE_AVX2_PATH && isa == Isa::kAvx2 && f == WFormat::kMxfp4; }
+}  // namespace
+
+bool UsesQuantizedActs(Isa isa, WFormat f, bool bf16_acts) {
+  return HasInt8Dots(isa, f) || (bf16_acts && HasInt16Dots(isa, f));
+}
+
+QuantizedActs QuantizeActivations(Isa isa, WFormat f, const float* x, int64_t cols, int64_t T,
+                                  std::vector<uint8_t>& storage) {
+  const bool int16 = HasInt16Dots(isa, f);
+  if (!(int16 || HasInt8Dots(isa, f)) || cols % kQBlock != 0) {
+    throw std::invalid_argument("QuantizeActivations: no integer dots for this format, level and " +
                                 std::to_string(cols) + " columns");
   }
-  Int8Acts v;
+  QuantizedActs v;
   v.isa = isa;
   v.format = f;
   v.cols = cols;
@@ -1271,14 +1441,22 @@ Int8Acts QuantizeActivations(Isa isa, WFormat f, const float* x, int64_t cols, i
 #if FT_JAX_HAVE_AVX2_PATH
   v.corr_stride = isa == Isa::kAvx512Bf16 ? Int8Corrections(f, nb) : 0;
 #endif
-  // dx [T, nb] f32, corr [T, corr_stride] i32, q [T, cols] i8
+  // dx [T, nb] f32, corr [T, corr_stride] i32, then q [T, cols] i8 or q16 [T, cols] i16
   const size_t words = static_cast<size_t>(T * (nb + v.corr_stride));
-  if (storage.size() < 4 * words + static_cast<size_t>(T * cols)) storage.resize(4 * words + T * cols);
+  const size_t code_bytes = static_cast<size_t>(T * cols) * (int16 ? 2 : 1);
+  if (storage.size() < 4 * words + code_bytes) storage.resize(4 * words + code_bytes);
   float* dx = reinterpret_cast<float*>(storage.data());
   int32_t* corr = reinterpret_cast<int32_t*>(dx + T * nb);
-  int8_t* q = reinterpret_cast<int8_t*>(storage.data() + 4 * words);
-  v.dx = dx, v.corr = corr, v.q = q;
+  v.dx = dx, v.corr = corr;
 #if FT_JAX_HAVE_AVX2_PATH
+  if (int16) {
+    int16_t* q16 = reinterpret_cast<int16_t*>(storage.data() + 4 * words);  // 4-byte aligned
+    v.q16 = q16;
+    for (int64_t t = 0; t < T; ++t) QuantizeMxfp4ActsAvx2(x + t * cols, cols, q16 + t * cols, dx + t * nb);
+    return v;
+  }
+  int8_t* q = reinterpret_cast<int8_t*>(storage.data() + 4 * words);
+  v.q = q;
   if (isa == Isa::kAvx512Bf16) {
     QuantizeActsTokens(f, x, cols, T, q, dx, corr);
   } else {
@@ -1289,14 +1467,14 @@ Int8Acts QuantizeActivations(Isa isa, WFormat f, const float* x, int64_t cols, i
 }
 
 void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb,
-                 int64_t xb_stride, int64_t T, float* out, int64_t out_stride, const Int8Acts* qx) {
+                 int64_t xb_stride, int64_t T, float* out, int64_t out_stride, const QuantizedActs* qx) {
   if (qx != nullptr && (qx->isa != isa || qx->format != w.format || qx->cols != w.cols)) {
     throw std::invalid_argument("DotRowsView: activations quantized for another level, format or width");
   }
   thread_local std::vector<uint8_t> qx_storage;  // x quantized here when the caller did not
   Scratch<uint8_t> keep_qx(qx_storage, 0);
-  Int8Acts own;
-  if (qx == nullptr && UsesInt8Acts(isa, w.format)) {
+  QuantizedActs own;
+  if (qx == nullptr && UsesQuantizedActs(isa, w.format, xb != nullptr)) {
     own = QuantizeActivations(isa, w.format, x, w.cols, T, qx_storage);
     qx = &own;
   }
@@ -1323,6 +1501,7 @@ void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const flo
     return DotRowsInt8Avx2<WFormat::kQ4_0>(w, r0, r1, T, out, out_stride, *qx);
   }
   if (isa == Isa::kAvx2 && w.format == WFormat::kMxfp4) {
+    if (qx != nullptr) return DotRowsMxfp4Int16Avx2(w, r0, r1, T, out, out_stride, *qx);
     return DotRowsMxfp4Avx2(w, r0, r1, x, T, out, out_stride);
   }
   if (isa == Isa::kAvx2 && w.format == WFormat::kFp8) return DotRowsFp8Avx2(w, r0, r1, x, T, out, out_stride);

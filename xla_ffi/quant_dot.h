@@ -93,36 +93,43 @@ struct MatrixView {
 MatrixView MakeView(WFormat f, const WeightSpec& s, const uint8_t* data, const uint8_t* scales, int64_t cols,
                     int64_t first_row = 0);
 
-// Activations quantized once per call for the int8 dots of q8_0 / q4_0 weights (AVX-512 VNNI and AVX2 levels), so
-// the row tasks of one call share them instead of each quantizing x again (per task that was 20-40 % of a q4_0 or
-// q8_0 matrix's time at the 40-230 rows of a task: docs/DESIGN.md sec. 20.9). Made by QuantizeActivations;
-// FromToken(t) is the view of tokens t.. (an expert group's routes within a call's [routes, cols]).
-struct Int8Acts {
+// Activations quantized once per call for the integer dots, so the row tasks of one call share them instead of each
+// quantizing x again (per task that was 20-40 % of a q4_0 or q8_0 matrix's time at the 40-230 rows of a task:
+// docs/DESIGN.md sec. 20.9): int8 blocks for q8_0 / q4_0 weights (AVX-512 VNNI and AVX2 levels, as llama.cpp), int16
+// blocks for mxfp4 weights dotted with a bf16 model's activations at the AVX2 level (docs/DESIGN.md sec. 20.16).
+// Made by QuantizeActivations; FromToken(t) is the view of tokens t.. (an expert group's routes within a call's
+// [routes, cols]).
+struct QuantizedActs {
   Isa isa = Isa::kGeneric;
   WFormat format = WFormat::kF32;
   int64_t cols = 0;
   int64_t corr_stride = 0;        // int32 corrections per token (AVX-512 VNNI: quant_dot.cc Int8Corrections; AVX2: 0)
-  const int8_t* q = nullptr;      // [T, cols] int8 codes, in the order the level's dots read them
+  const int8_t* q = nullptr;      // [T, cols] int8 codes, in the order the level's dots read them (q8_0, q4_0)
+  const int16_t* q16 = nullptr;   // [T, cols] int16 codes, in the order mxfp4 blocks decode (mxfp4)
   const float* dx = nullptr;      // [T, cols / 32] float32 block scales
   const int32_t* corr = nullptr;  // [T, corr_stride]
-  Int8Acts FromToken(int64_t t) const;
+  QuantizedActs FromToken(int64_t t) const;
 };
 
-// Whether DotRowsView dots format-f rows at level isa with int8 activations (and so reads an Int8Acts).
-bool UsesInt8Acts(Isa isa, WFormat f);
+// Whether DotRowsView dots format-f rows at level isa with quantized activations (and so reads a QuantizedActs);
+// bf16_acts: the activations are a bf16 model's (bf16 values), which the int16 blocks of mxfp4 hold exactly down to
+// 2^-7 of each block's largest.
+bool UsesQuantizedActs(Isa isa, WFormat f, bool bf16_acts);
 
-// x f32 [T, cols] quantized as DotRowsView's int8 dots of format f at level isa quantize it, into `storage` (grown as
-// needed; the view points into it). Throws std::invalid_argument unless UsesInt8Acts(isa, f) and cols % 32 == 0.
-Int8Acts QuantizeActivations(Isa isa, WFormat f, const float* x, int64_t cols, int64_t T,
-                             std::vector<uint8_t>& storage);
+// x f32 [T, cols] quantized as DotRowsView's integer dots of format f at level isa quantize it, into `storage` (grown
+// as needed; the view points into it). Throws std::invalid_argument unless f and isa have integer dots
+// (UsesQuantizedActs for some bf16_acts) and cols % 32 == 0.
+QuantizedActs QuantizeActivations(Isa isa, WFormat f, const float* x, int64_t cols, int64_t T,
+                                  std::vector<uint8_t>& storage);
 
 // out[t * out_stride + r] = dot(w[r], x[t]) for rows r in [r0, r1) and tokens t < T; x f32 [T, cols]; xb: the same
 // activations as bf16 bits, token t at xb + t * xb_stride (gemm_bf16.h Bf16TokenStride(cols) is fastest for many
 // tokens), or nullptr (bf16, fp8 and mxfp4 weights then use bf16 x bf16 dots where the CPU has them; every other
-// format reads x); qx: x already quantized for these T tokens (QuantizeActivations of the same
-// isa, format and cols) or nullptr (quantized here where the dots need it). Rows are read once each, front to back.
+// format reads x); qx: x already quantized for these T tokens (QuantizeActivations of the same isa, format and cols)
+// or nullptr (q8_0 / q4_0 quantized here where the dots need it; mxfp4 then reads x as float32). Rows are read once
+// each, front to back.
 void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb,
-                 int64_t xb_stride, int64_t T, float* out, int64_t out_stride, const Int8Acts* qx = nullptr);
+                 int64_t xb_stride, int64_t T, float* out, int64_t out_stride, const QuantizedActs* qx = nullptr);
 
 }  // namespace ft_jax
 

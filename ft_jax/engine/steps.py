@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from ft_jax.engine.sampling import check_finite, sample_next
+from ft_jax.models.layers import prefill_dots
 from ft_jax.offload.expert_parallel import host_value
 
 
@@ -25,8 +26,9 @@ def prefill(graphdef, backend, params, tokens, positions, kv_cache, expert_state
     """The prompt step: tokens, positions i32[B, Tb] (left-padded, position -1 = padding); key_data u32[B, 2] and the
     per-row sampling values f32[B] / i32[B] / f32[B] (sampling.sample_next).
     Returns (first tokens i32[B] (-1: non-finite logits), kv_cache, expert_state)."""
-    logits, kv_cache, expert_state = _forward(graphdef, params, backend, tokens, positions, kv_cache, expert_state,
-                                              last_logits_only=True)  # logits f32[B, 1, V]
+    with prefill_dots():  # a prompt token's bits do not depend on the chunk (models/layers.py)
+        logits, kv_cache, expert_state = _forward(graphdef, params, backend, tokens, positions, kv_cache,
+                                                  expert_state, last_logits_only=True)  # logits f32[B, 1, V]
     with jax.named_scope("sampling"):  # a part of the profiles (scripts/profile_decode.py)
         nxt = sample_next(logits[:, 0], key_data, positions[:, -1], temperature, top_k, top_p, greedy=greedy)
     return nxt, kv_cache, expert_state

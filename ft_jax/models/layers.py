@@ -8,9 +8,11 @@ indexed with a traced layer index inside the scanned decoder (ft_jax/models/deco
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -271,6 +273,25 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
     return jax.lax.fori_loop(first_block, num_blocks, accumulate, jnp.zeros(out_shape, jnp.float32))
 
 
+_PREFILL_DOTS = contextvars.ContextVar("ft_jax_prefill_dots", default=False)
+
+
+@contextlib.contextmanager
+def prefill_dots() -> Iterator[None]:
+    """While a prefill step is traced inside this context, ``linear`` gives plain float weights XLA's dot at every row
+    count (where the FFI has no register tiles: _bf16_tiles), not the FFI GEMV up to FFI_MAX_ROWS rows and XLA's dot
+    above: the two sum in different orders, so a prompt token's projections (and KV cache, and first token) would
+    depend on the prefill chunk and on the other prompts of its call (measured on an AVX2 CPU: a 300-token prompt's
+    KV cache in chunks of 16 against one call of 512 differed at 14 of 19200 values). XLA's dot gives a row the same
+    bits at any row count from 2 (a prefill call has at least MIN_PREFILL_BUCKET rows). The decode step keeps the
+    GEMV, which reads the weights at memory bandwidth."""
+    token = _PREFILL_DOTS.set(True)
+    try:
+        yield
+    finally:
+        _PREFILL_DOTS.reset(token)
+
+
 def _bf16_tiles(x2: jax.Array, w: jax.Array) -> bool:
     """Whether the FFI call takes a bf16 x bf16 product at any row count: where the kernels have the AVX-512 BF16 dot,
     its register tiles run at XLA's dot's rate (xla_ffi/gemm_bf16.h; docs/DESIGN.md sec. 15) and give each row the
@@ -288,8 +309,8 @@ def linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer=None) -> jax.Ar
     only for a fused vector of < 16 KiB or a YNNPACK dot with >= 2 rows, and it converts a dynamically sliced bf16
     weight stack to float32 as a whole (measured: docs/DESIGN.md sec. 5). bf16 x bf16 takes the FFI call at any row
     count where the CPU has the AVX-512 BF16 dot (_bf16_tiles: the same bits per row whatever the rows). Other larger
-    calls (long prefills, training) and other backends use XLA's dot on ``w[layer]``, which is also the only path jax
-    can differentiate.
+    calls (long prefills, training), every call of a prefill step elsewhere (prefill_dots) and other backends use
+    XLA's dot on ``w[layer]``, which is also the only path jax can differentiate.
 
     A QuantizedTensor weight (any block format of ft_jax.weight_formats) is read as stored: the FFI call reads its
     data and scales (ffi_ops.linear with scales and weight_format; dequantized in registers, xla_ffi/quant_dot.h);
@@ -337,7 +358,7 @@ def linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer=None) -> jax.Ar
         return jax.lax.dot_general(x2.astype(wl.dtype), wl, (((1,), (1,)), ((), ())), precision=HIGHEST,
                                    preferred_element_type=jnp.float32)
 
-    if x2.shape[0] > FFI_MAX_ROWS and not _bf16_tiles(x2, w):
+    if (x2.shape[0] > FFI_MAX_ROWS or _PREFILL_DOTS.get()) and not _bf16_tiles(x2, w):
         return xla_dot(x2, w, index).reshape(*lead, O)
     y = jax.lax.platform_dependent(x2, w, index, cpu=ffi_ops.linear, default=xla_dot)  # f32[N, O]
     return y.reshape(*lead, O)
