@@ -567,7 +567,8 @@ FT_JAX_AVX2_F16C inline __m256 Mxfp4Half(__m256 a, __m256 b) {
 
 // 16 int16 in order: round-half-even(lo * s), round-half-even(hi * s), saturated (PACKSSDW interleaves 128-bit lanes).
 FT_JAX_AVX2_F16C inline __m256i RoundToInt16(__m256 lo, __m256 hi, __m256 s) {
-  const __m256i p = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(lo, s)), _mm256_cvtps_epi32(_mm256_mul_ps(hi, s)));
+  const __m256i p =
+      _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(lo, s)), _mm256_cvtps_epi32(_mm256_mul_ps(hi, s)));
   return _mm256_permute4x64_epi64(p, 0xD8);
 }
 
@@ -671,11 +672,17 @@ FT_JAX_AVX2_F16C void DotMxfp4Int16Avx2(const uint8_t* row, int64_t nb, const in
   for (int n = 0; n < N; ++n) even[n] = odd[n] = _mm256_setzero_ps();
   __m256i w0, w1;
   int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    Mxfp4CodesInt16(row, b, &w0, &w1);
-    Int16BlockFma<N>(w0, w1, q, sdx, nb, cols, b, even);
-    Mxfp4CodesInt16(row, b + 1, &w0, &w1);
-    Int16BlockFma<N>(w0, w1, q, sdx, nb, cols, b + 1, odd);
+  const __m256i lut2 = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,  // 2 * FP4, per lane
+                                        0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (; b + 2 <= nb; b += 2) {  // blocks b and b + 1 decoded together, one in each 128-bit lane
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * b));
+    const __m256i lo = _mm256_shuffle_epi8(lut2, _mm256_and_si256(c, m4));
+    const __m256i hi = _mm256_shuffle_epi8(lut2, _mm256_and_si256(_mm256_srli_epi16(c, 4), m4));
+    Int16BlockFma<N>(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo)), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)),
+                     q, sdx, nb, cols, b, even);
+    Int16BlockFma<N>(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1)),
+                     _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1)), q, sdx, nb, cols, b + 1, odd);
   }
   if (b < nb) {
     Mxfp4CodesInt16(row, b, &w0, &w1);
