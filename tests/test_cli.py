@@ -11,6 +11,7 @@ import pytest
 
 from ft_jax import api, cli, units
 from ft_jax import weight_formats as wf
+from ft_jax.engine.sampling import NonFiniteLogitsError
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss",
@@ -72,18 +73,22 @@ def test_prompt_shown_when_the_first_token_hits_the_stop_string(capsys):
     assert out.startswith("ROMEO:"), repr(out)
 
 
-def test_an_error_after_streamed_text_starts_on_its_own_line(capsys, monkeypatch):
-    """A failure after some text was streamed (here a ValueError from the generation, as a non-finite logit would
-    raise mid-run) ends the streamed line first, so the error line is not glued to the text."""
+@pytest.mark.parametrize("error", [ValueError("the row failed"), NonFiniteLogitsError("the row failed")],
+                         ids=["ValueError", "NonFiniteLogitsError"])
+def test_an_error_after_streamed_text_starts_on_its_own_line(capsys, monkeypatch, error):
+    """A failure after some text was streamed (a ValueError; the NonFiniteLogitsError, a FloatingPointError, that
+    non-finite logits raise mid-run: a new user's checkpoint with E8M0 scales of 250 got a traceback) ends the streamed
+    line first and is one error line, exit status 2."""
     def fail(self, request, *, on_text=None, record_routing=False):
         on_text(0, " once")
-        raise ValueError("the row failed")
+        raise error
 
     monkeypatch.setattr(api.Model, "run_request", fail)
     status = cli.main(["generate", "--prompt", "ROMEO:", "--max-new-tokens", "2", "--policy", "host-all"])
     out, err = capsys.readouterr()
     assert status == 2 and out.endswith("ROMEO: once\n"), repr(out)
     assert err.splitlines()[-1] == "ft-jax generate: error: the row failed"
+    assert "Traceback" not in err
 
 
 def _error(capsys, *args):

@@ -81,6 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ft_jax.checkpoint import CheckpointError  # the model code: not loaded for --help or another command
 
         user_errors += (CheckpointError,)
+    if args.command == "generate":  # NaN / inf logits (a FloatingPointError): the checkpoint's numbers, not a crash
+        from ft_jax.engine.sampling import NonFiniteLogitsError
+
+        user_errors += (NonFiniteLogitsError,)
     if args.command in ("trace", "plan"):
         user_errors += (ImportError,)  # --plot without matplotlib
     try:
