@@ -649,14 +649,14 @@ FT_JAX_AVX2_F16C inline void Int16BlockFma(__m256i w0, __m256i w1, const int16_t
   }
 }
 
-// Block b of an mxfp4 row as its doubled FP4 codes in int16 (VPSHUFB over 2 * FP4_E2M1: exact): w0 the low nibbles
-// (elements 0, 2, .., 30), w1 the high ones (1, 3, .., 31).
-FT_JAX_AVX2_F16C inline void Mxfp4CodesInt16(const uint8_t* row, int64_t b, __m256i* w0, __m256i* w1) {
-  const __m128i lut2 = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);  // 2 * FP4
-  const __m128i m4 = _mm_set1_epi8(0x0F);
-  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
-  *w0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut2, _mm_and_si128(c, m4)));
-  *w1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(lut2, _mm_and_si128(_mm_srli_epi16(c, 4), m4)));
+// The doubled FP4 codes (VPSHUFB over 2 * FP4_E2M1: exact int8) of the mxfp4 blocks in c, one block of 16 bytes per
+// 128-bit lane: lo the low nibbles (elements 0, 2, .., 30 of the lane's block), hi the high ones (1, 3, .., 31).
+FT_JAX_AVX2_F16C inline void Mxfp4Codes(__m256i c, __m256i* lo, __m256i* hi) {
+  const __m256i lut2 = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,  // 2 * FP4, per lane
+                                        0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  *lo = _mm256_shuffle_epi8(lut2, _mm256_and_si256(c, m4));
+  *hi = _mm256_shuffle_epi8(lut2, _mm256_and_si256(_mm256_srli_epi16(c, 4), m4));
 }
 
 // One row's dots with N tokens' int16 activations (QuantizeMxfp4ActsAvx2; token n's at q + n * cols) and block
@@ -670,23 +670,19 @@ FT_JAX_AVX2_F16C void DotMxfp4Int16Avx2(const uint8_t* row, int64_t nb, const in
                                         int64_t cols, float* out, int64_t out_stride) {
   __m256 even[N], odd[N];
   for (int n = 0; n < N; ++n) even[n] = odd[n] = _mm256_setzero_ps();
-  __m256i w0, w1;
+  __m256i lo, hi;
   int64_t b = 0;
-  const __m256i lut2 = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,  // 2 * FP4, per lane
-                                        0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (; b + 2 <= nb; b += 2) {  // blocks b and b + 1 decoded together, one in each 128-bit lane
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * b));
-    const __m256i lo = _mm256_shuffle_epi8(lut2, _mm256_and_si256(c, m4));
-    const __m256i hi = _mm256_shuffle_epi8(lut2, _mm256_and_si256(_mm256_srli_epi16(c, 4), m4));
+    Mxfp4Codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * b)), &lo, &hi);
     Int16BlockFma<N>(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo)), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)),
                      q, sdx, nb, cols, b, even);
     Int16BlockFma<N>(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1)),
                      _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1)), q, sdx, nb, cols, b + 1, odd);
   }
-  if (b < nb) {
-    Mxfp4CodesInt16(row, b, &w0, &w1);
-    Int16BlockFma<N>(w0, w1, q, sdx, nb, cols, b, even);
+  if (b < nb) {  // an odd last block, in the low lane
+    Mxfp4Codes(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b))), &lo, &hi);
+    Int16BlockFma<N>(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(lo)), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)),
+                     q, sdx, nb, cols, b, even);
   }
   for (int n = 0; n < N; ++n) out[n * out_stride] = HSum(_mm256_add_ps(even[n], odd[n]));
 }

@@ -126,8 +126,8 @@ QuantizedActs QuantizeActivations(Isa isa, WFormat f, const float* x, int64_t co
 // activations as bf16 bits, token t at xb + t * xb_stride (gemm_bf16.h Bf16TokenStride(cols) is fastest for many
 // tokens), or nullptr (bf16, fp8 and mxfp4 weights then use bf16 x bf16 dots where the CPU has them; every other
 // format reads x); qx: x already quantized for these T tokens (QuantizeActivations of the same isa, format and cols)
-// or nullptr (q8_0 / q4_0 quantized here where the dots need it; mxfp4 then reads x as float32). Rows are read once
-// each, front to back.
+// or nullptr (quantized here where the dots need it: q8_0 / q4_0 at the levels above; mxfp4 at the AVX2 level when xb
+// is given, bf16 activations, and read as float32 otherwise). Rows are read once each, front to back.
 void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb,
                  int64_t xb_stride, int64_t T, float* out, int64_t out_stride, const QuantizedActs* qx = nullptr);
 
