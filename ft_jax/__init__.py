@@ -44,3 +44,8 @@ def __getattr__(name: str):
     if module is None:
         raise AttributeError(f"module 'ft_jax' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    """The module's names plus the public ones imported on first use (so that dir() and tab completion list them)."""
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -38,6 +38,7 @@ def bundled():
 def test_public_names_and_defaults_match_the_cli():
     for name in ft_jax.__all__:
         assert getattr(ft_jax, name) is not None, name
+    assert set(ft_jax.__all__) <= set(dir(ft_jax))  # the names imported on first use are listed too
     from ft_jax import cli
 
     args = cli.build_parser().parse_args(["generate"])
