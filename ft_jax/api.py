@@ -515,7 +515,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
     """Load a Hugging Face MoE model folder (or the bundled model) for generation, as ``ft-jax generate`` does.
 
     Args:
-        path: model folder (config.json + safetensors); None: the bundled tiny Shakespeare model.
+        path: model folder (config.json + safetensors; a leading ~ is the home folder); None: the bundled tiny
+            Shakespeare model.
         dtype: "auto" (the checkpoint's: float32 for float32 checkpoints, else bfloat16), bf16/bfloat16, f32/float32:
             the dense weights, the activations and the expert host banks.
         policy: "auto", "qstar", "qstar:FRAC", "fetch-all", "host-all", "fixed-cap:K", "resident", or a Policy
@@ -546,11 +547,17 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
         ValueError: a bad dtype, policy, quantize or cache budget; a profile path that is a folder or in a folder
             that does not exist; a mesh whose expert axis does not divide the experts or that does not match the
             processes (ExpertPartition.from_mesh).
-        TypeError: quantize neither a str nor None; cache of another type than those above (a bool, a list, ...).
+        TypeError: path neither a str nor an os.PathLike; quantize neither a str nor None; cache of another type
+            than those above (a bool, a list, ...).
         ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
             available (checked from the headers before anything is allocated).
     """
-    path = os.fspath(path) if path is not None else bundled_model_path()
+    if path is None:
+        path = bundled_model_path()
+    elif isinstance(path, (str, os.PathLike)):
+        path = os.path.expanduser(os.fspath(path))
+    else:
+        raise TypeError(f"path: expected a model folder (str or os.PathLike), got {type(path).__name__}")
     if kernels.environment_problem():  # the CLI refuses it; the library says it once
         warnings.warn(f"ft_jax: {kernels.environment_problem()}; it is ignored", stacklevel=2)
     cfg = load_config(path)

@@ -70,12 +70,21 @@ def test_version_and_flag_errors_name_the_flag():
     proc = _run("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"ft-jax {ft_jax.__version__}"
     for flag, value, words in (("--top-p", "0", "expected a number in (0, 1]"), ("--top-k", "-3", "expected an integer >= 0"),
-                               ("--dtype", "fp8", "expected bf16, bfloat16, f32 or float32")):
+                               ("--dtype", "fp8", "expected auto, bf16, bfloat16, f32 or float32")):
         proc = _run("generate", flag, value)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and words in lines[0] and flag in lines[0], proc.stderr
     help_text = _run("generate", "--help").stdout
     assert "examples:" in help_text and "Supported architectures: MixtralForCausalLM" in help_text
+
+
+def test_a_model_path_under_the_home_folder_and_a_path_of_the_wrong_type(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # os.path.expanduser reads $HOME
+    os.symlink(ft_jax.bundled_model_path(), tmp_path / "tiny")
+    model = ft_jax.load("~/tiny", policy="host-all")
+    assert model.path == str(tmp_path / "tiny")
+    with pytest.raises(TypeError, match="path: expected a model folder \\(str or os.PathLike\\), got int"):
+        ft_jax.load(123)
 
 
 def test_stop_strings_cut_the_text_and_end_the_row(bundled):

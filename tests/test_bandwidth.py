@@ -111,6 +111,10 @@ def test_dtype_spellings():
         assert bandwidth.dtype_name(text) == name
         assert cli.build_parser().parse_args(["generate", "--dtype", text]).dtype == name
         assert cli.build_parser().parse_args(["profile", "--dtype", text]).dtype == name
+    for command in ("generate", "serve"):  # auto: the checkpoint's dtype, as leaving the flag out
+        assert cli.build_parser().parse_args([command, "--dtype", "Auto"]).dtype is None
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["profile", "--dtype", "auto"])  # a profile is timed at one concrete dtype
     assert bandwidth.expert_nbytes(H, I, "bf16") == 3 * 64 * 128 * 2
     with pytest.raises(ValueError, match="expected bf16, bfloat16, f32 or float32, got 'f16'"):
         bandwidth.dtype_name("f16")
@@ -397,7 +401,7 @@ def test_profile_errors_are_one_line(tmp_path):
         (["profile", "--hidden-size", "64"], "give both --hidden-size and --intermediate-size"),
         (["profile", "--model", str(tmp_path / "missing")], "missing"),
         (["profile", "--profile", str(notes), "--quick"], f"{notes} is not an ft_jax bandwidth profile store"),
-        (["generate", "--dtype", "f16"], "argument --dtype: expected bf16, bfloat16, f32 or float32, got 'f16'"),
+        (["generate", "--dtype", "f16"], "argument --dtype: expected auto, bf16, bfloat16, f32 or float32, got 'f16'"),
     ]
     procs = [start_cli(*argv, env_cache=tmp_path / "cache") for argv, _ in cases]  # concurrently: import-bound
     for proc, (argv, needle) in zip(procs, cases):

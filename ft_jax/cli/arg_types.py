@@ -107,6 +107,17 @@ def dtype(text: str) -> str:
     return name
 
 
+def model_dtype(text: str) -> str | None:
+    """A model's dtype for generate / serve: as :func:`dtype`, or "auto" (any case) -> None, the checkpoint's dtype
+    (what ft_jax.load(dtype="auto") and leaving the flag out do)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return dtype(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto, bf16, bfloat16, f32 or float32, got {text!r}") from None
+
+
 QUANTIZE_HELP = ("quantize a float (bf16/f32) checkpoint while loading: q8_0 or q4_0 (llama.cpp's block formats, "
                  "32 values per f16 scale) for the expert banks and every dense 2-D projection but the routers and the "
                  "embedding table (as llama-quantize --pure, which quantizes the embedding too); FP8 and MXFP4 "

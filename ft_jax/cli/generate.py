@@ -82,9 +82,9 @@ def add_arguments(sub) -> None:
 def add_load_arguments(parser) -> None:
     """The flags that load a model, shared by `generate` and `serve`: dtype, quantize, the cache budget, policy,
     profile, prefill chunk, compilation cache."""
-    parser.add_argument("--dtype", type=arg_types.dtype, default=None,
-                        help="bf16/bfloat16 or f32/float32: dtype of the dense weights, the activations and the "
-                             "expert host banks (default: float32 for float32 checkpoints, else bfloat16)")
+    parser.add_argument("--dtype", type=arg_types.model_dtype, default=None,
+                        help="auto, bf16/bfloat16 or f32/float32: dtype of the dense weights, the activations and the "
+                             "expert host banks (default auto: float32 for float32 checkpoints, else bfloat16)")
     parser.add_argument("--quantize", type=arg_types.quantize, default=None, metavar="TYPE",
                         help=arg_types.QUANTIZE_HELP)
     budget = parser.add_mutually_exclusive_group()
