@@ -70,7 +70,8 @@ def test_version_and_flag_errors_name_the_flag():
     proc = _run("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"ft-jax {ft_jax.__version__}"
     for flag, value, words in (("--top-p", "0", "expected a number in (0, 1]"), ("--top-k", "-3", "expected an integer >= 0"),
-                               ("--dtype", "fp8", "expected auto, bf16, bfloat16, f32 or float32")):
+                               ("--dtype", "fp8", "expected auto, bf16, bfloat16, f32 or float32"),
+                               ("--policy", "bogus", "argument --policy: unknown policy 'bogus'")):
         proc = _run("generate", flag, value)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and words in lines[0] and flag in lines[0], proc.stderr

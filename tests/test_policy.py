@@ -88,6 +88,8 @@ def test_parse_policy():
                      ("fetch-all:3", "takes no argument")]:
         with pytest.raises(ValueError, match=msg):
             pol.parse_policy(bad)
+    with pytest.raises(TypeError, match="expected a policy name string, got int"):
+        pol.parse_policy(5)
     with pytest.raises(ValueError, match="unknown kind"):
         pol.Policy("lru")
     with pytest.raises(ValueError, match="cap"):

@@ -170,7 +170,7 @@ def policy(text: str):
     try:
         value = parse_policy(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(str(e).removeprefix("policy: ")) from None  # argparse names the flag
     if value.cap is not None and value.cap > INT32_MAX:
         raise argparse.ArgumentTypeError(f"the cap in {text!r} must be at most {INT32_MAX} (a count of misses per "
                                          "layer)")

@@ -265,9 +265,10 @@ def parse_policy(text: str) -> Policy:
 
     Raises:
         ValueError: unknown name, missing or malformed K / FRAC, K < 0, FRAC outside [0, 1].
+        TypeError: ``text`` is not a str.
     """
     if not isinstance(text, str):
-        raise ValueError(f"policy: expected a policy name string, got {type(text).__name__}")
+        raise TypeError(f"policy: expected a policy name string, got {type(text).__name__}")
     name, sep, arg = text.strip().partition(":")
     usage = ("expected one of auto, qstar, qstar:FRAC (0..1), fetch-all, host-all, fixed-cap:K (integer >= 0), "
              "resident")
