@@ -91,7 +91,7 @@ def auto_count(costs, misses: int, hits: int, cap: int, repeat_misses: int, seen
 # The auto policy's candidates (cost order) and its window: docs/policies.md, "The auto rule".
 CANDIDATES = ("host-all", "fetch-all", "fixed-cap:1", "qstar", "reuse")
 WINDOW_TOKENS = 128
-FIRST_CHECK_TOKENS = 32  # in the first window the leader is also re-chosen every this many tokens
+FIRST_CHECK_TOKENS = 16  # in the first window the leader is also re-chosen every this many tokens
 
 
 def candidate_count(name: str, costs, misses: int, hits: int, evictable: int, repeat_misses: int,

@@ -108,7 +108,7 @@ AUTO_CANDIDATES = ("host-all", "fetch-all", "fixed-cap:1", "qstar", "reuse")
 AUTO_LANES = AUTO_CANDIDATES[1:]
 AUTO_FIRST_LEADER = AUTO_CANDIDATES.index("reuse")  # followed in the first window
 AUTO_WINDOW_TOKENS = 128  # decode tokens per window (window = this many calls of every MoE layer)
-AUTO_FIRST_CHECK_TOKENS = 32  # in the first window (a cold cache) the leader is also re-chosen every 32 tokens
+AUTO_FIRST_CHECK_TOKENS = 16  # in the first window (a cold cache) the leader is also re-chosen every 16 tokens
 AUTO_MAX_COST = (1 << 30) - 1  # a candidate's window cost saturates here (ticks)
 
 
