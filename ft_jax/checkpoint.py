@@ -61,16 +61,17 @@ _SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))  # fp8 weig
 _F8_NAN = 0x7F  # float8_e4m3fn has no Inf; S.1111.111 is NaN (bits & 0x7F == 0x7F)
 _E8M0_NAN = 255  # the E8M0 scale that means NaN (OCP Microscaling Formats v1.0)
 
-# Float dtype -> (unsigned int, signed int of the same width, exponent field mask). An element is Inf or NaN iff its
-# exponent bits are all ones (IEEE 754: binary64 11 bits, binary32 8, binary16 5; bfloat16 = the top half of a
-# binary32, 8 bits). float8_e4m3fn has no Inf and one NaN magnitude, S.1111.111: its "mask" is those 7 bits, so the
-# same test (magnitude bits >= mask) finds exactly its NaNs.
-_EXPONENT_MASKS: dict[np.dtype, tuple[type, type, int]] = {
-    np.dtype(np.float64): (np.uint64, np.int64, 0x7FF0_0000_0000_0000),
-    np.dtype(np.float32): (np.uint32, np.int32, 0x7F80_0000),
-    np.dtype(np.float16): (np.uint16, np.int16, 0x7C00), np.dtype(ml_dtypes.bfloat16): (np.uint16, np.int16, 0x7F80),
-    _F8[0]: (np.uint8, np.int8, _F8_NAN),
+# Float dtype -> (unsigned int of the same width, exponent field mask). An element is Inf or NaN iff its exponent
+# bits are all ones (IEEE 754: binary64 11 bits, binary32 8, binary16 5; bfloat16 = the top half of a binary32, 8
+# bits). float8_e4m3fn has no Inf and one NaN magnitude, S.1111.111: its "mask" is those 7 bits, so the same test
+# (magnitude bits >= mask) finds exactly its NaNs.
+_EXPONENT_MASKS: dict[np.dtype, tuple[type, int]] = {
+    np.dtype(np.float64): (np.uint64, 0x7FF0_0000_0000_0000), np.dtype(np.float32): (np.uint32, 0x7F80_0000),
+    np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80),
+    _F8[0]: (np.uint8, _F8_NAN),
 }
+# Threads of the finite check of mapped bytes (_ffi.first_non_finite): every CPU this process may run on.
+_CHECK_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
 # Bytes per positioned read: small enough that the finite check reads the piece from cache (L2 is 1-2 MiB on
 # current x86 cores), large enough that the per-read overhead is negligible.
 _READ_CHUNK_BYTES = 1 << 20
@@ -418,10 +419,8 @@ class SafetensorsCheckpoint:
         except OSError:  # Linux < 5.14: faulted in by the reads
             pass
         out = np.frombuffer(region, info.dtype, math.prod(info.shape), info.offset - first).reshape(info.shape)
-        data, checked, found = out.reshape(-1).view(np.uint8), 0, False
-        while checked < info.nbytes and not found:
-            checked, found = _check_finite(info, data, checked, min(info.nbytes, checked + _READ_CHUNK_BYTES))
-        if found:
+        data = out.reshape(-1).view(np.uint8)
+        if _check_finite(info, data, 0, info.nbytes)[1]:  # the one pass over the mapped pages, on every core
             _raise_non_finite(name, info, data)
         return out
 
@@ -447,7 +446,8 @@ class SafetensorsCheckpoint:
         A destination inside a host bank at an address congruent with the file offset modulo the page size (a
         HostBank made with SafetensorsCheckpoint.page_offset) gets the file's whole pages mapped there
         (_ffi.bank_map_file: copy-on-write, the page cache's own pages, no copy); the partial pages at both ends and
-        any other destination are read with positioned reads."""
+        any other destination are read with positioned reads. The mapped part is checked in one call on every core
+        (its one pass: nothing else reads it while loading), the read pieces each while in cache."""
         fh = self._file(info.file)
         self._check_size(fh, name, info)
         begin = end = 0  # the mapped part of dest
@@ -455,8 +455,9 @@ class SafetensorsCheckpoint:
             begin, end = _ffi.bank_map_file(dest.ctypes.data, info.nbytes, fh.fileno(), info.offset)
         checked, found = 0, False
         for lo, hi, mapped in ((0, begin, False), (begin, end, True), (end, info.nbytes, False)):
-            for piece in range(lo, hi, _READ_CHUNK_BYTES):
-                stop = min(hi, piece + _READ_CHUNK_BYTES)
+            step = max(hi - lo, 1) if mapped else _READ_CHUNK_BYTES
+            for piece in range(lo, hi, step):
+                stop = min(hi, piece + step)
                 if not mapped:
                     self._read_exactly(fh, name, info, dest, piece, stop)
                 if not found:
@@ -481,29 +482,26 @@ def _check_finite(info: TensorInfo, data: np.ndarray, checked: int, stop: int) -
     """Check the complete elements of ``data`` (u8[info.nbytes], the tensor's bytes) from byte ``checked`` up to
     byte ``stop`` for NaN/Inf when the tensor is a float one. Returns (the byte up to which it is checked: elements
     split by ``stop`` are checked with the next piece, whether a non-finite element was found)."""
-    masks = _EXPONENT_MASKS.get(info.dtype)  # (unsigned, signed int type, exponent mask) of a float dtype
+    masks = _EXPONENT_MASKS.get(info.dtype)  # (unsigned int type, exponent mask) of a float dtype
     if masks is None:
         return stop, False
     whole = stop - stop % info.dtype.itemsize  # bytes of complete elements
     if whole <= checked:
         return checked, False
-    return whole, _has_non_finite(data[checked:whole].view(masks[0]), masks[1], masks[2])
+    return whole, _has_non_finite(data[checked:whole].view(masks[0]), masks[1])
 
 
 def _raise_non_finite(name: str, info: TensorInfo, data: np.ndarray) -> None:
     """Raise the error for a tensor with Inf/NaN elements; data: all its bytes u8[info.nbytes]."""
     masks = _EXPONENT_MASKS[info.dtype]
-    raise _non_finite_error(name, info, data.view(masks[0]), masks[2])
+    raise _non_finite_error(name, info, data.view(masks[0]), masks[1])
 
 
-def _has_non_finite(bits: np.ndarray, signed: type, mask: int) -> bool:
-    """Whether any element of ``bits`` (raw element bits [n], the unsigned view) has an all-ones exponent field.
-
-    With sign bit S and exponent mask E, an element is Inf/NaN iff its magnitude bits are >= E. Positive ones are
-    the signed values >= E (negative elements are < 0 in the signed view); negative ones are the unsigned values
-    >= S | E (positive elements are < S). Two max reductions that only read the piece: no temporary array."""
-    sign = 1 << (8 * bits.dtype.itemsize - 1)
-    return bool(bits.max() >= sign | mask or bits.view(signed).max() >= mask)
+def _has_non_finite(bits: np.ndarray, mask: int) -> bool:
+    """Whether any element of ``bits`` (raw element bits [n], a contiguous unsigned view) has magnitude bits (the
+    sign cleared) >= ``mask``, the exponent field: an Inf or NaN. One read of the bytes, split over _CHECK_THREADS
+    threads from 8 MiB per thread up (_ffi.first_non_finite, xla_ffi/finite_check.h)."""
+    return _ffi.first_non_finite(bits.ctypes.data, bits.size, bits.itemsize, mask, _CHECK_THREADS) >= 0
 
 
 def _non_finite_error(name: str, info: TensorInfo, bits: np.ndarray, mask: int) -> CheckpointError:

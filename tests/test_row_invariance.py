@@ -6,6 +6,12 @@ KV cache, which every layer's output reaches. Before the fix two things broke it
 dense projections took XLA's dot (another summation order than the FFI's), and from ~512 rows XLA:CPU handed the
 router's softmax to YNNPACK, whose exp differs in the last bit."""
 
+import os
+import re
+import subprocess
+import sys
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +20,7 @@ from ft_jax.checkpoint import load_checkpoint
 from ft_jax.engine.batch import DecodeBatch
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
+from ft_jax.models import layers
 from ft_jax.offload.policy import Policy
 from ft_jax.testing import tiny_config, write_random_checkpoint
 
@@ -65,3 +72,58 @@ def test_a_group_prefill_equals_each_prompt_alone(engine):
     group = prefill(engine, PROMPTS[1:], 256)
     alone = [prefill(engine, [p], 256) for p in PROMPTS[1:]]
     assert_same_bits(group, ([a[0][0] for a in alone], [a[1][0] for a in alone]))
+
+
+_LM_HEAD_SCRIPT = """
+import sys
+import jax.numpy as jnp
+from ft_jax.checkpoint import load_checkpoint
+from ft_jax.engine.engine import Engine
+from ft_jax.kernels import ffi_ops
+from ft_jax.offload.policy import Policy
+engine = Engine(load_checkpoint(sys.argv[1], dtype=jnp.bfloat16), policy=Policy("host-all"), num_slots=1)
+engine.generate([[1, 2, 3]], max_new_tokens=1)
+(exe,) = [e for key, e in engine._executables.items() if key[0] == "prefill"]
+open(sys.argv[2], "w").write(ffi_ops.kernel_isa() + "\\n" + exe.as_text())
+"""
+
+
+def test_the_prefill_lm_head_is_the_decode_steps_gemv(tmp_path):
+    """The prefill step's lm_head has one row per prompt whatever the chunk, so it takes the decode step's GEMV
+    (layers.sequence_dots) where the other projections of a prefill take XLA's dot (prefill_dots: CPUs without the
+    AVX-512 BF16 dot, here FT_JAX_KERNEL=avx2 in a subprocess so every CPU runs it). XLA's dot of a bf16 [V, H]
+    weight converted it to float32 as a whole on every prefill call (262 MB of fresh memory and ~0.4 s per call on
+    the bench model: docs/DESIGN.md sec. 20.18): the compiled prefill step holds no float32 [V, H] array and calls
+    the ft_jax_linear GEMV on the final hidden state."""
+    cfg = tiny_config(vocab_size=320, hidden_size=64)
+    path = write_random_checkpoint(tmp_path / "model", cfg, dtype="bfloat16")
+    subprocess.run([sys.executable, "-c", _LM_HEAD_SCRIPT, str(path), str(tmp_path / "hlo.txt")], check=True,
+                   env=dict(os.environ, FT_JAX_KERNEL="avx2"))
+    isa, hlo = (tmp_path / "hlo.txt").read_text().split("\n", 1)
+    if isa == "generic":
+        pytest.skip("this CPU has no AVX2 path")
+    assert isa == "avx2"
+    assert "f32[320,64]" not in hlo and "bf16[320,64]" in hlo
+    assert re.search(r'f32\[1,320\][^\n]*custom_call_target="ft_jax_linear"', hlo)
+
+
+def test_sequence_dots_restores_the_gemv_inside_prefill_dots():
+    """linear inside prefill_dots takes XLA's dot for a float32 x (no bf16 register tiles); inside sequence_dots it
+    is the FFI GEMV again, with the bits of linear outside either context."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 96)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((40, 96)).astype(np.float32))
+
+    def calls(f):
+        return str(jax.make_jaxpr(f)(x, w)).count("ft_jax_linear")
+
+    def in_prefill(x, w):
+        with layers.prefill_dots():
+            return layers.linear(x, w)
+
+    def in_sequence(x, w):
+        with layers.prefill_dots(), layers.sequence_dots():
+            return layers.linear(x, w)
+
+    assert calls(in_prefill) == 0 and calls(in_sequence) == calls(layers.linear) == 1
+    np.testing.assert_array_equal(np.asarray(jax.jit(in_sequence)(x, w)), np.asarray(jax.jit(layers.linear)(x, w)))

@@ -3,14 +3,17 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <mutex>
 #include <new>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace ft_jax {
 
@@ -69,6 +72,22 @@ int64_t FileSegmentBudget() {
 }
 
 std::atomic<int64_t> file_segments_in_use{0};
+
+// MADV_POPULATE_READ of [begin, begin + len) (page aligned) split over the hardware threads, >= 8 MiB each: filling
+// the page tables of gigabytes of page-cache pages scales with the threads (4 GiB of a checkpoint on a 2-core VM:
+// 0.39 s on one thread, 0.21 s on two; docs/DESIGN.md sec. 20.18). Advisory: a failure leaves lazy faults.
+void PopulateRead(uintptr_t begin, size_t len, size_t page) {
+  const size_t threads = std::max(1u, std::thread::hardware_concurrency());
+  const size_t n = std::min(threads, std::max<size_t>(1, len / (size_t{8} << 20)));
+  const size_t step = (len / n + page - 1) / page * page;
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < n && t * step < len; ++t) {
+    pool.emplace_back([=] { madvise(reinterpret_cast<void*>(begin + t * step), std::min(step, len - t * step),
+                                    MADV_POPULATE_READ); });
+  }
+  madvise(reinterpret_cast<void*>(begin), std::min(step, len), MADV_POPULATE_READ);
+  for (auto& th : pool) th.join();
+}
 
 // The system page size (4096 on x86-64; 16 or 64 KiB on some ARM64 kernels): what mmap and MAP_FIXED align to.
 size_t PageSize() {
@@ -161,7 +180,7 @@ MappedRange Bank::MapFile(size_t offset, size_t nbytes, int fd, uint64_t file_of
     return {};
   }
   file_segments_.fetch_add(1);
-  madvise(want, len, MADV_POPULATE_READ);  // page tables filled in one call; advisory (lazy faults otherwise)
+  PopulateRead(first, len, page);  // page tables filled in a call per thread; advisory (lazy faults otherwise)
   return {first - addr, last - addr};
 }
 

@@ -17,6 +17,7 @@
 #include "xla_ffi/host_bank.h"
 #include "xla_ffi/huge_pages.h"
 #include "xla_ffi/isa.h"
+#include "xla_ffi/finite_check.h"
 #include "xla_ffi/quantize.h"
 #ifdef FT_JAX_CUDA
 #include "xla_ffi/cuda_handlers.h"
@@ -256,5 +257,23 @@ NB_MODULE(_ffi, m) {
         "fmt_code 0 = q8_0 (data int8 [rows, cols]) or 1 = q4_0 (data uint8 [rows, cols / 2]), scales float16 "
         "[rows, cols / 32], written into the given C-contiguous arrays; bytes equal gguf.quants.quantize's. "
         "threads <= 0: one per hardware thread. Releases the GIL. TypeError / ValueError naming the bad array.");
+  m.def(
+      "first_non_finite",
+      [](uintptr_t address, int64_t count, int elem_bytes, uint64_t mask, int threads) {
+        int64_t first;
+        {
+          nb::gil_scoped_release release;  // gigabytes of mapped checkpoint pages
+          first = ft_jax::FirstNonFinite(reinterpret_cast<const void*>(address), count, elem_bytes, mask, threads);
+        }
+        if (first == -2) {
+          throw nb::value_error(("first_non_finite: elem_bytes must be 1, 2, 4 or 8, got " +
+                                 std::to_string(elem_bytes)).c_str());
+        }
+        return first;
+      },
+      nb::arg("address"), nb::arg("count"), nb::arg("elem_bytes"), nb::arg("mask"), nb::arg("threads") = 0,
+      "Index of the first of count elements of elem_bytes bytes at address whose bits with the sign cleared are >= "
+      "mask (the Inf / NaN elements for mask = the exponent field), or -1; threads <= 0: one per hardware thread. "
+      "Releases the GIL. ValueError for another elem_bytes.");
   m.def("kernel_isa", &ft_jax::KernelIsa, "'avx512bf16', 'avx2' or 'generic': the inner loops the kernels use.");
 }

@@ -189,6 +189,8 @@ class Engine:
                                 static_argnames=("greedy",), donate_argnums=(3, 4))
         self._decode = jax.jit(bound_step(decode_one_token, self.graphdef, self.decode_backend),
                                static_argnames=("greedy", "record_routing"), donate_argnums=(3, 4))
+        # A zero KV cache as one XLA program per (batch, length), not two eager ones per cache array.
+        self._zero_kv_cache = jax.jit(nnx.merge(self.graphdef, self.params).init_kv_cache, static_argnums=(0, 1))
         self._executables: dict[tuple, object] = {}
         self._lock = threading.Lock()
         stats_lib.CompileCounter.install()
@@ -196,10 +198,9 @@ class Engine:
     def init_kv_cache(self, batch_size: int, max_len: int):
         """Zero KV cache for batch_size sequences of up to max_len tokens (ft_jax.models.decoder.KVCache); with a mesh,
         a copy of its own on every device."""
-        model = nnx.merge(self.graphdef, self.params)
         if self.mesh is None:
-            return model.init_kv_cache(batch_size, max_len)
-        shapes = jax.eval_shape(lambda: model.init_kv_cache(batch_size, max_len))
+            return self._zero_kv_cache(batch_size, max_len)
+        shapes = jax.eval_shape(self._zero_kv_cache, batch_size, max_len)
         return expert_parallel.replicated_zeros(shapes, self.mesh)
 
     def _executable(self, kind: str, args: tuple, greedy: bool, what: str, tally: dict, record_routing: bool = False):

@@ -75,7 +75,14 @@ def row_key_data(seed: int, row: int) -> np.ndarray:
     """The PRNG key of one sequence, as its raw data u32[2] (an operand of the compiled steps): jax.random.key(seed)
     folded with the row index. A row's draws depend only on (seed, row, the positions it samples at), never on the
     other rows of its batch (Model.generate gives prompt b row b; the server gives every request row 0)."""
-    return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed % 2**32), row)))
+    return np.asarray(_row_key_data(np.uint32(seed % 2**32), np.int32(row)))
+
+
+@jax.jit
+def _row_key_data(seed: jax.Array, row: jax.Array) -> jax.Array:
+    """row_key_data as one XLA program (u32[] seed, i32[] row -> u32[2]): the eager key, fold_in and key_data were
+    four programs to compile or look up at every launch (docs/DESIGN.md sec. 20.18); the bits are the same."""
+    return jax.random.key_data(jax.random.fold_in(jax.random.key(seed), row))
 
 
 def first_argmax(logits: jax.Array) -> jax.Array:

@@ -13,7 +13,7 @@ from flax import nnx
 
 from ft_jax.config import MoEConfig
 from ft_jax.models.layers import (HIGHEST, AttentionInputs, Stacked, apply_rope, attend_live_blocks, cache_store,
-                                  linear, query_blocks, rms_norm, rope_cos_sin)
+                                  cache_zeros, linear, query_blocks, rms_norm, rope_cos_sin)
 
 
 class GroupedQueryAttention(nnx.Module):
@@ -58,7 +58,7 @@ class GroupedQueryAttention(nnx.Module):
         """Zero (k, v) caches [n, B, max_len, KVH, D] of the model dtype (bf16 kept as its uint16 bits:
         layers.cache_store): 2 * n * B * max_len * KVH * D * itemsize bytes."""
         shape = (num_layers, batch_size, max_len, self.cfg.num_kv_heads, self.cfg.head_dim)
-        return cache_store(jnp.zeros(shape, dtype)), cache_store(jnp.zeros(shape, dtype))
+        return cache_zeros(shape, dtype), cache_zeros(shape, dtype)
 
     def __call__(self, i, x, ctx: AttentionInputs, cache: tuple[jax.Array, ...]):
         """Layer i's self-attention. x: [B, T, H]; cache: (k, v) [n, B, S, KVH, D] (layer i updated in place).

@@ -29,7 +29,7 @@ from ft_jax.config import MoEConfig
 from ft_jax.kernels.host_bank import host_array
 from ft_jax.models.attention import GroupedQueryAttention
 from ft_jax.models.layers import (AttentionInputs, ParamFactory, Stacked, as_float, attention_inputs, cache_load,
-                                  gated_mlp, linear, rms_norm)
+                                  gated_mlp, linear, rms_norm, sequence_dots)
 from ft_jax.models.mla import MultiHeadLatentAttention
 from ft_jax.models.moe import DeepseekMoEBlock, ExpertBackend, MoEBlock
 from ft_jax.weight_formats import QuantizedTensor
@@ -184,7 +184,7 @@ class MoETransformer(nnx.Module):
         self.embed_tokens = nnx.Param(host_array(bits))
         runs = itertools.groupby(range(cfg.num_layers), key=lambda l: _layer_kind(cfg, l))
         self.stacks = nnx.List([DecoderStack(cfg, make, tuple(layers)) for _, layers in runs])
-        self.norm = nnx.Param(jnp.asarray(norm))
+        self.norm = nnx.Param(jax.device_put(np.array(norm)))  # a copy of the file view, no XLA program
         self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(
             _on_device(make("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "weight")))  # [V, H]
 
@@ -229,8 +229,11 @@ class MoETransformer(nnx.Module):
         with jax.named_scope("lm_head"):
             h = rms_norm(h, self.norm[...], cfg.rms_norm_eps)
             head = self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
-            h_out = h[:, -1:] if last_logits_only else h
-            logits = linear(h_out, head)  # f32[B, T, V]
+            if last_logits_only:  # one row per sequence: the decode step's GEMV (layers.sequence_dots)
+                with sequence_dots():
+                    logits = linear(h[:, -1:], head)  # f32[B, 1, V]
+            else:
+                logits = linear(h, head)  # f32[B, T, V]
         kv_cache = KVCache(tuple(caches))
         if not collect:
             return logits, kv_cache, expert_state

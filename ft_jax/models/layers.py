@@ -292,6 +292,20 @@ def prefill_dots() -> Iterator[None]:
         _PREFILL_DOTS.reset(token)
 
 
+@contextlib.contextmanager
+def sequence_dots() -> Iterator[None]:
+    """Inside a prefill step's prefill_dots, for a projection with one row per sequence (the lm_head of the last
+    token of each prompt): ``linear`` takes the path the decode step takes, the FFI GEMV up to FFI_MAX_ROWS rows. Its
+    rows are the batch's sequences whatever the chunk, and the GEMV gives a row the same bits at any row count, so
+    prefill_dots' reason does not apply; XLA's dot would convert a bf16 [V, H] weight to float32 as a whole on every
+    call (262 MB of fresh memory for a 32000 x 2048 lm_head: docs/DESIGN.md sec. 20.18)."""
+    token = _PREFILL_DOTS.set(False)
+    try:
+        yield
+    finally:
+        _PREFILL_DOTS.reset(token)
+
+
 def _bf16_tiles(x2: jax.Array, w: jax.Array) -> bool:
     """Whether the FFI call takes a bf16 x bf16 product at any row count: where the kernels have the AVX-512 BF16 dot,
     its register tiles run at XLA's dot's rate (xla_ffi/gemm_bf16.h; docs/DESIGN.md sec. 15) and give each row the
@@ -388,6 +402,12 @@ def _unbits(x: jax.Array, dtype) -> jax.Array:
 def cache_store(x: jax.Array) -> jax.Array:
     """The form a KV cache (or the embedding table) keeps values in: uint16 bits for bf16 (see _bits), else x."""
     return _bits(x)
+
+
+def cache_zeros(shape: tuple[int, ...], dtype) -> jax.Array:
+    """A zero KV cache of ``shape`` for values of ``dtype`` in cache_store's form (bf16 as uint16 bits: zero bits
+    are +0.0), made directly: jnp.zeros then cache_store would be two XLA programs per shape to compile or look up."""
+    return jnp.zeros(shape, jnp.uint16 if jnp.dtype(dtype) == jnp.bfloat16 else dtype)
 
 
 def cache_load(x: jax.Array, dtype) -> jax.Array:

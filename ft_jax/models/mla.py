@@ -18,7 +18,7 @@ from flax import nnx
 from ft_jax.config import MoEConfig
 from ft_jax.kernels import ffi_ops
 from ft_jax.models.layers import (HIGHEST, AttentionInputs, Stacked, apply_rope, as_float, attend_live_blocks,
-                                  cache_store, linear, query_blocks, rms_norm, rope_cos_sin, stack)
+                                  cache_store, cache_zeros, linear, query_blocks, rms_norm, rope_cos_sin, stack)
 from ft_jax.weight_formats import QuantizedTensor, dequantize_jnp, fp8, fp8_rowwise
 
 
@@ -167,8 +167,8 @@ class MultiHeadLatentAttention(nnx.Module):
     def init_cache(self, num_layers: int, batch_size: int, max_len: int, dtype) -> tuple[jax.Array, ...]:
         """Zero (latent [n, B, max_len, C], rope_key [n, B, max_len, dr]): n B max_len (C + dr) itemsize bytes."""
         lead = (num_layers, batch_size, max_len)
-        return (cache_store(jnp.zeros(lead + (self.cfg.kv_lora_rank,), dtype)),
-                cache_store(jnp.zeros(lead + (self.cfg.qk_rope_head_dim,), dtype)))  # bf16 as uint16 bits
+        return (cache_zeros(lead + (self.cfg.kv_lora_rank,), dtype),
+                cache_zeros(lead + (self.cfg.qk_rope_head_dim,), dtype))  # bf16 as uint16 bits
 
     def __call__(self, i, x, ctx: AttentionInputs, cache: tuple[jax.Array, ...]):
         """Layer i's self-attention. x: [B, T, H]; cache: (latent [n, B, S, C], rope_key [n, B, S, dr]), layer i

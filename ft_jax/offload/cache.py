@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ft_jax.offload.cost_model import auto_layer_ticks
 from ft_jax.offload.policy import (AUTO_CANDIDATES, AUTO_DECAY_SHIFT, AUTO_FIRST_CHECK_TOKENS, AUTO_FIRST_LEADER,
@@ -126,20 +127,27 @@ def init_cache_state(num_layers: int, num_experts: int, num_slots: int, *, auto:
     lanes = None
     if auto:
         K = len(AUTO_LANES)
-        lanes = LaneState(slot_of_expert=jnp.full((K, L, E), -1, jnp.int32), expert_of_slot=jnp.full((K, S), -1, jnp.int32),
-                          usage=jnp.full((K, S), -1, jnp.int32), reuse=jnp.zeros((K, len(REUSE_FIELDS)), jnp.int32),
-                          cost=jnp.zeros((len(AUTO_CANDIDATES),), jnp.int32), window_active=jnp.zeros((L, E), bool),
-                          leader=jnp.asarray(AUTO_FIRST_LEADER, jnp.int32), window_start=jnp.zeros((), jnp.int32))
-    return CacheState(
-        slot_of_expert=jnp.full((L, E), -1, jnp.int32),
-        expert_of_slot=jnp.full((S,), -1, jnp.int32),
-        usage=jnp.full((S,), -1, jnp.int32),
-        recency=jnp.full((L, E), -1, jnp.int32),
-        step=jnp.zeros((), jnp.int32),
-        stats=jnp.zeros((L, len(STAT_FIELDS)), jnp.int32),
-        reuse=jnp.zeros((len(REUSE_FIELDS),), jnp.int32),
+        lanes = LaneState(slot_of_expert=np.full((K, L, E), -1, np.int32), expert_of_slot=np.full((K, S), -1, np.int32),
+                          usage=np.full((K, S), -1, np.int32), reuse=np.zeros((K, len(REUSE_FIELDS)), np.int32),
+                          cost=np.zeros((len(AUTO_CANDIDATES),), np.int32), window_active=np.zeros((L, E), bool),
+                          leader=np.asarray(AUTO_FIRST_LEADER, np.int32), window_start=np.zeros((), np.int32))
+    return _on_device(CacheState(
+        slot_of_expert=np.full((L, E), -1, np.int32),
+        expert_of_slot=np.full((S,), -1, np.int32),
+        usage=np.full((S,), -1, np.int32),
+        recency=np.full((L, E), -1, np.int32),
+        step=np.zeros((), np.int32),
+        stats=np.zeros((L, len(STAT_FIELDS)), np.int32),
+        reuse=np.zeros((len(REUSE_FIELDS),), np.int32),
         lanes=lanes,
-    )
+    ))
+
+
+def _on_device(state: CacheState) -> CacheState:
+    """A cold state built in numpy, copied to the default device in one transfer: the steps donate it, so it never
+    aliases the numpy buffers, and building it with jnp would compile (and look up in the compilation cache) one
+    small XLA program per distinct shape, 10-40 ms each at every launch (docs/DESIGN.md sec. 20.18)."""
+    return jax.device_put(state, may_alias=False)
 
 
 def init_cache_state_resident(num_layers: int, num_experts: int) -> CacheState:
@@ -152,16 +160,16 @@ def init_cache_state_resident(num_layers: int, num_experts: int) -> CacheState:
     """
     _check_dims(num_layers=num_layers, num_experts=num_experts)
     L, E = num_layers, num_experts
-    flat = jnp.arange(L * E, dtype=jnp.int32)  # i32[L*E]
-    return CacheState(
+    flat = np.arange(L * E, dtype=np.int32)  # i32[L*E]
+    return _on_device(CacheState(
         slot_of_expert=flat.reshape(L, E),
         expert_of_slot=flat,
-        usage=jnp.full((L * E,), -1, jnp.int32),
-        recency=jnp.full((L, E), -1, jnp.int32),
-        step=jnp.zeros((), jnp.int32),
-        stats=jnp.zeros((L, len(STAT_FIELDS)), jnp.int32),
-        reuse=jnp.zeros((len(REUSE_FIELDS),), jnp.int32),
-    )
+        usage=np.full((L * E,), -1, np.int32),
+        recency=np.full((L, E), -1, np.int32),
+        step=np.zeros((), np.int32),
+        stats=np.zeros((L, len(STAT_FIELDS)), np.int32),
+        reuse=np.zeros((len(REUSE_FIELDS),), np.int32),
+    ))
 
 
 def active_from_topk(topk_ids, num_experts: int):

@@ -10,10 +10,12 @@ host_route_errors, checked by read_stats) where the CPU handlers raise: docs/DES
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import ft_jax
 from ft_jax.kernels import ffi_ops
@@ -23,8 +25,16 @@ from ft_jax.offload.policy import Policy, PolicyKind
 
 
 def _no_errors() -> tuple[jax.Array, jax.Array]:
-    """(fill_errors, host_route_errors) of a fresh state: i32[] zeros."""
-    return jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+    """(fill_errors, host_route_errors) of a fresh state: i32[] zeros (numpy copied to the device: no XLA program
+    to compile, as expert_cache.init_cache_state)."""
+    return tuple(jax.device_put((np.zeros((), np.int32), np.zeros((), np.int32)), may_alias=False))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _zero_pools(shapes: tuple[tuple[str, tuple[tuple[int, ...], np.dtype]], ...]) -> dict[str, jax.Array]:
+    """Zero slot pools {name: [S, *row shape]} as one XLA program (eager jnp.zeros compiled, or looked up, a program
+    per shape and one more per dtype; docs/DESIGN.md sec. 20.18). shapes: ((name, (shape, dtype)), ...)."""
+    return {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in shapes}
 
 
 class OffloadState(NamedTuple):
@@ -94,7 +104,7 @@ class OffloadedExperts:
         if num_slots < 1:
             raise ValueError(f"offload: the device budget must hold at least one expert slot, got {num_slots} slots")
         cache = expert_cache.init_cache_state(L, E, num_slots, auto=self.policy.kind is PolicyKind.AUTO)
-        pools = {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in self.banks.pool_shapes(num_slots).items()}
+        pools = _zero_pools(tuple(self.banks.pool_shapes(num_slots).items()))
         return OffloadState(cache, pools, *_no_errors())
 
     def read_stats(self, state: OffloadState):
