@@ -8,6 +8,7 @@
 What runs, one fresh process per run, alternated over --rounds rounds (the order is rotated by one position per
 round, so no program always runs first):
   ft_jax     ``python -m ft_jax generate --model DIR --prompt-ids IDS --max-new-tokens N --temperature 0 --json``
+             (IDS: --prompt-tokens ids, default 1: the same N one-token forward passes as llama-bench below)
              plus --ft-jax-args (default policy and cache, as a user runs it; the compilation cache and the stored
              bandwidth profile of earlier runs are used, as they are on a user's second run)
   baseline   with --baseline-repo, the same ft_jax command from another checkout (e.g. /work/main), run by that
@@ -178,7 +179,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="rounds (default %(default)s)")
     p.add_argument("--tokens", type=int, default=8, help="new tokens per run (default %(default)s)")
-    p.add_argument("--prompt-tokens", type=int, default=4, help="ft_jax prompt length (default %(default)s)")
+    p.add_argument("--prompt-tokens", type=int, default=1,
+                   help="ft_jax prompt length (default %(default)s: a 1-token prefill and N - 1 decode steps are the N "
+                        "one-token forward passes of llama-bench's -p 0 -n N, which decodes from one start token; "
+                        "a longer prompt adds a prefill that reads more experts than a token does)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads (default: all cores)")
     p.add_argument("--ft-jax-args", default="", help="more `ft-jax generate` flags, e.g. '--policy host-all'")
     p.add_argument("--ft-jax-repo", type=Path, default=REPO,

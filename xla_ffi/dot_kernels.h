@@ -92,6 +92,71 @@ FT_JAX_AVX2 float DotRowAvx2(const W* row, const float* x, int64_t len) {
 #endif
 
 #if FT_JAX_HAVE_AVX2_PATH
+// Accumulators per token of the AVX2 dot of a bf16 weight row with float32 tokens. Two chains of 8 lanes read 32
+// bytes of weights per FMA latency, above one core's share of DRAM; with 2 per token, 4 tokens fit the 16 ymm
+// registers beside the converted weights (docs/DESIGN.md sec. 20.18).
+constexpr int kAvx2Bf16Accumulators = 2;
+constexpr int kAvx2Bf16Tokens = 4;  // tokens that share one load and conversion of a row's weights
+
+// out[t * out_stride] = dot(row[0:len], x[t * xs : t * xs + len]) for NT float32 tokens, bf16 weights converted to
+// float32 once per 8 for all NT tokens (before, every token converted the row again: at 4 tokens per call the AVX2
+// GEMV was compute-bound at ~8 GB/s). Each token has kAvx2Bf16Accumulators accumulators: accumulator a takes the
+// 8-element chunks at i = 16 j + 8 a, a last chunk of 8 goes to accumulator 0, the two are added, reduced across lanes
+// (HSum), and the last len % 8 products are added one by one. A token's result depends only on its own additions,
+// so it is bit for bit the same whatever NT.
+template <int NT>
+FT_JAX_AVX2 inline void DotRowBf16Avx2Tokens(const uint16_t* row, const float* x, int64_t xs, int64_t len,
+                                             float* out, int64_t out_stride) {
+  constexpr int A = kAvx2Bf16Accumulators;
+  __m256 acc[NT][A];
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 2
+    for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 * A <= len; i += 8 * A) {
+    __m256 wv[A];
+#pragma GCC unroll 2
+    for (int a = 0; a < A; ++a) wv[a] = Load8(row + i + 8 * a);
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 2
+      for (int a = 0; a < A; ++a)
+        acc[t][a] = _mm256_fmadd_ps(wv[a], _mm256_loadu_ps(x + t * xs + i + 8 * a), acc[t][a]);
+  }
+  for (; i + 8 <= len; i += 8) {
+    const __m256 wv = Load8(row + i);
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; ++t) acc[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * xs + i), acc[t][0]);
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < NT; ++t) {
+    float s = HSum(_mm256_add_ps(acc[t][0], acc[t][1]));
+    for (int64_t k = i; k < len; ++k) s += ToF32(row[k]) * x[t * xs + k];
+    out[t * out_stride] = s;
+  }
+}
+
+// DotRows' AVX2 path for bf16 weights: each row read and converted once per kAvx2Bf16Tokens tokens.
+FT_JAX_AVX2 inline void DotRowsBf16Avx2(const uint16_t* w, int64_t len, int64_t r0, int64_t r1, const float* x,
+                                        int64_t T, float* out, int64_t out_stride) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* row = w + r * len;
+    int64_t t = 0;
+    for (; t + kAvx2Bf16Tokens <= T; t += kAvx2Bf16Tokens) {
+      DotRowBf16Avx2Tokens<kAvx2Bf16Tokens>(row, x + t * len, len, len, out + t * out_stride + r, out_stride);
+    }
+    switch (T - t) {
+      case 3: DotRowBf16Avx2Tokens<3>(row, x + t * len, len, len, out + t * out_stride + r, out_stride); break;
+      case 2: DotRowBf16Avx2Tokens<2>(row, x + t * len, len, len, out + t * out_stride + r, out_stride); break;
+      case 1: DotRowBf16Avx2Tokens<1>(row, x + t * len, len, len, out + t * out_stride + r, out_stride); break;
+      default: break;
+    }
+  }
+}
+#endif
+
+#if FT_JAX_HAVE_AVX2_PATH
 // Accumulators of a bf16 x bf16 dot (VDPBF16PS, 16 float32 lanes each). Two chains keep a memory-bound row at the
 // memory's speed (2 x 64 bytes per VDPBF16PS latency of ~6 cycles is several times what DRAM delivers to a core),
 // and the register tiles of gemm_bf16.h then read a tile's rows in 2 passes instead of 8. Measured (docs/DESIGN.md
@@ -147,6 +212,13 @@ FT_JAX_AVX512BF16 inline float DotRowBf16(const uint16_t* row, const uint16_t* x
 template <typename W>
 inline float DotRow(bool avx2, const W* row, const float* x, int64_t len) {
 #if FT_JAX_HAVE_AVX2_PATH
+  if constexpr (sizeof(W) == 2) {  // bf16 weights: the order of DotRowsBf16Avx2, one token
+    if (avx2) {
+      float s;
+      DotRowBf16Avx2Tokens<1>(row, x, 0, len, &s, 0);
+      return s;
+    }
+  }
   if (avx2) return DotRowAvx2<W>(row, x, len);
 #endif
   (void)avx2;
@@ -175,6 +247,11 @@ inline void DotRows(Isa isa, const W* w, int64_t len, int64_t r0, int64_t r1, co
   }
 #endif
   const bool avx2 = isa != Isa::kGeneric;
+#if FT_JAX_HAVE_AVX2_PATH
+  if constexpr (sizeof(W) == 2) {
+    if (avx2) return DotRowsBf16Avx2(w, len, r0, r1, x, T, out, out_stride);
+  }
+#endif
   for (int64_t r = r0; r < r1; ++r) {
     const W* row = w + r * len;
     for (int64_t t = 0; t < T; ++t) out[t * out_stride + r] = DotRow<W>(avx2, row, x + t * len, len);
