@@ -313,7 +313,7 @@ class SafetensorsCheckpoint:
         part = dataclasses.replace(info, shape=(stop - start, *info.shape[1:]), offset=info.offset + start * row_bytes,
                                    nbytes=(stop - start) * row_bytes)
         out = np.empty(part.shape, info.dtype)
-        self._pread(f"{name}[{start}:{stop}]", part, out.reshape(-1).view(np.uint8))
+        self._pread(name, part, out.reshape(-1).view(np.uint8), rows=(range(start, stop), info))
         return out
 
     def read_into(self, name: str, out: np.ndarray, shape: tuple[int, ...] | None = None,
@@ -338,7 +338,7 @@ class SafetensorsCheckpoint:
             if not out.flags.c_contiguous or out.size != math.prod(info.shape):
                 raise ValueError(f"read_into({name!r}): destination must be C-contiguous with {math.prod(info.shape)} "
                                  f"elements, got shape {out.shape}")
-            self._read_part(f"{name}[{rows.start}:{rows.stop}]", info, out)
+            self._read_part(name, info, out, rows=(rows, whole))
             return
         info = self.info(name, out.shape if shape is None else shape, dtypes)
         if not out.flags.c_contiguous or out.size != math.prod(info.shape):
@@ -346,14 +346,15 @@ class SafetensorsCheckpoint:
                              f"elements, got shape {out.shape}")
         self._read_part(name, info, out)
 
-    def _read_part(self, what: str, info: TensorInfo, out: np.ndarray) -> None:
-        """The bytes of ``info`` (a tensor or a row range of one) into ``out``, cast through a temporary when the
-        dtypes differ."""
+    def _read_part(self, name: str, info: TensorInfo, out: np.ndarray,
+                   rows: tuple[range, TensorInfo] | None = None) -> None:
+        """The bytes of ``info`` (tensor ``name`` or, with ``rows`` = (row range, the whole tensor's info), a row range
+        of it) into ``out``, cast through a temporary when the dtypes differ."""
         if info.dtype == out.dtype:
-            self._pread(what, info, out.reshape(-1).view(np.uint8))
+            self._pread(name, info, out.reshape(-1).view(np.uint8), rows)
         else:
             tmp = np.empty(info.shape, info.dtype)
-            self._pread(what, info, tmp.reshape(-1).view(np.uint8))
+            self._pread(name, info, tmp.reshape(-1).view(np.uint8), rows)
             out.reshape(info.shape)[...] = tmp.astype(out.dtype)
 
     def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
@@ -439,9 +440,12 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{info.file}: truncated file while reading tensor {name!r}: it needs bytes "
                                   f"{info.offset}..{info.offset + info.nbytes} but the file has {size} bytes")
 
-    def _pread(self, name: str, info: TensorInfo, dest: np.ndarray) -> None:
-        """Fill ``dest`` (u8[info.nbytes]) with the tensor's bytes, checking float tensors for NaN/Inf in the same
-        pass, piece by piece (_READ_CHUNK_BYTES) while each piece is in cache.
+    def _pread(self, name: str, info: TensorInfo, dest: np.ndarray,
+               rows: tuple[range, TensorInfo] | None = None) -> None:
+        """Fill ``dest`` (u8[info.nbytes]) with the bytes of ``info`` (tensor ``name``, or with ``rows`` = (row
+        range, the whole tensor's info) those rows of it), checking float tensors for NaN/Inf in the same pass, piece
+        by piece (_READ_CHUNK_BYTES) while each piece is in cache; the error names the stored tensor, its shape and
+        the index in it.
 
         A destination inside a host bank at an address congruent with the file offset modulo the page size (a
         HostBank made with SafetensorsCheckpoint.page_offset) gets the file's whole pages mapped there
@@ -463,7 +467,7 @@ class SafetensorsCheckpoint:
                 if not found:
                     checked, found = _check_finite(info, dest, checked, stop)
         if found:  # described once the whole tensor is in dest
-            _raise_non_finite(name, info, dest)
+            _raise_non_finite(name, info, dest, rows)
 
     @staticmethod
     def _read_exactly(fh, name: str, info: TensorInfo, dest: np.ndarray, start: int, stop: int) -> None:
@@ -491,10 +495,12 @@ def _check_finite(info: TensorInfo, data: np.ndarray, checked: int, stop: int) -
     return whole, _has_non_finite(data[checked:whole].view(masks[0]), masks[1])
 
 
-def _raise_non_finite(name: str, info: TensorInfo, data: np.ndarray) -> None:
-    """Raise the error for a tensor with Inf/NaN elements; data: all its bytes u8[info.nbytes]."""
+def _raise_non_finite(name: str, info: TensorInfo, data: np.ndarray,
+                      rows: tuple[range, TensorInfo] | None = None) -> None:
+    """Raise the error for a tensor (or with ``rows``, a row range of it) with Inf/NaN elements; data: all the bytes
+    read u8[info.nbytes]."""
     masks = _EXPONENT_MASKS[info.dtype]
-    raise _non_finite_error(name, info, data.view(masks[0]), masks[1])
+    raise _non_finite_error(name, info, data.view(masks[0]), masks[1], rows)
 
 
 def _has_non_finite(bits: np.ndarray, mask: int) -> bool:
@@ -504,18 +510,27 @@ def _has_non_finite(bits: np.ndarray, mask: int) -> bool:
     return _ffi.first_non_finite(bits.ctypes.data, bits.size, bits.itemsize, mask, _CHECK_THREADS) >= 0
 
 
-def _non_finite_error(name: str, info: TensorInfo, bits: np.ndarray, mask: int) -> CheckpointError:
-    """The error for a tensor with Inf/NaN elements; bits: its raw element bits [size] (an unsigned int view)."""
+def _non_finite_error(name: str, info: TensorInfo, bits: np.ndarray, mask: int,
+                      rows: tuple[range, TensorInfo] | None = None) -> CheckpointError:
+    """The error for a tensor with Inf/NaN elements; bits: the raw element bits [size] read (an unsigned int view)
+    of the whole tensor, or with ``rows`` = (row range, the whole tensor's info) of those rows: the message gives
+    the stored tensor's shape and the index in it, and counts the elements of the rows read."""
     bad = np.flatnonzero((bits & mask) == mask)  # flat indices of the Inf/NaN elements
-    first = [int(i) for i in np.unravel_index(int(bad[0]), info.shape)]
+    shape, first_element, where = info.shape, 0, ""
+    if rows is not None:
+        shape = rows[1].shape
+        first_element = rows[0].start * math.prod(shape[1:])
+        if len(rows[0]) < shape[0]:  # a part: the count is of the rows read
+            where = f" of rows {rows[0].start}:{rows[0].stop}"
+    first = [int(i) for i in np.unravel_index(first_element + int(bad[0]), shape)]
     if info.dtype == _F8[0]:  # S.1111.111, its only non-finite value
-        return CheckpointError(f"{info.file}: tensor {name!r} {list(info.shape)} holds NaN: {bad.size} of {bits.size} "
-                               f"FP8 elements are NaN, the first at index {first} (a corrupted checkpoint)")
+        return CheckpointError(f"{info.file}: tensor {name!r} {list(shape)} holds NaN: {bad.size} of {bits.size} "
+                               f"FP8 elements{where} are NaN, the first at index {first} (a corrupted checkpoint)")
     magnitude = bits[bad] & (mask | (mask - 1))  # sign cleared: == mask is Inf, > mask is NaN
     kinds = " and ".join(k for k, present in (("NaN", (magnitude > mask).any()), ("Inf", (magnitude == mask).any()))
                          if present)
-    return CheckpointError(f"{info.file}: tensor {name!r} {list(info.shape)} holds {kinds}: {bad.size} of {bits.size} "
-                           f"elements are not finite, the first at index {first} (a corrupted or unconverted "
+    return CheckpointError(f"{info.file}: tensor {name!r} {list(shape)} holds {kinds}: {bad.size} of {bits.size} "
+                           f"elements{where} are not finite, the first at index {first} (a corrupted or unconverted "
                            "checkpoint; NaN/Inf weights make every logit NaN)")
 
 

@@ -776,3 +776,21 @@ def test_read_into_a_frozen_bank_view_is_refused_and_maps_nothing(tmp_path):
             ckpt.read_into("t", bank.numpy()[0])
         assert not _mapped_ranges(path) and not bank.numpy().any()
         bank.release()
+
+
+@pytest.mark.parametrize("how", ["read_rows", "read_into"])
+def test_a_non_finite_element_in_a_row_range_is_named_in_the_stored_tensor(tmp_path, how):
+    """The expert loader reads one expert's rows of a fused [E, ...] tensor; the error names the stored tensor, its
+    shape and the index in it (a fresh-user trial saw 'w[5:6]' [1, 4, 5] at [0, 2, 3])."""
+    t = np.random.default_rng(2).standard_normal((8, 4, 5)).astype(np.float32)
+    t[5, 2, 3] = np.nan
+    save_file({"w": t}, str(tmp_path / "model.safetensors"))
+    message = (r"tensor 'w' \[8, 4, 5\] holds NaN: 1 of 20 elements of rows 5:6 are not finite, the first at index "
+               r"\[5, 2, 3\]")
+    with SafetensorsCheckpoint(tmp_path) as ckpt, pytest.raises(CheckpointError, match=message):
+        if how == "read_rows":
+            ckpt.read_rows("w", 5, 6)
+        else:
+            ckpt.read_into("w", np.empty((1, 4, 5), np.float32), rows=range(5, 6))
+    with SafetensorsCheckpoint(tmp_path) as ckpt:  # the other rows are fine
+        np.testing.assert_array_equal(ckpt.read_rows("w", 6, 8), t[6:8])
