@@ -70,8 +70,6 @@ _EXPONENT_MASKS: dict[np.dtype, tuple[type, int]] = {
     np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80),
     _F8[0]: (np.uint8, _F8_NAN),
 }
-# Threads of the finite check of mapped bytes (_ffi.first_non_finite): every CPU this process may run on.
-_CHECK_THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
 # Bytes per positioned read: small enough that the finite check reads the piece from cache (L2 is 1-2 MiB on
 # current x86 cores), large enough that the per-read overhead is negligible.
 _READ_CHUNK_BYTES = 1 << 20
@@ -505,9 +503,10 @@ def _raise_non_finite(name: str, info: TensorInfo, data: np.ndarray,
 
 def _has_non_finite(bits: np.ndarray, mask: int) -> bool:
     """Whether any element of ``bits`` (raw element bits [n], a contiguous unsigned view) has magnitude bits (the
-    sign cleared) >= ``mask``, the exponent field: an Inf or NaN. One read of the bytes, split over _CHECK_THREADS
-    threads from 8 MiB per thread up (_ffi.first_non_finite, xla_ffi/finite_check.h)."""
-    return _ffi.first_non_finite(bits.ctypes.data, bits.size, bits.itemsize, mask, _CHECK_THREADS) >= 0
+    sign cleared) >= ``mask``, the exponent field: an Inf or NaN. One read of the bytes, split over the kernels'
+    threads (CPU affinity, FT_JAX_NUM_THREADS) from 8 MiB per thread up (_ffi.first_non_finite,
+    xla_ffi/finite_check.h)."""
+    return _ffi.first_non_finite(bits.ctypes.data, bits.size, bits.itemsize, mask) >= 0
 
 
 def _non_finite_error(name: str, info: TensorInfo, bits: np.ndarray, mask: int,

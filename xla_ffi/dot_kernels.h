@@ -212,13 +212,6 @@ FT_JAX_AVX512BF16 inline float DotRowBf16(const uint16_t* row, const uint16_t* x
 template <typename W>
 inline float DotRow(bool avx2, const W* row, const float* x, int64_t len) {
 #if FT_JAX_HAVE_AVX2_PATH
-  if constexpr (sizeof(W) == 2) {  // bf16 weights: the order of DotRowsBf16Avx2, one token
-    if (avx2) {
-      float s;
-      DotRowBf16Avx2Tokens<1>(row, x, 0, len, &s, 0);
-      return s;
-    }
-  }
   if (avx2) return DotRowAvx2<W>(row, x, len);
 #endif
   (void)avx2;

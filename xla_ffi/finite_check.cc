@@ -1,10 +1,11 @@
 #include "xla_ffi/finite_check.h"
 
 #include <algorithm>
-#include <thread>
 #include <vector>
 
 #include "xla_ffi/isa.h"
+#include "xla_ffi/parallel.h"
+#include "xla_ffi/worker_pool.h"
 
 namespace ft_jax {
 namespace {
@@ -65,20 +66,15 @@ int64_t FirstInRange(const unsigned char* data, int64_t begin, int64_t end, U ma
 
 template <typename U>
 int64_t FirstParallel(const unsigned char* data, int64_t count, U mask, int threads) {
+  WorkerPool& pool = WorkerPool::Shared();
   const int64_t by_size = std::max<int64_t>(1, count * int64_t(sizeof(U)) / kMinPartBytes);
-  const int n = static_cast<int>(std::min<int64_t>(threads, by_size));
+  const int64_t n = std::min<int64_t>(threads > 0 ? threads : LoopThreads(pool), by_size);
   if (n <= 1) return FirstInRange<U>(data, 0, count, mask);
   const int64_t step = (count + n - 1) / n;
   std::vector<int64_t> found(n, -1);
-  std::vector<std::thread> pool;
-  pool.reserve(n - 1);
-  for (int t = 1; t < n; ++t) {
-    pool.emplace_back([&, t] {
-      found[t] = FirstInRange<U>(data, std::min(count, t * step), std::min(count, (t + 1) * step), mask);
-    });
-  }
-  found[0] = FirstInRange<U>(data, 0, std::min(count, step), mask);
-  for (auto& th : pool) th.join();
+  ParallelFor(pool, n, [&](int64_t t) {
+    found[t] = FirstInRange<U>(data, std::min(count, t * step), std::min(count, (t + 1) * step), mask);
+  });
   for (int64_t f : found) {
     if (f >= 0) return f;  // the parts are in order: the first part with a hit holds the first hit
   }
@@ -90,7 +86,6 @@ int64_t FirstParallel(const unsigned char* data, int64_t count, U mask, int thre
 int64_t FirstNonFinite(const void* data, int64_t count, int elem_bytes, uint64_t mask, int threads) {
   if (elem_bytes != 1 && elem_bytes != 2 && elem_bytes != 4 && elem_bytes != 8) return -2;
   if (count <= 0) return -1;
-  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const auto* p = static_cast<const unsigned char*>(data);
   switch (elem_bytes) {
     case 1: return FirstParallel<uint8_t>(p, count, static_cast<uint8_t>(mask), threads);

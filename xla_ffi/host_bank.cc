@@ -10,10 +10,11 @@
 #include <new>
 #include <sstream>
 #include <stdexcept>
-#include <thread>
 #include <unordered_map>
 #include <utility>
-#include <vector>
+
+#include "xla_ffi/parallel.h"
+#include "xla_ffi/worker_pool.h"
 
 namespace ft_jax {
 
@@ -73,20 +74,18 @@ int64_t FileSegmentBudget() {
 
 std::atomic<int64_t> file_segments_in_use{0};
 
-// MADV_POPULATE_READ of [begin, begin + len) (page aligned) split over the hardware threads, >= 8 MiB each: filling
-// the page tables of gigabytes of page-cache pages scales with the threads (4 GiB of a checkpoint on a 2-core VM:
-// 0.39 s on one thread, 0.21 s on two; docs/DESIGN.md sec. 20.18). Advisory: a failure leaves lazy faults.
+// MADV_POPULATE_READ of [begin, begin + len) (page aligned) in parts of >= 8 MiB, one per loop thread of the shared
+// WorkerPool (ParallelFor): filling the page tables of gigabytes of page-cache pages scales with the threads (4 GiB
+// of a checkpoint on a 2-core VM: 0.39 s on one thread, 0.21 s on two; docs/DESIGN.md sec. 20.18). Advisory: a
+// failure leaves lazy faults.
 void PopulateRead(uintptr_t begin, size_t len, size_t page) {
-  const size_t threads = std::max(1u, std::thread::hardware_concurrency());
-  const size_t n = std::min(threads, std::max<size_t>(1, len / (size_t{8} << 20)));
+  WorkerPool& pool = WorkerPool::Shared();
+  const int64_t n = std::min<int64_t>(LoopThreads(pool), std::max<size_t>(1, len / (size_t{8} << 20)));
   const size_t step = (len / n + page - 1) / page * page;
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < n && t * step < len; ++t) {
-    pool.emplace_back([=] { madvise(reinterpret_cast<void*>(begin + t * step), std::min(step, len - t * step),
-                                    MADV_POPULATE_READ); });
-  }
-  madvise(reinterpret_cast<void*>(begin), std::min(step, len), MADV_POPULATE_READ);
-  for (auto& th : pool) th.join();
+  ParallelFor(pool, n, [&](int64_t t) {
+    const size_t first = static_cast<size_t>(t) * step;
+    if (first < len) madvise(reinterpret_cast<void*>(begin + first), std::min(step, len - first), MADV_POPULATE_READ);
+  });
 }
 
 // The system page size (4096 on x86-64; 16 or 64 KiB on some ARM64 kernels): what mmap and MAP_FIXED align to.

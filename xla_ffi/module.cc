@@ -273,7 +273,7 @@ NB_MODULE(_ffi, m) {
       },
       nb::arg("address"), nb::arg("count"), nb::arg("elem_bytes"), nb::arg("mask"), nb::arg("threads") = 0,
       "Index of the first of count elements of elem_bytes bytes at address whose bits with the sign cleared are >= "
-      "mask (the Inf / NaN elements for mask = the exponent field), or -1; threads <= 0: one per hardware thread. "
+      "mask (the Inf / NaN elements for mask = the exponent field), or -1; threads <= 0: the kernels' loop threads. "
       "Releases the GIL. ValueError for another elem_bytes.");
   m.def("kernel_isa", &ft_jax::KernelIsa, "'avx512bf16', 'avx2' or 'generic': the inner loops the kernels use.");
 }
