@@ -29,7 +29,7 @@ from ft_jax.api import load_tokenizer_or_none, make_request
 from ft_jax.chat import ChatTemplate, load_chat_template
 from ft_jax.config import load_config
 from ft_jax.serve.app import ServerState, create_app
-from ft_jax.serve.batcher import Batcher
+from ft_jax.serve.batcher import GATHER_MAX_S, GATHER_S, Batcher, gather_wait
 from ft_jax.serve.protocol import RequestError, parse_request
 
 KEY = "test-key"
@@ -147,6 +147,20 @@ def test_eight_concurrent_clients_each_equal_their_solo_run(server):
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
         assert list(pool.map(together, requests)) == solo
     assert _wait_rows(server, lambda r: r["busy"] == 0)["busy"] == 0
+
+
+@pytest.mark.parametrize("waiting, free, since_arrival, since_start, expected", [
+    (0, 8, 0.0, 0.0, 0.0),                                  # nothing waits
+    (8, 8, 0.0, 0.0, 0.0),                                  # the waiting fill the free rows
+    (9, 8, 0.0, 0.0, 0.0),
+    (1, 8, 0.0, 0.0, GATHER_S),                             # one just arrived: a quiet GATHER_S first
+    (2, 8, 0.010, 0.020, GATHER_S - 0.010),                 # the latest arrived 10 ms ago
+    (3, 8, GATHER_S, 0.050, 0.0),                           # quiet for GATHER_S: start
+    (3, 8, 0.0, GATHER_MAX_S - 0.005, 0.005),               # still arriving: capped by GATHER_MAX_S
+    (3, 8, 0.0, GATHER_MAX_S, 0.0),
+])
+def test_an_idle_batcher_gathers_until_arrivals_pause(waiting, free, since_arrival, since_start, expected):
+    assert gather_wait(waiting, free, since_arrival, since_start) == pytest.approx(expected, abs=1e-12)
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_row(server):

@@ -6,8 +6,8 @@ put there from the batcher thread with call_soon_threadsafe. The thread loops:
   1. run the calls other threads asked for (statistics, the rows view) and drop cancelled requests (a waiting one
      leaves the queue; a decoding one frees its row);
   2. if no prefill is running and rows are free: start one for the waiting requests, in order, as many as there are
-     free rows (prompts of one chunk together; a longer prompt alone; with no row decoding, after GATHER_S for
-     requests sent at the same time to arrive);
+     free rows (prompts of one chunk together; a longer prompt alone; with no row decoding, once no request has
+     arrived for GATHER_S, at most GATHER_MAX_S, so that requests sent at the same time share one prefill);
   3. run one chunk of the running prefill; after its last chunk the rows join the batch (their first token is sent);
   4. one decode step over all rows, every live row's token sent (stop strings held back by api.StopWatch);
   5. sleep until a request or a call arrives when there is nothing to do.
@@ -36,9 +36,22 @@ from ft_jax.engine.sampling import Sampling
 from ft_jax.serve.protocol import GenerationParams
 
 
-# When no row is decoding, a new request waits this long for others to join its prefill group (seconds): clients
-# that start together (or that finished together) then share one prefill instead of a lone one and a group.
-GATHER_S = 0.01
+# When no row is decoding, a prefill group closes once no request has arrived for GATHER_S seconds (or the waiting
+# requests fill the free rows), and at the latest GATHER_MAX_S after the batcher began to wait: clients that start
+# together (or that were answered at the same step) then share one prefill instead of a lone one and a group. Their
+# requests arrive up to ~20 ms apart on a loaded 2-core VM (docs/DESIGN.md sec. 16).
+GATHER_S = 0.025
+GATHER_MAX_S = 0.1
+
+
+def gather_wait(waiting: int, free: int, since_arrival: float, since_start: float) -> float:
+    """Seconds an idle batcher still waits before prefilling the ``waiting`` requests into ``free`` rows; 0: start
+    now. since_arrival: seconds since the latest request arrived; since_start: since the batcher began to wait.
+    Starts at once when nothing waits, when the waiting fill the free rows, after GATHER_S without an arrival, or
+    GATHER_MAX_S after the wait began."""
+    if waiting == 0 or waiting >= free:
+        return 0.0
+    return max(0.0, min(GATHER_S - since_arrival, GATHER_MAX_S - since_start))
 
 
 class QueueFullError(RuntimeError):
@@ -128,6 +141,7 @@ class Batcher:
         self._calls: collections.deque = collections.deque()
         self._closed = False
         self._stop = False
+        self._last_arrival = 0.0  # time.perf_counter of the latest submit
         self._thread = threading.Thread(target=self._run, name="ft_jax-batcher", daemon=True)
         self.step_seconds = 0.0  # the last decode step's wall time
 
@@ -156,6 +170,7 @@ class Batcher:
             if len(self.waiting) >= self.max_queue + free:
                 raise QueueFullError(len(self.waiting) - free, self.retry_after())
             self.waiting.append(ticket)
+            self._last_arrival = ticket.submitted
         if self.metrics is not None:
             self.metrics.on_submit(params)
         self._wake.set()
@@ -265,8 +280,13 @@ class Batcher:
 
     def _start_prefill(self) -> None:
         free = self.batch.free_rows()
-        if not self.rows and 0 < len(self.waiting) < len(free):
-            time.sleep(GATHER_S)  # idle: requests sent together arrive a few ms apart; prefill them as one group
+        start = time.perf_counter()
+        while not self.rows and not self._stop:  # idle: requests sent together arrive apart; prefill them as one group
+            now = time.perf_counter()
+            wait = gather_wait(len(self.waiting), len(free), now - self._last_arrival, now - start)
+            if wait <= 0:
+                break
+            time.sleep(wait)
         chunk = self.model.engine.prefill_chunk
         group: list[Ticket] = []
         with self._lock:
