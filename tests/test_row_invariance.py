@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ft_jax.checkpoint import load_checkpoint
-from ft_jax.engine.batch import DecodeBatch
+from ft_jax.engine.batch import DecodeBatch, row_buckets
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
 from ft_jax.models import layers
@@ -127,3 +127,52 @@ def test_sequence_dots_restores_the_gemv_inside_prefill_dots():
 
     assert calls(in_prefill) == 0 and calls(in_sequence) == calls(layers.linear) == 1
     np.testing.assert_array_equal(np.asarray(jax.jit(in_sequence)(x, w)), np.asarray(jax.jit(layers.linear)(x, w)))
+
+
+@pytest.mark.parametrize("batch_size, buckets", [(1, [1]), (2, [1, 2]), (5, [1, 2, 4, 5]), (6, [1, 2, 4, 6]),
+                                                 (8, [1, 2, 4, 8])])
+def test_row_buckets(batch_size, buckets):
+    assert row_buckets(batch_size) == buckets
+
+
+def decode_rows(engine, batch_size, prompts, steps):
+    """prompts prefilled alone into the rows given as keys, then ``steps`` decode steps of the batch: (each row's
+    tokens, each row's KV cache bits after the steps (float32 numpy arrays [layers, length, ...]), the rows of the
+    last step)."""
+    batch = DecodeBatch(engine, batch_size=batch_size, kv_len=64)
+    tokens = {}
+    for row, prompt in prompts.items():
+        job = batch.start_prefill([row], [prompt], [Sampling(0.0)], [0])
+        while not job.done:
+            job.run_chunk()
+        tokens[row] = [int(job.first_tokens[0])]
+    ran = batch.bucket_rows(batch.positions >= 0)
+    for _ in range(steps):
+        nxt = batch.decode()
+        for row in prompts:
+            tokens[row].append(int(nxt[row]))
+    caches = {row: [np.asarray(a[:, row, :len(p) + steps].astype(jnp.float32)) for stack in batch.kv_cache.stacks
+                    for a in stack] for row, p in prompts.items()}
+    return tokens, caches, ran.tolist()
+
+
+def test_a_row_decodes_the_same_bits_in_any_row_bucket(engine):
+    """Rows 3 and 1 of a 4-row batch decode in the 2-row bucket (their KV blocks gathered from the 4-row cache; the
+    ops of 2 rows) when they are the only live rows, and in the 4-row step when rows 0 and 2 decode too, or row 0
+    only (the 4-row step with row 2 free): the same tokens and KV cache bits every way, as one row alone in a 1-row
+    batch."""
+    two = {3: PROMPTS[2], 1: PROMPTS[3][:40]}
+    others = {0: PROMPTS[1][:30], 2: PROMPTS[0][:50]}
+    tok2, kv2, ran2 = decode_rows(engine, 4, two, 6)
+    tok4, kv4, ran4 = decode_rows(engine, 4, {**two, **others}, 6)
+    tok3, kv3, ran3 = decode_rows(engine, 4, {**two, 0: others[0]}, 6)
+    tok1, kv1, ran1 = decode_rows(engine, 1, {0: two[3]}, 6)
+    assert (ran2, ran4, ran3, ran1) == ([1, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0])
+    for row in two:
+        assert tok2[row] == tok4[row] == tok3[row]
+        for x, y, z in zip(kv2[row], kv4[row], kv3[row]):
+            np.testing.assert_array_equal(x, y, err_msg=f"row {row}")
+            np.testing.assert_array_equal(x, z, err_msg=f"row {row}")
+    assert tok1[0] == tok2[3]
+    for x, y in zip(kv1[0], kv2[3]):
+        np.testing.assert_array_equal(x, y)

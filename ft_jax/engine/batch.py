@@ -8,10 +8,13 @@
     tokens = batch.decode()                                                    # i32[8]: every live row's next
     batch.release(3)                                                           # row 3 is free again
 
-Shapes never depend on the requests: one decode executable per (B, KV length) over all B rows (a free row feeds
-position -1: nothing written, nothing routed; two in fact: the greedy one, argmax only, runs while every live row is
-greedy), one prefill executable per (prefill rows, prompt bucket, prefill KV
-length) and one row-insert per (prefill rows, prefill KV length). A group of new prompts is prefilled together into
+Shapes never depend on the requests: a decode step runs the live rows in a row bucket, the smallest of 1, 2, 4, ..
+(powers of two below B) and B that holds them (row_buckets), so a lone request on an 8-row server pays for one row's
+projections, attention and sampling, not eight: one decode executable per (row bucket, B, KV length); two in fact,
+the greedy one (argmax only) runs while every live row is greedy. A bucket's rows are the live rows' indices into
+the B-row KV cache (the attention gathers their KV blocks, layers.attend_live_blocks), its spare rows free rows that
+feed position -1 (nothing written, nothing routed). One prefill executable per (prefill rows, prompt bucket, prefill
+KV length) and one row-insert per (prefill rows, prefill KV length). A group of new prompts is prefilled together into
 a KV cache of its own, [P, S_p] (P = 1 for one prompt, else B: two shapes only, as a prefill reads every expert's
 weights once whatever its rows; S_p: the KV bucket of the longest prompt), then copied into its rows of the batch
 cache ([:, rows, :S_p]); entries past S_p keep a former row's keys, which no query of the new sequence can see (a
@@ -29,6 +32,13 @@ from ft_jax.engine.engine import Engine, kv_bucket, prefill_bucket
 from ft_jax.engine.sampling import Sampling, row_key_data
 from ft_jax.kernels.host_bank import use_huge_pages
 from ft_jax.models.decoder import KVCache
+
+
+def row_buckets(batch_size: int) -> list[int]:
+    """The decode row buckets of a batch of batch_size rows: the powers of two below it, then batch_size
+    (8 -> [1, 2, 4, 8]; 6 -> [1, 2, 4, 6])."""
+    buckets = [1 << i for i in range(batch_size.bit_length()) if 1 << i < batch_size]
+    return buckets + [batch_size]
 
 
 def insert_rows(kv_cache: KVCache, part: KVCache, rows: jax.Array) -> KVCache:
@@ -165,37 +175,55 @@ class DecodeBatch:
         return PrefillJob(self, rows, prompts, samplings, seeds)
 
     def decode(self) -> np.ndarray:
-        """One decode step over all B rows: every row with a position >= 0 feeds its token and advances by one.
-        When every live row is greedy the greedy executable runs (argmax only), else the sampling one.
-        Returns i32[B] the next token of each row (-1: non-finite logits of that row; meaningless for other rows).
+        """One decode step over the live rows (position >= 0), in the smallest row bucket that holds them: each
+        feeds its token and advances by one. When every live row is greedy the greedy executable runs (argmax only),
+        else the sampling one.
+        Returns i32[B] the next token of each row (-1: non-finite logits of that row; 0 for rows not live).
         Raises what the step raises (the KV cache and the expert state may then be gone: see reset)."""
         engine = self.engine
         live = self.positions >= 0
+        rows = self.bucket_rows(live)
         with engine._lock:
-            args = self._decode_args()
+            args = self._decode_args(rows)
             step = self._decode_step(args, greedy=bool((self.temperature[live] == 0).all()))
-            nxt, self.kv_cache, engine.expert_state = step(*args)
-            nxt = np.asarray(nxt)  # the one host sync per step
-        self.tokens = np.where(live, nxt, 0).astype(np.int32)
+            out, self.kv_cache, engine.expert_state = step(*args)
+            out = np.asarray(out)  # the one host sync per step
+        nxt = np.zeros(self.batch_size, np.int32)
+        ran = live[rows]  # bool[b]: the bucket's live rows
+        nxt[rows[ran]] = out[ran]
+        self.tokens = nxt
         self.positions = np.where(live, self.positions + 1, -1).astype(np.int32)
         return nxt
 
-    def _decode_args(self) -> tuple:
+    def bucket_rows(self, live: np.ndarray) -> np.ndarray:
+        """i32[b] the rows a decode step runs for the live rows (bool[B]): b is the smallest row bucket that holds
+        them (row_buckets); all B rows in order when b = B, else the live rows in order, then free rows."""
+        n = int(live.sum())
+        b = next(b for b in row_buckets(self.batch_size) if b >= n)
+        if b == self.batch_size:
+            return np.arange(b, dtype=np.int32)
+        return np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)[:b - n]]).astype(np.int32)
+
+    def _decode_args(self, rows: np.ndarray) -> tuple:
+        """The decode step's arguments for the rows i32[b] (all B in order: the cache's own rows, no gather)."""
         engine = self.engine
-        return (engine.params, self.tokens, self.positions, self.kv_cache, engine.expert_state, self.key_data,
-                self.temperature, self.top_k, self.top_p)
+        extra = () if len(rows) == self.batch_size else (rows,)
+        return (engine.params, self.tokens[rows], self.positions[rows], self.kv_cache, engine.expert_state,
+                self.key_data[rows], self.temperature[rows], self.top_k[rows], self.top_p[rows], *extra)
 
     def _decode_step(self, args: tuple, greedy: bool):
         what = "greedy" if greedy else "sampling"
-        return self.engine._executable("decode", args, greedy, f"the {what} decode step (batch {self.batch_size}, "
-                                       f"KV cache {self.kv_len})", self.tally)
+        rows = len(args[1])
+        return self.engine._executable("decode", args, greedy, f"the {what} decode step ({rows} of {self.batch_size} "
+                                       f"rows, KV cache {self.kv_len})", self.tally)
 
     def compile_decode(self) -> None:
-        """Build the two decode executables (greedy, sampling) now, ahead of the first request."""
+        """Build the decode executables (greedy and sampling, each row bucket) now, ahead of the first request."""
         with self.engine._lock:
-            args = self._decode_args()
-            for greedy in (True, False):
-                self._decode_step(args, greedy)
+            for b in row_buckets(self.batch_size):
+                args = self._decode_args(np.arange(b, dtype=np.int32))
+                for greedy in (True, False):
+                    self._decode_step(args, greedy)
 
     def release(self, row: int) -> None:
         """Free a row (finished or cancelled): it feeds position -1 from the next step on."""

@@ -206,7 +206,7 @@ class Engine:
     def _executable(self, kind: str, args: tuple, greedy: bool, what: str, tally: dict, record_routing: bool = False):
         """The compiled step for these argument shapes, compiling it (and announcing it) the first time."""
         shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(args[3:5]))
-        key = (kind, greedy, record_routing, tuple(a.shape for a in args[1:3]), shapes)
+        key = (kind, greedy, record_routing, len(args), tuple(a.shape for a in args[1:3]), shapes)
         exe = self._executables.get(key)
         if exe is not None:
             return exe

@@ -15,9 +15,9 @@ from ft_jax.offload.expert_parallel import host_value
 
 
 def _forward(graphdef, params, backend, tokens, positions, kv_cache, expert_state, last_logits_only: bool,
-             collect: bool = False):
+             collect: bool = False, rows=None):
     model = nnx.merge(graphdef, params)
-    return model(tokens, positions, kv_cache, expert_state, backend, last_logits_only=last_logits_only,
+    return model(tokens, positions, kv_cache, expert_state, backend, rows=rows, last_logits_only=last_logits_only,
                  collect=collect)
 
 
@@ -35,13 +35,15 @@ def prefill(graphdef, backend, params, tokens, positions, kv_cache, expert_state
 
 
 def decode_one_token(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key_data, temperature,
-                     top_k, top_p, *, greedy: bool, record_routing: bool = False):
+                     top_k, top_p, rows=None, *, greedy: bool, record_routing: bool = False):
     """One decode step: tokens, positions i32[B] (position -1 = finished or free row, skipped); key_data u32[B, 2]
-    and the per-row sampling values (sampling.sample_next; each row's key is folded with its position).
+    and the per-row sampling values (sampling.sample_next; each row's key is folded with its position); rows: None
+    (kv_cache has B rows) or i32[B] the KV-cache row of each of the B rows when the cache has more (a step over the
+    live rows of a larger batch: ft_jax/engine/batch.py).
     Returns (next tokens i32[B] (-1: non-finite logits), kv_cache, expert_state) and, with record_routing (static),
     the routing of the fed tokens: (topk ids i32[L_moe, B, k], weights f32[L_moe, B, k])."""
     out = _forward(graphdef, params, backend, tokens[:, None], positions[:, None], kv_cache, expert_state,
-                   last_logits_only=False, collect=record_routing)  # logits f32[B, 1, V], ...
+                   last_logits_only=False, collect=record_routing, rows=rows)  # logits f32[B, 1, V], ...
     logits, kv_cache, expert_state = out[:3]
     with jax.named_scope("sampling"):
         nxt = sample_next(logits[:, 0], key_data, positions, temperature, top_k, top_p, greedy=greedy)
@@ -91,11 +93,11 @@ def decode_n_tokens(decode_step, params, kv_cache, expert_state, ops, last, pos,
 
 def bound_step(step, graphdef, backend):
     """step (prefill or decode_one_token) with its graphdef and backend bound, f(params, tokens, positions, kv_cache,
-    expert_state, key_data, temperature, top_k, top_p, **static): a function object of one Engine's own for its jax.jit,
+    expert_state, key_data, temperature, top_k, top_p, *rows, **static) (rows: decode_one_token's): a function object of one Engine's own for its jax.jit,
     so that JAX's caches (keyed weakly on the function, holding static arguments strongly) never keep a dropped
     Engine's executables and host banks alive (docs/DESIGN.md sec. 11, "Engine, API and CLI")."""
-    def call(params, tokens, positions, kv_cache, expert_state, key_data, temperature, top_k, top_p, **static):
+    def call(params, tokens, positions, kv_cache, expert_state, key_data, temperature, top_k, top_p, *rows, **static):
         return step(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key_data, temperature, top_k,
-                    top_p, **static)
+                    top_p, *rows, **static)
 
     return call

@@ -198,14 +198,17 @@ class MoETransformer(nnx.Module):
         return KVCache(tuple(s.init_cache(batch_size, max_len, self.dtype) for s in self.stacks))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv_cache: KVCache, expert_state: Any,
-                 experts: ExpertBackend, *, last_logits_only: bool = False, collect: bool = False):
+                 experts: ExpertBackend, *, rows: jax.Array | None = None, last_logits_only: bool = False,
+                 collect: bool = False):
         """Run T tokens of B sequences through the model, updating the KV cache.
 
         Args:
             tokens: i32[B, T] token ids (any valid id in padding slots).
             positions: i32[B, T] per-sequence positions, -1 = padding (see the module docstring).
-            kv_cache: :class:`KVCache` with batch size B.
+            kv_cache: :class:`KVCache` with batch size B, or more with ``rows``.
             expert_state: pytree threaded through ``experts``.
+            rows: i32[B] the KV-cache row of each sequence, when the cache has more rows than B (a decode step over
+                the live rows of a larger batch, ft_jax/engine/batch.py); None: sequence b is row b.
             experts: :class:`ExpertBackend`, called once per MoE layer in layer order with N = B*T tokens.
             last_logits_only: compute logits for t = T-1 only (shape [B, 1, V]): the next-token logits of every
                 row of a left-padded batch.
@@ -215,7 +218,10 @@ class MoETransformer(nnx.Module):
         """
         cfg = self.cfg
         B, T = tokens.shape
-        ctx = attention_inputs(positions, kv_cache.max_len)
+        if (rows is None) != (kv_cache.batch_size == B):
+            raise ValueError(f"{B} sequences and a KV cache of {kv_cache.batch_size} rows: give rows (i32[{B}], the "
+                             f"cache row of each) exactly when the cache has more rows than sequences")
+        ctx = attention_inputs(positions, kv_cache.max_len, rows)
         valid = positions >= 0  # [B, T]
         h = cache_load(jnp.take(self.embed_tokens[...], tokens, axis=0), self.dtype)  # [B, T, H]
         hidden, routing, caches = [h[None]], [], []

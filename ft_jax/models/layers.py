@@ -158,7 +158,8 @@ class AttentionInputs(NamedTuple):
     """What every layer's attention needs from the step's positions (computed once per forward).
 
     positions: i32[B, T] (-1 = padding; a query sees the cache indices 0 .. its position); write_idx: i32[B, T]
-    cache index per token (max_len = dropped: padding); rows: i32[B, T] batch row of each token.
+    cache index per token (max_len = dropped: padding); rows: i32[B, T] the KV-cache row of each token (its batch row,
+    or, where the step runs B of a larger cache's rows, the row it was given: attention_inputs).
     """
 
     positions: jax.Array
@@ -166,12 +167,14 @@ class AttentionInputs(NamedTuple):
     rows: jax.Array
 
 
-def attention_inputs(positions: jax.Array, max_len: int) -> AttentionInputs:
-    """Cache write indices and batch rows for positions i32[B, T] and a KV cache of max_len entries."""
+def attention_inputs(positions: jax.Array, max_len: int, rows: jax.Array | None = None) -> AttentionInputs:
+    """Cache write indices and cache rows for positions i32[B, T] and a KV cache of max_len entries. rows: i32[B] the
+    cache row of each sequence when the step runs B rows of a larger cache (attend_live_blocks then reads those rows
+    only); None: row b is sequence b."""
     B, T = positions.shape
     write_idx = jnp.where(positions >= 0, positions, max_len)  # [B, T]; max_len is out of range: dropped
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    return AttentionInputs(positions, write_idx, rows)
+    rows = jnp.arange(B) if rows is None else rows.astype(jnp.int32)
+    return AttentionInputs(positions, write_idx, jnp.broadcast_to(rows[:, None], (B, T)))
 
 
 # Keys per block of the decode/prefill attention loop over the live part of the KV cache (measured: docs/DESIGN.md
@@ -210,8 +213,9 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
     is one plain softmax.
 
     Args:
-        ctx: AttentionInputs (positions i32[B, T], -1 = padding). caches: arrays [n, B, S, ...] of the stack
-            (cache_store form). layer: i32[] layer index. dtype: the activation dtype the blocks are loaded in.
+        ctx: AttentionInputs (positions i32[B, T], -1 = padding). caches: arrays [n, Bc, S, ...] of the stack
+            (cache_store form); Bc = B, or more: the step's rows are ctx.rows' (one block of each gathered per load).
+            layer: i32[] layer index. dtype: the activation dtype the blocks are loaded in.
         scores_fn(blocks) -> f32[B, *heads, T, blk]: scaled scores of one block (blocks: the caches' slices
             [B, blk, ...] in dtype). values_fn(probs [B, *heads, T, blk] in dtype, blocks) -> f32 out_shape.
         out_shape: the shape values_fn returns. sink: f32 broadcastable to [B, *heads, T, 1], or None.
@@ -222,6 +226,7 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
     """
     S = caches[0].shape[2]
     blk = min(KV_BLOCK if block is None else block, S)
+    subset = caches[0].shape[1] != ctx.positions.shape[0]  # B of the cache's rows: read those rows only
     live = jnp.max(ctx.positions) + 1
     num_blocks = jnp.maximum(1, (live + blk - 1) // blk)
     first_block = jnp.int32(0)
@@ -230,11 +235,17 @@ def attend_live_blocks(ctx: AttentionInputs, caches: tuple[jax.Array, ...], laye
         first_block = jnp.minimum(jnp.maximum(earliest, 0) // blk, num_blocks).astype(jnp.int32)
     fmin = jnp.finfo(jnp.float32).min
 
+    def block_of(c, start):  # [B, blk, ...]: keys start .. start + blk - 1 of the step's rows
+        layer_i = jnp.asarray(layer, jnp.int32)
+        if not subset:
+            return jax.lax.dynamic_slice(c, (layer_i, 0, start) + (0,) * (c.ndim - 3),
+                                         (1, c.shape[1], blk) + c.shape[3:])[0]
+        return jax.vmap(lambda r: jax.lax.dynamic_slice(c, (layer_i, r, start) + (0,) * (c.ndim - 3),
+                                                        (1, 1, blk) + c.shape[3:])[0, 0])(ctx.rows[:, 0])
+
     def load(j):
         start = jnp.minimum(j * blk, S - blk)
-        blocks = tuple(cache_load(jax.lax.dynamic_slice(
-            c, (jnp.asarray(layer, jnp.int32), 0, start) + (0,) * (c.ndim - 3), (1, c.shape[1], blk) + c.shape[3:])[0],
-            dtype) for c in caches)
+        blocks = tuple(cache_load(block_of(c, start), dtype) for c in caches)
         key_pos = start + jnp.arange(blk)  # [blk]
         pos = ctx.positions[:, :, None]  # [B, T, 1]
         visible = (key_pos <= pos) & (key_pos >= j * blk)  # [B, T, blk]
