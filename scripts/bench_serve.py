@@ -4,10 +4,11 @@
     flock /work/bench.lock python3 scripts/bench_serve.py --json-out /tmp/bench_serve.json
     python3 scripts/bench_serve.py --clients 1,4 --rounds 2 --requests 2 --new-tokens 24     # shorter
     python3 scripts/bench_serve.py --programs ft_jax --clients 8                           # one side only
+    python3 scripts/bench_serve.py --clients 1,4 --rows 8              # servers of 8 rows (ft-jax serve's default)
 
 What runs (all on the CPU, side by side in one run): for each number of concurrent clients C (--clients, default
-1,4,8) both servers are started with C rows, `ft-jax serve --max-batch C` (--policy, default host-all with one
-cache slot, the CPU setting of the README) and `llama-server --parallel C` (built from the llama-cpp-python sdist by
+1,4,8) both servers are started with C rows (or --rows), `ft-jax serve --max-batch C` (--policy, default host-all
+with one cache slot, the CPU setting of the README) and `llama-server --parallel C` (built from the llama-cpp-python sdist by
 scripts/llama_cpp_build.py; -c C x the per-row context, -t --threads), each on the same weights (bench_peer.py's
 synthetic checkpoint and its GGUF). Then --rounds rounds alternate between them (the first server of a round
 alternates too): in a round, C client threads each send --requests streamed /v1/completions requests one after the
@@ -203,7 +204,7 @@ def summarize(rounds: dict[str, list[dict]]) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'clients':>7}  {'program':<13} {'tok/s':>8} {'[min-max]':>17} {'decode tok/s':>13} "
+    lines = [f"{'clients':>7} {'rows':>4}  {'program':<13} {'tok/s':>8} {'[min-max]':>17} {'decode tok/s':>13} "
              f"{'TTFT p50':>9} {'p99':>8}"]
     for level in result["levels"]:
         for program in PROGRAMS:
@@ -212,11 +213,11 @@ def format_table(result: dict) -> str:
                 continue
             lo, hi = s["tokens_per_s_range"]
             dec = "-" if s["decode_tokens_per_s"] is None else f"{s['decode_tokens_per_s']:.1f}"
-            lines.append(f"{level['clients']:>7}  {program:<13} {s['tokens_per_s']:>8.1f} {f'[{lo:.1f}-{hi:.1f}]':>17}"
+            lines.append(f"{level['clients']:>7} {level.get('rows', level['clients']):>4}  {program:<13} {s['tokens_per_s']:>8.1f} {f'[{lo:.1f}-{hi:.1f}]':>17}"
                          f" {dec:>13} {s['ttft_p50_s']:>8.2f}s {s['ttft_p99_s']:>7.2f}s")
         ratio = level["summary"].get("ratio_ft_jax_over_llama_server")
         if ratio:
-            lines.append(f"{'':>7}  ft_jax / llama-server: tokens/s {ratio['tokens_per_s']:.2f}x" +
+            lines.append(f"{'':>12}  ft_jax / llama-server: tokens/s {ratio['tokens_per_s']:.2f}x" +
                          (f", decode {ratio['decode_tokens_per_s']:.2f}x" if ratio["decode_tokens_per_s"] else ""))
     return "\n".join(lines)
 
@@ -229,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per request (default %(default)s)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default %(default)s)")
     p.add_argument("--ctx-size", type=int, default=256, help="tokens per row on both sides (default %(default)s)")
+    p.add_argument("--rows", type=int, default=None,
+                   help="rows of both servers (--max-batch, --parallel); default: the number of clients")
     p.add_argument("--programs", default=",".join(PROGRAMS), help="subset of %(default)s")
     p.add_argument("--policy", default="host-all", help="ft-jax serve --policy (default %(default)s)")
     p.add_argument("--cache-slots", type=int, default=1, help="ft-jax serve --cache-slots (default %(default)s)")
@@ -262,23 +265,24 @@ def main(argv=None) -> int:
     result = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "model": str(model_dir), "gguf": str(gguf_path), "loadavg_start": bench_peer._loadavg(), "levels": []}
     for clients in levels:
+        rows = args.rows or clients
         n = args.rounds * clients * args.requests
         prompts = [bench_peer.prompt_ids(config["vocab_size"], args.prompt_len, args.seed * 1000 + i) for i in range(n)]
         servers = {}
         if "ft_jax" in programs:
             servers["ft_jax"] = Server("ft_jax", bench_peer.ft_jax_command() + [
-                "serve", "--model", str(folder), "--port", "{port}", "--max-batch", str(clients), "--ctx-size",
+                "serve", "--model", str(folder), "--port", "{port}", "--max-batch", str(rows), "--ctx-size",
                 str(args.ctx_size), "--policy", args.policy, "--cache-slots", str(args.cache_slots),
                 "--max-queue", str(n)], env)
         if "llama-server" in programs:
             servers["llama-server"] = Server("llama-server", [
                 server_bin, "-m", str(gguf_path), "--port", "{port}", "--host", "127.0.0.1", "--parallel",
-                str(clients), "-c", str(args.ctx_size * clients), "-t", str(args.threads), "--no-warmup"])
+                str(rows), "-c", str(args.ctx_size * rows), "-t", str(args.threads), "--no-warmup"])
         extra = {"ft_jax": {}, "llama-server": {"cache_prompt": False}}
-        level = {"clients": clients, "start_s": {}, "rounds": {p: [] for p in servers}}
+        level = {"clients": clients, "rows": rows, "start_s": {}, "rounds": {p: [] for p in servers}}
         try:
             for name, server in servers.items():
-                _log(f"starting {name} with {clients} rows")
+                _log(f"starting {name} with {rows} rows")
                 if name == "llama-server":  # memory-mapped: read once (ft_jax reads its checkpoint while loading)
                     bench_peer.warm_page_cache(gguf_path)
                 level["start_s"][name] = round(server.start(args.start_timeout), 1)
