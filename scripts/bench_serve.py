@@ -8,10 +8,10 @@
 
 What runs (all on the CPU, side by side in one run): for each number of concurrent clients C (--clients, default
 1,4,8) both servers are started with C rows (or --rows), `ft-jax serve --max-batch C` (--policy, default host-all
-with one cache slot, the CPU setting of the README) and `llama-server --parallel C` (built from the llama-cpp-python sdist by
-scripts/llama_cpp_build.py; -c C x the per-row context, -t --threads), each on the same weights (bench_peer.py's
-synthetic checkpoint and its GGUF). Then --rounds rounds alternate between them (the first server of a round
-alternates too): in a round, C client threads each send --requests streamed /v1/completions requests one after the
+with one cache slot, the CPU setting of the README) and `llama-server --parallel C` (built from the
+llama-cpp-python sdist by scripts/llama_cpp_build.py; -c C x the per-row context, -t --threads), each on the same
+weights (bench_peer.py's synthetic checkpoint and its GGUF). Then --rounds rounds alternate between them (the
+first server of a round alternates too): in a round, C client threads each send --requests streamed /v1/completions requests one after the
 other, each with a prompt of its own (--prompt-len random token ids: no prefix cache can help; llama-server gets
 cache_prompt false), --new-tokens tokens, temperature 0 and ignore_eos (every request generates all its tokens).
 
@@ -213,8 +213,9 @@ def format_table(result: dict) -> str:
                 continue
             lo, hi = s["tokens_per_s_range"]
             dec = "-" if s["decode_tokens_per_s"] is None else f"{s['decode_tokens_per_s']:.1f}"
-            lines.append(f"{level['clients']:>7} {level.get('rows', level['clients']):>4}  {program:<13} {s['tokens_per_s']:>8.1f} {f'[{lo:.1f}-{hi:.1f}]':>17}"
-                         f" {dec:>13} {s['ttft_p50_s']:>8.2f}s {s['ttft_p99_s']:>7.2f}s")
+            rows = level.get("rows", level["clients"])
+            lines.append(f"{level['clients']:>7} {rows:>4}  {program:<13} {s['tokens_per_s']:>8.1f} "
+                         f"{f'[{lo:.1f}-{hi:.1f}]':>17} {dec:>13} {s['ttft_p50_s']:>8.2f}s {s['ttft_p99_s']:>7.2f}s")
         ratio = level["summary"].get("ratio_ft_jax_over_llama_server")
         if ratio:
             lines.append(f"{'':>12}  ft_jax / llama-server: tokens/s {ratio['tokens_per_s']:.2f}x" +

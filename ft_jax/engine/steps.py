@@ -93,9 +93,10 @@ def decode_n_tokens(decode_step, params, kv_cache, expert_state, ops, last, pos,
 
 def bound_step(step, graphdef, backend):
     """step (prefill or decode_one_token) with its graphdef and backend bound, f(params, tokens, positions, kv_cache,
-    expert_state, key_data, temperature, top_k, top_p, *rows, **static) (rows: decode_one_token's): a function object of one Engine's own for its jax.jit,
-    so that JAX's caches (keyed weakly on the function, holding static arguments strongly) never keep a dropped
-    Engine's executables and host banks alive (docs/DESIGN.md sec. 11, "Engine, API and CLI")."""
+    expert_state, key_data, temperature, top_k, top_p, *rows, **static) (rows: decode_one_token's optional operand): a
+    function object of one Engine's own for its jax.jit, so that JAX's caches (keyed weakly on the function, holding
+    static arguments strongly) never keep a dropped Engine's executables and host banks alive (docs/DESIGN.md sec. 11,
+    "Engine, API and CLI")."""
     def call(params, tokens, positions, kv_cache, expert_state, key_data, temperature, top_k, top_p, *rows, **static):
         return step(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key_data, temperature, top_k,
                     top_p, *rows, **static)

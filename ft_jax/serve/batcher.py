@@ -9,7 +9,8 @@ put there from the batcher thread with call_soon_threadsafe. The thread loops:
      free rows (prompts of one chunk together; a longer prompt alone; with no row decoding, once no request has
      arrived for GATHER_S, at most GATHER_MAX_S, so that requests sent at the same time share one prefill);
   3. run one chunk of the running prefill; after its last chunk the rows join the batch (their first token is sent);
-  4. one decode step over all rows, every live row's token sent (stop strings held back by api.StopWatch);
+  4. one decode step over the decoding rows (DecodeBatch's row bucket), every row's token sent (stop strings held
+     back by api.StopWatch);
   5. sleep until a request or a call arrives when there is nothing to do.
 
 So a new request waits for at most one decode step and one prefill chunk of others before its own prefill starts,
