@@ -8,12 +8,12 @@
 
 What runs (all on the CPU, side by side in one run): for each number of concurrent clients C (--clients, default
 1,4,8) both servers are started with C rows (or --rows), `ft-jax serve --max-batch C` (--policy, default host-all
-with one cache slot, the CPU setting of the README) and `llama-server --parallel C` (built from the
-llama-cpp-python sdist by scripts/llama_cpp_build.py; -c C x the per-row context, -t --threads), each on the same
-weights (bench_peer.py's synthetic checkpoint and its GGUF). Then --rounds rounds alternate between them (the
-first server of a round alternates too): in a round, C client threads each send --requests streamed /v1/completions requests one after the
-other, each with a prompt of its own (--prompt-len random token ids: no prefix cache can help; llama-server gets
-cache_prompt false), --new-tokens tokens, temperature 0 and ignore_eos (every request generates all its tokens).
+with one cache slot, the CPU setting of the README) and `llama-server --parallel C` (built from the llama-cpp-python
+sdist by scripts/llama_cpp_build.py; -c C x the per-row context, -t --threads), each on the same weights
+(bench_peer.py's synthetic checkpoint and its GGUF). Then --rounds rounds alternate between them (the first server of
+a round alternates too): in a round, C client threads each send --requests streamed /v1/completions requests one
+after the other, each with a prompt of its own (--prompt-len random token ids: no prefix cache can help; llama-server
+gets cache_prompt false), --new-tokens tokens, temperature 0 and ignore_eos (every request generates all its tokens).
 
 Reported per (program, C): aggregate tokens/s (all generated tokens of the round / the round's wall time, prefills
 included) as median [min-max] over the rounds; decode tokens/s (tokens after each request's first / the summed
