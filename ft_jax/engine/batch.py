@@ -28,17 +28,16 @@ import jax
 import numpy as np
 
 from ft_jax.engine import stats as stats_lib
-from ft_jax.engine.engine import Engine, kv_bucket, prefill_bucket
+from ft_jax.engine.engine import Engine, kv_bucket, prefill_bucket, row_bucket
 from ft_jax.engine.sampling import Sampling, row_key_data
 from ft_jax.kernels.host_bank import use_huge_pages
 from ft_jax.models.decoder import KVCache
 
 
 def row_buckets(batch_size: int) -> list[int]:
-    """The decode row buckets of a batch of batch_size rows: the powers of two below it, then batch_size
-    (8 -> [1, 2, 4, 8]; 6 -> [1, 2, 4, 6])."""
-    buckets = [1 << i for i in range(batch_size.bit_length()) if 1 << i < batch_size]
-    return buckets + [batch_size]
+    """Every decode row bucket of a batch of batch_size rows (engine.row_bucket of 1 .. batch_size): the powers of two
+    below it, then batch_size (8 -> [1, 2, 4, 8]; 6 -> [1, 2, 4, 6])."""
+    return sorted({row_bucket(n, batch_size) for n in range(1, batch_size + 1)})
 
 
 def insert_rows(kv_cache: KVCache, part: KVCache, rows: jax.Array) -> KVCache:
@@ -196,10 +195,10 @@ class DecodeBatch:
         return nxt
 
     def bucket_rows(self, live: np.ndarray) -> np.ndarray:
-        """i32[b] the rows a decode step runs for the live rows (bool[B]): b is the smallest row bucket that holds
-        them (row_buckets); all B rows in order when b = B, else the live rows in order, then free rows."""
+        """i32[b] the rows a decode step runs for the live rows (bool[B]), b = engine.row_bucket of their count: all
+        B rows in order when b = B, else the live rows in order, then free rows."""
         n = int(live.sum())
-        b = next(b for b in row_buckets(self.batch_size) if b >= n)
+        b = row_bucket(n, self.batch_size)
         if b == self.batch_size:
             return np.arange(b, dtype=np.int32)
         return np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)[:b - n]]).astype(np.int32)

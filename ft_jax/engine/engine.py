@@ -64,6 +64,12 @@ def prefill_bucket(length: int, chunk: int | None = None) -> int:
     return b if chunk is None else min(b, chunk)
 
 
+def row_bucket(rows: int, batch_size: int) -> int:
+    """Rows a decode step of a batch_size-row DecodeBatch runs for ``rows`` live rows: the next power of two >= rows,
+    capped at batch_size (ft_jax/engine/batch.py)."""
+    return min(_pow2_at_least(rows, 1), batch_size)
+
+
 def kv_bucket(needed: int, context: int) -> int:
     """KV-cache length for sequences of up to ``needed`` positions (longest prompt + new tokens; padding writes
     nothing): the next power of two >= needed, at least MIN_KV_BUCKET, capped at the model's context (>= needed)."""
