@@ -8,8 +8,9 @@
 
 Public names: load, Model, Generation, Request (ft_jax/api.py); Engine, Sampling, GenerationResult, NonFiniteLogitsError
 (ft_jax/engine/); Policy, parse_policy (ft_jax/offload/policy.py); expert_mesh (ft_jax/offload/expert_parallel.py);
-load_checkpoint, load_config, load_tokenizer, HostBank, bundled_model_path; __version__. They are imported on first
-use.
+load_checkpoint, load_config, load_tokenizer, HostBank, bundled_model_path; the errors load raises for a folder or a
+machine it cannot use: CheckpointError, ConfigError, InsufficientMemoryError, ChatTemplateError; __version__. They are
+imported on first use.
 
 Importing the package registers the XLA FFI targets of the compiled extension (ft_jax/kernels/__init__.py);
 ``CUDA_ENABLED`` says whether the CUDA handlers were registered too.
@@ -35,6 +36,8 @@ _PUBLIC = {
     "parse_policy": "ft_jax.offload.policy", "load_checkpoint": "ft_jax.checkpoint", "load_config": "ft_jax.config",
     "load_tokenizer": "ft_jax.tokenizer", "HostBank": "ft_jax.kernels.host_bank",
     "expert_mesh": "ft_jax.offload.expert_parallel",
+    "CheckpointError": "ft_jax.checkpoint", "ConfigError": "ft_jax.config",
+    "InsufficientMemoryError": "ft_jax.memory", "ChatTemplateError": "ft_jax.chat",
 }
 __all__ = sorted(_PUBLIC) + ["__version__", "CUDA_ENABLED"]
 

@@ -526,8 +526,10 @@ def _non_finite_error(name: str, info: TensorInfo, bits: np.ndarray, mask: int,
         return CheckpointError(f"{info.file}: tensor {name!r} {list(shape)} holds NaN: {bad.size} of {bits.size} "
                                f"FP8 elements{where} are NaN, the first at index {first} (a corrupted checkpoint)")
     magnitude = bits[bad] & (mask | (mask - 1))  # sign cleared: == mask is Inf, > mask is NaN
-    kinds = " and ".join(k for k, present in (("NaN", (magnitude > mask).any()), ("Inf", (magnitude == mask).any()))
-                         if present)
+    negative = bits[bad] != magnitude  # the sign bit set
+    kinds = ", ".join(k for k, present in (("NaN", (magnitude > mask).any()),
+                                           ("+Inf", ((magnitude == mask) & ~negative).any()),
+                                           ("-Inf", ((magnitude == mask) & negative).any())) if present)
     return CheckpointError(f"{info.file}: tensor {name!r} {list(shape)} holds {kinds}: {bad.size} of {bits.size} "
                            f"elements{where} are not finite, the first at index {first} (a corrupted or unconverted "
                            "checkpoint; NaN/Inf weights make every logit NaN)")
@@ -712,16 +714,23 @@ def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_na
     """CheckpointError naming the file and tensor for an E8M0 scale of 255 (NaN) or a value that overflows float32
     (scale 254 with a code of magnitude >= 2: 2^127 * 2 > the float32 maximum). blocks u8 [rows, G, 16] and scales
     u8 [rows, G] of one expert."""
-    if (scales == _E8M0_NAN).any():
+    def where(mask: np.ndarray) -> str:  # the first True of bool[rows, G]
+        row, block = (int(i) for i in np.argwhere(mask)[0])
+        return f"row {row}, block {block} (columns {32 * block}..{32 * block + 31})"
+
+    nan = scales == _E8M0_NAN  # bool[rows, G]
+    if nan.any():
         raise CheckpointError(f"{ckpt.info(scales_name, dtypes=_U8).file}: tensor {scales_name!r} expert {expert} "
-                              "holds the E8M0 scale 255 (NaN): a corrupted MXFP4 checkpoint")
+                              f"holds the E8M0 scale 255 (NaN) at {where(nan)}: a corrupted MXFP4 checkpoint")
     top = scales == 254  # bool[rows, G]
     if top.any():
-        codes = np.stack([blocks[top] & 0x0F, blocks[top] >> 4])  # u8[2, n, 16]
-        if (np.abs(wf.FP4_E2M1[codes]) >= 2).any():
+        big = np.zeros_like(top)  # bool[rows, G]: a scale of 254 with a code of magnitude >= 2 (2^127 * 2 > f32 max)
+        big[top] = (np.abs(wf.FP4_E2M1[blocks[top] & 0x0F]) >= 2).any(-1) | (
+            np.abs(wf.FP4_E2M1[blocks[top] >> 4]) >= 2).any(-1)
+        if big.any():
             raise CheckpointError(f"{ckpt.info(blocks_name, dtypes=_U8).file}: tensor {blocks_name!r} expert {expert} "
-                                  "dequantizes to Inf (an E8M0 scale too large for float32): a corrupted MXFP4 "
-                                  "checkpoint")
+                                  f"dequantizes to Inf at {where(big)} (an E8M0 scale too large for float32): a "
+                                  "corrupted MXFP4 checkpoint")
 
 
 # Rows quantized per weight_formats.quantize call: bounds its float32 temporaries (a few copies of the piece) to a few

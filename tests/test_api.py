@@ -396,3 +396,16 @@ def test_two_generate_calls_at_once_are_serialised_with_their_own_statistics(bun
     for r in results:
         assert r.stats["decode_compiles"] == 0 and r.stats["compile_s"] == 0.0
         assert r.stats["decode_steps"] == 19 and r.stats["decode_tokens_per_s"] > 0
+
+
+def test_the_errors_of_an_unusable_folder_are_public_names(tmp_path):
+    """A user catches load's errors by the package's names: a truncated tensor file, a config.json that is not JSON."""
+    d = tmp_path / "model"
+    shutil.copytree(ft_jax.bundled_model_path(), d)
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(ft_jax.CheckpointError, match="model.safetensors"):
+        ft_jax.load(d, policy="host-all")
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ft_jax.ConfigError, match="config.json"):
+        ft_jax.load(d, policy="host-all")

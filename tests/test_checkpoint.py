@@ -419,7 +419,7 @@ def test_every_non_finite_bit_pattern_is_found(tmp_path, dtype):
         save_file({"w": t}, str(tmp_path / "model.safetensors"))
         with SafetensorsCheckpoint(tmp_path) as ckpt, pytest.raises(CheckpointError) as e:
             ckpt.read("w")
-        kind = "NaN" if np.isnan(value) else "Inf"
+        kind = "NaN" if np.isnan(value) else "-Inf" if value < 0 else "+Inf"
         assert f"'w' [6, 5] holds {kind}: 1 of 30 elements are not finite, the first at index [3, 2]" in str(e.value)
 
 
@@ -479,7 +479,7 @@ def test_non_finite_weights_fail_the_load(tmp_path, tensor):
     save_file(tensors, path)
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(d)
-    kind = "Inf" if "embed" in tensor else "NaN"
+    kind = "-Inf" if "embed" in tensor else "NaN"
     assert str(e.value).startswith(f"{path}: tensor {tensor!r}") and f"holds {kind}" in str(e.value)
     assert "the first at index [1, 2]" in str(e.value)
 
@@ -636,14 +636,16 @@ def test_mxfp4_bad_tensors_name_file_and_tensor(tmp_path):
         t[name][3, 7, 0] = 255
     d, path = _mxfp4_copy(tmp_path / "a", nan_scale)
     with pytest.raises(CheckpointError, match=rf"^{re.escape(path)}: tensor '{name}' expert 3 holds the E8M0 scale "
-                                              r"255 \(NaN\)"):
+                                              r"255 \(NaN\) at row 7, block 0 \(columns 0\.\.31\)"):
         load_checkpoint(d)
 
     def overflow(t):
-        t[name][0, 0, 0] = 254  # 2^127 times a code of magnitude >= 2 overflows float32
-        t[name.replace("scales", "blocks")][0, 0, 0, 0] = 0x77
+        t[name][0, :, :] = 254  # 2^127 times a code of magnitude >= 2 overflows float32 ...
+        t[name.replace("scales", "blocks")][0] = 0x11  # ... 0.5 and 0.5 do not
+        t[name.replace("scales", "blocks")][0, 2, 0, 5] = 0x71  # 6.0 (high nibble) at row 2, block 0
     d, path = _mxfp4_copy(tmp_path / "b", overflow)
-    with pytest.raises(CheckpointError, match="down_proj_blocks' expert 0 dequantizes to Inf"):
+    with pytest.raises(CheckpointError, match=r"down_proj_blocks' expert 0 dequantizes to Inf at row 2, block 0 "
+                                              r"\(columns 0\.\.31\)"):
         load_checkpoint(d)
 
     def as_float(t):
@@ -746,7 +748,7 @@ def test_view_maps_the_tensor_read_only_and_checks_it(tmp_path):
     t[299, 999] = -np.inf
     save_file({"a": np.ones(3, np.float32), "t": t}, path)
     with SafetensorsCheckpoint(tmp_path) as ckpt, pytest.raises(CheckpointError, match=r"'t' \[300, 1000\] holds "
-                                                                                        r"Inf.*index \[299, 999\]"):
+                                                                                        r"-Inf.*index \[299, 999\]"):
         ckpt.view("t")
 
 

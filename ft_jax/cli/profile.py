@@ -42,8 +42,9 @@ def add_arguments(sub) -> None:
                       help="expert hidden size (instead of --model)")
     prof.add_argument("--intermediate-size", type=arg_types.positive_int, metavar="I",
                       help="expert intermediate size (with --hidden-size)")
-    prof.add_argument("--dtype", type=arg_types.dtype, help="bf16/bfloat16 or f32/float32 (default: as generate "
-                                                           "would load the model; bfloat16 with --hidden-size)")
+    prof.add_argument("--dtype", type=arg_types.model_dtype,
+                      help="auto, bf16/bfloat16 or f32/float32 (default and auto: as generate would load the model; "
+                           "bfloat16 with --hidden-size)")
     prof.add_argument("--quantize", type=arg_types.quantize, default=None, metavar="TYPE",
                       help="measure q8_0 or q4_0 experts (the bytes generate --quantize TYPE reads; default: the "
                            "model's format: float, or an FP8 / MXFP4 checkpoint's own)")
