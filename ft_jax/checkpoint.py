@@ -26,7 +26,7 @@ import math
 import mmap
 import os
 import struct
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -711,9 +711,10 @@ def _read_fp8(ckpt: SafetensorsCheckpoint, name: str, scale_name: str, shape: tu
 
 def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_name: str, expert: int,
                         blocks: np.ndarray, scales: np.ndarray) -> None:
-    """CheckpointError naming the file and tensor for an E8M0 scale of 255 (NaN) or a value that overflows float32
-    (scale 254 with a code of magnitude >= 2: 2^127 * 2 > the float32 maximum). blocks u8 [rows, G, 16] and scales
-    u8 [rows, G] of one expert."""
+    """CheckpointError naming the file, tensor, row and block for an E8M0 scale of 255 (NaN) or a value that overflows
+    float32: code * 2^(s - 127) >= 2^128 (the float32 maximum is just below it), i.e. a scale s of 254 with a code of
+    magnitude >= 2, or 253 with one >= 4 (FP4 E2M1 magnitudes reach 6; OCP Microscaling Formats v1.0). blocks u8
+    [rows, G, 16] and scales u8 [rows, G] of one expert."""
     def where(mask: np.ndarray) -> str:  # the first True of bool[rows, G]
         row, block = (int(i) for i in np.argwhere(mask)[0])
         return f"row {row}, block {block} (columns {32 * block}..{32 * block + 31})"
@@ -722,11 +723,12 @@ def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_na
     if nan.any():
         raise CheckpointError(f"{ckpt.info(scales_name, dtypes=_U8).file}: tensor {scales_name!r} expert {expert} "
                               f"holds the E8M0 scale 255 (NaN) at {where(nan)}: a corrupted MXFP4 checkpoint")
-    top = scales == 254  # bool[rows, G]
+    top = scales >= 253  # bool[rows, G]: the scales at which a code can overflow float32
     if top.any():
-        big = np.zeros_like(top)  # bool[rows, G]: a scale of 254 with a code of magnitude >= 2 (2^127 * 2 > f32 max)
-        big[top] = (np.abs(wf.FP4_E2M1[blocks[top] & 0x0F]) >= 2).any(-1) | (
-            np.abs(wf.FP4_E2M1[blocks[top] >> 4]) >= 2).any(-1)
+        limit = np.ldexp(1.0, 255 - scales[top].astype(np.int32))[:, None]  # f64[n, 1]: 2 (scale 254), 4 (253)
+        big = np.zeros_like(top)  # bool[rows, G]: a block with a code of magnitude >= its limit
+        big[top] = (np.abs(wf.FP4_E2M1[blocks[top] & 0x0F]) >= limit).any(-1) | (
+            np.abs(wf.FP4_E2M1[blocks[top] >> 4]) >= limit).any(-1)
         if big.any():
             raise CheckpointError(f"{ckpt.info(blocks_name, dtypes=_U8).file}: tensor {blocks_name!r} expert {expert} "
                                   f"dequantizes to Inf at {where(big)} (an E8M0 scale too large for float32): a "
@@ -738,20 +740,26 @@ def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_na
 _QUANTIZE_PIECE_VALUES = 4 << 20
 
 
-def _quantize_into(w: np.ndarray, fmt: wf.WeightFormat, data: np.ndarray, scales: np.ndarray, what: str) -> None:
+def _block_in_rows(row: int, block: int) -> str:
+    """Where block ``block`` of row ``row`` of a matrix stored as its rows lies: the row and its 32 columns."""
+    return f"row {row}, block {block} (columns {32 * block}..{32 * block + 31})"
+
+
+def _quantize_into(w: np.ndarray, fmt: wf.WeightFormat, data: np.ndarray, scales: np.ndarray, what: str,
+                   where: Callable[[int, int], str] = _block_in_rows) -> None:
     """weight_formats.quantize of w [rows, cols] (float, any dtype; finite: checked as read) written into data /
     scales ([rows, ...]), a piece of rows at a time (q8_0 / q4_0: every row is quantized on its own, so pieces give
-    the same bytes). Raises CheckpointError naming ``what`` (the tensor) when a block's scale overflows float16
-    (|x| max / 127 for q8_0, / 8 for q4_0, above 65504): it would decode to Inf / NaN."""
+    the same bytes). Raises CheckpointError naming ``what`` (the tensor) and ``where(row, block)`` (the block's place
+    in the stored tensor) when a block's scale overflows float16 (|x| max / 127 for q8_0, / 8 for q4_0, above
+    65504): it would decode to Inf / NaN."""
     step = max(1, _QUANTIZE_PIECE_VALUES // max(1, w.shape[1]))
     for r in range(0, w.shape[0], step):
         data[r:r + step], scales[r:r + step] = wf.quantize(w[r:r + step], fmt)
         bad = (scales[r:r + step].view(np.uint16) & 0x7C00) == 0x7C00  # f16 exponent all ones: Inf / NaN
         if bad.any():
             row, block = (int(i) for i in np.argwhere(bad)[0])
-            raise CheckpointError(f"{what}: row {r + row}, block {block} (columns {32 * block}..{32 * block + 31}) "
-                                  f"has values too large for {fmt.name} (its float16 block scale overflows 65504); "
-                                  "load it without quantize= (--quantize)")
+            raise CheckpointError(f"{what}: {where(r + row, block)} has values too large for {fmt.name} (its "
+                                  "float16 block scale overflows 65504); load it without quantize= (--quantize)")
 
 
 class _BankWriter:
@@ -761,16 +769,17 @@ class _BankWriter:
     def __init__(self, arrays: dict[str, np.ndarray], fmt: wf.WeightFormat):
         self.arrays, self.fmt = arrays, fmt
 
-    def put(self, bank: str, row: int, first: int, w: np.ndarray, what: str) -> None:
+    def put(self, bank: str, row: int, first: int, w: np.ndarray, what: str,
+            where: Callable[[int, int], str] = _block_in_rows) -> None:
         """w float [n, cols] -> rows first..first+n-1 of bank row ``row`` (and its scale rows); ``what`` names the
-        tensor in errors."""
+        tensor in errors, ``where(row of w, block)`` a block's place in it (_quantize_into)."""
         dst = self.arrays[bank]
         if not self.fmt.quantized:
             dst[row, first:first + w.shape[0]] = w.astype(dst.dtype, copy=False)
             return
         n = w.shape[0]
         _quantize_into(w, self.fmt, dst[row, first:first + n], self.arrays[f"{bank}_scale"][row, first:first + n],
-                       what)
+                       what, where)
 
 
 def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name: str, part: tuple,
@@ -797,7 +806,12 @@ def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name
         else:
             w = ckpt.read_rows(name, e, e + 1)[0].T  # [in, out] -> [out, in]
             what = f"{ckpt.tensors[name].file}: tensor {name!r} (expert {e})"
-            out.put(bank, row + j, 0, _deinterleave(w) if part[-1] else w, what)
+            half = w.shape[0] // 2  # de-interleaved: bank row r < half is stored column 2r, else 2(r - half) + 1
+
+            def where(r: int, block: int, e=e, half=half) -> str:  # the block in the stored [E, in, out] tensor
+                col = (2 * r if r < half else 2 * (r - half) + 1) if part[-1] else r
+                return f"elements [{e}, {32 * block}:{32 * block + 32}, {col}] (a block of 32 along dimension 1)"
+            out.put(bank, row + j, 0, _deinterleave(w) if part[-1] else w, what, where)
 
 
 def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, fmt: wf.WeightFormat,

@@ -31,7 +31,7 @@ DEFAULT_INIT_TIMEOUT_S = 120
 def add_arguments(parser) -> None:
     """The device and process flags of `ft-jax generate` (the full parser; parse_early reads the same flags)."""
     group = parser.add_argument_group(
-        "devices and processes (expert parallelism; README, \"Several devices and processes\")")
+        "devices and processes", "expert parallelism (README, \"Several devices and processes\")")
     group.add_argument("--devices", type=_positive, default=None, metavar="N",
                        help="devices of this process on the 'expert' mesh axis (each MoE layer's experts split over "
                             "them, each with its own slots); on a machine without accelerators N CPU devices "

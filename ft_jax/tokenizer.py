@@ -30,7 +30,8 @@ from typing import Iterable, Protocol
 from tokenizers import Tokenizer as _Tok
 from tokenizers.decoders import DecodeStream
 
-from ft_jax.config import check_regular_file, file_present, os_error_cause, read_json_file, read_special_ids
+from ft_jax.config import (ConfigError, check_regular_file, file_present, os_error_cause, read_json_file,
+                           read_special_ids)
 
 BYTE_TOKENIZER_MARKER_KEY = "ft_jax_tokenizer"
 BYTE_TOKENIZER_MARKER_VALUE = "bytes"
@@ -210,7 +211,8 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
         TokenizerNotFoundError: no tokenizer.json and no byte-level marker (message suggests ``--prompt-ids``).
         ValueError (ConfigError for the JSON files): ``model_dir`` or a file in it cannot be accessed (the cause
             is named: permission denied, symbolic link loop, not a regular file), malformed tokenizer.json /
-            config.json / generation_config.json, or a byte marker with a vocab_size other than 256.
+            config.json / generation_config.json, a byte marker with a vocab_size other than 256, or a marker
+            key with another value than "bytes" (ConfigError).
     """
     try:
         mode = os.stat(model_dir).st_mode
@@ -231,14 +233,19 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     cfg_path = os.path.join(model_dir, "config.json")
     cfg = read_json_file(cfg_path, "config.json") if file_present(cfg_path, "config.json") else {}
     if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
-    if cfg.get(BYTE_TOKENIZER_MARKER_KEY) == BYTE_TOKENIZER_MARKER_VALUE:
+        raise ConfigError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    marker = cfg.get(BYTE_TOKENIZER_MARKER_KEY)
+    if marker == BYTE_TOKENIZER_MARKER_VALUE:
         if cfg.get("vocab_size") != BYTE_VOCAB_SIZE:
-            raise ValueError(
+            raise ConfigError(
                 f"{cfg_path}: {BYTE_TOKENIZER_MARKER_KEY}={BYTE_TOKENIZER_MARKER_VALUE!r} needs vocab_size "
                 f"{BYTE_VOCAB_SIZE}, got {cfg.get('vocab_size')!r}"
             )
         return ByteTokenizer(special.bos_token_id, special.eos_token_ids)
+    if marker is not None:
+        raise ConfigError(f"{cfg_path}: {BYTE_TOKENIZER_MARKER_KEY}={marker!r}: the only tokenizer it names is "
+                          f"{BYTE_TOKENIZER_MARKER_VALUE!r} (byte-level, vocab_size {BYTE_VOCAB_SIZE}); without "
+                          "tokenizer.json and the marker, pass token ids with --prompt-ids")
     raise TokenizerNotFoundError(
         f"{model_dir}: no tokenizer.json (and config.json has no "
         f'"{BYTE_TOKENIZER_MARKER_KEY}": "{BYTE_TOKENIZER_MARKER_VALUE}" marker); '

@@ -149,7 +149,7 @@ def test_foreign_machine_is_ignored_with_a_message(tmp_path):
         loaded, msg = bandwidth.get_or_measure_profile(H, I, "float32", allow_measure=False, path=path)
     assert loaded is None
     k = here()
-    assert msg.startswith(f"no bandwidth profile of this machine for float32 experts of 0.09 MiB in {path}; ignoring "
+    assert msg.startswith(f"no bandwidth profile of this machine for float32 experts of 96.00 KiB in {path}; ignoring "
                           f"the profiles of another machine ({k['platform']}/{k['device_kind']}, host CPU 'Other CPU' "
                           f"x 640); this is {k['platform']}/{k['device_kind']}, host CPU {k['cpu_model']!r} x "
                           f"{k['cpu_count']}; measuring is off")
@@ -281,7 +281,7 @@ def test_bench_times_a_models_own_banks_when_they_hold_the_rotation(monkeypatch)
 def test_quick_profile_is_measured_saved_and_reused(tmp_path):
     path = tmp_path / "p.json"
     profile, msg = bandwidth.get_or_measure_profile(H, I, "float32", path=path)
-    assert msg.startswith(f"no bandwidth profile of this machine for float32 experts of 0.09 MiB in {path}; "
+    assert msg.startswith(f"no bandwidth profile of this machine for float32 experts of 96.00 KiB in {path}; "
                           f"ran a quick bandwidth profile (") and f"saved to {path}" in msg
     assert profile.quick and profile.repeats == 3 and profile.key["expert_bytes"] == 98304
     for name in ("bp", "bh", "bp_contended", "bh_contended"):
@@ -343,7 +343,7 @@ def test_profile_report_and_store_for_a_model_folder(tmp_path):
     H_, I_ = config["hidden_size"], config["intermediate_size"]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("ft_jax bandwidth profile (quick, median of 1 repeats")
-    assert lines[2].startswith(f"  expert   H={H_} I={I_} bfloat16: {3 * H_ * I_ * 2 / 2**20:.2f} MiB")
+    assert lines[2].startswith(f"  expert   H={H_} I={I_} bfloat16: {3 * H_ * I_ * 2 / 2**10:.2f} KiB")
     for label in ("BP  slot fill", "BH  host expert GEMV", "BPc slot fill, contended", "BHc host GEMV, contended",
                   "fetch fraction q*/m = ", "q* for m = 1..8:  m=1:", "recommendation: "):
         assert sum(line.startswith(f"  {label}") for line in lines) == 1, label

@@ -648,6 +648,25 @@ def test_mxfp4_bad_tensors_name_file_and_tensor(tmp_path):
                                               r"\(columns 0\.\.31\)"):
         load_checkpoint(d)
 
+    gate_up = name.replace("down_proj", "gate_up_proj")  # u8 [E, 2I, 2, 16]: two blocks per row
+
+    def overflow_253(t):  # 2^126 * 4 overflows float32, 2^126 * 3 does not
+        t[gate_up][5, :, :] = 253
+        t[gate_up.replace("scales", "blocks")][5] = 0x55  # 3.0 and 3.0
+        t[gate_up.replace("scales", "blocks")][5, 4, 1, 9] = 0x56  # 4.0 (low nibble) at row 4, block 1
+    d, path = _mxfp4_copy(tmp_path / "b253", overflow_253)
+    with pytest.raises(CheckpointError, match=r"gate_up_proj_blocks' expert 5 dequantizes to Inf at row 4, block 1 "
+                                              r"\(columns 32\.\.63\)"):
+        load_checkpoint(d)
+
+    def largest_finite(t):  # the largest scales with the largest codes that stay finite load
+        t[name][5, :, :] = 253
+        t[name.replace("scales", "blocks")][5] = 0x55
+        t[name][6, :, :] = 254
+        t[name.replace("scales", "blocks")][6] = 0x33  # 1.5 and 1.5
+    d, path = _mxfp4_copy(tmp_path / "finite", largest_finite)
+    load_checkpoint(d)
+
     def as_float(t):
         t[name] = t[name].astype(np.float32)
     d, path = _mxfp4_copy(tmp_path / "c", as_float)

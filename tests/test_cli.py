@@ -1,5 +1,6 @@
 """`ft-jax generate` end to end: transformers' greedy continuation under every policy, the bundled model, errors."""
 
+import argparse
 import json
 import re
 import os
@@ -227,6 +228,25 @@ def test_python_dash_m_help():
         assert arch in text
 
 
+
+@pytest.mark.parametrize("command", ["generate", "serve", "profile", "trace", "plan"])
+def test_help_fits_the_terminal_and_keeps_the_examples(monkeypatch, command):
+    """Every line of a subcommand's --help after the usage fits an 80-column terminal, the description and examples
+    wrapped at words; on a wide terminal the examples and tables stay line for line as written."""
+    def help_text(columns: int):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        parser = cli.build_parser()
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+        return sub, sub.format_help()
+
+    sub, text = help_text(80)
+    after_usage = text.split("\n\n", 1)[1]  # argparse cannot break a usage line inside a [a | b] group
+    assert max(len(line) for line in after_usage.splitlines()) <= 80
+    assert " ".join(sub.description.split()) in " ".join(text.split())  # wrapped, not cut
+    sub, text = help_text(250)
+    assert all(line.rstrip() in text.splitlines() for line in sub.epilog.splitlines())
+
+
 def test_argument_errors_are_one_line(capsys):
     for args in (["--device-memory", "garbage"], ["--temperature", "inf"], ["--prompt-ids", "a,b"]):
         with pytest.raises(SystemExit) as exit_info:
@@ -315,13 +335,13 @@ def test_statistics_table_counts_and_labels(capsys):
     one = rows(stats_table(stats))
     assert one["policy"] == "qstar:0.404"
     assert one["prefill"].startswith("1 token, ") and one["decode"].startswith("1 token after the first, 1 step, ")
-    assert re.fullmatch(r"f32 experts of 0\.38 MiB as stored; \d+\.\d\d MiB read per token \(dense 0\.90 MiB per "
-                        r"step \+ the active experts\)", one["weights"]), one["weights"]
+    assert re.fullmatch(r"f32 experts of 384\.00 KiB in the host banks; \d+\.\d\d MiB read per token \(dense "
+                        r"0\.90 MiB per step \+ the active experts\)", one["weights"]), one["weights"]
     two = rows(stats_table({**stats, "batch_size": 2, "prompt_tokens": 2, "decode_tokens": 2, "decode_steps": 1,
                             "weight_bytes_per_token": 3 * 2**20}))
     assert two["prefill"].startswith("2 tokens, ") and two["decode"].startswith("2 tokens after the first, 1 step, ")
-    assert two["weights"] == ("f32 experts of 0.38 MiB as stored; 3.00 MiB read per token (dense 0.90 MiB per step + "
-                              "the active experts)"), two["weights"]
+    assert two["weights"] == ("f32 experts of 384.00 KiB in the host banks; 3.00 MiB read per token (dense 0.90 MiB "
+                              "per step + the active experts)"), two["weights"]
     assert rows(stats_table({**stats, "policy": "qstar:0.4"}))["policy"] == "qstar:0.4"
 
 
@@ -393,4 +413,5 @@ def test_generate_quantized_while_loading(capsys):
     status = cli.main(["generate", "--model", os.path.join(FIXTURES, "qwen3_moe"), "--prompt-ids", "1,2",
                        "--max-new-tokens", "3", "--quantize", "q8_0", "--policy", "host-all"])
     err = capsys.readouterr().err
-    assert status == 0 and re.search(r"weights\s+q8_0 experts of [\d.]+ MiB as stored; [\d.]+ MiB read per token", err)
+    assert status == 0 and re.search(r"weights\s+q8_0 experts of [\d.]+ [KM]iB in the host banks; [\d.]+ MiB read "
+                                     r"per token", err)

@@ -246,9 +246,10 @@ def test_fp8_nan_is_reported_naming_file_and_tensor(tmp_path, where):
     fmt = expert_format(cfg, "bfloat16")
     with SafetensorsCheckpoint(d) as ckpt:
         plan = expert_tensor_plan(cfg, ckpt, fmt)
+        kind = r"\+Inf" if where == "f32 scale" else "NaN"
         expect = (rf"^{re.escape(path)}: tensor '{re.escape(name)}' \[32, 64\] holds NaN: 1 of 2048 FP8 elements are "
                   r"NaN, the first at index \[2, 3\]") if where == "data" else \
-            rf"^{re.escape(path)}: tensor '{re.escape(name)}' \[{bad.shape[0]}, {bad.shape[1]}\] holds (Inf|NaN): 1 of " \
+            rf"^{re.escape(path)}: tensor '{re.escape(name)}' \[{bad.shape[0]}, {bad.shape[1]}\] holds {kind}: 1 of " \
             rf"{bad.size} elements are not finite, the first at index \[{bad.shape[0] - 1}, {bad.shape[1] - 1}\]"
         with pytest.raises(CheckpointError, match=expect):
             load_expert_banks(cfg, ckpt, plan, fmt, np.dtype(ml_dtypes.bfloat16))
@@ -583,6 +584,25 @@ def test_quantized_model_decodes_as_its_dequantized_float_model(tmp_path, name):
 def dense_bytes(ck) -> int:
     """Stored bytes of a loaded model's dense parameters."""
     return sum(int(leaf.nbytes) for leaf in jax.tree_util.tree_leaves(nnx.split(ck.model)[1]))
+
+
+@pytest.mark.parametrize("name,index,where", [
+    ("model.layers.1.mlp.experts.gate_up_proj", (5, 33, 17), r"\[5, 32:64, 17\]"),  # an up column (odd)
+    ("model.layers.1.mlp.experts.gate_up_proj", (2, 3, 40), r"\[2, 0:32, 40\]"),  # a gate column (even)
+    ("model.layers.0.mlp.experts.down_proj", (7, 3, 50), r"\[7, 0:32, 50\]")])
+def test_quantize_names_the_stored_index_of_a_transposed_expert_tensor(tmp_path, name, index, where):
+    """gpt-oss stores its experts as [E, in, out] with gate and up columns interleaved; the quantized banks hold them
+    transposed and de-interleaved, and a block that overflows is named by its elements in the stored tensor."""
+    d = tmp_path / "m"
+    shutil.copytree(os.path.join(FIXTURES, "gpt_oss"), d, ignore=shutil.ignore_patterns("reference"))
+    path = d / "model.safetensors"
+    tensors = load_file(path)
+    tensors[name] = tensors[name].copy()
+    tensors[name][index] = 1e30
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=re.escape(f"tensor {name!r} (expert {index[0]}): elements ") + where +
+                       r" \(a block of 32 along dimension 1\) has values too large for q8_0"):
+        load_checkpoint(d, quantize="q8_0")
 
 
 @pytest.mark.parametrize("name,fmt", [("model.layers.1.block_sparse_moe.experts.2.w1.weight", "q8_0"),

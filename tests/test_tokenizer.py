@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+from ft_jax.config import ConfigError
+
 from ft_jax.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -63,7 +65,14 @@ def test_byte_rejects_out_of_range_ids(tmp_path):
 
 def test_byte_marker_with_wrong_vocab(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 300, "ft_jax_tokenizer": "bytes"}))
-    with pytest.raises(ValueError, match="vocab_size 256"):
+    with pytest.raises(ConfigError, match="vocab_size 256, got 300"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_a_marker_of_another_value_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 256, "ft_jax_tokenizer": "nope"}))
+    with pytest.raises(ConfigError, match="config.json: ft_jax_tokenizer='nope': the only tokenizer it names is "
+                                          "'bytes'"):
         load_tokenizer(str(tmp_path))
 
 

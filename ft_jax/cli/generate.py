@@ -11,7 +11,7 @@ import sys
 from ft_jax import defaults, interrupts, launch, units
 from ft_jax.cache_dirs import output_file_problem
 from ft_jax.cli import arg_types
-from ft_jax.cli.usage import UsageError, escaped_text
+from ft_jax.cli.usage import HelpFormatter, UsageError, escaped_text
 from ft_jax.config import SUPPORTED_ARCHITECTURES, load_config
 from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
 from ft_jax.offload.policy import PolicyKind
@@ -43,7 +43,7 @@ user cache directory (see --no-compile-cache); the qstar policy uses the bandwid
 def add_arguments(sub) -> None:
     """The `generate` subparser on the subparsers object ``sub``."""
     gen = sub.add_parser("generate", help="generate text (default model: the bundled tiny Shakespeare MoE)",
-                         formatter_class=argparse.RawDescriptionHelpFormatter,
+                         formatter_class=HelpFormatter,
                          epilog=EXAMPLES.format(architectures=", ".join(SUPPORTED_ARCHITECTURES)),
                          description="Generate text from a Hugging Face MoE checkpoint folder (config.json + "
                          "safetensors) or the bundled model, streaming tokens, then print offload statistics.")
@@ -407,7 +407,8 @@ def stats_table(stats: dict) -> str:
                              f"host-computed {num(stats['host_per_step'])} (summed over MoE layers)"),
         ("bytes per step", f"H2D slot fills {mib(stats['h2d_bytes_per_step'])}, "
                            f"host GEMV reads {mib(stats['host_bytes_per_step'])}"),
-        ("weights", f"{stats['weight_format']} experts of {stats['expert_bytes'] / 2**20:.2f} MiB as stored; "
+        ("weights", f"{stats['weight_format']} experts of {units.format_bytes(stats['expert_bytes'])} in the host "
+                    "banks; "
                     f"{mib(stats['weight_bytes_per_token'])} read per token (dense "
                     f"{stats['dense_weight_bytes'] / 2**20:.2f} MiB per step + the active experts)"),
     ]

@@ -10,7 +10,7 @@ import json
 
 from ft_jax.cli import arg_types
 from ft_jax.cli.trace import COST_MODEL_HELP, add_model_arguments, load_inputs
-from ft_jax.cli.usage import UsageError
+from ft_jax.cli.usage import HelpFormatter, UsageError
 from ft_jax.memory import budget_slots
 from ft_jax.tools import plan
 from ft_jax.tools.multi_device import check_devices
@@ -41,7 +41,7 @@ def add_plan_arguments(sub) -> None:
     policies = arg_types.policy_list("--candidates")
 
     p = sub.add_parser("plan", help="recommend a policy and cache size for a device memory budget from a trace",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       formatter_class=HelpFormatter,
                        epilog=COST_MODEL_HELP, description=plan.__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("trace", nargs="+", metavar="TRACE", help="routing trace file(s) (JSON lines or .npz)")
     p.add_argument("--device-memory", type=arg_types.byte_text, required=True, metavar="BYTES",

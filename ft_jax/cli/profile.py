@@ -11,9 +11,9 @@ import os
 import sys
 import warnings
 
-from ft_jax import defaults, weight_formats
+from ft_jax import defaults, units, weight_formats
 from ft_jax.cli import arg_types
-from ft_jax.cli.usage import UsageError
+from ft_jax.cli.usage import HelpFormatter, UsageError
 from ft_jax.config import load_config
 from ft_jax.config.quantization import expert_format
 from ft_jax.offload import profile as bandwidth
@@ -33,7 +33,7 @@ def add_arguments(sub) -> None:
     """The `profile` subparser on the subparsers object ``sub``."""
     prof = sub.add_parser(
         "profile", help="measure slot-fill (BP) and host GEMV (BH) bandwidths for q*", epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
         description="Measure BP (slot fill), BH (host expert GEMV) and the pair while both run, with the production "
         "FFI handlers at a model's expert size; print the q* fetch fraction and store the profile for generate.")
     prof.add_argument("--model", metavar="PATH", help="model folder whose config.json gives H, I and the dtype "
@@ -98,7 +98,7 @@ def report(profile, q_star: dict[int, int], saved: str, fresh_why: str = "") -> 
         f"[min, max], {d['seconds']:.1f} s; GB/s = 1e9 bytes/s, MiB = 2^20 bytes)",
         f"  machine  {bandwidth.describe_machine(k)}",
         f"  expert   H={profile.hidden_size} I={profile.intermediate_size} {k['dtype']}: "
-        f"{k['expert_bytes'] / 2**20:.2f} MiB; working set {d['working_set_bytes'] / 2**20:.0f} MiB "
+        f"{units.format_bytes(k['expert_bytes'])}; working set {d['working_set_bytes'] / 2**20:.0f} MiB "
         f"(last-level cache {d['llc_bytes'] / 2**20:.0f} MiB)",
         "  banks    " + ("the model's own expert banks, as generate loads them" if d.get("banks") == "model" else
                          "fresh host banks of this expert size" + (f" ({fresh_why})" if fresh_why else "")),

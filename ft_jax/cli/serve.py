@@ -18,7 +18,7 @@ import threading
 from ft_jax import defaults, interrupts, units
 from ft_jax.cli import arg_types
 from ft_jax.cli.generate import _cache, _device_memory_note, add_load_arguments
-from ft_jax.cli.usage import UsageError
+from ft_jax.cli.usage import HelpFormatter, UsageError
 
 DEFAULT_CTX = 4096  # tokens per row when the model's context is longer (--ctx-size)
 DEFAULT_MAX_BATCH = 8
@@ -41,7 +41,7 @@ pip install 'ft-jax[serve]'."""
 def add_arguments(sub) -> None:
     """The `serve` subparser on the subparsers object ``sub``."""
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (continuous batching)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+                       formatter_class=HelpFormatter, epilog=EXAMPLES,
                        description="Serve a Hugging Face MoE checkpoint folder (or the bundled model) over the OpenAI "
                        "completions and chat completions API, decoding up to --max-batch requests together.")
     p.add_argument("--model", metavar="PATH", help="Hugging Face model folder (default: the bundled model)")

@@ -11,6 +11,7 @@ import json
 import sys
 
 from ft_jax.cli import arg_types
+from ft_jax.cli.usage import HelpFormatter
 from ft_jax.config import load_config
 from ft_jax.config.quantization import expert_format
 from ft_jax.defaults import bundled_model_path
@@ -120,7 +121,7 @@ def add_trace_arguments(sub) -> None:
 
     p = sub.add_parser("trace", help="replay a routing trace: hit rate, fetched/host experts and modelled ms per "
                                      "token for each policy and cache size",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=COST_MODEL_HELP,
+                       formatter_class=HelpFormatter, epilog=COST_MODEL_HELP,
                        description="Replay routing traces (JSON lines or .npz, see docs/policies.md) through the "
                        "decode step's own cache plan for every policy and cache size, and model the MoE time per "
                        "token under a bandwidth profile.")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import re
+import textwrap
 
 _ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
 _HEX = set("0123456789abcdefABCDEF")
@@ -18,6 +20,23 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs keep their lines (example commands, tables); a line wider than the terminal is wrapped
+    at words to its width (an indented line's continuations 2 columns further in)."""
+
+    def _fill_text(self, text, width, indent):
+        out = []
+        for line in text.splitlines():
+            if len(indent) + len(line) <= width:
+                out.append(indent + line)
+                continue
+            own = re.match(r"\s*", line).group(0)  # an indented line (an example) continues 2 columns further in
+            out.append(textwrap.fill(line.strip(), width, initial_indent=indent + own,
+                                     subsequent_indent=indent + own + ("  " if own else ""),
+                                     break_on_hyphens=False, break_long_words=False))
+        return "\n".join(out)
 
 
 def process_escapes(text: str) -> str:

@@ -46,7 +46,7 @@ import ml_dtypes
 import numpy as np
 import platformdirs
 
-from ft_jax import weight_formats
+from ft_jax import units, weight_formats
 from ft_jax.kernels import ffi_ops
 from ft_jax.kernels.host_bank import HostBank
 from ft_jax.offload.banks import ExpertBanks
@@ -572,7 +572,7 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
                            f"{found[-1].summary()}")
     notes = [f"{damaged}; ignoring it"] if damaged else []
     notes.append(f"no bandwidth profile of this machine for {key['dtype']} experts of "
-                 f"{key['expert_bytes'] / 2**20:.2f} MiB in {store}")
+                 f"{units.format_bytes(key['expert_bytes'])} in {store}")
     others = sorted({describe_machine(p.key) for p in profiles} - {describe_machine(key)})
     if others:
         notes.append(f"ignoring the profiles of another machine ({'; '.join(others)}); this is {describe_machine(key)}")
@@ -619,7 +619,7 @@ def stored_profile(expert_bytes: int, dtype: str, path: str | os.PathLike | None
                          f"BP,BH or a preset ({', '.join(PRESETS)})")
     near = min(here, key=lambda p: abs(math.log(p.key["expert_bytes"] / expert_bytes)))
     return near, (f"stored profile of this machine at the closest expert size ({near.key['dtype']}, "
-                  f"{near.key['expert_bytes'] / 2**20:.2f} MiB), measured {near.measured_at}")
+                  f"{units.format_bytes(near.key['expert_bytes'])}), measured {near.measured_at}")
 
 
 def _spec(profile: Profile, source: str) -> dict:
