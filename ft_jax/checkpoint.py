@@ -704,9 +704,33 @@ def _read_fp8(ckpt: SafetensorsCheckpoint, name: str, scale_name: str, shape: tu
               fmt: wf.WeightFormat) -> tuple[np.ndarray, np.ndarray]:
     """(data f8e4m3fn [rows, cols]: a read-only view of the file (SafetensorsCheckpoint.view), scales f32) of one FP8
     matrix and its weight_scale_inv (_read_fp8_scales). Raises CheckpointError: wrong shape or dtype, NaN data, a
-    non-finite scale."""
+    non-finite scale, a block that dequantizes to Inf (_check_fp8_overflow)."""
     data = ckpt.view(name, shape, _F8)  # NaN-checked while mapped
-    return data, _read_fp8_scales(ckpt, scale_name, shape, fmt)
+    scales = _read_fp8_scales(ckpt, scale_name, shape, fmt)
+    _check_fp8_overflow(ckpt, scale_name, data, scales, fmt)
+    return data, scales
+
+
+# Above this |scale| an FP8 e4m3 block can dequantize to Inf: 448 (the largest code) * scale > the float32 maximum.
+_FP8_SCALE_CAN_OVERFLOW = float(np.finfo(np.float32).max) / 448.0
+
+
+def _check_fp8_overflow(ckpt: SafetensorsCheckpoint, scale_name: str, data: np.ndarray, scales: np.ndarray,
+                        fmt: wf.WeightFormat) -> None:
+    """CheckpointError naming the file, the scale tensor and the block when a block's largest code times its scale
+    overflows float32 (the weight the kernels compute with would be Inf). data f8e4m3fn [rows, cols], scales f32
+    [ceil(rows / br), ceil(cols / bc)] of one matrix; only blocks whose |scale| exceeds float32 max / 448 are read
+    again, so a sound checkpoint costs a comparison over its scales."""
+    br, bc = fmt.block
+    for i, j in np.argwhere(np.abs(scales) > _FP8_SCALE_CAN_OVERFLOW):
+        block = data[i * br:(i + 1) * br, j * bc:(j + 1) * bc].astype(np.float32)
+        with np.errstate(over="ignore"):
+            if np.isinf(np.abs(block).max() * np.float32(scales[i, j])):
+                raise CheckpointError(
+                    f"{ckpt.tensors[scale_name].file}: tensor {scale_name!r} block [{i}, {j}] (rows "
+                    f"{i * br}..{min(data.shape[0], (i + 1) * br) - 1}, columns {j * bc}.."
+                    f"{min(data.shape[1], (j + 1) * bc) - 1}) holds the scale {float(scales[i, j]):.6g}, and the "
+                    "block's largest weight times it overflows float32: a corrupted FP8 checkpoint")
 
 
 def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_name: str, expert: int,
@@ -865,6 +889,7 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
             elif part[0] == "fp8_rows":  # the data mapped or read straight into the rows, NaN-checked as read
                 ckpt.read_into(name, arr[row, part[1]:part[2]], dtypes=_F8)
                 scales = _read_fp8_scales(ckpt, part[3], (part[2] - part[1], arr.shape[-1]), fmt)
+                _check_fp8_overflow(ckpt, part[3], arr[row, part[1]:part[2]].view(_F8[0]), scales, fmt)
                 out.arrays[f"{bank}_scale"][row, part[4]:part[4] + scales.shape[0]] = scales
             else:
                 _read_gpt_oss_experts(ckpt, bank, row, name, part, out, experts)

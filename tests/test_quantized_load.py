@@ -226,6 +226,32 @@ def test_fp8_checkpoint_kept_as_stored(tmp_path):
         load_checkpoint(d, quantize="q8_0")
 
 
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.weight",  # a dense projection
+                                  "model.layers.0.mlp.experts.2.gate_proj.weight"])  # an expert's rows in a bank
+def test_fp8_block_that_dequantizes_to_inf_is_named(tmp_path, name):
+    """A finite scale_inv whose product with the block's largest code overflows float32 fails the load naming the
+    scale tensor and the block; the largest scale that cannot overflow (float32 max / 448) loads."""
+    d = str(tmp_path / "fp8")
+    t = _write_fp8_checkpoint(d)
+    path = os.path.join(d, "model.safetensors")
+    scale = f"{name}_scale_inv"
+    codes = np.abs(t[name].astype(np.float32))  # f32[rows, cols]: the stored codes
+    i, j = t[scale].shape[0] - 1, t[scale].shape[1] - 1  # the last (partial) block
+    biggest = float(codes[i * BLOCK[0]:, j * BLOCK[1]:].max())
+    assert biggest > 0
+    t[scale] = t[scale].copy()
+    t[scale][i, j] = 2 * float(np.finfo(np.float32).max) / biggest  # finite, its products are not
+    save_file(t, path)
+    rows, cols = t[name].shape
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(path)}: tensor '{re.escape(scale)}' block \[{i}, {j}\] "
+                                              rf"\(rows {i * BLOCK[0]}..{rows - 1}, columns {j * BLOCK[1]}..{cols - 1}\) "
+                                              r"holds the scale .* overflows float32"):
+        load_checkpoint(d)
+    t[scale][i, j] = float(np.finfo(np.float32).max) / 448 * 0.99
+    save_file(t, path)
+    load_checkpoint(d).banks.release()
+
+
 @pytest.mark.parametrize("where", ["data", "f32 scale", "bf16 scale"])
 def test_fp8_nan_is_reported_naming_file_and_tensor(tmp_path, where):
     d = str(tmp_path / "fp8")
