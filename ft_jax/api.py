@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import warnings
 from typing import Callable, Sequence
 
@@ -46,6 +47,21 @@ from ft_jax.units import model_dtype
 from ft_jax.defaults import (BUNDLED_MODEL, DEFAULT_CACHE_FRACTION, DEFAULT_NEW_TOKENS, DEFAULT_POLICY,  # noqa: F401
                              DEFAULT_TEMPERATURE, bundled_model_path, default_policy)
 from ft_jax.offload.policy import PolicyKind
+
+
+def unused_tensors_note(names: Sequence[str], cfg) -> str:
+    """The note for checkpoint tensors the model does not read (LoadedCheckpoint.unused_tensors, non-empty): their
+    count and names, a decoder layer's as one "model.layers.N.*" entry, at most 4 entries. E.g. 'config.json
+    (num_hidden_layers 3) leaves 13 tensors of the checkpoint unread: model.layers.3.* (13)'."""
+    groups: dict[str, int] = {}
+    for name in names:
+        m = re.match(r"(model\.layers\.\d+\.)", name)
+        key = m.group(1) + "*" if m else name
+        groups[key] = groups.get(key, 0) + 1
+    shown = [f"{k} ({n})" if k.endswith("*") else k for k, n in list(groups.items())[:4]]
+    more = f" and {len(groups) - 4} more" if len(groups) > 4 else ""
+    return (f"config.json (num_hidden_layers {cfg.num_layers}) leaves {units.count(len(names), 'tensor')} of the "
+            f"checkpoint unread: {', '.join(shown)}{more}")
 
 
 def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
@@ -605,6 +621,11 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
     if note and on_message is not None:
         on_message(note)
     notes = [note] if note else []
+    if checkpoint.unused_tensors:
+        unused = unused_tensors_note(checkpoint.unused_tensors, cfg)
+        notes.append(unused)
+        if on_message is not None:
+            on_message(unused)
     fits = budget_slots(cache, banks.expert_bytes) if isinstance(cache, str) else 0
     if fits > experts and policy.kind not in (PolicyKind.HOST_ALL, PolicyKind.RESIDENT):  # they use no budget
         notes.append(budget_note(f"cache={cache!r}", fits, experts))  # the CLI says it with its flag

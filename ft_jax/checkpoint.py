@@ -260,6 +260,7 @@ class SafetensorsCheckpoint:
         else:
             raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
         self._handles: dict[str, Any] = {}
+        self.used: set[str] = set()  # the tensors info() was asked for: everything read goes through it
 
     def __enter__(self):
         return self
@@ -290,6 +291,7 @@ class SafetensorsCheckpoint:
         info = self.tensors.get(name)
         if info is None:
             raise CheckpointError(f"{self._directory_file}: missing tensor {name!r}")
+        self.used.add(name)
         if shape is not None and tuple(shape) != info.shape:
             raise CheckpointError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, expected "
                                   f"{list(shape)}")
@@ -544,13 +546,17 @@ class LoadedCheckpoint:
     (banks.format): gate_up [L_moe*E, *fmt.data_shape(2I, H)], down [L_moe*E, *fmt.data_shape(H, I)], for a block
     format the scale banks gate_up_scale / down_scale (ft_jax.weight_formats.expert_rows), and for families whose
     experts have biases (MoEConfig.expert_bias: gpt-oss) gate_up_bias [L_moe*E, 2I] (gate bias then up bias) and
-    down_bias [L_moe*E, H] in the float expert dtype; checkpoint_bytes: total size of the safetensors files.
+    down_bias [L_moe*E, H] in the float expert dtype; checkpoint_bytes: total size of the safetensors files;
+    unused_tensors: the names of the checkpoint's tensors the model does not read, sorted (config.json decides which
+    are read: e.g. the layers past num_hidden_layers, DeepSeek-V3's multi-token-prediction layer), empty when the
+    banks hold a part of the experts (they are another process's).
     """
 
     config: MoEConfig
     model: MoETransformer
     banks: ExpertBanks
     checkpoint_bytes: int
+    unused_tensors: tuple[str, ...] = ()
 
 
 def check_experts(cfg: MoEConfig, experts: range | None) -> range:
@@ -964,7 +970,8 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
             their tensors (their rows of a fused [E, ...] tensor) are read; bank row moe_layer * len(experts) + j
             holds expert experts[j].
     Returns:
-        LoadedCheckpoint(config, model, banks, checkpoint_bytes); banks.format is the experts' weight format.
+        LoadedCheckpoint(config, model, banks, checkpoint_bytes, unused_tensors); banks.format is the experts' weight
+        format.
     Memory: expert tensors stored as the bank holds them are mapped from the file into the bank rows (no copy, see
     SafetensorsCheckpoint.read_into), others read one at a time directly into the bank rows (plus one tensor-sized
     temporary when the stored dtype differs from the bank's; one expert's matrix when quantizing; gpt-oss tensors one
@@ -990,4 +997,5 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
         model = MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None))
         banks = load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts)
         nbytes = ckpt.nbytes
-    return LoadedCheckpoint(cfg, model, banks, nbytes)
+        unused = tuple(sorted(set(ckpt.tensors) - ckpt.used)) if experts is None else ()
+    return LoadedCheckpoint(cfg, model, banks, nbytes, unused)

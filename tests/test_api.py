@@ -409,3 +409,30 @@ def test_the_errors_of_an_unusable_folder_are_public_names(tmp_path):
     (d / "config.json").write_text("{not json")
     with pytest.raises(ft_jax.ConfigError, match="config.json"):
         ft_jax.load(d, policy="host-all")
+
+
+def safe_open_names(path) -> list[str]:
+    """The tensor names of a safetensors file, read by the safetensors package."""
+    from safetensors import safe_open
+    with safe_open(str(path), "np") as f:
+        return list(f.keys())
+
+
+def test_tensors_the_config_leaves_unread_are_noted(tmp_path):
+    """config.json with one decoder layer fewer than the checkpoint holds: the load says which tensors go unread
+    (every tensor of layer 3), and the bundled model as shipped reads every tensor."""
+    d = tmp_path / "model"
+    shutil.copytree(ft_jax.bundled_model_path(), d)
+    cfg = json.loads((d / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    cfg["num_hidden_layers"] = layers - 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    last = sorted(n for n in safe_open_names(d / "model.safetensors") if n.startswith(f"model.layers.{layers - 1}."))
+    messages = []
+    model = ft_jax.load(d, policy="host-all", on_message=messages.append)
+    assert model.checkpoint.unused_tensors == tuple(last) and last
+    expected = (f"config.json (num_hidden_layers {layers - 1}) leaves {len(last)} tensors of the checkpoint unread: "
+                f"model.layers.{layers - 1}.* ({len(last)})")
+    assert model.note == expected and messages == [expected]
+    assert ft_jax.load(policy="host-all").checkpoint.unused_tensors == ()
+
