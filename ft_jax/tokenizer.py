@@ -244,8 +244,8 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
         return ByteTokenizer(special.bos_token_id, special.eos_token_ids)
     if marker is not None:
         raise ConfigError(f"{cfg_path}: {BYTE_TOKENIZER_MARKER_KEY}={marker!r}: the only tokenizer it names is "
-                          f"{BYTE_TOKENIZER_MARKER_VALUE!r} (byte-level, vocab_size {BYTE_VOCAB_SIZE}); without "
-                          "tokenizer.json and the marker, pass token ids with --prompt-ids")
+                          f"{BYTE_TOKENIZER_MARKER_VALUE!r} (byte-level, vocab_size {BYTE_VOCAB_SIZE}); correct the "
+                          "value or remove the key")
     raise TokenizerNotFoundError(
         f"{model_dir}: no tokenizer.json (and config.json has no "
         f'"{BYTE_TOKENIZER_MARKER_KEY}": "{BYTE_TOKENIZER_MARKER_VALUE}" marker); '
