@@ -20,7 +20,7 @@ import math
 import os
 import re
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,19 +49,27 @@ from ft_jax.defaults import (BUNDLED_MODEL, DEFAULT_CACHE_FRACTION, DEFAULT_NEW_
 from ft_jax.offload.policy import PolicyKind
 
 
-def unused_tensors_note(names: Sequence[str], cfg) -> str:
-    """The note for checkpoint tensors the model does not read (LoadedCheckpoint.unused_tensors, non-empty): their
-    count and names, a decoder layer's as one "model.layers.N.*" entry, at most 4 entries. E.g. 'config.json
-    (num_hidden_layers 3) leaves 13 tensors of the checkpoint unread: model.layers.3.* (13)'."""
-    groups: dict[str, int] = {}
+def unused_tensors_note(unused: Sequence[str], names: Iterable[str]) -> str:
+    """The note for the checkpoint tensors the model does not read (LoadedCheckpoint.unused_tensors, non-empty) among
+    all of its tensors ``names``: their count, then a decoder layer none of whose tensors is read as one
+    "model.layers.N.* (count)" entry, in layer order, then the other names; at most 6 entries and how many tensors
+    the rest hold. E.g. "31 of the checkpoint's tensors are not read by the model its config.json describes:
+    model.layers.3.* (31)"."""
+    unread = set(unused)
+    per_layer: dict[int, list[str]] = {}
     for name in names:
-        m = re.match(r"(model\.layers\.\d+\.)", name)
-        key = m.group(1) + "*" if m else name
-        groups[key] = groups.get(key, 0) + 1
-    shown = [f"{k} ({n})" if k.endswith("*") else k for k, n in list(groups.items())[:4]]
-    more = f" and {len(groups) - 4} more" if len(groups) > 4 else ""
-    return (f"config.json (num_hidden_layers {cfg.num_layers}) leaves {units.count(len(names), 'tensor')} of the "
-            f"checkpoint unread: {', '.join(shown)}{more}")
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m:
+            per_layer.setdefault(int(m.group(1)), []).append(name)
+    whole = sorted(i for i, layer in per_layer.items() if unread.issuperset(layer))
+    grouped = {n for i in whole for n in per_layer[i]}
+    entries = [(f"model.layers.{i}.* ({len(per_layer[i])})", len(per_layer[i])) for i in whole]
+    entries += [(n, 1) for n in sorted(unread - grouped)]
+    shown, rest = entries[:6], sum(n for _, n in entries[6:])
+    more = f" and {units.count(rest, 'more tensor')}" if rest else ""
+    verb = "is" if len(unread) == 1 else "are"
+    return (f"{len(unread)} of the checkpoint's tensors {verb} not read by the model its config.json describes: "
+            f"{', '.join(e for e, _ in shown)}{more}")
 
 
 def num_slots_for(cache, num_experts: int, expert_bytes: int) -> int:
@@ -598,6 +606,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
     # The cache budget's form and range, and the host memory, before loading (the bytes per expert from the config,
     # at the stored size of the experts' weight format).
     with checkpoint_lib.SafetensorsCheckpoint(path) as headers:  # headers only: checked before anything is allocated
+        tensor_names = tuple(headers.tensors)
         if quantize is not None:  # rows that do not fit the blocks, named before any size is computed from them
             checkpoint_lib.check_quantize_fits(headers.tensors, fmt)
         with _argument("cache"):
@@ -622,7 +631,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
         on_message(note)
     notes = [note] if note else []
     if checkpoint.unused_tensors:
-        unused = unused_tensors_note(checkpoint.unused_tensors, cfg)
+        unused = unused_tensors_note(checkpoint.unused_tensors, tensor_names)
         notes.append(unused)
         if on_message is not None:
             on_message(unused)

@@ -548,8 +548,8 @@ class LoadedCheckpoint:
     experts have biases (MoEConfig.expert_bias: gpt-oss) gate_up_bias [L_moe*E, 2I] (gate bias then up bias) and
     down_bias [L_moe*E, H] in the float expert dtype; checkpoint_bytes: total size of the safetensors files;
     unused_tensors: the names of the checkpoint's tensors the model does not read, sorted (config.json decides which
-    are read: e.g. the layers past num_hidden_layers, DeepSeek-V3's multi-token-prediction layer), empty when the
-    banks hold a part of the experts (they are another process's).
+    are read: e.g. the layers past num_hidden_layers, DeepSeek-V3's multi-token-prediction layer, an lm_head.weight
+    beside tie_word_embeddings; with a part of the experts in this process's banks, the others count as read).
     """
 
     config: MoEConfig
@@ -997,5 +997,7 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
         model = MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None))
         banks = load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts)
         nbytes = ckpt.nbytes
-        unused = tuple(sorted(set(ckpt.tensors) - ckpt.used)) if experts is None else ()
+        if experts is not None:
+            expert_tensor_plan(cfg, ckpt, fmt)  # the experts other processes hold count as read (headers only)
+        unused = tuple(sorted(set(ckpt.tensors) - ckpt.used))
     return LoadedCheckpoint(cfg, model, banks, nbytes, unused)

@@ -420,7 +420,8 @@ def safe_open_names(path) -> list[str]:
 
 def test_tensors_the_config_leaves_unread_are_noted(tmp_path):
     """config.json with one decoder layer fewer than the checkpoint holds: the load says which tensors go unread
-    (every tensor of layer 3), and the bundled model as shipped reads every tensor."""
+    (every tensor of the last layer; with half of the experts in the banks, the other half count as read); the
+    bundled model as shipped reads every tensor."""
     d = tmp_path / "model"
     shutil.copytree(ft_jax.bundled_model_path(), d)
     cfg = json.loads((d / "config.json").read_text())
@@ -428,11 +429,26 @@ def test_tensors_the_config_leaves_unread_are_noted(tmp_path):
     cfg["num_hidden_layers"] = layers - 1
     (d / "config.json").write_text(json.dumps(cfg))
     last = sorted(n for n in safe_open_names(d / "model.safetensors") if n.startswith(f"model.layers.{layers - 1}."))
+    expected = (f"{len(last)} of the checkpoint's tensors are not read by the model its config.json describes: "
+                f"model.layers.{layers - 1}.* ({len(last)})")
     messages = []
     model = ft_jax.load(d, policy="host-all", on_message=messages.append)
     assert model.checkpoint.unused_tensors == tuple(last) and last
-    expected = (f"config.json (num_hidden_layers {layers - 1}) leaves {len(last)} tensors of the checkpoint unread: "
-                f"model.layers.{layers - 1}.* ({len(last)})")
     assert model.note == expected and messages == [expected]
+    half = ft_jax.load_checkpoint(d, experts=range(model.config.num_experts // 2))  # another process holds the rest
+    assert half.unused_tensors == tuple(last)
     assert ft_jax.load(policy="host-all").checkpoint.unused_tensors == ()
 
+
+def test_the_unread_note_orders_layers_by_number_and_names_single_tensors():
+    """Whole layers first in numeric order (10 after 9), a layer with some tensors read listed by name, at most 6
+    entries and the count of the tensors the rest hold."""
+    names = [f"model.layers.{i}.w{j}" for i in range(12) for j in range(3)] + ["lm_head.weight"]
+    unread = [f"model.layers.{i}.w{j}" for i in (2, 9, 10, 11) for j in range(3)] + ["model.layers.0.w2"]
+    unread += [f"model.layers.{i}.w{j}" for i in (3, 4, 5) for j in range(3)]
+    note = api.unused_tensors_note(sorted(unread), names)
+    assert note == ("22 of the checkpoint's tensors are not read by the model its config.json describes: "
+                    "model.layers.2.* (3), model.layers.3.* (3), model.layers.4.* (3), model.layers.5.* (3), "
+                    "model.layers.9.* (3), model.layers.10.* (3) and 4 more tensors")
+    assert api.unused_tensors_note(["lm_head.weight"], names) == (
+        "1 of the checkpoint's tensors is not read by the model its config.json describes: lm_head.weight")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 import textwrap
 
 _ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
@@ -23,20 +22,34 @@ class Parser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions and epilogs keep their lines (example commands, tables); a line wider than the terminal is wrapped
-    at words to its width (an indented line's continuations 2 columns further in)."""
+    """Descriptions and epilogs keep their lines: an indented line (an example command, a table, a formula) is left
+    as written, so that it can be copied; a paragraph of prose with a line wider than the terminal is refilled at
+    spaces. Option help is wrapped at spaces too, never inside a word, a path or a hyphenated value (host-all,
+    fixed-cap:1)."""
 
     def _fill_text(self, text, width, indent):
-        out = []
+        out: list[str] = []
+        prose: list[str] = []  # the lines of the paragraph being read
+
+        def flush() -> None:
+            if any(len(indent) + len(line) > width for line in prose):  # refilled as one paragraph
+                out.append(textwrap.fill(" ".join(prose), width, initial_indent=indent, subsequent_indent=indent,
+                                         break_on_hyphens=False, break_long_words=False))
+            else:
+                out.extend(indent + line for line in prose)
+            prose.clear()
+
         for line in text.splitlines():
-            if len(indent) + len(line) <= width:
-                out.append(indent + line)
+            if line.strip() and not line[:1].isspace():
+                prose.append(line)
                 continue
-            own = re.match(r"\s*", line).group(0)  # an indented line (an example) continues 2 columns further in
-            out.append(textwrap.fill(line.strip(), width, initial_indent=indent + own,
-                                     subsequent_indent=indent + own + ("  " if own else ""),
-                                     break_on_hyphens=False, break_long_words=False))
+            flush()
+            out.append(indent + line)
+        flush()
         return "\n".join(out)
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
 
 
 def process_escapes(text: str) -> str:
