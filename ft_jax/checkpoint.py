@@ -739,6 +739,11 @@ def _check_fp8_overflow(ckpt: SafetensorsCheckpoint, scale_name: str, data: np.n
                     "block's largest weight times it overflows float32: a corrupted FP8 checkpoint")
 
 
+def _block_in_rows(row: int, block: int) -> str:
+    """Where block ``block`` of row ``row`` of a matrix stored as its rows lies: the row and its 32 columns."""
+    return f"row {row}, block {block} (columns {32 * block}..{32 * block + 31})"
+
+
 def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_name: str, expert: int,
                         blocks: np.ndarray, scales: np.ndarray) -> None:
     """CheckpointError naming the file, tensor, row and block for an E8M0 scale of 255 (NaN) or a value that overflows
@@ -746,8 +751,7 @@ def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_na
     magnitude >= 2, or 253 with one >= 4 (FP4 E2M1 magnitudes reach 6; OCP Microscaling Formats v1.0). blocks u8
     [rows, G, 16] and scales u8 [rows, G] of one expert."""
     def where(mask: np.ndarray) -> str:  # the first True of bool[rows, G]
-        row, block = (int(i) for i in np.argwhere(mask)[0])
-        return f"row {row}, block {block} (columns {32 * block}..{32 * block + 31})"
+        return _block_in_rows(*(int(i) for i in np.argwhere(mask)[0]))
 
     nan = scales == _E8M0_NAN  # bool[rows, G]
     if nan.any():
@@ -768,11 +772,6 @@ def _check_mxfp4_scales(ckpt: SafetensorsCheckpoint, blocks_name: str, scales_na
 # Rows quantized per weight_formats.quantize call: bounds its float32 temporaries (a few copies of the piece) to a few
 # times 16 MiB whatever the tensor (an lm_head of 150k x 4096 values would otherwise take ~7 GB of temporaries).
 _QUANTIZE_PIECE_VALUES = 4 << 20
-
-
-def _block_in_rows(row: int, block: int) -> str:
-    """Where block ``block`` of row ``row`` of a matrix stored as its rows lies: the row and its 32 columns."""
-    return f"row {row}, block {block} (columns {32 * block}..{32 * block + 31})"
 
 
 def _quantize_into(w: np.ndarray, fmt: wf.WeightFormat, data: np.ndarray, scales: np.ndarray, what: str,
