@@ -14,6 +14,9 @@
 //   FtJaxLinear           linear.cc        x f32|bf16 [N, K], w [L, O, K] or [O, K] (as stored), layer i32[]
 //                                          (+ scales of a block format); attrs weight_format, block_rows,
 //                                          block_cols -> y f32[N, O]
+//   FtJaxDecodeAttention  decode_attention.cc  q f32|bf16 [B, NH, D], k/v caches [n, Bc, S, KVH, D], layer i32[],
+//                                          rows i32[B], positions i32[B], window i32[] (+ sinks f32[NH]);
+//                                          attr scale (f32) -> out [B, NH, D] of q's dtype
 // Weight formats and layouts: quant_dot.h.
 #ifndef FT_JAX_XLA_FFI_FFI_HANDLERS_H_
 #define FT_JAX_XLA_FFI_FFI_HANDLERS_H_
@@ -27,5 +30,6 @@ FT_JAX_DECLARE_HANDLER(FtJaxHostExperts);
 FT_JAX_DECLARE_HANDLER(FtJaxHostExpertsInstantiate);
 FT_JAX_DECLARE_HANDLER(FtJaxSlotExperts);
 FT_JAX_DECLARE_HANDLER(FtJaxLinear);
+FT_JAX_DECLARE_HANDLER(FtJaxDecodeAttention);
 
 #endif  // FT_JAX_XLA_FFI_FFI_HANDLERS_H_

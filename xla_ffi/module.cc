@@ -124,6 +124,7 @@ NB_MODULE(_ffi, m) {
         d["ft_jax_host_experts"] = Staged(FtJaxHostExpertsInstantiate, FtJaxHostExperts);
         d["ft_jax_slot_experts"] = Capsule(FtJaxSlotExperts);
         d["ft_jax_linear"] = Capsule(FtJaxLinear);
+        d["ft_jax_decode_attention"] = Capsule(FtJaxDecodeAttention);
         return d;
       },
       "dict target name -> PyCapsule of the XLA FFI handler, or a dict stage -> PyCapsule (CPU platform).");

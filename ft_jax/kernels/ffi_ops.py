@@ -248,6 +248,55 @@ def linear(x, w, layer=0, *, scales=None, weight_format: WeightFormat | None = N
     return call(x, w, layer, *operands, **_format_attrs(fmt))
 
 
+def decode_attention(q, k_cache, v_cache, layer, rows, positions, window, *, scale: float, sinks=None):
+    """One decode step's grouped-query softmax attention over a stacked KV cache as stored (the CPU handler,
+    xla_ffi/decode_attention.cc): for query head h of row b at position p = positions[b], over the keys j of cache
+    row rows[b] at indices max(0, p - window + 1) .. p of KV head h // (NH / KVH),
+        s_j = rnd(rnd(q[b, h] . k_j) * scale),  p_j = rnd(softmax(s ++ [sinks[h]])_j),  out[b, h] = rnd(sum_j p_j v_j)
+    with float32 sums and rnd the rounding to q's dtype (none for float32): transformers' eager_attention_forward in
+    the model dtype (scores and their scaling in the dtype, softmax in float32; gpt-oss's sink as one more logit
+    dropped after the softmax). A padding row (p = -1) gets zeros.
+
+    Args:
+      q: f32 | bf16 [B, NH, D] queries (after RoPE).
+      k_cache, v_cache: [n, Bc, S, KVH, D] stacks of layer caches in layers.cache_store form (bf16 as uint16 bits,
+        or bf16; float32 for a float32 q); NH a multiple of KVH.
+      layer: i32[] (or int) which layer of the stack.
+      rows: i32[B] cache row of each query row. positions: i32[B] (-1 = padding).
+      window: i32[] (or int) sliding window in keys; >= S for full attention.
+      scale: the score scaling (head_dim ** -0.5).
+      sinks: f32[NH] this layer's sink logits, or None.
+
+    Returns:
+      [B, NH, D] in q's dtype.
+
+    Raises:
+      TypeError / ValueError at trace time for dtypes or shapes; a layer or row outside the cache fails at run time.
+    """
+    op = "decode_attention"
+    (B, NH, D), qdtype = _expect(op, "q", q, 3, _WEIGHT_DTYPES, "[B, NH, D]")
+    cache_dtypes = (np.dtype(jnp.bfloat16), np.dtype(np.uint16)) if qdtype == np.dtype(jnp.bfloat16) \
+        else (np.dtype(np.float32),)
+    kshape, _ = _expect(op, "k_cache", k_cache, 5, cache_dtypes, "[n, Bc, S, KVH, D]")
+    vshape, _ = _expect(op, "v_cache", v_cache, 5, cache_dtypes, "[n, Bc, S, KVH, D]")
+    if kshape != vshape or kshape[-1] != D or NH % kshape[3]:
+        raise ValueError(f"{op}: q [{B}, {NH}, {D}] needs key and value caches [n, Bc, S, KVH, {D}] alike with NH a "
+                         f"multiple of KVH, got {list(kshape)} and {list(vshape)}")
+    for name, value in (("rows", rows), ("positions", positions)):
+        shape, _ = _expect(op, name, value, 1, (np.dtype(np.int32),), f"[{B}]")
+        if shape != (B,):
+            raise ValueError(f"{op}: {name} must be [{B}], got {list(shape)}")
+    operands = ()
+    if sinks is not None:
+        shape, _ = _expect(op, "sinks", sinks, 1, (np.dtype(np.float32),), f"[{NH}]")
+        if shape != (NH,):
+            raise ValueError(f"{op}: sinks must be [{NH}], got {list(shape)}")
+        operands = (sinks,)
+    call = jax.ffi.ffi_call("ft_jax_decode_attention", jax.ShapeDtypeStruct((B, NH, D), qdtype))
+    return call(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), rows, positions, jnp.asarray(window, jnp.int32),
+                *operands, scale=np.float32(scale))
+
+
 def _check_expert_inputs(op: str, x, ids, weights, ids_name: str) -> tuple[int, int, int]:
     (T, H), _ = _expect(op, "x", x, 2, _WEIGHT_DTYPES, "[T, H]")
     (Ti, k), _ = _expect(op, ids_name, ids, 2, (np.dtype(np.int32),), "[T, k]")

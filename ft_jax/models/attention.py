@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ft_jax.config import MoEConfig
+from ft_jax.kernels import ffi_ops
 from ft_jax.models.layers import (HIGHEST, AttentionInputs, Stacked, apply_rope, attend_live_blocks, cache_store,
                                   cache_zeros, linear, query_blocks, rms_norm, rope_cos_sin)
 
@@ -77,7 +78,7 @@ class GroupedQueryAttention(nnx.Module):
         # [blk, D]: both products of a block are then plain batched matrix products whose results are laid out as
         # the softmax reads them (the layout [B, T, KVH, G, D] made XLA transpose the scores twice per block, which
         # cost 6x the products; docs/DESIGN.md sec. 16).
-        def attend(sub: AttentionInputs, q):  # the queries q [B, Tq, NH, D] -> [B, Tq, KVH, G, D] in q.dtype
+        def attend(sub: AttentionInputs, q, caches):  # the queries q [B, Tq, NH, D] -> [B, Tq, KVH, G, D] in q.dtype
             Tq = q.shape[1]
             qt = q.reshape(B, Tq, KVH, G, D).transpose(0, 2, 3, 1, 4).reshape(B, KVH, G * Tq, D)
 
@@ -91,12 +92,27 @@ class GroupedQueryAttention(nnx.Module):
                 return jnp.einsum("bkqs,bksd->bkqd", probs.reshape(B, KVH, G * Tq, -1), vals, precision=HIGHEST,
                                   preferred_element_type=jnp.float32)
 
-            out = attend_live_blocks(sub, (k_cache, v_cache), i, q.dtype, scores, values, (B, KVH, G * Tq, D),
+            out = attend_live_blocks(sub, caches, i, q.dtype, scores, values, (B, KVH, G * Tq, D),
                                      sink=self._sink(i), window=self._window(i, k_cache.shape[2]))
             return out.reshape(B, KVH, G, Tq, D).transpose(0, 3, 1, 2, 4).astype(q.dtype)
 
+        def attend_all(q, k_cache, v_cache):  # XLA's ops: any step, any backend
+            return jnp.concatenate([attend(sub, q[:, part], (k_cache, v_cache)) for part, sub in query_blocks(ctx)],
+                                   axis=1)
+
+        def attend_decode_ffi(q, k_cache, v_cache):  # one query per row on the CPU: one FFI call (sec. 20.21)
+            window = self._window(i, k_cache.shape[2])
+            sinks = None if self.sinks is None else self.sinks[...][i].astype(jnp.float32)  # [NH]
+            out = ffi_ops.decode_attention(q[:, 0], k_cache, v_cache, i, ctx.rows[:, 0], ctx.positions[:, 0],
+                                           k_cache.shape[2] if window is None else window, scale=D ** -0.5,
+                                           sinks=sinks)  # [B, NH, D]
+            return out.reshape(B, 1, KVH, G, D)
+
         with jax.named_scope("softmax_attention"):
-            out = jnp.concatenate([attend(sub, q[:, part]) for part, sub in query_blocks(ctx)], axis=1)
+            if T == 1 and q.dtype in (jnp.float32, jnp.bfloat16):
+                out = jax.lax.platform_dependent(q, k_cache, v_cache, cpu=attend_decode_ffi, default=attend_all)
+            else:
+                out = attend_all(q, k_cache, v_cache)
         with jax.named_scope("o_proj"):
             o = linear(out.reshape(B, T, NH * D), self.o[...], i)  # f32[B, T, H]
             if self.o_bias is not None:
