@@ -16,8 +16,9 @@ each XLA:CPU trace event carries the ``run_id`` of its execution, so every step 
   execution span  the step's first op start to its last op end
   ops             the summed durations of the step's executed ops (control flow, whose bodies are counted, and the
                   executor's own events excluded), split into the FFI calls (custom-call targets ft_jax_*: the expert
-                  kernel and the dense GEMVs) and XLA's own ops, and per part of the model (scripts/profile_prefill.py
-                  maps ops to the model's jax.named_scope parts; "sampling" is sample_next)
+                  kernel, the dense GEMVs, the decode attention) and XLA's own ops, and per part of the model
+                  (scripts/profile_prefill.py maps ops to the model's jax.named_scope parts; "sampling" is
+                  sample_next)
   executor gaps   span - ops: the thunk executor between ops (scheduling, waking a thread for each op)
   between steps   period - span: the host's share of a step: the token's device-to-host read, the Python loop of
                   decode_n_tokens, the dispatch of the next step and the wake-up of the thread that runs it

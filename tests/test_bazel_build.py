@@ -175,7 +175,8 @@ def test_bazel_headers_hold_every_included_header():
 def test_exports_every_handler_and_the_state_type(lib):
     """Every CPU handler symbol of xla_ffi/ffi_handlers.h and the BoundBanks type hooks are exported (export.h)."""
     for name in ("FtJaxSlotFill", "FtJaxSlotFillInstantiate", "FtJaxHostExperts", "FtJaxHostExpertsInstantiate",
-                 "FtJaxSlotExperts", "FtJaxLinear", "FtJaxBoundBanksTypeId", "FtJaxBoundBanksTypeInfo"):
+                 "FtJaxSlotExperts", "FtJaxLinear", "FtJaxDecodeAttention", "FtJaxBoundBanksTypeId",
+                 "FtJaxBoundBanksTypeInfo"):
         assert hasattr(lib, name), name
 
 

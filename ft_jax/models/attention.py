@@ -25,7 +25,8 @@ class GroupedQueryAttention(nnx.Module):
     over the whole projection: OLMoE), optional clip (OLMoE), RoPE (default or YaRN), the KV cache update, softmax
     attention in float32 over the visible keys of the live KV blocks (layers.attend_live_blocks), and the o
     projection (+ bias). KV cache of the stack: (k, v), each
-    [n, B, S, KVH, D].
+    [n, B, S, KVH, D]. A decode step (one query per row) on the CPU backend attends in one FFI call per layer
+    (ffi_ops.decode_attention: the same softmax over the cache as stored, without XLA's dots and block copies).
 
     gpt-oss: attention sinks ``self_attn.sinks`` [n, NH]: a learned logit per head joins each query's softmax over
     the keys and is dropped after it (transformers' eager_attention_forward: softmax(concat(scores, sink))[:-1]), so
