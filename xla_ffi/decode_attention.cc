@@ -14,10 +14,11 @@
 // attrs:    scale (f32: the score scaling, head_dim^-0.5)
 // result:   out [B, NH, D] of q's dtype
 // It replaces about 12 XLA thunks per layer, among them a YNNPACK dot whose thread handoff cost more than the whole
-// product, and the float32 copies of the layer's key and value blocks (docs/DESIGN.md sec. 20.21). The rows and KV
-// heads are tasks of the caller's XLA thread pool when the keys and values read reach kParallelMinBytes, else the
-// call runs on the calling thread. Each (row, KV head) sums in a fixed order, so results do not depend on the threads,
-// on the other rows or on S.
+// product, and the float32 copies of the layer's key and value blocks (docs/DESIGN.md sec. 20.21). A row, or a group
+// of its KV heads when there are fewer rows than threads, is a task of the caller's XLA thread pool once the keys and
+// values read reach kParallelMinBytes; below that the call runs on the calling thread. Every query head sums in a
+// fixed order (the scores of a bf16 cache with VDPBF16PS where the CPU has AVX-512 BF16 and D is a multiple of 32 up
+// to 128; float32 lanes otherwise), so results do not depend on the threads, on the other rows or on S.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,6 +28,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/common.h"
+#include "xla_ffi/dot_kernels.h"
 #include "xla_ffi/ffi_handlers.h"
 #include "xla_ffi/isa.h"
 #include "xla_ffi/parallel.h"
@@ -49,17 +51,30 @@ inline float Bf16ToF32(uint16_t b) {
   return f;
 }
 
-// f rounded to the nearest bfloat16 (ties to even), as float32; NaN stays NaN. Branch-free (the loops over scores
-// vectorize).
-inline float RoundBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  const uint32_t out = (bits & 0x7FFFFFFFu) > 0x7F800000u ? bits : rounded;
-  float r;
-  std::memcpy(&r, &out, sizeof r);
-  return r;
+// 16 float32 lanes (GCC vector extension): one AVX-512 register, two AVX2 ones, four SSE ones, as the function it is
+// inlined into is compiled for (floating-point contraction where the level has FMA).
+typedef float F16Lanes __attribute__((vector_size(4 * kLanes)));
+typedef int32_t I16Lanes __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t U16Lanes __attribute__((vector_size(4 * kLanes)));
+
+inline __attribute__((always_inline)) F16Lanes Broadcast(float x) { return F16Lanes{} + x; }
+
+inline __attribute__((always_inline)) F16Lanes LoadLanes(const float* p) {
+  F16Lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
+
+inline __attribute__((always_inline)) void StoreLanes(float* p, F16Lanes v) { std::memcpy(p, &v, sizeof v); }
+
+// Each lane rounded to the nearest bfloat16 (ties to even), as float32; NaN stays NaN.
+inline __attribute__((always_inline)) F16Lanes RoundBf16(F16Lanes f) {
+  const U16Lanes bits = (U16Lanes)f;
+  const U16Lanes rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  return (F16Lanes)((bits & 0x7FFFFFFFu) > 0x7F800000u ? bits : rounded);
+}
+
+inline float RoundBf16(float f) { return RoundBf16(Broadcast(f))[0]; }
 
 inline uint16_t Bf16Bits(float f) {  // f already a bf16 value (RoundBf16)
   uint32_t bits;
@@ -67,24 +82,26 @@ inline uint16_t Bf16Bits(float f) {  // f already a bf16 value (RoundBf16)
   return static_cast<uint16_t>(bits >> 16);
 }
 
-// exp(x) for x <= 0 (x = s - max): Cephes' expf (range reduction by ln 2, degree-6 polynomial; ~1 ulp), 0 below
-// -87.3 (where float32 underflows). Branch-free, so the loops over keys vectorize.
-inline float ExpNonPositive(float x) {
-  const float xc = std::max(x, -87.33654f);
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  float r = xc - n * 0.693359375f;
+// exp(x) per lane for x <= 0 (x = s - max): Cephes' expf (x = n ln 2 + r with n the nearest integer to x / ln 2,
+// found with the 1.5 * 2^23 rounding constant; a degree-6 polynomial in r; ~1 ulp), 0 below -87.3 (where float32
+// underflows), NaN for NaN.
+inline __attribute__((always_inline)) F16Lanes Exp(F16Lanes x) {
+  const F16Lanes low = Broadcast(-87.33654f);
+  const F16Lanes xc = x < low ? low : x;
+  const F16Lanes t = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23 + n
+  const F16Lanes n = t - 12582912.0f;
+  const I16Lanes ni = (I16Lanes)t - 0x4B400000;  // n as an integer
+  F16Lanes r = xc - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  F16Lanes p = Broadcast(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  return x < -87.33654f ? 0.0f : p * scale;
+  const F16Lanes y = p * (F16Lanes)((ni + 127) << 23);
+  return x < low ? F16Lanes{} : y;
 }
 
 // What one call reads and writes; element pointers of the layer's cache and the step's rows.
@@ -101,20 +118,8 @@ struct Problem {
   float scale;
   void* out;  // [B, NH, D]
   int64_t parts = 1;  // tasks per row: its KV heads in this many groups
+  bool bf16_dots = false;  // the scores by ScoresBf16 (AVX-512 BF16; bf16, D a multiple of 32 up to 128)
 };
-
-// 16 float32 lanes (GCC vector extension): one AVX-512 register, two AVX2 ones, four SSE ones, as the function it is
-// inlined into is compiled for. No floating-point contraction (ISO C++ mode), so every level gives the same bits.
-typedef float F16Lanes __attribute__((vector_size(4 * kLanes)));
-typedef int32_t I16Lanes __attribute__((vector_size(4 * kLanes)));
-
-inline __attribute__((always_inline)) F16Lanes LoadLanes(const float* p) {
-  F16Lanes v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline __attribute__((always_inline)) void StoreLanes(float* p, F16Lanes v) { std::memcpy(p, &v, sizeof v); }
 
 // The sum of the lanes in a fixed tree: lane l + 8 into lane l, then l + 4, l + 2, l + 1.
 inline __attribute__((always_inline)) float SumLanes(F16Lanes v) {
@@ -145,6 +150,39 @@ inline __attribute__((always_inline)) float Dot(const float* __restrict a, const
   return SumLanes(acc);
 }
 
+#if FT_JAX_HAVE_AVX2_PATH
+// The raw scores s[e * ns + j] = q_e . k_j of query heads e in [0, QH) (KV head e / G) over keys j in [0, n), q and
+// the keys bf16 as stored (key j's KV head h at k + j * key_stride + h * D), with VDPBF16PS: the queries of 4 heads
+// stay in registers (D / 32 <= 4 vectors each) while the keys pass. Float32 sums of the exact bf16 products.
+FT_JAX_AVX512BF16 void ScoresBf16(const uint16_t* q, const uint16_t* k, size_t key_stride, int64_t QH, int64_t G,
+                                  int64_t D, int64_t n, int64_t ns, float* s) {
+  const int64_t C = D / 32;  // vectors of 32 bf16 per row
+  for (int64_t e0 = 0; e0 < QH; e0 += 4) {
+    const int64_t heads = std::min<int64_t>(4, QH - e0);
+    __m512i q0[4], q1[4], q2[4], q3[4];  // the queries of heads e0 .. e0 + 3 (zeros past QH)
+    const uint16_t* kh[4];               // their KV heads' first key
+    __m512i* qs[4] = {q0, q1, q2, q3};
+    for (int64_t i = 0; i < 4; ++i)
+      for (int64_t c = 0; c < 4; ++c)
+        qs[i][c] = i < heads && c < C ? _mm512_loadu_si512(q + (e0 + i) * D + 32 * c) : _mm512_setzero_si512();
+    for (int64_t i = 0; i < 4; ++i) kh[i] = k + std::min(e0 + i, QH - 1) / G * D;
+    for (int64_t j = 0; j < n; ++j) {
+      const size_t at = static_cast<size_t>(j) * key_stride;
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+      for (int64_t c = 0; c < C; ++c) {
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)q0[c], (__m512bh)_mm512_loadu_si512(kh[0] + at + 32 * c));
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)q1[c], (__m512bh)_mm512_loadu_si512(kh[1] + at + 32 * c));
+        a2 = _mm512_dpbf16_ps(a2, (__m512bh)q2[c], (__m512bh)_mm512_loadu_si512(kh[2] + at + 32 * c));
+        a3 = _mm512_dpbf16_ps(a3, (__m512bh)q3[c], (__m512bh)_mm512_loadu_si512(kh[3] + at + 32 * c));
+      }
+      const float sums[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                             _mm512_reduce_add_ps(a3)};
+      for (int64_t i = 0; i < heads; ++i) s[(e0 + i) * ns + j] = sums[i];
+    }
+  }
+}
+#endif
+
 // Keys per block of the value pass: their widened rows stay in L1 while every query head reads them.
 constexpr int64_t kValueBlock = 8;
 
@@ -164,7 +202,8 @@ inline __attribute__((always_inline)) void AttendRowHeads(const Problem& pb, int
   const int64_t last = std::min<int64_t>(pos, pb.S - 1);  // a position past the cache sees what the cache holds
   const int64_t n = pos < 0 ? 0 : last - first + 1;
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;  // rows padded to whole lanes (zeros)
-  ts.scores.resize(static_cast<size_t>(QH * n));
+  const int64_t ns = (n + kLanes - 1) / kLanes * kLanes;  // score rows padded to whole lanes
+  ts.scores.assign(static_cast<size_t>(QH * ns), -INFINITY);      // (the padding: weight 0)
   ts.queries.resize(static_cast<size_t>(QH * Dp));
   ts.sums.assign(static_cast<size_t>(QH * Dp), 0.0f);
   ts.rows.resize(static_cast<size_t>(kValueBlock * KV * Dp));
@@ -173,40 +212,51 @@ inline __attribute__((always_inline)) void AttendRowHeads(const Problem& pb, int
   float* __restrict acc = ts.sums.data();
   float* __restrict rows = ts.rows.data();
   const size_t out0 = static_cast<size_t>((b * pb.NH + h0 * G) * D);  // the task's first query head
-  for (int64_t e = 0; e < QH; ++e) WidenRow(pb.q, pb.bf16, out0 + static_cast<size_t>(e * D), D, Dp, qf + e * Dp);
   const size_t cache_row = static_cast<size_t>(pb.rows[b]) * static_cast<size_t>(pb.S);
   auto cache_at = [&](int64_t j, int64_t h) {  // element offset of key / value j of KV head h0 + h
     return ((cache_row + static_cast<size_t>(j)) * static_cast<size_t>(pb.KVH) + static_cast<size_t>(h0 + h)) *
            static_cast<size_t>(D);
   };
-  // scores: each key's rows widened once for the query heads that read them
-  for (int64_t j = 0; j < n; ++j) {
-    for (int64_t h = 0; h < KV; ++h) WidenRow(pb.k, pb.bf16, cache_at(first + j, h), D, Dp, rows + h * Dp);
-    for (int64_t e = 0; e < QH; ++e) s[e * n + j] = Dot(qf + e * Dp, rows + (e / G) * Dp, Dp);
+  // raw scores q . k
+#if FT_JAX_HAVE_AVX2_PATH
+  if (pb.bf16_dots) {
+    ScoresBf16(static_cast<const uint16_t*>(pb.q) + out0, static_cast<const uint16_t*>(pb.k) + cache_at(first, 0),
+               static_cast<size_t>(pb.KVH * D), QH, G, D, n, ns, s);
   }
-  for (int64_t e = 0; e < QH; ++e) {  // scaled (and rounded as transformers' bf16 matmul and scaling)
-    float* __restrict se = s + e * n;
-    if (pb.bf16) {
-      for (int64_t j = 0; j < n; ++j) se[j] = RoundBf16(RoundBf16(se[j]) * pb.scale);
-    } else {
-      for (int64_t j = 0; j < n; ++j) se[j] *= pb.scale;
+#endif
+  if (!pb.bf16_dots) {  // each key's rows widened once for the query heads that read them
+    for (int64_t e = 0; e < QH; ++e) WidenRow(pb.q, pb.bf16, out0 + static_cast<size_t>(e * D), D, Dp, qf + e * Dp);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t h = 0; h < KV; ++h) WidenRow(pb.k, pb.bf16, cache_at(first + j, h), D, Dp, rows + h * Dp);
+      for (int64_t e = 0; e < QH; ++e) s[e * ns + j] = Dot(qf + e * Dp, rows + (e / G) * Dp, Dp);
     }
   }
-  // softmax per query head (the sink as one more logit), the weights rounded to the model dtype
+  // per query head: the scores scaled (rounded as transformers' bf16 matmul and scaling), softmax with the sink as
+  // one more logit, the weights rounded to the model dtype
   for (int64_t e = 0; e < QH; ++e) {
-    float* __restrict se = s + e * n;
+    float* __restrict se = s + e * ns;
+    F16Lanes mx = Broadcast(-INFINITY);
+    for (int64_t j = 0; j < ns; j += kLanes) {
+      F16Lanes x = LoadLanes(se + j) * pb.scale;
+      if (pb.bf16) x = RoundBf16(RoundBf16(LoadLanes(se + j)) * pb.scale);
+      StoreLanes(se + j, x);
+      mx = mx > x ? mx : x;
+    }
     const bool has_sink = pb.sinks != nullptr;
-    const float sink = has_sink ? pb.sinks[h0 * G + e] : 0.0f;
-    float m = has_sink ? sink : -INFINITY;
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, se[j]);
-    float l = has_sink ? ExpNonPositive(sink - m) : 0.0f;
-    for (int64_t j = 0; j < n; ++j) se[j] = ExpNonPositive(se[j] - m);
-    for (int64_t j = 0; j < n; ++j) l += se[j];
+    const float sink = has_sink ? pb.sinks[h0 * G + e] : -INFINITY;
+    float m = sink;
+    for (int l = 0; l < kLanes; ++l) m = std::max(m, mx[l]);
+    F16Lanes total = {};
+    for (int64_t j = 0; j < ns; j += kLanes) {
+      const F16Lanes x = Exp(LoadLanes(se + j) - m);
+      StoreLanes(se + j, x);
+      total += x;
+    }
+    const float l = SumLanes(total) + (has_sink ? Exp(Broadcast(sink - m))[0] : 0.0f);
     const float inv = 1.0f / l;
-    if (pb.bf16) {
-      for (int64_t j = 0; j < n; ++j) se[j] = RoundBf16(se[j] * inv);
-    } else {
-      for (int64_t j = 0; j < n; ++j) se[j] *= inv;
+    for (int64_t j = 0; j < ns; j += kLanes) {
+      const F16Lanes w = LoadLanes(se + j) * inv;
+      StoreLanes(se + j, pb.bf16 ? RoundBf16(w) : w);
     }
   }
   // values, kValueBlock keys at a time: sums[e] += p[e, j] v_j in key order, each lane group kept in a register
@@ -217,7 +267,7 @@ inline __attribute__((always_inline)) void AttendRowHeads(const Problem& pb, int
       for (int64_t h = 0; h < KV; ++h)
         WidenRow(pb.v, pb.bf16, cache_at(first + j0 + jj, h), D, Dp, rows + (jj * KV + h) * Dp);
     for (int64_t e = 0; e < QH; ++e) {
-      const float* __restrict pe = s + e * n + j0;
+      const float* __restrict pe = s + e * ns + j0;
       const float* __restrict ve = rows + (e / G) * Dp;
       for (int64_t d0 = 0; d0 < Dp; d0 += kLanes) {
         F16Lanes a = LoadLanes(acc + e * Dp + d0);
@@ -263,6 +313,9 @@ void RunAttention(Problem pb, ffi::ThreadPool& pool) {
   for (int64_t b = 0; b < pb.B; ++b) keys += static_cast<size_t>(std::max<int64_t>(0, std::min<int64_t>(pb.positions[b] + 1, pb.window)));
   const size_t bytes = 2 * keys * static_cast<size_t>(pb.KVH * pb.D) * (pb.bf16 ? 2 : 4);
   const int64_t threads = bytes < kParallelMinBytes ? 1 : LoopThreads(pool);
+#if FT_JAX_HAVE_AVX2_PATH
+  pb.bf16_dots = pb.bf16 && isa == Isa::kAvx512Bf16 && pb.D % 32 == 0 && pb.D <= 128;
+#endif
   // Fewer rows than threads: each row's KV heads in up to `threads` groups (same bits: a head's sums do not depend on
   // the group it is in).
   pb.parts = pb.B >= threads ? 1 : std::min<int64_t>(pb.KVH, (threads + pb.B - 1) / pb.B);
