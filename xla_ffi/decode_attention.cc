@@ -17,8 +17,9 @@
 // product, and the float32 copies of the layer's key and value blocks (docs/DESIGN.md sec. 20.21). A row, or a group
 // of its KV heads when there are fewer rows than threads, is a task of the caller's XLA thread pool once the keys and
 // values read reach kParallelMinBytes; below that the call runs on the calling thread. Every query head sums in a
-// fixed order (the scores of a bf16 cache with VDPBF16PS where the CPU has AVX-512 BF16 and D is a multiple of 32 up
-// to 128; float32 lanes otherwise), so results do not depend on the threads, on the other rows or on S.
+// fixed order (the scores and the weighted values of a bf16 cache with VDPBF16PS where the CPU has AVX-512 BF16 and
+// D is a multiple of 32 up to 128; float32 lanes otherwise), so results do not depend on the threads, on the other
+// rows or on S.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -118,7 +119,7 @@ struct Problem {
   float scale;
   void* out;  // [B, NH, D]
   int64_t parts = 1;  // tasks per row: its KV heads in this many groups
-  bool bf16_dots = false;  // the scores by ScoresBf16 (AVX-512 BF16; bf16, D a multiple of 32 up to 128)
+  bool bf16_dots = false;  // ScoresBf16 and ValuesBf16 (AVX-512 BF16; bf16, D a multiple of 32 up to 128)
 };
 
 // The sum of the lanes in a fixed tree: lane l + 8 into lane l, then l + 4, l + 2, l + 1.
@@ -181,6 +182,65 @@ FT_JAX_AVX512BF16 void ScoresBf16(const uint16_t* q, const uint16_t* k, size_t k
     }
   }
 }
+
+// sums[e, d] = sum_j p[e * ns + j] v_j[d] of query heads e in [0, QH) (KV head e / G) over keys j in [0, n), the
+// values bf16 as stored (as ScoresBf16's keys) and the weights bf16 values (p rounded; p[e * ns + n] = 0 when n is
+// odd), with VDPBF16PS: keys in pairs, the two value rows interleaved (VPUNPCKLWD / VPUNPCKHWD: within each 128-bit
+// lane, elements 0-3 then 4-7 of both rows) and each head's pair of weights broadcast, one dot adding both keys'
+// products. Blocks of kPairBlock pairs keep 2 x 8 heads' sums in registers; each block's sums are added to `sums`
+// (float32 [QH, D]) in that interleaved order and put back in element order at the end. pairs: scratch of
+// QH * (ns / 2) words.
+constexpr int64_t kPairBlock = 32;
+FT_JAX_AVX512BF16 void ValuesBf16(const uint16_t* v, size_t key_stride, const float* p, int64_t QH, int64_t G,
+                                  int64_t D, int64_t n, int64_t ns, float* sums, uint32_t* pairs) {
+  const int64_t np = (n + 1) / 2, C = D / 32;
+  for (int64_t e = 0; e < QH; ++e)
+    for (int64_t i = 0; i < np; ++i) {
+      uint32_t a, b;
+      std::memcpy(&a, p + e * ns + 2 * i, 4);
+      std::memcpy(&b, p + e * ns + 2 * i + 1, 4);
+      pairs[e * np + i] = (a >> 16) | (b & 0xFFFF0000u);
+    }
+  std::fill(sums, sums + QH * D, 0.0f);  // interleaved order until the end
+  for (int64_t i0 = 0; i0 < np; i0 += kPairBlock) {
+    const int64_t i1 = std::min(np, i0 + kPairBlock);
+    for (int64_t e0 = 0, heads = 0; e0 < QH; e0 += heads) {  // up to 8 query heads of one KV head at a time
+      const int64_t h = e0 / G;
+      heads = std::min<int64_t>({8, QH - e0, (h + 1) * G - e0});
+      const uint16_t* vh = v + h * D;
+      for (int64_t c = 0; c < C; ++c) {
+        __m512 lo[8], hi[8];
+        for (int g = 0; g < 8; ++g) lo[g] = hi[g] = _mm512_setzero_ps();
+        for (int64_t i = i0; i < i1; ++i) {
+          const size_t j = static_cast<size_t>(2 * i);
+          const __m512i a = _mm512_loadu_si512(vh + j * key_stride + 32 * c);
+          const __m512i b = static_cast<int64_t>(j) + 1 < n ? _mm512_loadu_si512(vh + (j + 1) * key_stride + 32 * c) : a;
+          const __m512i wl = _mm512_unpacklo_epi16(a, b), wh = _mm512_unpackhi_epi16(a, b);
+          for (int g = 0; g < 8; ++g) {
+            if (g >= heads) break;
+            const __m512i pp = _mm512_set1_epi32(static_cast<int32_t>(pairs[(e0 + g) * np + i]));
+            lo[g] = _mm512_dpbf16_ps(lo[g], (__m512bh)wl, (__m512bh)pp);
+            hi[g] = _mm512_dpbf16_ps(hi[g], (__m512bh)wh, (__m512bh)pp);
+          }
+        }
+        for (int g = 0; g < heads; ++g) {
+          float* sc = sums + (e0 + g) * D + 32 * c;
+          _mm512_storeu_ps(sc, _mm512_add_ps(_mm512_loadu_ps(sc), lo[g]));
+          _mm512_storeu_ps(sc + 16, _mm512_add_ps(_mm512_loadu_ps(sc + 16), hi[g]));
+        }
+      }
+    }
+  }
+  // element order: lane l of the low half holds element 8 (l / 4) + l % 4 of the 32, of the high half 8 (l / 4) + 4
+  // + l % 4
+  float chunk[32];
+  for (int64_t e = 0; e < QH; ++e)
+    for (int64_t c = 0; c < C; ++c) {
+      float* sc = sums + e * D + 32 * c;
+      for (int l = 0; l < 16; ++l) chunk[8 * (l / 4) + l % 4] = sc[l], chunk[8 * (l / 4) + 4 + l % 4] = sc[16 + l];
+      std::memcpy(sc, chunk, sizeof chunk);
+    }
+}
 #endif
 
 // Keys per block of the value pass: their widened rows stay in L1 while every query head reads them.
@@ -190,6 +250,7 @@ constexpr int64_t kValueBlock = 8;
 // [kValueBlock, kv heads, Dp].
 struct TaskScratch {
   std::vector<float> scores, queries, sums, rows;
+  std::vector<uint32_t> pairs;  // ValuesBf16's packed weights
 };
 
 // Row b, KV heads h0 .. h1 - 1: their query heads over their visible keys. The keys and values are read key by key,
@@ -259,9 +320,16 @@ inline __attribute__((always_inline)) void AttendRowHeads(const Problem& pb, int
       StoreLanes(se + j, pb.bf16 ? RoundBf16(w) : w);
     }
   }
+#if FT_JAX_HAVE_AVX2_PATH
+  if (pb.bf16_dots) {
+    ts.pairs.resize(static_cast<size_t>(QH * ((n + 1) / 2)));
+    ValuesBf16(static_cast<const uint16_t*>(pb.v) + cache_at(first, 0), static_cast<size_t>(pb.KVH * D), s, QH, G,
+               D, n, ns, acc, ts.pairs.data());  // acc: [QH, D] (Dp = D)
+  }
+#endif
   // values, kValueBlock keys at a time: sums[e] += p[e, j] v_j in key order, each lane group kept in a register
   // over the block
-  for (int64_t j0 = 0; j0 < n; j0 += kValueBlock) {
+  for (int64_t j0 = 0; j0 < n && !pb.bf16_dots; j0 += kValueBlock) {
     const int64_t nb = std::min(kValueBlock, n - j0);
     for (int64_t jj = 0; jj < nb; ++jj)
       for (int64_t h = 0; h < KV; ++h)
