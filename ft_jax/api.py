@@ -44,8 +44,8 @@ from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 from ft_jax import units
 from ft_jax.units import model_dtype
 
-from ft_jax.defaults import (BUNDLED_MODEL, DEFAULT_CACHE_FRACTION, DEFAULT_NEW_TOKENS, DEFAULT_POLICY,  # noqa: F401
-                             DEFAULT_TEMPERATURE, bundled_model_path, default_policy)
+from ft_jax.defaults import (BANK_MEMORY, BUNDLED_MODEL, DEFAULT_CACHE_FRACTION, DEFAULT_NEW_TOKENS,  # noqa: F401
+                             DEFAULT_POLICY, DEFAULT_TEMPERATURE, bundled_model_path, default_policy)
 from ft_jax.offload.policy import PolicyKind
 
 
@@ -502,7 +502,8 @@ class Model:
 
 # The CLI flags that set each argument of load() that _argument checks, named in its messages.
 LOAD_FLAGS = {"policy": "--policy", "dtype": "--dtype", "quantize": "--quantize",
-              "cache": "--cache-slots, --cache-fraction, --device-memory", "profile": "--profile"}
+              "cache": "--cache-slots, --cache-fraction, --device-memory", "profile": "--profile",
+              "bank_memory": "--bank-memory"}
 
 
 def _prefix(name: str) -> str:
@@ -535,7 +536,8 @@ def argument_message(error: BaseException, name: str) -> str | None:
 
 def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=None, cache=None,
          profile: str | None = None, measure: bool = True, on_message: Callable[[str], None] | None = None,
-         on_compile: Callable[[str, bool], None] | None = None, quantize: str | None = None, mesh=None) -> Model:
+         on_compile: Callable[[str, bool], None] | None = None, quantize: str | None = None, mesh=None,
+         bank_memory: str = "map") -> Model:
     """Load a Hugging Face MoE model folder (or the bundled model) for generation, as ``ft-jax generate`` does.
 
     Args:
@@ -562,13 +564,17 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             each with its own slots and cache; this process loads only the experts its devices own. For N CPU
             devices set ``jax.config.update("jax_num_cpu_devices", N)``, and for several processes call
             ``jax.distributed.initialize(...)``, before importing ft_jax (README, "Several devices").
+        bank_memory: "map" (default): the expert host banks map the checkpoint file's page-cache pages where the
+            offsets allow (no copy: fast to load, the banks share the page cache); "copy": every expert tensor is
+            copied onto the banks' own 2 MiB huge pages (the load faults in fresh memory; the experts then read
+            faster: docs/DESIGN.md sec. 20.22). ``ft-jax serve`` copies, ``ft-jax generate`` maps (--bank-memory).
     Returns:
         Model.
     Raises:
         ConfigError, CheckpointError, NotImplementedError: the folder cannot be used (the message names the file);
             quantize given for an FP8 / MXFP4 checkpoint, or for one with a tensor whose rows do not fit the blocks
             (the message names the file and the tensor).
-        ValueError: a bad dtype, policy, quantize or cache budget; a profile path that is a folder or in a folder
+        ValueError: a bad dtype, policy, quantize, bank_memory or cache budget; a profile path that is a folder or in a folder
             that does not exist; a mesh whose expert axis does not divide the experts or that does not match the
             processes (ExpertPartition.from_mesh).
         TypeError: path neither a str nor an os.PathLike; quantize neither a str nor None; cache of another type
@@ -598,6 +604,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             check_store_path(profile)
     with _argument("dtype"):
         dtype = model_dtype(dtype, cfg.dtype)
+    if bank_memory not in BANK_MEMORY:
+        raise ValueError(f"{_prefix('bank_memory')}expected one of {', '.join(BANK_MEMORY)}, got {bank_memory!r}")
     with _argument("quantize"):
         fmt = expert_format(cfg, jnp.dtype(dtype), quantize)  # errors before any loading
     partition = None if mesh is None else ExpertPartition.from_mesh(mesh, cfg.num_experts)  # errors before loading
@@ -617,7 +625,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
                           slots_in_host=jax.default_backend() == "cpu", fmt=fmt,
                           experts_held=None if partition is None else len(partition.process_experts))
     checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype), quantize=quantize,
-                                                experts=None if partition is None else partition.process_experts)
+                                                experts=None if partition is None else partition.process_experts,
+                                                map_pages=bank_memory == "map")
     banks = checkpoint.banks
     experts = cfg.num_moe_layers * per_device
     slots = num_slots_for(cache, experts, banks.expert_bytes)

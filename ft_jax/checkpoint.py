@@ -222,14 +222,18 @@ def _shard_file(index_path: str, tensor: str, shard: Any) -> str:
 class SafetensorsCheckpoint:
     """Tensor directory of a checkpoint folder (single file or sharded) with positioned reads.
 
-    Use as a context manager (or call close()) to release the open file handles.
+    Use as a context manager (or call close()) to release the open file handles. map_pages (default True): read_into
+    maps the file's page-cache pages into a host bank where the offsets allow (no copy, fast to load); False copies
+    every tensor into the bank's own memory, which is 2 MiB aligned on transparent huge pages (page_offset 0): fresh
+    memory to fault in at load, then fewer TLB misses per byte read (docs/DESIGN.md sec. 20.22).
 
     Raises (constructor): CheckpointError when no safetensors file / index exists, the index is invalid, a shard
     is missing, truncated or corrupted, or a tensor listed in the index is absent from its shard.
     """
 
-    def __init__(self, model_dir: str | os.PathLike):
+    def __init__(self, model_dir: str | os.PathLike, map_pages: bool = True):
         model_dir = os.fspath(model_dir)
+        self.map_pages = bool(map_pages)
         index_path = os.path.join(model_dir, INDEX_FILE)
         single_path = os.path.join(model_dir, SINGLE_FILE)
         self.tensors: dict[str, TensorInfo] = {}
@@ -379,6 +383,7 @@ class SafetensorsCheckpoint:
             where the page cache holds 2 MiB folios). In a safetensors file every tensor whose predecessors' sizes
             are page multiples shares one residue; tensors at offsets that are not multiples of 8 are left out. 0
             without any region.
+            Always 0 when the checkpoint does not map pages (map_pages False: 2 MiB aligned banks).
         Raises:
             CheckpointError: a missing tensor.
         """
@@ -387,7 +392,7 @@ class SafetensorsCheckpoint:
             info = self.tensors.get(name)
             if info is None:
                 raise CheckpointError(f"{self._directory_file}: missing tensor {name!r}")
-            if info.offset % 8 == 0:
+            if info.offset % 8 == 0 and self.map_pages:
                 residue = (info.offset - bank_offset) % MAP_ALIGNMENT
                 by_page[residue % mmap.PAGESIZE] = by_page.get(residue % mmap.PAGESIZE, 0) + info.nbytes
                 by_huge[residue] = by_huge.get(residue, 0) + info.nbytes
@@ -455,7 +460,7 @@ class SafetensorsCheckpoint:
         fh = self._file(info.file)
         self._check_size(fh, name, info)
         begin = end = 0  # the mapped part of dest
-        if info.nbytes >= _MAP_MIN_BYTES and dest.flags.writeable:  # never behind a read-only (frozen) view
+        if self.map_pages and info.nbytes >= _MAP_MIN_BYTES and dest.flags.writeable:  # never behind a read-only view
             begin, end = _ffi.bank_map_file(dest.ctypes.data, info.nbytes, fh.fileno(), info.offset)
         checked, found = 0, False
         for lo, hi, mapped in ((0, begin, False), (begin, end, True), (end, info.nbytes, False)):
@@ -952,7 +957,8 @@ def load_banks(model_dir: str | os.PathLike, dtype=jnp.float32, quantize: str | 
 
 
 def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtype=None,
-                    quantize: str | None = None, experts: range | None = None) -> LoadedCheckpoint:
+                    quantize: str | None = None, experts: range | None = None,
+                    map_pages: bool = True) -> LoadedCheckpoint:
     """Load config, dense model and host banks of a Hugging Face MoE checkpoint folder.
 
     Args:
@@ -968,11 +974,14 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
             ft_jax.offload.expert_parallel.ExpertPartition.process_experts), a range in [0, E); default all. Only
             their tensors (their rows of a fused [E, ...] tensor) are read; bank row moe_layer * len(experts) + j
             holds expert experts[j].
+        map_pages: map the file's pages into the expert banks where the offsets allow (default: fast to load,
+            the banks share the page cache); False: copy them onto the banks' own huge pages (slower to load, faster
+            to read; SafetensorsCheckpoint).
     Returns:
         LoadedCheckpoint(config, model, banks, checkpoint_bytes, unused_tensors); banks.format is the experts' weight
         format.
     Memory: expert tensors stored as the bank holds them are mapped from the file into the bank rows (no copy, see
-    SafetensorsCheckpoint.read_into), others read one at a time directly into the bank rows (plus one tensor-sized
+    SafetensorsCheckpoint.read_into; with map_pages False they are read like the others), others read one at a time directly into the bank rows (plus one tensor-sized
     temporary when the stored dtype differs from the bank's; one expert's matrix when quantizing; gpt-oss tensors one
     expert at a time); dense tensors are file views copied once each. Peak host memory is about banks + dense
     weights + one tensor. The banks are frozen (read-only, :meth:`HostBank.freeze`) before they are returned.
@@ -991,7 +1000,7 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     dense_dtype = _np_dtype(dtype)
     bank_dtype = dense_dtype if expert_dtype is None else _np_dtype(expert_dtype)
     fmt = expert_format(cfg, bank_dtype, quantize)
-    with SafetensorsCheckpoint(model_dir) as ckpt:
+    with SafetensorsCheckpoint(model_dir, map_pages=map_pages) as ckpt:
         plan = expert_tensor_plan(cfg, ckpt, fmt, experts)
         model = MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None))
         banks = load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts)

@@ -257,6 +257,7 @@ def test_a_load_argument_of_the_wrong_type_is_a_type_error_naming_it():
     (dict(dtype="f16"), "dtype= / --dtype: dtype must be one of"),
     (dict(policy="bogus"), "policy= / --policy: unknown policy 'bogus'"),
     (dict(quantize="q5_0"), "quantize= / --quantize: quantize must be one of q8_0, q4_0"),
+    (dict(bank_memory="anon"), "bank_memory= / --bank-memory: expected one of map, copy, got 'anon'"),
 ])
 def test_a_bad_load_argument_names_the_argument_and_the_flag(kwargs, start):
     with pytest.raises(ValueError) as e:

@@ -404,6 +404,19 @@ def test_profile_measures_quantized_experts(capsys, tmp_path):
     assert "rows of 48 elements do not fit q8_0's blocks of 32" in capsys.readouterr().err
 
 
+def test_generate_with_the_experts_copied_onto_huge_pages(capsys):
+    """`--bank-memory copy` (serve's default) decodes the same greedy tokens as the mapped banks and says so in the
+    settings; an unknown value is a usage error naming the choices."""
+    args = ["--prompt-ids", "1,2,3", "--temperature", "0", "--max-new-tokens", "6", "--no-measure"]
+    mapped = _generate_json(capsys, *args)
+    copied = _generate_json(capsys, *args, "--bank-memory", "copy")
+    assert mapped["settings"]["bank_memory"] == "map" and copied["settings"]["bank_memory"] == "copy"
+    assert copied["generated_ids"] == mapped["generated_ids"]
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--bank-memory", "anon"])
+    assert "invalid choice: 'anon' (choose from 'map', 'copy')" in capsys.readouterr().err
+
+
 def test_generate_quantized_while_loading(capsys):
     """`ft-jax generate --quantize q4_0`: the statistics name the format, count experts at the stored size and the
     weight bytes per token from it; one decode compile; the table's "weights" row says it."""

@@ -189,7 +189,7 @@ FT_JAX_AVX512BF16 void ScoresBf16(const uint16_t* q, const uint16_t* k, size_t k
 // lane, elements 0-3 then 4-7 of both rows) and each head's pair of weights broadcast, one dot adding both keys'
 // products. Blocks of kPairBlock pairs keep 2 x 8 heads' sums in registers; each block's sums are added to `sums`
 // (float32 [QH, D]) in that interleaved order and put back in element order at the end. pairs: scratch of
-// QH * (ns / 2) words.
+// QH * ceil(n / 2) words.
 constexpr int64_t kPairBlock = 32;
 FT_JAX_AVX512BF16 void ValuesBf16(const uint16_t* v, size_t key_stride, const float* p, int64_t QH, int64_t G,
                                   int64_t D, int64_t n, int64_t ns, float* sums, uint32_t* pairs) {
@@ -214,7 +214,8 @@ FT_JAX_AVX512BF16 void ValuesBf16(const uint16_t* v, size_t key_stride, const fl
         for (int64_t i = i0; i < i1; ++i) {
           const size_t j = static_cast<size_t>(2 * i);
           const __m512i a = _mm512_loadu_si512(vh + j * key_stride + 32 * c);
-          const __m512i b = static_cast<int64_t>(j) + 1 < n ? _mm512_loadu_si512(vh + (j + 1) * key_stride + 32 * c) : a;
+          const bool pair = static_cast<int64_t>(j) + 1 < n;  // an odd last key pairs with itself at weight 0
+          const __m512i b = pair ? _mm512_loadu_si512(vh + (j + 1) * key_stride + 32 * c) : a;
           const __m512i wl = _mm512_unpacklo_epi16(a, b), wh = _mm512_unpackhi_epi16(a, b);
           for (int g = 0; g < 8; ++g) {
             if (g >= heads) break;
@@ -246,7 +247,7 @@ FT_JAX_AVX512BF16 void ValuesBf16(const uint16_t* v, size_t key_stride, const fl
 // Keys per block of the value pass: their widened rows stay in L1 while every query head reads them.
 constexpr int64_t kValueBlock = 8;
 
-// Scratch of one task, float32: scores [heads, n], queries [heads, Dp], sums [heads, Dp], cache rows
+// Scratch of one task, float32: scores [heads, ns], queries [heads, Dp], sums [heads, Dp], cache rows
 // [kValueBlock, kv heads, Dp].
 struct TaskScratch {
   std::vector<float> scores, queries, sums, rows;
@@ -378,7 +379,9 @@ void RunAttention(Problem pb, ffi::ThreadPool& pool) {
   if (isa == Isa::kAvx2) task = AttendTaskAvx2;
 #endif
   size_t keys = 0;  // keys read over the call
-  for (int64_t b = 0; b < pb.B; ++b) keys += static_cast<size_t>(std::max<int64_t>(0, std::min<int64_t>(pb.positions[b] + 1, pb.window)));
+  for (int64_t b = 0; b < pb.B; ++b) {
+    keys += static_cast<size_t>(std::max<int64_t>(0, std::min<int64_t>(pb.positions[b] + 1, pb.window)));
+  }
   const size_t bytes = 2 * keys * static_cast<size_t>(pb.KVH * pb.D) * (pb.bf16 ? 2 : 4);
   const int64_t threads = bytes < kParallelMinBytes ? 1 : LoopThreads(pool);
 #if FT_JAX_HAVE_AVX2_PATH
@@ -404,8 +407,8 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
   const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
   const bool bf16 = q.element_type() == ffi::DataType::BF16;
   if (!bf16 && q.element_type() != ffi::DataType::F32) return InvalidArgument(kOp, "q must be f32 or bf16");
-  const bool cache_ok = bf16 ? IsBf16(k_cache.element_type()) && IsBf16(v_cache.element_type())
-                             : k_cache.element_type() == ffi::DataType::F32 && v_cache.element_type() == ffi::DataType::F32;
+  const auto kt = k_cache.element_type(), vt = v_cache.element_type();
+  const bool cache_ok = bf16 ? IsBf16(kt) && IsBf16(vt) : kt == ffi::DataType::F32 && vt == ffi::DataType::F32;
   if (!cache_ok) return InvalidArgument(kOp, "the key and value caches must hold q's dtype (bf16 as u16 bits)");
   if (qd.size() != 3 || kd.size() != 5 || Dims(kd) != Dims(vd)) {
     return InvalidArgument(kOp, "q must be [B, NH, D] and the caches [n, Bc, S, KVH, D] alike, got q " + Dims(qd) +

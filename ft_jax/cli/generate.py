@@ -13,7 +13,7 @@ from ft_jax.cache_dirs import output_file_problem
 from ft_jax.cli import arg_types
 from ft_jax.cli.usage import HelpFormatter, UsageError, escaped_text
 from ft_jax.config import SUPPORTED_ARCHITECTURES, load_config
-from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
+from ft_jax.defaults import BANK_MEMORY, DEFAULT_PREFILL_CHUNK
 from ft_jax.offload.policy import PolicyKind
 from ft_jax.tools.trace_io import routing_records, write_trace
 
@@ -104,6 +104,11 @@ def add_load_arguments(parser) -> None:
     parser.add_argument("--no-measure", action="store_true",
                         help="auto or qstar without a stored profile: do not run a quick profile, fall back to "
                              "fixed-cap:1")
+    parser.add_argument("--bank-memory", choices=BANK_MEMORY, default=None,
+                        help="map: the expert host banks map the checkpoint file's page-cache pages (no copy, fast "
+                             "start); copy: the experts are copied onto the banks' own huge pages (the load writes "
+                             "them all once, then decode reads them faster). Default: map for generate, copy for "
+                             "serve")
     parser.add_argument("--prefill-chunk", type=arg_types.positive_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                         help=f"prompt tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}): a longer prompt is "
                              "prefilled in chunks appended to the KV cache, bounding its memory, with one compiled "
@@ -269,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = api.load(path, dtype=args.dtype or "auto", policy=args.policy, cache=cache, profile=args.profile,
                          measure=not args.no_measure, on_message=note, on_compile=on_compile, quantize=args.quantize,
-                         mesh=mesh)
+                         mesh=mesh, bank_memory=args.bank_memory or "map")
     except ValueError as e:
         message = api.argument_message(e, "cache")  # the message without load()'s "cache= / <every flag>: "
         if message is None:
@@ -346,6 +351,7 @@ def _print_result(args, path: str, model, request, out, streamed: bool, tokenize
         settings = {"max_new_tokens": request.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                     "top_p": args.top_p, "seed": args.seed, "dtype": model.dtype, "policy": str(model.policy),
                     "stop": list(request.stop), "chat": bool(args.chat), "quantize": args.quantize,
+                    "bank_memory": args.bank_memory or "map",
                     "weight_format": out.stats["weight_format"], "devices": out.stats["devices"],
                     "num_processes": args.num_processes or 1, "process_id": args.process_id or 0}
         print(json.dumps({"model": path, "prompt_ids": request.prompt_ids, "generated_ids": out.token_ids,
