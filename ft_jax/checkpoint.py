@@ -984,7 +984,8 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     SafetensorsCheckpoint.read_into; with map_pages False they are read like the others), others read one at a time
     directly into the bank rows (plus one tensor-sized temporary when the stored dtype differs from the bank's; one
     expert's matrix when quantizing; gpt-oss tensors one expert at a time); dense tensors are file views copied once
-    each. Peak host memory is about banks + dense weights + one tensor. The banks are frozen (read-only, :meth:`HostBank.freeze`) before they are returned.
+    each. Peak host memory is about banks + dense weights + one tensor. The banks are frozen (read-only,
+    :meth:`HostBank.freeze`) before they are returned.
     Raises:
         CheckpointError: missing/unreadable/truncated/corrupted file (including headers that break the safetensors
             rules and unsafe shard names in the index), missing tensor, wrong shape or dtype, a NaN/Inf weight or
