@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "multi-thread read (default: all %(default)s cores)")
     p.add_argument("--cache-fraction", type=float, default=0.5,
                    help="ft_jax --cache-fraction for host-all and qstar (default %(default)s)")
+    p.add_argument("--bank-memory", choices=("map", "copy"), default="map",
+                   help="ft-jax generate --bank-memory: the expert banks map the file's pages (default, as generate) "
+                        "or are copied onto huge pages (as ft-jax serve)")
     p.add_argument("--numpy-gib", type=float, default=1.0, help="numpy read array size in GiB (default 1, >= 1)")
     p.add_argument("--numpy-repeats", type=int, default=5, help="numpy read passes per round (default 5)")
     p.add_argument("--cache-dir", type=Path, default=llama_cpp_build.DEFAULT_CACHE_DIR,
@@ -348,11 +351,11 @@ def ft_jax_command() -> list[str]:
 
 def run_ft_jax(model_dir: Path, policy: str, prompt: list[int], new_tokens: int, cache_fraction: float,
                threads: int, profile: Path, timeout: float, quantize: str | None = None,
-               prefill_chunk: int | None = None) -> dict:
+               prefill_chunk: int | None = None, bank_memory: str = "map") -> dict:
     """One ``ft-jax generate --json`` run. ``profile``: the --profile file of qstar (if it holds no profile for
     this expert shape, ft-jax runs its quick profile and saves it there, as it does in the user cache directory).
     ``quantize``: the --quantize value (q8_0 / q4_0), None for the checkpoint as stored. ``prefill_chunk``: its
-    --prefill-chunk (None: its default).
+    --prefill-chunk (None: its default). ``bank_memory``: its --bank-memory (map, generate's default, or copy).
     Returns {"tokens_per_s" (decode, compile excluded), "prefill_tokens_per_s", "wall_s", "command", "stats": its
     stats without the per-layer counts, "profile_message"}. Raises RuntimeError (non-zero exit, no JSON)."""
     cmd = ft_jax_command() + ["generate", "--model", str(model_dir), "--prompt-ids", ",".join(map(str, prompt)),
@@ -365,6 +368,8 @@ def run_ft_jax(model_dir: Path, policy: str, prompt: list[int], new_tokens: int,
         cmd += ["--quantize", quantize]
     if prefill_chunk is not None:
         cmd += ["--prefill-chunk", str(prefill_chunk)]
+    if bank_memory != "map":
+        cmd += ["--bank-memory", bank_memory]
     env = {**os.environ, "FT_JAX_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -624,7 +629,7 @@ def run_prefill(args, config: dict, variants: list, build: dict | None, ggufs: d
                     else:
                         run = run_ft_jax(model_dir, prog, prompt, 1, args.cache_fraction, args.threads,
                                          args.cache_dir.expanduser() / "ft_jax_profiles.json", args.timeout,
-                                         FT_JAX_QUANTIZE[quant], args.prefill_chunk)
+                                         FT_JAX_QUANTIZE[quant], args.prefill_chunk, args.bank_memory)
                         run["tokens_per_s"] = run.pop("prefill_tokens_per_s")
                 except (RuntimeError, subprocess.TimeoutExpired) as e:
                     failed[label] = str(e)
@@ -639,7 +644,7 @@ def run_prefill(args, config: dict, variants: list, build: dict | None, ggufs: d
     result = {
         "settings": {"rounds": rounds, "prefill": lengths, "prefill_chunk": args.prefill_chunk,
                      "threads": args.threads, "cache_fraction": args.cache_fraction,
-                     "programs": labels, "seed": args.seed},
+                     "bank_memory": args.bank_memory, "programs": labels, "seed": args.seed},
         "model": {"config": config, "dir": str(model_dir), "gguf": {q: str(p) for q, p in ggufs.items()},
                   "created": {k: v for k, v in model_record.items() if k != "config"}},
         "load_average": {"at_start": load_start, "before": load_before, "after": _loadavg()},
@@ -845,7 +850,8 @@ def main(argv=None) -> int:
                                           args.threads, args.timeout)
                 else:
                     run = run_ft_jax(model_dir, prog, prompt, new_tokens, args.cache_fraction, args.threads,
-                                     cache_dir / "ft_jax_profiles.json", args.timeout, FT_JAX_QUANTIZE[quant])
+                                     cache_dir / "ft_jax_profiles.json", args.timeout, FT_JAX_QUANTIZE[quant],
+                                     bank_memory=args.bank_memory)
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 failed[label] = str(e)
                 _log(f"  FAILED, left out of the later rounds: {e}")
@@ -868,6 +874,7 @@ def main(argv=None) -> int:
     result = {
         "settings": {"rounds": rounds, "new_tokens": new_tokens, "prompt_len": args.prompt_len, "prompt_ids": prompt,
                      "threads": args.threads, "cache_fraction": args.cache_fraction, "quick": args.quick,
+                     "bank_memory": args.bank_memory,
                      "programs": programs, "quant": quants, "skipped": skipped,
                      "numpy_read_bytes": int(args.numpy_gib * GiB), "numpy_repeats": args.numpy_repeats,
                      "seed": args.seed},
