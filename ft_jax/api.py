@@ -565,9 +565,11 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             devices set ``jax.config.update("jax_num_cpu_devices", N)``, and for several processes call
             ``jax.distributed.initialize(...)``, before importing ft_jax (README, "Several devices").
         bank_memory: "map" (default): the expert host banks map the checkpoint file's page-cache pages where the
-            offsets allow (no copy: fast to load, the banks share the page cache); "copy": every expert tensor is
-            copied onto the banks' own 2 MiB huge pages (the load faults in fresh memory; the experts then read
-            faster: docs/DESIGN.md sec. 20.22). ``ft-jax serve`` copies, ``ft-jax generate`` maps (--bank-memory).
+            offsets allow (no copy: fast to load, the banks share the page cache); "copy" (any case): every tensor
+            is copied, the experts onto the banks' own 2 MiB huge pages (the load faults in fresh memory; the
+            experts then read faster, and the process keeps no mapping of the file: docs/DESIGN.md sec. 20.22).
+            Quantized banks (--quantize, FP8, MXFP4) are built in the banks' memory either way. ``ft-jax serve``
+            copies, ``ft-jax generate`` maps (--bank-memory).
     Returns:
         Model.
     Raises:
@@ -577,8 +579,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
         ValueError: a bad dtype, policy, quantize, bank_memory or cache budget; a profile path that is a folder or
             in a folder that does not exist; a mesh whose expert axis does not divide the experts or that does not
             match the processes (ExpertPartition.from_mesh).
-        TypeError: path neither a str nor an os.PathLike; quantize neither a str nor None; cache of another type
-            than those above (a bool, a list, ...).
+        TypeError: path neither a str nor an os.PathLike; quantize neither a str nor None; bank_memory not a
+            str; cache of another type than those above (a bool, a list, ...).
         ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
             available (checked from the headers before anything is allocated).
     """
@@ -604,8 +606,12 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             check_store_path(profile)
     with _argument("dtype"):
         dtype = model_dtype(dtype, cfg.dtype)
-    if bank_memory not in BANK_MEMORY:
+    if not isinstance(bank_memory, str):
+        raise TypeError(f"{_prefix('bank_memory')}expected one of {', '.join(BANK_MEMORY)} (a str), got "
+                        f"{bank_memory!r}")
+    if bank_memory.lower() not in BANK_MEMORY:
         raise ValueError(f"{_prefix('bank_memory')}expected one of {', '.join(BANK_MEMORY)}, got {bank_memory!r}")
+    bank_memory = bank_memory.lower()
     with _argument("quantize"):
         fmt = expert_format(cfg, jnp.dtype(dtype), quantize)  # errors before any loading
     partition = None if mesh is None else ExpertPartition.from_mesh(mesh, cfg.num_experts)  # errors before loading

@@ -223,9 +223,11 @@ class SafetensorsCheckpoint:
     """Tensor directory of a checkpoint folder (single file or sharded) with positioned reads.
 
     Use as a context manager (or call close()) to release the open file handles. map_pages (default True): read_into
-    maps the file's page-cache pages into a host bank where the offsets allow (no copy, fast to load); False copies
-    every tensor into the bank's own memory, which is 2 MiB aligned on transparent huge pages (page_offset 0): fresh
-    memory to fault in at load, then fewer TLB misses per byte read (docs/DESIGN.md sec. 20.22).
+    maps the file's page-cache pages into a host bank where the offsets allow (no copy, fast to load), and the dense
+    tensors load_checkpoint uses as stored stay views of the file; False copies every tensor (into a bank's own
+    memory, 2 MiB aligned on transparent huge pages: page_offset 0), so nothing of the load keeps the file mapped:
+    fresh memory to fault in at load, then fewer TLB misses per byte read, and the file may change while the model
+    runs (docs/DESIGN.md sec. 20.22).
 
     Raises (constructor): CheckpointError when no safetensors file / index exists, the index is invalid, a shard
     is missing, truncated or corrupted, or a tensor listed in the index is absent from its shard.
@@ -939,7 +941,9 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.Weig
                                                                                       fmt.scale_dtype)
             _quantize_into(w, fmt, data, scales, f"{ckpt.tensors[name].file}: tensor {name!r}")
             return wf.QuantizedTensor(data, scales, fmt)
-        return ckpt.view(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype, copy=False)
+        # a tensor used as stored stays a view of the file's pages unless the checkpoint copies (map_pages False)
+        return ckpt.view(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype,
+                                             copy=not ckpt.map_pages)
 
     return make
 
@@ -975,8 +979,8 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
             their tensors (their rows of a fused [E, ...] tensor) are read; bank row moe_layer * len(experts) + j
             holds expert experts[j].
         map_pages: map the file's pages into the expert banks where the offsets allow (default: fast to load,
-            the banks share the page cache); False: copy them onto the banks' own huge pages (slower to load, faster
-            to read; SafetensorsCheckpoint).
+            the banks share the page cache); False: copy them onto the banks' own huge pages, and the dense tensors
+            too (slower to load, faster to read, no mapping of the file kept; SafetensorsCheckpoint).
     Returns:
         LoadedCheckpoint(config, model, banks, checkpoint_bytes, unused_tensors); banks.format is the experts' weight
         format.

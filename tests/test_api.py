@@ -268,6 +268,12 @@ def test_a_bad_load_argument_names_the_argument_and_the_flag(kwargs, start):
     assert api.argument_message(e.value, "profile" if name != "profile" else "cache") is None
 
 
+def test_bank_memory_must_be_a_str_of_any_case():
+    with pytest.raises(TypeError, match=r"^bank_memory= / --bank-memory: expected one of map, copy \(a str\), got None"):
+        ft_jax.load(bank_memory=None, measure=False)
+    assert ft_jax.load(bank_memory="COPY", measure=False).generate("ab", max_new_tokens=2, temperature=0).token_ids
+
+
 def test_no_prompt_is_a_value_error_naming_the_prompts(bundled):
     for empty in ([], ()):
         with pytest.raises(ValueError, match="^prompts is empty: give a text, a list of token ids"):

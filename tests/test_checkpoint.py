@@ -722,7 +722,7 @@ def _raw_safetensors_int16(path):
 @pytest.mark.parametrize("map_pages", [True, False], ids=["mapped", "copied"])
 def test_bf16_expert_banks_map_the_file_and_hold_its_tensors(tmp_path, map_pages):
     """Mapped (the default): the banks are the file's pages. Copied (map_pages=False, `--bank-memory copy`): the same
-    bytes in the banks' own memory, 2 MiB aligned (huge pages), none of it the file's."""
+    bytes in the banks' own memory, 2 MiB aligned (huge pages), and no mapping of the file left in the process."""
     path = _synthetic_bf16_mixtral(tmp_path)
     ck = load_checkpoint(tmp_path, dtype=jnp.bfloat16, map_pages=map_pages)
     E = ck.config.num_experts
@@ -743,6 +743,8 @@ def test_bf16_expert_banks_map_the_file_and_hold_its_tensors(tmp_path, map_pages
             assert inside >= 0.9 * bank.nbytes, (inside, bank.nbytes)
         else:
             assert inside == 0 and start % (2 << 20) == 0, (inside, start)
+    if not map_pages:  # nor do the dense weights (embedding, lm_head used as stored) keep the file mapped
+        assert not _mapped_ranges(path)
     _release(ck)
 
 

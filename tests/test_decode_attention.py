@@ -120,6 +120,19 @@ def test_a_row_does_not_depend_on_the_other_rows_or_the_thread_split(dtype):
         np.testing.assert_allclose(together, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.25], ids=["zero", "negative"])
+def test_any_finite_scale_gives_the_softmax_of_the_scaled_scores(scale):
+    """3 visible keys (the kernel's score rows padded to 16 lanes): a scale of 0 gives uniform weights, a negative one
+    the reversed softmax; the padding never turns into a weight (it is set after the scaling)."""
+    rng = np.random.default_rng(11)
+    q, k, v = _case(rng, 1, 4, 2, 32, 8, layers=1)
+    got = _run(q, k, v, 0, [0], [2], 8, scale)
+    want = reference(q, k, v, 0, [0], [2], 8, scale, None, bf16=False)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    if scale == 0.0:
+        np.testing.assert_allclose(got[0, 0], np.asarray(v, np.float64)[0, 0, :3, 0].mean(axis=0), rtol=1e-5)
+
+
 def test_bad_operands_are_named():
     q = jnp.zeros((1, 4, 16), jnp.bfloat16)
     cache = jnp.zeros((2, 1, 8, 2, 16), jnp.float32)
@@ -128,9 +141,16 @@ def test_bad_operands_are_named():
     with pytest.raises(ValueError, match="multiple of KVH"):
         ffi_ops.decode_attention(q.astype(jnp.float32), jnp.zeros((2, 1, 8, 3, 16)), jnp.zeros((2, 1, 8, 3, 16)), 0,
                                  jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), 8, scale=0.25)
+    with pytest.raises(ValueError, match="multiple of KVH"):  # no KV head at all
+        ffi_ops.decode_attention(q.astype(jnp.float32), jnp.zeros((2, 1, 8, 0, 16)), jnp.zeros((2, 1, 8, 0, 16)), 0,
+                                 jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), 8, scale=0.25)
     with pytest.raises(Exception, match="cache row 3 of 1"):
         jax.block_until_ready(ffi_ops.decode_attention(q.astype(jnp.float32), cache, cache, 0,
                                                        jnp.array([3], jnp.int32), jnp.zeros(1, jnp.int32), 8,
+                                                       scale=0.25))
+    with pytest.raises(Exception, match="row 0 is at position 8, past the KV cache of 8 entries"):
+        jax.block_until_ready(ffi_ops.decode_attention(q.astype(jnp.float32), cache, cache, 0,
+                                                       jnp.zeros(1, jnp.int32), jnp.array([8], jnp.int32), 8,
                                                        scale=0.25))
 
 

@@ -9,8 +9,8 @@
 // window masks; gpt-oss's sinks: softmax(concat(scores, sink))[:-1]).
 // operands: q f32|bf16 [B, NH, D]; k_cache, v_cache [n, Bc, S, KVH, D] f32 or u16|bf16 (bf16 bits: how ft_jax keeps
 //           a bf16 cache) with the dtype of q; layer s32[]; rows s32[B] (the cache row of each query row);
-//           positions s32[B] (-1: padding, whose output is zeros); window s32[] (>= S: no window); then optionally
-//           sinks f32[NH] (this layer's sink logits)
+//           positions s32[B] (< S; -1: padding, whose output is zeros); window s32[] (>= S: no window); then
+//           optionally sinks f32[NH] (this layer's sink logits)
 // attrs:    scale (f32: the score scaling, head_dim^-0.5)
 // result:   out [B, NH, D] of q's dtype
 // It replaces about 12 XLA thunks per layer, among them a YNNPACK dot whose thread handoff cost more than the whole
@@ -261,11 +261,11 @@ inline __attribute__((always_inline)) void AttendRowHeads(const Problem& pb, int
   const int64_t G = pb.G, D = pb.D, KV = h1 - h0, QH = KV * G;  // the task's KV heads and query heads
   const int64_t pos = pb.positions[b];
   const int64_t first = pos < 0 ? 0 : std::max<int64_t>(0, pos - pb.window + 1);
-  const int64_t last = std::min<int64_t>(pos, pb.S - 1);  // a position past the cache sees what the cache holds
-  const int64_t n = pos < 0 ? 0 : last - first + 1;
+  const int64_t last = std::min<int64_t>(pos, pb.S - 1);  // pos < S (checked by the handler)
+  const int64_t n = pos < 0 ? 0 : std::max<int64_t>(0, last - first + 1);
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;  // rows padded to whole lanes (zeros)
   const int64_t ns = (n + kLanes - 1) / kLanes * kLanes;  // score rows padded to whole lanes
-  ts.scores.assign(static_cast<size_t>(QH * ns), -INFINITY);      // (the padding: weight 0)
+  ts.scores.assign(static_cast<size_t>(QH * ns), 0.0f);
   ts.queries.resize(static_cast<size_t>(QH * Dp));
   ts.sums.assign(static_cast<size_t>(QH * Dp), 0.0f);
   ts.rows.resize(static_cast<size_t>(kValueBlock * KV * Dp));
@@ -297,11 +297,14 @@ inline __attribute__((always_inline)) void AttendRowHeads(const Problem& pb, int
   // one more logit, the weights rounded to the model dtype
   for (int64_t e = 0; e < QH; ++e) {
     float* __restrict se = s + e * ns;
+    for (int64_t j = 0; j < ns; j += kLanes) {
+      const F16Lanes x = LoadLanes(se + j);
+      StoreLanes(se + j, pb.bf16 ? RoundBf16(RoundBf16(x) * pb.scale) : x * pb.scale);
+    }
+    for (int64_t j = n; j < ns; ++j) se[j] = -INFINITY;  // the padding: weight 0
     F16Lanes mx = Broadcast(-INFINITY);
     for (int64_t j = 0; j < ns; j += kLanes) {
-      F16Lanes x = LoadLanes(se + j) * pb.scale;
-      if (pb.bf16) x = RoundBf16(RoundBf16(LoadLanes(se + j)) * pb.scale);
-      StoreLanes(se + j, x);
+      const F16Lanes x = LoadLanes(se + j);
       mx = mx > x ? mx : x;
     }
     const bool has_sink = pb.sinks != nullptr;
@@ -439,10 +442,14 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
                                     std::to_string(L) + " layers");
   }
   for (int64_t b = 0; b < B; ++b) {
-    const int32_t r = rows.typed_data()[b];
+    const int32_t r = rows.typed_data()[b], p = positions.typed_data()[b];
     if (r < 0 || r >= Bc) {
       return InvalidArgument(kOp, "row " + std::to_string(b) + " reads cache row " + std::to_string(r) +
                                       " of " + std::to_string(Bc));
+    }
+    if (p >= S) {
+      return InvalidArgument(kOp, "row " + std::to_string(b) + " is at position " + std::to_string(p) +
+                                      ", past the KV cache of " + std::to_string(S) + " entries");
     }
   }
   const int64_t w = *window.typed_data();

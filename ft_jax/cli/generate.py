@@ -105,9 +105,11 @@ def add_load_arguments(parser) -> None:
                         help="auto or qstar without a stored profile: do not run a quick profile, fall back to "
                              "fixed-cap:1")
     parser.add_argument("--bank-memory", choices=BANK_MEMORY, default=None,
-                        help="map: the expert host banks map the checkpoint file's page-cache pages (no copy, fast "
-                             "start); copy: the experts are copied onto the banks' own huge pages (the load writes "
-                             "them all once, then decode reads them faster). Default: map for generate, copy for "
+                        help="map: the expert host banks map the checkpoint file's page-cache pages where the "
+                             "offsets allow (no copy, fast start); copy: every tensor is copied, the experts onto the "
+                             "banks' own huge pages (the load writes them all once, then decode reads them faster, "
+                             "and the file may change while the model runs). Quantized experts (--quantize, FP8, "
+                             "MXFP4) are built in the banks' memory either way. Default: map for generate, copy for "
                              "serve")
     parser.add_argument("--prefill-chunk", type=arg_types.positive_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                         help=f"prompt tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}): a longer prompt is "

@@ -262,16 +262,17 @@ def decode_attention(q, k_cache, v_cache, layer, rows, positions, window, *, sca
       k_cache, v_cache: [n, Bc, S, KVH, D] stacks of layer caches in layers.cache_store form (bf16 as uint16 bits,
         or bf16; float32 for a float32 q); NH a multiple of KVH.
       layer: i32[] (or int) which layer of the stack.
-      rows: i32[B] cache row of each query row. positions: i32[B] (-1 = padding).
+      rows: i32[B] cache row of each query row. positions: i32[B] in [-1, S) (-1 = padding).
       window: i32[] (or int) sliding window in keys; >= S for full attention.
-      scale: the score scaling (head_dim ** -0.5).
+      scale: the score scaling (head_dim ** -0.5; any finite value).
       sinks: f32[NH] this layer's sink logits, or None.
 
     Returns:
       [B, NH, D] in q's dtype.
 
     Raises:
-      TypeError / ValueError at trace time for dtypes or shapes; a layer or row outside the cache fails at run time.
+      TypeError / ValueError at trace time for dtypes or shapes; a layer, row or position outside the cache fails
+      at run time.
     """
     op = "decode_attention"
     (B, NH, D), qdtype = _expect(op, "q", q, 3, _WEIGHT_DTYPES, "[B, NH, D]")
@@ -279,7 +280,7 @@ def decode_attention(q, k_cache, v_cache, layer, rows, positions, window, *, sca
         else (np.dtype(np.float32),)
     kshape, _ = _expect(op, "k_cache", k_cache, 5, cache_dtypes, "[n, Bc, S, KVH, D]")
     vshape, _ = _expect(op, "v_cache", v_cache, 5, cache_dtypes, "[n, Bc, S, KVH, D]")
-    if kshape != vshape or kshape[-1] != D or NH % kshape[3]:
+    if kshape != vshape or kshape[-1] != D or kshape[3] < 1 or NH % kshape[3]:
         raise ValueError(f"{op}: q [{B}, {NH}, {D}] needs key and value caches [n, Bc, S, KVH, {D}] alike with NH a "
                          f"multiple of KVH, got {list(kshape)} and {list(vshape)}")
     for name, value in (("rows", rows), ("positions", positions)):
