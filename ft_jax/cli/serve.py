@@ -110,8 +110,10 @@ def _load(args, path: str, cfg, state, note, on_failure) -> None:
         on_failure()
         return
     state.ready(model, batcher, template)
+    banks = "mapped from the file" if args.bank_memory == "map" else "copied onto huge pages"
     print(f"ft-jax serve: ready: {state.model_name} on {_url(args.host, args.port)} (policy {model.policy}, "
-          f"{units.count(args.max_batch, 'row')} of {state.ctx_size} tokens)", file=sys.stderr, flush=True)
+          f"{units.count(args.max_batch, 'row')} of {state.ctx_size} tokens, expert banks {banks})", file=sys.stderr,
+          flush=True)
 
 
 def _url(host: str, port: int) -> str:
