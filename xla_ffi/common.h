@@ -24,6 +24,11 @@ inline bool IsWeightDType(int32_t code) {
 }
 inline bool IsWeightDType(xla::ffi::DataType t) { return IsWeightDType(static_cast<int32_t>(t)); }
 
+// bf16 data, or uint16 holding bf16 bits (how ft_jax keeps a bf16 embedding table and KV cache).
+inline bool IsBf16Bits(xla::ffi::DataType t) {
+  return t == xla::ffi::DataType::BF16 || t == xla::ffi::DataType::U16;
+}
+
 // dst[i] = src[i] for bf16 bits src (exact: a bf16 value is a float32 with the low 16 bits zero).
 inline void WidenBf16(const uint16_t* src, float* dst, size_t n) {
   for (size_t i = 0; i < n; ++i) {

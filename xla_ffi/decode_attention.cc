@@ -45,13 +45,6 @@ using I32Vector = ffi::Buffer<ffi::DataType::S32, 1>;
 constexpr const char* kOp = "decode_attention";
 constexpr int kLanes = 16;  // float lanes of the partial sums of a dot (one AVX-512 register; two AVX2 ones)
 
-inline float Bf16ToF32(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 // 16 float32 lanes (GCC vector extension): one AVX-512 register, two AVX2 ones, four SSE ones, as the function it is
 // inlined into is compiled for (floating-point contraction where the level has FMA).
 typedef float F16Lanes __attribute__((vector_size(4 * kLanes)));
@@ -75,13 +68,6 @@ inline __attribute__((always_inline)) F16Lanes RoundBf16(F16Lanes f) {
   return (F16Lanes)((bits & 0x7FFFFFFFu) > 0x7F800000u ? bits : rounded);
 }
 
-inline float RoundBf16(float f) { return RoundBf16(Broadcast(f))[0]; }
-
-inline uint16_t Bf16Bits(float f) {  // f already a bf16 value (RoundBf16)
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // exp(x) per lane for x <= 0 (x = s - max): Cephes' expf (x = n ln 2 + r with n the nearest integer to x / ln 2,
 // found with the 1.5 * 2^23 rounding constant; a degree-6 polynomial in r; ~1 ulp), 0 below -87.3 (where float32
@@ -135,8 +121,7 @@ inline __attribute__((always_inline)) float SumLanes(F16Lanes v) {
 inline __attribute__((always_inline)) void WidenRow(const void* base, bool bf16, size_t at, int64_t D, int64_t Dp,
                                                     float* __restrict dst) {
   if (bf16) {
-    const uint16_t* __restrict src = static_cast<const uint16_t*>(base) + at;
-    for (int64_t d = 0; d < D; ++d) dst[d] = Bf16ToF32(src[d]);
+    WidenBf16(static_cast<const uint16_t*>(base) + at, dst, static_cast<size_t>(D));
   } else {
     const float* __restrict src = static_cast<const float*>(base) + at;
     for (int64_t d = 0; d < D; ++d) dst[d] = src[d];
@@ -188,8 +173,8 @@ FT_JAX_AVX512BF16 void ScoresBf16(const uint16_t* q, const uint16_t* k, size_t k
 // odd), with VDPBF16PS: keys in pairs, the two value rows interleaved (VPUNPCKLWD / VPUNPCKHWD: within each 128-bit
 // lane, elements 0-3 then 4-7 of both rows) and each head's pair of weights broadcast, one dot adding both keys'
 // products. Blocks of kPairBlock pairs keep 2 x 8 heads' sums in registers; each block's sums are added to `sums`
-// (float32 [QH, D]) in that interleaved order and put back in element order at the end. pairs: scratch of
-// QH * ceil(n / 2) words.
+// (float32 [QH, D], zeros on entry) in that interleaved order and put back in element order at the end. pairs:
+// scratch of QH * ceil(n / 2) words.
 constexpr int64_t kPairBlock = 32;
 FT_JAX_AVX512BF16 void ValuesBf16(const uint16_t* v, size_t key_stride, const float* p, int64_t QH, int64_t G,
                                   int64_t D, int64_t n, int64_t ns, float* sums, uint32_t* pairs) {
@@ -201,7 +186,6 @@ FT_JAX_AVX512BF16 void ValuesBf16(const uint16_t* v, size_t key_stride, const fl
       std::memcpy(&b, p + e * ns + 2 * i + 1, 4);
       pairs[e * np + i] = (a >> 16) | (b & 0xFFFF0000u);
     }
-  std::fill(sums, sums + QH * D, 0.0f);  // interleaved order until the end
   for (int64_t i0 = 0; i0 < np; i0 += kPairBlock) {
     const int64_t i1 = std::min(np, i0 + kPairBlock);
     for (int64_t e0 = 0, heads = 0; e0 < QH; e0 += heads) {  // up to 8 query heads of one KV head at a time
@@ -265,7 +249,7 @@ inline __attribute__((always_inline)) void AttendRowHeads(const Problem& pb, int
   const int64_t n = pos < 0 ? 0 : std::max<int64_t>(0, last - first + 1);
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;  // rows padded to whole lanes (zeros)
   const int64_t ns = (n + kLanes - 1) / kLanes * kLanes;  // score rows padded to whole lanes
-  ts.scores.assign(static_cast<size_t>(QH * ns), 0.0f);
+  ts.scores.resize(static_cast<size_t>(QH * ns));  // every entry written before it is read
   ts.queries.resize(static_cast<size_t>(QH * Dp));
   ts.sums.assign(static_cast<size_t>(QH * Dp), 0.0f);
   ts.rows.resize(static_cast<size_t>(kValueBlock * KV * Dp));
@@ -352,7 +336,7 @@ inline __attribute__((always_inline)) void AttendRowHeads(const Problem& pb, int
     const float* __restrict ae = acc + e * Dp;
     if (pb.bf16) {
       uint16_t* __restrict o = static_cast<uint16_t*>(pb.out) + out0 + static_cast<size_t>(e * D);
-      for (int64_t d = 0; d < D; ++d) o[d] = Bf16Bits(RoundBf16(ae[d]));
+      for (int64_t d = 0; d < D; ++d) o[d] = ToBf16(ae[d]);
     } else {
       float* __restrict o = static_cast<float*>(pb.out) + out0 + static_cast<size_t>(e * D);
       for (int64_t d = 0; d < D; ++d) o[d] = ae[d];
@@ -401,8 +385,6 @@ void RunAttention(Problem pb, ffi::ThreadPool& pool) {
   ParallelFor(pool, tasks, [&](int64_t t) { task(pb, t); });
 }
 
-bool IsBf16(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::U16; }
-
 ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                                ffi::AnyBuffer v_cache, I32Scalar layer, I32Vector rows,
                                I32Vector positions, I32Scalar window, ffi::RemainingArgs extra,
@@ -411,7 +393,7 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyB
   const bool bf16 = q.element_type() == ffi::DataType::BF16;
   if (!bf16 && q.element_type() != ffi::DataType::F32) return InvalidArgument(kOp, "q must be f32 or bf16");
   const auto kt = k_cache.element_type(), vt = v_cache.element_type();
-  const bool cache_ok = bf16 ? IsBf16(kt) && IsBf16(vt) : kt == ffi::DataType::F32 && vt == ffi::DataType::F32;
+  const bool cache_ok = bf16 ? IsBf16Bits(kt) && IsBf16Bits(vt) : kt == ffi::DataType::F32 && vt == ffi::DataType::F32;
   if (!cache_ok) return InvalidArgument(kOp, "the key and value caches must hold q's dtype (bf16 as u16 bits)");
   if (qd.size() != 3 || kd.size() != 5 || Dims(kd) != Dims(vd)) {
     return InvalidArgument(kOp, "q must be [B, NH, D] and the caches [n, Bc, S, KVH, D] alike, got q " + Dims(qd) +

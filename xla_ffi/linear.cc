@@ -88,9 +88,6 @@ const float* XAsF32(ffi::AnyBuffer x, size_t n, Scratch<float>& scratch) {
   return scratch.data();
 }
 
-// Weights may also arrive as uint16 holding bf16 bits (how ft_jax keeps a bf16 embedding table: a tied lm_head).
-bool IsBf16Bits(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::U16; }
-
 constexpr const char* kOp = "linear";
 
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, I32Scalar layer,
