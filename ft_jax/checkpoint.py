@@ -26,6 +26,8 @@ import math
 import mmap
 import os
 import struct
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 import jax.numpy as jnp
@@ -266,6 +268,7 @@ class SafetensorsCheckpoint:
         else:
             raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
         self._handles: dict[str, Any] = {}
+        self._handles_lock = threading.Lock()  # load_checkpoint reads the experts and the dense tensors in 2 threads
         self.used: set[str] = set()  # the tensors info() was asked for: everything read goes through it
 
     def __enter__(self):
@@ -433,10 +436,11 @@ class SafetensorsCheckpoint:
         return out
 
     def _file(self, path: str):
-        fh = self._handles.get(path)
-        if fh is None:
-            fh = self._handles[path] = open(path, "rb", buffering=0)
-        return fh
+        with self._handles_lock:
+            fh = self._handles.get(path)
+            if fh is None:
+                fh = self._handles[path] = open(path, "rb", buffering=0)
+            return fh
 
     @staticmethod
     def _check_size(fh, name: str, info: TensorInfo) -> None:
@@ -851,7 +855,8 @@ def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name
 
 
 def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, fmt: wf.WeightFormat,
-                      bias_dtype, experts: range | None = None) -> ExpertBanks:
+                      bias_dtype, experts: range | None = None,
+                      cancel: threading.Event | None = None) -> ExpertBanks:
     """The expert banks of a checkpoint in weight format ``fmt``, filled by ``plan`` (expert_tensor_plan with the
     same ``experts``: the experts of every MoE layer the banks hold, default all; only their tensors, or their rows
     of a fused tensor, are read).
@@ -863,8 +868,10 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
     copied (a bf16 scale_inv widened to f32); mxfp4: blocks and scales copied (gate/up rows de-interleaved); both
     checked for NaN (FP8 S.1111.111 as read, an E8M0 scale of 255, a non-finite scale) and never dequantized. Biases (gpt-oss) go to float banks of ``bias_dtype``.
 
-    Returns: ExpertBanks (frozen) of L_moe * len(experts) rows. Raises CheckpointError (naming file and tensor); on any
-    error the banks made so far are released.
+    cancel: when set (by another thread), the load stops before its next tensor and raises LoadCancelled.
+
+    Returns: ExpertBanks (frozen) of L_moe * len(experts) rows. Raises CheckpointError (naming file and tensor),
+    LoadCancelled; on any error the banks made so far are released.
     """
     experts = check_experts(cfg, experts)
     Ep, H, I = len(experts), cfg.hidden_size, cfg.moe_intermediate_size
@@ -886,6 +893,8 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
     try:
         out = _BankWriter({kind: bank.numpy() for kind, bank in host.items()}, fmt)
         for bank, row, name, part in plan:
+            if cancel is not None and cancel.is_set():
+                raise LoadCancelled("load_expert_banks: cancelled")
             arr = out.arrays[bank]
             if part[0] == "fused" and not (fmt.quantized and bank in ("gate_up", "down")):
                 ckpt.read_into(name, arr[row:row + Ep], rows=experts)
@@ -913,6 +922,31 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
             bank.release()
         raise
     return banks
+
+
+class LoadCancelled(Exception):
+    """load_expert_banks stopped early because its ``cancel`` event was set (the dense model's load failed)."""
+
+
+def _load_in_two_threads(make_model: Callable[[], Any], make_banks: Callable[[threading.Event], ExpertBanks]):
+    """(make_model(), make_banks(cancel)): the expert banks read in a second thread while this one builds the dense
+    model. Each is mostly page faults, file reads and C++ passes that release the GIL (mapping and populating the
+    experts' pages with their NaN/Inf check; copying the dense tensors into fresh memory), so on a machine of 2+
+    cores the load takes about the longer of the two instead of their sum (docs/DESIGN.md sec. 20.23). The dense
+    model's error, if any, is raised (the banks are then cancelled and released); otherwise the banks' error."""
+    cancel = threading.Event()
+    with ThreadPoolExecutor(1, thread_name_prefix="ft_jax-expert-banks") as pool:
+        pending: Future = pool.submit(make_banks, cancel)
+        try:
+            model = make_model()
+        except BaseException:
+            cancel.set()
+            try:
+                pending.result().release()
+            except BaseException:  # its own failure or LoadCancelled: the model's error is the one to report
+                pass
+            raise
+        return model, pending.result()
 
 
 def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.WeightFormat | None = None):
@@ -1007,8 +1041,9 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     fmt = expert_format(cfg, bank_dtype, quantize)
     with SafetensorsCheckpoint(model_dir, map_pages=map_pages) as ckpt:
         plan = expert_tensor_plan(cfg, ckpt, fmt, experts)
-        model = MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None))
-        banks = load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts)
+        model, banks = _load_in_two_threads(
+            lambda: MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None)),
+            lambda cancel: load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts, cancel))
         nbytes = ckpt.nbytes
         if experts is not None:
             expert_tensor_plan(cfg, ckpt, fmt)  # the experts other processes hold count as read (headers only)

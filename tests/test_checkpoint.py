@@ -221,6 +221,56 @@ def test_wrong_shape_names_file_tensor_and_shapes(tmp_path, name):
     assert name in msg and path in msg and str(expected) in msg and str(expected[::-1]) in msg
 
 
+@pytest.mark.parametrize("dense_fails_after_banks", [False, True])
+def test_dense_failure_releases_the_expert_banks_of_the_other_thread(monkeypatch, dense_fails_after_banks):
+    """load_checkpoint reads the experts in a second thread while the dense model is built: when the dense part
+    fails, its error is raised and every host bank the other thread made is released, whether that thread was
+    cancelled part way (the dense error comes at once) or had finished (the error comes after the banks)."""
+    import ft_jax.checkpoint as checkpoint
+
+    made, finished = [], threading.Event()
+    real_init, real_banks = HostBank.__init__, checkpoint.load_expert_banks
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    def banks_then_signal(*args, **kwargs):
+        try:
+            return real_banks(*args, **kwargs)
+        finally:
+            finished.set()
+
+    def failing_model(cfg, make):
+        if dense_fails_after_banks:
+            assert finished.wait(60)
+        raise CheckpointError("dense part failed")
+
+    monkeypatch.setattr(HostBank, "__init__", recording_init)
+    monkeypatch.setattr(checkpoint, "load_expert_banks", banks_then_signal)
+    monkeypatch.setattr(checkpoint, "MoETransformer", failing_model)
+    with pytest.raises(CheckpointError, match="dense part failed"):
+        load_checkpoint(os.path.join(FIXTURES, "mixtral"))
+    assert finished.is_set()  # load_checkpoint waited for the other thread
+    if dense_fails_after_banks:
+        assert made  # the banks were made, then released
+    assert all(not bank.alive for bank in made)
+
+
+def test_expert_error_from_the_other_thread_is_raised(tmp_path):
+    """A bad expert tensor (read in the banks' thread) fails the load with its own error, naming file and tensor."""
+    d = _copy("mixtral", tmp_path / "ckpt")
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.1.block_sparse_moe.experts.2.w1.weight"
+    tensors[name] = tensors[name].copy()
+    tensors[name][3, 4] = np.inf
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(d)
+    assert name in str(e.value) and path in str(e.value) and "Inf" in str(e.value)
+
+
 def test_config_errors_surface_from_load_checkpoint(tmp_path):
     d = _copy("mixtral", tmp_path / "ckpt")
     cfg = json.load(open(os.path.join(d, "config.json")))
