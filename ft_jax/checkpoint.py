@@ -932,21 +932,21 @@ def _load_in_two_threads(make_model: Callable[[], Any], make_banks: Callable[[th
     """(make_model(), make_banks(cancel)): the expert banks read in a second thread while this one builds the dense
     model. Each is mostly page faults, file reads and C++ passes that release the GIL (mapping and populating the
     experts' pages with their NaN/Inf check; copying the dense tensors into fresh memory), so on a machine of 2+
-    cores the load takes about the longer of the two instead of their sum (docs/DESIGN.md sec. 20.23). The dense
-    model's error, if any, is raised (the banks are then cancelled and released); otherwise the banks' error."""
+    cores they partly overlap (docs/DESIGN.md sec. 20.23). The dense model's error, if any, is raised; otherwise the
+    banks' error. On any error, a KeyboardInterrupt in either wait included, the banks' thread is cancelled (it stops
+    before its next tensor), waited for, and the banks it made are released."""
     cancel = threading.Event()
     with ThreadPoolExecutor(1, thread_name_prefix="ft_jax-expert-banks") as pool:
         pending: Future = pool.submit(make_banks, cancel)
         try:
-            model = make_model()
-        except BaseException:
-            cancel.set()
+            return make_model(), pending.result()
+        except BaseException:  # the model's error, the banks' error, or KeyboardInterrupt in either wait
+            cancel.set()  # the other thread stops before its next tensor
             try:
                 pending.result().release()
-            except BaseException:  # its own failure or LoadCancelled: the model's error is the one to report
+            except BaseException:  # its own failure or LoadCancelled: the first error is the one to report
                 pass
             raise
-        return model, pending.result()
 
 
 def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.WeightFormat | None = None):
