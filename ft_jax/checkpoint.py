@@ -482,11 +482,11 @@ class SafetensorsCheckpoint:
 
     @staticmethod
     def _read_exactly(fh, name: str, info: TensorInfo, dest: np.ndarray, start: int, stop: int) -> None:
-        """dest[start:stop] = the tensor's bytes start:stop (reads until complete; a read may return less)."""
+        """dest[start:stop] = the tensor's bytes start:stop (reads until complete; a read may return less). Positioned
+        reads (pread): the file position is never used, so the two threads of load_checkpoint share the handle."""
         view = memoryview(dest)
-        fh.seek(info.offset + start)
         while start < stop:
-            got = fh.readinto(view[start:stop])
+            got = os.preadv(fh.fileno(), [view[start:stop]], info.offset + start)
             if not got:
                 raise CheckpointError(f"{info.file}: truncated file while reading tensor {name!r} at byte "
                                       f"{info.offset + start} (expected {info.nbytes} bytes)")

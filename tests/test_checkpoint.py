@@ -295,6 +295,30 @@ def test_interrupt_while_waiting_for_the_banks_cancels_and_releases_them(monkeyp
     assert made and all(not bank.alive for bank in made)
 
 
+def test_reads_from_several_threads_share_the_file_handle_safely():
+    """load_checkpoint reads from two threads through one SafetensorsCheckpoint (one handle per file): every read is
+    positioned (a seek then a read, as the first two-thread version had, gave one thread the other's bytes: wrong FP8
+    scales, caught intermittently by a test of tests/test_expert_parallel.py)."""
+    path = os.path.join(FIXTURES, "qwen2_moe", "model.safetensors")
+    expected = load_file(path)
+    names = sorted(n for n, t in expected.items() if t.ndim >= 1 and t.shape[0] >= 2)[:24]
+    errors = []
+    with SafetensorsCheckpoint(os.path.dirname(path)) as ckpt:
+        def reader(k: int) -> None:
+            for rep in range(20):
+                name = names[(k * 7 + rep) % len(names)]
+                got = ckpt.read_rows(name, 0, expected[name].shape[0])
+                if not np.array_equal(got.view(np.uint8), expected[name].view(np.uint8)):
+                    errors.append((k, rep, name))
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:5]
+
+
 def test_expert_error_from_the_other_thread_is_raised(tmp_path):
     """A bad expert tensor (read in the banks' thread) fails the load with its own error, naming file and tensor."""
     d = _copy("mixtral", tmp_path / "ckpt")
