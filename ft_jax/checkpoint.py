@@ -224,7 +224,8 @@ def _shard_file(index_path: str, tensor: str, shard: Any) -> str:
 class SafetensorsCheckpoint:
     """Tensor directory of a checkpoint folder (single file or sharded) with positioned reads.
 
-    Use as a context manager (or call close()) to release the open file handles. map_pages (default True): read_into
+    Use as a context manager (or call close()) to release the open file handles. Its reads may come from several
+    threads at once (positioned reads on one handle per file). map_pages (default True): read_into
     maps the file's page-cache pages into a host bank where the offsets allow (no copy, fast to load), and the dense
     tensors load_checkpoint uses as stored stay views of the file; False copies every tensor (into a bank's own
     memory, 2 MiB aligned on transparent huge pages: page_offset 0), so nothing of the load keeps the file mapped:
@@ -463,10 +464,12 @@ class SafetensorsCheckpoint:
         (_ffi.bank_map_file: copy-on-write, the page cache's own pages, no copy); the partial pages at both ends and
         any other destination are read with positioned reads. The mapped part is checked in one call on every core
         (its one pass: nothing else reads it while loading), the read pieces each while in cache."""
+        if not dest.flags.writeable:  # e.g. a view of a frozen bank
+            raise TypeError(f"cannot read tensor {name!r} into a read-only array (the destination must be read-write)")
         fh = self._file(info.file)
         self._check_size(fh, name, info)
         begin = end = 0  # the mapped part of dest
-        if self.map_pages and info.nbytes >= _MAP_MIN_BYTES and dest.flags.writeable:  # never behind a read-only view
+        if self.map_pages and info.nbytes >= _MAP_MIN_BYTES:
             begin, end = _ffi.bank_map_file(dest.ctypes.data, info.nbytes, fh.fileno(), info.offset)
         checked, found = 0, False
         for lo, hi, mapped in ((0, begin, False), (begin, end, True), (end, info.nbytes, False)):
@@ -1022,8 +1025,10 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     SafetensorsCheckpoint.read_into; with map_pages False they are read like the others), others read one at a time
     directly into the bank rows (plus one tensor-sized temporary when the stored dtype differs from the bank's; one
     expert's matrix when quantizing; gpt-oss tensors one expert at a time); dense tensors are file views copied once
-    each. Peak host memory is about banks + dense weights + one tensor. The banks are frozen (read-only,
-    :meth:`HostBank.freeze`) before they are returned.
+    each. Peak host memory is about banks + dense weights + one tensor per thread: the expert banks are read in a
+    second thread while this one builds the dense model (_load_in_two_threads; an error or KeyboardInterrupt cancels
+    that thread and releases its banks). The banks are frozen (read-only, :meth:`HostBank.freeze`) before they are
+    returned.
     Raises:
         CheckpointError: missing/unreadable/truncated/corrupted file (including headers that break the safetensors
             rules and unsafe shard names in the index), missing tensor, wrong shape or dtype, a NaN/Inf weight or
