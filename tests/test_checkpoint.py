@@ -307,7 +307,11 @@ def test_reads_from_several_threads_share_the_file_handle_safely():
         def reader(k: int) -> None:
             for rep in range(20):
                 name = names[(k * 7 + rep) % len(names)]
-                got = ckpt.read_rows(name, 0, expected[name].shape[0])
+                try:
+                    got = ckpt.read_rows(name, 0, expected[name].shape[0])
+                except Exception as e:  # a failure in a thread must fail the test too
+                    errors.append((k, rep, name, repr(e)))
+                    continue
                 if not np.array_equal(got.view(np.uint8), expected[name].view(np.uint8)):
                     errors.append((k, rep, name))
 
