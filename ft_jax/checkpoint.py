@@ -39,7 +39,7 @@ from ft_jax.config import MoEConfig, check_regular_file, file_present, load_conf
 from ft_jax.config.quantization import expert_format, quantize_applies
 from ft_jax.models.decoder import MoETransformer
 from ft_jax import _ffi
-from ft_jax.kernels.host_bank import MAP_ALIGNMENT, HostBank
+from ft_jax.kernels.host_bank import MAP_ALIGNMENT, HostBank, may_alias
 from ft_jax.offload.banks import ExpertBanks
 
 SINGLE_FILE = "model.safetensors"
@@ -978,9 +978,11 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.Weig
                                                                                       fmt.scale_dtype)
             _quantize_into(w, fmt, data, scales, f"{ckpt.tensors[name].file}: tensor {name!r}")
             return wf.QuantizedTensor(data, scales, fmt)
-        # a tensor used as stored stays a view of the file's pages unless the checkpoint copies (map_pages False)
-        return ckpt.view(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype,
-                                             copy=not ckpt.map_pages)
+        out = ckpt.view(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype, copy=False)
+        # A tensor used as stored is a view of the file's pages. The model copies it (stacked, or by host_array)
+        # unless host_array may alias it; without map_pages no part of the file may stay mapped, so only such a view
+        # is copied here (copying every one would copy the stacked tensors twice).
+        return out.copy() if not ckpt.map_pages and may_alias(out) else out
 
     return make
 

@@ -1,6 +1,7 @@
 """Checkpoint loading: bank layouts, sharded / fused / bf16 files, and clear errors for broken checkpoints."""
 
 import json
+import mmap
 import os
 import re
 import shutil
@@ -835,11 +836,26 @@ def _raw_safetensors_int16(path):
             for name, t in header.items() if name != "__metadata__" and t["dtype"] in ("BF16", "F16", "I16")}
 
 
+def _page_align_data(path) -> None:
+    """Rewrites a safetensors file with its header padded by spaces (the format allows trailing whitespace) so that
+    its data starts at a multiple of the page size: every tensor then starts 64-byte aligned (a size multiple of 64)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header, data = f.read(n), f.read()
+    header += b" " * (-(8 + n) % mmap.PAGESIZE)
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header + data)
+
+
+@pytest.mark.parametrize("aligned", [False, True], ids=["data_at_32_mod_64", "data_page_aligned"])
 @pytest.mark.parametrize("map_pages", [True, False], ids=["mapped", "copied"])
-def test_bf16_expert_banks_map_the_file_and_hold_its_tensors(tmp_path, map_pages):
+def test_bf16_expert_banks_map_the_file_and_hold_its_tensors(tmp_path, map_pages, aligned):
     """Mapped (the default): the banks are the file's pages. Copied (map_pages=False, `--bank-memory copy`): the same
-    bytes in the banks' own memory, 2 MiB aligned (huge pages), and no mapping of the file left in the process."""
+    bytes in the banks' own memory, 2 MiB aligned (huge pages), and no mapping of the file left in the process.
+    Dense tensors: a 64-byte aligned embedding is used in place when mapped (no copy), copied when not."""
     path = _synthetic_bf16_mixtral(tmp_path)
+    if aligned:
+        _page_align_data(path)
     ck = load_checkpoint(tmp_path, dtype=jnp.bfloat16, map_pages=map_pages)
     E = ck.config.num_experts
     raw = _raw_safetensors_int16(path)  # the reference reader: the file format read by hand
@@ -861,6 +877,9 @@ def test_bf16_expert_banks_map_the_file_and_hold_its_tensors(tmp_path, map_pages
             assert inside == 0 and start % (2 << 20) == 0, (inside, start)
     if not map_pages:  # nor do the dense weights (embedding, lm_head used as stored) keep the file mapped
         assert not _mapped_ranges(path)
+    embed = ck.model.embed_tokens[...].unsafe_buffer_pointer()
+    in_file = any(s <= embed < e for s, e in _mapped_ranges(path))
+    assert in_file == (map_pages and aligned), (in_file, map_pages, aligned)
     _release(ck)
 
 

@@ -257,13 +257,19 @@ def _huge_page_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
     return np.frombuffer(region, dtype, math.prod(shape), pad).reshape(shape)
 
 
+def may_alias(a: np.ndarray) -> bool:
+    """Whether :func:`host_array` may use ``a`` in place instead of copying it: the CPU backend, a C-contiguous array
+    64-byte aligned (a file view that passes stays the file's pages)."""
+    return jax.default_backend() == "cpu" and a.ctypes.data % _JAX_CPU_ALIGNMENT == 0 and a.flags.c_contiguous
+
+
 def host_array(a: np.ndarray) -> jax.Array:
     """A host numpy array (e.g. a read-only file view, SafetensorsCheckpoint.view) as a jax array on the default
     device, copied at most once. On the CPU backend an array jax can use as it is (64-byte aligned) is aliased
     (jax.device_put with may_alias: a file view stays the file's page-cache pages, nothing is copied, and jax keeps
     the view alive); another is copied once onto huge pages (_huge_page_buffer), never through a temporary. Other
     backends copy it to the device. For arrays that are never donated or written (parameters)."""
-    if jax.default_backend() == "cpu" and a.ctypes.data % _JAX_CPU_ALIGNMENT == 0 and a.flags.c_contiguous:
+    if may_alias(a):
         out = jax.device_put(a, may_alias=True)
         if out.unsafe_buffer_pointer() == a.ctypes.data:
             return out
