@@ -5,8 +5,10 @@ reference reader does (no duplicate keys, header <= 100 MB, the tensors tile the
 tensor is checked for NaN/Inf as it is read (a bit test on the exponent field). An expert tensor stored as its
 bank holds it is not copied: the file's page-cache pages are mapped into the bank (copy-on-write; HostBank
 page_offset, SafetensorsCheckpoint.page_offset); other tensors are read with positioned reads straight into their
-destination (a bank row or one tensor-sized temporary) and dense ones are read-only file views copied once into
-their stacks (view), so peak host memory is about 1x the checkpoint (docs/DESIGN.md section 15.4). Expert
+destination (a bank row or one tensor-sized temporary). A decoder layer's dense tensors are read-only file views
+copied once into their stacks (view); the embedding and lm_head are used in place as file views where the CPU backend
+can (mapped, 64-byte aligned) and are otherwise read straight into their own buffers. Peak host memory is about 1x
+the checkpoint (docs/DESIGN.md section 15.4). Expert
 tensor names per family (Mixtral, Qwen2/3-MoE, OLMoE, fused, gpt-oss incl. MXFP4) and the bank row layout:
 docs/DESIGN.md sec. 12 ("checkpoint.py"); the banks are one ExpertBanks (ft_jax.offload.banks): gate_up row =
 [gate; up] [2I, H], down row [H, I], flat id = moe_layer * E + e, and for gpt-oss gate_up_bias [2I] (gate bias then
@@ -39,7 +41,7 @@ from ft_jax.config import MoEConfig, check_regular_file, file_present, load_conf
 from ft_jax.config.quantization import expert_format, quantize_applies
 from ft_jax.models.decoder import MoETransformer
 from ft_jax import _ffi
-from ft_jax.kernels.host_bank import MAP_ALIGNMENT, HostBank, may_alias
+from ft_jax.kernels.host_bank import MAP_ALIGNMENT, HostBank, huge_page_buffer
 from ft_jax.offload.banks import ExpertBanks
 
 SINGLE_FILE = "model.safetensors"
@@ -960,6 +962,9 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.Weig
     the blocks, an FP8 tensor where a float one is needed, NaN)."""
 
     def make(name: str, shape: tuple[int, ...], kind: str):
+        # A tensor outside the decoder layers (embedding, lm_head, final norm) becomes a parameter of its own
+        # (host_array); a layer's ("model.layers.{l}.", models.layers.Stacked) is copied into its layer stack.
+        whole = not name.startswith("model.layers.")
         if name not in ckpt and family == "mixtral" and ".block_sparse_moe.gate." in name:
             alt = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # transformers-5 router name
             name = alt if alt in ckpt else name
@@ -974,15 +979,23 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.Weig
         if quantized and kind == "weight" and quantize_applies(name, shape):
             _fits(fmt, ckpt.info(name, shape), name, shape[1])
             w = ckpt.view(name, shape)  # [rows, cols] as stored
-            data, scales = np.empty(fmt.data_shape(*shape), fmt.data_dtype), np.empty(fmt.scale_shape(*shape),
-                                                                                      fmt.scale_dtype)
+            alloc = huge_page_buffer if whole else np.empty  # a whole one: a buffer host_array uses in place
+            data, scales = alloc(fmt.data_shape(*shape), fmt.data_dtype), alloc(fmt.scale_shape(*shape),
+                                                                                fmt.scale_dtype)
             _quantize_into(w, fmt, data, scales, f"{ckpt.tensors[name].file}: tensor {name!r}")
             return wf.QuantizedTensor(data, scales, fmt)
-        out = ckpt.view(name, shape).astype(np.float32 if kind.endswith("_f32") else dtype, copy=False)
-        # A tensor used as stored is a view of the file's pages. The model copies it (stacked, or by host_array)
-        # unless host_array may alias it; without map_pages no part of the file may stay mapped, so only such a view
-        # is copied here (copying every one would copy the stacked tensors twice).
-        return out.copy() if not ckpt.map_pages and may_alias(out) else out
+        target = np.dtype(np.float32 if kind.endswith("_f32") else dtype)
+        if whole and info is not None and info.dtype == target and not (ckpt.map_pages and info.offset % 64 == 0):
+            # Used as stored, and a copy either way: a file view host_array cannot use in place (the CPU backend
+            # needs 64-byte alignment, and a mapping keeps the file offset's residue modulo the page size), or no
+            # part of the file may stay mapped (map_pages False). Read straight into the buffer host_array then uses:
+            # one pass over the bytes (checked piece by piece as read), no populated view beside the copy.
+            out = huge_page_buffer(shape, target)
+            ckpt.read_into(name, out)
+            return out
+        # A layer's tensor is a view of the file's pages, copied into its stack (one copy, no temporary), and so is
+        # a whole one that host_array uses in place (mapped, 64-byte aligned) or that is cast.
+        return ckpt.view(name, shape).astype(target, copy=False)
 
     return make
 

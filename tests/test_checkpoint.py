@@ -883,6 +883,48 @@ def test_bf16_expert_banks_map_the_file_and_hold_its_tensors(tmp_path, map_pages
     _release(ck)
 
 
+@pytest.mark.parametrize("aligned", [False, True], ids=["data_at_32_mod_64", "data_page_aligned"])
+@pytest.mark.parametrize("map_pages", [True, False], ids=["mapped", "copied"])
+def test_embedding_and_lm_head_are_read_straight_into_their_own_buffers_unless_used_in_place(
+        tmp_path, monkeypatch, map_pages, aligned):
+    """The embedding and lm_head (used whole, not stacked) are file views only where the model uses the view in place
+    (mapped and 64-byte aligned); otherwise they are read into a 2 MiB aligned buffer that the parameter is (one
+    pass, no view populated beside the copy), holding the file's bytes. Layer tensors are always views (copied into
+    their stacks)."""
+    path = _synthetic_bf16_mixtral(tmp_path)
+    if aligned:
+        _page_align_data(path)
+    viewed = []
+    view = SafetensorsCheckpoint.view
+    monkeypatch.setattr(SafetensorsCheckpoint, "view",
+                        lambda self, name, *a, **k: viewed.append(name) or view(self, name, *a, **k))
+    ck = load_checkpoint(tmp_path, dtype=jnp.bfloat16, map_pages=map_pages)
+    raw = _raw_safetensors_int16(path)
+    whole = {"model.embed_tokens.weight": ck.model.embed_tokens[...], "lm_head.weight": ck.model.lm_head[...]}
+    for name, param in whole.items():
+        np.testing.assert_array_equal(np.asarray(param).view(np.int16), raw[name])
+        assert (name in viewed) == (map_pages and aligned), (name, viewed)
+        if not (map_pages and aligned):  # a buffer of its own (huge_page_buffer: 64-byte aligned at this size)
+            pointer = param.unsafe_buffer_pointer()
+            assert pointer % 64 == 0 and not any(s <= pointer < e for s, e in _mapped_ranges(path))
+    assert "model.layers.0.self_attn.q_proj.weight" in viewed
+    _release(ck)
+
+
+def test_nan_in_the_lm_head_read_into_its_buffer_names_the_tensor(tmp_path):
+    path = _synthetic_bf16_mixtral(tmp_path)  # data at 32 mod 64: lm_head is read, not mapped
+    with SafetensorsCheckpoint(tmp_path) as ckpt:
+        info = ckpt.tensors["lm_head.weight"]  # [300, 2048] bf16
+    assert info.offset % 64 == 32
+    with open(path, "r+b") as f:
+        f.seek(info.offset + (299 * 2048 + 2047) * 2)  # its last element
+        f.write(np.array([0xFF80], np.uint16).tobytes())  # bfloat16 -inf
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(tmp_path, dtype=jnp.bfloat16)
+    assert str(e.value).startswith(f"{path}: tensor 'lm_head.weight' [300, 2048] holds")
+    assert "the first at index [299, 2047]" in str(e.value)
+
+
 def test_nan_in_a_mapped_expert_tensor_names_the_tensor(tmp_path):
     path = _synthetic_bf16_mixtral(tmp_path)
     name = "model.layers.1.block_sparse_moe.experts.1.w1.weight"  # [256, 2048] bf16 (gate_up bank row 3)

@@ -244,20 +244,23 @@ class HostBank:
 HUGE_PAGE_MIN_BYTES = 4 << 20
 
 
-def _huge_page_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """An uninitialised numpy array; from HUGE_PAGE_MIN_BYTES up in a 2 MiB-aligned anonymous mmap advised
-    MADV_HUGEPAGE (its first write commits transparent huge pages)."""
+def huge_page_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised, writable numpy array of ``shape`` and ``dtype`` that host_array uses in place on the CPU
+    backend: from HUGE_PAGE_MIN_BYTES up in a 2 MiB-aligned anonymous mmap advised MADV_HUGEPAGE (its first write
+    commits transparent huge pages), below that 64-byte aligned (_JAX_CPU_ALIGNMENT) in numpy's memory."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE_MIN_BYTES:
-        return np.empty(shape, dtype)
+        raw = np.empty(nbytes + _JAX_CPU_ALIGNMENT, np.uint8)
+        pad = -raw.ctypes.data % _JAX_CPU_ALIGNMENT
+        return raw[pad:pad + nbytes].view(dtype).reshape(shape)
     region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     pad = -_address(region) % _HUGE_PAGE  # to the next 2 MiB boundary
     region.madvise(mmap.MADV_HUGEPAGE, pad, nbytes)
     return np.frombuffer(region, dtype, math.prod(shape), pad).reshape(shape)
 
 
-def may_alias(a: np.ndarray) -> bool:
+def _may_alias(a: np.ndarray) -> bool:
     """Whether :func:`host_array` may use ``a`` in place instead of copying it: the CPU backend, a C-contiguous array
     64-byte aligned (a file view that passes stays the file's pages)."""
     return jax.default_backend() == "cpu" and a.ctypes.data % _JAX_CPU_ALIGNMENT == 0 and a.flags.c_contiguous
@@ -267,13 +270,13 @@ def host_array(a: np.ndarray) -> jax.Array:
     """A host numpy array (e.g. a read-only file view, SafetensorsCheckpoint.view) as a jax array on the default
     device, copied at most once. On the CPU backend an array jax can use as it is (64-byte aligned) is aliased
     (jax.device_put with may_alias: a file view stays the file's page-cache pages, nothing is copied, and jax keeps
-    the view alive); another is copied once onto huge pages (_huge_page_buffer), never through a temporary. Other
+    the view alive); another is copied once onto huge pages (huge_page_buffer), never through a temporary. Other
     backends copy it to the device. For arrays that are never donated or written (parameters)."""
-    if may_alias(a):
+    if _may_alias(a):
         out = jax.device_put(a, may_alias=True)
         if out.unsafe_buffer_pointer() == a.ctypes.data:
             return out
-    buf = _huge_page_buffer(a.shape, a.dtype)
+    buf = huge_page_buffer(a.shape, a.dtype)
     buf[...] = a
     return jax.device_put(buf, may_alias=True)
 
@@ -298,7 +301,7 @@ def stack_on_huge_pages(layers: Sequence[Sequence[np.ndarray]]) -> jax.Array:
     if not layers or not layers[0]:
         raise ValueError("stack_on_huge_pages: no layers (or a layer without parts)")
     first = layers[0]
-    out = _huge_page_buffer((len(layers), sum(p.shape[0] for p in first), *first[0].shape[1:]),
+    out = huge_page_buffer((len(layers), sum(p.shape[0] for p in first), *first[0].shape[1:]),
                             np.result_type(*first))
     shape = out.shape
     for i, parts in enumerate(layers):
