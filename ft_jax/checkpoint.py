@@ -809,10 +809,12 @@ def _quantize_into(w: np.ndarray, fmt: wf.WeightFormat, data: np.ndarray, scales
 
 class _BankWriter:
     """Writes matrices into the bank rows of one weight format: float ones cast to the bank dtype, or quantized with
-    weight_formats.quantize (q8_0 / q4_0: one scale row per matrix row)."""
+    weight_formats.quantize (q8_0 / q4_0: one scale row per matrix row; Q4_0_X16: quantized as q4_0, then each
+    written piece interleaved in place, its rows whole groups of 16)."""
 
     def __init__(self, arrays: dict[str, np.ndarray], fmt: wf.WeightFormat):
         self.arrays, self.fmt = arrays, fmt
+        self.quantize_fmt = wf.Q4_0 if fmt.interleave > 1 else fmt
 
     def put(self, bank: str, row: int, first: int, w: np.ndarray, what: str,
             where: Callable[[int, int], str] = _block_in_rows) -> None:
@@ -823,8 +825,10 @@ class _BankWriter:
             dst[row, first:first + w.shape[0]] = w.astype(dst.dtype, copy=False)
             return
         n = w.shape[0]
-        _quantize_into(w, self.fmt, dst[row, first:first + n], self.arrays[f"{bank}_scale"][row, first:first + n],
-                       what, where)
+        data, scales = dst[row, first:first + n], self.arrays[f"{bank}_scale"][row, first:first + n]
+        _quantize_into(w, self.quantize_fmt, data, scales, what, where)
+        if self.fmt.interleave > 1:  # load_expert_banks picks it only where every piece is whole groups
+            wf.interleave_rows(data, scales)
 
 
 def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name: str, part: tuple,
@@ -881,6 +885,7 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
     experts = check_experts(cfg, experts)
     Ep, H, I = len(experts), cfg.hidden_size, cfg.moe_intermediate_size
     rows = cfg.num_moe_layers * Ep
+    fmt = wf.bank_format(fmt, H, I)
     row_specs = wf.expert_rows(fmt, H, I)
     # Each bank's page_offset from the tensors read_into puts into it as stored, so that it maps them (no copy).
     row_bytes = {k: math.prod(shape) * np.dtype(dtype).itemsize for k, (shape, dtype) in row_specs.items()}

@@ -20,6 +20,12 @@ block (:func:`gguf_blocks` interleaves them back). fp8 is the block-scaled FP8 o
 checkpoints (``weight_scale_inv`` per 128 x 128 block, ``quantization_config.weight_block_size``; edge blocks may be
 partial).
 
+q4_0x16 (``Q4_0_X16``, name "q4_0": the same values and bytes per matrix) is how the CPU keeps q4_0 expert banks: rows
+in groups of 16, each group one stream that the AVX-512 VNNI kernel dots 16 rows at a time, one row per lane, as
+llama.cpp's repacked block_q4_0x8 (ggml-cpu/repack.cpp). Group g (rows 16g .. 16g + 15) holds, for block b, four
+64-byte chunks c whose 4-byte word i is bytes 4c .. 4c + 3 of row 16g + i's block b, and its scales [16g .. 16g + 15,
+b] as 16 consecutive f16 (xla_ffi/quant_dot.h; :func:`interleave_rows`, :func:`deinterleave_rows`).
+
 A gate_up expert row [2I, H] holds two matrices (gate then up) of I rows each: the data of up starts at row I, its
 scales at row ``scale_rows(I)`` of the scale array (the two scale grids are stacked, so a block never spans both).
 """
@@ -55,6 +61,7 @@ class WeightFormat:
         scale_dtype: numpy dtype of the scale array, or None (f32, bf16).
         block: (rows, cols) of the matrix sharing one scale ((1, 32) for q8_0 / q4_0 / mxfp4, e.g. (128, 128) for
             fp8); (1, 1) for f32 / bf16.
+        interleave: rows per interleaved group (16: Q4_0_X16, the CPU's q4_0 expert banks), else 1 (row layout).
     """
 
     name: str
@@ -62,6 +69,7 @@ class WeightFormat:
     values_per_item: int = 1
     scale_dtype: np.dtype | None = None
     block: tuple[int, int] = (1, 1)
+    interleave: int = 1
 
     @property
     def quantized(self) -> bool:
@@ -70,8 +78,11 @@ class WeightFormat:
 
     @property
     def kernel_name(self) -> str:
-        """The FFI handlers' ``weight_format`` attribute: "float" for f32 / bf16 (the buffer dtype tells), else name."""
-        return self.name if self.quantized else "float"
+        """The FFI handlers' ``weight_format`` attribute: "float" for f32 / bf16 (the buffer dtype tells), "q4_0x16"
+        for Q4_0_X16, else name."""
+        if not self.quantized:
+            return "float"
+        return f"{self.name}x{self.interleave}" if self.interleave > 1 else self.name
 
     def check_cols(self, cols: int, what: str) -> None:
         """Raises ValueError naming ``what`` (e.g. the tensor) when rows of ``cols`` elements do not fit the format:
@@ -111,6 +122,7 @@ BF16 = WeightFormat("bf16", np.dtype(ml_dtypes.bfloat16))
 Q8_0 = WeightFormat("q8_0", np.dtype(np.int8), 1, np.dtype(np.float16), (1, QBLOCK))
 Q4_0 = WeightFormat("q4_0", np.dtype(np.uint8), 2, np.dtype(np.float16), (1, QBLOCK))
 MXFP4 = WeightFormat("mxfp4", np.dtype(np.uint8), 2, np.dtype(np.uint8), (1, QBLOCK))
+Q4_0_X16 = dataclasses.replace(Q4_0, interleave=16)  # q4_0 in groups of 16 interleaved rows (module docstring)
 
 
 def fp8(block: tuple[int, int] = (128, 128)) -> WeightFormat:
@@ -227,6 +239,38 @@ def gguf_blocks(data: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> np.n
                           axis=-1).reshape(*data.shape[:-1], -1)
 
 
+def bank_format(fmt: WeightFormat, hidden: int, intermediate: int) -> WeightFormat:
+    """The format expert banks of ``fmt`` are kept in: q4_0 on the CPU backend as Q4_0_X16 (16 rows per stream, the
+    AVX-512 VNNI kernel's layout) where every expert matrix is whole groups of 16 rows (hidden and intermediate
+    multiples of 16, as every released MoE's are), else ``fmt``. On an accelerator the slots keep the row layout its
+    kernels read."""
+    if fmt == Q4_0 and jax.default_backend() == "cpu" and hidden % 16 == 0 and intermediate % 16 == 0:
+        return Q4_0_X16
+    return fmt
+
+
+def interleave_rows(data: np.ndarray, scales: np.ndarray) -> None:
+    """Rewrite q4_0 (data u8 [rows, cols / 2], scales f16 [rows, cols / 32], C-contiguous and writable, rows a
+    multiple of 16) in place from row layout into Q4_0_X16's (module docstring), in C++ (``_ffi.interleave_q4_0_rows``,
+    the GIL released). Raises ValueError naming the array of a wrong dtype or shape (rows not a multiple of 16)."""
+    _ffi.interleave_q4_0_rows(data, scales.view(np.uint16))
+
+
+def deinterleave_rows(data: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0_X16 (data u8 [..., rows, cols / 2], scales f16 [..., rows, cols / 32], rows a multiple of 16) back in q4_0's
+    row layout, as new arrays of the same shapes (numpy; the inverse of :func:`interleave_rows`). Raises ValueError
+    for rows that are not a multiple of 16."""
+    *lead, rows, half = data.shape
+    nb = scales.shape[-1]
+    if rows % 16 or half != 16 * nb:
+        raise ValueError(f"deinterleave_rows: q4_0x16 data {list(data.shape)} with scales {list(scales.shape)} needs a "
+                         "multiple of 16 rows and 32 elements per scale")
+    words = np.ascontiguousarray(data).view(np.uint32).reshape(*lead, rows // 16, nb, 4, 16)  # [.., G, b, c, i]
+    out = np.ascontiguousarray(np.moveaxis(words, -1, -3)).reshape(*lead, rows, 4 * nb)  # [.., G, i, b, c]: rows
+    s = np.ascontiguousarray(np.moveaxis(scales.reshape(*lead, rows // 16, nb, 16), -1, -2)).reshape(*lead, rows, nb)
+    return out.view(np.uint8), s
+
+
 def dequantize(data: np.ndarray, scales: np.ndarray | None, fmt: WeightFormat, rows: int | None = None,
                dtype=np.float32) -> np.ndarray:
     """Stored (data, scales) of ``fmt`` back to values [..., rows, cols] in ``dtype`` (float32 or float64; exact for
@@ -242,6 +286,9 @@ def dequantize(data: np.ndarray, scales: np.ndarray | None, fmt: WeightFormat, r
     """
     if not fmt.quantized:
         return np.asarray(data).astype(dtype)
+    if fmt.interleave > 1:  # Q4_0_X16: its rows back in order first
+        data, scales = deinterleave_rows(np.asarray(data), np.asarray(scales))
+        fmt = Q4_0
     n = data.shape[-2]
     if rows is not None and rows * 2 == n and fmt.block[0] > 1:
         sr = fmt.scale_rows(rows)
@@ -327,9 +374,12 @@ def dequantize_jnp(t: QuantizedTensor, dtype=jnp.float32):
     Returns:
         [..., rows, cols] in ``dtype``.
     Raises:
-        ValueError: scales whose shape does not match the format and the data.
+        ValueError: scales whose shape does not match the format and the data; an interleaved format (Q4_0_X16).
     """
     fmt, data, scales = t.fmt, jnp.asarray(t.data), jnp.asarray(t.scales)
+    if fmt.interleave > 1:
+        raise ValueError(f"dequantize_jnp: {fmt.kernel_name} (the CPU expert banks' layout) is not read here; "
+                         "dequantize reads it")
     n = data.shape[-2]
     cols = data.shape[-1] * fmt.values_per_item
     want = fmt.scale_shape(n, cols)

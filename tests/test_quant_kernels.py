@@ -24,10 +24,11 @@ ALPHA, LIMIT = 1.702, 7.0
 # (format, H, I): q formats with rows of 32 and 96 elements; fp8 with partial edge blocks (H, I not multiples of the
 # block: 80 = 2.5 x 32 columns, 48 = 1.5 x 32; 200 and 72 against 128 x 128).
 CASES = [
-    (wf.Q8_0, 96, 32), (wf.Q4_0, 32, 96), (wf.Q4_0, 96, 32), (wf.MXFP4, 96, 32), (wf.MXFP4, 32, 96),
-    (wf.fp8((16, 32)), 80, 48), (wf.fp8((128, 128)), 200, 72),
+    (wf.Q8_0, 96, 32), (wf.Q4_0, 32, 96), (wf.Q4_0, 96, 32), (wf.Q4_0_X16, 32, 96), (wf.Q4_0_X16, 96, 32),
+    (wf.Q4_0_X16, 1024, 512),  # q4_0x16: > 1 MiB of weights, so the row tasks (whole groups of 16) run on threads
+    (wf.MXFP4, 96, 32), (wf.MXFP4, 32, 96), (wf.fp8((16, 32)), 80, 48), (wf.fp8((128, 128)), 200, 72),
 ]
-CASE_IDS = [f"{f.name}{'x'.join(map(str, f.block)) if f.name == 'fp8' else ''}-H{h}-I{i}" for f, h, i in CASES]
+CASE_IDS = [f"{f.kernel_name}{'x'.join(map(str, f.block)) if f.name == 'fp8' else ''}-H{h}-I{i}" for f, h, i in CASES]
 
 
 def stored_matrix(rng, fmt, rows, cols, parts=1):
@@ -38,6 +39,10 @@ def stored_matrix(rng, fmt, rows, cols, parts=1):
         return np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]])
     if fmt in (wf.Q8_0, wf.Q4_0):
         return wf.quantize(rng.standard_normal((rows, cols)).astype(np.float32) / np.sqrt(cols), fmt)
+    if fmt is wf.Q4_0_X16:  # q4_0's bytes, its groups of 16 rows interleaved (a pair: each matrix's own groups)
+        data, scales = stored_matrix(rng, wf.Q4_0, rows, cols)
+        wf.interleave_rows(data, scales)
+        return data, scales
     if fmt is wf.MXFP4:  # every FP4 code; scales 2^-5 .. 2^-3 (E8M0 122 .. 124)
         return (rng.integers(0, 256, (rows, cols // 2)).astype(np.uint8),
                 rng.integers(122, 125, (rows, cols // 32)).astype(np.uint8))
@@ -79,7 +84,7 @@ def quantized_acts(fmt, isa=ISA, bf16_x=False):
     or None (float32 activations): q8_0 / q4_0 to int8 blocks on the AVX2 and AVX-512 VNNI paths (as llama.cpp
     does); mxfp4 to int16 blocks on the AVX2 path when the activations are a bf16 model's (bf16_x); the portable path
     and the rest keep float32."""
-    if fmt in (wf.Q8_0, wf.Q4_0) and (isa == "avx2" or (isa == "avx512bf16" and _cpu_has_vnni())):
+    if fmt.name in ("q8_0", "q4_0") and (isa == "avx2" or (isa == "avx512bf16" and _cpu_has_vnni())):
         return "int8"
     if fmt is wf.MXFP4 and isa == "avx2" and bf16_x:
         return "int16"
@@ -356,8 +361,8 @@ def test_int16_activation_dots_match_their_quantized_activations(K, O, tmp_path)
         np.testing.assert_array_equal(int16_activations(x[t]).reshape(-1, 32)[exact], b[exact])
 
 
-@pytest.mark.parametrize("fmt,K,O", [(f, h, 3 * i + 5 if f.name == "fp8" else 3 * i + 1) for f, h, i in CASES],
-                         ids=CASE_IDS)
+@pytest.mark.parametrize("fmt,K,O", [(f, h, 3 * i + 5 if f.name == "fp8" else 2 * i + 16 if f.interleave > 1 else 3 * i + 1)
+                                     for f, h, i in CASES], ids=CASE_IDS)  # q4_0x16: whole groups of 16 rows
 def test_linear_matches_float64_reference(fmt, K, O):
     """A stack of 3 layers (the layer an operand) and a single 2-D matrix; N = 1..3 tokens, f32 and bf16 x."""
     rng = np.random.default_rng(K * 1000 + O)
@@ -384,7 +389,7 @@ from ft_jax.kernels.host_bank import HostBank
 d = np.load(sys.argv[1], allow_pickle=True)
 out = {"isa": np.array(_ffi.kernel_isa())}
 for n, fmt in enumerate(d["formats"]):
-    fmt = wf.fp8(tuple(fmt[1])) if fmt[0] == "fp8" else wf.by_name(fmt[0])
+    fmt = wf.fp8(tuple(fmt[1])) if fmt[0] == "fp8" else wf.Q4_0_X16 if fmt[0] == "q4_0x16" else wf.by_name(fmt[0])
     a = [d[f"{n}_{name}"] for name in ("x", "ids", "w", "gud", "gus", "dnd", "dns", "gb", "db", "lind", "lins")]
     banks = [HostBank.from_numpy(b) for b in a[3:9]]
     out[f"{n}_y"] = np.asarray(ffi_ops.host_experts(a[0], a[1], a[2], banks[0], banks[2], "swiglu_oai",
@@ -408,7 +413,8 @@ def test_every_isa_path_within_the_bound(kernel, tmp_path):
     (host_experts with biases and swiglu_oai, and linear over the gate matrix of expert 0), with float32 and bf16 x."""
     isa = kernel if ISA != "generic" else "generic"  # a CPU without AVX2 runs the portable path
     rng = np.random.default_rng(77)
-    arrays, refs = {"formats": np.array([(f.name, f.block) for f, _, _ in CASES], dtype=object)}, []
+    arrays, refs = {"formats": np.array([(f.kernel_name if f.quantized else f.name, f.block) for f, _, _ in CASES],
+                                        dtype=object)}, []
     for n, (fmt, H, inter) in enumerate(CASES):
         x, ids, weights, stored, (gb, db) = expert_case(rng, fmt, H, inter, 3, 2, "swiglu_oai", True)
         gate = stored[0][0, :inter], stored[1][0, :fmt.scale_rows(inter)]  # expert 0's gate matrix [I, H]

@@ -133,8 +133,9 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
   QuantizedActs qxg_all, qa_all;
   const QuantizedActs* qxg = nullptr;
   const QuantizedActs* qa = nullptr;
-  if (UsesQuantizedActs(isa, fgu, bf16_model)) {
-    qxg_all = QuantizeActivations(isa, fgu, xg, H, routes, qxg_storage);
+  const WFormat agu = ActivationFormat(fgu, m.spec.interleave), adn = ActivationFormat(fdn, m.spec.interleave);
+  if (UsesQuantizedActs(isa, agu, bf16_model)) {
+    qxg_all = QuantizeActivations(isa, agu, xg, H, routes, qxg_storage);
     qxg = &qxg_all;
   }
 
@@ -143,8 +144,9 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
   // up + b_up) for the block: the activation runs on every thread, inside the tasks. A bf16 model rounds a to bf16
   // (as transformers' bf16 expert computes it), kept as bits too for the bf16 x bf16 dots. A task whose expert id
   // is out of range throws ExpertIdError before reading anything (ParallelFor hands it to the caller).
-  // Rows per task: a multiple of the register tile's rows where the bf16 tiles run (gemm_bf16.h), else any.
-  const int64_t row_multiple = bf16_dots ? gemm_bf16::kRows : 1;
+  // Rows per task: a multiple of the register tile's rows where the bf16 tiles run (gemm_bf16.h), whole groups of
+  // q4_0x16 (quant_dot.h), else any.
+  const int64_t row_multiple = bf16_dots ? gemm_bf16::kRows : m.spec.interleave;
   const size_t task_bytes = TaskBytes(routes, G);  // parallel.h: long tasks for decode, 256 KiB for prefill
   const int64_t rpt1 = RowsPerTask(2 * gu_row, I, row_multiple, threads, task_bytes);
   const int64_t blocks1 = (I + rpt1 - 1) / rpt1;
@@ -180,8 +182,8 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
     }
   });
 
-  if (UsesQuantizedActs(isa, fdn, bf16_model)) {
-    qa_all = QuantizeActivations(isa, fdn, a, I, routes, qa_storage);
+  if (UsesQuantizedActs(isa, adn, bf16_model)) {
+    qa_all = QuantizeActivations(isa, adn, a, I, routes, qa_storage);
     qa = &qa_all;
   }
 

@@ -70,11 +70,13 @@ void RunLinear(const MatrixView& w, const float* x, const uint16_t* xb, int64_t 
   Scratch<uint8_t> keep_qx(qx_storage, 0);  // freed after the call when large
   QuantizedActs qx_all;
   const QuantizedActs* qx = nullptr;
-  if (UsesQuantizedActs(isa, w.format, xb != nullptr)) {
-    qx_all = QuantizeActivations(isa, w.format, x, w.cols, N, qx_storage);
+  const WFormat acts = ActivationFormat(w.format, w.interleave);
+  if (UsesQuantizedActs(isa, acts, xb != nullptr)) {
+    qx_all = QuantizeActivations(isa, acts, x, w.cols, N, qx_storage);
     qx = &qx_all;
   }
-  const int64_t rows = RowsPerTask(row_bytes, O, 4, threads, TaskBytes(N, 1));  // parallel.h
+  // rows per task: a multiple of 4, and whole groups of q4_0x16 (16)
+  const int64_t rows = RowsPerTask(row_bytes, O, std::max<int64_t>(4, w.interleave), threads, TaskBytes(N, 1));
   const int64_t tasks = (O + rows - 1) / rows;
   ParallelFor(pool, tasks, [&](int64_t t) {
     rows_times_tokens(t * rows, std::min(O, (t + 1) * rows), qx);

@@ -18,6 +18,7 @@
 #include "xla_ffi/huge_pages.h"
 #include "xla_ffi/isa.h"
 #include "xla_ffi/finite_check.h"
+#include "xla_ffi/quant_dot.h"
 #include "xla_ffi/quantize.h"
 #ifdef FT_JAX_CUDA
 #include "xla_ffi/cuda_handlers.h"
@@ -87,6 +88,29 @@ void QuantizeRowsPy(CpuInput src, int32_t fmt_code, CpuArray data, CpuArray scal
                                static_cast<uint16_t*>(scales.data()), threads);
   }
   if (!err.empty()) throw nb::value_error(("quantize_rows: " + err).c_str());
+}
+
+// _ffi.interleave_q4_0_rows: checks the arrays (names the bad one), then ft_jax::InterleaveQ4Rows without the GIL.
+void InterleaveQ4RowsPy(CpuArray data, CpuArray scales) {
+  using Code = nb::dlpack::dtype_code;
+  if (data.dtype() != DType(Code::UInt, 8) || data.ndim() != 2) {
+    throw nb::value_error(("interleave_q4_0_rows: data must be uint8 [rows, cols / 2], got " + ShapeText(data) +
+                           " of another dtype or rank").c_str());
+  }
+  const int64_t rows = data.shape(0), cols = 2 * static_cast<int64_t>(data.shape(1));
+  if ((scales.dtype() != DType(Code::Float, 16) && scales.dtype() != DType(Code::UInt, 16)) || scales.ndim() != 2 ||
+      scales.shape(0) != size_t(rows) || cols % ft_jax::kQuantBlock != 0 ||
+      scales.shape(1) != size_t(cols / ft_jax::kQuantBlock)) {
+    throw nb::value_error(("interleave_q4_0_rows: scales must be float16 [" + std::to_string(rows) + ", " +
+                           std::to_string(cols / ft_jax::kQuantBlock) + "] for data " + ShapeText(data) + ", got " +
+                           ShapeText(scales) + " of another dtype or shape").c_str());
+  }
+  if (rows % ft_jax::kQ4Interleave != 0) {
+    throw nb::value_error(("interleave_q4_0_rows: data " + ShapeText(data) + " needs a multiple of " +
+                           std::to_string(ft_jax::kQ4Interleave) + " rows").c_str());
+  }
+  nb::gil_scoped_release release;
+  ft_jax::InterleaveQ4Rows(static_cast<uint8_t*>(data.data()), static_cast<uint16_t*>(scales.data()), rows, cols);
 }
 
 // A handler symbol as the PyCapsule jax.ffi.register_ffi_target takes; a staged handler as {stage: capsule}.
@@ -258,6 +282,10 @@ NB_MODULE(_ffi, m) {
         "fmt_code 0 = q8_0 (data int8 [rows, cols]) or 1 = q4_0 (data uint8 [rows, cols / 2]), scales float16 "
         "[rows, cols / 32], written into the given C-contiguous arrays; bytes equal gguf.quants.quantize's. "
         "threads <= 0: one per hardware thread. Releases the GIL. TypeError / ValueError naming the bad array.");
+  m.def("interleave_q4_0_rows", &InterleaveQ4RowsPy, nb::arg("data").noconvert(), nb::arg("scales").noconvert(),
+        "Rewrite q4_0 data uint8 [rows, cols / 2] and its float16 scales [rows, cols / 32] (C-contiguous, rows % 16 "
+        "== 0) in place from row layout into the q4_0x16 layout (xla_ffi/quant_dot.h). Releases the GIL. "
+        "ValueError naming the bad array.");
   m.def(
       "first_non_finite",
       [](uintptr_t address, int64_t count, int elem_bytes, uint64_t mask, int threads) {

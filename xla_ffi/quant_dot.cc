@@ -1025,6 +1025,36 @@ bool HaveVnni() {
   return vnni;
 }
 
+// ---- q4_0x16: 16 interleaved rows at once (AVX-512 VNNI) ----
+// out[0..15] = the dots of the 16 rows of one q4_0x16 group (gd: its data, gs: its scales; layout: quant_dot.h
+// WeightSpec) with one token's int8 activations in element order (QuantizeActs of q8_0: q [nb * 32], dx [nb],
+// corr: q8_0's corrections, -128 sum(q_b) for block b at lane 16 (b / 2) + 8 (b % 2)). Lane i is row i: block b's
+// integer dot of every row is exact (VPDPBUSD of the nibbles n with q, from -8 sum(q_b) = corr / 16: the weights are
+// n - 8), then scaled by dw * dx_b in float32 and summed into accumulator b % 2 (one per lane), the two added last.
+// The same error bound as the row form's (DotInt8), a different float32 summation order.
+FT_JAX_VNNI void DotQ4x16Group(const uint8_t* gd, const uint16_t* gs, int64_t nb, const int8_t* q, const float* dx,
+                               const int32_t* corr, float* out) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = gd + 256 * b;
+    const int8_t* qb = q + 32 * b;
+    __m512i s0 = _mm512_set1_epi32(corr[16 * (b / 2) + 8 * (b % 2)] / 16), s1 = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      int32_t lo_q, hi_q;  // activations 4c .. 4c + 3 and 16 + 4c .. 16 + 4c + 3 of the block
+      std::memcpy(&lo_q, qb + 4 * c, 4);
+      std::memcpy(&hi_q, qb + 16 + 4 * c, 4);
+      const __m512i w = _mm512_loadu_si512(blk + 64 * c);
+      s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(w, m4), _mm512_set1_epi32(lo_q));
+      s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(w, 4), m4), _mm512_set1_epi32(hi_q));
+    }
+    const __m512 sdx = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + 16 * b))),
+                                     _mm512_set1_ps(dx[b]));
+    acc[b % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), sdx, acc[b % 2]);
+  }
+  _mm512_storeu_ps(out, _mm512_add_ps(acc[0], acc[1]));
+}
+
 // ---- bf16 dots for fp8 and mxfp4 (AVX-512 BF16; fp8 also VBMI) ----
 // Every float8_e4m3fn and FP4 E2M1 value is exact in bfloat16 (<= 4 significant bits, exponents -9..8), so a row
 // decodes to bf16 by table lookups (fp8: VPERMI2B over a 128-entry table of high and of low bytes, the sign OR-ed
@@ -1273,13 +1303,110 @@ float DotF32(Isa isa, const float* w, const float* x, int64_t len) {
 
 }  // namespace
 
+namespace {
+// Group g of a q4_0x16 matrix back in row layout: data [16, row_bytes], scales [16, scale_row_bytes] (layout:
+// quant_dot.h WeightSpec).
+void DeinterleaveQ4Group(const MatrixView& w, int64_t g, uint8_t* data, uint8_t* scales) {
+  const int64_t nb = w.cols / kQBlock, n = kQ4Interleave;
+  const uint8_t* gd = w.data + static_cast<size_t>(g * n) * w.row_bytes;
+  const uint16_t* gs = reinterpret_cast<const uint16_t*>(w.scales + static_cast<size_t>(g * n) * w.scale_row_bytes);
+  uint16_t* s = reinterpret_cast<uint16_t*>(scales);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t c = 0; c < 4; ++c) std::memcpy(data + i * w.row_bytes + 16 * b + 4 * c, gd + 256 * b + 64 * c + 4 * i, 4);
+      s[i * nb + b] = gs[b * n + i];
+    }
+  }
+}
+
+// DotRowsView of a q4_0x16 matrix, rows [r0, r1) whole groups; qx: x quantized as ActivationFormat says (q8_0's
+// order) where this level has int8 dots. AVX-512 VNNI: DotQ4x16Group, every group once for all T tokens. Other
+// levels: each group back in row layout (16 rows in a buffer of the thread), then the q4_0 row dots of the level.
+void DotRowsQ4x16(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const float* x, int64_t T, float* out,
+                  int64_t out_stride, const QuantizedActs* qx) {
+  const int64_t n = kQ4Interleave, nb = w.cols / kQBlock;
+  if (r0 % n != 0 || r1 % n != 0) {
+    throw std::invalid_argument("DotRowsView: rows " + std::to_string(r0) + ".." + std::to_string(r1) +
+                                " of a q4_0x16 matrix must be whole groups of 16");
+  }
+#if FT_JAX_HAVE_AVX2_PATH
+  if (isa == Isa::kAvx512Bf16 && HaveVnni()) {
+    for (int64_t g = r0 / n; g < r1 / n; ++g) {
+      const uint8_t* gd = w.data + static_cast<size_t>(g * n) * w.row_bytes;
+      const uint16_t* gs = reinterpret_cast<const uint16_t*>(w.scales + static_cast<size_t>(g * n) * w.scale_row_bytes);
+      for (int64_t t = 0; t < T; ++t) {
+        DotQ4x16Group(gd, gs, nb, qx->q + t * w.cols, qx->dx + t * nb, qx->corr + t * qx->corr_stride,
+                      out + t * out_stride + g * n);
+      }
+    }
+    return;
+  }
+#endif
+  thread_local std::vector<uint8_t> group_storage;  // one group in row layout: 16 rows and their scale rows
+  const size_t data_bytes = static_cast<size_t>(n) * w.row_bytes;
+  Scratch<uint8_t> group(group_storage, data_bytes + static_cast<size_t>(n) * w.scale_row_bytes);
+  MatrixView rows = w;
+  rows.interleave = 1;
+  rows.data = group.data();
+  rows.scales = group.data() + data_bytes;
+  thread_local std::vector<float> row_storage;
+  if (row_storage.size() < static_cast<size_t>(w.cols)) row_storage.resize(w.cols);
+  for (int64_t g = r0 / n; g < r1 / n; ++g) {
+    DeinterleaveQ4Group(w, g, group.data(), group.data() + data_bytes);
+    float* o = out + g * n;
+#if FT_JAX_HAVE_AVX2_PATH
+    if (isa == Isa::kAvx2 && qx != nullptr) {  // AVX2 quantizes q4_0 and q8_0 activations alike
+      DotRowsInt8Avx2<WFormat::kQ4_0>(rows, 0, n, T, o, out_stride, *qx);
+      continue;
+    }
+    if (isa == Isa::kAvx512Bf16) {  // without VNNI: the float decode
+      DotRowsAvx512(rows, 0, n, x, nullptr, 0, T, o, out_stride, nullptr);
+      continue;
+    }
+#endif
+    for (int64_t r = 0; r < n; ++r) {
+      DequantizeRow(isa, rows, r, row_storage.data());
+      for (int64_t t = 0; t < T; ++t) o[t * out_stride + r] = DotF32(isa, row_storage.data(), x + t * w.cols, w.cols);
+    }
+  }
+}
+}  // namespace
+
+WFormat ActivationFormat(WFormat f, int64_t interleave) {
+  return f == WFormat::kQ4_0 && interleave > 1 ? WFormat::kQ8_0 : f;
+}
+
+void InterleaveQ4Rows(uint8_t* data, uint16_t* scales, int64_t rows, int64_t cols) {
+  const int64_t n = kQ4Interleave;
+  if (rows % n != 0 || cols % kQBlock != 0) {
+    throw std::invalid_argument("InterleaveQ4Rows: a [" + std::to_string(rows) + ", " + std::to_string(cols) +
+                                "] q4_0 matrix needs rows % 16 == 0 and cols % 32 == 0");
+  }
+  const int64_t nb = cols / kQBlock;
+  const size_t row_bytes = static_cast<size_t>(cols / 2);
+  std::vector<uint8_t> tmp(static_cast<size_t>(n) * row_bytes);
+  std::vector<uint16_t> tmp_s(static_cast<size_t>(n * nb));
+  for (int64_t g = 0; g < rows / n; ++g) {
+    uint8_t* gd = data + static_cast<size_t>(g * n) * row_bytes;
+    uint16_t* gs = scales + g * n * nb;
+    std::memcpy(tmp.data(), gd, tmp.size());
+    std::memcpy(tmp_s.data(), gs, tmp_s.size() * 2);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int64_t c = 0; c < 4; ++c) std::memcpy(gd + 256 * b + 64 * c + 4 * i, tmp.data() + i * row_bytes + 16 * b + 4 * c, 4);
+        gs[b * n + i] = tmp_s[i * nb + b];
+      }
+    }
+  }
+}
+
 const char* WeightSpec::name() const {
   if (!quantized) return "float";
   switch (format) {
     case WFormat::kQ8_0:
       return "q8_0";
     case WFormat::kQ4_0:
-      return "q4_0";
+      return interleave > 1 ? "q4_0x16" : "q4_0";
     case WFormat::kMxfp4:
       return "mxfp4";
     default:
@@ -1294,9 +1421,10 @@ std::string ParseWeightSpec(std::string_view name, int64_t block_rows, int64_t b
   const std::string shape = "(" + std::to_string(block_rows) + ", " + std::to_string(block_cols) + ")";
   if (name == "float") {
     if (block_rows != 1 || block_cols != 1) return "weight_format 'float' takes block (1, 1), got " + shape;
-  } else if (name == "q8_0" || name == "q4_0" || name == "mxfp4") {
+  } else if (name == "q8_0" || name == "q4_0" || name == "q4_0x16" || name == "mxfp4") {
     s.quantized = true;
-    s.format = name == "q8_0" ? WFormat::kQ8_0 : name == "q4_0" ? WFormat::kQ4_0 : WFormat::kMxfp4;
+    s.format = name == "q8_0" ? WFormat::kQ8_0 : name == "mxfp4" ? WFormat::kMxfp4 : WFormat::kQ4_0;
+    if (name == "q4_0x16") s.interleave = kQ4Interleave;
     if (block_rows != 1 || block_cols != kQBlock) {
       return "weight_format '" + std::string(name) + "' has blocks (1, 32), got " + shape;
     }
@@ -1305,7 +1433,8 @@ std::string ParseWeightSpec(std::string_view name, int64_t block_rows, int64_t b
     s.format = WFormat::kFp8;
     if (block_rows < 1 || block_cols < 1) return "weight_format 'fp8' needs a positive block shape, got " + shape;
   } else {
-    return "unknown weight_format '" + std::string(name) + "' (expected 'float', 'q8_0', 'q4_0', 'mxfp4' or 'fp8')";
+    return "unknown weight_format '" + std::string(name) +
+           "' (expected 'float', 'q8_0', 'q4_0', 'q4_0x16', 'mxfp4' or 'fp8')";
   }
   *out = s;
   return "";
@@ -1372,6 +1501,10 @@ std::string CheckStoredMatrix(const WeightSpec& s, const std::string& what, int3
            std::to_string(s.block_cols) + " (the row length must be a multiple of " + std::to_string(s.block_cols) +
            ")";
   }
+  if (s.interleave > 1 && (pair ? rows / 2 : rows) % s.interleave != 0) {
+    return what + ": " + fmt + " stores rows in groups of " + std::to_string(s.interleave) + ", so a matrix needs a " +
+           "multiple of " + std::to_string(s.interleave) + " rows, got " + std::to_string(pair ? rows / 2 : rows);
+  }
   const int64_t want[2] = {rows, cols / ValuesPerItem(s.format)};
   if (dtype != DataDTypeCode(s.format) || ndims != 2 || dims[0] != want[0] || dims[1] != want[1]) {
     return what + " must be " + BankDTypeName(DataDTypeCode(s.format)) + " " + Shape(want, 2) + " for " + fmt +
@@ -1394,6 +1527,7 @@ MatrixView MakeView(WFormat f, const WeightSpec& s, const uint8_t* data, const u
   v.cols = cols;
   v.row_bytes = DataRowBytes(f, cols);
   v.data = data + static_cast<size_t>(first_row) * v.row_bytes;
+  v.interleave = s.interleave;  // first_row: a multiple of it (CheckStoredMatrix)
   if (s.quantized) {
     v.block_rows = s.block_rows;
     v.block_cols = s.block_cols;
@@ -1471,16 +1605,18 @@ QuantizedActs QuantizeActivations(Isa isa, WFormat f, const float* x, int64_t co
 
 void DotRowsView(Isa isa, const MatrixView& w, int64_t r0, int64_t r1, const float* x, const uint16_t* xb,
                  int64_t xb_stride, int64_t T, float* out, int64_t out_stride, const QuantizedActs* qx) {
-  if (qx != nullptr && (qx->isa != isa || qx->format != w.format || qx->cols != w.cols)) {
+  const WFormat acts = ActivationFormat(w.format, w.interleave);
+  if (qx != nullptr && (qx->isa != isa || qx->format != acts || qx->cols != w.cols)) {
     throw std::invalid_argument("DotRowsView: activations quantized for another level, format or width");
   }
   thread_local std::vector<uint8_t> qx_storage;  // x quantized here when the caller did not
   Scratch<uint8_t> keep_qx(qx_storage, 0);
   QuantizedActs own;
-  if (qx == nullptr && UsesQuantizedActs(isa, w.format, xb != nullptr)) {
-    own = QuantizeActivations(isa, w.format, x, w.cols, T, qx_storage);
+  if (qx == nullptr && UsesQuantizedActs(isa, acts, xb != nullptr)) {
+    own = QuantizeActivations(isa, acts, x, w.cols, T, qx_storage);
     qx = &own;
   }
+  if (w.interleave > 1) return DotRowsQ4x16(isa, w, r0, r1, x, T, out, out_stride, qx);
   if (w.format == WFormat::kF32) {
     return DotRows<float>(isa, reinterpret_cast<const float*>(w.data), w.cols, r0, r1, x, xb, xb_stride, T, out,
                           out_stride);

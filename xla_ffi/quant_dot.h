@@ -41,13 +41,25 @@ namespace ft_jax {
 
 enum class WFormat : int32_t { kF32, kBF16, kQ8_0, kQ4_0, kMxfp4, kFp8 };
 
-// The weight_format attribute of the handlers ("float" | "q8_0" | "q4_0" | "mxfp4" | "fp8") with block_rows /
+// The weight_format attribute of the handlers ("float" | "q8_0" | "q4_0" | "q4_0x16" | "mxfp4" | "fp8") with block_rows /
 // block_cols: the format of every weight matrix of a call ("float": each buffer's dtype, f32 or bf16, decides).
+//
+// "q4_0x16" is q4_0 with its rows stored in groups of kQ4Interleave (interleave = 16): the same bytes per matrix, each
+// group of 16 rows written as one stream. Group g (rows 16g .. 16g + 15) takes the bytes of rows 16g.. at data +
+// 16g * row_bytes: for block b, four 64-byte chunks c = 0..3 whose 4-byte word i is bytes 4c .. 4c + 3 of row
+// 16g + i's block b (elements 4c .. 4c + 3 in the low nibbles, 16 + 4c .. 16 + 4c + 3 in the high ones, as q4_0
+// stores them); its scales at scales + 16g * scale_row_bytes, block b's 16 f16 scales (row 16g + i's at i) at b * 16.
+// So one AVX-512 VNNI pass dots 16 rows at once from one sequential stream, each row in its own int32 / float32
+// lane, without a horizontal sum per row (as llama.cpp's repacked block_q4_0x8, ggml-cpu/repack.cpp; measured:
+// docs/DESIGN.md sec. 20.24). A matrix in it has a multiple of 16 rows (a gate_up pair: of 16 per matrix).
+constexpr int64_t kQ4Interleave = 16;
+
 struct WeightSpec {
   bool quantized = false;
   WFormat format = WFormat::kF32;  // the block format when quantized
   int64_t block_rows = 1, block_cols = 1;
-  const char* name() const;  // "float", "q8_0", ...
+  int64_t interleave = 1;  // kQ4Interleave for "q4_0x16"
+  const char* name() const;  // "float", "q8_0", "q4_0x16", ...
 };
 
 // Parses the attributes; returns "" or the problem ("unknown weight_format 'q5'", a block shape the format does not
@@ -85,6 +97,7 @@ struct MatrixView {
   size_t scale_row_bytes = 0;
   int64_t block_rows = 1, block_cols = 1;
   int64_t cols = 0;
+  int64_t interleave = 1;  // rows per interleaved group (WeightSpec::interleave): row r is then not at data + r * row_bytes
 };
 
 // The view of a matrix of `cols` columns stored contiguously in format f (float: f = kF32 / kBF16) with scales
@@ -92,6 +105,15 @@ struct MatrixView {
 // at scale row ScaleRows(s, first_row), where the two stacked scale grids meet).
 MatrixView MakeView(WFormat f, const WeightSpec& s, const uint8_t* data, const uint8_t* scales, int64_t cols,
                     int64_t first_row = 0);
+
+// The format whose activation quantization (QuantizeActivations) the dots of format f stored with `interleave`
+// (WeightSpec, MatrixView) read: q8_0's (element order) for q4_0x16, else f.
+WFormat ActivationFormat(WFormat f, int64_t interleave);
+
+// Rewrites q4_0 data u8 [rows, cols / 2] and its f16 scales [rows, cols / 32] (row layout, C-contiguous) in place
+// into the q4_0x16 layout (WeightSpec). Throws std::invalid_argument unless rows % kQ4Interleave == 0 and
+// cols % 32 == 0.
+void InterleaveQ4Rows(uint8_t* data, uint16_t* scales, int64_t rows, int64_t cols);
 
 // Activations quantized once per call for the integer dots, so the row tasks of one call share them instead of each
 // quantizing x again (per task that was 20-40 % of a q4_0 or q8_0 matrix's time at the 40-230 rows of a task:

@@ -85,11 +85,11 @@ def weight_format(dtype: Any, fmt: WeightFormat | None = None) -> WeightFormat:
 
 def format_key(dtype: Any, fmt: WeightFormat | None = None) -> str:
     """The "dtype" field of a store key: the float dtype name ("bfloat16", "float32"), or a quantized format's name
-    ("q8_0", "q4_0", "mxfp4"; "fp8_128x128" with its block shape)."""
+    ("q8_0", "q4_0", "q4_0x16", "mxfp4"; "fp8_128x128" with its block shape)."""
     f = weight_format(dtype, fmt)
     if not f.quantized:
         return dtype_name(dtype)
-    return f"fp8_{f.block[0]}x{f.block[1]}" if f.name == "fp8" else f.name
+    return f"fp8_{f.block[0]}x{f.block[1]}" if f.name == "fp8" else f.kernel_name
 
 
 def expert_nbytes(hidden_size: int, intermediate_size: int, dtype: Any, fmt: WeightFormat | None = None) -> int:
@@ -232,7 +232,7 @@ class Bench:
         H, I = int(hidden_size), int(intermediate_size)
         if min(H, I, tokens) < 1:
             raise ValueError(f"bandwidth: H, I and tokens must be >= 1, got H={H}, I={I}, tokens={tokens}")
-        self.fmt = fmt = weight_format(dtype, fmt)
+        self.fmt = fmt = weight_formats.bank_format(weight_format(dtype, fmt), H, I)  # as the model's banks
         self.expert_bytes, self.llc_bytes = eb, llc = expert_nbytes(H, I, dtype, fmt), last_level_cache_bytes()
         self.n, self.rows = n, R = self.rotation_rows(eb, call_bytes, llc)
         self.nbytes, ram = n * eb, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -422,6 +422,7 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
     Raises ValueError: bad sizes, dtype or repeats, model_banks of another shape or format, or the working set does
     not fit (Bench).
     """
+    fmt = weight_formats.bank_format(weight_format(dtype, fmt), hidden_size, intermediate_size)  # as the banks
     mode = MODES["quick" if quick else "full"]
     repeats = mode["repeats"] if repeats is None else int(repeats)
     if repeats < 1:
@@ -558,6 +559,7 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
     decoding then uses the fixed-cap 1 policy. ``path``: the store (default default_store_path()); model_banks:
     the loaded model's banks, which the quick profile times when they are large enough (measure_profile).
     """
+    fmt = weight_formats.bank_format(weight_format(dtype, fmt), hidden_size, intermediate_size)  # as the banks
     key = machine_key(dtype, expert_nbytes(hidden_size, intermediate_size, dtype, fmt), fmt)
     store = Path(path) if path is not None else default_store_path()
     try:
