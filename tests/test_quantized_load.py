@@ -70,6 +70,42 @@ def _load_parts(d, dtype, quantize=None):
     return cfg, banks, _dense_factory(ckpt, np.dtype(dtype), cfg.family, fmt if fmt.quantized else None), ckpt
 
 
+def rows_of_q4_0x16(data, scales):
+    """q4_0x16 data u8 [..., R, cols / 2] and scales f16 [..., R, nb] in q4_0's row layout, by the layout's
+    definition (ft_jax.weight_formats docstring) read element by element: bytes 4c .. 4c + 3 of row 16g + i's block b
+    are at byte 256 b + 64 c + 4 i of group g (which starts at row 16g's byte offset); its scale of block b at
+    16 b + i of the group's scales."""
+    R, half = data.shape[-2:]
+    nb = half // 16
+    r, b, c, j = np.ix_(np.arange(R), np.arange(nb), np.arange(4), np.arange(4))
+    at = (r // 16) * 16 * half + 256 * b + 64 * c + 4 * (r % 16) + j  # [R, nb, 4, 4]: row r's byte 16b + 4c + j
+    rows = data.reshape(*data.shape[:-2], -1)[..., at.reshape(R, half)]
+    r, b = np.ix_(np.arange(R), np.arange(nb))
+    srows = scales.reshape(*scales.shape[:-2], -1)[..., (r // 16) * 16 * nb + 16 * b + r % 16]
+    return rows, srows
+
+
+def test_q4_0x16_layout_and_its_inverse():
+    """weight_formats.interleave_rows (C++) writes the layout its definition gives, deinterleave_rows undoes it, and
+    dequantize reads Q4_0_X16 as the q4_0 values they hold; 16 rows (one group) and 48 rows of 3 blocks."""
+    rng = np.random.default_rng(5)
+    for rows, cols in ((16, 32), (48, 96)):
+        data, scales = wf.quantize(rng.standard_normal((rows, cols)).astype(np.float32), wf.Q4_0)
+        inter_data, inter_scales = data.copy(), scales.copy()
+        wf.interleave_rows(inter_data, inter_scales)
+        assert not np.array_equal(inter_data, data)
+        back = rows_of_q4_0x16(inter_data, inter_scales)
+        np.testing.assert_array_equal(back[0], data)
+        np.testing.assert_array_equal(back[1], scales)
+        for got, want in zip(wf.deinterleave_rows(np.stack([inter_data] * 2), np.stack([inter_scales] * 2)),
+                             (np.stack([data] * 2), np.stack([scales] * 2))):
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(wf.dequantize(inter_data, inter_scales, wf.Q4_0_X16),
+                                      wf.dequantize(data, scales, wf.Q4_0))
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        wf.interleave_rows(*wf.quantize(np.ones((24, 32), np.float32), wf.Q4_0))
+
+
 @pytest.mark.parametrize("name", ["q8_0", "q4_0"])
 def test_quantize_while_loading_equals_gguf(tmp_path, monkeypatch, name):
     """A bf16 Qwen3-MoE checkpoint loaded with quantize=q8_0 / q4_0: every bank row holds weight_formats.quantize of
@@ -82,11 +118,16 @@ def test_quantize_while_loading_equals_gguf(tmp_path, monkeypatch, name):
     cfg, banks, make, ckpt = _load_parts(d, ml_dtypes.bfloat16, name)
     tensors = load_file(os.path.join(FIXTURES, "qwen3_moe", "model.safetensors"))  # f32 values = the bf16 ones
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    assert banks.format is fmt and banks.names == ("gate_up", "down", "gate_up_scale", "down_scale")
+    # q4_0 on the CPU: banks in groups of 16 interleaved rows (H and I are multiples of 16), read back here by the
+    # layout's definition
+    assert banks.format is (wf.Q4_0_X16 if name == "q4_0" and jax.default_backend() == "cpu" else fmt)
+    assert banks.names == ("gate_up", "down", "gate_up_scale", "down_scale")
     assert banks.expert_bytes == fmt.nbytes(2 * I, H) + fmt.nbytes(H, I) == \
         memory.planned_expert_bytes(cfg, ml_dtypes.bfloat16, fmt)
     assert banks.expert_bytes < 3 * H * I * 2  # smaller than bf16
     gu, dn, gus, dns = (getattr(banks, n).numpy() for n in banks.names)
+    if banks.format.interleave > 1:
+        (gu, gus), (dn, dns) = rows_of_q4_0x16(gu, gus), rows_of_q4_0x16(dn, dns)
     gtype = getattr(gguf.GGMLQuantizationType, name.upper())
     for m, layer in enumerate(cfg.moe_layers):
         for e in range(E):
