@@ -885,7 +885,7 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
     experts = check_experts(cfg, experts)
     Ep, H, I = len(experts), cfg.hidden_size, cfg.moe_intermediate_size
     rows = cfg.num_moe_layers * Ep
-    fmt = wf.bank_format(fmt, H, I)
+    fmt = wf.storage_format(fmt, H, I)
     row_specs = wf.expert_rows(fmt, H, I)
     # Each bank's page_offset from the tensors read_into puts into it as stored, so that it maps them (no copy).
     row_bytes = {k: math.prod(shape) * np.dtype(dtype).itemsize for k, (shape, dtype) in row_specs.items()}

@@ -239,14 +239,25 @@ def gguf_blocks(data: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> np.n
                           axis=-1).reshape(*data.shape[:-1], -1)
 
 
-def bank_format(fmt: WeightFormat, hidden: int, intermediate: int) -> WeightFormat:
-    """The format expert banks of ``fmt`` are kept in: q4_0 on the CPU backend as Q4_0_X16 (16 rows per stream, the
-    AVX-512 VNNI kernel's layout) where every expert matrix is whole groups of 16 rows (hidden and intermediate
-    multiples of 16, as every released MoE's are), else ``fmt``. On an accelerator the slots keep the row layout its
-    kernels read."""
-    if fmt == Q4_0 and jax.default_backend() == "cpu" and hidden % 16 == 0 and intermediate % 16 == 0:
+def storage_format(fmt: WeightFormat, *row_counts: int) -> WeightFormat:
+    """The format matrices of ``fmt`` with these row counts are kept in on the default backend: q4_0 on the CPU as
+    Q4_0_X16 (16 rows per stream, the AVX-512 VNNI kernel's layout) where every matrix is whole groups of 16 rows (as
+    every released MoE's projections are), else ``fmt``. An accelerator's kernels read the row layout."""
+    if fmt == Q4_0 and jax.default_backend() == "cpu" and all(r % 16 == 0 for r in row_counts):
         return Q4_0_X16
     return fmt
+
+
+def in_storage_format(t: "QuantizedTensor") -> "QuantizedTensor":
+    """A q4_0 QuantizedTensor (numpy; data [..., rows, cols / 2]) in storage_format: interleaved into new arrays
+    (Q4_0_X16, every matrix of the stack interleaved) or ``t`` itself."""
+    fmt = storage_format(t.fmt, t.data.shape[-2])
+    if fmt == t.fmt:
+        return t
+    data, scales = np.array(t.data), np.array(t.scales)  # copies: t's arrays may be views shared with others
+    rows, half = data.shape[-2:]
+    interleave_rows(data.reshape(-1, half), scales.reshape(-1, scales.shape[-1]))  # the stacked matrices as one:
+    return QuantizedTensor(data, scales, fmt)  # each starts at a multiple of 16 rows, so its groups are its own
 
 
 def interleave_rows(data: np.ndarray, scales: np.ndarray) -> None:
@@ -374,12 +385,16 @@ def dequantize_jnp(t: QuantizedTensor, dtype=jnp.float32):
     Returns:
         [..., rows, cols] in ``dtype``.
     Raises:
-        ValueError: scales whose shape does not match the format and the data; an interleaved format (Q4_0_X16).
+        ValueError: scales whose shape does not match the format and the data.
     """
     fmt, data, scales = t.fmt, jnp.asarray(t.data), jnp.asarray(t.scales)
-    if fmt.interleave > 1:
-        raise ValueError(f"dequantize_jnp: {fmt.kernel_name} (the CPU expert banks' layout) is not read here; "
-                         "dequantize reads it")
+    if fmt.interleave > 1:  # Q4_0_X16: its rows back in order (reshapes and one transpose, as deinterleave_rows)
+        *lead, rows, half = data.shape
+        nb = scales.shape[-1]
+        words = jax.lax.bitcast_convert_type(data.reshape(*lead, rows // 16, nb, 4, 16, 4), jnp.uint32)
+        data = jax.lax.bitcast_convert_type(jnp.moveaxis(words, -1, -3), jnp.uint8).reshape(*lead, rows, half)
+        scales = jnp.moveaxis(scales.reshape(*lead, rows // 16, nb, 16), -1, -2).reshape(*lead, rows, nb)
+        fmt = Q4_0
     n = data.shape[-2]
     cols = data.shape[-1] * fmt.values_per_item
     want = fmt.scale_shape(n, cols)

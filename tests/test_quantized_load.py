@@ -106,6 +106,35 @@ def test_q4_0x16_layout_and_its_inverse():
         wf.interleave_rows(*wf.quantize(np.ones((24, 32), np.float32), wf.Q4_0))
 
 
+def test_q4_0_dense_projections_are_stacked_in_the_cpu_storage_format(tmp_path):
+    """quantize="q4_0" on the CPU: the stacked q/k/v and o projections and lm_head of the model are Q4_0_X16 (their
+    row counts are multiples of 16) holding, read back by the layout's definition, weight_formats.quantize's bytes of
+    the stored tensors (q/k/v concatenated along the rows)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("Q4_0_X16 is the CPU backend's layout")
+    d = _bf16_copy("qwen3_moe", tmp_path / "ckpt")
+    ck = checkpoint.load_checkpoint(d, dtype=jnp.bfloat16, quantize="q4_0")
+    tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in
+               load_file(os.path.join(FIXTURES, "qwen3_moe", "model.safetensors")).items()}
+    checked = 0
+    for stack in ck.model.stacks:  # runs of MoE and dense layers (this fixture: 0-1 MoE, 2 dense, 3 MoE)
+        for i, layer in enumerate(stack.layers):
+            p = f"model.layers.{layer}.self_attn"
+            for param, parts in ((stack.attn.qkv[...], ("q_proj", "k_proj", "v_proj")), (stack.attn.o[...], ("o_proj",))):
+                assert param.fmt is wf.Q4_0_X16
+                want = wf.quantize(np.concatenate([tensors[f"{p}.{n}.weight"] for n in parts]), wf.Q4_0)
+                for got, expected in zip(rows_of_q4_0x16(np.asarray(param.data[i]), np.asarray(param.scales[i])), want):
+                    np.testing.assert_array_equal(got, expected)
+            checked += 1
+    assert checked == ck.config.num_layers
+    head = ck.model.lm_head[...]
+    assert head.fmt is wf.Q4_0_X16
+    for got, expected in zip(rows_of_q4_0x16(np.asarray(head.data), np.asarray(head.scales)),
+                             wf.quantize(tensors["lm_head.weight"], wf.Q4_0)):
+        np.testing.assert_array_equal(got, expected)
+    ck.banks.release()
+
+
 @pytest.mark.parametrize("name", ["q8_0", "q4_0"])
 def test_quantize_while_loading_equals_gguf(tmp_path, monkeypatch, name):
     """A bf16 Qwen3-MoE checkpoint loaded with quantize=q8_0 / q4_0: every bank row holds weight_formats.quantize of

@@ -32,7 +32,7 @@ from ft_jax.models.layers import (AttentionInputs, ParamFactory, Stacked, as_flo
                                   gated_mlp, linear, rms_norm, sequence_dots)
 from ft_jax.models.mla import MultiHeadLatentAttention
 from ft_jax.models.moe import DeepseekMoEBlock, ExpertBackend, MoEBlock
-from ft_jax.weight_formats import QuantizedTensor
+from ft_jax.weight_formats import QuantizedTensor, in_storage_format
 
 
 @jax.tree_util.register_dataclass
@@ -96,6 +96,7 @@ def _on_device(t):
     """A factory's numpy array or QuantizedTensor (data and scales) as jax arrays, copied at most once
     (host_bank.host_array: a file view the CPU backend can use in place is not copied at all)."""
     if isinstance(t, QuantizedTensor):
+        t = in_storage_format(t)  # q4_0 on the CPU: Q4_0_X16 where its rows are whole groups of 16
         return QuantizedTensor(host_array(t.data), host_array(t.scales), t.fmt)
     return host_array(t)
 

@@ -232,7 +232,7 @@ class Bench:
         H, I = int(hidden_size), int(intermediate_size)
         if min(H, I, tokens) < 1:
             raise ValueError(f"bandwidth: H, I and tokens must be >= 1, got H={H}, I={I}, tokens={tokens}")
-        self.fmt = fmt = weight_formats.bank_format(weight_format(dtype, fmt), H, I)  # as the model's banks
+        self.fmt = fmt = weight_formats.storage_format(weight_format(dtype, fmt), H, I)  # as the model's banks
         self.expert_bytes, self.llc_bytes = eb, llc = expert_nbytes(H, I, dtype, fmt), last_level_cache_bytes()
         self.n, self.rows = n, R = self.rotation_rows(eb, call_bytes, llc)
         self.nbytes, ram = n * eb, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -422,7 +422,7 @@ def measure_profile(hidden_size: int, intermediate_size: int, dtype: Any = "bflo
     Raises ValueError: bad sizes, dtype or repeats, model_banks of another shape or format, or the working set does
     not fit (Bench).
     """
-    fmt = weight_formats.bank_format(weight_format(dtype, fmt), hidden_size, intermediate_size)  # as the banks
+    fmt = weight_formats.storage_format(weight_format(dtype, fmt), hidden_size, intermediate_size)  # as the banks
     mode = MODES["quick" if quick else "full"]
     repeats = mode["repeats"] if repeats is None else int(repeats)
     if repeats < 1:
@@ -559,7 +559,7 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
     decoding then uses the fixed-cap 1 policy. ``path``: the store (default default_store_path()); model_banks:
     the loaded model's banks, which the quick profile times when they are large enough (measure_profile).
     """
-    fmt = weight_formats.bank_format(weight_format(dtype, fmt), hidden_size, intermediate_size)  # as the banks
+    fmt = weight_formats.storage_format(weight_format(dtype, fmt), hidden_size, intermediate_size)  # as the banks
     key = machine_key(dtype, expert_nbytes(hidden_size, intermediate_size, dtype, fmt), fmt)
     store = Path(path) if path is not None else default_store_path()
     try:
