@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+import ft_jax  # CUDA_ENABLED (storage_format)
 from ft_jax import _ffi
 
 QBLOCK = 32  # elements per block of q8_0, q4_0 and mxfp4
@@ -241,9 +242,13 @@ def gguf_blocks(data: np.ndarray, scales: np.ndarray, fmt: WeightFormat) -> np.n
 
 def storage_format(fmt: WeightFormat, *row_counts: int) -> WeightFormat:
     """The format matrices of ``fmt`` with these row counts are kept in on the default backend: q4_0 on the CPU as
-    Q4_0_X16 (16 rows per stream, the AVX-512 VNNI kernel's layout) where every matrix is whole groups of 16 rows (as
-    every released MoE's projections are), else ``fmt``. An accelerator's kernels read the row layout."""
-    if fmt == Q4_0 and jax.default_backend() == "cpu" and all(r % 16 == 0 for r in row_counts):
+    Q4_0_X16 (16 rows per stream, the AVX-512 VNNI kernel's layout) where the kernels run at the AVX-512 level
+    (``_ffi.kernel_isa()``; every AVX-512 BF16 CPU has VNNI) and every matrix is whole groups of 16 rows (as every
+    released MoE's projections are), else ``fmt``. AVX2 and the portable level keep q4_0's row layout, which their
+    row kernels read directly; so does a process with the CUDA forms on (ft_jax.CUDA_ENABLED: its slots are read by
+    the Pallas kernels)."""
+    if (fmt == Q4_0 and not ft_jax.CUDA_ENABLED and jax.default_backend() == "cpu"
+            and _ffi.kernel_isa() == "avx512bf16" and all(r % 16 == 0 for r in row_counts)):
         return Q4_0_X16
     return fmt
 

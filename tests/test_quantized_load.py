@@ -14,6 +14,8 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import gguf
 import jax
@@ -25,7 +27,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import ft_jax
-from ft_jax import checkpoint, memory
+from ft_jax import _ffi, checkpoint, memory
 from ft_jax import weight_formats as wf
 from ft_jax.checkpoint import (CheckpointError, SafetensorsCheckpoint, _dense_factory, expert_tensor_plan,
                                load_checkpoint, load_expert_banks)
@@ -70,6 +72,10 @@ def _load_parts(d, dtype, quantize=None):
     return cfg, banks, _dense_factory(ckpt, np.dtype(dtype), cfg.family, fmt if fmt.quantized else None), ckpt
 
 
+# where weight_formats.storage_format keeps q4_0 as Q4_0_X16: the CPU backend at the AVX-512 kernel level
+X16_HERE = jax.default_backend() == "cpu" and _ffi.kernel_isa() == "avx512bf16"
+
+
 def rows_of_q4_0x16(data, scales):
     """q4_0x16 data u8 [..., R, cols / 2] and scales f16 [..., R, nb] in q4_0's row layout, by the layout's
     definition (ft_jax.weight_formats docstring) read element by element: bytes 4c .. 4c + 3 of row 16g + i's block b
@@ -106,12 +112,26 @@ def test_q4_0x16_layout_and_its_inverse():
         wf.interleave_rows(*wf.quantize(np.ones((24, 32), np.float32), wf.Q4_0))
 
 
+@pytest.mark.parametrize("kernel", ["avx512bf16", "avx2", "generic"])
+def test_q4_0_storage_format_follows_the_kernel_level(kernel):
+    """q4_0 is kept as Q4_0_X16 only where its kernel runs (the CPU backend at the AVX-512 level) and every matrix is
+    whole groups of 16 rows; the AVX2 and portable levels keep q4_0's row layout, which their row kernels read.
+    FT_JAX_KERNEL caps the level (read once per process, so in a subprocess)."""
+    script = ("from ft_jax import _ffi, weight_formats as wf\n"
+              "print(_ffi.kernel_isa(), wf.storage_format(wf.Q4_0, 64, 32).kernel_name, "
+              "wf.storage_format(wf.Q4_0, 64, 24).kernel_name, wf.storage_format(wf.Q8_0, 64).kernel_name)")
+    out = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, FT_JAX_KERNEL=kernel, JAX_PLATFORMS="cpu"),
+                         capture_output=True, text=True, check=True).stdout.split()
+    isa = out[0]  # the level this CPU allows under the cap
+    assert out[1:] == ["q4_0x16" if isa == "avx512bf16" else "q4_0", "q4_0", "q8_0"], out
+
+
 def test_q4_0_dense_projections_are_stacked_in_the_cpu_storage_format(tmp_path):
     """quantize="q4_0" on the CPU: the stacked q/k/v and o projections and lm_head of the model are Q4_0_X16 (their
     row counts are multiples of 16) holding, read back by the layout's definition, weight_formats.quantize's bytes of
     the stored tensors (q/k/v concatenated along the rows)."""
-    if jax.default_backend() != "cpu":
-        pytest.skip("Q4_0_X16 is the CPU backend's layout")
+    if not X16_HERE:
+        pytest.skip("Q4_0_X16 is the layout of the CPU backend at the AVX-512 kernel level")
     d = _bf16_copy("qwen3_moe", tmp_path / "ckpt")
     ck = checkpoint.load_checkpoint(d, dtype=jnp.bfloat16, quantize="q4_0")
     tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in
@@ -147,9 +167,9 @@ def test_quantize_while_loading_equals_gguf(tmp_path, monkeypatch, name):
     cfg, banks, make, ckpt = _load_parts(d, ml_dtypes.bfloat16, name)
     tensors = load_file(os.path.join(FIXTURES, "qwen3_moe", "model.safetensors"))  # f32 values = the bf16 ones
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    # q4_0 on the CPU: banks in groups of 16 interleaved rows (H and I are multiples of 16), read back here by the
-    # layout's definition
-    assert banks.format is (wf.Q4_0_X16 if name == "q4_0" and jax.default_backend() == "cpu" else fmt)
+    # q4_0 on the CPU at the AVX-512 level: banks in groups of 16 interleaved rows (H and I are multiples of 16),
+    # read back here by the layout's definition
+    assert banks.format is (wf.Q4_0_X16 if name == "q4_0" and X16_HERE else fmt)
     assert banks.names == ("gate_up", "down", "gate_up_scale", "down_scale")
     assert banks.expert_bytes == fmt.nbytes(2 * I, H) + fmt.nbytes(H, I) == \
         memory.planned_expert_bytes(cfg, ml_dtypes.bfloat16, fmt)
