@@ -15,7 +15,9 @@ windows). Prints three tables:
      count the bias bytes too) and its ratio to the plain call: the biases should cost nothing measurable.
   3. In-graph cost of one FFI call (microseconds): a jit of 200 chained slot_fill calls that copy nothing
      minus a jit with none, per call.
-  4. (--formats) host_experts on stored weight formats (bf16, q8_0, q4_0, mxfp4, fp8 128 x 128) at T in --tokens
+  4. (--formats) host_experts on stored weight formats (bf16, q8_0, q4_0, q4_0x16, mxfp4, fp8 128 x 128; q4_0x16 is
+     q4_0 in groups of 16 interleaved rows, how the CPU keeps q4_0 at the AVX-512 level: weight_formats.Q4_0_X16, and
+     q4_0 here is the row layout, as an AVX2 CPU or a GPU keeps it) at T in --tokens
      (every token routed to the same k experts; x of --dtype: bfloat16 as a bf16 model passes it, or float32): GB/s of
      STORED bytes read per call (data + scales of the k routed experts) divided by numpy read GB/s of the same bytes
      (np.add.reduce over them viewed as int64, split over the kernel's thread count), at H=2048, I=5632 (a
@@ -154,7 +156,7 @@ def bench_formats(hidden: int, inter: int, experts: int, k: int, formats: list[s
     results = []
     with ThreadPoolExecutor(threads) as pool:
         for name in formats:
-            fmt = wf.by_name(name)
+            fmt = wf.Q4_0_X16 if name == "q4_0x16" else wf.by_name(name)  # random bytes: any layout holds them
             (gud, gus), (dnd, dns) = (_random_stored(rng, fmt, experts, 2 * inter, hidden, True),
                                       _random_stored(rng, fmt, experts, hidden, inter, False))
             arrays = [a for a in (gud, gus, dnd, dns) if a is not None]
@@ -181,7 +183,7 @@ def bench_formats(hidden: int, inter: int, experts: int, k: int, formats: list[s
                 list(pool.map(np.add.reduce, parts))
 
             rates = measure_rates({"ffi": (ffi, nbytes), "numpy": (numpy_read, nbytes)}, repeats, min_time)
-            results.append((fmt.name, nbytes / MiB, rates["ffi"], rates["numpy"]))
+            results.append((name, nbytes / MiB, rates["ffi"], rates["numpy"]))
             del views
             for b in banks:
                 b.release()
@@ -237,7 +239,7 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--formats", nargs="*", default=None,
                    help="only table 4: host_experts on these stored formats (default when given without names: "
-                        "bf16 q8_0 q4_0 mxfp4 fp8)")
+                        "bf16 q8_0 q4_0 q4_0x16 mxfp4 fp8)")
     p.add_argument("--format-experts", type=int, default=8, help="experts in the table 4 banks")
     p.add_argument("--repeats", type=int, default=9, help="timed windows per variant")
     p.add_argument("--min-time", type=float, default=0.2, help="seconds per timed window")
@@ -248,7 +250,7 @@ def main(argv=None) -> None:
           f"median [min-max] of {args.repeats} windows")
 
     if args.formats is not None:
-        formats = args.formats or ["bf16", "q8_0", "q4_0", "mxfp4", "fp8"]
+        formats = args.formats or ["bf16", "q8_0", "q4_0", "q4_0x16", "mxfp4", "fp8"]
         H, I = 2048, 5632
         x_dtype = np.float32 if args.dtype == "float32" else ml_dtypes.bfloat16
         for T in args.tokens:
