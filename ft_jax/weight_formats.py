@@ -20,11 +20,12 @@ block (:func:`gguf_blocks` interleaves them back). fp8 is the block-scaled FP8 o
 checkpoints (``weight_scale_inv`` per 128 x 128 block, ``quantization_config.weight_block_size``; edge blocks may be
 partial).
 
-q4_0x16 (``Q4_0_X16``, name "q4_0": the same values and bytes per matrix) is how the CPU keeps q4_0 expert banks: rows
-in groups of 16, each group one stream that the AVX-512 VNNI kernel dots 16 rows at a time, one row per lane, as
-llama.cpp's repacked block_q4_0x8 (ggml-cpu/repack.cpp). Group g (rows 16g .. 16g + 15) holds, for block b, four
-64-byte chunks c whose 4-byte word i is bytes 4c .. 4c + 3 of row 16g + i's block b, and its scales [16g .. 16g + 15,
-b] as 16 consecutive f16 (xla_ffi/quant_dot.h; :func:`interleave_rows`, :func:`deinterleave_rows`).
+q4_0x16 (``Q4_0_X16``, name "q4_0": the same values and bytes per matrix) is how the CPU keeps q4_0 expert banks and
+projections at the AVX-512 kernel level (:func:`storage_format`): rows in groups of 16, each group one stream that
+the AVX-512 VNNI kernel dots 16 rows at a time, one row per lane, as llama.cpp's repacked block_q4_0x8
+(ggml-cpu/repack.cpp). Group g (rows 16g .. 16g + 15) holds, for block b, four 64-byte chunks c whose 4-byte word i
+is bytes 4c .. 4c + 3 of row 16g + i's block b, and its scales [16g .. 16g + 15, b] as 16 consecutive f16
+(xla_ffi/quant_dot.h; :func:`interleave_rows`, :func:`deinterleave_rows`).
 
 A gate_up expert row [2I, H] holds two matrices (gate then up) of I rows each: the data of up starts at row I, its
 scales at row ``scale_rows(I)`` of the scale array (the two scale grids are stacked, so a block never spans both).
@@ -260,8 +261,7 @@ def in_storage_format(t: "QuantizedTensor") -> "QuantizedTensor":
     if fmt == t.fmt:
         return t
     data, scales = np.array(t.data), np.array(t.scales)  # copies: t's arrays may be views shared with others
-    rows, half = data.shape[-2:]
-    interleave_rows(data.reshape(-1, half), scales.reshape(-1, scales.shape[-1]))  # the stacked matrices as one:
+    interleave_rows(data.reshape(-1, data.shape[-1]), scales.reshape(-1, scales.shape[-1]))  # the matrices as one:
     return QuantizedTensor(data, scales, fmt)  # each starts at a multiple of 16 rows, so its groups are its own
 
 

@@ -361,8 +361,9 @@ def test_int16_activation_dots_match_their_quantized_activations(K, O, tmp_path)
         np.testing.assert_array_equal(int16_activations(x[t]).reshape(-1, 32)[exact], b[exact])
 
 
-@pytest.mark.parametrize("fmt,K,O", [(f, h, 3 * i + 5 if f.name == "fp8" else 2 * i + 16 if f.interleave > 1 else 3 * i + 1)
-                                     for f, h, i in CASES], ids=CASE_IDS)  # q4_0x16: whole groups of 16 rows
+@pytest.mark.parametrize("fmt,K,O", [(f, h, 3 * i + 5 if f.name == "fp8" else 2 * i + 16 if f.interleave > 1
+                                      else 3 * i + 1) for f, h, i in CASES],
+                         ids=CASE_IDS)  # q4_0x16: whole groups of 16 rows
 def test_linear_matches_float64_reference(fmt, K, O):
     """A stack of 3 layers (the layer an operand) and a single 2-D matrix; N = 1..3 tokens, f32 and bf16 x."""
     rng = np.random.default_rng(K * 1000 + O)

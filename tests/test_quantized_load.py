@@ -120,8 +120,9 @@ def test_q4_0_storage_format_follows_the_kernel_level(kernel):
     script = ("from ft_jax import _ffi, weight_formats as wf\n"
               "print(_ffi.kernel_isa(), wf.storage_format(wf.Q4_0, 64, 32).kernel_name, "
               "wf.storage_format(wf.Q4_0, 64, 24).kernel_name, wf.storage_format(wf.Q8_0, 64).kernel_name)")
-    out = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, FT_JAX_KERNEL=kernel, JAX_PLATFORMS="cpu"),
-                         capture_output=True, text=True, check=True).stdout.split()
+    env = dict(os.environ, FT_JAX_KERNEL=kernel, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
     isa = out[0]  # the level this CPU allows under the cap
     assert out[1:] == ["q4_0x16" if isa == "avx512bf16" else "q4_0", "q4_0", "q8_0"], out
 
@@ -140,7 +141,8 @@ def test_q4_0_dense_projections_are_stacked_in_the_cpu_storage_format(tmp_path):
     for stack in ck.model.stacks:  # runs of MoE and dense layers (this fixture: 0-1 MoE, 2 dense, 3 MoE)
         for i, layer in enumerate(stack.layers):
             p = f"model.layers.{layer}.self_attn"
-            for param, parts in ((stack.attn.qkv[...], ("q_proj", "k_proj", "v_proj")), (stack.attn.o[...], ("o_proj",))):
+            for param, parts in ((stack.attn.qkv[...], ("q_proj", "k_proj", "v_proj")),
+                                 (stack.attn.o[...], ("o_proj",))):
                 assert param.fmt is wf.Q4_0_X16
                 want = wf.quantize(np.concatenate([tensors[f"{p}.{n}.weight"] for n in parts]), wf.Q4_0)
                 for got, expected in zip(rows_of_q4_0x16(np.asarray(param.data[i]), np.asarray(param.scales[i])), want):

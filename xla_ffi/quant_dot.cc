@@ -1313,7 +1313,9 @@ void DeinterleaveQ4Group(const MatrixView& w, int64_t g, uint8_t* data, uint8_t*
   uint16_t* s = reinterpret_cast<uint16_t*>(scales);
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t b = 0; b < nb; ++b) {
-      for (int64_t c = 0; c < 4; ++c) std::memcpy(data + i * w.row_bytes + 16 * b + 4 * c, gd + 256 * b + 64 * c + 4 * i, 4);
+      for (int64_t c = 0; c < 4; ++c) {
+        std::memcpy(data + i * w.row_bytes + 16 * b + 4 * c, gd + 256 * b + 64 * c + 4 * i, 4);
+      }
       s[i * nb + b] = gs[b * n + i];
     }
   }
@@ -1393,7 +1395,9 @@ void InterleaveQ4Rows(uint8_t* data, uint16_t* scales, int64_t rows, int64_t col
     std::memcpy(tmp_s.data(), gs, tmp_s.size() * 2);
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t b = 0; b < nb; ++b) {
-        for (int64_t c = 0; c < 4; ++c) std::memcpy(gd + 256 * b + 64 * c + 4 * i, tmp.data() + i * row_bytes + 16 * b + 4 * c, 4);
+        for (int64_t c = 0; c < 4; ++c) {
+          std::memcpy(gd + 256 * b + 64 * c + 4 * i, tmp.data() + i * row_bytes + 16 * b + 4 * c, 4);
+        }
         gs[b * n + i] = tmp_s[i * nb + b];
       }
     }

@@ -41,8 +41,9 @@ namespace ft_jax {
 
 enum class WFormat : int32_t { kF32, kBF16, kQ8_0, kQ4_0, kMxfp4, kFp8 };
 
-// The weight_format attribute of the handlers ("float" | "q8_0" | "q4_0" | "q4_0x16" | "mxfp4" | "fp8") with block_rows /
-// block_cols: the format of every weight matrix of a call ("float": each buffer's dtype, f32 or bf16, decides).
+// The weight_format attribute of the handlers ("float" | "q8_0" | "q4_0" | "q4_0x16" | "mxfp4" | "fp8") with
+// block_rows / block_cols: the format of every weight matrix of a call ("float": each buffer's dtype, f32 or bf16,
+// decides).
 //
 // "q4_0x16" is q4_0 with its rows stored in groups of kQ4Interleave (interleave = 16): the same bytes per matrix, each
 // group of 16 rows written as one stream. Group g (rows 16g .. 16g + 15) takes the bytes of rows 16g.. at data +
@@ -97,7 +98,7 @@ struct MatrixView {
   size_t scale_row_bytes = 0;
   int64_t block_rows = 1, block_cols = 1;
   int64_t cols = 0;
-  int64_t interleave = 1;  // rows per interleaved group (WeightSpec::interleave): row r is then not at data + r * row_bytes
+  int64_t interleave = 1;  // rows per interleaved group (WeightSpec::interleave; > 1: rows are not at r * row_bytes)
 };
 
 // The view of a matrix of `cols` columns stored contiguously in format f (float: f = kF32 / kBF16) with scales
