@@ -41,7 +41,7 @@ from ft_jax.config import MoEConfig, check_regular_file, file_present, load_conf
 from ft_jax.config.quantization import expert_format, quantize_applies
 from ft_jax.models.decoder import MoETransformer
 from ft_jax import _ffi
-from ft_jax.kernels.host_bank import MAP_ALIGNMENT, HostBank, huge_page_buffer
+from ft_jax.kernels.host_bank import JAX_CPU_ALIGNMENT, MAP_ALIGNMENT, HostBank, huge_page_buffer
 from ft_jax.offload.banks import ExpertBanks
 
 SINGLE_FILE = "model.safetensors"
@@ -814,7 +814,7 @@ class _BankWriter:
 
     def __init__(self, arrays: dict[str, np.ndarray], fmt: wf.WeightFormat):
         self.arrays, self.fmt = arrays, fmt
-        self.quantize_fmt = wf.Q4_0 if fmt.interleave > 1 else fmt
+        self.quantize_fmt = wf.row_layout(fmt)
 
     def put(self, bank: str, row: int, first: int, w: np.ndarray, what: str,
             where: Callable[[int, int], str] = _block_in_rows) -> None:
@@ -990,7 +990,8 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.Weig
             _quantize_into(w, fmt, data, scales, f"{ckpt.tensors[name].file}: tensor {name!r}")
             return wf.QuantizedTensor(data, scales, fmt)
         target = np.dtype(np.float32 if kind.endswith("_f32") else dtype)
-        if whole and info is not None and info.dtype == target and not (ckpt.map_pages and info.offset % 64 == 0):
+        in_place = ckpt.map_pages and info is not None and info.offset % JAX_CPU_ALIGNMENT == 0  # as host_array's test
+        if whole and info is not None and info.dtype == target and not in_place:
             # Used as stored, and a copy either way: a file view host_array cannot use in place (the CPU backend
             # needs 64-byte alignment, and a mapping keeps the file offset's residue modulo the page size), or no
             # part of the file may stay mapped (map_pages False). Read straight into the buffer host_array then uses:

@@ -127,6 +127,11 @@ MXFP4 = WeightFormat("mxfp4", np.dtype(np.uint8), 2, np.dtype(np.uint8), (1, QBL
 Q4_0_X16 = dataclasses.replace(Q4_0, interleave=16)  # q4_0 in groups of 16 interleaved rows (module docstring)
 
 
+def row_layout(fmt: WeightFormat) -> WeightFormat:
+    """The row-layout format of ``fmt``: Q4_0 for Q4_0_X16 (what quantize makes and dequantize reads), else ``fmt``."""
+    return Q4_0 if fmt == Q4_0_X16 else fmt
+
+
 def fp8(block: tuple[int, int] = (128, 128)) -> WeightFormat:
     """The block-scaled FP8 (e4m3) format with ``block`` = (rows, cols) per scale (quantization_config's
     weight_block_size; DeepSeek-V3 and Qwen3-FP8: [128, 128]). Raises ValueError for a non-positive block."""
@@ -304,7 +309,7 @@ def dequantize(data: np.ndarray, scales: np.ndarray | None, fmt: WeightFormat, r
         return np.asarray(data).astype(dtype)
     if fmt.interleave > 1:  # Q4_0_X16: its rows back in order first
         data, scales = deinterleave_rows(np.asarray(data), np.asarray(scales))
-        fmt = Q4_0
+        fmt = row_layout(fmt)
     n = data.shape[-2]
     if rows is not None and rows * 2 == n and fmt.block[0] > 1:
         sr = fmt.scale_rows(rows)
@@ -399,7 +404,7 @@ def dequantize_jnp(t: QuantizedTensor, dtype=jnp.float32):
         words = jax.lax.bitcast_convert_type(data.reshape(*lead, rows // 16, nb, 4, 16, 4), jnp.uint32)
         data = jax.lax.bitcast_convert_type(jnp.moveaxis(words, -1, -3), jnp.uint8).reshape(*lead, rows, half)
         scales = jnp.moveaxis(scales.reshape(*lead, rows // 16, nb, 16), -1, -2).reshape(*lead, rows, nb)
-        fmt = Q4_0
+        fmt = row_layout(fmt)
     n = data.shape[-2]
     cols = data.shape[-1] * fmt.values_per_item
     want = fmt.scale_shape(n, cols)

@@ -244,15 +244,18 @@ class HostBank:
 HUGE_PAGE_MIN_BYTES = 4 << 20
 
 
+JAX_CPU_ALIGNMENT = 64  # the CPU backend uses a numpy buffer in place only at this alignment (else it copies it)
+
+
 def huge_page_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
     """An uninitialised, writable numpy array of ``shape`` and ``dtype`` that host_array uses in place on the CPU
     backend: from HUGE_PAGE_MIN_BYTES up in a 2 MiB-aligned anonymous mmap advised MADV_HUGEPAGE (its first write
-    commits transparent huge pages), below that 64-byte aligned (_JAX_CPU_ALIGNMENT) in numpy's memory."""
+    commits transparent huge pages), below that 64-byte aligned (JAX_CPU_ALIGNMENT) in numpy's memory."""
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE_MIN_BYTES:
-        raw = np.empty(nbytes + _JAX_CPU_ALIGNMENT, np.uint8)
-        pad = -raw.ctypes.data % _JAX_CPU_ALIGNMENT
+        raw = np.empty(nbytes + JAX_CPU_ALIGNMENT, np.uint8)
+        pad = -raw.ctypes.data % JAX_CPU_ALIGNMENT
         return raw[pad:pad + nbytes].view(dtype).reshape(shape)
     region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     pad = -_address(region) % _HUGE_PAGE  # to the next 2 MiB boundary
@@ -263,7 +266,7 @@ def huge_page_buffer(shape: tuple[int, ...], dtype) -> np.ndarray:
 def _may_alias(a: np.ndarray) -> bool:
     """Whether :func:`host_array` may use ``a`` in place instead of copying it: the CPU backend, a C-contiguous array
     64-byte aligned (a file view that passes stays the file's pages)."""
-    return jax.default_backend() == "cpu" and a.ctypes.data % _JAX_CPU_ALIGNMENT == 0 and a.flags.c_contiguous
+    return jax.default_backend() == "cpu" and a.ctypes.data % JAX_CPU_ALIGNMENT == 0 and a.flags.c_contiguous
 
 
 def host_array(a: np.ndarray) -> jax.Array:
@@ -316,7 +319,6 @@ def stack_on_huge_pages(layers: Sequence[Sequence[np.ndarray]]) -> jax.Array:
 
 
 _HUGE_PAGE = 2 << 20
-_JAX_CPU_ALIGNMENT = 64  # the CPU backend uses a numpy buffer in place only at this alignment (else it copies it)
 
 
 def _address(region: mmap.mmap) -> int:
