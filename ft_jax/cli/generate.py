@@ -70,7 +70,7 @@ def add_arguments(sub) -> None:
                           "(tokenizer_config.json or chat_template.jinja)")
     gen.add_argument("--seed", type=arg_types.seed, default=0,
                      help=f"sampling seed, an integer in [0, {arg_types.SEED_MAX}] (32 bits; default 0)")
-    add_load_arguments(gen)
+    add_load_arguments(gen, bank_memory="map")
     gen.add_argument("--record-trace", metavar="FILE",
                      help="write the routing of every decode step to FILE as a routing trace (JSON lines, or .npz "
                           "by name) for `ft-jax trace` / `ft-jax plan`")
@@ -79,9 +79,10 @@ def add_arguments(sub) -> None:
     gen.add_argument("--verbose", action="store_true", help="show tracebacks")
 
 
-def add_load_arguments(parser) -> None:
+def add_load_arguments(parser, bank_memory: str) -> None:
     """The flags that load a model, shared by `generate` and `serve`: dtype, quantize, the cache budget, policy,
-    profile, prefill chunk, compilation cache."""
+    profile, bank memory (default ``bank_memory``: "map" for generate, "copy" for serve), prefill chunk, compilation
+    cache."""
     parser.add_argument("--dtype", type=arg_types.model_dtype, default=None,
                         help="auto, bf16/bfloat16 or f32/float32: dtype of the dense weights, the activations and the "
                              "expert host banks (default auto: float32 for float32 checkpoints, else bfloat16)")
@@ -104,13 +105,13 @@ def add_load_arguments(parser) -> None:
     parser.add_argument("--no-measure", action="store_true",
                         help="auto or qstar without a stored profile: do not run a quick profile, fall back to "
                              "fixed-cap:1")
-    parser.add_argument("--bank-memory", choices=BANK_MEMORY, default=None,
+    parser.add_argument("--bank-memory", choices=BANK_MEMORY, default=bank_memory,
                         help="map: the expert host banks map the checkpoint file's page-cache pages where the "
                              "offsets allow (no copy, fast start); copy: every tensor is copied, the experts onto the "
                              "banks' own huge pages (the load writes them all once, then decode reads them faster, "
                              "and the file may change while the model runs). Quantized experts (--quantize, FP8, "
-                             "MXFP4) are built in the banks' memory either way. Default: map for generate, copy for "
-                             "serve")
+                             "MXFP4) are built in the banks' memory either way. Default: "
+                             f"{bank_memory} (generate maps, serve copies)")
     parser.add_argument("--prefill-chunk", type=arg_types.positive_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                         help=f"prompt tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}): a longer prompt is "
                              "prefilled in chunks appended to the KV cache, bounding its memory, with one compiled "
@@ -276,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = api.load(path, dtype=args.dtype or "auto", policy=args.policy, cache=cache, profile=args.profile,
                          measure=not args.no_measure, on_message=note, on_compile=on_compile, quantize=args.quantize,
-                         mesh=mesh, bank_memory=args.bank_memory or "map")
+                         mesh=mesh, bank_memory=args.bank_memory)
     except ValueError as e:
         message = api.argument_message(e, "cache")  # the message without load()'s "cache= / <every flag>: "
         if message is None:
@@ -353,7 +354,7 @@ def _print_result(args, path: str, model, request, out, streamed: bool, tokenize
         settings = {"max_new_tokens": request.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
                     "top_p": args.top_p, "seed": args.seed, "dtype": model.dtype, "policy": str(model.policy),
                     "stop": list(request.stop), "chat": bool(args.chat), "quantize": args.quantize,
-                    "bank_memory": args.bank_memory or "map",
+                    "bank_memory": args.bank_memory,
                     "weight_format": out.stats["weight_format"], "devices": out.stats["devices"],
                     "num_processes": args.num_processes or 1, "process_id": args.process_id or 0}
         print(json.dumps({"model": path, "prompt_ids": request.prompt_ids, "generated_ids": out.token_ids,

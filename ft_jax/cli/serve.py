@@ -63,7 +63,7 @@ def add_arguments(sub) -> None:
     p.add_argument("--shutdown-timeout", type=arg_types.positive, default=30.0, metavar="SECONDS",
                    help="after SIGTERM / Ctrl-C, how long running requests may go on before they are cancelled "
                         "(default 30)")
-    add_load_arguments(p)
+    add_load_arguments(p, bank_memory="copy")
     p.add_argument("--verbose", action="store_true", help="show tracebacks and uvicorn's access log")
 
 
@@ -93,7 +93,7 @@ def _load(args, path: str, cfg, state, note, on_failure) -> None:
     try:
         model = api.load(path, dtype=args.dtype or "auto", policy=args.policy, cache=_cache(args, cfg, note),
                          profile=args.profile, measure=not args.no_measure, on_message=note, on_compile=on_compile,
-                         quantize=args.quantize, bank_memory=args.bank_memory or "copy")
+                         quantize=args.quantize, bank_memory=args.bank_memory)
         _device_memory_note(args, cfg, model.engine.expert_bytes, note)
         model.engine.prefill_chunk = args.prefill_chunk
         try:
