@@ -259,13 +259,16 @@ def storage_format(fmt: WeightFormat, *row_counts: int) -> WeightFormat:
     return fmt
 
 
-def in_storage_format(t: "QuantizedTensor") -> "QuantizedTensor":
-    """A q4_0 QuantizedTensor (numpy; data [..., rows, cols / 2]) in storage_format: interleaved into new arrays
-    (Q4_0_X16, every matrix of the stack interleaved) or ``t`` itself."""
+def in_storage_format(t: "QuantizedTensor", empty=np.empty) -> "QuantizedTensor":
+    """A q4_0 QuantizedTensor (numpy; data [..., rows, cols / 2]) in storage_format: interleaved into new arrays made
+    by ``empty(shape, dtype)`` (e.g. host_bank.huge_page_buffer, which the CPU backend then uses in place; Q4_0_X16,
+    every matrix of the stack interleaved), or ``t`` itself. t's arrays are never written: they may be shared (a tied
+    embedding)."""
     fmt = storage_format(t.fmt, t.data.shape[-2])
     if fmt == t.fmt:
         return t
-    data, scales = np.array(t.data), np.array(t.scales)  # copies: t's arrays may be views shared with others
+    data, scales = empty(t.data.shape, t.data.dtype), empty(t.scales.shape, t.scales.dtype)
+    data[...], scales[...] = t.data, t.scales
     interleave_rows(data.reshape(-1, data.shape[-1]), scales.reshape(-1, scales.shape[-1]))  # the matrices as one:
     return QuantizedTensor(data, scales, fmt)  # each starts at a multiple of 16 rows, so its groups are its own
 

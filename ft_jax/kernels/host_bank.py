@@ -284,38 +284,44 @@ def host_array(a: np.ndarray) -> jax.Array:
     return jax.device_put(buf, may_alias=True)
 
 
-def stack_on_huge_pages(layers: Sequence[Sequence[np.ndarray]]) -> jax.Array:
-    """Stack per-layer host arrays into one jax array, copying the data once.
+def stacked_buffer(layers: Sequence[Sequence[np.ndarray]]) -> np.ndarray:
+    """Stack per-layer host arrays into one new numpy array, copying the data once.
 
     Args:
         layers: n lists of parts (numpy arrays of one dtype, e.g. read-only views of a checkpoint file); layer i of
             the result is its parts concatenated along axis 0 (one part: the array itself, e.g. a layer's norm [H];
             several: fused rows such as q/k/v [Q + 2 KV, H]).
     Returns:
-        jax array [n, rows, *trailing] (rows = the parts' leading sizes summed) of the parts' dtype on the default
-        device. From HUGE_PAGE_MIN_BYTES up the parts are written into a buffer on transparent huge pages (an
-        anonymous mmap, 2 MiB aligned, committed by that one write) that the CPU backend then uses as the array
-        (jax.device_put with may_alias: no copy, and nothing for use_huge_pages to collapse); other backends copy it
-        to the device. Against np.stack + jnp.asarray this saves a temporary and a copy into fresh memory, whose page
-        faults are most of the cost of loading dense weights (docs/DESIGN.md section 15.4).
+        a writable numpy array [n, rows, *trailing] (rows = the parts' leading sizes summed) of the parts' dtype in a
+        huge_page_buffer (from HUGE_PAGE_MIN_BYTES up on transparent huge pages, committed by this one write), which
+        host_array then uses in place on the CPU backend.
     Raises:
         ValueError: no layers, or parts whose trailing shapes or row counts differ between layers.
     """
     if not layers or not layers[0]:
-        raise ValueError("stack_on_huge_pages: no layers (or a layer without parts)")
+        raise ValueError("stacked_buffer: no layers (or a layer without parts)")
     first = layers[0]
     out = huge_page_buffer((len(layers), sum(p.shape[0] for p in first), *first[0].shape[1:]),
                             np.result_type(*first))
     shape = out.shape
     for i, parts in enumerate(layers):
         if sum(p.shape[0] for p in parts) != shape[1]:
-            raise ValueError(f"stack_on_huge_pages: layer {i} has {sum(p.shape[0] for p in parts)} rows, layer 0 "
+            raise ValueError(f"stacked_buffer: layer {i} has {sum(p.shape[0] for p in parts)} rows, layer 0 "
                              f"{shape[1]}")
         row = 0
         for p in parts:  # the one copy
             out[i, row:row + p.shape[0]] = p
             row += p.shape[0]
-    return jax.device_put(out, may_alias=True)
+    return out
+
+
+def stack_on_huge_pages(layers: Sequence[Sequence[np.ndarray]]) -> jax.Array:
+    """stacked_buffer(layers) as a jax array [n, rows, *trailing] on the default device: the CPU backend uses the
+    buffer itself (jax.device_put with may_alias: no copy, and nothing for use_huge_pages to collapse); other
+    backends copy it to the device. Against np.stack + jnp.asarray this saves a temporary and a copy into fresh
+    memory, whose page faults are most of the cost of loading dense weights (docs/DESIGN.md section 15.4).
+    Raises ValueError as stacked_buffer."""
+    return jax.device_put(stacked_buffer(layers), may_alias=True)
 
 
 _HUGE_PAGE = 2 << 20

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from ft_jax.config import MoEConfig
-from ft_jax.kernels.host_bank import host_array
+from ft_jax.kernels.host_bank import host_array, huge_page_buffer
 from ft_jax.models.attention import GroupedQueryAttention
 from ft_jax.models.layers import (AttentionInputs, ParamFactory, Stacked, as_float, attention_inputs, cache_load,
                                   gated_mlp, linear, rms_norm, sequence_dots)
@@ -96,7 +96,7 @@ def _on_device(t):
     """A factory's numpy array or QuantizedTensor (data and scales) as jax arrays, copied at most once
     (host_bank.host_array: a file view the CPU backend can use in place is not copied at all)."""
     if isinstance(t, QuantizedTensor):
-        t = in_storage_format(t)  # q4_0 on the CPU: Q4_0_X16 where its rows are whole groups of 16
+        t = in_storage_format(t, huge_page_buffer)  # q4_0 on the CPU: Q4_0_X16 where its rows are groups of 16
         return QuantizedTensor(host_array(t.data), host_array(t.scales), t.fmt)
     return host_array(t)
 

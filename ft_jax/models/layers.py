@@ -21,8 +21,8 @@ from flax import nnx
 
 from ft_jax.config import RopeScaling
 from ft_jax.kernels import ffi_ops
-from ft_jax.kernels.host_bank import stack_on_huge_pages
-from ft_jax.weight_formats import (QuantizedTensor, dequantize, dequantize_jnp, fp8_rowwise, in_storage_format,
+from ft_jax.kernels.host_bank import host_array, stack_on_huge_pages, stacked_buffer
+from ft_jax.weight_formats import (QuantizedTensor, dequantize, dequantize_jnp, fp8_rowwise, interleave_rows,
                                    storage_format)
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -103,13 +103,15 @@ def _stack_parts(layers: list[list]):
     """Per layer its row parts (numpy arrays or QuantizedTensors, one storage format) -> [n, rows summed, ...]: each
     part written once, straight into its place in the stacked buffer (no per-layer concatenation first)."""
     if isinstance(layers[0][0], QuantizedTensor):
-        # q4_0 on the CPU in its storage format (Q4_0_X16) when every part is whole groups of 16 rows
-        fmt = storage_format(layers[0][0].fmt, *(t.data.shape[-2] for parts in layers for t in parts))
-        if fmt != layers[0][0].fmt:
-            layers = [[in_storage_format(t) for t in parts] for parts in layers]
-        data = stack_on_huge_pages([[t.data for t in parts] for parts in layers])  # [n, ...]
-        return QuantizedTensor(data, stack_on_huge_pages([[t.scales for t in parts] for parts in layers]),
-                               layers[0][0].fmt)
+        fmt = layers[0][0].fmt
+        data = stacked_buffer([[t.data for t in parts] for parts in layers])  # [n, rows, ...]
+        scales = stacked_buffer([[t.scales for t in parts] for parts in layers])  # [n, rows, ...]
+        # q4_0 on the CPU in its storage format (Q4_0_X16) when every part is whole groups of 16 rows, interleaved in
+        # the stacked buffer: each group is one part's own
+        stored = storage_format(fmt, *(t.data.shape[-2] for parts in layers for t in parts))
+        if stored != fmt:
+            interleave_rows(data.reshape(-1, data.shape[-1]), scales.reshape(-1, scales.shape[-1]))
+        return QuantizedTensor(host_array(data), host_array(scales), stored)
     return stack_on_huge_pages(layers)
 
 
