@@ -376,17 +376,20 @@ class StopWatch:
     """Incremental text of one row and stop-string detection; releases only text that cannot start a stop string.
 
     push(token) -> the new text that can be released; finish() -> the rest (the decoder flushed, cut at a stop
-    string); text: all text so far; cut: where the first stop string starts, once found (None before)."""
+    string); text: all text so far; cut: where the first stop string starts, once found (None before). A token of
+    ``eos`` (the ids that end the row) adds no text: the end-of-sequence token's text (``</s>``, ``<|im_end|>``) is
+    not part of the answer, as with transformers' ``skip_special_tokens`` and the OpenAI API."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
+    def __init__(self, tokenizer, stop: tuple[str, ...], eos: frozenset[int] = frozenset()):
         self.decoder = tokenizer.stream_decoder()
-        self.stop = stop
+        self.stop, self.eos = stop, eos
         self.text = ""  # all completed text so far
         self.released = 0  # characters handed to on_text
         self.cut: int | None = None  # where the first stop string starts, once found
 
     def push(self, token: int) -> str:
-        self.text += self.decoder.push(token)
+        if token not in self.eos:
+            self.text += self.decoder.push(token)
         return self._release()
 
     def finish(self) -> str:
@@ -470,8 +473,8 @@ class Model:
         if on_text is not None and not callable(on_text):
             raise TypeError(f"on_text must be callable with (row, text), got {on_text!r}")
         ids = request.prompt_ids
-        watches = [StopWatch(self.tokenizer, request.stop) for _ in ids] if self.tokenizer is not None else None
-        eos = set(self.config.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
+        eos = frozenset(self.config.eos_token_ids) | frozenset(getattr(self.tokenizer, "eos_token_ids", ()))
+        watches = [StopWatch(self.tokenizer, request.stop, eos) for _ in ids] if self.tokenizer is not None else None
         stopped = [False] * len(ids)
 
         def on_tokens(step: int, new: list[int | None]) -> list[bool]:

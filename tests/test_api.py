@@ -103,6 +103,23 @@ def test_stop_strings_cut_the_text_and_end_the_row(bundled):
     assert free.finish_reasons == ["length"]
 
 
+def test_the_end_of_sequence_token_ends_the_row_and_adds_no_text(bundled, tmp_path):
+    """The id that ends a row (generation_config.json's eos_token_id) is the last of its token ids, but its text
+    (here a byte: one character) is not part of the answer, streamed or not."""
+    free = bundled.generate("KING:", max_new_tokens=40, temperature=0)
+    k = 12
+    eos = free.token_ids[0][k]
+    first = free.token_ids[0].index(eos)  # the row ends at the first occurrence
+    model_dir = tmp_path / "model"
+    shutil.copytree(ft_jax.bundled_model_path(), model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    streamed = []
+    out = ft_jax.load(str(model_dir), policy="fixed-cap:1").generate(
+        "KING:", max_new_tokens=40, temperature=0, on_text=lambda row, t: streamed.append(t))
+    assert out.token_ids[0] == free.token_ids[0][:first + 1] and out.finish_reasons == ["eos"]
+    assert out.text == free.text[:first] == "".join(streamed)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompts=123), "prompts must be a text, a list of token ids (or a 1-D / 2-D integer numpy array) or a list "
                         "of texts / id lists, got int"),

@@ -163,6 +163,30 @@ def test_an_idle_batcher_gathers_until_arrivals_pause(waiting, free, since_arriv
     assert gather_wait(waiting, free, since_arrival, since_start) == pytest.approx(expected, abs=1e-12)
 
 
+def test_the_end_of_sequence_token_ends_the_request_and_adds_no_text(server):
+    """A request ends at an end-of-sequence id (finish_reason "stop", the id counted in usage), and that token's text
+    is not in the answer, streamed or not; with ignore_eos it is text as any other. The bundled model has no EOS id,
+    so the test gives the batcher one: a byte the greedy continuation produces."""
+    free = server.model.generate("KING:", max_new_tokens=40, temperature=0)
+    ids = free.token_ids[0]
+    eos = ids[12]
+    first = ids.index(eos)
+    before = server.batcher.eos
+    server.batcher.eos = frozenset({eos})
+    try:
+        out = server.client.completions.create(model="tiny", prompt="KING:", max_tokens=40, temperature=0)
+        stream = server.client.completions.create(model="tiny", prompt="KING:", max_tokens=40, temperature=0,
+                                                  stream=True)
+        streamed = "".join(c.choices[0].text for c in stream if c.choices)
+        ignored = server.client.completions.create(model="tiny", prompt="KING:", max_tokens=40, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+    finally:
+        server.batcher.eos = before
+    assert out.choices[0].text == streamed == free.text[:first] and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == first + 1
+    assert ignored.choices[0].text == free.text and ignored.choices[0].finish_reason == "length"
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
     """The batcher thread is held once the request decodes in its row (so it cannot finish first, however fast the
     model: the hold is offered at every step boundary from before the request is sent), the client disconnects;

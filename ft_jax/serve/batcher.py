@@ -314,7 +314,8 @@ class Batcher:
                 self.batch.release(row)
                 self._end(ticket, "cancelled")
                 continue
-            self.rows[row] = _Row(ticket, StopWatch(self.model.tokenizer, ticket.params.stop))
+            eos = frozenset() if ticket.params.ignore_eos else self.eos  # ignore_eos: an EOS token is text as any other
+            self.rows[row] = _Row(ticket, StopWatch(self.model.tokenizer, ticket.params.stop, eos))
             if self.metrics is not None:
                 self.metrics.on_first_token(now - ticket.submitted)
             self._push(row, token, now)
