@@ -126,6 +126,9 @@ def test_completions_and_chat_equal_generate_streamed_or_not(server):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.text
     assert chunks[-1].choices[0].finish_reason == "length"
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match='the model "other" does not exist: this server serves "tiny"'):
+        client.models.retrieve("other")
 
 
 def test_eight_concurrent_clients_each_equal_their_solo_run(server):
@@ -185,6 +188,31 @@ def test_the_end_of_sequence_token_ends_the_request_and_adds_no_text(server):
     assert out.choices[0].text == streamed == free.text[:first] and out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens == first + 1
     assert ignored.choices[0].text == free.text and ignored.choices[0].finish_reason == "length"
+
+
+def test_a_huge_prompt_does_not_stall_the_other_requests(server):
+    """A 30 MB prompt is parsed and tokenised off the event loop: /health answers while it is, then the prompt gets
+    its 400 (over the context)."""
+    big = {}
+
+    def post():
+        t0 = time.perf_counter()
+        big["r"] = httpx.post(server.url + "/v1/completions", json={"prompt": "ab " * 10_000_000, "max_tokens": 1},
+                              headers=server.headers, timeout=120)
+        big["s"] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    latencies = []
+    while thread.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(server.url + "/health", timeout=120).status_code == 200
+        if thread.is_alive():  # answered while the big request was still in the server
+            latencies.append(time.perf_counter() - t0)
+        time.sleep(0.02)
+    thread.join()
+    assert big["r"].status_code == 400 and big["r"].json()["error"]["code"] == "context_length_exceeded"
+    assert len(latencies) >= 3 and max(latencies) < big["s"] / 3, (latencies, big["s"])
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
@@ -297,6 +325,9 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     ({"prompt": "x", "seed": -3}, "seed", "'seed' must be an integer in [0, 2^32), got -3"),
     ({"prompt": "x", "n": 2}, "n", "'n' must be 1"),
     ({"prompt": "x", "logprobs": 3}, "logprobs", "'logprobs' is not supported"),
+    # 0 asks for the sampled token's log-probability: not the harmless false / null
+    ({"prompt": "x", "logprobs": 0}, "logprobs", "'logprobs' is not supported by this server (got 0)"),
+    ({"prompt": "x", "presence_penalty": False}, "presence_penalty", "'presence_penalty' is not supported"),
     ({"prompt": "x", "stop": [1]}, "stop", "'stop[0]' must be a string, got a number: 1"),
     ({"prompt": ["a", "b"]}, "prompt", "holds 2 prompts"),
     ({"prompt": [1, 300]}, "prompt", "'prompt[1]' must be a token id in the vocabulary [0, 256), got 300"),
@@ -449,6 +480,14 @@ def test_valid_numbers_pass_as_written(offline_model):
 def _parse(body, chat, model):
     return parse_request(body, chat=chat, model=model, template=ChatTemplate("test", CHAT_TEMPLATE), context=CTX,
                          model_name="tiny")
+
+
+def test_the_developer_role_is_rendered_as_system(offline_model):
+    def ids(role):
+        return _parse({"messages": [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}]}, True,
+                      offline_model).prompt_ids
+
+    assert ids("developer") == ids("system") == offline_model.tokenizer.encode("<system>Be brief.\n<user>Hi\n<assistant>")
 
 
 @pytest.mark.parametrize("text, chat, param, message", [

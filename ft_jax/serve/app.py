@@ -3,7 +3,7 @@
 Routes:
   POST /v1/completions, /v1/chat/completions   OpenAI API (protocol.py); "stream": true answers with server-sent
                                                events ("data: {...}" per piece of text, "data: [DONE]" at the end)
-  GET  /v1/models                              the one model served
+  GET  /v1/models, /v1/models/{id}             the one model served (404 model_not_found for another id)
   GET  /health                                 200 {"status": "ok"} when ready; 503 while loading or compiling
   GET  /metrics                                Prometheus text (metrics.py)
   GET  /cache                                  the expert cache: policy, slots, per-layer hits, misses, fills
@@ -167,10 +167,20 @@ def create_app(state: ServerState) -> FastAPI:
         body = {"status": state.status, **({"detail": state.detail} if state.detail else {})}
         return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
 
+    def model_object() -> dict:
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "ft_jax"}
+
     @app.get("/v1/models")
     def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "ft_jax"}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    def model(model_id: str):
+        if model_id != state.model_name:
+            return _error(404, f"the model {json.dumps(model_id)} does not exist: this server serves "
+                               f"{json.dumps(state.model_name)}",
+                          "invalid_request_error", state, param="model", code="model_not_found")
+        return model_object()
 
     @app.get("/metrics")
     def metrics():
@@ -201,14 +211,17 @@ def create_app(state: ServerState) -> FastAPI:
         if kind != "application/json" and not kind.endswith("+json"):
             return _error(415, f"the request body must be JSON (Content-Type: application/json), got Content-Type "
                                f"{kind!r}", "invalid_request_error", state)
+        raw = await request.body()
+        # The JSON and the tokenizer run in a worker thread: a huge prompt must not stall /health and the streams.
         try:
-            body = await request.json()
+            body = await asyncio.to_thread(json.loads, raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
             return _error(400, f"the request body is not valid JSON: {why}", "invalid_request_error", state)
         try:
-            params = parse_request(body, chat=chat, model=state.model, template=state.template,
-                                   context=state.ctx_size, model_name=state.model_name)
+            params = await asyncio.to_thread(parse_request, body, chat=chat, model=state.model,
+                                             template=state.template, context=state.ctx_size,
+                                             model_name=state.model_name)
             ticket = state.batcher.submit(params, asyncio.get_running_loop())
         except RequestError as e:
             return _error(e.status, e.message, e.type, state, param=e.param, code=e.code)

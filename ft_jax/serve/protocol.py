@@ -8,8 +8,8 @@ re-phrased here with the request's field quoted ('temperature' must be ...). Two
 messages that name what make_request cannot: a prompt's token id outside the vocabulary (its position in the array)
 and a non-finite number (Python's json reads NaN, Infinity and 1e999; shown as JSON spells them).
 Supported: prompt (a text, a list of one text, token ids or a list of one id list) / messages (roles system,
-developer, user, assistant; content a text or a list of {"type": "text", "text"} parts), max_tokens (chat also
-max_completion_tokens), temperature, top_p, top_k and ignore_eos (extensions, as llama-server and vLLM have them),
+developer (rendered as system), user, assistant; content a text or a list of {"type": "text", "text"} parts),
+max_tokens (chat also max_completion_tokens), temperature, top_p, top_k and ignore_eos (extensions, as llama-server and vLLM have them),
 seed, stop (a text or a list of texts), stream, stream_options.include_usage, n = 1. Fields that would change the
 output in a way this server does not do (n > 1, logprobs, echo, best_of, suffix, penalties, logit_bias, tools, a
 response format other than text, audio, ...) are refused with 400 when given a value other than their default; fields
@@ -41,7 +41,8 @@ MAX_STOP_CHARS = 256  # characters per stop string
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # the OpenAI API's default for both endpoints
 CHAT_ROLES = ("system", "developer", "user", "assistant")
-# Fields refused unless absent or at the value that changes nothing.
+# Fields refused unless absent or at the value that changes nothing, compared with their JSON type (a number is not a
+# boolean: /v1/completions' "logprobs": 0 asks for the sampled token's log-probability, chat's "logprobs": false not).
 UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
@@ -218,7 +219,8 @@ def _prompt(body: dict) -> tuple[str | list[int], str]:
 
 
 def _messages(body: dict) -> list[dict]:
-    """The chat messages as [{"role", "content": text}] (text parts joined)."""
+    """The chat messages as [{"role", "content": text}] (text parts joined; the "developer" role as "system": the
+    OpenAI API's name for system instructions, which checkpoints' chat templates do not know)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty array of {role, content} objects, got "
@@ -244,13 +246,14 @@ def _messages(body: dict) -> list[dict]:
             raise RequestError(f"'{where}.content' must be a string or an array of text parts, got {_got(content)}",
                                f"{where}.content")
         _unicode(content, f"{where}.content", f"{where}.content")
-        out.append({"role": role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
 
 def _unsupported(body: dict) -> None:
     for name, harmless in UNSUPPORTED.items():
-        if body.get(name) not in harmless:
+        value = body.get(name)
+        if not any(_json_type(value) == _json_type(h) and value == h for h in harmless):
             raise RequestError(f"'{name}' is not supported by this server (got {_shown(body[name])})", name)
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
