@@ -90,8 +90,8 @@ def add_load_arguments(parser, bank_memory: str) -> None:
                         help=arg_types.QUANTIZE_HELP)
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--cache-slots", type=arg_types.positive_int, metavar="S",
-                        help="device expert slots shared by all layers (of each device under expert parallelism: generate --devices or "
-                             "several processes)")
+                        help="device expert slots shared by all layers (per device under generate's expert "
+                             "parallelism: --devices or several processes)")
     budget.add_argument("--cache-fraction", type=arg_types.fraction, metavar="F",
                         help=f"slots as a fraction of all experts (default {defaults.DEFAULT_CACHE_FRACTION}; one slot "
                              "under host-all)")
