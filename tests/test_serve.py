@@ -702,6 +702,31 @@ def test_a_thousand_short_requests_keep_memory_flat(server):
     assert _rows(server)["busy"] == 0
 
 
+def test_ctrl_c_while_compiling_exits_130_at_once(tmp_path):
+    """Before the server is ready a Ctrl-C ends it as any command: one line, exit 130, no further compile."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ft_jax", "serve", "--port", str(port), "--max-batch", "8",
+                             "--ctx-size", "64", "--policy", "host-all", "--no-compile-cache"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        while proc.poll() is None:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+            except httpx.TransportError:
+                health = {}
+            if health.get("status") == "compiling":
+                break
+            time.sleep(0.05)
+        assert health.get("status") == "compiling", (health, proc.poll())
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read()
+    assert stderr.endswith("\nft-jax serve: interrupted\n") and "ready" not in stderr, stderr
+
+
 def test_sigterm_finishes_the_running_request_and_exits_0(tmp_path):
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ft_jax", "serve", "--port", str(port), "--max-batch", "1",

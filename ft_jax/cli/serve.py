@@ -3,7 +3,8 @@
 The port is opened first (/health answers 503 while the model loads and the decode step compiles), then the model is
 loaded on a thread of its own (a failure ends the command with status 1). SIGTERM or Ctrl-C: no new request is taken
 (503), the running ones finish (up to --shutdown-timeout seconds, then they are cancelled) and the command exits with
-status 0; a second signal exits at once (ft_jax/interrupts.py).
+status 0; a second signal exits at once, and so does the first one while the model is still loading or compiling
+(130 / 143, ft_jax/interrupts.py).
 """
 
 from __future__ import annotations
@@ -195,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
     server = Server(config)
 
     def shut_down(signum: int) -> None:
+        if state.status in ("loading", "compiling"):  # nothing served yet: stop as every command does (130 / 143)
+            interrupts.exit_now(signum)
         print(f"\nft-jax serve: shutting down: no new requests; the running ones finish within "
               f"{args.shutdown_timeout:g} s", file=sys.stderr, flush=True)
         state.status = "stopping"
