@@ -703,10 +703,11 @@ def test_a_thousand_short_requests_keep_memory_flat(server):
 
 
 def test_ctrl_c_while_compiling_exits_130_at_once(tmp_path):
-    """Before the server is ready a Ctrl-C ends it as any command: one line, exit 130, no further compile."""
+    """Before the server is ready a Ctrl-C ends it as any command: one line, exit 130, no further compile. (On every
+    interface without an API key it says so.)"""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ft_jax", "serve", "--port", str(port), "--max-batch", "8",
-                             "--ctx-size", "64", "--policy", "host-all", "--no-compile-cache"],
+                             "--ctx-size", "64", "--policy", "host-all", "--no-compile-cache", "--host", "0.0.0.0"],
                             stderr=subprocess.PIPE, text=True)
     try:
         while proc.poll() is None:
@@ -725,6 +726,7 @@ def test_ctrl_c_while_compiling_exits_130_at_once(tmp_path):
             proc.kill()
     stderr = proc.stderr.read()
     assert stderr.endswith("\nft-jax serve: interrupted\n") and "ready" not in stderr, stderr
+    assert f"no --api-key: anyone who can reach http://0.0.0.0:{port} can use this server" in stderr
 
 
 def test_sigterm_finishes_the_running_request_and_exits_0(tmp_path):
@@ -757,4 +759,4 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tmp_path):
             proc.kill()
     stderr = proc.stderr.read()
     ready = "(policy host-all, 1 row of 64 tokens, expert banks copied onto huge pages)"  # serve's default: copy
-    assert "shutting down" in stderr and ready in stderr, stderr
+    assert "shutting down" in stderr and ready in stderr and "no --api-key" not in stderr, stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import os
 import socket
 import sys
@@ -179,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
     notes = lambda text: print(f"ft-jax serve: {text}", file=sys.stderr, flush=True)  # noqa: E731
     # loop="asyncio": uvloop would take the signal wakeup fd that interrupts.py's watcher thread reads.
     sock = _listen(args.host, args.port)
+    if args.api_key is None and not ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
+        notes(f"no --api-key: anyone who can reach {_url(args.host, args.port)} can use this server")
     # timeout_graceful_shutdown: a margin past --shutdown-timeout, when the batcher ends what is left with an error
     # event (so every stream closes with [DONE], never cut mid-body by uvicorn's own cancel).
     config = uvicorn.Config(create_app(state), loop="asyncio", access_log=args.verbose,
