@@ -6,11 +6,11 @@
     >>> len(out.token_ids[0]), out.finish_reasons
     (40, ['length'])
 
-Public names: load, Model, Generation, Request (ft_jax/api.py); Engine, Sampling, GenerationResult, NonFiniteLogitsError
-(ft_jax/engine/); Policy, parse_policy (ft_jax/offload/policy.py); expert_mesh (ft_jax/offload/expert_parallel.py);
-load_checkpoint, load_config, load_tokenizer, HostBank, bundled_model_path; the errors load raises for a folder or a
-machine it cannot use: CheckpointError, ConfigError, InsufficientMemoryError, ChatTemplateError; __version__. They are
-imported on first use.
+Public names: load, Model, Generation, Request, enable_compile_cache, default_compile_cache_dir (ft_jax/api.py);
+Engine, Sampling, GenerationResult, NonFiniteLogitsError (ft_jax/engine/); Policy, parse_policy
+(ft_jax/offload/policy.py); expert_mesh (ft_jax/offload/expert_parallel.py); load_checkpoint, load_config,
+load_tokenizer, HostBank, bundled_model_path; the errors load raises for a folder or a machine it cannot use:
+CheckpointError, ConfigError, InsufficientMemoryError, ChatTemplateError; __version__. They are imported on first use.
 
 Importing the package registers the XLA FFI targets of the compiled extension (ft_jax/kernels/__init__.py);
 ``CUDA_ENABLED`` says whether the CUDA handlers were registered too.
@@ -30,6 +30,7 @@ __version__ = "0.2.0"
 
 _PUBLIC = {
     "load": "ft_jax.api", "Model": "ft_jax.api", "Generation": "ft_jax.api", "Request": "ft_jax.api",
+    "enable_compile_cache": "ft_jax.api", "default_compile_cache_dir": "ft_jax.api",
     "bundled_model_path": "ft_jax.defaults",
     "Engine": "ft_jax.engine.engine", "Sampling": "ft_jax.engine.sampling", "GenerationResult": "ft_jax.engine.engine",
     "NonFiniteLogitsError": "ft_jax.engine.sampling", "Policy": "ft_jax.offload.policy",
