@@ -232,9 +232,10 @@ def test_two_processes_saving_at_once_keep_every_entry(tmp_path):
 def test_bench_rotation_exceeds_the_last_level_cache():
     with bandwidth.Bench(H, I, "f32", call_bytes=16 << 20) as b:
         llc, eb = b.llc_bytes, 3 * H * I * 4
-        rows = math.ceil(2 * llc / eb)  # e.g. 683 rows of 96 KiB for a 32 MiB cache
+        n = math.ceil((16 << 20) / eb)  # 171 experts of 96 KiB per call
+        rows = math.ceil(math.ceil(2 * llc / eb) / n) * n  # e.g. 683 rows for a 32 MiB cache, 684: 4 calls of 171
         assert (b.expert_bytes, b.rows) == (eb, rows)
-        assert b.n == math.ceil((16 << 20) / eb) and b.nbytes == b.n * eb
+        assert b.n == n and b.nbytes == b.n * eb
         assert (b.gate_up.num_rows, b.gate_up.row_shape, b.down.row_shape) == (2 * rows, (2 * I, H), (H, I))
         for j in (0, 1, len(b.fill_rows) - 1, len(b.fill_rows)):
             expect = [(j * b.n + i) % rows for i in range(b.n)]
@@ -253,6 +254,9 @@ def test_bench_times_a_models_own_banks_when_they_hold_the_rotation(monkeypatch)
 
     monkeypatch.setattr(bandwidth, "last_level_cache_bytes", lambda: 4 * 3 * H * I * 4)  # R = 8 rows
     assert bandwidth.Bench.rotation_rows(3 * H * I * 4, 1, 4 * 3 * H * I * 4) == (1, 8)
+    # tiny experts (126 bytes): many per call, the rotation a whole number of calls past twice a 32 MiB cache
+    n, R = bandwidth.Bench.rotation_rows(126, 8 << 20, 32 << 20)
+    assert n == 66577 and R % n == 0 and R >= 2 * (32 << 20) / 126 and R // n == 8
     model = ExpertBanks(HostBank(16, (2 * I, H), np.float32), HostBank(16, (H, I), np.float32))
     small = ExpertBanks(HostBank(15, (2 * I, H), np.float32), HostBank(15, (H, I), np.float32))
     try:

@@ -343,9 +343,11 @@ class Bench:
     @staticmethod
     def rotation_rows(expert_bytes: int, call_bytes: int, llc_bytes: int) -> tuple[int, int]:
         """(n, R): experts per call, n = ceil(call_bytes / expert_bytes), and rows per rotation, R = max(n,
-        ceil(2 * llc_bytes / expert_bytes), 2), so a rotation's rows exceed twice the last-level cache."""
+        ceil(2 * llc_bytes / expert_bytes), 2) rounded up to a multiple of n, so a rotation's rows exceed twice the
+        last-level cache and the calls' rows repeat after R / n calls (tiny experts: a few calls of many rows, not
+        one distinct call per row)."""
         n = max(1, math.ceil(call_bytes / expert_bytes))
-        return n, max(n, math.ceil(2 * llc_bytes / expert_bytes), 2)
+        return n, math.ceil(max(n, math.ceil(2 * llc_bytes / expert_bytes), 2) / n) * n
 
     def __exit__(self, *exc) -> None:
         self._slots = ()
