@@ -220,6 +220,10 @@ def test_trace_cli_errors(tmp_path, capsys):
     for extra, msg in [([], f"give --model DIR or --expert-bytes B (bytes of one expert) to price the replay (a trace "
                             f"of the bundled model: --model {bundled_model_path()})"),
                        (["--expert-bytes", "10", "--bandwidth", "nope"], "expected 'stored', a preset"),
+                       (["--expert-bytes", "10", "--bandwidth", "1e-300,1e300"], "each from 1e-06 to 1e+06"),
+                       (["--expert-bytes", "10", "--bandwidth", "nan,1"], "each from 1e-06 to 1e+06"),
+                       (["--expert-bytes", "10", "--bandwidth", "1,2", "--device-bandwidth", "1e-300"],
+                        "--device-bandwidth: expected a bandwidth in GB/s from 1e-06 to 1e+06, got '1e-300'"),
                        (["--expert-bytes", "10", "--bandwidth", "1,2", "--cache-slots", "0"], "--cache-slots: expected an integer >= 1")]:
         try:
             status = cli.main(base + extra)

@@ -60,6 +60,17 @@ def positive(text: str) -> float:
     return value
 
 
+def bandwidth_gbps(text: str) -> float:
+    """A bandwidth in GB/s within cost_model.BANDWIDTH_RANGE_GBPS (1 kB/s to 1 PB/s)."""
+    from ft_jax.offload.cost_model import BANDWIDTH_RANGE_GBPS
+
+    low, high = BANDWIDTH_RANGE_GBPS
+    value = _number(text)
+    if value is None or not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"expected a bandwidth in GB/s from {low:g} to {high:g}, got {text!r}")
+    return value
+
+
 def fraction(text: str) -> float:
     """A number in (0, 1]."""
     value = _number(text)

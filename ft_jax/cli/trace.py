@@ -60,7 +60,7 @@ def add_model_arguments(p) -> None:
                         "q4_0) at their stored size; an FP8 / MXFP4 checkpoint is priced in its own format")
     p.add_argument("--bandwidth", default="stored", metavar="SPEC", help=BANDWIDTH_HELP)
     p.add_argument("--profile", metavar="PATH", help="bandwidth profile store (default: the user cache directory)")
-    p.add_argument("--device-bandwidth", type=arg_types.positive, metavar="GBPS",
+    p.add_argument("--device-bandwidth", type=arg_types.bandwidth_gbps, metavar="GBPS",
                    help=f"BD, GB/s at which the device computes experts in its slots (default: a stored CPU profile's "
                         f"slot-expert rate, or its BH when it has none: the slot experts run the host GEMV kernel; "
                         f"else an assumed {ASSUMED_DEVICE_GBPS:g})")

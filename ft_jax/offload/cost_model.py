@@ -437,11 +437,15 @@ class CostModel:
                    serial_paths=platform == "cpu")
 
 
+# Bandwidths --bandwidth takes, GB/s: 1 kB/s to 1 PB/s (beyond them the ms per token underflow or overflow).
+BANDWIDTH_RANGE_GBPS = (1e-6, 1e6)
+
+
 def parse_bandwidth(spec: str) -> dict | None:
     """--bandwidth: "stored" -> None; a preset name -> its dict; "BP,BH[,BPc,BHc]" GB/s -> a dict like a preset's.
 
     Raises:
-        ValueError: not a preset, not 2 or 4 numbers, or a number that is not finite and > 0.
+        ValueError: not a preset, not 2 or 4 numbers, or a number outside BANDWIDTH_RANGE_GBPS (NaN too).
     """
     spec = spec.strip()
     if spec == "stored":
@@ -452,9 +456,10 @@ def parse_bandwidth(spec: str) -> dict | None:
         values = [float(v) for v in spec.split(",")]
     except ValueError:
         values = []
-    if len(values) not in (2, 4) or not all(math.isfinite(v) and v > 0 for v in values):
+    low, high = BANDWIDTH_RANGE_GBPS
+    if len(values) not in (2, 4) or not all(low <= v <= high for v in values):
         raise ValueError(f"--bandwidth {spec!r}: expected 'stored', a preset ({', '.join(PRESETS)}) or BP,BH[,BPc,BHc] "
-                         "as positive numbers in GB/s")
+                         f"in GB/s, each from {low:g} to {high:g}")
     bpc, bhc = (values[2], values[3]) if len(values) == 4 else (None, None)
     return {"bp": values[0], "bh": values[1], "bp_contended": bpc, "bh_contended": bhc,
             "source": f"--bandwidth {spec}", "name": spec}
