@@ -626,6 +626,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
         tensor_names = tuple(headers.tensors)
         if quantize is not None:  # rows that do not fit the blocks, named before any size is computed from them
             checkpoint_lib.check_quantize_fits(headers.tensors, fmt)
+        # The expert tensors' names and shapes against the config, before any size is computed from it (a config of
+        # 10^12 experts is a missing tensor, not a memory error)
+        checkpoint_lib.expert_tensor_plan(cfg, headers, fmt, None if partition is None else partition.process_experts)
         with _argument("cache"):
             planned_slots = num_slots_for(cache, cfg.num_moe_layers * per_device,
                                           planned_expert_bytes(cfg, jnp.dtype(dtype), fmt))

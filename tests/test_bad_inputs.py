@@ -174,6 +174,19 @@ def test_config_not_utf8_names_the_file(tmp_path):
     assert path in line and "not UTF-8" in line and "0xff" in line, line
 
 
+@pytest.mark.parametrize("field, value, named", [
+    ("num_local_experts", 10**12, "missing tensor 'model.layers.0.block_sparse_moe.experts.8.w1.weight'"),
+    ("intermediate_size", 10**15, "'model.layers.0.block_sparse_moe.experts.0.w1.weight'"),
+])
+def test_a_config_far_from_the_checkpoint_is_a_tensor_error_not_a_memory_error(tmp_path, field, value, named):
+    """The expert tensors are checked against the config before the memory it implies (which would be refused as
+    InsufficientMemoryError with advice to quantize)."""
+    d = _model(tmp_path)
+    _edit_config(d, **{field: value})
+    line = _error_line("--model", d, *REQUEST)
+    assert named in line and "memory" not in line, line
+
+
 def test_unsupported_activation_names_the_file(tmp_path):
     d = _model(tmp_path)
     path = _edit_config(d, hidden_act="relu")
