@@ -247,5 +247,6 @@ def test_multi_device_host_experts_pool_per_socket_and_layers_wait_for_the_slowe
     # A socket per device: token 0 = 2 experts on device 0 (2e-3), token 1 = 1 each in parallel (1e-3); + psum.
     assert own["ms_per_token"] == pytest.approx((2e-3 + 1e-3) / 2 + 0.5)
     assert [d["host_per_token"] for d in own["per_device"]] == [1.5, 0.5]
+    assert shared["cache_slots"] == 1 and shared["cache_fraction"] == 0.5  # of the 2 experts a device owns
     with pytest.raises(ValueError, match="cannot be split evenly over 3 devices"):
         multi_device.shard_trace(trace, 3)

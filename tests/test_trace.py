@@ -195,6 +195,18 @@ def test_trace_cli_json_and_help(tmp_path, capsys):
         assert needle in text, needle
 
 
+def test_cache_fraction_with_devices_is_of_each_devices_experts(tmp_path, capsys):
+    """--devices N --cache-fraction f: f of the L*E/N experts a device owns (as generate --devices reads it), and the
+    frac column per device too."""
+    _write(tmp_path / "t.jsonl", _routing(3))
+    assert cli.main(["trace", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),
+                     "--bandwidth", "2,8", "--cache-fraction", "0.5", "--devices", "1,2", "--policy", "fetch-all",
+                     "--json"]) == 0
+    one, two = json.loads(capsys.readouterr().out)["results"]
+    assert (one.get("devices", 1), one["cache_slots"], one["cache_fraction"]) == (1, L * E // 2, 0.5)
+    assert (two["devices"], two["cache_slots"], two["cache_fraction"]) == (2, L * E // 4, 0.5)
+
+
 def test_batch_figures_are_per_token_not_per_step(tmp_path, capsys):
     """--batch replays a step of R rows (the union of their experts) and divides its figures by R: host-all on a
     cold cache computes every distinct expert of a step on the host, worked out here from the routing itself."""

@@ -135,7 +135,8 @@ def add_trace_arguments(sub) -> None:
     size.add_argument("--cache-slots", type=arg_types.comma_list(arg_types.positive_int, "--cache-slots"), metavar="LIST",
                       help="comma-separated cache sizes in slots (shared by all MoE layers; of each device)")
     size.add_argument("--cache-fraction", type=arg_types.comma_list(arg_types.fraction, "--cache-fraction"), metavar="LIST",
-                      help=f"comma-separated cache sizes as fractions of the L*E experts (default {DEFAULT_FRACTIONS})")
+                      help=f"comma-separated cache sizes as fractions of the L*E experts (with --devices N: of the "
+                           f"L*E/N each device owns; default {DEFAULT_FRACTIONS})")
     add_model_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", metavar="FILE.png", help="also plot ms per token against the cache size (matplotlib: "
@@ -146,8 +147,9 @@ DEFAULT_POLICIES = "fetch-all,host-all,qstar,fixed-cap:1,auto"
 DEFAULT_FRACTIONS = "0.1,0.25,0.5"
 
 
-def slot_counts(args, trace: Trace) -> list[int]:
-    """Cache sizes in slots from --cache-slots or --cache-fraction (round(f * L*E), at least 1). Raises ValueError."""
+def slot_counts(args, trace: Trace, devices: int = 1) -> list[int]:
+    """Cache sizes in slots (of each of ``devices`` devices) from --cache-slots or --cache-fraction (round(f * L*E /
+    devices): of the experts a device owns, as generate --devices reads it; at least 1). Raises ValueError."""
     total = trace.num_layers * trace.num_experts
     if args.cache_slots is not None:
         bad = [s for s in args.cache_slots if not 1 <= s <= total]
@@ -158,7 +160,7 @@ def slot_counts(args, trace: Trace) -> list[int]:
     bad = [f for f in fractions if not 0 < f <= 1]
     if bad:
         raise ValueError(f"--cache-fraction must be in (0, 1], got {bad}")
-    return [max(1, round(f * total)) for f in fractions]
+    return [max(1, round(f * total / devices)) for f in fractions]
 
 
 
@@ -184,7 +186,8 @@ def run_trace(args) -> int:
             results += evaluate(trace, args.policy, sizes, model, carry_cache=args.carry_cache, batch=args.batch,
                                 progress=progress)
         else:
-            results += evaluate_devices(trace, args.policy, sizes, model, n, host_sockets=min(args.host_sockets, n),
+            results += evaluate_devices(trace, args.policy, slot_counts(args, trace, n), model, n,
+                                        host_sockets=min(args.host_sockets, n),
                                         allreduce_ms=args.allreduce_ms, carry_cache=args.carry_cache,
                                         batch=args.batch, progress=progress)
     if not args.json and sys.stderr.isatty():

@@ -89,7 +89,8 @@ def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: 
         model: the CostModel of every device (its link's BP / BPc; BH / BHc of its socket). devices: N.
         host_sockets, allreduce_ms: module docstring. carry_cache, batch: as replay. progress: (done, total) or None.
     Returns:
-        dicts with evaluate's keys (cache_slots per device, as capped; cache_fraction = cache_slots / (L*E),
+        dicts with evaluate's keys (cache_slots per device, as capped; cache_fraction = cache_slots / (L*E/N), of
+        the experts a device owns,
         hit_rate and the per-token figures summed over the devices, ms_per_token by token_ms) plus devices,
         host_sockets, allreduce_ms and per_device (hit_rate, fetched_per_token, host_per_token of each device).
     Raises:
@@ -114,7 +115,7 @@ def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: 
                            "host_per_token": float(d[..., 4].sum(axis=1).mean()) / rows} for d in s]
             per_token = s.sum(axis=(0, 2)) / rows  # f64[T, 5]
             out.append({"policy": str(policy), "bound": str(bound[0]), "cache_slots": slots,
-                        "cache_fraction": slots / (L * E), "devices": devices, "host_sockets": host_sockets,
+                        "cache_fraction": slots / own, "devices": devices, "host_sockets": host_sockets,
                         "allreduce_ms": allreduce_ms,
                         "hit_rate": float(hits / active) if active else 0.0,
                         "active_per_token": float(per_token[:, 0].mean()),
