@@ -360,7 +360,7 @@ def test_stop_escapes_follow_llama_cpp(capsys):
     from ft_jax.cli.usage import process_escapes
 
     cases = {r"\n\n": "\n\n", r"a\tb\r": "a\tb\r", r"\\n": "\\n", r"\'\"": "'\"", r"\x41\\": "A\\",
-             "plain": "plain"}
+             "plain": "plain", r"caf\xc3\xa9 é": "café é"}  # \xHH is a byte, as in llama.cpp: \xc3\xa9 is é
     assert {k: process_escapes(k) for k in cases} == cases
     args = cli.build_parser().parse_args(["generate", "--stop", r"\n\n", "--stop", "x"])
     assert args.stop == ["\n\n", "x"]
@@ -369,7 +369,8 @@ def test_stop_escapes_follow_llama_cpp(capsys):
                           (r"a\x4", r"malformed escape \x4: \xHH takes two hex digits"),
                           (r"\xg1", r"malformed escape \xg1: \xHH takes two hex digits"),
                           (r"\q", r"unknown escape \q"), (r"ab\n\d", r"unknown escape \d"),
-                          ("end\\", "a backslash at the end escapes nothing")):
+                          ("end\\", "a backslash at the end escapes nothing"),
+                          (r"\xe9", r"the \xHH bytes are not UTF-8 (byte 0: 0xe9)")):
         with pytest.raises(SystemExit) as exit_info:
             cli.build_parser().parse_args(["generate", "--stop", "x", "--stop", text])
         assert exit_info.value.code == 2

@@ -54,30 +54,34 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def process_escapes(text: str) -> str:
     r"""Backslash escapes as llama.cpp's command line processes them (common.cpp, string_process_escapes): \n, \r,
-    \t, \', \", \\ and \xHH (two hex digits: the character U+00HH). E.g. the two characters `\n` typed in a shell
-    become a newline. Where llama.cpp keeps any other backslash as it is (a typo then never matches), this raises
-    ValueError naming the escape: an unknown one (\q), \x without two hex digits, a backslash at the end."""
-    out, i = [], 0
+    \t, \', \", \\ and \xHH (two hex digits: the byte 0xHH, so \xc3\xa9 is the UTF-8 of é). E.g. the two characters
+    `\n` typed in a shell become a newline. Where llama.cpp keeps any other backslash as it is (a typo then never
+    matches), this raises ValueError naming the escape: an unknown one (\q), \x without two hex digits, a backslash at
+    the end, \x bytes that are not UTF-8."""
+    out, i = bytearray(), 0
     while i < len(text):
         c = text[i]
         if c != "\\":
-            out.append(c)
+            out += c.encode("utf-8", "surrogatepass")
             i += 1
             continue
         if i + 1 == len(text):
             raise ValueError("a backslash at the end escapes nothing")
         nxt, hexits = text[i + 1], text[i + 2:i + 4]
         if nxt in _ESCAPES:
-            out.append(_ESCAPES[nxt])
+            out += _ESCAPES[nxt].encode()
             i += 2
         elif nxt == "x" and len(hexits) == 2 and set(hexits) <= _HEX:
-            out.append(chr(int(hexits, 16)))
+            out.append(int(hexits, 16))
             i += 4
         elif nxt == "x":
             raise ValueError(f"malformed escape \\x{hexits}: \\xHH takes two hex digits")
         else:
             raise ValueError(f"unknown escape \\{nxt}")
-    return "".join(out)
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the \\xHH bytes are not UTF-8 (byte {e.start}: {out[e.start]:#04x})") from None
 
 
 def escaped_text(text: str) -> str:
