@@ -31,7 +31,7 @@ def observed_figures(text: str) -> dict:
         except ValueError:
             key = value = None
         if not (at and eq and key and key[0] and key[1] >= 1 and value is not None and value > 0):
-            raise argparse.ArgumentTypeError(f"--observed: expected POLICY@SLOTS=MS (e.g. qstar@64=12.5), got {item!r}")
+            raise argparse.ArgumentTypeError(f"expected POLICY@SLOTS=MS (e.g. qstar@64=12.5), got {item!r}")
         out[key] = value
     return out
 
