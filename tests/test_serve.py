@@ -678,6 +678,16 @@ def test_metrics_and_the_expert_cache_view(server):
     assert totals["active"] == sum(l["active"] for l in cache["layers"]) > 0
     assert values["ft_jax_expert_cache_hits_total"] == pytest.approx(totals["hits"], rel=0.5)
     assert totals["fill_bytes"] == totals["fetched"] * cache["expert_bytes"]
+    # A batcher thread busy for longer (compiling a new bucket, here a sleep) does not hold a scrape past Prometheus'
+    # timeout: /metrics answers with the expert counters last read (those of /cache above: nothing ran since).
+    busy = threading.Thread(target=server.batcher.call, args=(lambda: time.sleep(4), 10))
+    busy.start()
+    time.sleep(0.2)
+    t0 = time.perf_counter()
+    text = httpx.get(server.url + "/metrics", headers=server.headers).text
+    waited = time.perf_counter() - t0
+    busy.join()
+    assert waited < 3 and f"ft_jax_expert_cache_active_total {float(totals['active'])}" in text, (waited, text)
 
 
 def _rss_bytes() -> int:

@@ -30,6 +30,7 @@ from ft_jax.serve.metrics import Metrics, cache_view
 from ft_jax.serve.protocol import Answer, RequestError, error_body, parse_request
 
 VIEW_TIMEOUT_S = 30.0  # a JSON view waits this long for the batcher thread (busy compiling: 503)
+METRICS_VIEW_TIMEOUT_S = 1.0  # /metrics waits this long, then reports the last view read
 
 
 class ServerState:
@@ -46,6 +47,7 @@ class ServerState:
         self.status, self.detail = "loading", ""
         self.model_name, self.api_key, self.ctx_size = model_name, api_key, ctx_size
         self.model = self.batcher = self.template = None
+        self._last_view: dict | None = None  # the expert cache view last read (a busy batcher's /metrics)
         self.created = int(time.time())
         self.metrics = Metrics(self._cache_view_for_metrics, lambda: self.batcher.queue_depth() if self.batcher else 0,
                                lambda: self.batcher.busy_rows() if self.batcher else 0, max_batch)
@@ -54,18 +56,21 @@ class ServerState:
         self.model, self.batcher, self.template = model, batcher, template
         self.status = "ready"
 
-    def cache_view(self) -> dict:
+    def cache_view(self, timeout: float = VIEW_TIMEOUT_S) -> dict:
         """The expert cache view (metrics.cache_view), read on the batcher thread. Raises TimeoutError."""
         batch = self.batcher.batch
-        return self.batcher.call(lambda: cache_view(batch.engine, *batch.read_cache_stats()), VIEW_TIMEOUT_S)
+        self._last_view = self.batcher.call(lambda: cache_view(batch.engine, *batch.read_cache_stats()), timeout)
+        return self._last_view
 
     def _cache_view_for_metrics(self) -> dict | None:
+        """The view for a /metrics scrape: the last one read when the batcher thread is busy (compiling) for longer
+        than METRICS_VIEW_TIMEOUT_S, so a scrape answers within Prometheus' timeout (10 s by default)."""
         if self.status != "ready":
             return None
         try:
-            return self.cache_view()
+            return self.cache_view(METRICS_VIEW_TIMEOUT_S)
         except TimeoutError:
-            return None
+            return self._last_view
 
 
 def _error(status: int, message: str, type: str, state: ServerState, headers: dict | None = None,
