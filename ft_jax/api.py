@@ -380,7 +380,7 @@ class StopWatch:
     ``eos`` (the ids that end the row) adds no text: the end-of-sequence token's text (``</s>``, ``<|im_end|>``) is
     not part of the answer, as with transformers' ``skip_special_tokens`` and the OpenAI API."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], eos: frozenset[int] = frozenset()):
+    def __init__(self, tokenizer, stop: tuple[str, ...], eos: frozenset[int]):
         self.decoder = tokenizer.stream_decoder()
         self.stop, self.eos = stop, eos
         self.text = ""  # all completed text so far

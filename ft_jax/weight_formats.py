@@ -259,7 +259,7 @@ def storage_format(fmt: WeightFormat, *row_counts: int) -> WeightFormat:
     return fmt
 
 
-def in_storage_format(t: "QuantizedTensor", empty=np.empty) -> "QuantizedTensor":
+def in_storage_format(t: "QuantizedTensor", empty) -> "QuantizedTensor":
     """A q4_0 QuantizedTensor (numpy; data [..., rows, cols / 2]) in storage_format: interleaved into new arrays made
     by ``empty(shape, dtype)`` (e.g. host_bank.huge_page_buffer, which the CPU backend then uses in place; Q4_0_X16,
     every matrix of the stack interleaved), or ``t`` itself. t's arrays are never written: they may be shared (a tied

@@ -7,19 +7,18 @@ the server's context, the one place every generation request is checked; its mes
 re-phrased here with the request's field quoted ('temperature' must be ...). Two checks are made here first, for
 messages that name what make_request cannot: a prompt's token id outside the vocabulary (its position in the array)
 and a non-finite number (Python's json reads NaN, Infinity and 1e999; shown as JSON spells them).
-Supported: prompt (a text, a list of one text, token ids or a list of one id list) / messages (roles system,
-developer (rendered as system), user, assistant; content a text or a list of {"type": "text", "text"} parts),
-max_tokens (chat also max_completion_tokens), temperature, top_p, top_k and ignore_eos (extensions, as llama-server and vLLM have them),
-seed, stop (a text or a list of texts), stream, stream_options.include_usage, n = 1. Fields that would change the
-output in a way this server does not do (n > 1, logprobs, echo, best_of, suffix, penalties, logit_bias, tools, a
-response format other than text, audio, ...) are refused with 400 when given a value other than their default; fields
-that change nothing here (user, metadata, store, service_tier, parallel_tool_calls, ...) are accepted and unused. A
-field that is in neither the endpoint's OpenAI request body nor the extensions is refused with 400 as OpenAI refuses it
-("Unrecognized request argument supplied: max_token (did you mean 'max_tokens'?)"), so a misspelt field never falls
-back to its default unnoticed; so is a text (prompt, message content, stop) with an unpaired UTF-16 surrogate, which
-JSON's \\uXXXX escapes can spell but no tokenizer can encode.
-Reference: the OpenAI API reference for the legacy completions and the chat completions endpoints.
-"""
+Supported: prompt (a text, a list of one text, token ids or a list of one id list) / messages (roles system, developer
+(rendered as system), user, assistant; content a text or a list of {"type": "text", "text"} parts), max_tokens (chat
+also max_completion_tokens), temperature, top_p, top_k and ignore_eos (extensions, as llama-server and vLLM have them),
+seed, stop (a text or a list of texts), stream, stream_options.include_usage, n = 1. Fields that would change the output
+in a way this server does not do (n > 1, logprobs, echo, best_of, suffix, penalties, logit_bias, tools, a response
+format other than text, audio, ...) are refused with 400 when given a value other than their default; fields that change
+nothing here (user, metadata, store, service_tier, parallel_tool_calls, ...) are accepted and unused. A field that is in
+neither the endpoint's OpenAI request body nor the extensions is refused with 400 as OpenAI refuses it ("Unrecognized
+request argument supplied: max_token (did you mean 'max_tokens'?)"), so a misspelt field never falls back to its default
+unnoticed; so is a text (prompt, message content, stop) with an unpaired UTF-16 surrogate, which JSON's \\uXXXX escapes
+can spell but no tokenizer can encode. Reference: the OpenAI API reference for the legacy completions and the chat
+completions endpoints. """
 
 from __future__ import annotations
 
