@@ -14,7 +14,11 @@ while XLA threads still run and the process dies with SIGSEGV (see docs/DESIGN.m
 Writes that must not be cut in half (JAX's persistent-cache entries, which it writes in place; the bandwidth
 profile store) run inside ``deferred_exit()``: the watcher waits for them to finish before exiting.
 
-Only the command line installs this (``install``): a library must not take over a program's signals.
+SIGBUS (a mapped checkpoint that shrank under the running model) gets one line too (``report_bus_errors``), written
+by a C-level handler before the process ends by the signal.
+
+Only the command line installs these (``install``, ``report_bus_errors``): a library must not take over a program's
+signals.
 """
 
 from __future__ import annotations
@@ -127,6 +131,18 @@ def protect_compile_cache_writes() -> None:
 
     guarded._ft_jax_deferred = True
     compilation_cache.put_executable_and_time = guarded
+
+
+def report_bus_errors() -> None:
+    """Make SIGBUS write one line before the process ends by it: a checkpoint file that shrank or was replaced while
+    the model maps its pages (generate's default --bank-memory map) faults in a kernel thread, where no Python handler
+    runs, so the line is written by a C-level handler (``_ffi.install_bus_error_message``). After set_label."""
+    from ft_jax import _ffi
+
+    _ffi.install_bus_error_message(
+        f"\n{_state['label']}: bus error: a memory-mapped file (most likely the checkpoint, whose pages the expert "
+        "banks map) shrank or was replaced while in use; leave the files alone while a model runs, or load with "
+        "--bank-memory copy to keep no mapping\n")
 
 
 def install_for_command_line() -> None:

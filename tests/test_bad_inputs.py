@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -278,6 +279,29 @@ def test_stop_escapes_are_processed_like_llama_cpp():
     out = json.loads(proc.stdout)
     assert out["settings"]["stop"] == ["\n"] and out["finish_reasons"] == ["stop"]
     assert "\n" not in out["text"][0] and len(out["generated_ids"][0]) < 60
+
+
+def test_a_mapped_file_truncated_under_the_process_is_named_on_the_bus_error(tmp_path):
+    """The command line's SIGBUS line (interrupts.report_bus_errors): a read of a mapped page past the file's new end
+    (as the expert banks map the checkpoint) writes one line naming the likely cause, then the process ends by the
+    signal as before."""
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\1" * (1 << 16))
+    code = f"""
+import mmap, numpy as np
+from ft_jax import interrupts
+interrupts.set_label("ft-jax generate")
+interrupts.report_bus_errors()
+with open({str(path)!r}, "r+b") as f:
+    view = np.frombuffer(mmap.mmap(f.fileno(), 1 << 16, prot=mmap.PROT_READ), np.uint8)
+    f.truncate(0)
+print(int(view.sum()))  # numpy's C loop touches the pages that are gone
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == -signal.SIGBUS and proc.stdout == "", (proc.returncode, proc.stderr)
+    assert proc.stderr == ("\nft-jax generate: bus error: a memory-mapped file (most likely the checkpoint, whose pages "
+                           "the expert banks map) shrank or was replaced while in use; leave the files alone while a "
+                           "model runs, or load with --bank-memory copy to keep no mapping\n")
 
 
 def test_a_closed_stdout_pipe_ends_quietly():

@@ -6,7 +6,12 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -27,6 +32,17 @@
 namespace nb = nanobind;
 
 namespace {
+
+// install_bus_error_message: the line SIGBUS writes (a signal handler may only call async-signal-safe functions).
+char bus_message[512];
+size_t bus_message_len = 0;
+
+void OnBusError(int) {
+  // write() is async-signal-safe; SA_RESETHAND restored the default action, so the faulting access, run again on
+  // return, ends the process by the signal (status 128 + SIGBUS) as before.
+  ssize_t written = write(2, bus_message, bus_message_len);
+  (void)written;
+}
 
 std::shared_ptr<ft_jax::Bank> LiveBank(int64_t id) {
   auto bank = ft_jax::FindBank(id);
@@ -305,4 +321,19 @@ NB_MODULE(_ffi, m) {
       "mask (the Inf / NaN elements for mask = the exponent field), or -1; threads <= 0: the kernels' loop threads. "
       "Releases the GIL. ValueError for another elem_bytes.");
   m.def("kernel_isa", &ft_jax::KernelIsa, "'avx512bf16', 'avx2' or 'generic': the inner loops the kernels use.");
+  m.def(
+      "install_bus_error_message",
+      [](const std::string& message) {
+        bus_message_len = std::min(message.size(), sizeof(bus_message));
+        std::memcpy(bus_message, message.data(), bus_message_len);
+        struct sigaction action {};
+        action.sa_handler = OnBusError;
+        action.sa_flags = SA_RESETHAND;
+        sigemptyset(&action.sa_mask);
+        if (sigaction(SIGBUS, &action, nullptr) != 0) throw std::runtime_error("sigaction(SIGBUS) failed");
+      },
+      nb::arg("message"),
+      "On SIGBUS (an access to a mapped file's page past its end: the file shrank under the mapping) write message "
+      "(UTF-8, up to 512 bytes) to stderr, then end by the signal as without it. For the command line only: a "
+      "library must not take over a program's signals.");
 }

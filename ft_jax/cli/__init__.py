@@ -75,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # Problems with what the user gave; config.ConfigError is a ValueError, TokenizerNotFoundError an OSError.
     interrupts.set_label(f"ft-jax {args.command}")  # the Ctrl-C line (ft_jax/interrupts.py)
+    interrupts.report_bus_errors()  # a checkpoint truncated under the mapped banks: one line, not a bare bus error
     user_errors: tuple[type[BaseException], ...] = (UsageError, NotImplementedError, ValueError, OSError,
                                                      MemoryError)  # ft_jax.memory.InsufficientMemoryError
     if args.command in ("generate", "serve", "profile"):  # profile --model reads the model's expert banks
