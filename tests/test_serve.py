@@ -690,6 +690,14 @@ def test_metrics_and_the_expert_cache_view(server):
     assert waited < 3 and f"ft_jax_expert_cache_active_total {float(totals['active'])}" in text, (waited, text)
 
 
+def test_the_warm_up_is_not_counted_in_the_expert_cache():
+    model = ft_jax.load(policy="fetch-all", cache=0.5)
+    batcher = Batcher(model, max_batch=2, ctx_size=64, max_queue=1)
+    batcher.warm_up()  # a decode compile and a one-token prefill, whose routes reach the counters
+    stats, _ = batcher.batch.read_cache_stats()
+    assert not stats.any(), stats
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))

@@ -25,6 +25,7 @@ query sees the cache indices up to its position, and every index is written befo
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ft_jax.engine import stats as stats_lib
@@ -237,6 +238,13 @@ class DecodeBatch:
             stats = engine.decode_backend.read_stats(engine.expert_state)
             slot_of_expert = np.asarray(engine.expert_state.cache.slot_of_expert)  # i32[L_moe, E]
         return stats, (slot_of_expert >= 0).sum(axis=1)
+
+    def zero_cache_stats(self) -> None:
+        """Zero the expert cache's counters (read_cache_stats), e.g. after a warm-up whose routes are no request's."""
+        engine = self.engine
+        with engine._lock:
+            state = engine.expert_state
+            engine.expert_state = state._replace(cache=state.cache._replace(stats=jnp.zeros_like(state.cache.stats)))
 
     def reset(self) -> None:
         """After a failed step: a fresh KV cache (every row free) and, if the donated expert state is gone, a cold

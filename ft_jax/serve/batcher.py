@@ -155,6 +155,7 @@ class Batcher:
         while not job.done:
             job.run_chunk()
         self.batch.release(0)
+        self.batch.zero_cache_stats()  # /metrics and /cache count requests' routes, not the warm-up's
 
     def start(self) -> None:
         self._thread.start()
