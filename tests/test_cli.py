@@ -354,6 +354,15 @@ def test_statistics_table_counts_and_labels(capsys):
     assert rows(stats_table({**stats, "policy": "qstar:0.4"}))["policy"] == "qstar:0.4"
 
 
+@pytest.mark.parametrize("command", [["generate"], ["serve"], ["profile"], ["trace", "t.jsonl"], ["plan", "t.jsonl"]])
+def test_an_empty_model_folder_is_refused_not_the_bundled_model(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args([*command, "--model", ""])
+    assert exit_info.value.code == 2
+    assert "argument --model: the model folder is empty: give a path, or leave --model out for the bundled model" \
+        in capsys.readouterr().err
+
+
 def test_stop_escapes_follow_llama_cpp(capsys):
     """--stop processes escapes as llama.cpp's string_process_escapes: \\n \\r \\t \\' \\" \\\\ \\xHH; any other
     backslash (which llama.cpp keeps) is refused, naming the stop string and the escape."""

@@ -60,6 +60,14 @@ def positive(text: str) -> float:
     return value
 
 
+def model_folder(text: str) -> str:
+    """--model: a non-empty path (an empty one would fall back to the bundled model without a word)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the model folder is empty: give a path, or leave --model out for the "
+                                         "bundled model")
+    return text
+
+
 def bandwidth_gbps(text: str) -> float:
     """A bandwidth in GB/s within cost_model.BANDWIDTH_RANGE_GBPS (1 kB/s to 1 PB/s)."""
     from ft_jax.offload.cost_model import BANDWIDTH_RANGE_GBPS

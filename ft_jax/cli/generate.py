@@ -47,7 +47,8 @@ def add_arguments(sub) -> None:
                          epilog=EXAMPLES.format(architectures=", ".join(SUPPORTED_ARCHITECTURES)),
                          description="Generate text from a Hugging Face MoE checkpoint folder (config.json + "
                          "safetensors) or the bundled model, streaming tokens, then print offload statistics.")
-    gen.add_argument("--model", metavar="PATH", help="Hugging Face model folder (default: the bundled model)")
+    gen.add_argument("--model", type=arg_types.model_folder, metavar="PATH",
+                     help="Hugging Face model folder (default: the bundled model)")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", metavar="TEXT",
                      help="prompt text; repeat for several prompts decoded together as one batch "

@@ -36,8 +36,8 @@ def add_arguments(sub) -> None:
         formatter_class=HelpFormatter,
         description="Measure BP (slot fill), BH (host expert GEMV) and the pair while both run, with the production "
         "FFI handlers at a model's expert size; print the q* fetch fraction and store the profile for generate.")
-    prof.add_argument("--model", metavar="PATH", help="model folder whose config.json gives H, I and the dtype "
-                                                      "(default: the bundled model)")
+    prof.add_argument("--model", type=arg_types.model_folder, metavar="PATH",
+                      help="model folder whose config.json gives H, I and the dtype (default: the bundled model)")
     prof.add_argument("--hidden-size", type=arg_types.positive_int, metavar="H",
                       help="expert hidden size (instead of --model)")
     prof.add_argument("--intermediate-size", type=arg_types.positive_int, metavar="I",

@@ -46,7 +46,8 @@ def add_arguments(sub) -> None:
                        formatter_class=HelpFormatter, epilog=EXAMPLES,
                        description="Serve a Hugging Face MoE checkpoint folder (or the bundled model) over the OpenAI "
                        "completions and chat completions API, decoding up to --max-batch requests together.")
-    p.add_argument("--model", metavar="PATH", help="Hugging Face model folder (default: the bundled model)")
+    p.add_argument("--model", type=arg_types.model_folder, metavar="PATH",
+                   help="Hugging Face model folder (default: the bundled model)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=arg_types.port, default=8000, help="TCP port (default 8000)")

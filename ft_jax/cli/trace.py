@@ -47,8 +47,9 @@ N devices (--devices, expert parallelism): each device owns E/N experts of every
 
 def add_model_arguments(p) -> None:
     """--model / --expert-bytes / --num-layers / --num-experts / --dtype and the cost-model flags (trace and plan)."""
-    p.add_argument("--model", metavar="DIR", help="Hugging Face model folder: expert bytes, MoE layers and experts "
-                                                  "from its config.json (instead of the three flags below)")
+    p.add_argument("--model", type=arg_types.model_folder, metavar="DIR",
+                   help="Hugging Face model folder: expert bytes, MoE layers and experts from its config.json "
+                        "(instead of the three flags below)")
     p.add_argument("--expert-bytes", type=arg_types.positive_int, metavar="B",
                    help="S_e, bytes of one expert (gate + up + down), e.g. 352321536 for Mixtral-8x7B in bf16")
     p.add_argument("--num-layers", type=arg_types.positive_int, metavar="L", help="MoE layers (default: from the trace)")
