@@ -20,12 +20,15 @@ This module imports only the standard library at import time (it runs before jax
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import sys
+import threading
 import time
 
 DEFAULT_INIT_TIMEOUT_S = 120
+INIT_ABORT_MARGIN_S = 10  # XLA's own initialization timeout is this much past --init-timeout: the watchdog's goes first
 
 
 def add_arguments(parser) -> None:
@@ -134,6 +137,8 @@ def setup(devices: int | None = None, coordinator: str | None = None, num_proces
         ValueError: a combination of flags that cannot work (check_flags).
         ConnectionError: the coordinator cannot be reached within timeout_s, or process 0 cannot listen on its port
             (naming the address).
+    When not every process joins within timeout_s, the process writes one line and exits with status 2 (a watchdog
+    thread: XLA's coordination client would abort it).
     """
     problem = check_flags(devices, coordinator, num_processes, process_id)
     if problem:
@@ -152,7 +157,25 @@ def setup(devices: int | None = None, coordinator: str | None = None, num_proces
     print(f"ft-jax: process {process_id} of {num_processes}: coordinator {coordinator}, waiting up to "
           f"{timeout_s:g} s for every process", file=sys.stderr, flush=True)
     _c_stdout_to_stderr()
-    jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=int(timeout_s))
+    # When the others never join, XLA's coordination client aborts the process at its timeout (SIGABRT and a C++
+    # fatal log); a watchdog ends it first, with one line and status 2, the same way as the unreachable coordinator.
+    joined = threading.Event()
+
+    def not_joined() -> None:
+        if not joined.is_set():
+            os.write(2, (f"ft-jax generate: error: process {process_id} of {num_processes}: not every process joined "
+                         f"the coordinator {coordinator} within {timeout_s:g} s (--init-timeout): start the others "
+                         f"with the same --coordinator and --num-processes, each with its own --process-id in "
+                         f"[0, {num_processes})\n").encode())
+            os._exit(2)
+
+    watchdog = threading.Timer(timeout_s, not_joined)
+    watchdog.daemon = True
+    watchdog.start()
+    jax.distributed.initialize(coordinator, num_processes, process_id,
+                               initialization_timeout=int(math.ceil(timeout_s)) + INIT_ABORT_MARGIN_S)
+    joined.set()
+    watchdog.cancel()
 
 
 def _c_stdout_to_stderr() -> None:

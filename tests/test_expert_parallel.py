@@ -155,6 +155,21 @@ def test_two_processes_decode_the_one_device_tokens_with_half_the_banks_each(tmp
     assert sorted(o["settings"]["process_id"] for o in objs) == [0, 1]
 
 
+def test_a_process_whose_peers_never_join_exits_with_one_line():
+    """Process 0 of 2 alone: after --init-timeout a clean error and status 2 (XLA's coordination client would abort
+    the process with SIGABRT and a C++ fatal log at its own timeout)."""
+    address = f"localhost:{_free_port()}"
+    proc = subprocess.run([sys.executable, "-m", "ft_jax", "generate", "--prompt", "R", "--max-new-tokens", "2",
+                           "--coordinator", address, "--num-processes", "2", "--process-id", "0", "--init-timeout",
+                           "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == (
+        f"ft-jax generate: error: process 0 of 2: not every process joined the coordinator {address} within 2 s "
+        "(--init-timeout): start the others with the same --coordinator and --num-processes, each with its own "
+        "--process-id in [0, 2)")
+    assert "Check failure" not in proc.stderr and proc.stdout == ""
+
+
 # --- in-process: the loader's share, errors, the N-device model ------------------------------------------------------
 
 
