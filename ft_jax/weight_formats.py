@@ -254,7 +254,7 @@ def storage_format(fmt: WeightFormat, *row_counts: int) -> WeightFormat:
     row kernels read directly; so does a process with the CUDA forms on (ft_jax.CUDA_ENABLED: its slots are read by
     the Pallas kernels)."""
     if (fmt == Q4_0 and not ft_jax.CUDA_ENABLED and jax.default_backend() == "cpu"
-            and _ffi.kernel_isa() == "avx512bf16" and all(r % 16 == 0 for r in row_counts)):
+            and _ffi.kernel_isa() == "avx512bf16" and all(r % Q4_0_X16.interleave == 0 for r in row_counts)):
         return Q4_0_X16
     return fmt
 
@@ -285,13 +285,13 @@ def deinterleave_rows(data: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray,
     row layout, as new arrays of the same shapes (numpy; the inverse of :func:`interleave_rows`). Raises ValueError
     for rows that are not a multiple of 16."""
     *lead, rows, half = data.shape
-    nb = scales.shape[-1]
-    if rows % 16 or half != 16 * nb:
+    nb, n = scales.shape[-1], Q4_0_X16.interleave
+    if rows % n or half != 16 * nb:
         raise ValueError(f"deinterleave_rows: q4_0x16 data {list(data.shape)} with scales {list(scales.shape)} needs a "
-                         "multiple of 16 rows and 32 elements per scale")
-    words = np.ascontiguousarray(data).view(np.uint32).reshape(*lead, rows // 16, nb, 4, 16)  # [.., G, b, c, i]
+                         f"multiple of {n} rows and 32 elements per scale")
+    words = np.ascontiguousarray(data).view(np.uint32).reshape(*lead, rows // n, nb, 4, n)  # [.., G, b, c, i]
     out = np.ascontiguousarray(np.moveaxis(words, -1, -3)).reshape(*lead, rows, 4 * nb)  # [.., G, i, b, c]: rows
-    s = np.ascontiguousarray(np.moveaxis(scales.reshape(*lead, rows // 16, nb, 16), -1, -2)).reshape(*lead, rows, nb)
+    s = np.ascontiguousarray(np.moveaxis(scales.reshape(*lead, rows // n, nb, n), -1, -2)).reshape(*lead, rows, nb)
     return out.view(np.uint8), s
 
 

@@ -1304,8 +1304,14 @@ float DotF32(Isa isa, const float* w, const float* x, int64_t len) {
 }  // namespace
 
 namespace {
-// Group g of a q4_0x16 matrix back in row layout: data [16, row_bytes], scales [16, scale_row_bytes] (layout:
-// quant_dot.h WeightSpec).
+// The q4_0x16 layout in one place (quant_dot.h WeightSpec): bytes 4c .. 4c + 3 of row i's block b (16 bytes per
+// block in row layout) are the 4-byte word i of chunk c of block b in its group's stream (256 bytes per block), and
+// row i's scale of block b is the group's scale b * 16 + i.
+constexpr size_t X16Word(int64_t b, int64_t c, int64_t i) { return static_cast<size_t>(256 * b + 64 * c + 4 * i); }
+constexpr size_t RowWord(int64_t b, int64_t c) { return static_cast<size_t>(16 * b + 4 * c); }
+constexpr size_t X16Scale(int64_t b, int64_t i) { return static_cast<size_t>(b * kQ4Interleave + i); }
+
+// Group g of a q4_0x16 matrix back in row layout: data [16, row_bytes], scales [16, scale_row_bytes].
 void DeinterleaveQ4Group(const MatrixView& w, int64_t g, uint8_t* data, uint8_t* scales) {
   const int64_t nb = w.cols / kQBlock, n = kQ4Interleave;
   const uint8_t* gd = w.data + static_cast<size_t>(g * n) * w.row_bytes;
@@ -1314,9 +1320,9 @@ void DeinterleaveQ4Group(const MatrixView& w, int64_t g, uint8_t* data, uint8_t*
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t b = 0; b < nb; ++b) {
       for (int64_t c = 0; c < 4; ++c) {
-        std::memcpy(data + i * w.row_bytes + 16 * b + 4 * c, gd + 256 * b + 64 * c + 4 * i, 4);
+        std::memcpy(data + i * w.row_bytes + RowWord(b, c), gd + X16Word(b, c, i), 4);
       }
-      s[i * nb + b] = gs[b * n + i];
+      s[i * nb + b] = gs[X16Scale(b, i)];
     }
   }
 }
@@ -1396,9 +1402,9 @@ void InterleaveQ4Rows(uint8_t* data, uint16_t* scales, int64_t rows, int64_t col
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t b = 0; b < nb; ++b) {
         for (int64_t c = 0; c < 4; ++c) {
-          std::memcpy(gd + 256 * b + 64 * c + 4 * i, tmp.data() + i * row_bytes + 16 * b + 4 * c, 4);
+          std::memcpy(gd + X16Word(b, c, i), tmp.data() + i * row_bytes + RowWord(b, c), 4);
         }
-        gs[b * n + i] = tmp_s[i * nb + b];
+        gs[X16Scale(b, i)] = tmp_s[i * nb + b];
       }
     }
   }
