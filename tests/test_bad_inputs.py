@@ -176,12 +176,16 @@ def test_config_not_utf8_names_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("field, value, named", [
-    ("num_local_experts", 10**12, "missing tensor 'model.layers.0.block_sparse_moe.experts.8.w1.weight'"),
-    ("intermediate_size", 10**15, "'model.layers.0.block_sparse_moe.experts.0.w1.weight'"),
+    ("num_local_experts", 10**9, "missing tensor 'model.layers.0.block_sparse_moe.experts.8.w1.weight'"),
+    ("intermediate_size", 10**9, "'model.layers.0.block_sparse_moe.experts.0.w1.weight'"),
+    # beyond int32 (ft_jax's ids, shapes and counters): the field itself, before anything is computed from it
+    ("num_local_experts", 10**30, "field 'num_local_experts' is 1000000000000000000000000000000, beyond 2^31 - 1"),
+    ("num_hidden_layers", 10**12, "field 'num_hidden_layers' is 1000000000000, beyond 2^31 - 1"),
+    ("vocab_size", 10**12, "field 'vocab_size' is 1000000000000, beyond 2^31 - 1"),
 ])
 def test_a_config_far_from_the_checkpoint_is_a_tensor_error_not_a_memory_error(tmp_path, field, value, named):
     """The expert tensors are checked against the config before the memory it implies (which would be refused as
-    InsufficientMemoryError with advice to quantize)."""
+    InsufficientMemoryError with advice to quantize); an integer beyond int32 is refused as a config field."""
     d = _model(tmp_path)
     _edit_config(d, **{field: value})
     line = _error_line("--model", d, *REQUEST)

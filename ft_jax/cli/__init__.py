@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except user_errors as e:
         if args.verbose:
             traceback.print_exc()
-        print(f"ft-jax {args.command}: error: {e}", file=sys.stderr)
+        print(f"ft-jax {args.command}: error: {str(e) or type(e).__name__}", file=sys.stderr)  # MemoryError() is empty
         return 2
     except KeyboardInterrupt:
         print(f"\nft-jax {args.command}: interrupted", file=sys.stderr)

@@ -14,6 +14,9 @@ from ft_jax.config.rope import read_rope
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
+INT32_MAX = 2**31 - 1  # the largest config integer: ft_jax's expert ids, shapes and counters are int32
+
+
 class Fields:
     """Typed access to the keys of ``raw`` (a config.json dict); ``source`` (its path) starts every message.
 
@@ -25,10 +28,14 @@ class Fields:
         self.raw, self.source = raw, source
 
     def typed(self, value, key: str, kind: type = int):
-        """``value`` checked to be of ``kind``. Raises ConfigError "field 'key' should be <kind>, got <value>"."""
+        """``value`` checked to be of ``kind`` (an int within +-INT32_MAX). Raises ConfigError "field 'key' should be
+        <kind>, got <value>" or naming the int beyond int32."""
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > INT32_MAX:
+                raise ConfigError(f"{self.source}: field {key!r} is {value}, beyond 2^31 - 1 (ft_jax's expert ids, "
+                                  "shapes and counters are int32)")
             return value
         if kind in (bool, list, str) and isinstance(value, kind):
             return value
