@@ -393,6 +393,13 @@ def test_malformed_requests_get_400_naming_the_field(server, body, param, messag
     ({"messages": [{"role": ["user"], "content": "hi"}]}, True, "messages[0].role",
      """'messages[0].role' must be one of system, developer, user, assistant, got an array: ["user"]"""),
     (["x"], False, None, """the request body must be a JSON object, got an array: ["x"]"""),
+    # fields accepted and unused must still have their OpenAI type
+    ({"prompt": "x", "user": 5}, False, "user", "'user' must be a string, got a number: 5"),
+    ({"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": 0}, True, "parallel_tool_calls",
+     "'parallel_tool_calls' must be true or false, got a number: 0"),
+    ({"messages": [{"role": "user", "content": "hi"}], "metadata": 5}, True, "metadata",
+     "'metadata' must be an object, got a number: 5"),
+    ({"prompt": "x", "n": 1.0}, False, "n", "'n' must be 1 (one choice per request), got 1.0"),
 ])
 def test_type_errors_use_json_type_names(body, chat, param, message):
     # Checked before the prompt is tokenized: no model or server needed.

@@ -56,6 +56,11 @@ CHAT_FIELDS = frozenset(_COMMON_FIELDS | {
     "parallel_tool_calls", "functions", "function_call", "metadata", "store", "service_tier", "safety_identifier",
     "prompt_cache_key", "modalities", "audio", "prediction", "reasoning_effort", "verbosity", "web_search_options"})
 STREAM_OPTIONS_FIELDS = frozenset({"include_usage", "include_obfuscation"})
+# The accepted fields that change nothing here, with the JSON type OpenAI's API gives them (a wrong one is refused).
+UNUSED_FIELD_TYPES = {"user": ((str,), "a string"), "metadata": ((dict,), "an object"),
+                      "store": ((bool,), "true or false"), "parallel_tool_calls": ((bool,), "true or false"),
+                      "service_tier": ((str,), "a string"), "safety_identifier": ((str,), "a string"),
+                      "prompt_cache_key": ((str,), "a string")}
 _SURROGATE = re.compile(r"[\ud800-\udfff]")  # an unpaired UTF-16 surrogate (a pair is one character)
 
 
@@ -259,8 +264,10 @@ def _unsupported(body: dict) -> None:
         raise RequestError("'response_format' other than {\"type\": \"text\"} is not supported, got "
                            f"{_shown(fmt) if isinstance(fmt, dict) else _got(fmt)}",
                            "response_format")
+    for name, (kinds, what) in UNUSED_FIELD_TYPES.items():  # accepted and unused, but of their OpenAI type
+        _field(body, name, kinds, what)
     n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
+    if n is not None and (type(n) is not int or n != 1):
         raise RequestError("'n' must be 1 (one choice per request), got "
                            f"{_shown(n) if _json_type(n) == 'a number' else _got(n)}", "n")
 
