@@ -32,6 +32,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -378,36 +379,46 @@ class SafetensorsCheckpoint:
         self._pread(name, info, out.reshape(-1).view(np.uint8))
         return out
 
-    def page_offset(self, regions: Iterable[tuple[str, int]]) -> int:
-        """The ``page_offset`` for a HostBank that read_into fills with these tensors as stored, so that it maps the
-        most of them from the file (no copy).
+    def page_offsets(self, regions: Iterable[tuple[int, str, int, int, int]], num_rows: int, row_bytes: int,
+                     per_row: bool = True) -> list[int]:
+        """The page offsets for a HostBank of ``num_rows`` rows of ``row_bytes`` that read_into fills with these
+        tensors as stored, so that it maps the most of them from the file (no copy), on 2 MiB page table entries
+        where the page cache holds 2 MiB folios.
 
         Args:
-            regions: (tensor name, byte offset in the bank where read_into puts it) pairs.
+            regions: (bank row, tensor name, byte offset in the tensor, byte offset in the row, bytes): the tensor's
+                bytes from that offset go to that place of the row (a fused [E, 2I, H] tensor gives one per row).
+            per_row: an offset for every row (the rows of one MoE layer follow each other as its tensors do in the
+                file; layers start where their tensors' offsets say), else one for the bank (rows at one stride).
         Returns:
-            an offset in [0, MAP_ALIGNMENT) (2 MiB), a multiple of 8: a tensor maps when its file offset minus its
-            bank offset is congruent with it modulo the page size (4096 bytes), so the page-size residue shared by
-            the most bytes is chosen and, among those, the 2 MiB residue shared by the most (huge page table entries
-            where the page cache holds 2 MiB folios). In a safetensors file every tensor whose predecessors' sizes
-            are page multiples shares one residue; tensors at offsets that are not multiples of 8 are left out. 0
-            without any region.
-            Always 0 when the checkpoint does not map pages (map_pages False: 2 MiB aligned banks).
+            [num_rows] (or [1]) offsets in [0, MAP_ALIGNMENT) (2 MiB), multiples of 8: a tensor maps when its file
+            offset minus its bank offset is congruent with the row's modulo the page size (4096 bytes), so the
+            page-size residue shared by the most bytes is chosen and, among those, the 2 MiB residue shared by the
+            most. Only tensors read_into maps count (from 1 MiB, at offsets that are multiples of 8, and only when
+            map_pages); a row without one follows the previous row (no gap), the first one at 0.
         Raises:
             CheckpointError: a missing tensor.
         """
-        by_page, by_huge = {}, {}  # bytes per residue modulo 4096 / modulo 2 MiB
-        for name, bank_offset in regions:
+        by_row = [{} for _ in range(num_rows if per_row else 1)]  # residue modulo 2 MiB of the row start -> bytes
+        for row, name, skip, within, nbytes in regions:
             info = self.tensors.get(name)
             if info is None:
                 raise CheckpointError(f"{self._directory_file}: missing tensor {name!r}")
-            if info.offset % 8 == 0 and self.map_pages:
-                residue = (info.offset - bank_offset) % MAP_ALIGNMENT
-                by_page[residue % mmap.PAGESIZE] = by_page.get(residue % mmap.PAGESIZE, 0) + info.nbytes
-                by_huge[residue] = by_huge.get(residue, 0) + info.nbytes
-        if not by_page:
-            return 0
-        page = max(by_page, key=by_page.get)
-        return max((r for r in by_huge if r % mmap.PAGESIZE == page), key=by_huge.get)
+            if self.map_pages and info.offset % 8 == 0 and info.nbytes >= _MAP_MIN_BYTES:
+                residue = (info.offset + skip - within - (0 if per_row else row * row_bytes)) % MAP_ALIGNMENT
+                votes = by_row[row if per_row else 0]
+                votes[residue] = votes.get(residue, 0) + nbytes
+        out: list[int] = []
+        for votes in by_row:
+            if not votes:
+                out.append((out[-1] + row_bytes) % MAP_ALIGNMENT if out else 0)
+                continue
+            by_page: dict[int, int] = {}
+            for residue, n in votes.items():
+                by_page[residue % mmap.PAGESIZE] = by_page.get(residue % mmap.PAGESIZE, 0) + n
+            page = max(by_page, key=by_page.get)
+            out.append(max((r for r in votes if r % mmap.PAGESIZE == page), key=votes.get))
+        return out
 
     def view(self, name: str, shape: tuple[int, ...] | None = None,
              dtypes: tuple[np.dtype, ...] = _FLOAT_NP) -> np.ndarray:
@@ -812,20 +823,29 @@ class _BankWriter:
     weight_formats.quantize (q8_0 / q4_0: one scale row per matrix row; Q4_0_X16: quantized as q4_0, then each
     written piece interleaved in place, its rows whole groups of 16)."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], fmt: wf.WeightFormat):
-        self.arrays, self.fmt = arrays, fmt
+    def __init__(self, banks: dict[str, HostBank], fmt: wf.WeightFormat):
+        self.banks, self.fmt = banks, fmt
         self.quantize_fmt = wf.row_layout(fmt)
+
+    def rows(self, bank: str, row: int, n: int) -> np.ndarray:
+        """Writable view [n, *row_shape] of rows row..row+n-1 of ``bank`` (rows the loader fills from one tensor:
+        at one stride, HostBank.rows)."""
+        return self.banks[bank].rows(row, row + n)
+
+    def row(self, bank: str, row: int) -> np.ndarray:
+        """Writable view [*row_shape] of one row of ``bank``."""
+        return self.banks[bank].rows(row, row + 1)[0]
 
     def put(self, bank: str, row: int, first: int, w: np.ndarray, what: str,
             where: Callable[[int, int], str] = _block_in_rows) -> None:
         """w float [n, cols] -> rows first..first+n-1 of bank row ``row`` (and its scale rows); ``what`` names the
         tensor in errors, ``where(row of w, block)`` a block's place in it (_quantize_into)."""
-        dst = self.arrays[bank]
+        dst = self.row(bank, row)
         if not self.fmt.quantized:
-            dst[row, first:first + w.shape[0]] = w.astype(dst.dtype, copy=False)
+            dst[first:first + w.shape[0]] = w.astype(dst.dtype, copy=False)
             return
         n = w.shape[0]
-        data, scales = dst[row, first:first + n], self.arrays[f"{bank}_scale"][row, first:first + n]
+        data, scales = dst[first:first + n], self.row(f"{bank}_scale", row)[first:first + n]
         _quantize_into(w, self.quantize_fmt, data, scales, what, where)
         if self.fmt.interleave > 1:  # load_expert_banks picks it only where every piece is whole groups
             wf.interleave_rows(data, scales)
@@ -839,9 +859,9 @@ def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name
     interleaved) (blocks and scales copied as stored, rows de-interleaved; never dequantized) |
     ("interleaved_rows",) (the gate_up bias)."""
     if part[0] == "interleaved_rows":
-        dst = out.arrays[bank]
+        dst = out.rows(bank, row, len(experts))
         rows = ckpt.read_rows(name, experts.start, experts.stop)  # [Ep, 2I]
-        dst[row:row + len(experts)] = np.stack([_deinterleave(b) for b in rows]).astype(dst.dtype)
+        dst[...] = np.stack([_deinterleave(b) for b in rows]).astype(dst.dtype)
         return
     for j, e in enumerate(experts):
         if part[0] == "mxfp4":
@@ -850,8 +870,8 @@ def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name
             data = blocks.reshape(blocks.shape[0], -1)  # u8[rows, cols / 2]: byte j = elements 2j, 2j + 1
             if part[-1]:
                 data, scales = _deinterleave(data), _deinterleave(scales)
-            out.arrays[bank][row + j] = data
-            out.arrays[f"{bank}_scale"][row + j] = scales
+            out.row(bank, row + j)[...] = data
+            out.row(f"{bank}_scale", row + j)[...] = scales
         else:
             w = ckpt.read_rows(name, e, e + 1)[0].T  # [in, out] -> [out, in]
             what = f"{ckpt.tensors[name].file}: tensor {name!r} (expert {e})"
@@ -887,41 +907,45 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
     rows = cfg.num_moe_layers * Ep
     fmt = wf.storage_format(fmt, H, I)
     row_specs = wf.expert_rows(fmt, H, I)
-    # Each bank's page_offset from the tensors read_into puts into it as stored, so that it maps them (no copy).
+    # Each bank row's page offset from the tensors read_into puts into it as stored, so that it maps them (no copy).
+    # Per row on the CPU backend; a GPU maps a bank for its slot fills only when the rows are at one stride.
     row_bytes = {k: math.prod(shape) * np.dtype(dtype).itemsize for k, (shape, dtype) in row_specs.items()}
-    regions = {k: [] for k in row_specs}  # bank -> [(tensor, byte offset in the bank)]
+    regions = {k: [] for k in row_specs}  # bank -> [(row, tensor, offset in it, offset in the row, bytes)]
     for bank, row, name, part in plan:
         if bank in row_specs and (not fmt.quantized and part[0] in ("fused", "rows") or part[0] == "fp8_rows"):
-            # a fused tensor's row experts.start lands at bank row `row`
-            within = part[1] * row_bytes[bank] // row_specs[bank][0][0] if part[0] != "fused" else \
-                -experts.start * row_bytes[bank]
-            regions[bank].append((name, row * row_bytes[bank] + within))
-    host = {name: HostBank(rows, shape, dtype, ckpt.page_offset(regions[name]))
+            rb = row_bytes[bank]
+            if part[0] == "fused":  # the tensor's rows `experts` land at bank rows row, row + 1, ...
+                regions[bank] += [(row + j, name, e * rb, 0, rb) for j, e in enumerate(experts)]
+            else:  # the tensor is the stored rows part[1]:part[2] of bank row `row`
+                per_stored_row = rb // row_specs[bank][0][0]
+                regions[bank].append((row, name, 0, part[1] * per_stored_row, (part[2] - part[1]) * per_stored_row))
+    per_row = jax.default_backend() == "cpu"
+    host = {name: HostBank(rows, shape, dtype, ckpt.page_offsets(regions[name], rows, row_bytes[name], per_row))
             for name, (shape, dtype) in row_specs.items()}
     if cfg.expert_bias:
         host.update(gate_up_bias=HostBank(rows, (2 * I,), bias_dtype), down_bias=HostBank(rows, (H,), bias_dtype))
     try:
-        out = _BankWriter({kind: bank.numpy() for kind, bank in host.items()}, fmt)
+        out = _BankWriter(host, fmt)
         for bank, row, name, part in plan:
             if cancel is not None and cancel.is_set():
                 raise LoadCancelled("load_expert_banks: cancelled")
-            arr = out.arrays[bank]
             if part[0] == "fused" and not (fmt.quantized and bank in ("gate_up", "down")):
-                ckpt.read_into(name, arr[row:row + Ep], rows=experts)
+                ckpt.read_into(name, out.rows(bank, row, Ep), rows=experts)
             elif part[0] == "fused":  # quantized while loading, one expert at a time
                 for j, e in enumerate(experts):
                     what = f"{ckpt.tensors[name].file}: tensor {name!r} (expert {e})"
                     out.put(bank, row + j, 0, ckpt.read_rows(name, e, e + 1)[0], what)
             elif part[0] == "rows" and not fmt.quantized:
-                ckpt.read_into(name, arr[row, part[1]:part[2]])
+                ckpt.read_into(name, out.row(bank, row)[part[1]:part[2]])
             elif part[0] == "rows":
                 what = f"{ckpt.tensors[name].file}: tensor {name!r}"
                 out.put(bank, row, part[1], ckpt.view(name), what)  # quantized: read once, never copied
             elif part[0] == "fp8_rows":  # the data mapped or read straight into the rows, NaN-checked as read
-                ckpt.read_into(name, arr[row, part[1]:part[2]], dtypes=_F8)
-                scales = _read_fp8_scales(ckpt, part[3], (part[2] - part[1], arr.shape[-1]), fmt)
-                _check_fp8_overflow(ckpt, part[3], arr[row, part[1]:part[2]].view(_F8[0]), scales, fmt)
-                out.arrays[f"{bank}_scale"][row, part[4]:part[4] + scales.shape[0]] = scales
+                data = out.row(bank, row)[part[1]:part[2]]
+                ckpt.read_into(name, data, dtypes=_F8)
+                scales = _read_fp8_scales(ckpt, part[3], (part[2] - part[1], data.shape[-1]), fmt)
+                _check_fp8_overflow(ckpt, part[3], data.view(_F8[0]), scales, fmt)
+                out.row(f"{bank}_scale", row)[part[4]:part[4] + scales.shape[0]] = scales
             else:
                 _read_gpt_oss_experts(ckpt, bank, row, name, part, out, experts)
         del out  # the writable views; views taken after freeze() are read-only

@@ -866,15 +866,25 @@ def test_bf16_expert_banks_map_the_file_and_hold_its_tensors(tmp_path, map_pages
             np.testing.assert_array_equal(ck.banks.gate_up.numpy()[m * E + e].view(np.int16),
                                           np.concatenate([w1, w3]))
             np.testing.assert_array_equal(ck.banks.down.numpy()[m * E + e].view(np.int16), w2)
-    # mapped: the bank memory is (mostly) the file's pages, not a copy; copied: none of it
-    for bank in (ck.banks.gate_up, ck.banks.down):
-        start = bank.numpy().ctypes.data
-        inside = sum(min(e, start + bank.nbytes) - max(s, start) for s, e in _mapped_ranges(path)
-                     if s < start + bank.nbytes and e > start)
+    # mapped: the bank memory is (mostly) the file's pages, not a copy, and every row lies at its tensor's file
+    # offset modulo 2 MiB (each layer's, though the norms and routers between layers shift them); copied: none of
+    # it, rows at one stride from a 2 MiB aligned start
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header, data_start = json.loads(f.read(n)), 8 + n
+    for bank, first in ((ck.banks.gate_up, "w1"), (ck.banks.down, "w2")):
+        starts = [bank.rows(r, r + 1).ctypes.data for r in range(bank.num_rows)]
+        inside = sum(min(e, a + bank.row_bytes) - max(s, a) for a in starts for s, e in _mapped_ranges(path)
+                     if s < a + bank.row_bytes and e > a)
         if map_pages:
             assert inside >= 0.9 * bank.nbytes, (inside, bank.nbytes)
+            file_offsets = [data_start + header[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{first}.weight"]
+                            ["data_offsets"][0] for layer in ck.config.moe_layers for e in range(E)]
+            assert [a % (2 << 20) for a in starts] == [o % (2 << 20) for o in file_offsets]
+            assert len({(o - r * bank.row_bytes) % (2 << 20) for r, o in enumerate(file_offsets)}) > 1
+            assert not bank.uniform  # so rows at one stride could not all have matched
         else:
-            assert inside == 0 and start % (2 << 20) == 0, (inside, start)
+            assert bank.uniform and inside == 0 and starts[0] % (2 << 20) == 0, (inside, starts[0])
     if not map_pages:  # nor do the dense weights (embedding, lm_head used as stored) keep the file mapped
         assert not _mapped_ranges(path)
     embed = ck.model.embed_tokens[...].unsafe_buffer_pointer()
@@ -956,19 +966,28 @@ def test_view_maps_the_tensor_read_only_and_checks_it(tmp_path):
         ckpt.view("t")
 
 
-def test_page_offset_maps_the_most_bytes(tmp_path):
-    """A 104-byte tensor shifts the later tensors by 104 bytes: the residue of the two 2 MiB ones wins."""
+def test_page_offsets_map_the_most_bytes_per_row(tmp_path):
+    """A 104-byte tensor shifts the later tensors by 104 bytes: in a row holding a (1 MiB) and b (2 MiB) the residue
+    of b wins; a row of its own follows its tensor; a row without a mapped tensor (none, or one under 1 MiB) follows
+    the previous row; with per_row False one offset wins for the bank."""
     save_file({"a": np.zeros(1 << 18, np.float32), "b": np.zeros(1 << 19, np.float32),
                "c": np.zeros(1 << 19, np.float32), "a0": np.zeros(26, np.float32)}, str(tmp_path / "model.safetensors"))
+    M, H2 = 1 << 20, 2 << 20
     with SafetensorsCheckpoint(tmp_path) as ckpt:  # file order: a, a0 (104 bytes), b, c
-        offsets = {n: ckpt.tensors[n].offset for n in ("a", "b", "c")}
-        assert (offsets["b"] - offsets["a"]) % 4096 == 104
-        regions = [("a", 0), ("b", 1 << 20), ("c", 3 << 20)]
-        assert ckpt.page_offset(regions) == (offsets["b"] - (1 << 20)) % (2 << 20)
-        assert ckpt.page_offset(regions[:1]) == offsets["a"] % (2 << 20)
-        assert ckpt.page_offset([]) == 0
+        off = {n: ckpt.tensors[n].offset for n in ("a", "b", "c")}
+        assert (off["b"] - off["a"]) % 4096 == 104
+        regions = [(0, "a", 0, 0, M), (0, "b", 0, M, 2 * M), (1, "c", 0, 0, 2 * M), (2, "a0", 0, 0, 104)]
+        row0, row1 = (off["b"] - M) % H2, off["c"] % H2
+        assert ckpt.page_offsets(regions, 3, 3 * M) == [row0, row1, (row1 + 3 * M) % H2]
+        # one offset: row 1 at 3 MiB from row 0, so c votes for (off_c - 3 MiB), which is b's: 4 MiB against a's 1
+        assert ckpt.page_offsets(regions, 3, 3 * M, per_row=False) == [row0]
+        assert ckpt.page_offsets(regions[:1], 2, 3 * M) == [off["a"] % H2, (off["a"] + 3 * M) % H2]
+        assert ckpt.page_offsets([(1, "b", M, 0, M)], 2, 3 * M) == [0, (off["b"] + M) % H2]  # b's second half
+        assert ckpt.page_offsets([], 3, 3 * M) == [0, M, 0]
         with pytest.raises(CheckpointError, match="missing tensor 'z'"):
-            ckpt.page_offset([("z", 0)])
+            ckpt.page_offsets([(0, "z", 0, 0, 4)], 1, 4)
+    with SafetensorsCheckpoint(tmp_path, map_pages=False) as ckpt:  # nothing is mapped: rows at one stride
+        assert ckpt.page_offsets(regions, 3, 3 * M) == [0, M, 0]
 
 
 def test_read_into_a_frozen_bank_view_is_refused_and_maps_nothing(tmp_path):
@@ -976,7 +995,7 @@ def test_read_into_a_frozen_bank_view_is_refused_and_maps_nothing(tmp_path):
     save_file({"t": t}, str(tmp_path / "model.safetensors"))
     path = str(tmp_path / "model.safetensors")
     with SafetensorsCheckpoint(tmp_path) as ckpt:
-        bank = HostBank(1, (512, 1024), np.float32, page_offset=ckpt.page_offset([("t", 0)]))
+        bank = HostBank(1, (512, 1024), np.float32, ckpt.page_offsets([(0, "t", 0, 0, 2 << 20)], 1, 2 << 20))
         bank.freeze()
         with pytest.raises(TypeError, match="read-write"):  # as any read-only destination
             ckpt.read_into("t", bank.numpy()[0])

@@ -1,6 +1,7 @@
 """FFI handlers through their JAX wrappers: slot_fill (bit-exact, in place, one compilation), host_experts,
 slot_experts and linear (float64 numpy reference), and bad inputs (clear Python errors, process keeps working)."""
 
+import math
 import os
 import re
 import subprocess
@@ -253,6 +254,38 @@ def test_host_and_slot_experts_match_float64_reference(T, k, wdtype):
     assert _rel_err(y_slots, expected) < tol
     gu_bank.release()
     dn_bank.release()
+
+
+def _rows_at_their_own_offsets(rows: np.ndarray, dtype) -> HostBank:
+    """A bank of ``rows`` [R, ...] whose rows 0-1 follow each other and every later row starts at its own residue
+    modulo 2 MiB (as the loader places a mapped checkpoint's layers): not uniform."""
+    rb = math.prod(rows.shape[1:]) * np.dtype(dtype).itemsize
+    offsets = [0, rb] + [4096 * (3 + 5 * r) + 64 * r for r in range(2, rows.shape[0])]
+    bank = HostBank(rows.shape[0], rows.shape[1:], dtype, page_offset=offsets)
+    assert not bank.uniform
+    for r, row in enumerate(rows):
+        bank.write_row(r, row)
+    return bank
+
+
+@pytest.mark.parametrize("wdtype", [np.dtype(np.float32), BF16], ids=["f32", "bf16"])
+def test_host_experts_and_slot_fill_read_rows_placed_at_their_own_offsets(wdtype):
+    """Banks whose rows are not at one stride (Bank::row_offsets) give host_experts and slot_fill the same bytes
+    as uniform banks of the same rows: the outputs are identical."""
+    rng = np.random.default_rng(7)
+    x, ids, weights, gate_up, down = _expert_case(rng, 5, 2, num_experts=6, hidden=46, inter=37)
+    uniform = [HostBank.from_numpy(gate_up, dtype=wdtype), HostBank.from_numpy(down, dtype=wdtype)]
+    placed = [_rows_at_their_own_offsets(gate_up, wdtype), _rows_at_their_own_offsets(down, wdtype)]
+    y_uniform = np.asarray(ffi_ops.host_experts(x, ids, weights, *uniform))
+    y_placed = np.asarray(jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, *placed))(x, ids, weights))
+    np.testing.assert_array_equal(y_placed, y_uniform)
+    pools = (jnp.zeros((3, 74, 46), wdtype), jnp.zeros((3, 46, 37), wdtype))
+    flat, slots = np.array([5, 0, 3], np.int32), np.array([0, 1, 2], np.int32)
+    got = ffi_ops.slot_fill(pools, flat, slots, placed)
+    np.testing.assert_array_equal(np.asarray(got[0]), gate_up[[5, 0, 3]].astype(wdtype))
+    np.testing.assert_array_equal(np.asarray(got[1]), down[[5, 0, 3]].astype(wdtype))
+    for bank in uniform + placed:
+        bank.release()
 
 
 @pytest.mark.parametrize("T", [1, 5])

@@ -169,6 +169,45 @@ def test_page_offset_errors():
         HostBank(2, (3,), np.float32, page_offset=6)
 
 
+def test_a_page_offset_per_row_places_each_row_and_gaps_only_where_the_offsets_break():
+    """Rows 0-1 follow each other (row 1's offset is row 0's + row_bytes), row 2 wants another residue: it starts
+    after a gap of less than 2 MiB, row 3 follows it. The views, row writes, take and the frozen copy see the rows."""
+    rb = 300 * 1000 * 4  # 1.2 MB, not a page multiple
+    wanted = [4096 + 200, (4096 + 200 + rb) % MAP_ALIGNMENT, 64, (64 + rb) % MAP_ALIGNMENT]
+    bank = HostBank(4, (300, 1000), np.float32, page_offset=wanted)
+    offsets = bank.row_offsets
+    assert offsets[0] == 0 and offsets[1] == rb and offsets[3] == offsets[2] + rb
+    assert rb * 2 < offsets[2] < rb * 2 + MAP_ALIGNMENT and not bank.uniform
+    assert [bank.rows(r, r + 1).ctypes.data % MAP_ALIGNMENT for r in range(4)] == wanted
+    assert _ffi.bank_buffer(bank.id).nbytes == offsets[3] + rb  # the span, gaps included
+    assert bank.nbytes == 4 * rb
+    with pytest.raises(ValueError, match="rows 1:3 of bank .* are not at one stride"):
+        bank.rows(1, 3)
+    with pytest.raises(ValueError, match="not at one stride; write them through rows"):
+        bank.numpy()
+    with pytest.raises(IndexError, match="rows 3:5 outside"):
+        bank.rows(3, 5)
+    for r in range(4):
+        bank.write_row(r, np.full((300, 1000), r + 1, np.float32))
+    bank.rows(0, 2)[1, 0, 0] = -1  # rows 0-1 and 2-3 are each one view
+    bank.rows(2, 4)[0, 299, 999] = -2
+    expected = np.repeat(np.arange(1, 5, dtype=np.float32), 300 * 1000).reshape(4, 300, 1000)
+    expected[1, 0, 0], expected[2, 299, 999] = -1, -2
+    np.testing.assert_array_equal(bank.take([0, 1, 2, 3]), expected)
+    np.testing.assert_array_equal(bank.take([3, 0]), expected[[3, 0]])
+    bank.freeze()
+    frozen = bank.numpy()  # a read-only copy
+    np.testing.assert_array_equal(frozen, expected)
+    assert not frozen.flags.writeable and not bank.rows(2, 4).flags.writeable
+    bank.release()
+    one = HostBank(3, (5,), np.float32, page_offset=[8, 28, 48])  # offsets that follow: one stride
+    assert one.uniform and list(one.row_offsets) == [0, 20, 40] and one.numpy().ctypes.data % MAP_ALIGNMENT == 8
+    with pytest.raises(ValueError, match="2 page offsets for 3 rows"):
+        HostBank(3, (5,), np.float32, page_offset=[0, 20])
+    with pytest.raises(ValueError, match="page_offset must be"):
+        HostBank(2, (5,), np.float32, page_offset=[0, MAP_ALIGNMENT])
+
+
 def _random_file(path, nbytes: int, seed: int = 0) -> bytes:
     data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
     with open(path, "wb") as f:

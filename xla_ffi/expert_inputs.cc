@@ -151,6 +151,8 @@ ExpertWeights ExpertBankWeights(const std::vector<std::shared_ptr<Bank>>& banks,
   ExpertDims(banks, spec, &H, &I);
   ExpertWeights m{gu.data(), gu.row_bytes(), gu.dtype_code(), dn.data(), dn.row_bytes(), dn.dtype_code(),
                   gu.num_rows(), H, I};
+  m.gate_up_rows = gu.row_offsets();
+  m.down_rows = dn.row_offsets();
   if (num_banks == 4) {
     const Bank& gb = *banks[2];
     const Bank& db = *banks[3];

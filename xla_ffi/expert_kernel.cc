@@ -156,7 +156,7 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
     const int64_t i0 = blk * rpt1, i1 = std::min(I, (blk + 1) * rpt1);
     if (g.expert[grp] >= m.num_experts) throw ExpertIdError(g.expert[grp], g.route[b], m.num_experts);
     const size_t expert = static_cast<size_t>(g.expert[grp]);
-    const uint8_t* gu = m.gate_up + expert * m.gate_up_stride;
+    const uint8_t* gu = m.GateUp(expert);
     const uint8_t* gus = m.gate_up_scale == nullptr ? nullptr : m.gate_up_scale + expert * m.gate_up_scale_stride;
     const uint16_t* xb = xgb == nullptr ? nullptr : xgb + b * Hs;
     // The gate matrix is rows 0..I-1; the up matrix its own view (data from row I, scales from its stacked grid).
@@ -201,12 +201,12 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
       // its stream starts warm (the tiles read a row in 2 strided passes, which the hardware prefetchers do not run
       // ahead of; inside a tiled call, gemm_bf16.h prefetches each next row group itself)
       if (bf16_dots && grp + 1 < G) {
-        const uint8_t* next = m.down + static_cast<size_t>(g.expert[grp + 1]) * m.down_stride + h0 * dn_row;
+        const uint8_t* next = m.Down(g.expert[grp + 1]) + h0 * dn_row;
         const size_t bytes = static_cast<size_t>(std::min<int64_t>(h1 - h0, gemm_bf16::kRows)) * dn_row;
         for (size_t at = 0; at < bytes; at += 64) __builtin_prefetch(next + at, 0, 2);
       }
       const uint8_t* dns = m.down_scale == nullptr ? nullptr : m.down_scale + expert * m.down_scale_stride;
-      const MatrixView down = MakeView(fdn, m.spec, m.down + expert * m.down_stride, dns, I);
+      const MatrixView down = MakeView(fdn, m.spec, m.Down(expert), dns, I);
       const QuantizedActs qx = qa == nullptr ? QuantizedActs() : qa->FromToken(b);
       DotRowsView(isa, down, h0, h1, a + b * I, ab == nullptr ? nullptr : ab + b * Is, Is, e - b, d + b * H, H,
                   qa == nullptr ? nullptr : &qx);

@@ -44,10 +44,10 @@ struct ExpertActivation {
 };
 
 struct ExpertWeights {
-  const uint8_t* gate_up;  // expert e at gate_up + e * gate_up_stride, [2I, H] (stored as spec says)
+  const uint8_t* gate_up;  // expert e at gate_up + e * gate_up_stride (GateUp(e)), [2I, H] (stored as spec says)
   size_t gate_up_stride;   // bytes between consecutive experts
   int32_t gate_up_dtype;   // BankDType code: kF32 or kBF16 (float spec), else the block format's data dtype
-  const uint8_t* down;     // expert e at down + e * down_stride, [H, I]
+  const uint8_t* down;     // expert e at down + e * down_stride (Down(e)), [H, I]
   size_t down_stride;
   int32_t down_dtype;
   int64_t num_experts;  // valid ids are 0..num_experts-1
@@ -68,6 +68,17 @@ struct ExpertWeights {
   size_t gate_up_scale_stride = 0;
   const uint8_t* down_scale = nullptr;
   size_t down_scale_stride = 0;
+  // Banks whose rows are not at one stride (Bank::row_offsets): expert e's gate_up at gate_up + gate_up_rows[e], its
+  // down at down + down_rows[e]; nullptr: at the strides above.
+  const size_t* gate_up_rows = nullptr;
+  const size_t* down_rows = nullptr;
+
+  const uint8_t* GateUp(int64_t e) const {
+    return gate_up + (gate_up_rows ? gate_up_rows[e] : static_cast<size_t>(e) * gate_up_stride);
+  }
+  const uint8_t* Down(int64_t e) const {
+    return down + (down_rows ? down_rows[e] : static_cast<size_t>(e) * down_stride);
+  }
 };
 
 // Thrown by RunExperts, inside the task that would read the expert, for an id >= num_experts (ParallelFor carries

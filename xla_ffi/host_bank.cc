@@ -103,7 +103,8 @@ size_t PageSize() {
 
 }  // namespace
 
-Bank::Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t dtype_code, size_t page_offset)
+Bank::Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t dtype_code,
+           const std::vector<size_t>& page_offsets)
     : id_(id), num_rows_(num_rows), row_shape_(std::move(row_shape)), dtype_code_(dtype_code) {
   elem_size_ = BankDTypeSize(dtype_code);
   if (elem_size_ == 0) {
@@ -113,16 +114,36 @@ Bank::Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t
   if (num_rows_ <= 0) {
     throw std::invalid_argument("host bank: num_rows must be >= 1, got " + std::to_string(num_rows_));
   }
-  if (page_offset >= kBankMapAlignment) {
-    throw std::invalid_argument("host bank: page_offset must be in [0, " + std::to_string(kBankMapAlignment) +
-                                "), got " + std::to_string(page_offset));
+  if (page_offsets.size() != 1 && page_offsets.size() != static_cast<size_t>(num_rows_)) {
+    throw std::invalid_argument("host bank: " + std::to_string(page_offsets.size()) + " page offsets for " +
+                                std::to_string(num_rows_) + " rows (one for the bank or one per row)");
+  }
+  for (size_t i = 0; i < page_offsets.size(); ++i) {
+    if (page_offsets[i] >= kBankMapAlignment) {
+      throw std::invalid_argument("host bank: page offsets must be in [0, " + std::to_string(kBankMapAlignment) +
+                                  "), got " + std::to_string(page_offsets[i]) + " (row " + std::to_string(i) + ")");
+    }
   }
   row_elems_ = 1;
   for (int64_t d : row_shape_) {
     if (d <= 0) throw std::invalid_argument("host bank: row dimensions must be >= 1, got " + std::to_string(d));
     row_elems_ *= static_cast<size_t>(d);
   }
-  const size_t bytes = nbytes();
+  const size_t page_offset = page_offsets[0];
+  span_bytes_ = nbytes();
+  if (page_offsets.size() > 1) {  // row r at the first offset past row r - 1 that is congruent to its page offset
+    const size_t mask = kBankMapAlignment - 1;
+    row_offsets_.assign(static_cast<size_t>(num_rows_), 0);
+    bool uniform = true;
+    for (size_t r = 1; r < row_offsets_.size(); ++r) {
+      const size_t end = row_offsets_[r - 1] + row_bytes();
+      row_offsets_[r] = end + ((page_offsets[r] - page_offset - end) & mask);
+      uniform &= row_offsets_[r] == end;
+    }
+    span_bytes_ = row_offsets_.back() + row_bytes();
+    if (uniform) row_offsets_.clear();
+  }
+  const size_t bytes = span_bytes_;
   const size_t page = PageSize();
   const size_t in_page = page_offset % page;
   map_bytes_ = (in_page + bytes + page - 1) / page * page;
@@ -151,7 +172,7 @@ Bank::~Bank() {
 }
 
 MappedRange Bank::MapFile(size_t offset, size_t nbytes, int fd, uint64_t file_offset) {
-  if (offset > this->nbytes() || nbytes > this->nbytes() - offset) {
+  if (offset > span_bytes_ || nbytes > span_bytes_ - offset) {
     throw std::out_of_range("host bank: MapFile range [" + std::to_string(offset) + ", " +
                             std::to_string(offset + nbytes) + ") outside " + Describe());
   }
@@ -179,6 +200,11 @@ MappedRange Bank::MapFile(size_t offset, size_t nbytes, int fd, uint64_t file_of
     return {};
   }
   file_segments_.fetch_add(1);
+#ifdef MADV_HUGEPAGE
+  // File pages not yet in the page cache are then read in 2 MiB folios, which a mapping congruent with the file
+  // modulo 2 MiB gets on huge page table entries (pages already cached keep their folios). Advisory.
+  if (len >= kBankMapAlignment) madvise(want, len, MADV_HUGEPAGE);
+#endif
   PopulateRead(first, len, page);  // page tables filled in a call per thread; advisory (lazy faults otherwise)
   return {first - addr, last - addr};
 }
@@ -217,14 +243,14 @@ thread_local std::string last_error;
 }  // namespace
 
 std::shared_ptr<Bank> CreateBank(int64_t num_rows, const std::vector<int64_t>& row_shape, int32_t dtype_code,
-                                 size_t page_offset) {
+                                 const std::vector<size_t>& page_offsets) {
   Registry& r = GetRegistry();
   int64_t id;
   {
     std::lock_guard<std::mutex> lock(r.mu);
     id = r.next_id++;
   }
-  auto bank = std::make_shared<Bank>(id, num_rows, row_shape, dtype_code, page_offset);
+  auto bank = std::make_shared<Bank>(id, num_rows, row_shape, dtype_code, page_offsets);
   std::lock_guard<std::mutex> lock(r.mu);
   r.banks.emplace(id, bank);
   return bank;
@@ -242,7 +268,8 @@ std::shared_ptr<Bank> FindBankHolding(uintptr_t address, size_t nbytes) {
   std::lock_guard<std::mutex> lock(r.mu);
   for (const auto& [id, bank] : r.banks) {
     const uintptr_t begin = reinterpret_cast<uintptr_t>(bank->data());
-    if (address >= begin && address - begin <= bank->nbytes() && nbytes <= bank->nbytes() - (address - begin)) {
+    const size_t span = bank->span_bytes();
+    if (address >= begin && address - begin <= span && nbytes <= span - (address - begin)) {
       return bank;
     }
   }

@@ -72,11 +72,18 @@ class BankDeviceMapping {
 
 class Bank {
  public:
-  // Allocates num_rows * prod(row_shape) elements of dtype, zero-filled (anonymous mmap), with the data address
-  // congruent to page_offset modulo kBankMapAlignment (page_offset 0: 2 MiB aligned; a safetensors file's tensors
-  // start at offsets that are not page aligned, see MapFile). Throws std::invalid_argument for a bad dtype/shape or
-  // a page_offset outside [0, kBankMapAlignment), std::bad_alloc when the memory cannot be mapped.
-  Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t dtype_code, size_t page_offset = 0);
+  // Allocates num_rows rows of prod(row_shape) elements of dtype, zero-filled (anonymous mmap). page_offsets holds
+  // one offset for the whole bank or one per row, each in [0, kBankMapAlignment): row r's address is congruent to
+  // its offset modulo kBankMapAlignment (one offset: rows at one stride from data(), which is congruent to it; 0: 2
+  // MiB aligned). A safetensors file's tensors start at offsets that are neither page aligned nor, from one MoE
+  // layer to the next, congruent modulo 2 MiB (the norms and routers between them), so the loader gives each row the
+  // offset of its tensors in the file and MapFile can map them there, on 2 MiB page table entries where the page
+  // cache holds 2 MiB folios (docs/DESIGN.md sec. 20.26). A row whose offset does not follow from the previous row's
+  // is placed after a gap of less than 2 MiB of address space that is never touched. Throws std::invalid_argument
+  // for a bad dtype/shape or offset, or a page_offsets size other than 1 or num_rows; std::bad_alloc when the memory
+  // cannot be mapped.
+  Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t dtype_code,
+       const std::vector<size_t>& page_offsets = {0});
   ~Bank();
   Bank(const Bank&) = delete;
   Bank& operator=(const Bank&) = delete;
@@ -88,9 +95,18 @@ class Bank {
   size_t elem_size() const { return elem_size_; }
   size_t row_elems() const { return row_elems_; }
   size_t row_bytes() const { return row_elems_ * elem_size_; }
+  // Bytes of the rows (num_rows * row_bytes), without the gaps between rows.
   size_t nbytes() const { return static_cast<size_t>(num_rows_) * row_bytes(); }
+  // Bytes from data() to the end of the last row: nbytes() plus the gaps.
+  size_t span_bytes() const { return span_bytes_; }
+  // Row 0; row r is at data() + row_offset(r).
   uint8_t* data() const { return data_; }
-  const uint8_t* row(int64_t r) const { return data_ + static_cast<size_t>(r) * row_bytes(); }
+  size_t row_offset(int64_t r) const {
+    return row_offsets_.empty() ? static_cast<size_t>(r) * row_bytes() : row_offsets_[static_cast<size_t>(r)];
+  }
+  const uint8_t* row(int64_t r) const { return data_ + row_offset(r); }
+  // The byte offset of every row from data() ([num_rows]), or nullptr when the rows lie at one stride (row_bytes).
+  const size_t* row_offsets() const { return row_offsets_.empty() ? nullptr : row_offsets_.data(); }
   // "bank 3 ([16, 128, 64] bfloat16)" for error messages.
   std::string Describe() const;
   // True once ReleaseBank dropped it from the registry (holders may still read it; handlers report an error).
@@ -99,7 +115,7 @@ class Bank {
   // Page-aligned start and length of the bank's whole mapping (data() - map_begin() == page_offset % page size).
   uint8_t* map_begin() const { return map_begin_; }
   size_t map_bytes() const { return map_bytes_; }
-  // Fills bank bytes [offset, offset + nbytes) from file bytes [file_offset, file_offset + nbytes) of the open file
+  // Fills bank bytes [offset, offset + nbytes) (offsets from data(), within span_bytes()) from file bytes [file_offset, file_offset + nbytes) of the open file
   // `fd` by mapping the file's pages there (MAP_PRIVATE | MAP_FIXED, read-write copy-on-write: the bank stays
   // writable and a write never reaches the file), for the whole pages of the range, when the two addresses are
   // congruent modulo the page size; then asks the kernel to populate the page tables (MADV_POPULATE_READ). No data
@@ -120,6 +136,8 @@ class Bank {
   int32_t dtype_code_;
   size_t elem_size_;
   size_t row_elems_;
+  std::vector<size_t> row_offsets_;  // empty: row r at r * row_bytes()
+  size_t span_bytes_;
   uint8_t* map_begin_;
   size_t map_bytes_;
   uint8_t* data_;
@@ -131,8 +149,8 @@ class Bank {
 
 // Creates a bank and registers it; returns the registered shared_ptr (ids start at 1 and are never reused).
 std::shared_ptr<Bank> CreateBank(int64_t num_rows, const std::vector<int64_t>& row_shape, int32_t dtype_code,
-                                 size_t page_offset = 0);
-// The live bank whose data holds [address, address + nbytes), or nullptr.
+                                 const std::vector<size_t>& page_offsets = {0});
+// The live bank whose span (data() .. data() + span_bytes()) holds [address, address + nbytes), or nullptr.
 std::shared_ptr<Bank> FindBankHolding(uintptr_t address, size_t nbytes);
 // Returns the live bank with this id, or nullptr if it was never created or has been released.
 std::shared_ptr<Bank> FindBank(int64_t id);

@@ -59,9 +59,11 @@ uint8_t* MappedDeviceData(Bank& bank) {
   const BankDeviceMapping& mapping = bank.DeviceMapping([](const Bank& b) -> std::unique_ptr<BankDeviceMapping> {
     auto m = std::make_unique<CudaBankMapping>();
     const char* off = std::getenv("FT_JAX_NO_HOST_REGISTER");
-    std::string why = off && std::string(off) == "1"
-                          ? std::string("FT_JAX_NO_HOST_REGISTER=1")
-                          : m->Register(b.map_begin(), b.map_bytes());
+    // Rows placed at their file offsets (Bank::row_offsets) leave gaps that registering would commit, and the fill
+    // kernel reads rows at one stride: such a bank is staged.
+    std::string why = off && std::string(off) == "1" ? std::string("FT_JAX_NO_HOST_REGISTER=1")
+                      : b.row_offsets() != nullptr   ? std::string("its rows are not at one stride")
+                                                     : m->Register(b.map_begin(), b.map_bytes());
     if (!why.empty()) {
       std::fprintf(stderr, "ft_jax: warning: %s not mapped for the GPU (%s); slot fills stage its rows through pinned "
                    "bounce buffers (slower)\n", b.Describe().c_str(), why.c_str());

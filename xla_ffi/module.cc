@@ -240,16 +240,27 @@ NB_MODULE(_ffi, m) {
 
   m.def(
       "bank_create",
-      [](int64_t num_rows, const std::vector<int64_t>& row_shape, int32_t dtype_code, size_t page_offset) {
+      [](int64_t num_rows, const std::vector<int64_t>& row_shape, int32_t dtype_code,
+         const std::vector<size_t>& page_offsets) {
         try {
-          return ft_jax::CreateBank(num_rows, row_shape, dtype_code, page_offset)->id();
+          return ft_jax::CreateBank(num_rows, row_shape, dtype_code, page_offsets)->id();
         } catch (const std::invalid_argument& e) {
           throw nb::value_error(e.what());
         }
       },
-      nb::arg("num_rows"), nb::arg("row_shape"), nb::arg("dtype_code"), nb::arg("page_offset") = 0,
-      "Allocates a zero-filled bank whose data address is page_offset modulo 2 MiB; returns its id. Raises "
-      "ValueError (bad shape/dtype/page_offset), MemoryError.");
+      nb::arg("num_rows"), nb::arg("row_shape"), nb::arg("dtype_code"), nb::arg("page_offsets"),
+      "Allocates a zero-filled bank whose rows' addresses are page_offsets modulo 2 MiB (one offset for the bank, "
+      "or one per row: Bank::Bank); returns its id. Raises ValueError (bad shape/dtype/page_offsets), MemoryError.");
+
+  m.def(
+      "bank_row_offsets",
+      [](int64_t id) {
+        auto bank = LiveBank(id);
+        std::vector<int64_t> out(static_cast<size_t>(bank->num_rows()));
+        for (size_t r = 0; r < out.size(); ++r) out[r] = static_cast<int64_t>(bank->row_offset(r));
+        return out;
+      },
+      nb::arg("id"), "Byte offset of every row from the bank's data address (list of int). ValueError if not live.");
 
   m.def(
       "bank_map_file",
@@ -285,10 +296,12 @@ NB_MODULE(_ffi, m) {
         // The array owns a shared_ptr copy: the memory stays valid while any numpy view exists, even after release.
         auto* keep = new std::shared_ptr<ft_jax::Bank>(bank);
         nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<std::shared_ptr<ft_jax::Bank>*>(p); });
-        size_t shape[1] = {bank->nbytes()};
+        size_t shape[1] = {bank->span_bytes()};
         return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(bank->data(), 1, shape, owner);
       },
-      nb::arg("id"), "Writable uint8 numpy view [nbytes] of the bank memory (keeps it alive). ValueError if not live.");
+      nb::arg("id"),
+      "Writable uint8 numpy view [span_bytes] of the bank memory from row 0 to the end of the last row (keeps it "
+      "alive). ValueError if not live.");
 
   m.def("use_huge_pages", &ft_jax::UseHugePages, nb::arg("address"), nb::arg("nbytes"),
         "Back the 2 MiB-aligned interior of a buffer with transparent huge pages (Linux); True if collapsed.");

@@ -65,37 +65,43 @@ class HostBank:
       row_shape: shape of one row, every dimension >= 1 (e.g. (2 * I, H) for gate_up, (H, I) for down).
       dtype: np.float32 or jnp.bfloat16 / ml_dtypes.bfloat16 for expert weights; float16, int8, uint8,
         float8_e4m3fn and float8_e5m2 banks can be created and slot-filled but the expert kernels reject them.
-      page_offset: the data address modulo MAP_ALIGNMENT (2 MiB), in [0, MAP_ALIGNMENT). The checkpoint loader
-        passes SafetensorsCheckpoint.page_offset of the tensors it fills the bank with, so that the
-        tensors of a safetensors file, whose data offsets are rarely page aligned, land on pages congruent with the
-        file's: SafetensorsCheckpoint.read_into then maps the file's pages into the bank instead of copying them.
+      page_offset: the rows' addresses modulo MAP_ALIGNMENT (2 MiB), each in [0, MAP_ALIGNMENT): one int for the
+        bank (row r at r * row_bytes from row 0, whose address is congruent to it), or one per row. The checkpoint
+        loader passes SafetensorsCheckpoint.page_offsets of the tensors it fills the rows with, so that the tensors
+        of a safetensors file, whose data offsets are rarely page aligned and shift from one MoE layer to the next,
+        land on pages congruent with the file's: SafetensorsCheckpoint.read_into then maps the file's pages into the
+        bank instead of copying them, on 2 MiB page table entries where the page cache holds 2 MiB folios. A row
+        whose offset does not follow from the previous row's starts after a gap (< 2 MiB of address space, never
+        touched): such a bank is not "uniform", and its rows are read with :meth:`row` / :meth:`rows`.
 
     Memory is an anonymous mmap (committed on first write, on transparent huge pages where the kernel allows), or
     where read_into mapped a file region, that file's page-cache pages mapped copy-on-write (a private mapping:
     writing to the bank never changes the file; docs/DESIGN.md section 15.4).
 
     Raises:
-      TypeError: unsupported dtype. ValueError: non-positive num_rows or row dimension, page_offset out of range or
-        not a multiple of the element size.
+      TypeError: unsupported dtype. ValueError: non-positive num_rows or row dimension, a page offset out of range or
+        not a multiple of the element size, or a number of page offsets other than 1 or num_rows.
       ft_jax.memory.InsufficientMemoryError (a MemoryError): the allocation failed.
     """
 
-    def __init__(self, num_rows: int, row_shape: Sequence[int], dtype, page_offset: int = 0):
+    def __init__(self, num_rows: int, row_shape: Sequence[int], dtype, page_offset: int | Sequence[int] = 0):
         self._dtype = _bank_dtype(dtype)
         num_rows = int(num_rows)
         row_shape = tuple(int(d) for d in row_shape)
-        if not 0 <= int(page_offset) < MAP_ALIGNMENT or int(page_offset) % self._dtype.itemsize:
-            raise ValueError(f"HostBank: page_offset must be a multiple of the {self._dtype.name} element size in "
-                             f"[0, {MAP_ALIGNMENT}), got {page_offset}")
+        offsets = [int(page_offset)] if np.ndim(page_offset) == 0 else [int(p) for p in page_offset]
+        for p in offsets:
+            if not 0 <= p < MAP_ALIGNMENT or p % self._dtype.itemsize:
+                raise ValueError(f"HostBank: page_offset must be a multiple of the {self._dtype.name} element size in "
+                                 f"[0, {MAP_ALIGNMENT}), got {p}")
         try:
-            self._id = int(_ffi.bank_create(num_rows, list(row_shape), _DTYPE_CODES[self._dtype.name],
-                                            int(page_offset)))
+            self._id = int(_ffi.bank_create(num_rows, list(row_shape), _DTYPE_CODES[self._dtype.name], offsets))
         except MemoryError:  # std::bad_alloc: the same one-line error as the pre-load check
             need = num_rows * math.prod(row_shape) * self._dtype.itemsize
             raise InsufficientMemoryError(f"could not allocate a host bank of {num_rows} x {list(row_shape)} "
                                           f"{self._dtype.name} ({need // 2**20} MiB): out of host memory") from None
         self._num_rows = num_rows
         self._row_shape = row_shape
+        self._row_offsets = np.asarray(_ffi.bank_row_offsets(self._id), np.int64)  # [num_rows] bytes from row 0
         self._frozen = False
         self._finalizer = weakref.finalize(self, _release_if_live, self._id)
 
@@ -150,8 +156,18 @@ class HostBank:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the whole bank (num_rows * row_bytes)."""
+        """Bytes of the rows (num_rows * row_bytes; the gaps of a bank that is not uniform are not counted)."""
         return self._num_rows * self.row_bytes
+
+    @property
+    def uniform(self) -> bool:
+        """True when row r lies at r * row_bytes from row 0 (every bank made with one page_offset)."""
+        return bool(self._row_offsets[-1] == (self._num_rows - 1) * self.row_bytes)
+
+    @property
+    def row_offsets(self) -> np.ndarray:
+        """int64 [num_rows]: each row's byte offset from row 0 (r * row_bytes in a uniform bank); a copy."""
+        return self._row_offsets.copy()
 
     @property
     def alive(self) -> bool:
@@ -181,12 +197,51 @@ class HostBank:
         return f"[{', '.join(str(d) for d in self.shape)}] {self._dtype.name}"
 
     def numpy(self) -> np.ndarray:
-        """Zero-copy numpy view [num_rows, *row_shape] (bank dtype) of the bank memory; read-only once frozen.
+        """The rows [num_rows, *row_shape] (bank dtype): of a uniform bank a zero-copy view of its memory, read-only
+        once frozen; of a frozen bank that is not uniform, a read-only copy.
 
-        The view keeps the memory alive even if the bank is released afterwards. Raises ValueError if released.
+        A view keeps the memory alive even if the bank is released afterwards. Raises ValueError if released, or for
+        a bank that is neither uniform nor frozen (write its rows through :meth:`rows`).
         """
+        if self.uniform:
+            return self.rows(0, self._num_rows)
         self._check_alive("numpy")
-        view = _ffi.bank_buffer(self._id).view(self._dtype).reshape(self.shape)
+        if not self._frozen:
+            raise ValueError(f"HostBank.numpy: the rows of bank {self._id} {self._describe_shape()} are not at one "
+                             "stride; write them through rows() or write_row()")
+        out = self.take(range(self._num_rows))
+        out.flags.writeable = False
+        return out
+
+    def take(self, rows: Sequence[int]) -> np.ndarray:
+        """A new array [len(rows), *row_shape] (bank dtype) holding copies of these rows, in this order.
+
+        Raises IndexError for a row outside [0, num_rows), ValueError if released."""
+        self._check_alive("take")
+        out = np.empty((len(rows), *self._row_shape), self._dtype)
+        for i, r in enumerate(rows):
+            out[i] = self.rows(r, r + 1)[0]
+        return out
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Zero-copy numpy view [stop - start, *row_shape] (bank dtype) of rows start..stop-1, which must lie at one
+        stride (always in a uniform bank; in another, within a run of rows that share their tensors' file layout,
+        e.g. one MoE layer's rows of a fused [E, 2I, H] tensor); read-only once frozen. The view keeps the memory
+        alive even if the bank is released afterwards.
+
+        Raises:
+          IndexError: an empty range or one outside [0, num_rows). ValueError: released, or rows not at one stride.
+        """
+        self._check_alive("rows")
+        start, stop = int(start), int(stop)
+        if not 0 <= start < stop <= self._num_rows:
+            raise IndexError(f"HostBank.rows: rows {start}:{stop} outside bank {self._id} with {self._num_rows} rows")
+        first, rb = int(self._row_offsets[start]), self.row_bytes
+        if self._row_offsets[stop - 1] - first != (stop - 1 - start) * rb:
+            raise ValueError(f"HostBank.rows: rows {start}:{stop} of bank {self._id} {self._describe_shape()} are not "
+                             "at one stride (rows placed at their tensors' file offsets)")
+        view = _ffi.bank_buffer(self._id)[first:first + (stop - start) * rb]
+        view = view.view(self._dtype).reshape(stop - start, *self._row_shape)
         if self._frozen:
             view.flags.writeable = False
         return view
@@ -217,7 +272,7 @@ class HostBank:
                 f"HostBank.write_row: bank {self._id} is {self._dtype.name}, got a {src.dtype.name} array "
                 "(only float data is cast, and only into float32/bfloat16/float16 banks)"
             )
-        self.numpy()[i] = src
+        self.rows(i, i + 1)[0] = src
 
     def release(self) -> None:
         """Drops the bank from the registry; later FFI calls with its id fail with an error naming it.

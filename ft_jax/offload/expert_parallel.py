@@ -221,10 +221,10 @@ class _ShardExperts(OffloadedExperts):
 
     def resident_pools(self, local_shard: int) -> dict[str, np.ndarray]:
         """The resident policy's pools of the process's local shard ``local_shard``: its experts' bank rows in the
-        cache's flat order (layer * E/N + local expert): {name: [L * E/N, *row_shape]} numpy views gathered once."""
+        cache's flat order (layer * E/N + local expert): {name: [L * E/N, *row_shape]} numpy arrays gathered once."""
         L, Es = self.num_layers, self.num_experts
         rows = (np.arange(L)[:, None] * self.bank_experts + local_shard * Es + np.arange(Es)[None, :]).reshape(-1)
-        return {name: bank.numpy()[rows] for name, bank in self.banks.items()}
+        return {name: bank.take(rows) for name, bank in self.banks.items()}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
