@@ -163,6 +163,13 @@ FT_JAX_AVX2 inline void DotRowsBf16Avx2(const uint16_t* w, int64_t len, int64_t 
 // sec. 20.15): host_experts on the bench shape, 1 and 3 tokens per expert, +14 % and +40 % over 8 accumulators.
 constexpr int kBf16Accumulators = 2;
 
+// Bytes ahead of the loads that DotRowBf16Tokens of one or two tokens (decode) prefetches, both 64-byte lines of each
+// step into L1. The hardware prefetchers alone left a decode GEMV of 2 threads at 22-24 GB/s on this VM's AMD EPYC
+// (Zen 4), 21-22 GB/s where rows do not start at a page boundary (a mapped checkpoint's rows lie at its tensors' file
+// offsets, rarely page aligned), with numpy reading at 33 GB/s; 1 KiB ahead: 26-29 GB/s at any offset (docs/DESIGN.md
+// sec. 20.26). Prefetches do not fault: past a row's end they fetch the next row, which is read next.
+constexpr int64_t kBf16PrefetchBytes = 1024;
+
 // out[t * out_stride] = dot(row[0:len], token t) for the NT bf16 tokens at xb + t * xs, bf16 weights: the row is
 // loaded once per chunk for all NT tokens. Each token has kBf16Accumulators accumulators; accumulator a takes the
 // 32-element chunks at i = 64 j + 32 a, a last chunk of 32 goes to accumulator 0, the two are added, reduced across
@@ -177,6 +184,9 @@ FT_JAX_AVX512BF16 inline void DotRowBf16Tokens(const uint16_t* row, const uint16
     for (int a = 0; a < A; ++a) acc[t][a] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 32 * A <= len; i += 32 * A) {
+    if constexpr (NT <= 2) {  // memory-bound: the lines 1 KiB ahead (with more tokens the row is reused from L1)
+      for (int a = 0; a < A; ++a) __builtin_prefetch(row + i + 32 * a + kBf16PrefetchBytes / 2, 0, 3);
+    }
     __m512i wv[A];
     for (int a = 0; a < A; ++a) wv[a] = _mm512_loadu_si512(row + i + 32 * a);
 #pragma GCC unroll 16
