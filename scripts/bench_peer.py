@@ -303,7 +303,10 @@ def run_llama_bench(bench: str, gguf_path: Path, new_tokens: int, depth: int, th
     """One llama-bench text-generation run. llama.cpp memory-maps the GGUF and its warm-up decodes one token, so
     the experts that token did not route to would be read from disk during the timed run if the file were not in
     the page cache: the file is read once first (as it is after any earlier run), which takes "page_cache_s".
-    Returns {"tokens_per_s", "wall_s", "page_cache_s", "command", "result": LLAMA_BENCH_FIELDS of its JSON
+    A run killed by a signal at depth > 0 is run again at depth 0 (llama.cpp 0.3.36's llama-bench crashes with
+    SIGSEGV on q8_0 / q4_0 files with -d > 0 on CPUs with AMX, where its CPU repack takes the AMX buffers; the
+    prompt's few tokens of context cost nothing measurable in a decode step); "depth" says which ran.
+    Returns {"tokens_per_s", "wall_s", "page_cache_s", "depth", "command", "result": LLAMA_BENCH_FIELDS of its JSON
     record}.
     Raises RuntimeError (non-zero exit, no JSON) with the tail of its stderr."""
     page_cache_s = warm_page_cache(gguf_path)
@@ -311,6 +314,12 @@ def run_llama_bench(bench: str, gguf_path: Path, new_tokens: int, depth: int, th
            "-r", "1", "-o", "json"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode < 0 and depth > 0:
+        print(f"[bench_peer]   llama-bench died of signal {-proc.returncode} at depth {depth}; again at depth 0",
+              flush=True)
+        depth, cmd[cmd.index("-d") + 1] = 0, "0"
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise RuntimeError(f"llama-bench exited {proc.returncode}: {proc.stderr.strip()[-800:]}")
@@ -320,7 +329,7 @@ def run_llama_bench(bench: str, gguf_path: Path, new_tokens: int, depth: int, th
     except (json.JSONDecodeError, StopIteration) as e:
         raise RuntimeError(f"llama-bench printed no text-generation JSON record ({e}): {proc.stdout[-400:]}")
     return {"tokens_per_s": float(rec["avg_ts"]), "wall_s": round(wall, 2), "page_cache_s": round(page_cache_s, 2),
-            "command": cmd, "result": {k: rec[k] for k in LLAMA_BENCH_FIELDS if k in rec}}
+            "depth": depth, "command": cmd, "result": {k: rec[k] for k in LLAMA_BENCH_FIELDS if k in rec}}
 
 
 def run_llama_bench_prefill(bench: str, gguf_path: Path, prompt_len: int, threads: int, timeout: float) -> dict:
@@ -340,7 +349,7 @@ def run_llama_bench_prefill(bench: str, gguf_path: Path, prompt_len: int, thread
     except (json.JSONDecodeError, StopIteration) as e:
         raise RuntimeError(f"llama-bench printed no prompt-processing JSON record ({e}): {proc.stdout[-400:]}")
     return {"tokens_per_s": float(rec["avg_ts"]), "wall_s": round(wall, 2), "page_cache_s": round(page_cache_s, 2),
-            "command": cmd, "result": {k: rec[k] for k in LLAMA_BENCH_FIELDS if k in rec}}
+            "depth": depth, "command": cmd, "result": {k: rec[k] for k in LLAMA_BENCH_FIELDS if k in rec}}
 
 
 def ft_jax_command() -> list[str]:

@@ -92,6 +92,15 @@ FT_JAX_AVX2 float DotRowAvx2(const W* row, const float* x, int64_t len) {
 #endif
 
 #if FT_JAX_HAVE_AVX2_PATH
+// Bytes ahead of its loads that a decode dot (one or two tokens, memory-bound) prefetches into L1, a line for every
+// 64 bytes it reads: bf16 rows here, q8_0 / q4_0 rows, q4_0x16 groups, fp8 and mxfp4 rows (quant_dot.cc). The
+// hardware prefetchers alone left host_experts of one token on 2 threads of an Intel Xeon VM (AMX, AVX-512 BF16) at
+// 22-24 GB/s for bf16 (21-22 where rows do not start at a page boundary, as a mapped checkpoint's rows), q4_0x16 21,
+// fp8 14, mxfp4 7, the AVX2 level's q4_0 rows 11-12, with numpy reading 33; 1-2 KiB ahead: bf16 29, q8_0 28, q4_0x16
+// 28, fp8 26, mxfp4 16, AVX2 q4_0 21-22 GB/s (docs/DESIGN.md sec. 20.26; an AMD EPYC VM measured no gain from a q4_0
+// row prefetch, sec. 20.23). A prefetch does not fault: past a row's end it fetches the next row, read next.
+constexpr int64_t kDecodePrefetchBytes = 2048;
+
 // Accumulators per token of the AVX2 dot of a bf16 weight row with float32 tokens. Two chains of 8 lanes read 32
 // bytes of weights per FMA latency, above one core's share of DRAM; with 2 per token, 4 tokens fit the 16 ymm
 // registers beside the converted weights (docs/DESIGN.md sec. 20.18).
@@ -115,6 +124,9 @@ FT_JAX_AVX2 inline void DotRowBf16Avx2Tokens(const uint16_t* row, const float* x
     for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 * A <= len; i += 8 * A) {
+    if constexpr (NT <= 2) {  // memory-bound: a line kDecodePrefetchBytes ahead every 64 bytes
+      if ((i & 31) == 0) __builtin_prefetch(row + i + kDecodePrefetchBytes / 2, 0, 3);
+    }
     __m256 wv[A];
 #pragma GCC unroll 2
     for (int a = 0; a < A; ++a) wv[a] = Load8(row + i + 8 * a);
@@ -163,13 +175,6 @@ FT_JAX_AVX2 inline void DotRowsBf16Avx2(const uint16_t* w, int64_t len, int64_t 
 // sec. 20.15): host_experts on the bench shape, 1 and 3 tokens per expert, +14 % and +40 % over 8 accumulators.
 constexpr int kBf16Accumulators = 2;
 
-// Bytes ahead of the loads that DotRowBf16Tokens of one or two tokens (decode) prefetches, both 64-byte lines of each
-// step into L1. The hardware prefetchers alone left a decode GEMV of 2 threads at 22-24 GB/s on this VM's AMD EPYC
-// (Zen 4), 21-22 GB/s where rows do not start at a page boundary (a mapped checkpoint's rows lie at its tensors' file
-// offsets, rarely page aligned), with numpy reading at 33 GB/s; 1 KiB ahead: 26-29 GB/s at any offset (docs/DESIGN.md
-// sec. 20.26). Prefetches do not fault: past a row's end they fetch the next row, which is read next.
-constexpr int64_t kBf16PrefetchBytes = 1024;
-
 // out[t * out_stride] = dot(row[0:len], token t) for the NT bf16 tokens at xb + t * xs, bf16 weights: the row is
 // loaded once per chunk for all NT tokens. Each token has kBf16Accumulators accumulators; accumulator a takes the
 // 32-element chunks at i = 64 j + 32 a, a last chunk of 32 goes to accumulator 0, the two are added, reduced across
@@ -184,8 +189,8 @@ FT_JAX_AVX512BF16 inline void DotRowBf16Tokens(const uint16_t* row, const uint16
     for (int a = 0; a < A; ++a) acc[t][a] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 32 * A <= len; i += 32 * A) {
-    if constexpr (NT <= 2) {  // memory-bound: the lines 1 KiB ahead (with more tokens the row is reused from L1)
-      for (int a = 0; a < A; ++a) __builtin_prefetch(row + i + 32 * a + kBf16PrefetchBytes / 2, 0, 3);
+    if constexpr (NT <= 2) {  // memory-bound: both lines of the step, kDecodePrefetchBytes ahead
+      for (int a = 0; a < A; ++a) __builtin_prefetch(row + i + 32 * a + kDecodePrefetchBytes / 2, 0, 3);
     }
     __m512i wv[A];
     for (int a = 0; a < A; ++a) wv[a] = _mm512_loadu_si512(row + i + 32 * a);

@@ -257,7 +257,10 @@ template <WFormat F>
 FT_JAX_AVX2_F16C float DotInt8Avx2(const uint8_t* row, const float* sdx, int64_t nb, const int8_t* q) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t b = 0;
+  constexpr int64_t kStepBytes = F == WFormat::kQ8_0 ? 128 : 64;  // 4 blocks
   for (; b + 4 <= nb; b += 4) {
+    for (int64_t at = 0; at < kStepBytes; at += 64)
+      __builtin_prefetch(row + b / 4 * kStepBytes + at + kDecodePrefetchBytes, 0, 3);
     a0 = Int8BlockFma<F>(row, sdx, q, b, a0);
     a1 = Int8BlockFma<F>(row, sdx, q, b + 1, a1);
     a2 = Int8BlockFma<F>(row, sdx, q, b + 2, a2);
@@ -854,12 +857,6 @@ FT_JAX_VNNI_LAMBDA inline __m512 Q4GroupFma(__m512 acc, __m512i lo, __m512i hi, 
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc);
 }
 
-// Bytes ahead of its loads that the decode loops of q8_0 rows (one or two tokens) and of q4_0x16 groups prefetch into
-// L1, a line per 64 bytes read. host_experts on the bench shape (H 2048, I 5632, T 1, 2 threads, bench_ffi.py
-// --formats, 3 alternated rounds): q8_0 24.5-25.0 -> 27.0-28.8 GB/s, q4_0x16 20.6-21.8 -> 27.7-28.3 (1-4 KiB ahead
-// measured alike; docs/DESIGN.md sec. 20.26). A prefetch does not fault; past a row it fetches the next one.
-constexpr int64_t kQuantPrefetchBytes = 2048;
-
 // out[t * out_stride] = sum_b sdx_b (w_b . q_b) of one q8_0 / q4_0 row for NT tokens at once, the weight bytes loaded
 // and unpacked once for all of them; each token has its own accumulators in the order a single token sums (block
 // b's products into accumulator b % 4 of its step), so its result is bit for bit the same whatever NT.
@@ -937,7 +934,7 @@ FT_JAX_VNNI void DotInt8(const uint8_t* row, int64_t nb, const Int8Token* tok, f
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     // pair p of blocks into accumulator a = p % 4 of every token
     auto pair = [&](int64_t p, int a) FT_JAX_VNNI_LAMBDA {
-      if constexpr (NT <= 2) __builtin_prefetch(row + 64 * p + kQuantPrefetchBytes, 0, 3);  // memory-bound decode
+      if constexpr (NT <= 2) __builtin_prefetch(row + 64 * p + kDecodePrefetchBytes, 0, 3);  // memory-bound decode
       const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(row + 64 * p), flip);
       for (int t = 0; t < NT; ++t) {
         const __m512i isum = _mm512_dpbusd_epi32(_mm512_loadu_si512(tok[t].corr + 16 * p), wu,
@@ -1045,7 +1042,7 @@ FT_JAX_VNNI void DotQ4x16Group(const uint8_t* gd, const uint16_t* gs, int64_t nb
   __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = gd + 256 * b;
-    for (int c = 0; c < 4; ++c) __builtin_prefetch(blk + kQuantPrefetchBytes + 64 * c, 0, 3);
+    for (int c = 0; c < 4; ++c) __builtin_prefetch(blk + kDecodePrefetchBytes + 64 * c, 0, 3);
     const int8_t* qb = q + 32 * b;
     __m512i s0 = _mm512_set1_epi32(corr[16 * (b / 2) + 8 * (b % 2)] / 16), s1 = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
@@ -1155,6 +1152,7 @@ FT_JAX_BF16DOT void DotFp8Bf16(const MatrixView& w, int64_t r0, int64_t r1, cons
       __m512 tmp[NT][2];
       for (int t = 0; t < NT; ++t) tmp[t][0] = tmp[t][1] = _mm512_setzero_ps();
       for (int64_t c = c0; c < end; c += 64) {
+        if constexpr (NT <= 2) __builtin_prefetch(row + c + kDecodePrefetchBytes, 0, 3);  // memory-bound decode
         const __mmask64 m = end - c >= 64 ? ~0ull : (1ull << (end - c)) - 1;
         const __m512i b = _mm512_maskz_loadu_epi8(m, row + c);
         const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, b, hi1), b, sign, 0xF8);
@@ -1195,6 +1193,7 @@ FT_JAX_BF16DOT void DotMxfp4Bf16(const MatrixView& w, int64_t r0, int64_t r1, co
     __m512 acc[NT][2];
     for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
     for (int64_t g = 0; 4 * g < nb; ++g) {
+      if constexpr (NT <= 2) __builtin_prefetch(row + 64 * g + kDecodePrefetchBytes, 0, 3);  // memory-bound decode
       const int64_t n = std::min<int64_t>(64, bytes - 64 * g);
       const __mmask32 m0 = n >= 32 ? ~0u : (1u << n) - 1, m1 = n >= 64 ? ~0u : n <= 32 ? 0u : (1u << (n - 32)) - 1;
       const __m512i b0 = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m0, row + 64 * g));
