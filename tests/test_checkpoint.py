@@ -893,6 +893,68 @@ def test_bf16_expert_banks_map_the_file_and_hold_its_tensors(tmp_path, map_pages
     _release(ck)
 
 
+def _split_into_shards(path, shard_of) -> list[str]:
+    """Rewrites the safetensors file ``path`` as shards (model-0000i-of-0000n.safetensors + the index), tensor
+    ``name`` into shard ``shard_of(name)``, byte for byte; shard i's header carries i * 1000 + 40 bytes of metadata,
+    so the shards' data start at different offsets modulo the page size (as real shards' header lengths differ), each
+    a multiple of 8.
+    Returns the shard paths."""
+    folder = os.path.dirname(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header, data = json.loads(f.read(n)), f.read()
+    header.pop("__metadata__", None)
+    names = sorted(header, key=lambda k: header[k]["data_offsets"][0])
+    count = 1 + max(shard_of(k) for k in names)
+    paths, weight_map = [], {}
+    for i in range(count):
+        shard = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        head, blobs, at = {"__metadata__": {"pad": "x" * (i * 1000 + 40)}}, [], 0
+        for k in (k for k in names if shard_of(k) == i):
+            lo, hi = header[k]["data_offsets"]
+            head[k] = {"dtype": header[k]["dtype"], "shape": header[k]["shape"], "data_offsets": [at, at + hi - lo]}
+            blobs.append(data[lo:hi])
+            at += hi - lo
+            weight_map[k] = shard
+        raw = json.dumps(head).encode()
+        raw += b" " * (-(8 + len(raw)) % 8)  # data 8-byte aligned, as the format's writers pad it
+        paths.append(os.path.join(folder, shard))
+        with open(paths[-1], "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
+    os.remove(path)
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return paths
+
+
+def test_every_shard_of_a_sharded_checkpoint_maps_into_the_banks(tmp_path):
+    """Each shard has its own header length, so its tensors lie at another offset modulo the page size: with one page
+    offset per bank only one shard's rows could be mapped; with one per row, every row is its file's pages, and holds
+    the file's bytes."""
+    path = _synthetic_bf16_mixtral(tmp_path)
+    raw = _raw_safetensors_int16(path)
+    shards = _split_into_shards(path, lambda name: 1 if name.startswith("model.layers.1.") else 0)
+    residues = set()
+    for shard in shards:
+        with open(shard, "rb") as f:
+            residues.add((8 + int.from_bytes(f.read(8), "little")) % mmap.PAGESIZE)
+    assert len(residues) == 2
+    ck = load_checkpoint(tmp_path, dtype=jnp.bfloat16)
+    E = ck.config.num_experts
+    for bank, parts in ((ck.banks.gate_up, ("w1", "w3")), (ck.banks.down, ("w2",))):
+        for r in range(bank.num_rows):
+            layer, e = ck.config.moe_layers[r // E], r % E
+            p = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+            row = bank.rows(r, r + 1)
+            np.testing.assert_array_equal(row[0].view(np.int16),
+                                          np.concatenate([raw[f"{p}.{w}.weight"] for w in parts]))
+            start = row.ctypes.data
+            inside = sum(min(hi, start + bank.row_bytes) - max(lo, start) for shard in shards
+                         for lo, hi in _mapped_ranges(shard) if lo < start + bank.row_bytes and hi > start)
+            assert inside >= 0.9 * bank.row_bytes, (r, inside, bank.row_bytes)
+    _release(ck)
+
+
 @pytest.mark.parametrize("aligned", [False, True], ids=["data_at_32_mod_64", "data_page_aligned"])
 @pytest.mark.parametrize("map_pages", [True, False], ids=["mapped", "copied"])
 def test_embedding_and_lm_head_are_read_straight_into_their_own_buffers_unless_used_in_place(
