@@ -912,7 +912,9 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
     row_bytes = {k: math.prod(shape) * np.dtype(dtype).itemsize for k, (shape, dtype) in row_specs.items()}
     regions = {k: [] for k in row_specs}  # bank -> [(row, tensor, offset in it, offset in the row, bytes)]
     for bank, row, name, part in plan:
-        if bank in row_specs and (not fmt.quantized and part[0] in ("fused", "rows") or part[0] == "fp8_rows"):
+        stored_as_bank = bank in row_specs and name in ckpt.tensors and \
+            ckpt.tensors[name].dtype == np.dtype(row_specs[bank][1])  # mapped, not cast
+        if stored_as_bank and (not fmt.quantized and part[0] in ("fused", "rows") or part[0] == "fp8_rows"):
             rb = row_bytes[bank]
             if part[0] == "fused":  # the tensor's rows `experts` land at bank rows row, row + 1, ...
                 regions[bank] += [(row + j, name, e * rb, 0, rb) for j, e in enumerate(experts)]

@@ -955,6 +955,20 @@ def test_every_shard_of_a_sharded_checkpoint_maps_into_the_banks(tmp_path):
     _release(ck)
 
 
+def test_expert_banks_of_a_cast_keep_one_stride_and_map_nothing(tmp_path):
+    """bf16 experts loaded into float32 banks are cast (read, not mapped): no row takes a file offset, so the banks stay
+    uniform (a fresh-user trial saw gaps between layers with nothing mapped), and they hold the cast values."""
+    path = _synthetic_bf16_mixtral(tmp_path)
+    raw = _raw_safetensors_int16(path)
+    ck = load_checkpoint(tmp_path, dtype=jnp.float32)
+    bank = ck.banks.down
+    assert bank.dtype == np.float32 and bank.uniform and ck.banks.gate_up.uniform
+    assert not _mapped_ranges(path)
+    w2 = raw["model.layers.1.block_sparse_moe.experts.1.w2.weight"].view(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(bank.numpy()[bank.num_rows - 1], w2)
+    _release(ck)
+
+
 @pytest.mark.parametrize("aligned", [False, True], ids=["data_at_32_mod_64", "data_page_aligned"])
 @pytest.mark.parametrize("map_pages", [True, False], ids=["mapped", "copied"])
 def test_embedding_and_lm_head_are_read_straight_into_their_own_buffers_unless_used_in_place(

@@ -199,6 +199,9 @@ def test_a_page_offset_per_row_places_each_row_and_gaps_only_where_the_offsets_b
     frozen = bank.numpy()  # a read-only copy
     np.testing.assert_array_equal(frozen, expected)
     assert not frozen.flags.writeable and not bank.rows(2, 4).flags.writeable
+    as_jax = bank.to_jax()  # the resident policy's device copy
+    assert as_jax.shape == (4, 300, 1000) and as_jax.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(as_jax), expected)
     bank.release()
     one = HostBank(3, (5,), np.float32, page_offset=[8, 28, 48])  # offsets that follow: one stride
     assert one.uniform and list(one.row_offsets) == [0, 20, 40] and one.numpy().ctypes.data % MAP_ALIGNMENT == 8

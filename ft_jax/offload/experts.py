@@ -99,7 +99,7 @@ class OffloadedExperts:
         L, E = self.num_layers, self.num_experts
         if self.policy.kind is PolicyKind.RESIDENT:
             cache = expert_cache.init_cache_state_resident(L, E)
-            return OffloadState(cache, {name: jnp.asarray(bank.numpy()) for name, bank in self.banks.items()},
+            return OffloadState(cache, {name: bank.to_jax() for name, bank in self.banks.items()},
                                 *_no_errors())
         if num_slots < 1:
             raise ValueError(f"offload: the device budget must hold at least one expert slot, got {num_slots} slots")
