@@ -115,9 +115,10 @@ class Bank {
   // Page-aligned start and length of the bank's whole mapping (data() - map_begin() == page_offset % page size).
   uint8_t* map_begin() const { return map_begin_; }
   size_t map_bytes() const { return map_bytes_; }
-  // Fills bank bytes [offset, offset + nbytes) (offsets from data(), within span_bytes()) from file bytes [file_offset, file_offset + nbytes) of the open file
-  // `fd` by mapping the file's pages there (MAP_PRIVATE | MAP_FIXED, read-write copy-on-write: the bank stays
-  // writable and a write never reaches the file), for the whole pages of the range, when the two addresses are
+  // Fills bank bytes [offset, offset + nbytes) (offsets from data(), within span_bytes()) from file bytes
+  // [file_offset, file_offset + nbytes) of the open file `fd` by mapping the file's pages there (MAP_PRIVATE |
+  // MAP_FIXED, read-write copy-on-write: the bank stays writable and a write never reaches the file), for the whole
+  // pages of the range, when the two addresses are
   // congruent modulo the page size; then asks the kernel to populate the page tables (MADV_POPULATE_READ). No data
   // is copied: the bank shares the page cache's pages. Returns the part mapped relative to offset (begin == end:
   // nothing, e.g. not congruent, too small, the process's mapping budget spent, or mmap failed); the caller copies

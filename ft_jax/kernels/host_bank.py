@@ -72,7 +72,7 @@ class HostBank:
         land on pages congruent with the file's: SafetensorsCheckpoint.read_into then maps the file's pages into the
         bank instead of copying them, on 2 MiB page table entries where the page cache holds 2 MiB folios. A row
         whose offset does not follow from the previous row's starts after a gap (< 2 MiB of address space, never
-        touched): such a bank is not "uniform", and its rows are read with :meth:`row` / :meth:`rows`.
+        touched): such a bank is not "uniform", and its rows are read with :meth:`rows` / :meth:`take`.
 
     Memory is an anonymous mmap (committed on first write, on transparent huge pages where the kernel allows), or
     where read_into mapped a file region, that file's page-cache pages mapped copy-on-write (a private mapping:
