@@ -296,6 +296,9 @@ def test_symlink_loops_and_dangling_links_name_the_cause(tmp_path):
     os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
     with pytest.raises(ConfigError, match="dangling is a symbolic link to .*nowhere.*, which does not exist"):
         load_config(tmp_path / "dangling")
+    for empty in ("", "  "):  # os.stat("") fails with an empty name in the message (a fresh-user trial)
+        with pytest.raises(ConfigError, match="^the model path is empty: give a folder"):
+            load_config(empty)
 
 
 def test_config_that_is_a_fifo_or_a_folder(tmp_path):

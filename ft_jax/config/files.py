@@ -107,9 +107,11 @@ def check_model_dir(model_dir: str) -> None:
     """Check that ``model_dir`` is an accessible folder.
 
     Raises:
-        ConfigError: "model path does not exist: <dir>" (or names a dangling symbolic link), the path is a file,
-            or it cannot be accessed (permission denied, symbolic link loop, ...: the real cause is named).
+        ConfigError: "model path does not exist: <dir>" (or names a dangling symbolic link), an empty path, the path
+            is a file, or it cannot be accessed (permission denied, symbolic link loop, ...: the real cause is named).
     """
+    if not str(model_dir).strip():
+        raise ConfigError("the model path is empty: give a folder with config.json and safetensors files")
     try:
         st = os.stat(model_dir)
     except FileNotFoundError:
