@@ -247,6 +247,9 @@ def test_multi_device_model_of_one_device_is_the_replay():
     one = evaluate(trace, policies, [3], model)
     same = multi_device.evaluate_devices(trace, policies, [3], model, 1)
     assert [r["ms_per_token"] for r in same] == pytest.approx([r["ms_per_token"] for r in one])
+    # 2 devices own 3 * 2 experts each: 6, 9 and 12 slots all cap to 6, replayed once (one row, not three)
+    capped = multi_device.evaluate_devices(trace, policies, [2, 6, 9, 12], model, 2)
+    assert [r["cache_slots"] for r in capped] == [2, 6]
 
 
 def test_multi_device_host_experts_pool_per_socket_and_layers_wait_for_the_slowest():

@@ -207,6 +207,20 @@ def test_cache_fraction_with_devices_is_of_each_devices_experts(tmp_path, capsys
     assert (two["devices"], two["cache_slots"], two["cache_fraction"]) == (2, L * E // 4, 0.5)
 
 
+def test_cache_sizes_that_come_to_one_slot_count_give_one_row(tmp_path, capsys):
+    """Two fractions that round to one slot count (and a count given twice) are replayed once: a fresh-user trial saw
+    the same row printed twice."""
+    _write(tmp_path / "t.jsonl", _routing(3))
+    total = L * E
+    close = [0.5, 0.5 + 0.4 / total]  # both round to L*E/2
+    assert round(close[1] * total) == total // 2
+    for flags in (["--cache-fraction", ",".join(map(str, close))], ["--cache-slots", "3,3,5"]):
+        assert cli.main(["trace", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),
+                         "--bandwidth", "2,8", "--policy", "fetch-all", "--json", *flags]) == 0
+        rows = json.loads(capsys.readouterr().out)["results"]
+        assert [r["cache_slots"] for r in rows] == ([total // 2] if flags[0] == "--cache-fraction" else [3, 5])
+
+
 def test_batch_figures_are_per_token_not_per_step(tmp_path, capsys):
     """--batch replays a step of R rows (the union of their experts) and divides its figures by R: host-all on a
     cold cache computes every distinct expert of a step on the host, worked out here from the routing itself."""

@@ -150,18 +150,19 @@ DEFAULT_FRACTIONS = "0.1,0.25,0.5"
 
 def slot_counts(args, trace: Trace, devices: int = 1) -> list[int]:
     """Cache sizes in slots (of each of ``devices`` devices) from --cache-slots or --cache-fraction (round(f * L*E /
-    devices): of the experts a device owns, as generate --devices reads it; at least 1). Raises ValueError."""
+    devices): of the experts a device owns, as generate --devices reads it; at least 1), each once (two fractions
+    that round to one count give one row). Raises ValueError."""
     total = trace.num_layers * trace.num_experts
     if args.cache_slots is not None:
         bad = [s for s in args.cache_slots if not 1 <= s <= total]
         if bad:
             raise ValueError(f"--cache-slots must be in [1, L*E = {total}], got {bad}")
-        return list(args.cache_slots)
+        return list(dict.fromkeys(args.cache_slots))
     fractions = args.cache_fraction or [float(f) for f in DEFAULT_FRACTIONS.split(",")]
     bad = [f for f in fractions if not 0 < f <= 1]
     if bad:
         raise ValueError(f"--cache-fraction must be in (0, 1], got {bad}")
-    return [max(1, round(f * total / devices)) for f in fractions]
+    return list(dict.fromkeys(max(1, round(f * total / devices)) for f in fractions))
 
 
 

@@ -85,7 +85,8 @@ def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: 
 
     Args:
         trace: from read_trace. policies: Policy objects (bound per device with bind_policy on its model).
-        slot_counts: slots of each device (a device holds at most its L*E/N experts: larger counts are capped).
+        slot_counts: slots of each device (a device holds at most its L*E/N experts: larger counts are capped, and
+            counts that cap to one are replayed once).
         model: the CostModel of every device (its link's BP / BPc; BH / BHc of its socket). devices: N.
         host_sockets, allreduce_ms: module docstring. carry_cache, batch: as replay. progress: (done, total) or None.
     Returns:
@@ -100,11 +101,12 @@ def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: 
     sockets_of(devices, host_sockets)  # checked before the replays
     L, E = trace.num_layers, trace.num_experts
     own = L * (E // devices)
-    out, total = [], len(slot_counts) * len(policies)
-    for S in slot_counts:
+    capped = list(dict.fromkeys(min(int(S), own) for S in slot_counts))
+    out, total = [], len(capped) * len(policies)
+    for S in capped:
         for policy in policies:
             bound = [bind_policy(policy, m) for m in models]
-            slots = own if policy.kind is PolicyKind.RESIDENT else min(int(S), own)
+            slots = own if policy.kind is PolicyKind.RESIDENT else S
             stats = np.stack([replay(t, b, slots, carry_cache=carry_cache, batch=batch).stats
                               for t, b in zip(shards, bound)])  # i32[N, T, L, 5]
             s = stats.astype(np.float64)
