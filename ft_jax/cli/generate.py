@@ -109,8 +109,9 @@ def add_load_arguments(parser, bank_memory: str) -> None:
     parser.add_argument("--bank-memory", choices=BANK_MEMORY, default=bank_memory,
                         help="map: the expert host banks map the checkpoint file's page-cache pages where the "
                              "offsets allow (no copy, fast start); copy: every tensor is copied, the experts onto the "
-                             "banks' own huge pages (the load writes them all once, then decode reads them faster, "
-                             "and the file may change while the model runs). Quantized experts (--quantize, FP8, "
+                             "banks' own huge pages (a longer load and the file's bytes in memory twice while it is "
+                             "cached; decode reads both at the same speed; the file may change while the model runs). "
+                             "Quantized experts (--quantize, FP8, "
                              "MXFP4) are built in the banks' memory either way. Default: "
                              f"{bank_memory} (generate maps, serve copies)")
     parser.add_argument("--prefill-chunk", type=arg_types.positive_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
