@@ -380,10 +380,10 @@ class SafetensorsCheckpoint:
         return out
 
     def page_offsets(self, regions: Iterable[tuple[int, str, int, int, int]], num_rows: int, row_bytes: int,
-                     per_row: bool = True) -> list[int]:
-        """The page offsets for a HostBank of ``num_rows`` rows of ``row_bytes`` that read_into fills with these
-        tensors as stored, so that it maps the most of them from the file (no copy), on 2 MiB page table entries
-        where the page cache holds 2 MiB folios.
+                     dtype, per_row: bool = True) -> list[int]:
+        """The page offsets for a HostBank of ``num_rows`` rows of ``row_bytes`` and dtype ``dtype`` that read_into
+        fills with these tensors, so that it maps the most of them from the file (no copy), on 2 MiB page table
+        entries where the page cache holds 2 MiB folios.
 
         Args:
             regions: (bank row, tensor name, byte offset in the tensor, byte offset in the row, bytes): the tensor's
@@ -394,17 +394,19 @@ class SafetensorsCheckpoint:
             [num_rows] (or [1]) offsets in [0, MAP_ALIGNMENT) (2 MiB), multiples of 8: a tensor maps when its file
             offset minus its bank offset is congruent with the row's modulo the page size (4096 bytes), so the
             page-size residue shared by the most bytes is chosen and, among those, the 2 MiB residue shared by the
-            most. Only tensors read_into maps count (from 1 MiB, at offsets that are multiples of 8, and only when
-            map_pages); a row without one follows the previous row (no gap), the first one at 0.
+            most. Only tensors read_into maps count (stored in ``dtype``, not cast; from 1 MiB, at offsets that are
+            multiples of 8, and only when map_pages); a row without one follows the previous row (no gap), the first
+            one at 0.
         Raises:
             CheckpointError: a missing tensor.
         """
+        dtype = np.dtype(dtype)
         by_row = [{} for _ in range(num_rows if per_row else 1)]  # residue modulo 2 MiB of the row start -> bytes
         for row, name, skip, within, nbytes in regions:
             info = self.tensors.get(name)
             if info is None:
                 raise CheckpointError(f"{self._directory_file}: missing tensor {name!r}")
-            if self.map_pages and info.offset % 8 == 0 and info.nbytes >= _MAP_MIN_BYTES:
+            if self.map_pages and info.dtype == dtype and info.offset % 8 == 0 and info.nbytes >= _MAP_MIN_BYTES:
                 residue = (info.offset + skip - within - (0 if per_row else row * row_bytes)) % MAP_ALIGNMENT
                 votes = by_row[row if per_row else 0]
                 votes[residue] = votes.get(residue, 0) + nbytes
@@ -912,9 +914,7 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
     row_bytes = {k: math.prod(shape) * np.dtype(dtype).itemsize for k, (shape, dtype) in row_specs.items()}
     regions = {k: [] for k in row_specs}  # bank -> [(row, tensor, offset in it, offset in the row, bytes)]
     for bank, row, name, part in plan:
-        stored_as_bank = bank in row_specs and name in ckpt.tensors and \
-            ckpt.tensors[name].dtype == np.dtype(row_specs[bank][1])  # mapped, not cast
-        if stored_as_bank and (not fmt.quantized and part[0] in ("fused", "rows") or part[0] == "fp8_rows"):
+        if bank in row_specs and (not fmt.quantized and part[0] in ("fused", "rows") or part[0] == "fp8_rows"):
             rb = row_bytes[bank]
             if part[0] == "fused":  # the tensor's rows `experts` land at bank rows row, row + 1, ...
                 regions[bank] += [(row + j, name, e * rb, 0, rb) for j, e in enumerate(experts)]
@@ -922,7 +922,7 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
                 per_stored_row = rb // row_specs[bank][0][0]
                 regions[bank].append((row, name, 0, part[1] * per_stored_row, (part[2] - part[1]) * per_stored_row))
     per_row = jax.default_backend() == "cpu"
-    host = {name: HostBank(rows, shape, dtype, ckpt.page_offsets(regions[name], rows, row_bytes[name], per_row))
+    host = {name: HostBank(rows, shape, dtype, ckpt.page_offsets(regions[name], rows, row_bytes[name], dtype, per_row))
             for name, (shape, dtype) in row_specs.items()}
     if cfg.expert_bias:
         host.update(gate_up_bias=HostBank(rows, (2 * I,), bias_dtype), down_bias=HostBank(rows, (H,), bias_dtype))

@@ -6,7 +6,7 @@ with random weights to a temporary folder, loads it in a fresh subprocess and re
 set size (VmHWM from /proc/self/status, which includes the Python/JAX runtime; page-cache pages mapped into the
 banks count as they are resident) divided by the checkpoint bytes, and how many bank bytes are the checkpoint's own
 pages mapped into the bank (SafetensorsCheckpoint.read_into; the rest was copied: a float32 -> bfloat16 cast, or
-tensors whose file offsets are not congruent with the bank's page offset, e.g. in the other shards).
+tensors whose file offsets are not congruent with their rows' page offsets).
 Goal (issue 3): peak / checkpoint <= 1.3; issue 19: <= 1.1 (llama.cpp, which memory-maps its file: 1.02).
 
 Usage: python scripts/measure_load_memory.py [--layers 9] [--shards 4] [--expert-dtype float32|bfloat16]
@@ -93,17 +93,14 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def mapped_bytes(paths: list[str], start: int, nbytes: int) -> int:
-    """Bytes of [start, start + nbytes) that are mappings of the files ``paths`` (/proc/self/maps)."""
+def mapped_bytes(paths: list[str], ranges: list[tuple[int, int]]) -> int:
+    """Bytes of the address ranges [start, start + nbytes) that are mappings of the files ``paths``
+    (/proc/self/maps, read once)."""
     real = {os.path.realpath(p) for p in paths}
-    total = 0
     with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 6 and fields[5] in real:
-                lo, hi = (int(a, 16) for a in fields[0].split("-"))
-                total += max(0, min(hi, start + nbytes) - max(lo, start))
-    return total
+        maps = [tuple(int(a, 16) for a in fields[0].split("-")) for fields in map(str.split, f)
+                if len(fields) >= 6 and fields[5] in real]
+    return sum(max(0, min(hi, start + nbytes) - max(lo, start)) for start, nbytes in ranges for lo, hi in maps)
 
 
 def child(folder: str, expert_dtype: str) -> None:
@@ -126,8 +123,9 @@ def child(folder: str, expert_dtype: str) -> None:
             "bank row mismatch"
         files = f.files
     banks = (ck.banks.gate_up, ck.banks.down)
-    mapped = sum(mapped_bytes(files, b.rows(r, r + 1).ctypes.data, b.row_bytes) for b in banks
-                 for r in range(b.num_rows))  # rows at their file offsets: gaps between layers are not counted
+    # the rows at their file offsets (the gaps between layers not counted)
+    rows = [(b.rows(r, r + 1).ctypes.data, b.row_bytes) for b in banks for r in range(b.num_rows)]
+    mapped = mapped_bytes(files, rows)
     print(json.dumps({
         "checkpoint_bytes": ck.checkpoint_bytes, "bank_bytes": ck.banks.gate_up.nbytes + ck.banks.down.nbytes,
         "peak_rss_bytes": peak_kb * 1024, "baseline_rss_bytes": baseline_kb * 1024,

@@ -1054,16 +1054,17 @@ def test_page_offsets_map_the_most_bytes_per_row(tmp_path):
         assert (off["b"] - off["a"]) % 4096 == 104
         regions = [(0, "a", 0, 0, M), (0, "b", 0, M, 2 * M), (1, "c", 0, 0, 2 * M), (2, "a0", 0, 0, 104)]
         row0, row1 = (off["b"] - M) % H2, off["c"] % H2
-        assert ckpt.page_offsets(regions, 3, 3 * M) == [row0, row1, (row1 + 3 * M) % H2]
+        assert ckpt.page_offsets(regions, 3, 3 * M, np.float32) == [row0, row1, (row1 + 3 * M) % H2]
         # one offset: row 1 at 3 MiB from row 0, so c votes for (off_c - 3 MiB), which is b's: 4 MiB against a's 1
-        assert ckpt.page_offsets(regions, 3, 3 * M, per_row=False) == [row0]
-        assert ckpt.page_offsets(regions[:1], 2, 3 * M) == [off["a"] % H2, (off["a"] + 3 * M) % H2]
-        assert ckpt.page_offsets([(1, "b", M, 0, M)], 2, 3 * M) == [0, (off["b"] + M) % H2]  # b's second half
-        assert ckpt.page_offsets([], 3, 3 * M) == [0, M, 0]
+        assert ckpt.page_offsets(regions, 3, 3 * M, np.float32, per_row=False) == [row0]
+        assert ckpt.page_offsets(regions[:1], 2, 3 * M, np.float32) == [off["a"] % H2, (off["a"] + 3 * M) % H2]
+        assert ckpt.page_offsets([(1, "b", M, 0, M)], 2, 3 * M, np.float32) == [0, (off["b"] + M) % H2]  # b's 2nd half
+        assert ckpt.page_offsets([], 3, 3 * M, np.float32) == [0, M, 0]
         with pytest.raises(CheckpointError, match="missing tensor 'z'"):
-            ckpt.page_offsets([(0, "z", 0, 0, 4)], 1, 4)
+            ckpt.page_offsets([(0, "z", 0, 0, 4)], 1, 4, np.float32)
+        assert ckpt.page_offsets(regions, 3, 3 * M, ml_dtypes.bfloat16) == [0, M, 0]  # a cast maps nothing
     with SafetensorsCheckpoint(tmp_path, map_pages=False) as ckpt:  # nothing is mapped: rows at one stride
-        assert ckpt.page_offsets(regions, 3, 3 * M) == [0, M, 0]
+        assert ckpt.page_offsets(regions, 3, 3 * M, np.float32) == [0, M, 0]
 
 
 def test_read_into_a_frozen_bank_view_is_refused_and_maps_nothing(tmp_path):
@@ -1071,7 +1072,8 @@ def test_read_into_a_frozen_bank_view_is_refused_and_maps_nothing(tmp_path):
     save_file({"t": t}, str(tmp_path / "model.safetensors"))
     path = str(tmp_path / "model.safetensors")
     with SafetensorsCheckpoint(tmp_path) as ckpt:
-        bank = HostBank(1, (512, 1024), np.float32, ckpt.page_offsets([(0, "t", 0, 0, 2 << 20)], 1, 2 << 20))
+        bank = HostBank(1, (512, 1024), np.float32, ckpt.page_offsets([(0, "t", 0, 0, 2 << 20)], 1, 2 << 20,
+                                                                          np.float32))
         bank.freeze()
         with pytest.raises(TypeError, match="read-write"):  # as any read-only destination
             ckpt.read_into("t", bank.numpy()[0])

@@ -213,23 +213,22 @@ class HostBank:
         out.flags.writeable = False
         return out
 
-    def take(self, rows: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
-        """Copies of these rows, in this order, in ``out`` (a writable array [len(rows), *row_shape] of the bank dtype)
-        or a new array.
+    def take(self, rows: Sequence[int]) -> np.ndarray:
+        """A new array [len(rows), *row_shape] (bank dtype) holding copies of these rows, in this order.
 
         Raises IndexError for a row outside [0, num_rows), ValueError if released."""
         self._check_alive("take")
-        out = np.empty((len(rows), *self._row_shape), self._dtype) if out is None else out
+        out = np.empty((len(rows), *self._row_shape), self._dtype)
         for i, r in enumerate(rows):
             out[i] = self.rows(r, r + 1)[0]
         return out
 
     def to_jax(self) -> jax.Array:
         """A jax array [num_rows, *row_shape] (bank dtype) on the default device holding a copy of the rows, copied
-        once (on the CPU backend into a huge_page_buffer that the array then owns; no numpy copy beside it)."""
-        buf = huge_page_buffer(self.shape, self._dtype)
-        self.take(range(self._num_rows), out=buf)
-        return jax.device_put(buf, may_alias=True)
+        once (stack_on_huge_pages: on the CPU backend into a huge-page buffer that the array then owns).
+        Raises ValueError if released."""
+        self._check_alive("to_jax")
+        return stack_on_huge_pages([[self.rows(r, r + 1)[0]] for r in range(self._num_rows)])
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Zero-copy numpy view [stop - start, *row_shape] (bank dtype) of rows start..stop-1, which must lie at one
