@@ -211,6 +211,34 @@ def test_a_page_offset_per_row_places_each_row_and_gaps_only_where_the_offsets_b
         HostBank(2, (5,), np.float32, page_offset=[0, MAP_ALIGNMENT])
 
 
+def test_sizes_beyond_the_address_space_and_values_that_are_not_integers_are_refused_by_name():
+    """A fresh-user trial: [2, 2^40, 2^40] float32 made a bank of 0 bytes (the byte count wrapped), 2^52 rows of 4 KiB
+    a bare std::bad_alloc after the bank was made, 2^70 rows nanobind's "incompatible function arguments"; a float
+    page offset, row count or row index was truncated, take() read booleans as row indices."""
+    for rows, shape in ((2, (2**40, 2**40)), (2**52, (1024,)), (2**62, (1024,)), (2**70, (4,))):
+        with pytest.raises(ValueError, match=r"exceeds? the address space \(2\^47 bytes\)"):
+            HostBank(rows, shape, np.float32)
+    for kwargs in ({"num_rows": 2.5}, {"row_shape": (4.0,)}, {"page_offset": 4.7}, {"page_offset": "4"},
+                   {"page_offset": [0, 64.5]}, {"page_offset": None}, {"page_offset": True}):
+        args = {"num_rows": 2, "row_shape": (4,), "dtype": np.float32, **kwargs}
+        with pytest.raises(TypeError, match=f"HostBank: {next(iter(kwargs))}: expected an integer, got"):
+            HostBank(**args)
+    with pytest.raises(TypeError, match="page_offset must be an integer or a 1-D sequence of integers"):
+        HostBank(2, (4,), np.float32, page_offset=np.zeros((2, 2), np.int64))
+    bank = HostBank(4, (3,), np.float32, page_offset=np.array([0, 12, 24, 36]))  # numpy integers are integers
+    bank.write_row(3, np.arange(3, dtype=np.float32))
+    np.testing.assert_array_equal(bank.take(np.array([3, 0])), [[0, 1, 2], [0, 0, 0]])
+    with pytest.raises(TypeError, match="take: expected an integer, got np.True_"):
+        bank.take(np.array([True, False]))
+    with pytest.raises(IndexError, match=r"HostBank.take: rows \[-1, 4\] outside bank"):
+        bank.take([-1, 0, 4])
+    with pytest.raises(TypeError, match="rows: expected an integer, got 0.5"):
+        bank.rows(0.5, 1)
+    with pytest.raises(TypeError, match="write_row: expected an integer, got 1.9"):
+        bank.write_row(1.9, np.zeros(3, np.float32))
+    bank.release()
+
+
 def _random_file(path, nbytes: int, seed: int = 0) -> bytes:
     data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
     with open(path, "wb") as f:

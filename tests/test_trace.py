@@ -219,6 +219,10 @@ def test_cache_sizes_that_come_to_one_slot_count_give_one_row(tmp_path, capsys):
                          "--bandwidth", "2,8", "--policy", "fetch-all", "--json", *flags]) == 0
         rows = json.loads(capsys.readouterr().out)["results"]
         assert [r["cache_slots"] for r in rows] == ([total // 2] if flags[0] == "--cache-fraction" else [3, 5])
+    assert cli.main(["trace", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),
+                     "--bandwidth", "2,8", "--policy", "fetch-all", "--json", "--cache-slots", "3",
+                     "--devices", "1,1"]) == 0  # a device count given twice (a second trial)
+    assert len(json.loads(capsys.readouterr().out)["results"]) == 1
 
 
 def test_batch_figures_are_per_token_not_per_step(tmp_path, capsys):

@@ -124,11 +124,18 @@ Bank::Bank(int64_t id, int64_t num_rows, std::vector<int64_t> row_shape, int32_t
                                   "), got " + std::to_string(page_offsets[i]) + " (row " + std::to_string(i) + ")");
     }
   }
+  // Sizes are checked against the address space (2^47 bytes on x86-64) before any product can wrap.
+  constexpr size_t kMaxBytes = size_t{1} << 47;
+  const std::string too_big = "host bank: " + Describe() + " exceeds the address space (2^47 bytes)";
   row_elems_ = 1;
   for (int64_t d : row_shape_) {
     if (d <= 0) throw std::invalid_argument("host bank: row dimensions must be >= 1, got " + std::to_string(d));
+    if (static_cast<size_t>(d) > kMaxBytes / elem_size_ / row_elems_) throw std::invalid_argument(too_big);
     row_elems_ *= static_cast<size_t>(d);
   }
+  // num_rows rows, plus a gap of < 2 MiB before each when every row has its own offset
+  const size_t per_row = row_bytes() + (page_offsets.size() > 1 ? kBankMapAlignment : 0);
+  if (static_cast<size_t>(num_rows_) > kMaxBytes / per_row) throw std::invalid_argument(too_big);
   const size_t page_offset = page_offsets[0];
   span_bytes_ = nbytes();
   if (page_offsets.size() > 1) {  // row r at the first offset past row r - 1 that is congruent to its page offset

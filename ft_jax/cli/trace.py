@@ -183,7 +183,7 @@ def run_trace(args) -> int:
             sys.stderr.flush()
 
     results = []
-    for n in args.devices:
+    for n in dict.fromkeys(args.devices):  # a device count given twice: its rows once
         if n == 1:
             results += evaluate(trace, args.policy, sizes, model, carry_cache=args.carry_cache, batch=args.batch,
                                 progress=progress)

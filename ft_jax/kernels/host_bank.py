@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import operator
 import weakref
 from typing import Sequence
 
@@ -52,6 +53,28 @@ def _bank_dtype(dtype) -> np.dtype:
     return dt
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def _integer(value, what: str) -> int:
+    """``value`` as an int when it is integral (an int or a numpy integer, not a bool, a float or a string)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"HostBank: {what}: expected an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"HostBank: {what}: expected an integer, got {value!r}") from None
+
+
+def _sequence(value, what: str) -> list:
+    """A scalar as [value], a 1-D sequence (list, tuple, 1-D numpy array) as a list of its items."""
+    if np.ndim(value) == 0 and not isinstance(value, (list, tuple)):
+        return [value]
+    if np.ndim(value) != 1 and not (isinstance(value, (list, tuple)) and not value):
+        raise TypeError(f"HostBank: {what} must be an integer or a 1-D sequence of integers, got {value!r}")
+    return list(value)
+
+
 def _release_if_live(bank_id: int) -> None:
     if _ffi.bank_is_live(bank_id):
         _ffi.bank_release(bank_id)
@@ -79,26 +102,33 @@ class HostBank:
     writing to the bank never changes the file; docs/DESIGN.md section 15.4).
 
     Raises:
-      TypeError: unsupported dtype. ValueError: non-positive num_rows or row dimension, a page offset out of range or
-        not a multiple of the element size, or a number of page offsets other than 1 or num_rows.
+      TypeError: unsupported dtype; num_rows, a row dimension or a page offset that is not an integer (a float, a
+        string, a bool). ValueError: non-positive num_rows or row dimension, a bank beyond the address space (2^47
+        bytes, gaps included), a page offset out of range or not a multiple of the element size, or a number of page
+        offsets other than 1 or num_rows.
       ft_jax.memory.InsufficientMemoryError (a MemoryError): the allocation failed.
     """
 
     def __init__(self, num_rows: int, row_shape: Sequence[int], dtype, page_offset: int | Sequence[int] = 0):
         self._dtype = _bank_dtype(dtype)
-        num_rows = int(num_rows)
-        row_shape = tuple(int(d) for d in row_shape)
-        offsets = [int(page_offset)] if np.ndim(page_offset) == 0 else [int(p) for p in page_offset]
+        num_rows = _integer(num_rows, "num_rows")
+        row_shape = tuple(_integer(d, "row_shape") for d in _sequence(row_shape, "row_shape"))
+        offsets = [_integer(p, "page_offset") for p in _sequence(page_offset, "page_offset")]
         for p in offsets:
             if not 0 <= p < MAP_ALIGNMENT or p % self._dtype.itemsize:
                 raise ValueError(f"HostBank: page_offset must be a multiple of the {self._dtype.name} element size in "
                                  f"[0, {MAP_ALIGNMENT}), got {p}")
+        if num_rows > _INT64_MAX or any(d > _INT64_MAX for d in row_shape):  # below 1: the C++ check names it
+            raise ValueError(f"HostBank: {num_rows} rows of {list(row_shape)} exceed the address space (2^47 bytes)")
         try:
             self._id = int(_ffi.bank_create(num_rows, list(row_shape), _DTYPE_CODES[self._dtype.name], offsets))
         except MemoryError:  # std::bad_alloc: the same one-line error as the pre-load check
             need = num_rows * math.prod(row_shape) * self._dtype.itemsize
+            gaps = ", plus up to 2 MiB of address space before each row whose offset breaks the stride" \
+                if len(offsets) > 1 else ""
             raise InsufficientMemoryError(f"could not allocate a host bank of {num_rows} x {list(row_shape)} "
-                                          f"{self._dtype.name} ({need // 2**20} MiB): out of host memory") from None
+                                          f"{self._dtype.name} ({need // 2**20} MiB of rows{gaps}): out of host "
+                                          "memory") from None
         self._num_rows = num_rows
         self._row_shape = row_shape
         self._row_offsets = np.asarray(_ffi.bank_row_offsets(self._id), np.int64)  # [num_rows] bytes from row 0
@@ -203,9 +233,9 @@ class HostBank:
         A view keeps the memory alive even if the bank is released afterwards. Raises ValueError if released, or for
         a bank that is neither uniform nor frozen (write its rows through :meth:`rows`).
         """
+        self._check_alive("numpy")
         if self.uniform:
             return self.rows(0, self._num_rows)
-        self._check_alive("numpy")
         if not self._frozen:
             raise ValueError(f"HostBank.numpy: the rows of bank {self._id} {self._describe_shape()} are not at one "
                              "stride; write them through rows() or write_row()")
@@ -216,8 +246,13 @@ class HostBank:
     def take(self, rows: Sequence[int]) -> np.ndarray:
         """A new array [len(rows), *row_shape] (bank dtype) holding copies of these rows, in this order.
 
-        Raises IndexError for a row outside [0, num_rows), ValueError if released."""
+        Raises IndexError for a row outside [0, num_rows), TypeError for rows that are not integers (booleans
+        included), ValueError if released."""
         self._check_alive("take")
+        rows = [_integer(r, "take") for r in _sequence(rows, "take")]
+        bad = [r for r in rows if not 0 <= r < self._num_rows]
+        if bad:
+            raise IndexError(f"HostBank.take: rows {bad} outside bank {self._id} with {self._num_rows} rows")
         out = np.empty((len(rows), *self._row_shape), self._dtype)
         for i, r in enumerate(rows):
             out[i] = self.rows(r, r + 1)[0]
@@ -240,7 +275,9 @@ class HostBank:
           IndexError: an empty range or one outside [0, num_rows). ValueError: released, or rows not at one stride.
         """
         self._check_alive("rows")
-        start, stop = int(start), int(stop)
+        start, stop = _integer(start, "rows"), _integer(stop, "rows")
+        if start >= stop:
+            raise IndexError(f"HostBank.rows: rows {start}:{stop} are an empty range")
         if not 0 <= start < stop <= self._num_rows:
             raise IndexError(f"HostBank.rows: rows {start}:{stop} outside bank {self._id} with {self._num_rows} rows")
         first, rb = int(self._row_offsets[start]), self.row_bytes
@@ -264,7 +301,7 @@ class HostBank:
         if self._frozen:
             raise ValueError(f"HostBank.write_row: bank {self._id} {self._describe_shape()} is read-only (frozen "
                              "after loading: compiled decode steps read it)")
-        i = int(i)
+        i = _integer(i, "write_row")
         if not 0 <= i < self._num_rows:
             raise IndexError(f"HostBank.write_row: row {i} out of range for bank {self._id} with {self._num_rows} rows")
         src = np.asarray(array)
