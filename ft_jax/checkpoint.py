@@ -41,6 +41,7 @@ from ft_jax import weight_formats as wf
 from ft_jax.config import MoEConfig, check_regular_file, file_present, load_config, read_json_file
 from ft_jax.config.quantization import expert_format, quantize_applies
 from ft_jax.models.decoder import MoETransformer
+from ft_jax.models.layers import HostWeights, host_weights_apply
 from ft_jax import _ffi
 from ft_jax.kernels.host_bank import JAX_CPU_ALIGNMENT, MAP_ALIGNMENT, HostBank, huge_page_buffer
 from ft_jax.offload.banks import ExpertBanks
@@ -985,14 +986,25 @@ def _load_in_two_threads(make_model: Callable[[], Any], make_banks: Callable[[th
             raise
 
 
-def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.WeightFormat | None = None):
-    """ParamFactory reading dense tensors from the checkpoint as host arrays of ``dtype`` (float32 or bfloat16), or
+class _DenseReader:
+    """ParamFactory (ft_jax.models.layers) reading dense tensors from the checkpoint as host arrays of ``dtype`` (float32 or bfloat16), or
     as numpy weight_formats.QuantizedTensor(data [rows, cols], scales, fmt): with fmt q8_0 / q4_0 the tensors
     ft_jax.config.quantization.quantize_applies selects (kind "weight"), quantized while read; with an fp8 fmt
     every tensor stored as F8_E4M3 (with its ``<name>_scale_inv``), as stored. Raises CheckpointError naming file and tensor (a row length that does not fit
-    the blocks, an FP8 tensor where a float one is needed, NaN)."""
+    the blocks, an FP8 tensor where a float one is needed, NaN).
 
-    def make(name: str, shape: tuple[int, ...], kind: str):
+    With host_banks, its ``host_weights`` puts the projections the model asks for (Stacked.projection, the embedding
+    and lm_head) into host banks of ``dtype`` (models.layers.HostWeights): mapped from the file's pages where their
+    offsets allow, so that loading them copies nothing (docs/DESIGN.md sec. 20.27). Without, it returns None and they
+    are read through __call__ and stacked as arrays."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.WeightFormat | None = None,
+                 host_banks: bool = False):
+        self.ckpt, self.dtype, self.family, self.fmt = ckpt, np.dtype(dtype), family, fmt
+        self.host_banks = host_banks
+
+    def __call__(self, name: str, shape: tuple[int, ...], kind: str):
+        ckpt, dtype, family, fmt = self.ckpt, self.dtype, self.family, self.fmt
         # A tensor outside the decoder layers (embedding, lm_head, final norm) becomes a parameter of its own
         # (host_array); a layer's ("model.layers.{l}.", models.layers.Stacked) is copied into its layer stack.
         whole = not name.startswith("model.layers.")
@@ -1029,7 +1041,38 @@ def _dense_factory(ckpt: SafetensorsCheckpoint, dtype, family: str, fmt: wf.Weig
         # a whole one that host_array uses in place (mapped, 64-byte aligned) or that is cast.
         return ckpt.view(name, shape).astype(target, copy=False)
 
-    return make
+
+    def host_weights(self, layers: list[list[tuple[str, tuple[int, int]]]], stacked: bool) -> HostWeights | None:
+        """Per layer, its tensors (name, [rows, K]) concatenated along their rows, in one host bank of the dense dtype
+        (row l: layer l; each row at the page offset of its tensors in the file: SafetensorsCheckpoint.page_offsets),
+        filled by read_into (mapped where congruent, else read; cast through a temporary when stored in another
+        float dtype; checked for NaN/Inf) and frozen; None without host_banks.
+
+        Raises CheckpointError naming the tensor (missing, wrong shape or dtype, truncated file, NaN/Inf)."""
+        if not self.host_banks:
+            return None
+        ckpt, dtype = self.ckpt, self.dtype
+        K = layers[0][0][1][1]
+        rows = sum(shape[0] for _, shape in layers[0])
+        regions = []  # (bank row, tensor, 0, byte offset in the row, bytes)
+        for l, parts in enumerate(layers):
+            within = 0
+            for name, shape in parts:
+                regions.append((l, name, 0, within, ckpt.info(name, shape).nbytes))
+                within += shape[0] * K * dtype.itemsize
+        offsets = ckpt.page_offsets(regions, len(layers), rows * K * dtype.itemsize, dtype)
+        bank = HostBank(len(layers), (rows, K), dtype, page_offset=offsets)
+        try:
+            for l, parts in enumerate(layers):
+                row, r = bank.rows(l, l + 1)[0], 0  # [rows, K]
+                for name, shape in parts:
+                    ckpt.read_into(name, row[r:r + shape[0]], shape)
+                    r += shape[0]
+            bank.freeze()
+        except BaseException:
+            bank.release()
+            raise
+        return HostWeights(bank, stacked)
 
 
 def load_banks(model_dir: str | os.PathLike, dtype=jnp.float32, quantize: str | None = None,
@@ -1094,7 +1137,8 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     with SafetensorsCheckpoint(model_dir, map_pages=map_pages) as ckpt:
         plan = expert_tensor_plan(cfg, ckpt, fmt, experts)
         model, banks = _load_in_two_threads(
-            lambda: MoETransformer(cfg, _dense_factory(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None)),
+            lambda: MoETransformer(cfg, _DenseReader(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None,
+                                                      host_banks=not fmt.quantized and host_weights_apply(dense_dtype))),
             lambda cancel: load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts, cancel))
         nbytes = ckpt.nbytes
         if experts is not None:

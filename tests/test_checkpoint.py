@@ -16,11 +16,13 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from ft_jax import checkpoint as checkpoint_lib
 from ft_jax import weight_formats as wf
 from ft_jax.checkpoint import (CheckpointError, SafetensorsCheckpoint, load_checkpoint,
                                read_safetensors_header)
 from ft_jax.config import ConfigError
 from ft_jax.kernels.host_bank import HostBank
+from ft_jax.models.layers import HostWeights
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
@@ -43,7 +45,11 @@ def _expert_names(family, layer, e):
 
 
 def _params(model):
-    return {"/".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    """{path: numpy array} of the model's parameters (HostWeights: their bank's rows in the logical shape)."""
+    def value(v):
+        return v.bank.numpy().reshape(v.shape) if isinstance(v, HostWeights) else np.asarray(v)
+
+    return {"/".join(map(str, k)): value(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
 def _release(ck):
@@ -849,10 +855,12 @@ def _page_align_data(path) -> None:
 
 @pytest.mark.parametrize("aligned", [False, True], ids=["data_at_32_mod_64", "data_page_aligned"])
 @pytest.mark.parametrize("map_pages", [True, False], ids=["mapped", "copied"])
-def test_bf16_expert_banks_map_the_file_and_hold_its_tensors(tmp_path, map_pages, aligned):
+def test_bf16_expert_banks_map_the_file_and_hold_its_tensors(tmp_path, monkeypatch, map_pages, aligned):
     """Mapped (the default): the banks are the file's pages. Copied (map_pages=False, `--bank-memory copy`): the same
     bytes in the banks' own memory, 2 MiB aligned (huge pages), and no mapping of the file left in the process.
-    Dense tensors: a 64-byte aligned embedding is used in place when mapped (no copy), copied when not."""
+    Dense tensors as arrays (where they are not HostWeights: tests/test_host_weights.py): a 64-byte aligned embedding
+    is used in place when mapped (no copy), copied when not."""
+    monkeypatch.setattr(checkpoint_lib, "host_weights_apply", lambda dtype: False)
     path = _synthetic_bf16_mixtral(tmp_path)
     if aligned:
         _page_align_data(path)
@@ -973,10 +981,11 @@ def test_expert_banks_of_a_cast_keep_one_stride_and_map_nothing(tmp_path):
 @pytest.mark.parametrize("map_pages", [True, False], ids=["mapped", "copied"])
 def test_embedding_and_lm_head_are_read_straight_into_their_own_buffers_unless_used_in_place(
         tmp_path, monkeypatch, map_pages, aligned):
-    """The embedding and lm_head (used whole, not stacked) are file views only where the model uses the view in place
-    (mapped and 64-byte aligned); otherwise they are read into a 2 MiB aligned buffer that the parameter is (one
-    pass, no view populated beside the copy), holding the file's bytes. Layer tensors are always views (copied into
-    their stacks)."""
+    """As arrays (where they are not HostWeights: tests/test_host_weights.py), the embedding and lm_head (used whole,
+    not stacked) are file views only where the model uses the view in place (mapped and 64-byte aligned); otherwise
+    they are read into a 2 MiB aligned buffer that the parameter is (one pass, no view populated beside the copy),
+    holding the file's bytes. Layer tensors are always views (copied into their stacks)."""
+    monkeypatch.setattr(checkpoint_lib, "host_weights_apply", lambda dtype: False)
     path = _synthetic_bf16_mixtral(tmp_path)
     if aligned:
         _page_align_data(path)

@@ -29,7 +29,7 @@ from safetensors.numpy import load_file, save_file
 import ft_jax
 from ft_jax import _ffi, checkpoint, memory
 from ft_jax import weight_formats as wf
-from ft_jax.checkpoint import (CheckpointError, SafetensorsCheckpoint, _dense_factory, expert_tensor_plan,
+from ft_jax.checkpoint import (CheckpointError, SafetensorsCheckpoint, _DenseReader, expert_tensor_plan,
                                load_checkpoint, load_expert_banks)
 from ft_jax.cli.generate import stats_table
 from ft_jax.config import ConfigError, load_config
@@ -69,7 +69,7 @@ def _load_parts(d, dtype, quantize=None):
     fmt = expert_format(cfg, dtype, quantize)
     ckpt = SafetensorsCheckpoint(d)
     banks = load_expert_banks(cfg, ckpt, expert_tensor_plan(cfg, ckpt, fmt), fmt, np.dtype(dtype))
-    return cfg, banks, _dense_factory(ckpt, np.dtype(dtype), cfg.family, fmt if fmt.quantized else None), ckpt
+    return cfg, banks, _DenseReader(ckpt, np.dtype(dtype), cfg.family, fmt if fmt.quantized else None), ckpt
 
 
 # where weight_formats.storage_format keeps q4_0 as Q4_0_X16: the CPU backend at the AVX-512 kernel level
@@ -221,7 +221,7 @@ def test_quantize_refuses_a_row_that_does_not_fit_its_blocks(tmp_path):
         load_checkpoint(d, quantize="q4_0")
     cfg = load_config(d)
     with SafetensorsCheckpoint(d) as ckpt:  # the dense side names its tensor too
-        make = _dense_factory(ckpt, np.float32, cfg.family, wf.Q8_0)
+        make = _DenseReader(ckpt, np.float32, cfg.family, wf.Q8_0)
         name = "model.layers.0.self_attn.kv_b_proj.weight"
         with pytest.raises(CheckpointError, match=re.escape(f"tensor {name!r}: rows of {cfg.kv_lora_rank} elements "
                                                             "do not fit q8_0's blocks of 32")):
@@ -377,7 +377,7 @@ def test_fp8_nan_is_reported_naming_file_and_tensor(tmp_path, where):
     save_file(t, path)
     with SafetensorsCheckpoint(d) as ckpt:
         with pytest.raises(CheckpointError, match=rf"tensor '{re.escape(name)}' .* holds NaN"):
-            _dense_factory(ckpt, np.dtype(ml_dtypes.bfloat16), cfg.family, fmt)(name, t[name].shape, "weight")
+            _DenseReader(ckpt, np.dtype(ml_dtypes.bfloat16), cfg.family, fmt)(name, t[name].shape, "weight")
 
 
 def test_mxfp4_scale_255_is_reported(tmp_path):

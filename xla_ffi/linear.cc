@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/bank_state.h"
 #include "xla_ffi/common.h"
 #include "xla_ffi/dot_kernels.h"
 #include "xla_ffi/ffi_handlers.h"
@@ -91,6 +92,25 @@ const float* XAsF32(ffi::AnyBuffer x, size_t n, Scratch<float>& scratch) {
 }
 
 constexpr const char* kOp = "linear";
+constexpr const char* kBankOp = "bank_linear";
+
+// y[N, O] = x [N, K] . rows of `view` (checked by the caller), on the caller's thread pool.
+ffi::Error Project(const char* op, const MatrixView& view, ffi::AnyBuffer x, int64_t N, int64_t O, float* y,
+                   ffi::ThreadPool& pool) {
+  const int64_t K = view.cols;
+  const uint16_t* xb = x.element_type() == ffi::DataType::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
+  const WFormat format = view.format;
+  // bf16 x bf16 where the CPU has the dot: x is used as it is, no float32 copy.
+  const bool bf16_dots = format == WFormat::kBF16 && xb != nullptr && KernelIsaLevel() == Isa::kAvx512Bf16;
+  const size_t n = static_cast<size_t>(N * K);
+  return Guarded(op, [&] {
+    thread_local std::vector<float> x32_storage;
+    Scratch<float> x32(x32_storage, xb != nullptr && !bf16_dots ? n : 0);  // trimmed after the call (common.h)
+    const bool bf16_x_dots = format == WFormat::kBF16 || format == WFormat::kFp8 || format == WFormat::kMxfp4;
+    RunLinear(view, bf16_dots ? nullptr : XAsF32(x, n, x32), bf16_x_dots ? xb : nullptr, N, O, y, pool);
+    return ffi::Error::Success();
+  });
+}
 
 ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, I32Scalar layer,
                       ffi::RemainingArgs extra, F32MatrixResult y, std::string_view weight_format, int64_t block_rows,
@@ -147,17 +167,40 @@ ffi::Error LinearImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   MatrixView view = MakeView(format, spec, static_cast<const uint8_t*>(w.untyped_data()), scales, K);
   view.data += static_cast<size_t>(l) * static_cast<size_t>(O) * view.row_bytes;
   if (spec.quantized) view.scales += static_cast<size_t>(l) * static_cast<size_t>(ScaleRows(spec, O)) * view.scale_row_bytes;
-  const uint16_t* xb = x.element_type() == ffi::DataType::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
-  // bf16 x bf16 where the CPU has the dot: x is used as it is, no float32 copy.
-  const bool bf16_dots = format == WFormat::kBF16 && xb != nullptr && KernelIsaLevel() == Isa::kAvx512Bf16;
-  const size_t n = static_cast<size_t>(N * K);
-  return Guarded(kOp, [&] {
-    thread_local std::vector<float> x32_storage;
-    Scratch<float> x32(x32_storage, xb != nullptr && !bf16_dots ? n : 0);  // trimmed after the call (common.h)
-    RunLinear(view, bf16_dots ? nullptr : XAsF32(x, n, x32), format == WFormat::kBF16 || format == WFormat::kFp8 || format == WFormat::kMxfp4 ? xb : nullptr, N, O,
-              y->typed_data(), pool);
-    return ffi::Error::Success();
-  });
+  return Project(kOp, view, x, N, O, y->typed_data(), pool);
+}
+
+// The float weights of one host-bank row: bank_linear's attribute `bank`, bound once per executable.
+ffi::ErrorOr<std::unique_ptr<BoundBanks>> BankLinearInstantiate(int64_t bank) {
+  auto bound = BindBanks(kBankOp, ffi::Span<const int64_t>(&bank, 1));
+  if (!bound.has_value()) return bound;
+  const Bank& b = *(*bound)->banks[0];
+  const int32_t dt = b.dtype_code();
+  if (b.row_shape().size() != 2 || (dt != static_cast<int32_t>(BankDType::kF32) &&
+                                    dt != static_cast<int32_t>(BankDType::kBF16))) {
+    return ffi::Unexpected(InvalidArgument(kBankOp, b.Describe() + " must hold float32 or bfloat16 rows [O, K]"));
+  }
+  return bound;
+}
+
+ffi::Error BankLinearImpl(ffi::ThreadPool pool, BoundBanks* bound, ffi::AnyBuffer x, I32Scalar layer,
+                          F32MatrixResult y, int64_t /*bank: in `bound`*/) {
+  if (ffi::Error err = CheckBanksLive(kBankOp, *bound); err.failure()) return err;
+  const Bank& b = *bound->banks[0];
+  const auto xd = x.dimensions();
+  const int64_t O = b.row_shape()[0], K = b.row_shape()[1];
+  if (xd.size() != 2 || !IsWeightDType(x.element_type()) || xd[1] != K || y->dimensions()[0] != xd[0] ||
+      y->dimensions()[1] != O) {
+    return InvalidArgument(kBankOp, "x must be f32|bf16 [N, " + std::to_string(K) + "] and the result f32 [N, " +
+                                        std::to_string(O) + "] for " + b.Describe() + ", got x " + Dims(xd));
+  }
+  const int32_t l = *layer.typed_data();
+  if (l < 0 || l >= b.num_rows()) {
+    return InvalidArgument(kBankOp, "layer " + std::to_string(l) + " is out of range for " + b.Describe());
+  }
+  if (xd[0] == 0 || O == 0) return ffi::Error::Success();
+  const WFormat format = b.dtype_code() == static_cast<int32_t>(BankDType::kF32) ? WFormat::kF32 : WFormat::kBF16;
+  return Project(kBankOp, MakeView(format, WeightSpec{}, b.row(l), nullptr, K), x, xd[0], O, y->typed_data(), pool);
 }
 
 }  // namespace
@@ -174,3 +217,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxLinear, ft_jax::LinearImpl,
                                   .Attr<std::string_view>("weight_format")
                                   .Attr<int64_t>("block_rows")
                                   .Attr<int64_t>("block_cols"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxBankLinearInstantiate, ft_jax::BankLinearInstantiate,
+                              ffi::Ffi::BindInstantiate().Attr<int64_t>("bank"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FtJaxBankLinear, ft_jax::BankLinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Ctx<ffi::State<ft_jax::BoundBanks>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ft_jax::I32Scalar>()
+                                  .Ret<ft_jax::F32Matrix>()
+                                  .Attr<int64_t>("bank"));

@@ -164,6 +164,8 @@ NB_MODULE(_ffi, m) {
         d["ft_jax_host_experts"] = Staged(FtJaxHostExpertsInstantiate, FtJaxHostExperts);
         d["ft_jax_slot_experts"] = Capsule(FtJaxSlotExperts);
         d["ft_jax_linear"] = Capsule(FtJaxLinear);
+        d["ft_jax_bank_linear"] = Staged(FtJaxBankLinearInstantiate, FtJaxBankLinear);
+        d["ft_jax_bank_take"] = Staged(FtJaxBankTakeInstantiate, FtJaxBankTake);
         d["ft_jax_decode_attention"] = Capsule(FtJaxDecodeAttention);
         return d;
       },

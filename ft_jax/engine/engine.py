@@ -27,6 +27,7 @@ from ft_jax.engine import stats as stats_lib
 from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, check_finite, row_key_data
 from ft_jax.engine.steps import bound_step, decode_n_tokens, decode_one_token, prefill
 from ft_jax.kernels.host_bank import use_huge_pages
+from ft_jax.models.layers import HostWeights
 from ft_jax.offload import expert_parallel
 from ft_jax.offload.cost_model import PREFILL_NEVER
 from ft_jax.offload.experts import OffloadedExperts
@@ -108,8 +109,9 @@ def _left_padded(prompts: Sequence[Sequence[int]], bucket: int) -> tuple[np.ndar
 def dense_weight_bytes(params, tied_embeddings: bool) -> int:
     """Bytes of the dense weights one decode step reads: every parameter leaf (as stored: a QuantizedTensor's data and
     scales) but the embedding table, of which a step gathers only its tokens' rows (with tied embeddings the table is
-    also the lm_head, read in full)."""
-    return sum(int(leaf.nbytes) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    also the lm_head, read in full); HostWeights count their banks' bytes."""
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, HostWeights))
+    return sum(int(leaf.nbytes) for path, leaf in leaves
                if tied_embeddings or "embed_tokens" not in jax.tree_util.keystr(path))
 
 

@@ -248,6 +248,63 @@ def linear(x, w, layer=0, *, scales=None, weight_format: WeightFormat | None = N
     return call(x, w, layer, *operands, **_format_attrs(fmt))
 
 
+def bank_linear(x, bank: HostBank, layer=0):
+    """Dense projection y = x @ W[layer].T with float32 accumulation, the weights read where a host bank holds them
+    (row ``layer`` of ``bank``: for a checkpoint loaded with mapped pages, the file's own page-cache pages). The same
+    kernel and the same bits per row as :func:`linear` on that matrix.
+
+    Args:
+      x: f32 or bf16 [N, K] activations.
+      bank: HostBank of float32 or bfloat16 rows [O, K] (row l: layer l's weight in Hugging Face [out, in] layout).
+      layer: i32[] or Python int, the row (traced values are fine: the scanned decode step passes its layer index).
+
+    Returns:
+      f32[N, O].
+
+    Raises:
+      TypeError / ValueError at trace time for dtypes or shapes, a bank of another dtype or row rank, or a released
+      bank; a layer outside [0, bank.num_rows) fails at run time.
+    """
+    op = "bank_linear"
+    (N, K), _ = _expect(op, "x", x, 2, _WEIGHT_DTYPES, "[N, K]")
+    _expect_bank(op, "bank", bank)
+    if bank.dtype not in _WEIGHT_DTYPES or len(bank.row_shape) != 2:
+        raise TypeError(f"{op}: bank {bank.id} {bank_desc_shape(bank)} must hold float32 or bfloat16 rows [O, K]")
+    O, Kw = bank.row_shape
+    if Kw != K:
+        raise ValueError(f"{op}: x [{N}, {K}] and bank {bank.id} rows [{O}, {Kw}] disagree on K (the input width)")
+    layer = jnp.asarray(layer, jnp.int32)
+    if layer.shape != ():
+        raise ValueError(f"{op}: layer must be a scalar, got shape {layer.shape}")
+    call = jax.ffi.ffi_call("ft_jax_bank_linear", jax.ShapeDtypeStruct((N, O), jnp.float32))
+    return call(x, layer, bank=np.int64(bank.id))
+
+
+def bank_take(ids, bank: HostBank):
+    """Rows of the table a host bank holds as its one row [V, H] (the embedding lookup): y[n] = table[ids[n]], the
+    stored values (no arithmetic).
+
+    Args:
+      ids: i32[N] row indices in [0, V).
+      bank: HostBank of one row [V, H], float32 or bfloat16.
+
+    Returns:
+      [N, H] of the bank's dtype.
+
+    Raises:
+      TypeError / ValueError at trace time for dtypes or shapes, another bank layout, or a released bank; an id
+      outside [0, V) fails at run time with an error naming it.
+    """
+    op = "bank_take"
+    (N,), _ = _expect(op, "ids", ids, 1, (np.dtype(np.int32),), "[N]")
+    _expect_bank(op, "bank", bank)
+    if bank.dtype not in _WEIGHT_DTYPES or bank.num_rows != 1 or len(bank.row_shape) != 2:
+        raise TypeError(f"{op}: bank {bank.id} {bank_desc_shape(bank)} must hold one float32 or bfloat16 table "
+                        f"[V, H]")
+    call = jax.ffi.ffi_call("ft_jax_bank_take", jax.ShapeDtypeStruct((N, bank.row_shape[1]), bank.dtype))
+    return call(ids, bank=np.int64(bank.id))
+
+
 def decode_attention(q, k_cache, v_cache, layer, rows, positions, window, *, scale: float, sinks=None):
     """One decode step's grouped-query softmax attention over a stacked KV cache as stored (the CPU handler,
     xla_ffi/decode_attention.cc): for query head h of row b at position p = positions[b], over the keys j of cache

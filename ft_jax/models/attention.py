@@ -41,10 +41,10 @@ class GroupedQueryAttention(nnx.Module):
         a = "self_attn"
         qkv = [(f"{a}.q_proj.weight", (NH * D, H)), (f"{a}.k_proj.weight", (KVH * D, H)),
                (f"{a}.v_proj.weight", (KVH * D, H))]
-        self.qkv = p.rows(qkv)  # [n, (NH + 2 KVH) D, H]
+        self.qkv = p.projection(qkv)  # [n, (NH + 2 KVH) D, H]
         self.qkv_bias = p.rows([(n.replace(".weight", ".bias"), (s[0],)) for n, s in qkv], "bias") \
             if cfg.qkv_bias else None  # [n, (NH + 2 KVH) D]
-        self.o = p(f"{a}.o_proj.weight", (H, NH * D))  # [n, H, NH D]
+        self.o = p.projection([(f"{a}.o_proj.weight", (H, NH * D))])  # [n, H, NH D]
         self.o_bias = p(f"{a}.o_proj.bias", (H,), "bias") if cfg.o_bias else None
         if cfg.qk_norm == "per_head":  # Qwen3-MoE: RMSNorm over D of each head, after the head split
             self.q_norm, self.k_norm = p(f"{a}.q_norm.weight", (D,), "norm"), p(f"{a}.k_norm.weight", (D,), "norm")

@@ -28,8 +28,8 @@ from flax import nnx
 from ft_jax.config import MoEConfig
 from ft_jax.kernels.host_bank import host_array, huge_page_buffer
 from ft_jax.models.attention import GroupedQueryAttention
-from ft_jax.models.layers import (AttentionInputs, ParamFactory, Stacked, as_float, attention_inputs, cache_load,
-                                  gated_mlp, linear, rms_norm, sequence_dots)
+from ft_jax.models.layers import (AttentionInputs, ParamFactory, Stacked, as_float, attention_inputs, gated_mlp, linear,
+                                  rms_norm, sequence_dots, take_rows)
 from ft_jax.models.mla import MultiHeadLatentAttention
 from ft_jax.models.moe import DeepseekMoEBlock, ExpertBackend, MoEBlock
 from ft_jax.weight_formats import QuantizedTensor, in_storage_format
@@ -83,8 +83,8 @@ class DenseMLP(nnx.Module):
     def __init__(self, cfg: MoEConfig, p: Stacked):
         H, I = cfg.hidden_size, cfg.intermediate_size
         self.activation = cfg.activation
-        self.gate_up = p.rows([("mlp.gate_proj.weight", (I, H)), ("mlp.up_proj.weight", (I, H))])  # [n, 2I, H]
-        self.down = p("mlp.down_proj.weight", (H, I))  # [n, H, I]
+        self.gate_up = p.projection([("mlp.gate_proj.weight", (I, H)), ("mlp.up_proj.weight", (I, H))])  # [n, 2I, H]
+        self.down = p.projection([("mlp.down_proj.weight", (H, I))])  # [n, H, I]
 
     def __call__(self, i, x, valid, expert_state, experts: ExpertBackend):
         """x: [B, T, H]. Returns (y [B, T, H], expert_state unchanged, None: no routing)."""
@@ -176,18 +176,26 @@ class MoETransformer(nnx.Module):
 
     def __init__(self, cfg: MoEConfig, make: ParamFactory):
         self.cfg = cfg
-        norm = make("model.norm.weight", (cfg.hidden_size,), "norm")  # [H] in the model dtype
-        # [V, H]; a bf16 table is kept as its uint16 bits: XLA:CPU would convert the whole table to float32 for every
-        # gather (a 250 MiB copy per step for a 32000 x 2048 vocabulary). take_rows and linear read the bits. The
-        # table is gathered (and read by the tied lm_head), so a quantized one is dequantized here.
-        embed = as_float(make("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), "weight"), norm.dtype)
-        bits = embed.view(np.uint16) if embed.dtype == jnp.bfloat16 else embed  # cache_store's form, in numpy
-        self.embed_tokens = nnx.Param(host_array(bits))
+        V, H = cfg.vocab_size, cfg.hidden_size
+        norm = make("model.norm.weight", (H,), "norm")  # [H] in the model dtype
+        host = getattr(make, "host_weights", None)  # the factory's host banks, where it keeps the weights there
+        # [V, H]: HostWeights where the factory keeps it in a host bank, else an array in cache_store's form (a bf16
+        # table as its uint16 bits: XLA:CPU would convert the whole table to float32 for every gather, a 250 MiB copy
+        # per step for a 32000 x 2048 vocabulary). take_rows and linear read either. The table is gathered (and read
+        # by the tied lm_head), so a quantized one is dequantized here.
+        table = host([[("model.embed_tokens.weight", (V, H))]], stacked=False) if host else None
+        if table is None:
+            embed = as_float(make("model.embed_tokens.weight", (V, H), "weight"), norm.dtype)
+            table = host_array(embed.view(np.uint16) if embed.dtype == jnp.bfloat16 else embed)
+        self.embed_tokens = nnx.Param(table)
         runs = itertools.groupby(range(cfg.num_layers), key=lambda l: _layer_kind(cfg, l))
         self.stacks = nnx.List([DecoderStack(cfg, make, tuple(layers)) for _, layers in runs])
         self.norm = nnx.Param(jax.device_put(np.array(norm)))  # a copy of the file view, no XLA program
-        self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(
-            _on_device(make("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), "weight")))  # [V, H]
+        head = None
+        if not cfg.tie_word_embeddings:  # [V, H]
+            head = host([[("lm_head.weight", (V, H))]], stacked=False) if host else None
+            head = nnx.Param(head if head is not None else _on_device(make("lm_head.weight", (V, H), "weight")))
+        self.lm_head = head
 
     @property
     def dtype(self):
@@ -224,7 +232,7 @@ class MoETransformer(nnx.Module):
                              f"cache row of each) exactly when the cache has more rows than sequences")
         ctx = attention_inputs(positions, kv_cache.max_len, rows)
         valid = positions >= 0  # [B, T]
-        h = cache_load(jnp.take(self.embed_tokens[...], tokens, axis=0), self.dtype)  # [B, T, H]
+        h = take_rows(self.embed_tokens[...], tokens, self.dtype)  # [B, T, H]
         hidden, routing, caches = [h[None]], [], []
         for stack, cache in zip(self.stacks, kv_cache.stacks):
             h, cache, expert_state, ys = stack(h, cache, ctx, valid, expert_state, experts, collect)

@@ -21,7 +21,7 @@ from flax import nnx
 
 from ft_jax.config import RopeScaling
 from ft_jax.kernels import ffi_ops
-from ft_jax.kernels.host_bank import host_array, stack_on_huge_pages, stacked_buffer
+from ft_jax.kernels.host_bank import HostBank, host_array, stack_on_huge_pages, stacked_buffer
 from ft_jax.weight_formats import (QuantizedTensor, dequantize, dequantize_jnp, fp8_rowwise, interleave_rows,
                                    storage_format)
 
@@ -37,6 +37,12 @@ ParamFactory = Callable[[str, tuple[int, ...], str], "np.ndarray | QuantizedTens
 kind: "weight" | "norm" | "bias", or "weight_f32" | "bias_f32": the same, kept in float32 whatever the model dtype
 (transformers' _keep_in_fp32_modules_strict: DeepSeek's router weight and e_score_correction_bias). ``hf_name`` is
 the Hugging Face (Hub) tensor name, e.g. "model.layers.0.self_attn.q_proj.weight".
+
+A factory may also have ``host_weights(layers, stacked) -> HostWeights | None``: layers is, per layer of a stack (or
+the one entry of a weight outside the layers, stacked False), the (hf_name, [rows, cols]) tensors concatenated along
+their rows into that layer's matrix; it returns them in a host bank where every read of them takes the FFI
+(:class:`HostWeights`), or None (the weights are then read through the factory as usual). Stacked.projection and the
+embedding / lm_head ask it.
 
 For kind "weight" of a 2-D matrix [rows, cols] the factory may instead return a numpy
 ft_jax.weight_formats.QuantizedTensor (one matrix: data [rows, cols / values_per_item], scales
@@ -128,6 +134,47 @@ def _row_parts(layers: list[list], what: str) -> list[list]:
     return [flat[i:i + n] for i in range(0, len(flat), n)]
 
 
+@jax.tree_util.register_static
+class HostWeights:
+    """Dense weights read where the loader put them, in the rows of a host bank: a stack [n, O, K] (row l: layer
+    l's matrix) or one matrix [O, K] (a bank of one row). Loaded from a checkpoint with mapped pages, the rows are the
+    file's own page-cache pages, so the load copies nothing and touches no fresh memory (ft_jax.checkpoint,
+    docs/DESIGN.md sec. 20.27). The CPU backend's FFI calls read the bank by id: :func:`linear` through
+    ffi_ops.bank_linear at every row count, :func:`take_rows` through ffi_ops.bank_take. A static pytree node (no
+    leaves: jit passes no buffer for it), held in an nnx.Param like an array; ``param[...]`` gives it back.
+
+    Args:
+        bank: HostBank of float32 or bfloat16 rows [O, K].
+        stacked: the logical shape is [n, O, K] (read with a layer index); False: [O, K], a bank of one row.
+    Raises:
+        ValueError: a bank of more than one row with stacked False, or rows that are not matrices.
+    """
+
+    def __init__(self, bank: HostBank, stacked: bool):
+        if len(bank.row_shape) != 2 or (not stacked and bank.num_rows != 1):
+            raise ValueError(f"HostWeights: bank {bank.id} of {bank.num_rows} rows {list(bank.row_shape)} is not "
+                             f"{'a stack of matrices' if stacked else 'one matrix'}")
+        self.bank, self.stacked = bank, stacked
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape: (n, O, K) or (O, K)."""
+        return ((self.bank.num_rows,) if self.stacked else ()) + tuple(self.bank.row_shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.bank.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.bank.nbytes
+
+    def __getitem__(self, key):  # nnx.Param's value access, param[...]
+        if key is not Ellipsis:
+            raise TypeError("HostWeights supports only [...] (its rows are read by the FFI calls)")
+        return self
+
+
 class Stacked:
     """Reads one parameter of every layer of a stack and stacks them: nnx.Param [n, *shape] on the device (a jax
     array, or a QuantizedTensor with data [n, ...] and scales [n, ...] where the factory returns quantized tensors).
@@ -154,6 +201,17 @@ class Stacked:
         what = " + ".join(s for s, _ in parts)
         return nnx.Param(_stack_parts(_row_parts([[self._read(s, shape, kind, l) for s, shape in parts]
                                                   for l in self.layers], what)))
+
+    def projection(self, parts: list[tuple[str, tuple[int, int]]]) -> nnx.Param:
+        """A weight read only by :func:`linear`: one tensor [O, K] per layer, or several concatenated along their rows
+        (fused q/k/v or gate/up) -> [n, O summed, K]. HostWeights where the factory keeps such weights in a host bank
+        (its optional ``host_weights``: ParamFactory), else the stacked array or QuantizedTensor of :meth:`rows`."""
+        host = getattr(self.make, "host_weights", None)
+        if host is not None:
+            w = host([[(f"model.layers.{l}.{s}", shape) for s, shape in parts] for l in self.layers], stacked=True)
+            if w is not None:
+                return nnx.Param(w)
+        return self.rows(parts)
 
     def each(self, suffix: str, shape: tuple[int, ...], kind: str = "weight") -> list:
         """The factory's tensor of every layer (numpy arrays or QuantizedTensors of ``shape``) in one storage format,
@@ -333,7 +391,16 @@ def _bf16_tiles(x2: jax.Array, w: jax.Array) -> bool:
     return x2.dtype == jnp.bfloat16 and w.dtype in bf16 and ffi_ops.kernel_isa() == "avx512bf16"
 
 
-def linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer=None) -> jax.Array:
+def host_weights_apply(dtype) -> bool:
+    """Whether dense projections of ``dtype`` (the model dtype) may live in host banks (:class:`HostWeights`): where
+    :func:`linear` takes the FFI call at every row count for them, so no read needs them as a jax array. That is the
+    CPU backend with bf16 weights and activations and the AVX-512 BF16 dot (_bf16_tiles: XLA's dot is never faster
+    there); elsewhere long prefills take XLA's dot, and other backends read device arrays."""
+    return (jnp.dtype(dtype) == jnp.bfloat16 and jax.default_backend() == "cpu"
+            and ffi_ops.kernel_isa() == "avx512bf16")
+
+
+def linear(x: jax.Array, w: "jax.Array | QuantizedTensor | HostWeights", layer=None) -> jax.Array:
     """y[..., o] = sum_k x[..., k] * w[layer, o, k] with float32 accumulation.
 
     Up to FFI_MAX_ROWS rows on the CPU backend this is the ``ft_jax_linear`` FFI call (ffi_ops.linear), which reads
@@ -349,11 +416,15 @@ def linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer=None) -> jax.Ar
     XLA's path slices the layer's data and scales, dequantizes them to x's dtype (weight_formats.dequantize_jnp:
     exact in float32, one rounding in bfloat16) and takes the same dot.
 
+    HostWeights (the loader makes them only where every call takes the FFI: the CPU backend, bf16 with the AVX-512
+    BF16 dot) are read from their host bank by ffi_ops.bank_linear at every row count: the same kernel, the same bits.
+
     Args:
         x: f32 | bf16 [..., K] activations.
         w: f32 | bf16 (or uint16 holding bf16 bits: cache_store) [n, O, K] stack of weights with ``layer`` an i32[]
             index (traced or int), or [O, K] with layer None; or a QuantizedTensor of logical shape [n, O, K] /
-            [O, K] (data [n, *fmt.data_shape(O, K)], scales [n, *fmt.scale_shape(O, K)], or without the n axis).
+            [O, K] (data [n, *fmt.data_shape(O, K)], scales [n, *fmt.scale_shape(O, K)], or without the n axis); or
+            HostWeights of either logical shape.
         layer: index into the stack, or None for a single [O, K] weight.
     Returns:
         f32[..., O].
@@ -370,6 +441,9 @@ def linear(x: jax.Array, w: "jax.Array | QuantizedTensor", layer=None) -> jax.Ar
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)  # [N, K]
     index = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
+
+    if isinstance(w, HostWeights):  # the CPU backend's bank, at every row count (the same bits per row at any)
+        return ffi_ops.bank_linear(x2, w.bank, index).reshape(*lead, O)
 
     if isinstance(w, QuantizedTensor):
         xla_q = functools.partial(_quantized_dot, w.fmt)
@@ -431,6 +505,16 @@ def cache_zeros(shape: tuple[int, ...], dtype) -> jax.Array:
 def cache_load(x: jax.Array, dtype) -> jax.Array:
     """Values of a KV cache slice in ``dtype`` (the inverse of cache_store)."""
     return _unbits(x, dtype)
+
+
+def take_rows(table: "jax.Array | HostWeights", ids: jax.Array, dtype) -> jax.Array:
+    """The embedding lookup: rows ``ids`` (i32[...] in [0, V)) of ``table`` [V, H] -> [..., H] in ``dtype``. table:
+    an array in cache_store's form (XLA's gather), or HostWeights of one matrix (ffi_ops.bank_take, which raises at run
+    time for an id outside [0, V))."""
+    if isinstance(table, HostWeights):
+        rows = ffi_ops.bank_take(ids.reshape(-1).astype(jnp.int32), table.bank)  # [N, H]
+        return rows.reshape(*ids.shape, rows.shape[-1]).astype(dtype)
+    return cache_load(jnp.take(table, ids, axis=0), dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

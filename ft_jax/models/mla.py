@@ -141,17 +141,17 @@ class MultiHeadLatentAttention(nnx.Module):
         kv_a = (f"{a}.kv_a_proj_with_mqa.weight", (C + dr, H))
         if Q is not None:
             parts = [(f"{a}.q_a_proj.weight", (Q, H)), kv_a]
-            self.a_proj = p.rows(parts)  # [n, Q + C + dr, H]
+            self.a_proj = p.projection(parts)  # [n, Q + C + dr, H]
             self.a_bias = p.rows([(n.replace(".weight", ".bias"), (s[0],)) for n, s in parts], "bias") \
                 if cfg.qkv_bias else None  # [n, Q + C + dr]
             self.q_a_norm = p(f"{a}.q_a_layernorm.weight", (Q,), "norm")  # [n, Q]
-            self.q_b = p(f"{a}.q_b_proj.weight", (NH * (dn + dr), Q))  # [n, NH (dn + dr), Q]
+            self.q_b = p.projection([(f"{a}.q_b_proj.weight", (NH * (dn + dr), Q))])  # [n, NH (dn + dr), Q]
             self.q_proj = None
         else:
-            self.a_proj = p(kv_a[0], kv_a[1])  # [n, C + dr, H]
+            self.a_proj = p.projection([kv_a])  # [n, C + dr, H]
             self.a_bias = p(kv_a[0].replace(".weight", ".bias"), (C + dr,), "bias") if cfg.qkv_bias else None
             self.q_a_norm = self.q_b = None
-            self.q_proj = p(f"{a}.q_proj.weight", (NH * (dn + dr), H))  # [n, NH (dn + dr), H]; never a bias
+            self.q_proj = p.projection([(f"{a}.q_proj.weight", (NH * (dn + dr), H))])  # [n, NH (dn + dr), H]; never a bias
         self.kv_a_norm = p(f"{a}.kv_a_layernorm.weight", (C,), "norm")  # [n, C]
         # kv_b_proj [NH (dn + dv), C] per layer, read per head (per_head_linear): fp8 as stored (split_kv_b), other
         # quantized formats dequantized here once
@@ -161,7 +161,7 @@ class MultiHeadLatentAttention(nnx.Module):
         heads = [split_kv_b(t, NH, dn, dv) for t in kv_b]
         self.w_uk_t = nnx.Param(stack([uk for layer in heads for uk in layer[0]], "kv_b_proj (W_uk^T)"))  # [n NH, C, dn]
         self.w_uv = nnx.Param(stack([uv for layer in heads for uv in layer[1]], "kv_b_proj (W_uv)"))  # [n NH, dv, C]
-        self.o = p(f"{a}.o_proj.weight", (H, NH * dv))  # [n, H, NH dv]
+        self.o = p.projection([(f"{a}.o_proj.weight", (H, NH * dv))])  # [n, H, NH dv]
         self.o_bias = p(f"{a}.o_proj.bias", (H,), "bias") if cfg.o_bias else None
 
     def init_cache(self, num_layers: int, batch_size: int, max_len: int, dtype) -> tuple[jax.Array, ...]:

@@ -42,8 +42,8 @@ class MoEBlock(nnx.Module):
         self.router_bias = p(f"{router}.bias", (cfg.num_experts,), "bias") if cfg.router_bias else None  # [n, E]
         if SI:
             s = "mlp.shared_expert"
-            self.shared_gate_up = p.rows([(f"{s}.gate_proj.weight", (SI, H)), (f"{s}.up_proj.weight", (SI, H))])
-            self.shared_down = p(f"{s}.down_proj.weight", (H, SI))  # [n, H, SI]
+            self.shared_gate_up = p.projection([(f"{s}.gate_proj.weight", (SI, H)), (f"{s}.up_proj.weight", (SI, H))])
+            self.shared_down = p.projection([(f"{s}.down_proj.weight", (H, SI))])  # [n, H, SI]
             self.shared_gate = p("mlp.shared_expert_gate.weight", (1, H))  # [n, 1, H]
         else:
             self.shared_gate_up = self.shared_down = self.shared_gate = None
@@ -86,8 +86,8 @@ class DeepseekMoEBlock(nnx.Module):
             if cfg.scoring_func == "sigmoid" else None  # f32[n, E]
         if SI:
             s = "mlp.shared_experts"
-            self.shared_gate_up = p.rows([(f"{s}.gate_proj.weight", (SI, H)), (f"{s}.up_proj.weight", (SI, H))])
-            self.shared_down = p(f"{s}.down_proj.weight", (H, SI))  # [n, H, SI]
+            self.shared_gate_up = p.projection([(f"{s}.gate_proj.weight", (SI, H)), (f"{s}.up_proj.weight", (SI, H))])
+            self.shared_down = p.projection([(f"{s}.down_proj.weight", (H, SI))])  # [n, H, SI]
         else:
             self.shared_gate_up = self.shared_down = None
 

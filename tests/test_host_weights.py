@@ -1,0 +1,203 @@
+"""Dense weights in host banks (models.layers.HostWeights): the FFI calls that read them (ffi_ops.bank_linear,
+ffi_ops.bank_take) against float64 numpy references and the array path, and the loader's banks (the checkpoint's
+bytes, the file's pages where mapped, NaN named, the same logits as the array path)."""
+
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ft_jax import checkpoint as checkpoint_lib
+from ft_jax.checkpoint import CheckpointError, SafetensorsCheckpoint, load_checkpoint
+from ft_jax.engine.engine import dense_weight_bytes
+from ft_jax.kernels import ffi_ops
+from ft_jax.kernels.host_bank import HostBank
+from ft_jax.models.layers import HostWeights, take_rows
+from test_model import _experts_of, jit_forward
+
+BF16 = ml_dtypes.bfloat16
+SCRIPTS = os.path.join(os.path.dirname(__file__), os.pardir, "scripts")
+
+
+def _reference(x, w) -> np.ndarray:
+    return x.astype(np.float64) @ w.astype(np.float64).T
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("N", [1, 2, 5, 40, 130])
+def test_bank_linear_is_linear_on_the_same_matrix_and_near_float64(dtype, N):
+    """Every layer of a 3-row bank [O, K] with O, K off every vector width (37, 291: partial chunks and scalar
+    tails), at row counts from one token to past FFI_MAX_ROWS: the same bits as ffi_ops.linear on the stacked array
+    (the same kernel), and within K * 2^-22 * (|x| |w|^T) of the float64 product (float32 sums of exact products)."""
+    rng = np.random.default_rng(N)
+    w = rng.standard_normal((3, 37, 291)).astype(dtype)  # [L, O, K]
+    x = rng.standard_normal((N, 291)).astype(dtype)  # [N, K]
+    bank = HostBank.from_numpy(w)
+    step = jax.jit(lambda x, layer: ffi_ops.bank_linear(x, bank, layer))
+    for layer in range(3):
+        y = np.asarray(step(x, np.int32(layer)))  # f32[N, O]
+        np.testing.assert_array_equal(y, np.asarray(ffi_ops.linear(jnp.asarray(x), jnp.asarray(w), layer)))
+        bound = 291 * 2.0 ** -22 * (np.abs(x.astype(np.float64)) @ np.abs(w[layer].astype(np.float64)).T)
+        assert np.all(np.abs(y - _reference(x, w[layer])) <= bound + 1e-30)
+    bank.release()
+
+
+def test_bank_linear_refuses_bad_inputs_by_name():
+    bank = HostBank.from_numpy(np.ones((2, 4, 8), np.float32))
+    x = jnp.ones((3, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"x \[3, 6\] and bank \d+ rows \[4, 8\] disagree on K"):
+        ffi_ops.bank_linear(jnp.ones((3, 6), jnp.float32), bank, 0)
+    with pytest.raises(Exception, match="bank_linear: layer 2 is out of range for bank"):
+        jax.block_until_ready(jax.jit(lambda x, l: ffi_ops.bank_linear(x, bank, l))(x, np.int32(2)))
+    int_bank = HostBank(2, (4, 8), np.int8)
+    with pytest.raises(TypeError, match="must hold float32 or bfloat16 rows"):
+        ffi_ops.bank_linear(x, int_bank, 0)
+    bank.release()
+    with pytest.raises(ValueError, match="was released"):
+        ffi_ops.bank_linear(x, bank, 0)
+    int_bank.release()
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32], ids=["bf16", "f32"])
+def test_bank_take_gathers_the_stored_rows_and_names_a_bad_id(dtype):
+    table = np.random.default_rng(0).standard_normal((1, 50, 24)).astype(dtype)  # one row [V, H]
+    bank = HostBank.from_numpy(table)
+    ids = np.array([0, 49, 7, 7], np.int32)
+    rows = np.asarray(ffi_ops.bank_take(ids, bank))
+    assert rows.dtype == np.dtype(dtype) and rows.shape == (4, 24)
+    np.testing.assert_array_equal(rows.view(np.uint8), table[0][ids].view(np.uint8))
+    got = take_rows(HostWeights(bank, stacked=False), jnp.asarray(ids.reshape(2, 2)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), table[0][ids].astype(np.float32).reshape(2, 2, 24))
+    with pytest.raises(Exception, match=r"bank_take: token id 50 is out of range for the table .* \(50 rows\)"):
+        jax.block_until_ready(ffi_ops.bank_take(np.array([3, 50], np.int32), bank))
+    with pytest.raises(TypeError, match="must hold one float32 or bfloat16 table"):
+        ffi_ops.bank_take(ids, HostBank.from_numpy(np.zeros((2, 50, 24), np.float32)))
+    bank.release()
+
+
+def test_host_weights_shape_and_refusals():
+    stack = HostBank.from_numpy(np.zeros((3, 4, 8), np.float32))
+    assert HostWeights(stack, stacked=True).shape == (3, 4, 8)
+    assert HostWeights(stack, stacked=True).nbytes == 3 * 4 * 8 * 4
+    with pytest.raises(ValueError, match="is not one matrix"):
+        HostWeights(stack, stacked=False)
+    with pytest.raises(ValueError, match="is not a stack of matrices"):
+        HostWeights(HostBank(2, (8,), np.float32), stacked=True)
+    with pytest.raises(TypeError, match=r"only \[\.\.\.\]"):
+        HostWeights(stack, stacked=True)[0]
+    stack.release()
+
+
+# --- the loader ------------------------------------------------------------------------------------------------
+def _synthetic_bf16_mixtral(folder) -> str:
+    """A bf16 Mixtral checkpoint (scripts/synthetic_checkpoint.py) with hidden 2048: q_proj, o_proj, the embedding
+    and lm_head are >= 1 MiB (mapped), k_proj / v_proj 512 KiB (read)."""
+    spec = importlib.util.spec_from_file_location("synthetic_checkpoint", os.path.join(SCRIPTS, "synthetic_checkpoint.py"))
+    sc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sc)
+    config = sc.mixtral_config(hidden=2048, intermediate=256, layers=2, experts=2, heads=4, kv_heads=2, head_dim=64,
+                               vocab=300, max_positions=128)
+    sc.write_checkpoint(folder, config, seed=5)
+    return os.path.join(folder, "model.safetensors")
+
+
+def _raw_int16(path) -> dict[str, np.ndarray]:
+    """The file's 2-byte tensors by the safetensors format's definition (8-byte header length, JSON header, data)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    return {k: np.frombuffer(data[t["data_offsets"][0]:t["data_offsets"][1]], np.int16).reshape(t["shape"])
+            for k, t in header.items() if k != "__metadata__" and t["dtype"] == "BF16"}
+
+
+def _mapped_ranges(path) -> list[tuple[int, int]]:
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == os.path.realpath(path):
+                out.append(tuple(int(a, 16) for a in fields[0].split("-")))
+    return out
+
+
+def _load(folder, monkeypatch, host: bool, **kw):
+    monkeypatch.setattr(checkpoint_lib, "host_weights_apply", lambda dtype: host)
+    return load_checkpoint(folder, dtype=jnp.bfloat16, **kw)
+
+
+def _release(ck):
+    ck.banks.gate_up.release()
+    ck.banks.down.release()
+
+
+@pytest.mark.parametrize("map_pages", [True, False], ids=["mapped", "copied"])
+def test_loaded_host_weights_hold_the_files_tensors_and_map_its_pages(tmp_path, monkeypatch, map_pages):
+    """Every projection of the attention, the embedding and the lm_head is HostWeights holding the file's bytes (the
+    fused q/k/v rows in q, k, v order); mapped, the banks of the >= 1 MiB tensors are the file's pages (not copies),
+    copied, none is; frozen either way."""
+    path = _synthetic_bf16_mixtral(tmp_path)
+    ck = _load(tmp_path, monkeypatch, True, map_pages=map_pages)
+    raw = _raw_int16(path)
+    model = ck.model
+    attn = model.stacks[0].attn
+    weights = {"embed": (model.embed_tokens[...], [["model.embed_tokens.weight"]]),
+               "lm_head": (model.lm_head[...], [["lm_head.weight"]]),
+               "qkv": (attn.qkv[...], [[f"model.layers.{l}.self_attn.{p}_proj.weight" for p in "qkv"]
+                                        for l in range(2)]),
+               "o": (attn.o[...], [[f"model.layers.{l}.self_attn.o_proj.weight"] for l in range(2)])}
+    for what, (w, names) in weights.items():
+        assert isinstance(w, HostWeights), what
+        assert w.bank.frozen
+        for row, parts in enumerate(names):
+            got = w.bank.rows(row, row + 1)[0].view(np.int16)
+            np.testing.assert_array_equal(got, np.concatenate([raw[n] for n in parts]), err_msg=what)
+        ranges = _mapped_ranges(path)
+        first_rows = [w.bank.rows(r, r + 1) for r in range(w.bank.num_rows)]
+        mapped = sum(min(e, a.ctypes.data + a.nbytes) - max(s, a.ctypes.data) for a in first_rows for s, e in ranges
+                     if s < a.ctypes.data + a.nbytes and e > a.ctypes.data)
+        big = sum(raw[n].nbytes for parts in names for n in parts if raw[n].nbytes >= 1 << 20)
+        if map_pages:
+            assert mapped >= big - 2 * 4096 * w.bank.num_rows * len(names[0]), (what, mapped, big)
+        else:
+            assert mapped == 0, what
+    _release(ck)
+
+
+def test_host_weights_give_the_array_paths_logits_and_dense_bytes(tmp_path, monkeypatch):
+    """The same model with its projections in host banks and as arrays: bit-identical logits for a prompt of 5
+    tokens (the FFI at every row count both ways up to FFI_MAX_ROWS) and the same dense weight bytes per step."""
+    _synthetic_bf16_mixtral(tmp_path)
+    out = {}
+    for host in (True, False):
+        ck = _load(tmp_path, monkeypatch, host)
+        cfg = ck.config
+        assert isinstance(ck.model.stacks[0].attn.qkv[...], HostWeights) == host
+        fwd, state = jit_forward(ck.model)
+        tokens = np.array([[3, 17, 299, 0, 42]], np.int32)
+        positions = np.arange(5, dtype=np.int32)[None]
+        logits, _, _ = fwd(state, tokens, positions, ck.model.init_kv_cache(1, 8), _experts_of(ck))
+        out[host] = np.asarray(logits)  # f32[1, 5, V]
+        out[host, "bytes"] = dense_weight_bytes(state, cfg.tie_word_embeddings)
+        _release(ck)
+    assert np.isfinite(out[True]).all()
+    np.testing.assert_array_equal(out[True], out[False])
+    assert out[True, "bytes"] == out[False, "bytes"]
+
+
+def test_nan_in_a_projection_read_into_host_weights_names_the_tensor(tmp_path, monkeypatch):
+    path = _synthetic_bf16_mixtral(tmp_path)
+    with SafetensorsCheckpoint(tmp_path) as ckpt:
+        info = ckpt.tensors["model.layers.1.self_attn.v_proj.weight"]  # [128, 2048] bf16
+    with open(path, "r+b") as f:
+        f.seek(info.offset + (5 * 2048 + 9) * 2)
+        f.write(np.array([0x7FC0], np.uint16).tobytes())  # bfloat16 NaN
+    with pytest.raises(CheckpointError) as e:
+        _load(tmp_path, monkeypatch, True)
+    assert str(e.value).startswith(f"{path}: tensor 'model.layers.1.self_attn.v_proj.weight' [128, 2048] holds")
+    assert "[5, 9]" in str(e.value)
