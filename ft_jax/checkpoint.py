@@ -1,14 +1,16 @@
-"""Load a Hugging Face MoE checkpoint: dense weights to the device, expert weights streamed into host banks.
+"""Load a Hugging Face MoE checkpoint: dense weights to the device (or host banks), expert weights into host banks.
 
 ``model.safetensors`` or a sharded ``model.safetensors.index.json``; the safetensors rules are enforced as the
 reference reader does (no duplicate keys, header <= 100 MB, the tensors tile the data section exactly). Every float
 tensor is checked for NaN/Inf as it is read (a bit test on the exponent field). An expert tensor stored as its
 bank holds it is not copied: the file's page-cache pages are mapped into the bank (copy-on-write; HostBank
 page_offset, SafetensorsCheckpoint.page_offset); other tensors are read with positioned reads straight into their
-destination (a bank row or one tensor-sized temporary). A decoder layer's dense tensors are read-only file views
-copied once into their stacks (view); the embedding and lm_head are used in place as file views where the CPU backend
-can (mapped, 64-byte aligned) and are otherwise read straight into their own buffers. Peak host memory is about 1x
-the checkpoint (docs/DESIGN.md section 15.4). Expert
+destination (a bank row or one tensor-sized temporary). On the CPU backend with bf16 and the AVX-512 BF16 dot, the
+dense projections, the embedding and the lm_head go into host banks the same way (models.layers.HostWeights, read by
+FFI calls; _DenseReader.host_weights, docs/DESIGN.md sec. 20.27). Elsewhere a decoder layer's dense tensors are
+read-only file views copied once into their stacks (view), and the embedding and lm_head are used in place as file
+views where the CPU backend can (mapped, 64-byte aligned) or else read straight into their own buffers. Peak host
+memory is about 1x the checkpoint (docs/DESIGN.md section 15.4). Expert
 tensor names per family (Mixtral, Qwen2/3-MoE, OLMoE, fused, gpt-oss incl. MXFP4) and the bank row layout:
 docs/DESIGN.md sec. 12 ("checkpoint.py"); the banks are one ExpertBanks (ft_jax.offload.banks): gate_up row =
 [gate; up] [2I, H], down row [H, I], flat id = moe_layer * E + e, and for gpt-oss gate_up_bias [2I] (gate bias then
@@ -987,11 +989,12 @@ def _load_in_two_threads(make_model: Callable[[], Any], make_banks: Callable[[th
 
 
 class _DenseReader:
-    """ParamFactory (ft_jax.models.layers) reading dense tensors from the checkpoint as host arrays of ``dtype`` (float32 or bfloat16), or
-    as numpy weight_formats.QuantizedTensor(data [rows, cols], scales, fmt): with fmt q8_0 / q4_0 the tensors
-    ft_jax.config.quantization.quantize_applies selects (kind "weight"), quantized while read; with an fp8 fmt
-    every tensor stored as F8_E4M3 (with its ``<name>_scale_inv``), as stored. Raises CheckpointError naming file and tensor (a row length that does not fit
-    the blocks, an FP8 tensor where a float one is needed, NaN).
+    """ParamFactory (ft_jax.models.layers) reading dense tensors from the checkpoint as host arrays of ``dtype``
+    (float32 or bfloat16), or as numpy weight_formats.QuantizedTensor(data [rows, cols], scales, fmt): with fmt q8_0
+    / q4_0 the tensors ft_jax.config.quantization.quantize_applies selects (kind "weight"), quantized while read;
+    with an fp8 fmt every tensor stored as F8_E4M3 (with its ``<name>_scale_inv``), as stored. Raises CheckpointError
+    naming file and tensor (a row length that does not fit the blocks, an FP8 tensor where a float one is needed,
+    NaN).
 
     With host_banks, its ``host_weights`` puts the projections the model asks for (Stacked.projection, the embedding
     and lm_head) into host banks of ``dtype`` (models.layers.HostWeights): mapped from the file's pages where their
@@ -1114,11 +1117,12 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     Memory: expert tensors stored as the bank holds them are mapped from the file into the bank rows (no copy, see
     SafetensorsCheckpoint.read_into; with map_pages False they are read like the others), others read one at a time
     directly into the bank rows (plus one tensor-sized temporary when the stored dtype differs from the bank's; one
-    expert's matrix when quantizing; gpt-oss tensors one expert at a time); dense tensors are file views copied once
-    each. Peak host memory is about banks + dense weights + one tensor per thread: the expert banks are read in a
-    second thread while this one builds the dense model (_load_in_two_threads; an error or KeyboardInterrupt cancels
-    that thread and releases its banks). The banks are frozen (read-only, :meth:`HostBank.freeze`) before they are
-    returned.
+    expert's matrix when quantizing; gpt-oss tensors one expert at a time); the dense projections, embedding and lm_head
+    go into host banks the same way where models.layers.host_weights_apply (the CPU backend, bf16, AVX-512 BF16:
+    models.layers.HostWeights), and other dense tensors are file views copied once each. Peak host memory is about banks
+    + dense weights + one tensor per thread: the expert banks are read in a second thread while this one builds the
+    dense model (_load_in_two_threads; an error or KeyboardInterrupt cancels that thread and releases its banks). The
+    banks are frozen (read-only, :meth:`HostBank.freeze`) before they are returned.
     Raises:
         CheckpointError: missing/unreadable/truncated/corrupted file (including headers that break the safetensors
             rules and unsafe shard names in the index), missing tensor, wrong shape or dtype, a NaN/Inf weight or
@@ -1138,7 +1142,7 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
         plan = expert_tensor_plan(cfg, ckpt, fmt, experts)
         model, banks = _load_in_two_threads(
             lambda: MoETransformer(cfg, _DenseReader(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None,
-                                                      host_banks=not fmt.quantized and host_weights_apply(dense_dtype))),
+                                                      not fmt.quantized and host_weights_apply(dense_dtype))),
             lambda cancel: load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts, cancel))
         nbytes = ckpt.nbytes
         if experts is not None:

@@ -97,7 +97,8 @@ def test_host_weights_shape_and_refusals():
 def _synthetic_bf16_mixtral(folder) -> str:
     """A bf16 Mixtral checkpoint (scripts/synthetic_checkpoint.py) with hidden 2048: q_proj, o_proj, the embedding
     and lm_head are >= 1 MiB (mapped), k_proj / v_proj 512 KiB (read)."""
-    spec = importlib.util.spec_from_file_location("synthetic_checkpoint", os.path.join(SCRIPTS, "synthetic_checkpoint.py"))
+    script = os.path.join(SCRIPTS, "synthetic_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("synthetic_checkpoint", script)
     sc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sc)
     config = sc.mixtral_config(hidden=2048, intermediate=256, layers=2, experts=2, heads=4, kv_heads=2, head_dim=64,

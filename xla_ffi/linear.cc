@@ -98,7 +98,8 @@ constexpr const char* kBankOp = "bank_linear";
 ffi::Error Project(const char* op, const MatrixView& view, ffi::AnyBuffer x, int64_t N, int64_t O, float* y,
                    ffi::ThreadPool& pool) {
   const int64_t K = view.cols;
-  const uint16_t* xb = x.element_type() == ffi::DataType::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
+  const uint16_t* xb =
+      x.element_type() == ffi::DataType::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
   const WFormat format = view.format;
   // bf16 x bf16 where the CPU has the dot: x is used as it is, no float32 copy.
   const bool bf16_dots = format == WFormat::kBF16 && xb != nullptr && KernelIsaLevel() == Isa::kAvx512Bf16;

@@ -151,7 +151,8 @@ class MultiHeadLatentAttention(nnx.Module):
             self.a_proj = p.projection([kv_a])  # [n, C + dr, H]
             self.a_bias = p(kv_a[0].replace(".weight", ".bias"), (C + dr,), "bias") if cfg.qkv_bias else None
             self.q_a_norm = self.q_b = None
-            self.q_proj = p.projection([(f"{a}.q_proj.weight", (NH * (dn + dr), H))])  # [n, NH (dn + dr), H]; never a bias
+            # [n, NH (dn + dr), H]; never a bias
+            self.q_proj = p.projection([(f"{a}.q_proj.weight", (NH * (dn + dr), H))])
         self.kv_a_norm = p(f"{a}.kv_a_layernorm.weight", (C,), "norm")  # [n, C]
         # kv_b_proj [NH (dn + dv), C] per layer, read per head (per_head_linear): fp8 as stored (split_kv_b), other
         # quantized formats dequantized here once
