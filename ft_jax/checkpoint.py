@@ -1045,14 +1045,24 @@ class _DenseReader:
         return ckpt.view(name, shape).astype(target, copy=False)
 
 
+    def _quantized(self, name: str, shape: tuple[int, int]) -> bool:
+        """Whether __call__ gives weight ``name`` as a QuantizedTensor."""
+        info, fmt = self.ckpt.tensors.get(name), self.fmt
+        if fmt is None:
+            return False
+        if fmt.name == "fp8":
+            return info is not None and info.dtype == _F8[0]
+        return fmt.name in wf.QUANTIZE_CHOICES and quantize_applies(name, shape)
+
     def host_weights(self, layers: list[list[tuple[str, tuple[int, int]]]], stacked: bool) -> HostWeights | None:
         """Per layer, its tensors (name, [rows, K]) concatenated along their rows, in one host bank of the dense dtype
         (row l: layer l; each row at the page offset of its tensors in the file: SafetensorsCheckpoint.page_offsets),
         filled by read_into (mapped where congruent, else read; cast through a temporary when stored in another
-        float dtype; checked for NaN/Inf) and frozen; None without host_banks.
+        float dtype; checked for NaN/Inf) and frozen. None without host_banks, and where __call__ would give a part
+        as a QuantizedTensor (stored in FP8 with an fp8 fmt, or quantized by a q8_0 / q4_0 fmt): those stay arrays.
 
         Raises CheckpointError naming the tensor (missing, wrong shape or dtype, truncated file, NaN/Inf)."""
-        if not self.host_banks:
+        if not self.host_banks or any(self._quantized(name, shape) for parts in layers for name, shape in parts):
             return None
         ckpt, dtype = self.ckpt, self.dtype
         K = layers[0][0][1][1]
@@ -1142,7 +1152,7 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
         plan = expert_tensor_plan(cfg, ckpt, fmt, experts)
         model, banks = _load_in_two_threads(
             lambda: MoETransformer(cfg, _DenseReader(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None,
-                                                      not fmt.quantized and host_weights_apply(dense_dtype))),
+                                                      host_weights_apply(dense_dtype))),
             lambda cancel: load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts, cancel))
         nbytes = ckpt.nbytes
         if experts is not None:

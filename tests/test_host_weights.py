@@ -202,3 +202,28 @@ def test_nan_in_a_projection_read_into_host_weights_names_the_tensor(tmp_path, m
         _load(tmp_path, monkeypatch, True)
     assert str(e.value).startswith(f"{path}: tensor 'model.layers.1.self_attn.v_proj.weight' [128, 2048] holds")
     assert "[5, 9]" in str(e.value)
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
+
+
+@pytest.mark.parametrize("fixture,quantize,host,arrays", [
+    # FP8 projections stay QuantizedTensor arrays; the float embedding and lm_head go to host banks
+    ("qwen3_moe_fp8", None, ["embed_tokens", "lm_head"], ["stacks/0/attn/qkv", "stacks/0/attn/o"]),
+    # MXFP4 experts, bf16 dense weights: every projection in a host bank, the biases and sinks arrays
+    ("gpt_oss_mxfp4", None, ["embed_tokens", "lm_head", "stacks/0/attn/qkv", "stacks/0/attn/o"],
+     ["stacks/0/attn/qkv_bias", "stacks/0/attn/sinks"]),
+    # --quantize q8_0 quantizes the projections and the lm_head; the embedding table stays float, in a host bank
+    ("mixtral", "q8_0", ["embed_tokens"], ["lm_head", "stacks/0/attn/qkv", "stacks/0/attn/o"]),
+])
+def test_quantized_and_mixed_checkpoints_keep_only_their_float_projections_in_host_banks(
+        monkeypatch, fixture, quantize, host, arrays):
+    import flax.nnx as nnx
+
+    ck = _load(os.path.join(FIXTURES, fixture), monkeypatch, True, quantize=quantize)
+    params = {"/".join(map(str, k)): v[...] for k, v in nnx.to_flat_state(nnx.state(ck.model, nnx.Param))}
+    for name in host:
+        assert isinstance(params[name], HostWeights), name
+    for name in arrays:
+        assert not isinstance(params[name], HostWeights), name
+    _release(ck)
