@@ -330,3 +330,11 @@ def test_use_huge_pages_keeps_the_values():
     assert not np.asarray(z).any()
     z = jax.jit(lambda z: z.at[5].set(2.0), donate_argnums=0)(z)  # written after its pages were dropped
     assert float(z[5]) == 2.0 and float(jnp.abs(z).sum()) == 2.0
+
+
+def test_an_empty_row_shape_is_one_element_per_row():
+    bank = HostBank(3, (), np.float32)
+    bank.write_row(1, np.float32(2.5))
+    assert bank.shape == (3,) and bank.row_bytes == 4
+    np.testing.assert_array_equal(bank.numpy(), [0.0, 2.5, 0.0])
+    bank.release()

@@ -225,6 +225,20 @@ def test_cache_sizes_that_come_to_one_slot_count_give_one_row(tmp_path, capsys):
     assert len(json.loads(capsys.readouterr().out)["results"]) == 1
 
 
+def test_cache_slots_beyond_what_a_device_owns_are_capped_with_a_note(tmp_path, capsys):
+    """--devices 1,2 --cache-slots with a count above the L*E/2 experts a device owns: the 2-device row is replayed
+    at L*E/2 slots, and stderr says so (a fresh-user trial found the count changed without a word)."""
+    _write(tmp_path / "t.jsonl", _routing(3))
+    own = L * E // 2
+    assert cli.main(["trace", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),
+                     "--bandwidth", "2,8", "--policy", "fetch-all", "--json", "--cache-slots", f"2,{own + 1}",
+                     "--devices", "1,2"]) == 0
+    out = capsys.readouterr()
+    rows = json.loads(out.out)["results"]
+    assert [(r.get("devices", 1), r["cache_slots"]) for r in rows] == [(1, 2), (1, own + 1), (2, 2), (2, own)]
+    assert f"--devices 2: a device owns {own} experts; cache sizes [{own + 1}] are replayed as {own} slots" in out.err
+
+
 def test_batch_figures_are_per_token_not_per_step(tmp_path, capsys):
     """--batch replays a step of R rows (the union of their experts) and divides its figures by R: host-all on a
     cold cache computes every distinct expert of a step on the host, worked out here from the routing itself."""

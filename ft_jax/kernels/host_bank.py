@@ -85,7 +85,8 @@ class HostBank:
 
     Args:
       num_rows: number of rows (experts), >= 1.
-      row_shape: shape of one row, every dimension >= 1 (e.g. (2 * I, H) for gate_up, (H, I) for down).
+      row_shape: shape of one row, every dimension >= 1 (e.g. (2 * I, H) for gate_up, (H, I) for down); () is a
+        row of one element.
       dtype: np.float32 or jnp.bfloat16 / ml_dtypes.bfloat16 for expert weights; float16, int8, uint8,
         float8_e4m3fn and float8_e5m2 banks can be created and slot-filled but the expert kernels reject them.
       page_offset: the rows' addresses modulo MAP_ALIGNMENT (2 MiB), each in [0, MAP_ALIGNMENT): one int for the
