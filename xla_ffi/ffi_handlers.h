@@ -14,6 +14,10 @@
 //   FtJaxLinear           linear.cc        x f32|bf16 [N, K], w [L, O, K] or [O, K] (as stored), layer i32[]
 //                                          (+ scales of a block format); attrs weight_format, block_rows,
 //                                          block_cols -> y f32[N, O]
+//   FtJaxBankLinear       linear.cc        x f32|bf16 [N, K], layer i32[]; attr bank (i64: rows [O, K] f32|bf16)
+//   (+ ...Instantiate)                     -> y f32[N, O]
+//   FtJaxBankTake         embedding.cc     ids i32[N]; attr bank (i64: one row [V, H]) -> y [N, H] of its dtype
+//   (+ ...Instantiate)
 //   FtJaxDecodeAttention  decode_attention.cc  q f32|bf16 [B, NH, D], k/v caches [n, Bc, S, KVH, D], layer i32[],
 //                                          rows i32[B], positions i32[B], window i32[] (+ sinks f32[NH]);
 //                                          attr scale (f32) -> out [B, NH, D] of q's dtype

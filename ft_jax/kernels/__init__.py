@@ -1,7 +1,8 @@
 """The XLA FFI kernels of ft_jax: registration of the compiled extension's targets at import, and their wrappers.
 
 Importing this package registers every FFI target of ``ft_jax._ffi`` for the CPU platform (``ft_jax_slot_fill``,
-``ft_jax_host_experts``, ``ft_jax_slot_experts``, ``ft_jax_linear``, ``ft_jax_decode_attention``: ffi_ops.py) and,
+``ft_jax_host_experts``, ``ft_jax_slot_experts``, ``ft_jax_linear``, ``ft_jax_bank_linear``, ``ft_jax_bank_take``,
+``ft_jax_decode_attention``: ffi_ops.py) and,
 when the extension was built with CUDA and jax has a CUDA backend, the CUDA handlers for platform "CUDA"
 (``CUDA_ENABLED`` says whether it did).
 """
