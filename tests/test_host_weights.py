@@ -2,8 +2,6 @@
 ffi_ops.bank_take) against float64 numpy references and the array path, and the loader's banks (the checkpoint's
 bytes, the file's pages where mapped, NaN named, the same logits as the array path)."""
 
-import importlib.util
-import json
 import os
 
 import jax
@@ -18,10 +16,11 @@ from ft_jax.engine.engine import dense_weight_bytes
 from ft_jax.kernels import ffi_ops
 from ft_jax.kernels.host_bank import HostBank
 from ft_jax.models.layers import HostWeights, take_rows
+from test_checkpoint import _mapped_ranges, _synthetic_bf16_mixtral
+from test_checkpoint import _raw_safetensors_int16 as _raw_int16
 from test_model import _experts_of, jit_forward
 
 BF16 = ml_dtypes.bfloat16
-SCRIPTS = os.path.join(os.path.dirname(__file__), os.pardir, "scripts")
 
 
 def _reference(x, w) -> np.ndarray:
@@ -94,39 +93,6 @@ def test_host_weights_shape_and_refusals():
 
 
 # --- the loader ------------------------------------------------------------------------------------------------
-def _synthetic_bf16_mixtral(folder) -> str:
-    """A bf16 Mixtral checkpoint (scripts/synthetic_checkpoint.py) with hidden 2048: q_proj, o_proj, the embedding
-    and lm_head are >= 1 MiB (mapped), k_proj / v_proj 512 KiB (read)."""
-    script = os.path.join(SCRIPTS, "synthetic_checkpoint.py")
-    spec = importlib.util.spec_from_file_location("synthetic_checkpoint", script)
-    sc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sc)
-    config = sc.mixtral_config(hidden=2048, intermediate=256, layers=2, experts=2, heads=4, kv_heads=2, head_dim=64,
-                               vocab=300, max_positions=128)
-    sc.write_checkpoint(folder, config, seed=5)
-    return os.path.join(folder, "model.safetensors")
-
-
-def _raw_int16(path) -> dict[str, np.ndarray]:
-    """The file's 2-byte tensors by the safetensors format's definition (8-byte header length, JSON header, data)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        data = f.read()
-    return {k: np.frombuffer(data[t["data_offsets"][0]:t["data_offsets"][1]], np.int16).reshape(t["shape"])
-            for k, t in header.items() if k != "__metadata__" and t["dtype"] == "BF16"}
-
-
-def _mapped_ranges(path) -> list[tuple[int, int]]:
-    out = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 6 and fields[5] == os.path.realpath(path):
-                out.append(tuple(int(a, 16) for a in fields[0].split("-")))
-    return out
-
-
 def _load(folder, monkeypatch, host: bool, **kw):
     monkeypatch.setattr(checkpoint_lib, "host_weights_apply", lambda dtype: host)
     return load_checkpoint(folder, dtype=jnp.bfloat16, **kw)
