@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import functools
 import math
+import weakref
 from typing import Callable, Iterator, NamedTuple
 
 import jax
@@ -134,14 +135,15 @@ def _row_parts(layers: list[list], what: str) -> list[list]:
     return [flat[i:i + n] for i in range(0, len(flat), n)]
 
 
-@jax.tree_util.register_static
 class HostWeights:
     """Dense weights read where the loader put them, in the rows of a host bank: a stack [n, O, K] (row l: layer
     l's matrix) or one matrix [O, K] (a bank of one row). Loaded from a checkpoint with mapped pages, the rows are the
     file's own page-cache pages, so the load copies nothing and touches no fresh memory (ft_jax.checkpoint,
     docs/DESIGN.md sec. 20.27). The CPU backend's FFI calls read the bank by id: :func:`linear` through
-    ffi_ops.bank_linear at every row count, :func:`take_rows` through ffi_ops.bank_take. A static pytree node (no
-    leaves: jit passes no buffer for it), held in an nnx.Param like an array; ``param[...]`` gives it back.
+    ffi_ops.bank_linear at every row count, :func:`take_rows` through ffi_ops.bank_take. A pytree node without leaves
+    (jit passes no buffer for it) whose static part is only (bank id, stacked), so that JAX's caches keyed on a tree
+    structure (jit's donation cache among them) never keep the bank alive once the model is dropped; held in an
+    nnx.Param like an array, ``param[...]`` gives it back.
 
     Args:
         bank: HostBank of float32 or bfloat16 rows [O, K].
@@ -155,6 +157,7 @@ class HostWeights:
             raise ValueError(f"HostWeights: bank {bank.id} of {bank.num_rows} rows {list(bank.row_shape)} is not "
                              f"{'a stack of matrices' if stacked else 'one matrix'}")
         self.bank, self.stacked = bank, stacked
+        _LIVE_HOST_WEIGHTS[(bank.id, stacked)] = self
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -173,6 +176,20 @@ class HostWeights:
         if key is not Ellipsis:
             raise TypeError("HostWeights supports only [...] (its rows are read by the FFI calls)")
         return self
+
+
+# HostWeights by their static part (bank id, stacked): unflattening a tree finds the object its model holds.
+_LIVE_HOST_WEIGHTS: "weakref.WeakValueDictionary[tuple[int, bool], HostWeights]" = weakref.WeakValueDictionary()
+
+
+def _unflatten_host_weights(key: tuple[int, bool], children) -> HostWeights:
+    w = _LIVE_HOST_WEIGHTS.get(key)
+    if w is None:
+        raise ValueError(f"HostWeights of host bank {key[0]} no longer exist (the model that held them was dropped)")
+    return w
+
+
+jax.tree_util.register_pytree_node(HostWeights, lambda w: ((), (w.bank.id, w.stacked)), _unflatten_host_weights)
 
 
 class Stacked:
