@@ -372,6 +372,7 @@ class SafetensorsCheckpoint:
             tmp = np.empty(info.shape, info.dtype)
             self._pread(name, info, tmp.reshape(-1).view(np.uint8), rows)
             out.reshape(info.shape)[...] = tmp.astype(out.dtype)
+            _check_cast(name, info, tmp, out, rows)
 
     def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """Tensor ``name`` as a new numpy array in its stored dtype (shape checked if given).
@@ -567,6 +568,28 @@ def _non_finite_error(name: str, info: TensorInfo, bits: np.ndarray, mask: int,
     return CheckpointError(f"{info.file}: tensor {name!r} {list(shape)} holds {kinds}: {bad.size} of {bits.size} "
                            f"elements{where} are not finite, the first at index {first} (a corrupted or unconverted "
                            "checkpoint; NaN/Inf weights make every logit NaN)")
+
+
+def _check_cast(name: str, info: TensorInfo, stored: np.ndarray, cast: np.ndarray,
+                rows: tuple[range, TensorInfo] | None = None) -> None:
+    """Raise CheckpointError where the finite values ``stored`` (tensor ``name``, or with ``rows`` those rows of it)
+    became infinite in ``cast`` (the same elements in a narrower float dtype: a float32 value beyond bfloat16's or
+    float16's largest), naming the tensor, the count and the first index in the stored tensor."""
+    masks = _EXPONENT_MASKS.get(cast.dtype)
+    if masks is None:
+        return
+    bits = cast.reshape(-1).view(masks[0])
+    if not _has_non_finite(bits, masks[1]):
+        return
+    bad = np.flatnonzero((bits & masks[1]) == masks[1])
+    shape, first_element = info.shape, 0
+    if rows is not None:
+        shape, first_element = rows[1].shape, rows[0].start * math.prod(rows[1].shape[1:])
+    first = [int(i) for i in np.unravel_index(first_element + int(bad[0]), shape)]
+    value = stored.reshape(-1)[bad[0]]
+    raise CheckpointError(f"{info.file}: tensor {name!r} {list(shape)} holds {bad.size} {info.dtype} values beyond "
+                          f"the range of {cast.dtype}, the first {value:.6g} at index {first}: they would become "
+                          f"infinite in the model (load it in a wider dtype, e.g. float32)")
 
 
 @dataclasses.dataclass
@@ -1042,7 +1065,11 @@ class _DenseReader:
             return out
         # A layer's tensor is a view of the file's pages, copied into its stack (one copy, no temporary), and so is
         # a whole one that host_array uses in place (mapped, 64-byte aligned) or that is cast.
-        return ckpt.view(name, shape).astype(target, copy=False)
+        stored = ckpt.view(name, shape)
+        cast = stored.astype(target, copy=False)
+        if cast is not stored:
+            _check_cast(name, ckpt.tensors[name], stored, cast)
+        return cast
 
 
     def _quantized(self, name: str, shape: tuple[int, int]) -> bool:

@@ -217,3 +217,26 @@ def test_a_dropped_model_releases_its_host_weights(monkeypatch):
         del model, leaves
         gc.collect()
         assert not [i for i in ids if _ffi.bank_is_live(i)]
+
+
+@pytest.mark.parametrize("tensor,host", [("model.layers.0.self_attn.q_proj.weight", True),
+                                         ("model.layers.0.self_attn.q_proj.weight", False),
+                                         ("model.embed_tokens.weight", True),
+                                         ("model.layers.1.block_sparse_moe.experts.0.w2.weight", True)])
+def test_a_float32_value_beyond_bfloat16_fails_the_bf16_load_by_name(tmp_path, monkeypatch, tensor, host):
+    """3.4e38 is finite in float32 and infinite in bfloat16 (largest 3.39e38): a float32 checkpoint loaded as bf16
+    is refused with the tensor and the index, in the host banks, the arrays and the expert banks alike (a fresh-user
+    trial saw it load and fail at the first step without a name)."""
+    from safetensors.numpy import load_file, save_file
+
+    src = os.path.join(FIXTURES, "mixtral")
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    assert tensors[tensor].dtype == np.float32
+    tensors[tensor][1, 2] = 3.4e38
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f, open(tmp_path / "config.json", "w") as g:
+        g.write(f.read())
+    with pytest.raises(CheckpointError) as e:
+        _load(tmp_path, monkeypatch, host)
+    assert f"tensor {tensor!r}" in str(e.value)
+    assert "1 float32 values beyond the range of bfloat16, the first 3.4e+38 at index [1, 2]" in str(e.value)
