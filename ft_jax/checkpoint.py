@@ -1088,7 +1088,8 @@ class _DenseReader:
         float dtype; checked for NaN/Inf) and frozen. None without host_banks, and where __call__ would give a part
         as a QuantizedTensor (stored in FP8 with an fp8 fmt, or quantized by a q8_0 / q4_0 fmt): those stay arrays.
 
-        Raises CheckpointError naming the tensor (missing, wrong shape or dtype, truncated file, NaN/Inf)."""
+        Raises CheckpointError naming the tensor (missing, wrong shape or dtype, truncated file, NaN/Inf, a value
+        beyond the range of ``dtype``)."""
         if not self.host_banks or any(self._quantized(name, shape) for parts in layers for name, shape in parts):
             return None
         ckpt, dtype = self.ckpt, self.dtype
@@ -1163,8 +1164,9 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     Raises:
         CheckpointError: missing/unreadable/truncated/corrupted file (including headers that break the safetensors
             rules and unsafe shard names in the index), missing tensor, wrong shape or dtype, a NaN/Inf weight or
-            scale (FP8 NaN, an MXFP4 scale of 255 or one that overflows float32 included), a row length that does
-            not fit the format's blocks (names the file and the tensor).
+            scale (FP8 NaN, an MXFP4 scale of 255 or one that overflows float32 included), a value that becomes
+            infinite when cast to ``dtype`` (a float32 weight beyond bfloat16's range), a row length that does not
+            fit the format's blocks (names the file and the tensor).
         ValueError: a dtype or quantize value not listed above, an experts range that is empty, has a step or
             leaves [0, E).
         TypeError: quantize neither a str nor None.
