@@ -16,9 +16,6 @@ import datetime
 import json
 import os
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from ft_jax.config import check_regular_file, file_present, read_json_file
 
 
@@ -45,6 +42,9 @@ class ChatTemplate:
             ChatTemplateError: the template does not parse or raised (e.g. roles that do not alternate); the message
                 names the source file.
         """
+        import jinja2  # on use: 14 ms of every launch otherwise (docs/DESIGN.md sec. 20.27)
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
 
