@@ -1068,9 +1068,8 @@ class _DenseReader:
         stored = ckpt.view(name, shape)
         cast = stored.astype(target, copy=False)
         if cast is not stored:
-            _check_cast(name, ckpt.tensors[name], stored, cast)
+            _check_cast(name, info, stored, cast)
         return cast
-
 
     def _quantized(self, name: str, shape: tuple[int, int]) -> bool:
         """Whether __call__ gives weight ``name`` as a QuantizedTensor."""

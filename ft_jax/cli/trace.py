@@ -188,12 +188,13 @@ def run_trace(args) -> int:
             results += evaluate(trace, args.policy, sizes, model, carry_cache=args.carry_cache, batch=args.batch,
                                 progress=progress)
         else:
-            own = trace.num_layers * trace.num_experts // n  # the experts a device owns
-            over = [s for s in slot_counts(args, trace, n) if s > own]
+            counts = slot_counts(args, trace, n)
+            own = trace.num_layers * (trace.num_experts // n)  # the experts a device owns, as evaluate_devices counts
+            over = [s for s in counts if s > own]
             if over:  # evaluate_devices caps them: say so, since the row shows another count than the one given
                 print(f"ft-jax trace: --devices {n}: a device owns {own} experts; cache sizes {over} are replayed as "
                       f"{own} slots", file=sys.stderr)
-            results += evaluate_devices(trace, args.policy, slot_counts(args, trace, n), model, n,
+            results += evaluate_devices(trace, args.policy, counts, model, n,
                                         host_sockets=min(args.host_sockets, n),
                                         allreduce_ms=args.allreduce_ms, carry_cache=args.carry_cache,
                                         batch=args.batch, progress=progress)
