@@ -145,11 +145,25 @@ def report_bus_errors() -> None:
         "--bank-memory copy to keep no mapping\n")
 
 
-def install_for_command_line() -> None:
-    """install() when this process is the `ft-jax` command (`ft-jax ...` or `python -m ft_jax ...`), from the
-    package's first import line, so that a signal during the imports (about a second of jax) is handled too."""
+#: The subcommands of `ft-jax` (ft_jax.cli.RUN), for the line of a signal that comes before the parser runs.
+COMMANDS = ("generate", "serve", "profile", "trace", "plan")
+
+
+def is_command_line() -> bool:
+    """Whether this process is the `ft-jax` command (`ft-jax ...` or `python -m ft_jax ...`), not a program that
+    imports ft_jax."""
     argv = getattr(sys, "orig_argv", sys.argv)
     script = os.path.basename(sys.argv[0]) if sys.argv else ""
     as_module = any(a == "-m" and b in ("ft_jax", "ft_jax.__main__") for a, b in zip(argv, argv[1:]))
-    if (script in ("ft-jax", "ft_jax") or as_module) and install():
+    return script in ("ft-jax", "ft_jax") or as_module
+
+
+def install_for_command_line() -> None:
+    """install() when this process is the `ft-jax` command (is_command_line), from the package's first import line,
+    so that a signal during the imports (about a second of jax) is handled too; the line names the subcommand
+    (`ft-jax generate: interrupted`) from then on when sys.argv[1] is one of COMMANDS."""
+    if not is_command_line():
+        return
+    command = sys.argv[1] if len(sys.argv) > 1 else None
+    if install(f"ft-jax {command}" if command in COMMANDS else "ft-jax"):
         protect_compile_cache_writes()

@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 
+from ft_jax import interrupts
+
 DEFAULT_INIT_TIMEOUT_S = 120
 INIT_ABORT_MARGIN_S = 10  # XLA's own initialization timeout is this much past --init-timeout: the watchdog's goes first
 
@@ -205,10 +207,7 @@ def parse_early(argv: list[str]):
 def setup_for_command_line() -> None:
     """setup() from the flags of `ft-jax generate` (or `python -m ft_jax generate`) when this process is that
     command and gives any of them; a failure prints "ft-jax generate: error: ..." and exits with status 2."""
-    argv = getattr(sys, "orig_argv", sys.argv)
-    script = os.path.basename(sys.argv[0]) if sys.argv else ""
-    as_module = any(a == "-m" and b in ("ft_jax", "ft_jax.__main__") for a, b in zip(argv, argv[1:]))
-    if not (script in ("ft-jax", "ft_jax") or as_module):
+    if not interrupts.is_command_line():
         return
     args = parse_early(sys.argv[1:])
     if args is None or (args.devices is None and args.coordinator is None and args.num_processes is None

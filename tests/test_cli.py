@@ -192,6 +192,21 @@ def test_error_unknown_policy(capsys):
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and "magic" in err, err
 
 
+def test_value_starting_with_a_dash_says_how_to_give_it(capsys):
+    """argparse reads "-1GiB" as a flag; the one line says to join the value with "=" (which then reaches the
+    byte-count check), for a short flag's long name too."""
+    for args, flag in ((["--device-memory", "-1GiB"], "--device-memory"), (["--prompt-ids"], "--prompt-ids")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["generate", *args])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"argument {flag}: expected one argument (a value that starts with '-' goes after '=': {flag}=VALUE)" \
+            in err, err
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--device-memory=-1GiB"])
+    assert "argument --device-memory: not a byte count: '-1GiB'" in capsys.readouterr().err
+
+
 def test_format_bytes_picks_the_unit_that_keeps_digits():
     assert units.format_bytes(100) == "100 B"
     assert units.format_bytes(1536) == "1.50 KiB"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import textwrap
 
 _ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
@@ -14,10 +15,19 @@ class UsageError(Exception):
     """A problem with what the user asked for: reported in one line, exit status 2."""
 
 
+# argparse's message for a flag whose value is missing or starts with "-" (read as another flag: --prompt "-5 degrees",
+# --device-memory -1GiB); the flag is its last option string.
+_VALUE_MISSING = re.compile(r"argument (?:\S+/)?(-\S+): expected one argument$")
+
+
 class Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one line (`PROG: error: ...`, exit status 2) instead of usage + error."""
+    """ArgumentParser whose errors are one line (`PROG: error: ...`, exit status 2) instead of usage + error. A flag
+    without its value also says how to give a value that starts with "-" (FLAG=VALUE)."""
 
     def error(self, message):
+        missing = _VALUE_MISSING.match(message)
+        if missing:
+            message += f" (a value that starts with '-' goes after '=': {missing.group(1)}=VALUE)"
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
