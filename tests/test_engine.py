@@ -186,6 +186,21 @@ def test_non_finite_logits_are_reported_not_decoded(mixtral):
     assert len(engine.generate([[1, 2, 3]], max_new_tokens=4).tokens[0]) == 4
 
 
+def test_overflowing_activations_are_reported_not_decoded(mixtral):
+    """A finite but huge weight (1e30 in the embedding row of token 2): the RMSNorms' mean of squares overflows
+    float32. transformers' formula turns that vector into 0, the model goes on with finite numbers and every logit
+    is equal (greedy: token 0); here the norm gives NaN and generate raises at the step, as for NaN weights."""
+    engine = Engine(mixtral, policy=Policy("host-all"), num_slots=1)
+    good = engine.params
+    table = good["embed_tokens"][...]
+    engine.params = jax.tree_util.tree_map(lambda x: x, good)
+    engine.params["embed_tokens"] = engine.params["embed_tokens"].replace(table.at[2].set(1e30))
+    with pytest.raises(NonFiniteLogitsError, match=r"non-finite .* logits at step 0 for row\(s\) \[1\]"):
+        engine.generate([[1, 3], [1, 2]], max_new_tokens=3)
+    engine.params = good
+    assert [len(t) for t in engine.generate([[1, 3], [1, 2]], max_new_tokens=3).tokens] == [3, 3]
+
+
 def _draws(logits, sampling, n=400):
     step = jax.jit(lambda key, t, k, p: sample_next(logits, key, jnp.zeros(1, jnp.int32), t, k, p,
                                                     greedy=sampling.greedy))

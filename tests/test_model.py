@@ -18,7 +18,7 @@ from flax import nnx
 from ft_jax.checkpoint import load_checkpoint
 from ft_jax.config import load_config
 from ft_jax.models.decoder import MoETransformer
-from ft_jax.models.layers import random_param_factory
+from ft_jax.models.layers import random_param_factory, rms_norm
 from ft_jax.kernels import ffi_ops
 from ft_jax.kernels.host_bank import HostBank
 
@@ -336,3 +336,14 @@ def test_tied_word_embeddings_use_embedding_as_lm_head():
     logits, _, _, aux = fwd(state, toks, jnp.arange(5)[None], model.init_kv_cache(1, 8), experts)
     ref = np.asarray(aux.hidden_states[-1, 0], np.float64) @ np.asarray(model.embed_tokens[...], np.float64).T
     np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=1e-4, rtol=1e-5)
+
+
+def test_rms_norm_of_an_overflowing_vector_is_nan():
+    """mean(x^2) beyond float32 gives NaN (not transformers' 0); a large vector that does not overflow is normalized
+    as numpy computes it, in float64."""
+    x = np.array([[3e19, 1.0, -2.0, 0.5], [3e18, 1.0, -2.0, 0.5]], np.float32)
+    w = np.array([1.0, 2.0, 0.5, -1.0], np.float32)
+    got = np.asarray(rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6))
+    assert np.isnan(got[0]).all()
+    x64 = x[1].astype(np.float64)
+    np.testing.assert_allclose(got[1], w * x64 / np.sqrt(np.mean(x64 * x64) + 1e-6), rtol=1e-6)

@@ -536,9 +536,15 @@ def take_rows(table: "jax.Array | HostWeights", ids: jax.Array, dtype) -> jax.Ar
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """weight * (x / sqrt(mean(x^2, -1) + eps)), computed in float32 and cast back to x.dtype before the scale
-    (transformers' LlamaRMSNorm / MixtralRMSNorm / Qwen*RMSNorm / OlmoeRMSNorm). x: [..., D]; weight: [D]."""
+    (transformers' LlamaRMSNorm / MixtralRMSNorm / Qwen*RMSNorm / OlmoeRMSNorm). x: [..., D]; weight: [D].
+
+    A vector whose mean of squares overflows float32 (|x| beyond ~1.8e19: weights of 1e30 and the like) comes out
+    NaN, where transformers' formula gives 0 (x * rsqrt(inf)): a 0 would pass the model on as finite numbers and
+    end in logits that are all equal, decoded into token 0 without a word; NaN ends in the step's non-finite logits
+    check (engine.sampling.NonFiniteLogitsError)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    mean_square = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    xf = jnp.where(mean_square < jnp.inf, xf * jax.lax.rsqrt(mean_square + eps), jnp.nan)
     return weight * xf.astype(x.dtype)
 
 
