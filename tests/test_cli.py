@@ -194,7 +194,7 @@ def test_error_unknown_policy(capsys):
 
 def test_value_starting_with_a_dash_says_how_to_give_it(capsys):
     """argparse reads "-1GiB" as a flag; the one line says to join the value with "=" (which then reaches the
-    byte-count check), for a short flag's long name too."""
+    byte-count check), and says so for a flag given last without its value too."""
     for args, flag in ((["--device-memory", "-1GiB"], "--device-memory"), (["--prompt-ids"], "--prompt-ids")):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["generate", *args])
