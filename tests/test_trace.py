@@ -285,6 +285,20 @@ def test_plot_writes_png(tmp_path, capsys):
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_into_a_missing_folder_is_one_line_before_the_replay(tmp_path, capsys):
+    """--plot names its problem in one line, before anything is replayed (nothing is written), as generate's file
+    flags do."""
+    _write(tmp_path / "t.jsonl", _routing(5))
+    target = tmp_path / "missing" / "p.png"
+    status = cli.main(["trace", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--bandwidth", "2,8",
+                       "--cache-slots", "8", "--plot", str(target)])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "", (out, err)
+    assert err.strip().splitlines() == [f"ft-jax trace: error: --plot {target}: folder {target.parent} does not exist "
+                                        "or is not writable"], err
+    assert not target.parent.exists()
+
+
 def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):
     from ft_jax.tools import plan
 

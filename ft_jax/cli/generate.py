@@ -9,9 +9,8 @@ import os
 import sys
 
 from ft_jax import defaults, interrupts, launch, units
-from ft_jax.cache_dirs import output_file_problem
 from ft_jax.cli import arg_types
-from ft_jax.cli.usage import HelpFormatter, UsageError, escaped_text
+from ft_jax.cli.usage import HelpFormatter, UsageError, check_output_file, escaped_text
 from ft_jax.config import SUPPORTED_ARCHITECTURES, load_config
 from ft_jax.defaults import BANK_MEMORY, DEFAULT_PREFILL_CHUNK
 from ft_jax.offload.policy import PolicyKind
@@ -144,15 +143,6 @@ def _request(args: argparse.Namespace, api, path: str, cfg, tokenizer):
         raise UsageError(f"{flag}: {e}" if flag else str(e)) from None
 
 
-def _check_output_file(flag: str, file: str | None) -> None:
-    """A file flag (--record-trace: written after the whole generation; --profile: an explicit bandwidth profile
-    store) is checked before loading (cache_dirs.output_file_problem, as ft_jax.load checks profile=): its folder is
-    never created."""
-    problem = None if file is None else output_file_problem(file)
-    if problem:
-        raise UsageError(f"{flag} {file}: {problem}")
-
-
 def _budget_flags(args: argparse.Namespace) -> dict:
     """{flag: value} of the three cache budget flags (mutually exclusive: at most one is not None)."""
     return {"--cache-slots": args.cache_slots, "--cache-fraction": args.cache_fraction,
@@ -256,8 +246,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(path)
     tokenizer = load_tokenizer(path) if args.prompt_ids is None else api.load_tokenizer_or_none(path)
     request = _request(args, api, path, cfg, tokenizer)
-    _check_output_file("--record-trace", args.record_trace)
-    _check_output_file("--profile", args.profile)
+    check_output_file("--record-trace", args.record_trace)
+    check_output_file("--profile", args.profile)
 
     notes: list[str] = []  # --json: in the object instead of on stderr
 

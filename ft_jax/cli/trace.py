@@ -11,7 +11,7 @@ import json
 import sys
 
 from ft_jax.cli import arg_types
-from ft_jax.cli.usage import HelpFormatter
+from ft_jax.cli.usage import HelpFormatter, check_output_file
 from ft_jax.config import load_config
 from ft_jax.config.quantization import expert_format
 from ft_jax.defaults import bundled_model_path
@@ -171,6 +171,7 @@ def run_trace(args) -> int:
     trace, model = load_inputs(args)
     sizes = slot_counts(args, trace)
     if args.plot:
+        check_output_file("--plot", args.plot)
         try:  # lazy: matplotlib is optional; fail before the replay, not after
             import matplotlib  # noqa: F401
         except ImportError:

@@ -6,6 +6,8 @@ import argparse
 import re
 import textwrap
 
+from ft_jax.cache_dirs import output_file_problem
+
 _ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
 _HEX = set("0123456789abcdefABCDEF")
 ESCAPES_HELP = "\\n, \\r, \\t, \\\\, \\', \\\" and \\xHH; \\\\ for a backslash"
@@ -29,6 +31,20 @@ class Parser(argparse.ArgumentParser):
         if missing:
             message += f" (a value that starts with '-' goes after '=': {missing.group(1)}=VALUE)"
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def check_output_file(flag: str, file: str | None) -> None:
+    """A file flag is checked before any work (cache_dirs.output_file_problem): generate's --record-trace (written
+    after the whole generation) and --profile (an explicit bandwidth profile store, as ft_jax.load checks profile=),
+    trace's --plot (written after the replay). Its folder is never created.
+
+    Raises:
+        UsageError: "FLAG FILE: the problem" (no file name, a directory, a folder that does not exist or is not
+            writable).
+    """
+    problem = None if file is None else output_file_problem(file)
+    if problem:
+        raise UsageError(f"{flag} {file}: {problem}")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

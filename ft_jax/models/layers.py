@@ -538,10 +538,11 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """weight * (x / sqrt(mean(x^2, -1) + eps)), computed in float32 and cast back to x.dtype before the scale
     (transformers' LlamaRMSNorm / MixtralRMSNorm / Qwen*RMSNorm / OlmoeRMSNorm). x: [..., D]; weight: [D].
 
-    A vector whose mean of squares overflows float32 (|x| beyond ~1.8e19: weights of 1e30 and the like) comes out
-    NaN, where transformers' formula gives 0 (x * rsqrt(inf)): a 0 would pass the model on as finite numbers and
-    end in logits that are all equal, decoded into token 0 without a word; NaN ends in the step's non-finite logits
-    check (engine.sampling.NonFiniteLogitsError)."""
+    A vector whose sum of squares overflows float32 (the mean is that sum over D, as in transformers: an RMS beyond
+    sqrt(3.4e38 / D), 2.9e17 at D = 4096; weights of 1e30 and the like) comes out NaN, where transformers' formula
+    gives 0 (x * rsqrt(inf)): a 0 would pass the model on as finite numbers and end in logits that are all equal,
+    decoded into token 0 without a word; NaN ends in the step's non-finite logits check
+    (engine.sampling.NonFiniteLogitsError)."""
     xf = x.astype(jnp.float32)
     mean_square = jnp.mean(xf * xf, axis=-1, keepdims=True)
     xf = jnp.where(mean_square < jnp.inf, xf * jax.lax.rsqrt(mean_square + eps), jnp.nan)
