@@ -1100,28 +1100,35 @@ const Fp8Bf16Tables& Fp8Bf16() {
 // Chunk lengths (elements) of the decodes: fp8 64 (one 64-byte load), mxfp4 128 (4 blocks, 64 bytes).
 constexpr int64_t Bf16Chunk(WFormat f) { return f == WFormat::kFp8 ? 64 : 128; }
 
-// xp[t * padded + c]: token t's bf16 activations (xb + t * xb_stride, cols of them) in the element order of the decode of format f per
-// 64 elements (fp8: 128-bit lanes 0, 2 of each 32, then 1, 3, as VPUNPCKL/HBW pair the bytes; mxfp4: even elements,
-// then odd), zero from cols to padded (a multiple of Bf16Chunk(f)).
+// xp[t * padded + c]: token t's bf16 activations (xb + t * xb_stride, cols of them) in the element order of the decode of
+// format f, zero from cols to padded (a multiple of Bf16Chunk(f)). fp8, per 64 elements: 128-bit lanes 0, 2 of each
+// 32, then 1, 3 (as VPUNPCKL/HBW pair the bytes). mxfp4, per 128 elements (64 bytes, read as 32 words of 4 codes):
+// elements 4j for j = 0..31, then 4j + 1, 4j + 2, 4j + 3 (the 4 codes of word j, DotMxfp4Bf16).
 FT_JAX_BF16DOT void PrepBf16Acts(WFormat f, const uint16_t* xb, int64_t xb_stride, int64_t T, int64_t cols,
                                  int64_t padded, uint16_t* xp) {
-  alignas(64) static const uint16_t kEven[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
-                                                 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
-  const __m512i even = _mm512_load_si512(kEven);
-  const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+  // mxfp4: word j of output k is element 4 (j % 16) + k of its half (lanes 0..15 from the first 64 elements, 16..31
+  // from the second)
+  alignas(64) static const uint16_t kQuad[32] = {0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
+                                                 0,  4,  8,  12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60};
+  const __m512i quad = _mm512_load_si512(kQuad);
+  const int64_t chunk = Bf16Chunk(f);
   for (int64_t t = 0; t < T; ++t) {
-    for (int64_t c = 0; c < padded; c += 64) {
-      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(64, cols - c));
-      const uint16_t* p = xb + t * xb_stride + c;
-      const __mmask32 m0 = n >= 32 ? ~0u : (1u << n) - 1, m1 = n >= 64 ? ~0u : n <= 32 ? 0u : (1u << (n - 32)) - 1;
-      const __m512i x0 = _mm512_maskz_loadu_epi16(m0, p), x1 = _mm512_maskz_loadu_epi16(m1, p + 32);
+    for (int64_t c = 0; c < padded; c += chunk) {
+      __m512i x[4];
+      for (int i = 0; i < chunk / 32; ++i) {
+        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(32, cols - c - 32 * i));
+        x[i] = _mm512_maskz_loadu_epi16(n >= 32 ? ~0u : (1u << n) - 1, xb + t * xb_stride + c + 32 * i);
+      }
       uint16_t* o = xp + t * padded + c;
       if (f == WFormat::kFp8) {
-        _mm512_storeu_si512(o, _mm512_shuffle_i64x2(x0, x1, 0x88));
-        _mm512_storeu_si512(o + 32, _mm512_shuffle_i64x2(x0, x1, 0xDD));
-      } else {
-        _mm512_storeu_si512(o, _mm512_permutex2var_epi16(x0, even, x1));
-        _mm512_storeu_si512(o + 32, _mm512_permutex2var_epi16(x0, odd, x1));
+        _mm512_storeu_si512(o, _mm512_shuffle_i64x2(x[0], x[1], 0x88));
+        _mm512_storeu_si512(o + 32, _mm512_shuffle_i64x2(x[0], x[1], 0xDD));
+        continue;
+      }
+      for (int k = 0; k < 4; ++k) {
+        const __m512i idx = _mm512_add_epi16(quad, _mm512_set1_epi16(static_cast<int16_t>(k)));
+        _mm512_storeu_si512(o + 32 * k, _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_permutex2var_epi16(x[0], idx, x[1]),
+                                                                _mm512_permutex2var_epi16(x[2], idx, x[3])));
       }
     }
   }
@@ -1173,18 +1180,20 @@ FT_JAX_BF16DOT void DotFp8Bf16(const MatrixView& w, int64_t r0, int64_t r1, cons
   }
 }
 
-// mxfp4 rows [r0, r1) likewise; sf: scratch of cols / 32 rounded up to 4 floats.
+// mxfp4 rows [r0, r1) likewise; sf: scratch of cols / 32 rounded up to 4 floats. A row's 64 bytes (4 blocks) are read
+// as 32 words, word j holding the codes of elements 4j .. 4j + 3 in its 4 nibbles: VPERMW of the word, and of the word
+// shifted by 4, 8 and 12, decodes each code to bf16 (its low 5 bits index a table of the 16 values twice), and the 4
+// VDPBF16PS put float32 lane i on elements 8i .. 8i + 7: lanes 4b .. 4b + 3 hold block b, scaled by one vector.
 template <int NT>
 FT_JAX_BF16DOT void DotMxfp4Bf16(const MatrixView& w, int64_t r0, int64_t r1, const uint16_t* xp, int64_t padded,
                                  float* out, int64_t out_stride, float* sf) {
-  // FP4 E2M1 as bf16, twice: VPERMW reads 5 index bits, so a byte's low nibble needs no mask
+  // FP4 E2M1 as bf16, twice: VPERMW reads 5 index bits, so the next code's low bit needs no mask
   alignas(64) static const uint16_t kLut[32] = {
       0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040,
       0xC080, 0xC0C0, 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0,
       0xC000, 0xC040, 0xC080, 0xC0C0};
   const __m512i lut = _mm512_load_si512(kLut);
-  const __m512i s01 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i s23 = _mm512_add_epi32(s01, _mm512_set1_epi32(2));
+  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // lane -> its block
   const int64_t nb = w.cols / kQBlock, bytes = w.cols / 2;
   for (int64_t b = nb; b % 4 != 0; ++b) sf[b] = 0.0f;
   for (int64_t r = r0; r < r1; ++r) {
@@ -1195,19 +1204,15 @@ FT_JAX_BF16DOT void DotMxfp4Bf16(const MatrixView& w, int64_t r0, int64_t r1, co
     for (int64_t g = 0; 4 * g < nb; ++g) {
       if constexpr (NT <= 2) __builtin_prefetch(row + 64 * g + kDecodePrefetchBytes, 0, 3);  // memory-bound decode
       const int64_t n = std::min<int64_t>(64, bytes - 64 * g);
-      const __mmask32 m0 = n >= 32 ? ~0u : (1u << n) - 1, m1 = n >= 64 ? ~0u : n <= 32 ? 0u : (1u << (n - 32)) - 1;
-      const __m512i b0 = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m0, row + 64 * g));
-      const __m512i b1 = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m1, row + 64 * g + 32));
-      const __m512i v00 = _mm512_permutexvar_epi16(b0, lut), v10 = _mm512_permutexvar_epi16(_mm512_srli_epi16(b0, 4), lut);
-      const __m512i v01 = _mm512_permutexvar_epi16(b1, lut), v11 = _mm512_permutexvar_epi16(_mm512_srli_epi16(b1, 4), lut);
-      const __m512 sv = _mm512_castps128_ps512(_mm_loadu_ps(sf + 4 * g));
-      const __m512 sa = _mm512_permutexvar_ps(s01, sv), sb = _mm512_permutexvar_ps(s23, sv);
+      const __m512i c = _mm512_maskz_loadu_epi8(n >= 64 ? ~0ull : (1ull << n) - 1, row + 64 * g);
+      const __m512i v0 = _mm512_permutexvar_epi16(c, lut), v1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(c, 4), lut);
+      const __m512i v2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(c, 8), lut);
+      const __m512i v3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(c, 12), lut);
+      const __m512 s = _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_loadu_ps(sf + 4 * g)));
       for (int t = 0; t < NT; ++t) {
         const uint16_t* xs = xp + t * padded + 128 * g;
-        const __m512 ta = Dp(Dp(_mm512_setzero_ps(), v00, xs), v10, xs + 32);
-        const __m512 tb = Dp(Dp(_mm512_setzero_ps(), v01, xs + 64), v11, xs + 96);
-        acc[t][0] = _mm512_fmadd_ps(ta, sa, acc[t][0]);
-        acc[t][1] = _mm512_fmadd_ps(tb, sb, acc[t][1]);
+        const __m512 d = Dp(Dp(Dp(Dp(_mm512_setzero_ps(), v0, xs), v1, xs + 32), v2, xs + 64), v3, xs + 96);
+        acc[t][g & 1] = _mm512_fmadd_ps(d, s, acc[t][g & 1]);
       }
     }
     for (int t = 0; t < NT; ++t) out[t * out_stride + r] = Reduce2(acc[t][0], acc[t][1]);
