@@ -18,7 +18,7 @@ from ft_jax.defaults import bundled_model_path
 from ft_jax.memory import planned_expert_bytes
 from ft_jax.offload.cost_model import ASSUMED_DEVICE_GBPS, PRESETS, CostModel
 from ft_jax.offload.profile import cost_model_for, dtype_name
-from ft_jax.tools.multi_device import evaluate_devices
+from ft_jax.tools.multi_device import evaluate_devices, experts_per_device
 from ft_jax.tools.replay import evaluate
 from ft_jax.tools.report import format_table, plot, report
 from ft_jax.tools.trace_io import Trace, read_trace
@@ -190,7 +190,7 @@ def run_trace(args) -> int:
                                 progress=progress)
         else:
             counts = slot_counts(args, trace, n)
-            own = trace.num_layers * (trace.num_experts // n)  # the experts a device owns, as evaluate_devices counts
+            own = experts_per_device(trace, n)
             over = [s for s in counts if s > own]
             if over:  # evaluate_devices caps them: say so, since the row shows another count than the one given
                 print(f"ft-jax trace: --devices {n}: a device owns {own} experts; cache sizes {over} are replayed as "

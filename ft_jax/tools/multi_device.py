@@ -78,6 +78,12 @@ def token_ms(stats: np.ndarray, models: Seq[CostModel], host_sockets: int = 1, a
     return layer.sum(axis=1)
 
 
+def experts_per_device(trace: Trace, devices: int) -> int:
+    """The experts one of ``devices`` devices owns over the trace's layers, L * (E / N): the most slots a device's
+    cache can use (evaluate_devices caps larger slot counts to it)."""
+    return trace.num_layers * (trace.num_experts // devices)
+
+
 def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: CostModel, devices: int, *,
                      host_sockets: int = 1, allreduce_ms: float = 0.0, carry_cache: bool = False, batch: bool = False,
                      progress=None) -> list[dict]:
@@ -99,8 +105,7 @@ def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: 
     """
     shards, models = shard_trace(trace, devices), [model] * devices
     sockets_of(devices, host_sockets)  # checked before the replays
-    L, E = trace.num_layers, trace.num_experts
-    own = L * (E // devices)
+    own = experts_per_device(trace, devices)
     capped = list(dict.fromkeys(min(int(S), own) for S in slot_counts))
     out, total = [], len(capped) * len(policies)
     for S in capped:
