@@ -379,6 +379,25 @@ def test_cache_flags_under_host_all_say_they_are_not_used(tmp_path):
         "(give --policy fetch-all or qstar to use slots)"]
 
 
+def test_cache_flags_under_resident_say_they_are_not_used():
+    """resident sizes its slots to every expert whatever the budget: a budget flag was ignored without a word (a
+    fresh-user trial: --cache-slots 1 ran with 24 slots)."""
+    import argparse
+
+    from ft_jax.cli import arg_types, generate
+    from ft_jax.config import load_config
+
+    for flag, value in (("cache_slots", 1), ("cache_fraction", 0.25), ("device_memory", "1MiB")):
+        args = argparse.Namespace(cache_slots=None, cache_fraction=None, device_memory=None,
+                                  policy=arg_types.policy("resident"))
+        setattr(args, flag, value)
+        notes = []
+        assert generate._cache(args, load_config(FIXTURE), notes.append) is None
+        shown = f"{value:g}" if isinstance(value, float) else value
+        assert notes == [f"note: --{flag.replace('_', '-')} {shown} is not used: resident holds every expert of the "
+                         "device in its slots"]
+
+
 @pytest.mark.parametrize("backend, policies", [("cpu", "fetch-all or qstar"), ("gpu", "auto, qstar or fetch-all")])
 def test_the_host_all_cache_note_names_the_policies_that_fill_slots_on_the_device(monkeypatch, backend, policies):
     """auto fills no slot on a CPU device (its cost model runs the paths serially there), so the note under an

@@ -171,10 +171,13 @@ def _cache(args: argparse.Namespace, cfg, note, devices: int = 1) -> int | float
         note(f"note: {given[0]} is not used: host-all computes every expert on the CPU and never fills a slot (give "
              f"--policy {policies} to use slots)")
         return None  # api.load's one slot
+    if given and _resident(args):
+        note(f"note: {given[0]} is not used: resident holds every expert of the device in its slots")
+        return None
     if on_cpu and args.policy is not None and args.policy.kind is PolicyKind.AUTO:
         note("note: --policy auto on a CPU device fills no slot: a slot there is a copy in the same memory, read by "
              "the same cores, so a fill never pays; its slots stay unused (--policy qstar or fetch-all fill them)")
-    if args.cache_slots is not None and args.cache_slots > experts and not _resident(args):
+    if args.cache_slots is not None and args.cache_slots > experts:
         note(f"note: --cache-slots {args.cache_slots} is more than the {experts} experts; using {experts}")
     if args.cache_fraction is not None and round(args.cache_fraction * experts) < 1:
         note(f"note: --cache-fraction {args.cache_fraction:g} of the {experts} experts is less than one slot; "
