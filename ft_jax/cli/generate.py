@@ -157,7 +157,8 @@ def _budget_flag(args: argparse.Namespace) -> str:
 
 def _cache(args: argparse.Namespace, cfg, note, devices: int = 1) -> int | float | str | None:
     """The cache budget of the flags for api.load (of each of the ``devices`` devices, which own 1/devices of the
-    experts); a --cache-slots above the number of experts is said in a note."""
+    experts); a --cache-slots above the number of experts is said in a note, and so is a budget that host-all or
+    resident does not use (None: api.load's default for them)."""
     experts = cfg.num_moe_layers * cfg.num_experts // devices
     given = [f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
              for flag, value in _budget_flags(args).items() if value is not None]
