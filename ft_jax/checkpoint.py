@@ -875,7 +875,7 @@ class _BankWriter:
         n = w.shape[0]
         data, scales = dst[first:first + n], self.row(f"{bank}_scale", row)[first:first + n]
         _quantize_into(w, self.quantize_fmt, data, scales, what, where)
-        if self.fmt.interleave > 1:  # load_expert_banks picks it only where every piece is whole groups
+        if self.fmt.interleave > 1:  # allocate_expert_banks picks it only where every piece is whole groups
             wf.interleave_rows(data, scales)
 
 
@@ -911,25 +911,19 @@ def _read_gpt_oss_experts(ckpt: SafetensorsCheckpoint, bank: str, row: int, name
             out.put(bank, row + j, 0, _deinterleave(w) if part[-1] else w, what, where)
 
 
-def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, fmt: wf.WeightFormat,
-                      bias_dtype, experts: range | None = None,
-                      cancel: threading.Event | None = None) -> ExpertBanks:
-    """The expert banks of a checkpoint in weight format ``fmt``, filled by ``plan`` (expert_tensor_plan with the
-    same ``experts``: the experts of every MoE layer the banks hold, default all; only their tensors, or their rows
-    of a fused tensor, are read).
+def allocate_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, fmt: wf.WeightFormat,
+                          bias_dtype, experts: range | None = None) -> ExpertBanks:
+    """The empty (zero, writable) expert banks that :func:`fill_expert_banks` fills by ``plan`` (expert_tensor_plan
+    with the same ``experts``: the experts of every MoE layer the banks hold, default all): L_moe * len(experts) rows in
+    the storage form of weight format ``fmt`` (weight_formats.storage_format), each row at the page offset that lets
+    read_into map the tensors stored as the bank holds them (SafetensorsCheckpoint.page_offsets); bias banks (gpt-oss)
+    of ``bias_dtype``.
 
-    Float formats: tensors are read straight into the bank rows (a cast through one tensor-sized temporary when the
-    stored dtype differs). q8_0 / q4_0: each expert tensor (one expert of a fused one) is read, quantized with
-    weight_formats.quantize and written into the rows; the float copy is one expert's matrix. fp8: the stored bytes
-    go into the rows as float tensors do (mapped from the file where the offsets allow, else read), the scales are
-    copied (a bf16 scale_inv widened to f32); mxfp4: blocks and scales copied (gate/up rows de-interleaved); both
-    checked for NaN (FP8 S.1111.111 as read, an E8M0 scale of 255, a non-finite scale) and never dequantized. Biases (gpt-oss) go to float banks of ``bias_dtype``.
+    Each HostBank gets the next bank id, and the ids are attributes of the decode and prefill steps' FFI calls, so of
+    their persistent compilation cache keys: load_checkpoint allocates the expert banks here, in its own thread, before
+    the dense model's banks, so that the same load gives the same ids (and a cache hit) whatever the threads' timing.
 
-    cancel: when set (by another thread), the load stops before its next tensor and raises LoadCancelled.
-
-    Returns: ExpertBanks (frozen) of L_moe * len(experts) rows. Raises CheckpointError (naming file and tensor),
-    LoadCancelled; on any error the banks made so far are released.
-    """
+    Raises CheckpointError (a missing tensor); on any error the banks made so far are released."""
     experts = check_experts(cfg, experts)
     Ep, H, I = len(experts), cfg.hidden_size, cfg.moe_intermediate_size
     rows = cfg.num_moe_layers * Ep
@@ -948,15 +942,45 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
                 per_stored_row = rb // row_specs[bank][0][0]
                 regions[bank].append((row, name, 0, part[1] * per_stored_row, (part[2] - part[1]) * per_stored_row))
     per_row = jax.default_backend() == "cpu"
-    host = {name: HostBank(rows, shape, dtype, ckpt.page_offsets(regions[name], rows, row_bytes[name], dtype, per_row))
-            for name, (shape, dtype) in row_specs.items()}
+    specs = {name: (rows, shape, dtype, ckpt.page_offsets(regions[name], rows, row_bytes[name], dtype, per_row))
+             for name, (shape, dtype) in row_specs.items()}
     if cfg.expert_bias:
-        host.update(gate_up_bias=HostBank(rows, (2 * I,), bias_dtype), down_bias=HostBank(rows, (H,), bias_dtype))
+        specs.update(gate_up_bias=(rows, (2 * I,), bias_dtype), down_bias=(rows, (H,), bias_dtype))
+    host: dict[str, HostBank] = {}
     try:
-        out = _BankWriter(host, fmt)
+        for name, spec in specs.items():
+            host[name] = HostBank(*spec)
+        return ExpertBanks(**host, format=fmt)
+    except BaseException:
+        for bank in host.values():
+            bank.release()
+        raise
+
+
+def fill_expert_banks(banks: ExpertBanks, cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list,
+                      experts: range | None = None, cancel: threading.Event | None = None) -> ExpertBanks:
+    """Fill the banks of :func:`allocate_expert_banks` (same plan and experts) and freeze them.
+
+    Float formats: tensors are read straight into the bank rows (a cast through one tensor-sized temporary when the
+    stored dtype differs). q8_0 / q4_0: each expert tensor (one expert of a fused one) is read, quantized with
+    weight_formats.quantize and written into the rows; the float copy is one expert's matrix. fp8: the stored bytes
+    go into the rows as float tensors do (mapped from the file where the offsets allow, else read), the scales are
+    copied (a bf16 scale_inv widened to f32); mxfp4: blocks and scales copied (gate/up rows de-interleaved); both
+    checked for NaN (FP8 S.1111.111 as read, an E8M0 scale of 255, a non-finite scale) and never dequantized. Biases
+    (gpt-oss) go to the float bias banks.
+
+    cancel: when set (by another thread), the load stops before its next tensor and raises LoadCancelled.
+
+    Returns: ``banks``, frozen. Raises CheckpointError (naming file and tensor), LoadCancelled; on any error the banks
+    are released.
+    """
+    experts = check_experts(cfg, experts)
+    Ep, fmt = len(experts), banks.format
+    try:
+        out = _BankWriter(dict(banks.items()), fmt)
         for bank, row, name, part in plan:
             if cancel is not None and cancel.is_set():
-                raise LoadCancelled("load_expert_banks: cancelled")
+                raise LoadCancelled("fill_expert_banks: cancelled")
             if part[0] == "fused" and not (fmt.quantized and bank in ("gate_up", "down")):
                 ckpt.read_into(name, out.rows(bank, row, Ep), rows=experts)
             elif part[0] == "fused":  # quantized while loading, one expert at a time
@@ -977,17 +1001,15 @@ def load_expert_banks(cfg: MoEConfig, ckpt: SafetensorsCheckpoint, plan: list, f
             else:
                 _read_gpt_oss_experts(ckpt, bank, row, name, part, out, experts)
         del out  # the writable views; views taken after freeze() are read-only
-        banks = ExpertBanks(**host, format=fmt)
         banks.freeze()
     except BaseException:
-        for bank in host.values():
-            bank.release()
+        banks.release()
         raise
     return banks
 
 
 class LoadCancelled(Exception):
-    """load_expert_banks stopped early because its ``cancel`` event was set (the dense model's load failed)."""
+    """fill_expert_banks stopped early because its ``cancel`` event was set (the dense model's load failed)."""
 
 
 def _load_in_two_threads(make_model: Callable[[], Any], make_banks: Callable[[threading.Event], ExpertBanks]):
@@ -1124,7 +1146,9 @@ def load_banks(model_dir: str | os.PathLike, dtype=jnp.float32, quantize: str | 
     bank_dtype = _np_dtype(dtype)
     fmt = expert_format(cfg, bank_dtype, quantize)
     with SafetensorsCheckpoint(model_dir) as ckpt:
-        return load_expert_banks(cfg, ckpt, expert_tensor_plan(cfg, ckpt, fmt, experts), fmt, bank_dtype, experts)
+        plan = expert_tensor_plan(cfg, ckpt, fmt, experts)
+        return fill_expert_banks(allocate_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts), cfg, ckpt, plan,
+                                 experts)
 
 
 def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtype=None,
@@ -1178,10 +1202,11 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     fmt = expert_format(cfg, bank_dtype, quantize)
     with SafetensorsCheckpoint(model_dir, map_pages=map_pages) as ckpt:
         plan = expert_tensor_plan(cfg, ckpt, fmt, experts)
+        banks = allocate_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts)  # before the dense banks: same ids
         model, banks = _load_in_two_threads(
             lambda: MoETransformer(cfg, _DenseReader(ckpt, dense_dtype, cfg.family, fmt if fmt.quantized else None,
                                                       host_weights_apply(dense_dtype))),
-            lambda cancel: load_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts, cancel))
+            lambda cancel: fill_expert_banks(banks, cfg, ckpt, plan, experts, cancel))
         nbytes = ckpt.nbytes
         if experts is not None:
             expert_tensor_plan(cfg, ckpt, fmt)  # the experts other processes hold count as read (headers only)

@@ -231,12 +231,12 @@ def test_wrong_shape_names_file_tensor_and_shapes(tmp_path, name):
 @pytest.mark.parametrize("dense_fails_after_banks", [False, True])
 def test_dense_failure_releases_the_expert_banks_of_the_other_thread(monkeypatch, dense_fails_after_banks):
     """load_checkpoint reads the experts in a second thread while the dense model is built: when the dense part
-    fails, its error is raised and every host bank the other thread made is released, whether that thread was
-    cancelled part way (the dense error comes at once) or had finished (the error comes after the banks)."""
+    fails, its error is raised and every expert bank is released, whether the thread filling them was cancelled part
+    way (the dense error comes at once) or had finished (the error comes after the banks)."""
     import ft_jax.checkpoint as checkpoint
 
     made, finished = [], threading.Event()
-    real_init, real_banks = HostBank.__init__, checkpoint.load_expert_banks
+    real_init, real_banks = HostBank.__init__, checkpoint.fill_expert_banks
 
     def recording_init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
@@ -254,14 +254,12 @@ def test_dense_failure_releases_the_expert_banks_of_the_other_thread(monkeypatch
         raise CheckpointError("dense part failed")
 
     monkeypatch.setattr(HostBank, "__init__", recording_init)
-    monkeypatch.setattr(checkpoint, "load_expert_banks", banks_then_signal)
+    monkeypatch.setattr(checkpoint, "fill_expert_banks", banks_then_signal)
     monkeypatch.setattr(checkpoint, "MoETransformer", failing_model)
     with pytest.raises(CheckpointError, match="dense part failed"):
         load_checkpoint(os.path.join(FIXTURES, "mixtral"))
     assert finished.is_set()  # load_checkpoint waited for the other thread
-    if dense_fails_after_banks:
-        assert made  # the banks were made, then released
-    assert all(not bank.alive for bank in made)
+    assert made and all(not bank.alive for bank in made)  # the banks were made, then released
 
 
 def test_interrupt_while_waiting_for_the_banks_cancels_and_releases_them(monkeypatch):
@@ -274,7 +272,7 @@ def test_interrupt_while_waiting_for_the_banks_cancels_and_releases_them(monkeyp
     import ft_jax.checkpoint as checkpoint
 
     made, saw_cancel = [], []
-    real_init, real_banks, real_result = HostBank.__init__, checkpoint.load_expert_banks, concurrent.futures.Future.result
+    real_init, real_banks, real_result = HostBank.__init__, checkpoint.fill_expert_banks, concurrent.futures.Future.result
 
     def recording_init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
@@ -282,7 +280,7 @@ def test_interrupt_while_waiting_for_the_banks_cancels_and_releases_them(monkeyp
 
     def banks_until_cancelled(*args):
         saw_cancel.append(args[-1].wait(60))  # a long load: still running when the interrupt comes
-        return real_banks(*args)  # makes the banks, then stops before its first tensor: LoadCancelled
+        return real_banks(*args)  # stops before its first tensor (LoadCancelled) and releases the banks
 
     interrupted = []
 
@@ -293,13 +291,46 @@ def test_interrupt_while_waiting_for_the_banks_cancels_and_releases_them(monkeyp
         return real_result(self, timeout)
 
     monkeypatch.setattr(HostBank, "__init__", recording_init)
-    monkeypatch.setattr(checkpoint, "load_expert_banks", banks_until_cancelled)
+    monkeypatch.setattr(checkpoint, "fill_expert_banks", banks_until_cancelled)
     monkeypatch.setattr(concurrent.futures.Future, "result", result_interrupted_once)
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         load_checkpoint(os.path.join(FIXTURES, "mixtral"))
     assert time.monotonic() - start < 30 and saw_cancel == [True]
     assert made and all(not bank.alive for bank in made)
+
+
+def test_expert_bank_ids_do_not_depend_on_the_threads_timing(monkeypatch):
+    """The host banks' ids are attributes of the steps' FFI calls, so of their persistent compilation cache keys: the
+    expert banks are allocated in load_checkpoint's own thread before the dense model's banks, so that they get the
+    lowest ids however late the filling thread starts (with them allocated in that thread, a late start gave the dense
+    banks the lower ids, and a second launch a cache miss: a full compile)."""
+    import time
+
+    import ft_jax.checkpoint as checkpoint
+    from ft_jax.models.layers import host_weights_apply
+
+    if not host_weights_apply(np.dtype(ml_dtypes.bfloat16)):
+        pytest.skip("the dense weights are host banks only on the CPU backend with the AVX-512 BF16 dot")
+    made = []
+    real_init, real_check = HostBank.__init__, checkpoint.check_experts
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self.id)
+
+    def slow_off_the_main_thread(*args):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.5)  # the filling thread starts late (a busy machine)
+        return real_check(*args)
+
+    monkeypatch.setattr(HostBank, "__init__", recording_init)
+    monkeypatch.setattr(checkpoint, "check_experts", slow_off_the_main_thread)
+    loaded = load_checkpoint(os.path.join(FIXTURES, "mixtral"), dtype=jnp.bfloat16)
+    expert_ids = {bank.id for bank in loaded.banks.banks}
+    dense_ids = set(made) - expert_ids
+    assert expert_ids and dense_ids and max(expert_ids) < min(dense_ids)
+    loaded.banks.release()
 
 
 def test_reads_from_several_threads_share_the_file_handle_safely():

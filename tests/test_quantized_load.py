@@ -30,7 +30,7 @@ import ft_jax
 from ft_jax import _ffi, checkpoint, memory
 from ft_jax import weight_formats as wf
 from ft_jax.checkpoint import (CheckpointError, SafetensorsCheckpoint, _DenseReader, expert_tensor_plan,
-                               load_checkpoint, load_expert_banks)
+                               load_checkpoint, allocate_expert_banks, fill_expert_banks)
 from ft_jax.cli.generate import stats_table
 from ft_jax.config import ConfigError, load_config
 from ft_jax.config.quantization import expert_format, quantize_applies, read_quantization
@@ -62,13 +62,18 @@ def _bf16_copy(family: str, dst) -> str:
     return d
 
 
+def _expert_banks(cfg, ckpt, plan, fmt, bias_dtype):
+    """The filled expert banks, as load_checkpoint makes them (allocated, then filled)."""
+    return fill_expert_banks(allocate_expert_banks(cfg, ckpt, plan, fmt, bias_dtype), cfg, ckpt, plan)
+
+
 def _load_parts(d, dtype, quantize=None):
     """(config, ExpertBanks, dense factory, checkpoint) of folder d, as load_checkpoint builds them (the model itself
     is left out: these tests look at what the loader reads, not at the models' handling of QuantizedTensor)."""
     cfg = load_config(d)
     fmt = expert_format(cfg, dtype, quantize)
     ckpt = SafetensorsCheckpoint(d)
-    banks = load_expert_banks(cfg, ckpt, expert_tensor_plan(cfg, ckpt, fmt), fmt, np.dtype(dtype))
+    banks = _expert_banks(cfg, ckpt, expert_tensor_plan(cfg, ckpt, fmt), fmt, np.dtype(dtype))
     return cfg, banks, _DenseReader(ckpt, np.dtype(dtype), cfg.family, fmt if fmt.quantized else None), ckpt
 
 
@@ -370,7 +375,7 @@ def test_fp8_nan_is_reported_naming_file_and_tensor(tmp_path, where):
             rf"^{re.escape(path)}: tensor '{re.escape(name)}' \[{bad.shape[0]}, {bad.shape[1]}\] holds {kind}: 1 of " \
             rf"{bad.size} elements are not finite, the first at index \[{bad.shape[0] - 1}, {bad.shape[1] - 1}\]"
         with pytest.raises(CheckpointError, match=expect):
-            load_expert_banks(cfg, ckpt, plan, fmt, np.dtype(ml_dtypes.bfloat16))
+            _expert_banks(cfg, ckpt, plan, fmt, np.dtype(ml_dtypes.bfloat16))
     name = "model.layers.0.self_attn.q_proj.weight"  # the dense side checks its FP8 data too
     t[name] = t[name].copy()
     t[name].view(np.uint8)[0, 0] = 0x7F
@@ -394,7 +399,7 @@ def test_mxfp4_scale_255_is_reported(tmp_path):
         plan = expert_tensor_plan(cfg, ckpt, wf.MXFP4)
         with pytest.raises(CheckpointError, match=rf"^{re.escape(path)}: tensor '{name}' expert 6 holds the E8M0 "
                                                   r"scale 255 \(NaN\)"):
-            load_expert_banks(cfg, ckpt, plan, wf.MXFP4, np.dtype(np.float32))
+            _expert_banks(cfg, ckpt, plan, wf.MXFP4, np.dtype(np.float32))
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq", "compressed-tensors", "bitsandbytes"])
@@ -587,7 +592,7 @@ def test_decode_of_quantized_experts_equals_the_dequantized_float_path(tmp_path,
     qcfg = load_config(src)
     fmt = expert_format(qcfg, np.float32, None if name == "fp8" else name)
     with SafetensorsCheckpoint(src) as ckpt:
-        qbanks = load_expert_banks(qcfg, ckpt, expert_tensor_plan(qcfg, ckpt, fmt), fmt, np.dtype(np.float32))
+        qbanks = _expert_banks(qcfg, ckpt, expert_tensor_plan(qcfg, ckpt, fmt), fmt, np.dtype(np.float32))
     fbanks = _dequantized_banks(qbanks, I)
     total = qbanks.num_rows
     by_policy = []

@@ -276,7 +276,7 @@ def slot_experts(x, slot_ids, weights, gate_up_slots, down_slots, activation: st
     T, H = x.shape
     k = slot_ids.shape[1]
     fmt = float_format(gate_up_slots.dtype) if weight_format is None else weight_format
-    if fmt.interleave > 1:  # the CPU banks' layout: a GPU's banks keep q4_0 rows (checkpoint.load_expert_banks)
+    if fmt.interleave > 1:  # the CPU banks' layout: a GPU's banks keep q4_0 rows (checkpoint.allocate_expert_banks)
         raise ValueError(f"slot_experts (GPU): {fmt.kernel_name} slots are not read here; q4_0 slots must be in row "
                          "layout")
     inter = gate_up_slots.shape[1] // 2
