@@ -185,6 +185,16 @@ def test_an_explicit_profile_path_needs_its_folder(capsys, monkeypatch, tmp_path
     assert line == f"ft-jax generate: error: --profile {tmp_path}: is a directory, expected a file name"
 
 
+def test_a_file_flag_refuses_standard_output(capsys, monkeypatch, tmp_path):
+    """--record-trace - and --profile - wrote a file named "-" in the working folder (found by a fresh-user trial):
+    "-" is refused with one line before loading, the working folder left as it was."""
+    monkeypatch.chdir(tmp_path)
+    for flag in ("--record-trace", "--profile"):
+        line = _error(capsys, "--policy", "qstar", flag, "-")
+        assert line.startswith(f"ft-jax generate: error: {flag} -: writes a file, not standard output"), line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_error_unknown_policy(capsys):
     with pytest.raises(SystemExit) as exit_info:  # rejected by the argument parser, before any loading
         cli.main(["generate", "--model", os.path.join(FIXTURES, "olmoe"), "--prompt-ids", "1", "--policy", "magic"])

@@ -40,8 +40,12 @@ def check_output_file(flag: str, file: str | None) -> None:
 
     Raises:
         UsageError: "FLAG FILE: the problem" (no file name, a directory, a folder that does not exist or is not
-            writable).
+            writable, "-": these flags write files, never standard output, which carries the generated text or the
+            report).
     """
+    if file == "-":
+        raise UsageError(f"{flag} -: writes a file, not standard output (which carries the command's own output); "
+                         f"give a file name such as ./{flag.lstrip('-').replace('-', '_')}.out")
     problem = None if file is None else output_file_problem(file)
     if problem:
         raise UsageError(f"{flag} {file}: {problem}")
