@@ -633,7 +633,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             planned_slots = num_slots_for(cache, cfg.num_moe_layers * per_device,
                                           planned_expert_bytes(cfg, jnp.dtype(dtype), fmt))
         tokenizer = load_tokenizer_or_none(path)
-        check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), planned_slots * local_devices,
+        slots_held = 0 if policy.kind is PolicyKind.HOST_ALL else planned_slots * local_devices  # no slot is used
+        check_host_memory(cfg, headers.tensors, jnp.dtype(dtype), slots_held,
                           slots_in_host=jax.default_backend() == "cpu", fmt=fmt,
                           experts_held=None if partition is None else len(partition.process_experts))
     checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype), quantize=quantize,

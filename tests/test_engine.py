@@ -15,7 +15,7 @@ from engine_helpers import decode_cache_size, lower_decode_step
 from ft_jax.engine.engine import Engine, kv_bucket, prefill_bucket
 from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, first_argmax, row_key_data, sample_next
 from ft_jax.offload.cost_model import auto_costs
-from ft_jax.offload.policy import Policy
+from ft_jax.offload.policy import Policy, PolicyKind
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
 
@@ -66,6 +66,9 @@ def test_optimized_hlo_updates_slot_pools_and_kv_cache_in_place(mixtral, policy)
     # The layers are one loop, not unrolled: the loop body holds one q/k/v, o and router projection (plus lm_head).
     assert " while(" in hlo and hlo.count('custom_call_target="ft_jax_linear"') == 4
     pools = (f"f32[{S},{2 * I},{H}]", f"f32[{S},{H},{I}]")
+    if policy.kind is PolicyKind.HOST_ALL:  # never fills or reads a slot: pools of one element per slot, not an expert
+        pools = (f"f32[{S},1]",)
+        assert sum(p.nbytes for p in engine.expert_state.pools.values()) == 2 * S * 4
     kv = f"f32[{L},1,32,{cfg.num_kv_heads},{cfg.head_dim}]"
     for shape in (*pools, kv):
         assert shape in hlo  # really in the step

@@ -152,3 +152,18 @@ def test_generate_refuses_with_one_line_exit_2_small_rss(tmp_path):
 def test_failed_bank_allocation_is_the_same_memory_error():
     with pytest.raises(memory.InsufficientMemoryError, match="could not allocate a host bank"):
         banks.HostBank(1 << 20, (1 << 20,), np.float32)  # 4 TiB
+
+
+def test_host_all_needs_no_memory_for_slots(monkeypatch):
+    """host-all never fills or reads a slot, so its slot pools hold one element per slot: the check counts none, and
+    a machine with room for the banks and dense weights but not one expert more loads it; qstar with one slot, which
+    would hold an expert, is refused there."""
+    path = bundled_model_path()
+    cfg = load_config(path)
+    with SafetensorsCheckpoint(path) as ckpt:
+        need = memory.host_need(cfg, ckpt.tensors, np.dtype(np.float32), 0, True)
+    monkeypatch.setattr(memory, "available_host_memory", lambda: (need.total, "test"))
+    model = ft_jax.load(policy="host-all", cache=1)
+    assert model.engine.num_slots == 1
+    with pytest.raises(memory.InsufficientMemoryError, match=r", 1 device slots 0 MiB"):
+        ft_jax.load(policy="qstar", cache=1, measure=False)

@@ -42,7 +42,8 @@ class OffloadState(NamedTuple):
 
     Attributes:
         cache: expert_cache.CacheState (tables, usage, recency, step, stats).
-        pools: {bank name: slot pool [S, *row_shape] (bank dtype)}, one per bank of the ExpertBanks, in its order:
+        pools: {bank name: slot pool [S, *row_shape] (bank dtype); [S, 1] under host-all, which never uses a slot},
+            one per bank of the ExpertBanks, in its order:
             gate_up [S, 2I, H], down [S, H, I] (as stored: [S, *format.data_shape(...)] in format.data_dtype), for
             experts with biases gate_up_bias [S, 2I], down_bias [S, H], and for a quantized format the scale pools
             gate_up_scale [S, *gate_up_scale row], down_scale [S, *down_scale row] (ExpertBanks).
@@ -87,7 +88,9 @@ class OffloadedExperts:
         return self.banks.num_rows // self.num_experts
 
     def init_state(self, num_slots: int) -> OffloadState:
-        """Cold slot pool of `num_slots` slots (all zeros, no expert resident); resident policy: every expert loaded.
+        """Cold slot pool of `num_slots` slots (all zeros, no expert resident); resident policy: every expert loaded;
+        host-all, whose steps never fill or read a slot: pools [S, 1] of one element per slot (a slot of a Mixtral-8x7B expert
+        is 336 MiB of memory to zero at every launch, and the CPU's default policy is host-all).
 
         Args:
             num_slots: S >= 1 (ignored for the resident policy, which uses S = L*E).
@@ -104,7 +107,11 @@ class OffloadedExperts:
         if num_slots < 1:
             raise ValueError(f"offload: the device budget must hold at least one expert slot, got {num_slots} slots")
         cache = expert_cache.init_cache_state(L, E, num_slots, auto=self.policy.kind is PolicyKind.AUTO)
-        pools = _zero_pools(tuple(self.banks.pool_shapes(num_slots).items()))
+        if self.policy.kind is PolicyKind.HOST_ALL:  # its steps never fill or read a slot (_fill, _compute)
+            pools = {n: jax.device_put(np.zeros((num_slots, 1), dtype), may_alias=False)
+                     for n, (_, dtype) in self.banks.pool_shapes(num_slots).items()}
+        else:
+            pools = _zero_pools(tuple(self.banks.pool_shapes(num_slots).items()))
         return OffloadState(cache, pools, *_no_errors())
 
     def read_stats(self, state: OffloadState):
