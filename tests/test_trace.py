@@ -21,7 +21,7 @@ from ft_jax.offload.cache import CacheState
 from ft_jax.offload.policy import Policy, auto_layer_ticks, parse_policy
 from ft_jax.offload.cost_model import CostModel
 from ft_jax.offload.policy import bind_policy
-from ft_jax.tools.replay import replay
+from ft_jax.tools.replay import evaluate, replay
 from ft_jax.tools.trace_io import read_trace, routing_records, write_trace
 
 L, E, K = 3, 60, 4  # 60 experts top-4 (the held-back model's shape), 3 MoE layers
@@ -297,6 +297,31 @@ def test_plot_into_a_missing_folder_is_one_line_before_the_replay(tmp_path, caps
     assert err.strip().splitlines() == [f"ft-jax trace: error: --plot {target}: folder {target.parent} does not exist "
                                         "or is not writable"], err
     assert not target.parent.exists()
+
+
+def test_resident_is_replayed_once_at_every_expert_and_left_out_where_the_budget_cannot_hold_them(tmp_path):
+    """resident holds every expert in a slot whatever the cache size: evaluate gives it one row, last, at L*E slots
+    (it gave a 100 % hit rate at each smaller size, labelled with that size), and plan leaves a given resident out of
+    its candidates when the budget cannot hold every expert (it recommended resident at a budget of 73 of 256
+    experts: found by a fresh-user trial); resident alone is an error there."""
+    from ft_jax.tools import plan
+
+    _write(tmp_path / "t.jsonl", _routing(6, hot=0.6))
+    trace = read_trace(str(tmp_path / "t.jsonl"), num_experts=E)
+    model = CostModel(expert_bytes=GB, bp=2.0, bh=8.0, device_bandwidth=50.0)  # hits are cheap: resident would win
+    policies = [parse_policy(p) for p in ("resident", "auto", "host-all")]
+    rows = evaluate(trace, policies, [2, 4], model)
+    assert [(r["policy"], r["cache_slots"]) for r in rows] == [("auto", 2), ("host-all", 2), ("auto", 4),
+                                                               ("host-all", 4), ("resident", L * E)]
+    assert rows[-1]["hit_rate"] == 1.0 and rows[-1]["cache_fraction"] == 1.0
+    small = plan.recommend(trace, model, 16 * GB, policies)  # 16 of the L * E experts
+    assert small["dropped_candidates"] == ["resident"] and not small["resident"]
+    assert "resident" not in {r["policy"] for r in small["results"]} and small["best"]["cache_slots"] <= 16
+    fits = plan.recommend(trace, model, L * E * GB, policies)
+    assert fits["resident"] and fits["dropped_candidates"] == []
+    assert [r["cache_slots"] for r in fits["results"] if r["policy"] == "resident"] == [L * E]  # once, at L*E
+    with pytest.raises(ValueError, match=rf"only resident, which needs all {L * E} experts .* the budget holds 16"):
+        plan.recommend(trace, model, 16 * GB, [parse_policy("resident")])
 
 
 def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):

@@ -98,6 +98,10 @@ def run_plan(args) -> int:
               f"{args.devices} devices' time)")
     if rec["added_candidates"]:
         print(f"  ({', '.join(rec['added_candidates'])} added to the candidates: the CPU device's default)")
+    if rec["dropped_candidates"]:
+        why = ("a CPU device's slots would be a second copy of every expert in the same memory" if model.serial_paths
+               else f"it needs all {total} experts of a device in slots, the budget holds {rec['budget_slots']}")
+        print(f"  (resident left out of the candidates: {why})")
     for alt in sorted(rec["alternatives"], key=lambda a: a["speedup"]):
         if alt["speedup"] < 1.0005:  # equal to the printed digits: e.g. qstar and auto taking the same fills
             print(f"  ties  {alt['policy']:<16} ({alt['ms_per_token']:.2f} ms/token)")

@@ -107,30 +107,31 @@ def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: 
     sockets_of(devices, host_sockets)  # checked before the replays
     own = experts_per_device(trace, devices)
     capped = list(dict.fromkeys(min(int(S), own) for S in slot_counts))
-    out, total = [], len(capped) * len(policies)
-    for S in capped:
-        for policy in policies:
-            bound = [bind_policy(policy, m) for m in models]
-            slots = own if policy.kind is PolicyKind.RESIDENT else S
-            stats = np.stack([replay(t, b, slots, carry_cache=carry_cache, batch=batch).stats
-                              for t, b in zip(shards, bound)])  # i32[N, T, L, 5]
-            s = stats.astype(np.float64)
-            rows = rows_per_step(trace, batch)
-            active, hits = s[..., 0].sum(), s[..., 1].sum()
-            per_device = [{"hit_rate": float(d[..., 1].sum() / d[..., 0].sum()) if d[..., 0].sum() else 0.0,
-                           "fetched_per_token": float(d[..., 3].sum(axis=1).mean()) / rows,
-                           "host_per_token": float(d[..., 4].sum(axis=1).mean()) / rows} for d in s]
-            per_token = s.sum(axis=(0, 2)) / rows  # f64[T, 5]
-            out.append({"policy": str(policy), "bound": str(bound[0]), "cache_slots": slots,
-                        "cache_fraction": slots / own, "devices": devices, "host_sockets": host_sockets,
-                        "allreduce_ms": allreduce_ms,
-                        "hit_rate": float(hits / active) if active else 0.0,
-                        "active_per_token": float(per_token[:, 0].mean()),
-                        "hits_per_token": float(per_token[:, 1].mean()),
-                        "fetched_per_token": float(per_token[:, 3].mean()),
-                        "host_per_token": float(per_token[:, 4].mean()),
-                        "ms_per_token": float(token_ms(stats, models, host_sockets, allreduce_ms).mean()) / rows,
-                        "per_device": per_device})
-            if progress is not None:
-                progress(len(out), total)
+    # resident holds every expert of a device in a slot whatever S: one row, last, at its own size
+    runs = [(S, p) for S in capped for p in policies if p.kind is not PolicyKind.RESIDENT]
+    runs += [(own, p) for p in policies if p.kind is PolicyKind.RESIDENT]
+    out = []
+    for slots, policy in runs:
+        bound = [bind_policy(policy, m) for m in models]
+        stats = np.stack([replay(t, b, slots, carry_cache=carry_cache, batch=batch).stats
+                          for t, b in zip(shards, bound)])  # i32[N, T, L, 5]
+        s = stats.astype(np.float64)
+        rows = rows_per_step(trace, batch)
+        active, hits = s[..., 0].sum(), s[..., 1].sum()
+        per_device = [{"hit_rate": float(d[..., 1].sum() / d[..., 0].sum()) if d[..., 0].sum() else 0.0,
+                       "fetched_per_token": float(d[..., 3].sum(axis=1).mean()) / rows,
+                       "host_per_token": float(d[..., 4].sum(axis=1).mean()) / rows} for d in s]
+        per_token = s.sum(axis=(0, 2)) / rows  # f64[T, 5]
+        out.append({"policy": str(policy), "bound": str(bound[0]), "cache_slots": slots,
+                    "cache_fraction": slots / own, "devices": devices, "host_sockets": host_sockets,
+                    "allreduce_ms": allreduce_ms,
+                    "hit_rate": float(hits / active) if active else 0.0,
+                    "active_per_token": float(per_token[:, 0].mean()),
+                    "hits_per_token": float(per_token[:, 1].mean()),
+                    "fetched_per_token": float(per_token[:, 3].mean()),
+                    "host_per_token": float(per_token[:, 4].mean()),
+                    "ms_per_token": float(token_ms(stats, models, host_sockets, allreduce_ms).mean()) / rows,
+                    "per_device": per_device})
+        if progress is not None:
+            progress(len(out), len(runs))
     return out

@@ -60,11 +60,13 @@ def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, ca
         {"budget_bytes", "budget_slots", "resident": bool (resident is the recommendation; a candidate only when
          every expert fits, on a device that is not a CPU), "recommended_slots" (the slots to give: 0 for host-all,
          whatever size its row was replayed at), "added_candidates" (["host-all"] when a CPU device added it to
-         the given policies, else []), "results" (evaluate's rows),
+         the given policies, else []), "dropped_candidates" (["resident"] when it was given but the budget cannot
+         hold every expert of a device, or the device is a CPU; else []), "results" (evaluate's rows),
          "best": the recommended row, "alternatives": [{"policy", "ms_per_token", "speedup"} at the best's size,
          speedup = their ms / the best's], "observed": side_by_side's rows ([] without observed)}.
     Raises:
-        ValueError: the budget holds no expert slot (on a CPU device: only host-all is replayed then).
+        ValueError: the budget holds no expert slot (on a CPU device: only host-all is replayed then); resident the
+            only candidate where the budget cannot hold every expert.
     """
     total = trace.num_layers * trace.num_experts // devices  # the experts of one device
     slots = budget_bytes // model.expert_bytes
@@ -84,11 +86,20 @@ def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, ca
 
     # Every expert fitting makes resident one more candidate, not the answer: the host path beside the slots can
     # still be faster than hits only. Never on a CPU device (serial_paths): its slots would be a second copy of every
-    # expert in the same memory, read by the same kernel on the same cores.
+    # expert in the same memory, read by the same kernel on the same cores. A resident among the given candidates is
+    # that one candidate (run below) where it may be, and is left out where the budget cannot hold every expert.
+    dropped = []
+    if any(p.kind is PolicyKind.RESIDENT for p in policies):
+        policies = [p for p in policies if p.kind is not PolicyKind.RESIDENT]
+        if slots < total or model.serial_paths:
+            dropped = ["resident"]
+        if not policies and not model.serial_paths and slots < total:
+            raise ValueError(f"the candidates are only resident, which needs all {total} experts of a device in "
+                             f"slots, and the budget holds {slots}: give other candidates too")
     sizes = sorted({max(1, int(min(slots, total) * f)) for f in SIZE_STEPS})
     if model.serial_paths and not any(p.kind is PolicyKind.HOST_ALL for p in policies):
         policies, added = [*policies, *host_all], ["host-all"]  # a CPU device's default is always a candidate there
-    rows = run(policies, sizes)
+    rows = run(policies, sizes) if policies else []
     if slots >= total and not model.serial_paths:
         rows += run([Policy(PolicyKind.RESIDENT)], [total])
     fastest = min(r["ms_per_token"] for r in rows)
@@ -102,7 +113,8 @@ def recommend(trace: Trace, model: CostModel, budget_bytes: int, policies, *, ca
     # host-all never fills a slot (its rows are replayed with the sizes of the others, or one slot): it needs none
     needed = 0 if best["policy"] == PolicyKind.HOST_ALL else int(best["cache_slots"])
     out = {"budget_bytes": budget_bytes, "budget_slots": int(slots), "resident": best["policy"] == PolicyKind.RESIDENT,
-           "recommended_slots": needed, "added_candidates": added, "results": rows, "best": best,
+           "recommended_slots": needed, "added_candidates": added, "dropped_candidates": dropped,
+           "results": rows, "best": best,
            "alternatives": alternatives, "observed": side_by_side(rows, observed or {}), "devices": devices}
     if devices > 1:
         out["one_device"] = recommend(trace, model, budget_bytes, policies, carry_cache=carry_cache,

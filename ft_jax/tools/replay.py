@@ -149,17 +149,19 @@ def evaluate(trace: Trace, policies: Seq, slot_counts: Seq[int], model: CostMode
         progress: called with (done, total) after each replay, or None.
     Returns:
         One dict per (S, policy), S-major: policy (its name as given, e.g. "qstar"), bound (str of the bound
-        policy), cache_slots, cache_fraction (S / (L*E)), and summarize's fields.
+        policy), cache_slots, cache_fraction (S / (L*E)), and summarize's fields; resident, which holds every
+        expert in a slot whatever S, one row after the others, with cache_slots L*E.
     """
-    out, total = [], len(slot_counts) * len(policies)
-    for S in slot_counts:
-        for policy in policies:
-            bound = bind_policy(policy, model)
-            res = replay(trace, bound, trace.num_layers * trace.num_experts if policy.kind is PolicyKind.RESIDENT else S,
-                         carry_cache=carry_cache, batch=batch)
-            out.append({"policy": str(policy), "bound": str(bound), "cache_slots": int(S),
-                        "cache_fraction": S / (trace.num_layers * trace.num_experts),
-                        **summarize(res.stats, model, rows_per_step(trace, batch))})
-            if progress is not None:
-                progress(len(out), total)
+    LE = trace.num_layers * trace.num_experts
+    # resident holds every expert in a slot whatever S: one row, last, at its own size
+    runs = [(int(S), p) for S in slot_counts for p in policies if p.kind is not PolicyKind.RESIDENT]
+    runs += [(LE, p) for p in policies if p.kind is PolicyKind.RESIDENT]
+    out = []
+    for slots, policy in runs:
+        bound = bind_policy(policy, model)
+        res = replay(trace, bound, slots, carry_cache=carry_cache, batch=batch)
+        out.append({"policy": str(policy), "bound": str(bound), "cache_slots": slots, "cache_fraction": slots / LE,
+                    **summarize(res.stats, model, rows_per_step(trace, batch))})
+        if progress is not None:
+            progress(len(out), len(runs))
     return out
