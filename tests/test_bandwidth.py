@@ -481,3 +481,17 @@ def test_resolve_policy_passes_a_bound_policy_through(tmp_path):
     for policy in (Policy("qstar", frac=0.3), Policy("fetch-all"), Policy("fixed-cap", cap=2)):
         assert bandwidth.resolve_policy(policy, _banks(), H, I, profile=tmp_path / "none.json",
                                         measure=False) == (policy, None)
+
+
+def test_profile_store_in_a_missing_folder_is_refused_before_measuring(tmp_path, capsys, monkeypatch):
+    """`ft-jax profile --profile` in a folder that does not exist is refused in one line before measuring, as
+    generate's --profile and ft_jax.load(profile=) are (it created the folders, for a store generate then refused:
+    found by a fresh-user trial)."""
+    monkeypatch.setattr(bandwidth, "measure_profile", lambda *a, **k: pytest.fail("measured"))
+    missing = tmp_path / "no" / "dir" / "p.json"
+    assert cli.main(["profile", "--quick", "--profile", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"ft-jax profile: error: --profile {missing}: folder {missing.parent} does not exist or is not "
+                   "writable\n"), err
+    assert not (tmp_path / "no").exists()
+

@@ -13,7 +13,7 @@ import warnings
 
 from ft_jax import defaults, units, weight_formats
 from ft_jax.cli import arg_types
-from ft_jax.cli.usage import HelpFormatter, UsageError
+from ft_jax.cli.usage import HelpFormatter, UsageError, check_output_file
 from ft_jax.config import load_config
 from ft_jax.config.quantization import expert_format
 from ft_jax.offload import profile as bandwidth
@@ -53,7 +53,8 @@ def add_arguments(sub) -> None:
                       help="timed windows per bandwidth (default 7, 3 with --quick)")
     prof.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     prof.add_argument("--profile", metavar="PATH", help="profile store (default: profiles.json in the user cache "
-                                                        "directory, e.g. ~/.cache/ft_jax)")
+                                                        "directory, e.g. ~/.cache/ft_jax, created if need be; a "
+                                                        "path given here must be in a folder that exists)")
     prof.add_argument("--no-save", action="store_true", help="do not store the profile")
     prof.add_argument("--verbose", action="store_true", help="show tracebacks")
 
@@ -170,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     but not saved). Bad arguments, --model or --profile raise UsageError / ConfigError / OSError before measuring."""
     H, I, dtype, fmt = _expert_shape(args)
     if not args.no_save:
+        check_output_file("--profile", args.profile)  # as generate: only the default store's folder is created
         bandwidth.read_profiles(args.profile)  # NotAStoreError before measuring, not after
     banks, fresh_why = _model_banks(args, H, I, dtype, fmt)
     try:
