@@ -324,6 +324,29 @@ def test_resident_is_replayed_once_at_every_expert_and_left_out_where_the_budget
         plan.recommend(trace, model, 16 * GB, [parse_policy("resident")])
 
 
+def test_traces_that_disagree_are_refused_naming_the_record_or_files(tmp_path):
+    """A record with another number of experts (it made the whole trace top-3), files of different layer counts (the
+    shorter one was dropped as incomplete tokens, exit 0), and an inferred L that no token reaches (the message blamed
+    every token) are errors naming the record or the files: found by a fresh-user trial."""
+    recs = _write(tmp_path / "t.jsonl", _routing(3))
+    odd = [dict(r) for r in recs]
+    odd[5]["experts"] = odd[5]["experts"] + [E - 1 if E - 1 not in odd[5]["experts"] else 0]
+    write_trace(str(tmp_path / "k.jsonl"), odd)
+    with pytest.raises(ValueError, match=rf"k.jsonl:6: {K + 1} experts, where .*k.jsonl:1 has {K} "):
+        read_trace(str(tmp_path / "k.jsonl"))
+    write_trace(str(tmp_path / "short.jsonl"), [{**r, "dataset": "other"} for r in recs if r["layer"] < L - 1])
+    with pytest.raises(ValueError, match=rf"the files disagree on the MoE layers: .*t.jsonl has {L}, .*short.jsonl "
+                                         rf"has {L - 1}"):
+        read_trace([str(tmp_path / "t.jsonl"), str(tmp_path / "short.jsonl")])
+    assert read_trace([str(tmp_path / "t.jsonl"), str(tmp_path / "short.jsonl")], num_layers=L).num_layers == L
+    far = [dict(r) for r in recs]
+    far[7]["layer"] = 40
+    write_trace(str(tmp_path / "far.jsonl"), far)
+    with pytest.raises(ValueError, match=r"has all 41 MoE layers \(L = 41 from the largest layer index, 40 at "
+                                         r".*far.jsonl:8; give num_layers"):
+        read_trace(str(tmp_path / "far.jsonl"))
+
+
 def test_plan_recommends_the_fastest_and_says_by_how_much(tmp_path, capsys):
     from ft_jax.tools import plan
 

@@ -46,7 +46,7 @@ class Trace:
     Attributes:
         sequences: in order of first appearance in the file(s).
         num_layers: L MoE layers. num_experts: E routed experts per layer.
-        top_k: the largest number of experts one record routes to (k).
+        top_k: the number of experts every record routes to (k).
         paths: the files read.
     """
 
@@ -141,14 +141,17 @@ def read_trace(paths: str | Seq[str], num_layers: int | None = None, num_experts
     Returns:
         Trace; each sequence keeps only the tokens that have all L layers.
     Raises:
-        ValueError: a record is malformed, negative, out of range, has no or repeated experts, or repeats a
-            (sequence, token, layer); or no token is complete. The message names the file and line (record).
+        ValueError: a record is malformed, negative, out of range, has no or repeated experts, routes to another
+            number of experts than the first record, or repeats a (sequence, token, layer); files whose largest layer
+            differs (when num_layers is not given); or no token is complete. The message names the file and line
+            (record).
         OSError: a file cannot be read.
     """
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not paths:
         raise ValueError("trace: no trace file given")
     rows = []  # (where, name, token, layer, experts)
+    file_layers = {}  # path -> its largest layer + 1
     for path in paths:
         path = os.fspath(path)
         reader = _records_npz if path.endswith(".npz") else _records_jsonl
@@ -160,8 +163,18 @@ def read_trace(paths: str | Seq[str], num_layers: int | None = None, num_experts
             if len(set(experts)) != len(experts):
                 raise ValueError(f"{where}: an expert appears twice in {experts}")
             rows.append((where, name, token, layer, experts))
+            file_layers[path] = max(file_layers.get(path, 0), layer + 1)
     if not rows:
         raise ValueError(f"trace: no routing records in {', '.join(map(str, paths))}")
+    k = len(rows[0][4])  # a trace holds one model's top-k routing
+    other = next((r for r in rows if len(r[4]) != k), None)
+    if other is not None:
+        raise ValueError(f"{other[0]}: {len(other[4])} experts, where {rows[0][0]} has {k} (a trace holds one "
+                         "model's top-k routing)")
+    if num_layers is None and len(set(file_layers.values())) > 1:  # L from the records: every file's the same
+        raise ValueError("trace: the files disagree on the MoE layers: " + ", ".join(
+            f"{file} has {n}" for file, n in file_layers.items()) + " (traces of one model; or give num_layers / "
+            "--num-layers)")
     L = num_layers if num_layers is not None else max(r[3] for r in rows) + 1
     E = num_experts if num_experts is not None else max(max(r[4]) for r in rows) + 1
     by_seq: dict[str, dict[int, dict[int, list[int]]]] = {}
@@ -183,8 +196,13 @@ def read_trace(paths: str | Seq[str], num_layers: int | None = None, num_experts
                 active[n, layer, experts] = True
         sequences.append(TraceSequence(name, np.array(kept, np.int64), active, len(tokens) - len(kept)))
     if not any(len(s.token_idx) for s in sequences):
-        raise ValueError(f"trace: no token of {', '.join(map(str, paths))} has all {L} MoE layers")
-    return Trace(sequences, int(L), int(E), max(len(r[4]) for r in rows), [os.fspath(p) for p in paths])
+        why = ""
+        if num_layers is None:  # L came from the largest layer index: name the record that set it
+            top = max(rows, key=lambda r: r[3])
+            why = (f" (L = {L} from the largest layer index, {top[3]} at {top[0]}; give num_layers / --num-layers "
+                   "to set it)")
+        raise ValueError(f"trace: no token of {', '.join(map(str, paths))} has all {L} MoE layers{why}")
+    return Trace(sequences, int(L), int(E), k, [os.fspath(p) for p in paths])
 
 
 def routing_records(ids: np.ndarray, weights: np.ndarray | None = None, dataset: str = "ft-jax",
