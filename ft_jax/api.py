@@ -552,8 +552,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             (docs/policies.md); None: defaults.default_policy of the JAX backend ("auto" with an accelerator,
             "host-all" on a CPU-only one, said through on_message).
         cache: device expert slots: None (half of all experts; one slot under host-all, which never fills them),
-            slots (int), a fraction (float), or bytes ("8GiB"; a budget holding more than every expert is cut to them,
-            said in Model.note); with a mesh, of each device (fractions of the experts a device owns).
+            slots (int), a fraction (float), or bytes ("8GiB"); slots or bytes for more than every expert are cut to
+            them, said in Model.note; with a mesh, of each device (fractions of the experts a device owns).
         profile: bandwidth profile store (default: the user cache directory, created if need be; a path given here
             must be in a folder that exists). measure: run a quick profile when none is stored (else qstar falls
             back to fixed-cap:1).
@@ -583,7 +583,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             in a folder that does not exist; a mesh whose expert axis does not divide the experts or that does not
             match the processes (ExpertPartition.from_mesh).
         TypeError: path neither a str nor an os.PathLike; quantize neither a str nor None; bank_memory not a
-            str; cache of another type than those above (a bool, a list, ...).
+            str; measure not a bool; cache of another type than those above (a bool, a list, ...).
         ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
             available (checked from the headers before anything is allocated).
     """
@@ -609,6 +609,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             check_store_path(profile)
     with _argument("dtype"):
         dtype = model_dtype(dtype, cfg.dtype)
+    if not isinstance(measure, (bool, np.bool_)):
+        raise TypeError(f"measure: expected True or False, got {measure!r}")
     if not isinstance(bank_memory, str):
         raise TypeError(f"{_prefix('bank_memory')}expected one of {', '.join(BANK_MEMORY)} (a str), got "
                         f"{bank_memory!r}")
@@ -660,6 +662,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
     fits = budget_slots(cache, banks.expert_bytes) if isinstance(cache, str) else 0
     if fits > experts and policy.kind not in (PolicyKind.HOST_ALL, PolicyKind.RESIDENT):  # they use no budget
         notes.append(budget_note(f"cache={cache!r}", fits, experts))  # the CLI says it with its flag
+    elif (isinstance(cache, (int, np.integer)) and not isinstance(cache, bool) and cache > experts
+          and policy.kind not in (PolicyKind.HOST_ALL, PolicyKind.RESIDENT)):
+        notes.append(f"cache={int(cache)} slots, more than the {experts} experts; using {experts}")
     engine = Engine(checkpoint, policy=policy, num_slots=slots, on_compile=on_compile,
                     prefill_fetch_min_tokens=_prefill_split(policy, banks, cfg, profile), mesh=mesh)
     return Model(path, checkpoint.config, tokenizer, checkpoint, engine, dtype, "\n".join(notes) or None)

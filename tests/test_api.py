@@ -207,6 +207,10 @@ def test_a_byte_budget_above_every_expert_is_said_in_model_note():
     assert len(stored) == 2 and stored[1] == m.note
     assert ft_jax.load(policy="fetch-all", cache="1MiB").note is None
     assert ft_jax.load(policy="host-all", cache="8GiB").note is None
+    # A slot count above every expert is cut the same way, and said too (it was silent: a fresh-user trial).
+    many = ft_jax.load(policy="fetch-all", cache=10**9)
+    assert many.engine.num_slots == 32 and many.note == "cache=1000000000 slots, more than the 32 experts; using 32"
+    assert ft_jax.load(policy="fetch-all", cache=32).note is None
 
 
 def test_an_explicit_profile_path_needs_its_folder(tmp_path):
@@ -283,6 +287,13 @@ def test_a_bad_load_argument_names_the_argument_and_the_flag(kwargs, start):
     name = start.partition("=")[0]
     assert api.argument_message(e.value, name) == str(e.value)[len(start.partition(": ")[0]) + 2:]  # for the CLI
     assert api.argument_message(e.value, "profile" if name != "profile" else "cache") is None
+
+
+def test_measure_must_be_a_bool():
+    """measure="no" was taken as true (a fresh-user trial); numpy's bool is a bool."""
+    with pytest.raises(TypeError, match=r"^measure: expected True or False, got 'no'"):
+        ft_jax.load(measure="no")
+    assert ft_jax.load(measure=np.False_, policy="host-all").engine is not None
 
 
 def test_bank_memory_must_be_a_str_of_any_case():

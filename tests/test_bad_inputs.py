@@ -322,11 +322,12 @@ def test_a_closed_stdout_pipe_ends_quietly():
 
 
 @pytest.mark.parametrize("kind, needle", [("binary", "is not a JSON-lines text file"), ("missing", "does not exist"),
-                                          ("folder", "is a directory")])
+                                          ("folder", "is a directory"), ("missing.npz", "does not exist")])
 def test_trace_file_errors_name_the_file(tmp_path, capsys, kind, needle):
+    """(A missing .npz said "not a readable .npz routing trace ... (FileNotFoundError)": a fresh-user trial.)"""
     from ft_jax import cli
 
-    path = tmp_path / "t.jsonl"
+    path = tmp_path / ("t.npz" if kind.endswith(".npz") else "t.jsonl")
     if kind == "binary":
         path.write_bytes(bytes([0x9F, 0x00, 0xFF]) * 50)
     elif kind == "folder":

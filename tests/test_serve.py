@@ -634,6 +634,7 @@ def test_listen_refuses_a_taken_port_and_a_bad_host_before_loading():
 
 def test_api_key_is_required_except_for_health(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.head(server.url + "/health").status_code == 200  # load balancers that probe with HEAD (was 405)
     for path in ("/v1/models", "/metrics", "/rows"):
         r = httpx.get(server.url + path)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

@@ -237,6 +237,13 @@ def test_cache_slots_beyond_what_a_device_owns_are_capped_with_a_note(tmp_path, 
     rows = json.loads(out.out)["results"]
     assert [(r.get("devices", 1), r["cache_slots"]) for r in rows] == [(1, 2), (1, own + 1), (2, 2), (2, own)]
     assert f"--devices 2: a device owns {own} experts; cache sizes [{own + 1}] are replayed as {own} slots" in out.err
+    # A device count that does not divide E is refused before any note or replay (the note came first: a trial).
+    assert cli.main(["trace", str(tmp_path / "t.jsonl"), "--expert-bytes", str(GB), "--num-experts", str(E),
+                     "--bandwidth", "2,8", "--cache-slots", f"{own + 1}", "--devices", f"2,{2 * E}"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"ft-jax trace: error: --devices {2 * E}: the {E} experts per MoE layer cannot be "
+                                f"split evenly over {2 * E} devices (use one of "
+                                f"{', '.join(str(d) for d in range(1, E + 1) if E % d == 0)})"], err
 
 
 def test_batch_figures_are_per_token_not_per_step(tmp_path, capsys):

@@ -18,7 +18,7 @@ from ft_jax.defaults import bundled_model_path
 from ft_jax.memory import planned_expert_bytes
 from ft_jax.offload.cost_model import ASSUMED_DEVICE_GBPS, PRESETS, CostModel
 from ft_jax.offload.profile import cost_model_for, dtype_name
-from ft_jax.tools.multi_device import evaluate_devices, experts_per_device
+from ft_jax.tools.multi_device import check_devices, evaluate_devices, experts_per_device
 from ft_jax.tools.replay import evaluate
 from ft_jax.tools.report import format_table, plot, report
 from ft_jax.tools.trace_io import Trace, read_trace
@@ -183,6 +183,8 @@ def run_trace(args) -> int:
             sys.stderr.write(f"\r\033[Kft-jax trace: replayed {done} of {total}")
             sys.stderr.flush()
 
+    for n in args.devices:  # every count checked before any replay or note
+        check_devices(trace, n)
     results = []
     for n in dict.fromkeys(args.devices):  # a device count given twice: its rows once
         if n == 1:

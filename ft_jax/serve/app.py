@@ -4,7 +4,7 @@ Routes:
   POST /v1/completions, /v1/chat/completions   OpenAI API (protocol.py); "stream": true answers with server-sent
                                                events ("data: {...}" per piece of text, "data: [DONE]" at the end)
   GET  /v1/models, /v1/models/{id}             the one model served (404 model_not_found for another id)
-  GET  /health                                 200 {"status": "ok"} when ready; 503 while loading or compiling
+  GET  /health  (and HEAD)                     200 {"status": "ok"} when ready; 503 while loading or compiling
   GET  /metrics                                Prometheus text (metrics.py)
   GET  /cache                                  the expert cache: policy, slots, per-layer hits, misses, fills
   GET  /rows                                   the batch rows: free / prefill / decode, waiting requests
@@ -165,7 +165,7 @@ def create_app(state: ServerState) -> FastAPI:
                    str(exc.detail))
         return _error(exc.status_code, message, kind, state, headers=getattr(exc, "headers", None))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: the load balancers that probe with it
     def health():
         if state.status == "ready":
             return {"status": "ok"}

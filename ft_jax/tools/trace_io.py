@@ -95,6 +95,8 @@ def _records_npz(path: str):
     try:
         with np.load(path, allow_pickle=False) as z:
             cols = {k: z[k] for k in z.files}
+    except (FileNotFoundError, PermissionError):
+        raise  # named by _named_errors as for JSON lines
     except (OSError, ValueError, zipfile.BadZipFile) as e:
         raise ValueError(f"{path}: not a readable .npz routing trace: a trace named .npz must be the zip of arrays "
                          f"that routing_records/write_trace writes ({type(e).__name__})") from None
