@@ -89,8 +89,8 @@ class OffloadedExperts:
 
     def init_state(self, num_slots: int) -> OffloadState:
         """Cold slot pool of `num_slots` slots (all zeros, no expert resident); resident policy: every expert loaded;
-        host-all, whose steps never fill or read a slot: pools [S, 1] of one element per slot (a slot of a Mixtral-8x7B expert
-        is 336 MiB of memory to zero at every launch, and the CPU's default policy is host-all).
+        host-all, whose steps never fill or read a slot: pools [S, 1] of one element per slot (a slot of a
+        Mixtral-8x7B expert is 336 MiB of memory to zero at every launch, and the CPU's default policy is host-all).
 
         Args:
             num_slots: S >= 1 (ignored for the resident policy, which uses S = L*E).

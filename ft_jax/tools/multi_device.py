@@ -99,7 +99,8 @@ def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: 
         dicts with evaluate's keys (cache_slots per device, as capped; cache_fraction = cache_slots / (L*E/N), of
         the experts a device owns,
         hit_rate and the per-token figures summed over the devices, ms_per_token by token_ms) plus devices,
-        host_sockets, allreduce_ms and per_device (hit_rate, fetched_per_token, host_per_token of each device).
+        host_sockets, allreduce_ms and per_device (hit_rate, fetched_per_token, host_per_token of each device);
+        resident, which holds every expert of a device in a slot whatever S, one row after the others.
     Raises:
         ValueError: devices that do not divide E, host_sockets outside [1, N], a slot count < 1.
     """
