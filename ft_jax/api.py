@@ -664,7 +664,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
         notes.append(budget_note(f"cache={cache!r}", fits, experts))  # the CLI says it with its flag
     elif (isinstance(cache, (int, np.integer)) and not isinstance(cache, bool) and cache > experts
           and policy.kind not in (PolicyKind.HOST_ALL, PolicyKind.RESIDENT)):
-        notes.append(f"cache={int(cache)} slots, more than the {experts} experts; using {experts}")
+        notes.append(f"cache={int(cache)} is more than the {experts} experts; using {experts}")  # as the CLI says it
     engine = Engine(checkpoint, policy=policy, num_slots=slots, on_compile=on_compile,
                     prefill_fetch_min_tokens=_prefill_split(policy, banks, cfg, profile), mesh=mesh)
     return Model(path, checkpoint.config, tokenizer, checkpoint, engine, dtype, "\n".join(notes) or None)

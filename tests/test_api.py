@@ -209,7 +209,7 @@ def test_a_byte_budget_above_every_expert_is_said_in_model_note():
     assert ft_jax.load(policy="host-all", cache="8GiB").note is None
     # A slot count above every expert is cut the same way, and said too (it was silent: a fresh-user trial).
     many = ft_jax.load(policy="fetch-all", cache=10**9)
-    assert many.engine.num_slots == 32 and many.note == "cache=1000000000 slots, more than the 32 experts; using 32"
+    assert many.engine.num_slots == 32 and many.note == "cache=1000000000 is more than the 32 experts; using 32"
     assert ft_jax.load(policy="fetch-all", cache=32).note is None
 
 
