@@ -164,8 +164,9 @@ def _cache(args: argparse.Namespace, cfg, note, devices: int = 1) -> int | float
              for flag, value in _budget_flags(args).items() if value is not None]
     import jax
 
-    # auto fills no slot on a CPU device: its cost model runs the paths serially there and a hit costs a host GEMV
-    # (DESIGN secs. 19.5, 19.6)
+    # auto fills few slots or none on a CPU device: its cost model runs the paths serially there and a hit costs a host
+    # GEMV, so only the calls' fixed costs can make a fill pay (with --devices N a shard's lone miss can: DESIGN secs.
+    # 19.5, 19.6, 20.29)
     on_cpu = jax.default_backend() == "cpu"
     if given and _host_all(args):
         policies = "fetch-all or qstar" if on_cpu else "auto, qstar or fetch-all"
@@ -176,8 +177,9 @@ def _cache(args: argparse.Namespace, cfg, note, devices: int = 1) -> int | float
         note(f"note: {given[0]} is not used: resident holds every expert of the device in its slots")
         return None
     if on_cpu and args.policy is not None and args.policy.kind is PolicyKind.AUTO:
-        note("note: --policy auto on a CPU device fills no slot: a slot there is a copy in the same memory, read by "
-             "the same cores, so a fill never pays; its slots stay unused (--policy qstar or fetch-all fill them)")
+        note("note: --policy auto on a CPU device fills few slots or none: a slot there is a copy in the same memory, "
+             "read by the same cores, so a fill pays only through the calls' fixed costs in its cost model (--policy "
+             "qstar or fetch-all fill them)")
     if args.cache_slots is not None and args.cache_slots > experts:
         note(f"note: --cache-slots {args.cache_slots} is more than the {experts} experts; using {experts}")
     if args.cache_fraction is not None and round(args.cache_fraction * experts) < 1:
