@@ -679,7 +679,7 @@ def _prefill_split(policy, banks, cfg, profile) -> int | None:
     fmt = banks.format if banks.quantized else None
     try:
         model = cost_model_for("stored", banks.expert_bytes, dtype="bfloat16" if fmt else banks.gate_up.dtype,
-                               profile_path=profile, fmt=fmt)
+                               profile_path=profile, fmt=fmt, shape=(cfg.hidden_size, cfg.moe_intermediate_size))
     except ValueError:
         return None
     return prefill_min_tokens_for(policy, model, banks, cfg.hidden_size, cfg.moe_intermediate_size)

@@ -495,3 +495,36 @@ def test_profile_store_in_a_missing_folder_is_refused_before_measuring(tmp_path,
                    "writable\n"), err
     assert not (tmp_path / "no").exists()
 
+
+
+def test_trace_finds_the_profile_generate_stored_for_mxfp4_experts(tmp_path):
+    """`ft-jax profile` and generate store a profile under the weights' bytes in the banks' storage format (no
+    biases); trace / plan priced gpt-oss's experts (biases included) and looked up that size, so they never found it
+    and took the closest size of any format (a q4_0x16 profile: a wrong BH and q*; a fresh-user trial). With the
+    model's shape the lookup uses generate's key; without a match it prefers the same format."""
+    from ft_jax import weight_formats as wf
+    from ft_jax.config import load_config
+    from ft_jax.memory import planned_expert_bytes
+
+    cfg = load_config(str(FIXTURES / "gpt_oss_mxfp4"))
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    key_bytes = bandwidth.expert_nbytes(H, I, "bfloat16", wf.MXFP4)
+    priced = planned_expert_bytes(cfg, np.dtype("float32"), wf.MXFP4)
+    assert priced > key_bytes  # the biases
+
+    def store(path, fmt, nbytes, bh):
+        bandwidth.save_profile(Profile(key=bandwidth.machine_key("bfloat16", nbytes, fmt), bp=5.0, bh=bh,
+                                       bp_contended=None, bh_contended=None, spreads={}, repeats=1, quick=True,
+                                       measured_at="2026-01-01T00:00:00+00:00", hidden_size=H, intermediate_size=I),
+                               path)
+
+    path = tmp_path / "profiles.json"
+    store(path, wf.Q4_0_X16, priced - 100, 4.58)  # closer to the priced size, another format
+    store(path, wf.MXFP4, key_bytes, 1.16)
+    model = bandwidth.cost_model_for("stored", priced, profile_path=str(path), fmt=wf.MXFP4, shape=(H, I))
+    assert model.bh == 1.16 and model.expert_bytes == priced and "for this expert size" in model.source
+    other = tmp_path / "other.json"  # no exact entry: the same format at another size beats a closer other format
+    store(other, wf.Q4_0_X16, priced - 100, 4.58)
+    store(other, wf.MXFP4, 4 * key_bytes, 1.5)
+    near = bandwidth.cost_model_for("stored", priced, profile_path=str(other), fmt=wf.MXFP4)
+    assert near.bh == 1.5 and "closest expert size (mxfp4" in near.source

@@ -368,6 +368,7 @@ def test_statistics_table_counts_and_labels(capsys):
 
     one = rows(stats_table(stats))
     assert one["policy"] == "qstar:0.404"
+    assert one["expert slots"] == "4 x 384.00 KiB"  # in the unit of its size (it printed "4 x 0.38 MiB")
     assert one["prefill"].startswith("1 token, ") and one["decode"].startswith("1 token after the first, 1 step, ")
     assert re.fullmatch(r"f32 experts of 384\.00 KiB in the host banks; \d+\.\d\d MiB read per token \(dense "
                         r"0\.90 MiB per step \+ the active experts\)", one["weights"]), one["weights"]

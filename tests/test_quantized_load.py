@@ -417,6 +417,9 @@ def test_other_quantization_methods_are_refused(tmp_path, method):
 
 
 def test_fp8_config_fields_are_checked():
+    with pytest.raises(ConfigError, match=r"^c: quantization_config has no quant_method \(an object naming one of "
+                                          r"fp8, mxfp4"):  # it said "quant_method None is not implemented"
+        read_quantization({"quantization_config": {}}, "c", "qwen3_moe")
     base = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     assert read_quantization({"quantization_config": base}, "c", "qwen3_moe").block == (128, 128)
     for bad, what in (({"weight_block_size": None}, "weight_block_size"), ({"weight_block_size": [128, 0]},

@@ -8,6 +8,7 @@ Mixtral fixture, so no third-party data is needed.
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -329,6 +330,21 @@ def test_resident_is_replayed_once_at_every_expert_and_left_out_where_the_budget
     assert [r["cache_slots"] for r in fits["results"] if r["policy"] == "resident"] == [L * E]  # once, at L*E
     with pytest.raises(ValueError, match=rf"only resident, which needs all {L * E} experts .* the budget holds 16"):
         plan.recommend(trace, model, 16 * GB, [parse_policy("resident")])
+
+
+def test_a_quantize_that_does_not_fit_the_experts_names_the_model(tmp_path, capsys):
+    """trace --model M --quantize q8_0 on experts whose rows do not fit the blocks named only "a [64, 40] matrix"
+    (generate names the tensor): the message names the flag, the model and its expert sizes."""
+    d = tmp_path / "odd"
+    shutil.copytree(os.path.join(FIXTURES, "mixtral"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 40
+    (d / "config.json").write_text(json.dumps(cfg))
+    _write(tmp_path / "t.jsonl", _routing(3))
+    assert cli.main(["trace", str(tmp_path / "t.jsonl"), "--model", str(d), "--quantize", "q8_0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ft-jax trace: error: --quantize q8_0: the experts of {d} (H={cfg['hidden_size']}, "
+                          "I=40): ") and "do not fit q8_0" in err, err
 
 
 def test_traces_that_disagree_are_refused_naming_the_record_or_files(tmp_path):

@@ -370,7 +370,7 @@ def _print_result(args, path: str, model, request, out, streamed: bool, tokenize
 
 
 def _slots_row(stats: dict) -> str:
-    size = f"{stats['num_slots']} x {stats['expert_bytes'] / 2**20:.2f} MiB"
+    size = f"{stats['num_slots']} x {units.format_bytes(stats['expert_bytes'])}"
     if stats["devices"] > 1:
         size += f" on each of {stats['devices']} devices (each MoE layer's experts split over them)"
     if stats["policy"] == PolicyKind.HOST_ALL:

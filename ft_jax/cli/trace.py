@@ -96,7 +96,11 @@ def load_inputs(args) -> tuple[Trace, CostModel]:
         dtype = dtype or ("float32" if str(cfg.dtype) == "float32" else "bfloat16")
         fmt = expert_format(cfg, dtype_name(dtype), args.quantize)
         fmt = fmt if fmt.quantized else None
-        model_eb = planned_expert_bytes(cfg, dtype_name(dtype), fmt)
+        try:
+            model_eb = planned_expert_bytes(cfg, dtype_name(dtype), fmt)
+        except ValueError as e:  # rows that do not fit the format's blocks
+            raise ValueError(f"--quantize {args.quantize}: the experts of {args.model} (H={cfg.hidden_size}, "
+                             f"I={cfg.moe_intermediate_size}): {e}") from None
         if eb is not None and eb != model_eb:
             raise ValueError(f"--expert-bytes {eb} disagrees with --model ({model_eb} bytes per "
                              f"{fmt.name if fmt else dtype} expert as stored)")
@@ -110,9 +114,11 @@ def load_inputs(args) -> tuple[Trace, CostModel]:
                          f"of the bundled model: --model {bundled_model_path()})")
     dtype = dtype_name(dtype or "bfloat16")
     trace = read_trace(args.trace, L, E)
+    shape = (cfg.hidden_size, cfg.moe_intermediate_size) if args.model else None  # the stored profile's key
     model = cost_model_for(args.bandwidth, eb, dtype=dtype, profile_path=args.profile,
                            device_bandwidth=args.device_bandwidth, fill_fixed_ms=args.fill_fixed_ms,
-                           host_fixed_ms=args.host_fixed_ms, device_fixed_ms=args.device_fixed_ms, fmt=fmt)
+                           host_fixed_ms=args.host_fixed_ms, device_fixed_ms=args.device_fixed_ms, fmt=fmt,
+                           shape=shape)
     return trace, model
 
 

@@ -41,10 +41,10 @@ def read_quantization(raw: dict[str, Any], source: str, family: str) -> Quantiza
     """The ``quantization_config`` of a parsed config.json, or None without one.
 
     Raises:
-        ConfigError: not an object; a quant_method other than fp8 / mxfp4 (named, with the supported ones); fp8 with
-            fmt other than "e4m3", an activation_scheme other than "dynamic", or a weight_block_size that is not two
-            positive integers (null = per-tensor scales is refused too); mxfp4 on a family other than gpt-oss;
-            modules_to_not_convert not a list of strings. Messages start with ``source``.
+        ConfigError: not an object; no quant_method, or one other than fp8 / mxfp4 (named, with the supported
+            ones); fp8 with fmt other than "e4m3", an activation_scheme other than "dynamic", or a weight_block_size
+            that is not two positive integers (null = per-tensor scales is refused too); mxfp4 on a family other than
+            gpt-oss; modules_to_not_convert not a list of strings. Messages start with ``source``.
     """
     q = raw.get("quantization_config")
     if q is None:
@@ -52,6 +52,9 @@ def read_quantization(raw: dict[str, Any], source: str, family: str) -> Quantiza
     if not isinstance(q, dict):
         raise ConfigError(f"{source}: field 'quantization_config' should be an object, got {q!r}")
     method = q.get("quant_method")
+    if method is None:
+        raise ConfigError(f"{source}: quantization_config has no quant_method (an object naming one of "
+                          f"{', '.join(QUANT_METHODS)}, or no quantization_config for a float checkpoint)")
     if method not in QUANT_METHODS:
         raise ConfigError(f"{source}: quantization_config quant_method {method!r} is not implemented (supported: "
                           f"{', '.join(QUANT_METHODS)}: FP8 block-scaled and MXFP4 checkpoints, kept as stored; "

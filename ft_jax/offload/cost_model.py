@@ -24,6 +24,8 @@ from types import SimpleNamespace
 import jax.numpy as jnp
 import numpy as np
 
+from ft_jax import units
+
 GB = 1e9
 
 # Named bandwidth presets: (BP, BH, BPc, BHc) in GB/s and where each figure comes from.
@@ -412,7 +414,7 @@ class CostModel:
                                                                  " (assumed: BP, BH - BP)"))
         return (f"BP {self.bp:.2f}, BH {self.bh:.2f} GB/s, {pair}, device {self.device_bandwidth:.0f} GB/s; fixed "
                 f"ms per layer: fill {self.fill_fixed_ms:g}, host {self.host_fixed_ms:g}, device "
-                f"{self.device_fixed_ms:g}; S_e {self.expert_bytes / 2**20:.2f} MiB"
+                f"{self.device_fixed_ms:g}; S_e {units.format_bytes(self.expert_bytes)}"
                 + ("; a CPU device: fill, slot experts and host GEMV one after another" if self.serial_paths else ""))
 
     @classmethod

@@ -608,8 +608,8 @@ def get_or_measure_profile(hidden_size: int, intermediate_size: int, dtype: Any 
 def stored_profile(expert_bytes: int, dtype: str, path: str | os.PathLike | None = None,
                    fmt: WeightFormat | None = None) -> tuple[Profile, str]:
     """(Profile, how) of this machine from the bandwidth store: the entry for (format_key(dtype, fmt), expert_bytes),
-    else this machine's entry with the closest expert size. Raises ValueError if the store has none of this
-    machine."""
+    else this machine's entry with the closest expert size, of the same weight format where there is one. Raises
+    ValueError if the store has none of this machine."""
     key = machine_key(dtype, expert_bytes, fmt)
     profiles, damaged = read_profiles(path)
     here = [p for p in profiles if describe_machine(p.key) == describe_machine(key)]
@@ -621,7 +621,8 @@ def stored_profile(expert_bytes: int, dtype: str, path: str | os.PathLike | None
         raise ValueError(f"no bandwidth profile of this machine ({describe_machine(key)}) in {where}"
                          f"{' (' + damaged + ')' if damaged else ''}: run `ft-jax profile` or pass --bandwidth "
                          f"BP,BH or a preset ({', '.join(PRESETS)})")
-    near = min(here, key=lambda p: abs(math.log(p.key["expert_bytes"] / expert_bytes)))
+    same_format = [p for p in here if p.key["dtype"] == key["dtype"]]  # another format's bandwidths differ most
+    near = min(same_format or here, key=lambda p: abs(math.log(p.key["expert_bytes"] / expert_bytes)))
     return near, (f"stored profile of this machine at the closest expert size ({near.key['dtype']}, "
                   f"{units.format_bytes(near.key['expert_bytes'])}), measured {near.measured_at}")
 
@@ -636,17 +637,24 @@ def _spec(profile: Profile, source: str) -> dict:
 def cost_model_for(bandwidth: str, expert_bytes: int, *, dtype: str = "bfloat16", profile_path: str | None = None,
                    device_bandwidth: float | None = None, fill_fixed_ms: float | None = None,
                    host_fixed_ms: float | None = None, device_fixed_ms: float | None = None,
-                   fmt: WeightFormat | None = None) -> CostModel:
+                   fmt: WeightFormat | None = None, shape: tuple[int, int] | None = None) -> CostModel:
     """The CostModel of a --bandwidth spec (cost_model.parse_bandwidth; "stored": stored_profile) at an expert size
     (stored bytes; ``fmt``: the weight format whose stored profile is looked up, default the float one of dtype).
 
+    shape: (H, I) of the model's experts, when known: the stored profile is then looked up under the key that
+    ``ft-jax profile`` and generate store it under (get_or_measure_profile: the weights' bytes in the banks' storage
+    format, without biases), while ``expert_bytes`` (biases included) prices the experts.
     device_bandwidth and the fixed costs (ms per layer) None: a stored profile's fixed costs (Profile.fixed_costs:
     measured per call) and, for a profile measured on a CPU device, BH as the device bandwidth; else
     ASSUMED_DEVICE_GBPS and 0 (CostModel.from_spec). Raises ValueError (bad spec, no stored profile)."""
     spec = parse_bandwidth(bandwidth)
     platform_name = None
     if spec is None:
-        profile, how = stored_profile(expert_bytes, dtype, profile_path, fmt)
+        key_bytes = expert_bytes
+        if shape is not None:  # as get_or_measure_profile keys it
+            fmt = weight_formats.storage_format(weight_format(dtype, fmt), *shape)
+            key_bytes = expert_nbytes(*shape, dtype, fmt)
+        profile, how = stored_profile(key_bytes, dtype, profile_path, fmt)
         spec, platform_name = _spec(profile, how), profile.key["platform"]
     return CostModel.from_spec(spec, expert_bytes, platform=platform_name, device_bandwidth=device_bandwidth,
                                fill_fixed_ms=fill_fixed_ms, host_fixed_ms=host_fixed_ms,
