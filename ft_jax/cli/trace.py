@@ -99,8 +99,9 @@ def load_inputs(args) -> tuple[Trace, CostModel]:
         try:
             model_eb = planned_expert_bytes(cfg, dtype_name(dtype), fmt)
         except ValueError as e:  # rows that do not fit the format's blocks
-            raise ValueError(f"--quantize {args.quantize}: the experts of {args.model} (H={cfg.hidden_size}, "
-                             f"I={cfg.moe_intermediate_size}): {e}") from None
+            flag = f"--quantize {args.quantize}: " if args.quantize else ""
+            raise ValueError(f"{flag}the experts of {args.model} (H={cfg.hidden_size}, I={cfg.moe_intermediate_size}"
+                             f"): {e}") from None
         if eb is not None and eb != model_eb:
             raise ValueError(f"--expert-bytes {eb} disagrees with --model ({model_eb} bytes per "
                              f"{fmt.name if fmt else dtype} expert as stored)")
