@@ -84,8 +84,16 @@ def install(label: str = "ft-jax") -> bool:
         signal.signal(s, _record)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     threading.Thread(target=_watch, args=(read_fd,), name="ft_jax-signals", daemon=True).start()
-    _state.update(label=label, installed=True)
+    _state.update(label=label, installed=True, handled=handled)
     return True
+
+
+def reclaim() -> None:
+    """Put the installed handlers back after C++ code replaced them behind Python's back:
+    jax.distributed.initialize's preemption notifier takes SIGTERM (a multi-process run logged "SIGTERM caught" and
+    went on to exit 0). A no-op when install() did not run."""
+    for s in _state.get("handled", ()):
+        signal.signal(s, _record)
 
 
 def on_first_signal(callback) -> None:

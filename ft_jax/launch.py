@@ -115,9 +115,12 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
 
 
 def check_port_free(address: str) -> None:
-    """Process 0 listens on the coordinator's port: ConnectionError naming it when the port is taken."""
+    """Process 0 listens on the coordinator's port: ConnectionError naming it when the port is taken. With
+    SO_REUSEADDR, as the coordinator's own server binds it: the previous run's connections in TIME_WAIT (about 60 s
+    after it) leave the port free for the next one (a fresh-user trial was refused the port on a second run)."""
     _, port = _split(address)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError as e:
@@ -178,6 +181,30 @@ def setup(devices: int | None = None, coordinator: str | None = None, num_proces
                                initialization_timeout=int(math.ceil(timeout_s)) + INIT_ABORT_MARGIN_S)
     joined.set()
     watchdog.cancel()
+    interrupts.reclaim()  # its preemption notifier took SIGTERM
+
+
+def check_same_run(fields: dict[str, object]) -> None:
+    """Every process of a multi-process run must decode the same request from the same model: a difference ran other
+    collectives on each side (a hang) or decoded other prompts in one batch (wrong tokens with exit 0; both found by a
+    fresh-user trial). Each process gathers every process's digest of each field (one all-gather, before loading) and
+    raises ValueError naming the fields that differ (every process raises the same).
+
+    fields: {the flags that set it: a JSON-serializable value}, in the same order on every process."""
+    import hashlib
+    import json
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    digests = np.array([int.from_bytes(hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).digest()[:8],
+                                       "little", signed=True) for v in fields.values()], np.int64)
+    every = np.asarray(multihost_utils.process_allgather(digests))  # i64[P, F]
+    differ = [name for j, name in enumerate(fields) if len(set(every[:, j].tolist())) > 1]
+    if differ:
+        raise ValueError(f"the processes were given different runs: {', '.join(differ)} differ between them (every "
+                         "process of a run decodes the same request from the same model: give each the same flags "
+                         "but --process-id and --policy)")
 
 
 def _c_stdout_to_stderr() -> None:

@@ -155,6 +155,60 @@ def test_two_processes_decode_the_one_device_tokens_with_half_the_banks_each(tmp
     assert sorted(o["settings"]["process_id"] for o in objs) == [0, 1]
 
 
+def test_processes_given_different_runs_stop_with_one_line_and_the_port_is_free_again():
+    """Processes of one run given different requests hung (other collectives) or decoded other prompts in one batch
+    (wrong tokens with exit 0); now every process exits 2 naming the flags that differ. The same coordinator port is
+    then taken again at once (the previous run's sockets in TIME_WAIT refused it for ~60 s). Both found by a
+    fresh-user trial."""
+    address = f"localhost:{_free_port()}"
+    base = ["--model", os.path.join(FIXTURES, "mixtral"), "--temperature", "0", "--no-compile-cache",
+            "--coordinator", address, "--num-processes", "2", "--init-timeout", "60"]
+    own = [["--prompt-ids", "1,17,42", "--max-new-tokens", "4"], ["--prompt-ids", "1,17,43", "--max-new-tokens", "6"]]
+    for _ in range(2):  # the second pair on the same port right after the first
+        procs = [subprocess.Popen([sys.executable, "-m", "ft_jax", "generate", *base, *own[i], "--process-id", str(i)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (1, 0)]
+        for p, (out, err) in zip(procs, [p.communicate(timeout=300) for p in procs]):
+            assert p.returncode == 2 and out == "", err[-3000:]
+            assert err.splitlines()[-1] == (
+                "ft-jax generate: error: the processes were given different runs: --prompt / --prompt-ids / --chat, "
+                "--max-new-tokens differ between them (every process of a run decodes the same request from the same "
+                "model: give each the same flags but --process-id and --policy)"), err[-3000:]
+
+
+def test_sigterm_ends_a_process_of_a_multi_process_run(tmp_path):
+    """jax.distributed.initialize's preemption notifier took SIGTERM: the run logged "SIGTERM caught" and went on to
+    exit 0 (a fresh-user trial). The command line's handler is put back after it: exit 143 with the one line."""
+    import shutil
+    import signal
+    import time
+
+    model = tmp_path / "long"
+    shutil.copytree(os.path.join(FIXTURES, "mixtral"), model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["max_position_embeddings"] = 4096  # a decode long enough to be signalled in
+    (model / "config.json").write_text(json.dumps(cfg))
+    address = f"localhost:{_free_port()}"
+    flags = ["--model", str(model), "--prompt-ids", "1,17,42", "--temperature", "0", "--max-new-tokens", "4000",
+             "--coordinator", address, "--num-processes", "2", "--init-timeout", "60"]
+    procs = [subprocess.Popen([sys.executable, "-m", "ft_jax", "generate", *flags, "--process-id", str(i)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    try:
+        seen = ""
+        deadline = time.monotonic() + 240
+        while "building the decode step" not in seen and time.monotonic() < deadline:
+            seen += procs[0].stderr.readline()
+        assert "building the decode step" in seen, seen[-3000:]
+        time.sleep(2)  # decoding (4000 tokens take far longer)
+        procs[0].send_signal(signal.SIGTERM)
+        err = procs[0].stderr.read()
+        assert procs[0].wait(timeout=60) == 143, err[-3000:]
+        assert err.strip().splitlines()[-1] == "ft-jax generate: terminated (SIGTERM)", err[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_a_process_whose_peers_never_join_exits_with_one_line():
     """Process 0 of 2 alone: after --init-timeout a clean error and status 2 (XLA's coordination client would abort
     the process with SIGABRT and a C++ fatal log at its own timeout)."""

@@ -254,6 +254,11 @@ def run(args: argparse.Namespace) -> int:
     request = _request(args, api, path, cfg, tokenizer)
     check_output_file("--record-trace", args.record_trace)
     check_output_file("--profile", args.profile)
+    if args.coordinator is not None:
+        try:
+            launch.check_same_run(_run_fields(args, path, request))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
     notes: list[str] = []  # --json: in the object instead of on stderr
 
@@ -316,6 +321,20 @@ def run(args: argparse.Namespace) -> int:
                                                            dataset=os.path.basename(os.path.normpath(path))))
     _print_result(args, path, model, request, out, streaming, tokenizer, notes)
     return 0
+
+
+def _run_fields(args: argparse.Namespace, path: str, request) -> dict[str, object]:
+    """What every process of a multi-process run must share (launch.check_same_run), by the flags that set it: the
+    model (its config.json and weight files' sizes), the request and the settings that change the steps' shapes or
+    their number."""
+    files = sorted((f, os.path.getsize(os.path.join(path, f))) for f in os.listdir(path) if f.endswith(".safetensors"))
+    with open(os.path.join(path, "config.json"), "rb") as f:
+        config = f.read().hex()
+    s = request.sampling
+    return {"--model": [config, files], "--prompt / --prompt-ids / --chat": request.prompt_ids,
+            "--max-new-tokens": request.max_new_tokens,
+            "--temperature / --top-k / --top-p": [s.temperature, s.top_k, s.top_p], "--seed": request.seed, "--stop": list(request.stop), "--dtype": args.dtype, "--quantize": args.quantize,
+            "--prefill-chunk": args.prefill_chunk, "--record-trace": args.record_trace is not None}
 
 
 def _process_index() -> int:
