@@ -23,7 +23,7 @@ model.norm.weight, lm_head.weight), in ``model.safetensors`` or, with --max-shar
 
 Weights: projections, router and embeddings are N(0, std^2) (default std 0.02, transformers' initializer_range),
 RMSNorm weights are 1 (transformers' init); all bf16. Tensors are generated and written a block of rows at a time
-(at most --block-bytes of float32 in memory), so the peak memory is small whatever the model size.
+(at most 64 MiB of float32 in memory), so the peak memory is small whatever the model size.
 
 gpt-oss (--family gpt_oss): GptOssForCausalLM as openai/gpt-oss-20b stores it on the Hub: config.json with its keys
 (layer_types alternating sliding_attention / full_attention from layer 0, sliding_window, attention_bias true,

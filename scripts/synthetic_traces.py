@@ -145,7 +145,7 @@ def main(argv=None) -> int:
             print(f"{path}: {n} records ({args.sequences} sequences x {args.tokens} tokens x {args.layers} layers, "
                   f"top-{args.top_k} of {args.experts})")
     except (ValueError, OSError) as e:
-        print(f"synthetic_traces: {e}", file=sys.stderr)
+        print(e if str(e).startswith("synthetic_traces: ") else f"synthetic_traces: {e}", file=sys.stderr)
         return 1
     return 0
 
