@@ -231,7 +231,12 @@ def main(argv=None) -> int:
     p.add_argument("model_dir", help="bf16 MixtralForCausalLM folder (config.json + safetensors)")
     p.add_argument("out", help="GGUF file to write")
     args = p.parse_args(argv)
-    print(json.dumps(write_gguf(args.model_dir, args.out, progress=True)))
+    try:
+        info = write_gguf(args.model_dir, args.out, progress=True)
+    except (ValueError, OSError) as e:  # one line, as gpt_oss_to_gguf.py
+        print(f"mixtral_to_gguf: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(info))
     return 0
 
 

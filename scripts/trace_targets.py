@@ -74,18 +74,32 @@ def ratio_table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", nargs="+", help="routing trace files, each replayed on its own")
-    p.add_argument("--expert-bytes", type=int, required=True)
-    p.add_argument("--fractions", default="0.1,0.25,0.5")
+    p.add_argument("--expert-bytes", type=int, required=True, help="bytes of one expert (> 0)")
+    p.add_argument("--fractions", default="0.1,0.25,0.5", help="cache sizes as fractions of L*E, each in (0, 1]")
     p.add_argument("--bandwidths", default=",".join(PRESETS) + ",stored",
                    help="comma list of --bandwidth specs ('stored' is skipped when this machine has no profile)")
     p.add_argument("--profile", help="bandwidth profile store for 'stored'")
     p.add_argument("--host-fixed-ms", type=float, default=0.0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.expert_bytes < 1:
+        p.error(f"--expert-bytes must be > 0, got {args.expert_bytes}")
+    try:
+        fractions = [float(f) for f in args.fractions.split(",")]
+    except ValueError:
+        p.error(f"--fractions: expected numbers in (0, 1] separated by commas, got {args.fractions!r}")
+    if not all(0.0 < f <= 1.0 for f in fractions):
+        p.error(f"--fractions: each must be in (0, 1], got {args.fractions!r}")
+    if args.profile is not None and not os.path.isfile(args.profile):
+        p.error(f"--profile {args.profile}: no such file")
     rows = []
-    for path in args.trace:
-        rows += targets(path, args.expert_bytes, args.fractions.split(","), args.bandwidths.split(","),
-                        args.profile, args.host_fixed_ms, echo=lambda line: print(line, flush=True))
+    try:
+        for path in args.trace:
+            rows += targets(path, args.expert_bytes, args.fractions.split(","), args.bandwidths.split(","),
+                            args.profile, args.host_fixed_ms, echo=lambda line: print(line, flush=True))
+    except (ValueError, OSError) as e:  # a trace that cannot be read: one line
+        print(f"trace_targets: error: {e}", file=sys.stderr)
+        return 2
     if not rows:
         print("no case could be priced", file=sys.stderr)
         return 1
