@@ -333,7 +333,8 @@ def _run_fields(args: argparse.Namespace, path: str, request) -> dict[str, objec
     s = request.sampling
     return {"--model": [config, files], "--prompt / --prompt-ids / --chat": request.prompt_ids,
             "--max-new-tokens": request.max_new_tokens,
-            "--temperature / --top-k / --top-p": [s.temperature, s.top_k, s.top_p], "--seed": request.seed, "--stop": list(request.stop), "--dtype": args.dtype, "--quantize": args.quantize,
+            "--temperature / --top-k / --top-p": [s.temperature, s.top_k, s.top_p], "--seed": request.seed,
+            "--stop": list(request.stop), "--dtype": args.dtype, "--quantize": args.quantize,
             "--prefill-chunk": args.prefill_chunk, "--record-trace": args.record_trace is not None}
 
 

@@ -20,8 +20,8 @@ from typing import Sequence as Seq
 import numpy as np
 
 from ft_jax.offload.cost_model import CostModel
-from ft_jax.offload.policy import PolicyKind, bind_policy
-from ft_jax.tools.replay import replay, rows_per_step
+from ft_jax.offload.policy import bind_policy
+from ft_jax.tools.replay import replay, replay_runs, rows_per_step
 from ft_jax.tools.trace_io import Trace
 
 
@@ -108,9 +108,7 @@ def evaluate_devices(trace: Trace, policies: Seq, slot_counts: Seq[int], model: 
     sockets_of(devices, host_sockets)  # checked before the replays
     own = experts_per_device(trace, devices)
     capped = list(dict.fromkeys(min(int(S), own) for S in slot_counts))
-    # resident holds every expert of a device in a slot whatever S: one row, last, at its own size
-    runs = [(S, p) for S in capped for p in policies if p.kind is not PolicyKind.RESIDENT]
-    runs += [(own, p) for p in policies if p.kind is PolicyKind.RESIDENT]
+    runs = replay_runs(policies, capped, own)
     out = []
     for slots, policy in runs:
         bound = [bind_policy(policy, m) for m in models]

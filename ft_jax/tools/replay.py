@@ -139,6 +139,13 @@ def summarize(stats: np.ndarray, model: CostModel, rows: int = 1) -> dict:
             "ms_per_token": float(model.token_ms(stats).mean()) / rows}
 
 
+def replay_runs(policies: Seq, slot_counts: Seq[int], every_expert: int) -> list[tuple[int, object]]:
+    """The (slots, policy) replays of evaluate and evaluate_devices: every policy at every S, S-major; resident, which
+    holds every expert in a slot whatever S, once, last, at ``every_expert`` slots (L*E, or a device's share)."""
+    runs = [(int(S), p) for S in slot_counts for p in policies if p.kind is not PolicyKind.RESIDENT]
+    return runs + [(every_expert, p) for p in policies if p.kind is PolicyKind.RESIDENT]
+
+
 def evaluate(trace: Trace, policies: Seq, slot_counts: Seq[int], model: CostModel, *, carry_cache: bool = False,
              batch: bool = False, progress=None) -> list[dict]:
     """Replay every (cache size, policy) and summarize it (Python API of `ft-jax trace`).
@@ -153,9 +160,7 @@ def evaluate(trace: Trace, policies: Seq, slot_counts: Seq[int], model: CostMode
         expert in a slot whatever S, one row after the others, with cache_slots L*E.
     """
     LE = trace.num_layers * trace.num_experts
-    # resident holds every expert in a slot whatever S: one row, last, at its own size
-    runs = [(int(S), p) for S in slot_counts for p in policies if p.kind is not PolicyKind.RESIDENT]
-    runs += [(LE, p) for p in policies if p.kind is PolicyKind.RESIDENT]
+    runs = replay_runs(policies, slot_counts, LE)
     out = []
     for slots, policy in runs:
         bound = bind_policy(policy, model)
