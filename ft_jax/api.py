@@ -30,6 +30,7 @@ import platformdirs
 from ft_jax.cache_dirs import folder_problem
 from ft_jax.chat import load_chat_template
 from ft_jax import checkpoint as checkpoint_lib
+from ft_jax.checked_weights import CheckedWeights
 from ft_jax import kernels
 from ft_jax.config import load_config
 from ft_jax.config.quantization import expert_format
@@ -44,7 +45,7 @@ from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 from ft_jax import units
 from ft_jax.units import model_dtype
 
-from ft_jax.defaults import (BANK_MEMORY, BUNDLED_MODEL, DEFAULT_CACHE_FRACTION, DEFAULT_NEW_TOKENS,  # noqa: F401
+from ft_jax.defaults import (BANK_MEMORY, WEIGHT_CHECK, BUNDLED_MODEL, DEFAULT_CACHE_FRACTION, DEFAULT_NEW_TOKENS,  # noqa: F401
                              DEFAULT_POLICY, DEFAULT_TEMPERATURE, bundled_model_path, default_policy)
 from ft_jax.offload.policy import PolicyKind
 
@@ -506,7 +507,7 @@ class Model:
 # The CLI flags that set each argument of load() that _argument checks, named in its messages.
 LOAD_FLAGS = {"policy": "--policy", "dtype": "--dtype", "quantize": "--quantize",
               "cache": "--cache-slots, --cache-fraction, --device-memory", "profile": "--profile",
-              "bank_memory": "--bank-memory"}
+              "bank_memory": "--bank-memory", "weight_check": "--weight-check"}
 
 
 def _prefix(name: str) -> str:
@@ -540,7 +541,7 @@ def argument_message(error: BaseException, name: str) -> str | None:
 def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=None, cache=None,
          profile: str | None = None, measure: bool = True, on_message: Callable[[str], None] | None = None,
          on_compile: Callable[[str, bool], None] | None = None, quantize: str | None = None, mesh=None,
-         bank_memory: str = "map") -> Model:
+         bank_memory: str = "map", weight_check: str = "once") -> Model:
     """Load a Hugging Face MoE model folder (or the bundled model) for generation, as ``ft-jax generate`` does.
 
     Args:
@@ -573,17 +574,21 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             experts then read faster, and the process keeps no mapping of the file: docs/DESIGN.md sec. 20.22).
             Quantized banks (--quantize, FP8, MXFP4) are built in the banks' memory either way. ``ft-jax serve``
             copies, ``ft-jax generate`` maps (--bank-memory).
+        weight_check: "once" (default): every float weight read is checked for NaN/Inf the first time a version of
+            its file is loaded, and the checked byte ranges are recorded in the user cache directory
+            (ft_jax.checked_weights: a file that changes is checked again); "always": checked at every load, nothing
+            recorded (--weight-check).
     Returns:
         Model.
     Raises:
         ConfigError, CheckpointError, NotImplementedError: the folder cannot be used (the message names the file);
             quantize given for an FP8 / MXFP4 checkpoint, or for one with a tensor whose rows do not fit the blocks
             (the message names the file and the tensor).
-        ValueError: a bad dtype, policy, quantize, bank_memory or cache budget; a profile path that is a folder or
+        ValueError: a bad dtype, policy, quantize, bank_memory, weight_check or cache budget; a profile path that is a folder or
             in a folder that does not exist; a mesh whose expert axis does not divide the experts or that does not
             match the processes (ExpertPartition.from_mesh).
-        TypeError: path neither a str nor an os.PathLike; quantize neither a str nor None; bank_memory not a
-            str; measure not a bool; cache of another type than those above (a bool, a list, ...).
+        TypeError: path neither a str nor an os.PathLike; quantize neither a str nor None; bank_memory or
+            weight_check not a str; measure not a bool; cache of another type than those above (a bool, a list, ...).
         ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
             available (checked from the headers before anything is allocated).
     """
@@ -617,6 +622,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
     if bank_memory.lower() not in BANK_MEMORY:
         raise ValueError(f"{_prefix('bank_memory')}expected one of {', '.join(BANK_MEMORY)}, got {bank_memory!r}")
     bank_memory = bank_memory.lower()
+    if not isinstance(weight_check, str) or weight_check.lower() not in WEIGHT_CHECK:
+        error = ValueError if isinstance(weight_check, str) else TypeError
+        raise error(f"{_prefix('weight_check')}expected one of {', '.join(WEIGHT_CHECK)}, got {weight_check!r}")
     with _argument("quantize"):
         fmt = expert_format(cfg, jnp.dtype(dtype), quantize)  # errors before any loading
     partition = None if mesh is None else ExpertPartition.from_mesh(mesh, cfg.num_experts)  # errors before loading
@@ -641,7 +649,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
                           experts_held=None if partition is None else len(partition.process_experts))
     checkpoint = checkpoint_lib.load_checkpoint(path, dtype=jnp.dtype(dtype), quantize=quantize,
                                                 experts=None if partition is None else partition.process_experts,
-                                                map_pages=bank_memory == "map")
+                                                map_pages=bank_memory == "map",
+                                                checked=CheckedWeights() if weight_check.lower() == "once" else None)
     banks = checkpoint.banks
     experts = cfg.num_moe_layers * per_device
     slots = num_slots_for(cache, experts, banks.expert_bytes)

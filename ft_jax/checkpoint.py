@@ -45,6 +45,7 @@ from ft_jax.config.quantization import expert_format, quantize_applies
 from ft_jax.models.decoder import MoETransformer
 from ft_jax.models.layers import HostWeights, host_weights_apply
 from ft_jax import _ffi
+from ft_jax.checked_weights import CheckedWeights, file_version
 from ft_jax.kernels.host_bank import JAX_CPU_ALIGNMENT, MAP_ALIGNMENT, HostBank, huge_page_buffer
 from ft_jax.offload.banks import ExpertBanks
 
@@ -242,9 +243,10 @@ class SafetensorsCheckpoint:
     is missing, truncated or corrupted, or a tensor listed in the index is absent from its shard.
     """
 
-    def __init__(self, model_dir: str | os.PathLike, map_pages: bool = True):
+    def __init__(self, model_dir: str | os.PathLike, map_pages: bool = True, checked: CheckedWeights | None = None):
         model_dir = os.fspath(model_dir)
         self.map_pages = bool(map_pages)
+        self.checked = checked  # the NaN/Inf check skips what it covers and records what it checks
         index_path = os.path.join(model_dir, INDEX_FILE)
         single_path = os.path.join(model_dir, SINGLE_FILE)
         self.tensors: dict[str, TensorInfo] = {}
@@ -451,8 +453,11 @@ class SafetensorsCheckpoint:
             pass
         out = np.frombuffer(region, info.dtype, math.prod(info.shape), info.offset - first).reshape(info.shape)
         data = out.reshape(-1).view(np.uint8)
+        if self._known_finite(info):
+            return out
         if _check_finite(info, data, 0, info.nbytes)[1]:  # the one pass over the mapped pages, on every core
             _raise_non_finite(name, info, data)
+        self._record_finite(info)
         return out
 
     def _file(self, path: str):
@@ -460,6 +465,8 @@ class SafetensorsCheckpoint:
             fh = self._handles.get(path)
             if fh is None:
                 fh = self._handles[path] = open(path, "rb", buffering=0)
+                if self.checked is not None:
+                    self.checked.opened(path, file_version(os.fstat(fh.fileno())))
             return fh
 
     @staticmethod
@@ -490,17 +497,30 @@ class SafetensorsCheckpoint:
         begin = end = 0  # the mapped part of dest
         if self.map_pages and info.nbytes >= _MAP_MIN_BYTES:
             begin, end = _ffi.bank_map_file(dest.ctypes.data, info.nbytes, fh.fileno(), info.offset)
-        checked, found = 0, False
+        known = self._known_finite(info)
+        checked, found = info.nbytes if known else 0, False
         for lo, hi, mapped in ((0, begin, False), (begin, end, True), (end, info.nbytes, False)):
             step = max(hi - lo, 1) if mapped else _READ_CHUNK_BYTES
             for piece in range(lo, hi, step):
                 stop = min(hi, piece + step)
                 if not mapped:
                     self._read_exactly(fh, name, info, dest, piece, stop)
-                if not found:
+                if not found and checked < stop:
                     checked, found = _check_finite(info, dest, checked, stop)
         if found:  # described once the whole tensor is in dest
             _raise_non_finite(name, info, dest, rows)
+        if not known:
+            self._record_finite(info)
+
+    def _known_finite(self, info: TensorInfo) -> bool:
+        """Whether the bytes of ``info`` (a tensor or rows of it) were checked for NaN/Inf by an earlier load of this
+        file version (self.checked)."""
+        return self.checked is not None and self.checked.covers(info.file, info.offset, info.offset + info.nbytes)
+
+    def _record_finite(self, info: TensorInfo) -> None:
+        """Record the bytes of ``info`` as checked: no NaN/Inf (self.checked)."""
+        if self.checked is not None:
+            self.checked.add(info.file, info.offset, info.offset + info.nbytes)
 
     @staticmethod
     def _read_exactly(fh, name: str, info: TensorInfo, dest: np.ndarray, start: int, stop: int) -> None:
@@ -1153,7 +1173,7 @@ def load_banks(model_dir: str | os.PathLike, dtype=jnp.float32, quantize: str | 
 
 def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtype=None,
                     quantize: str | None = None, experts: range | None = None,
-                    map_pages: bool = True) -> LoadedCheckpoint:
+                    map_pages: bool = True, checked: CheckedWeights | None = None) -> LoadedCheckpoint:
     """Load config, dense model and host banks of a Hugging Face MoE checkpoint folder.
 
     Args:
@@ -1172,6 +1192,9 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
         map_pages: map the file's pages into the expert banks where the offsets allow (default: fast to load,
             the banks share the page cache); False: copy them onto the banks' own huge pages, and the dense tensors
             too (slower to load, faster to read, no mapping of the file kept; SafetensorsCheckpoint).
+        checked: the record of byte ranges checked for NaN/Inf by earlier loads (ft_jax.checked_weights): the ranges
+            it covers are not checked again, and those this load checks are added and saved once the load succeeds.
+            None (default): every float tensor read is checked.
     Returns:
         LoadedCheckpoint(config, model, banks, checkpoint_bytes, unused_tensors); banks.format is the experts' weight
         format.
@@ -1200,7 +1223,7 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
     dense_dtype = _np_dtype(dtype)
     bank_dtype = dense_dtype if expert_dtype is None else _np_dtype(expert_dtype)
     fmt = expert_format(cfg, bank_dtype, quantize)
-    with SafetensorsCheckpoint(model_dir, map_pages=map_pages) as ckpt:
+    with SafetensorsCheckpoint(model_dir, map_pages=map_pages, checked=checked) as ckpt:
         plan = expert_tensor_plan(cfg, ckpt, fmt, experts)
         banks = allocate_expert_banks(cfg, ckpt, plan, fmt, bank_dtype, experts)  # before the dense banks: same ids
         model, banks = _load_in_two_threads(
@@ -1211,4 +1234,6 @@ def load_checkpoint(model_dir: str | os.PathLike, dtype=jnp.float32, expert_dtyp
         if experts is not None:
             expert_tensor_plan(cfg, ckpt, fmt)  # the experts other processes hold count as read (headers only)
         unused = tuple(sorted(set(ckpt.tensors) - ckpt.used))
+    if checked is not None:
+        checked.save()
     return LoadedCheckpoint(cfg, model, banks, nbytes, unused)

@@ -10,6 +10,7 @@ DEFAULT_CACHE_FRACTION = 0.5
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_NEW_TOKENS = 200
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per prefill call (docs/DESIGN.md sec. 11, "Chunked prefill")
+WEIGHT_CHECK = ("once", "always")  # load(weight_check=...): NaN/Inf check once per file version, or every load
 BANK_MEMORY = ("map", "copy")  # load(bank_memory=...): the file's pages mapped, or copied onto huge pages (sec. 20.22)
 
 

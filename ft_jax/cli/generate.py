@@ -12,7 +12,7 @@ from ft_jax import defaults, interrupts, launch, units
 from ft_jax.cli import arg_types
 from ft_jax.cli.usage import HelpFormatter, UsageError, check_output_file, escaped_text
 from ft_jax.config import SUPPORTED_ARCHITECTURES, load_config
-from ft_jax.defaults import BANK_MEMORY, DEFAULT_PREFILL_CHUNK
+from ft_jax.defaults import BANK_MEMORY, DEFAULT_PREFILL_CHUNK, WEIGHT_CHECK
 from ft_jax.offload.policy import PolicyKind
 from ft_jax.tools.trace_io import routing_records, write_trace
 
@@ -113,6 +113,10 @@ def add_load_arguments(parser, bank_memory: str) -> None:
                              "Quantized experts (--quantize, FP8, "
                              "MXFP4) are built in the banks' memory either way. Default: "
                              f"{bank_memory} (generate maps, serve copies)")
+    parser.add_argument("--weight-check", choices=WEIGHT_CHECK, default="once",
+                        help="once (default): check every float weight for NaN/Inf the first time a version of its "
+                             "file is loaded, and record the checked bytes in the user cache directory "
+                             "(checked_weights.json: a file that changes is checked again); always: at every load")
     parser.add_argument("--prefill-chunk", type=arg_types.positive_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                         help=f"prompt tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}): a longer prompt is "
                              "prefilled in chunks appended to the KV cache, bounding its memory, with one compiled "
@@ -280,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = api.load(path, dtype=args.dtype or "auto", policy=args.policy, cache=cache, profile=args.profile,
                          measure=not args.no_measure, on_message=note, on_compile=on_compile, quantize=args.quantize,
-                         mesh=mesh, bank_memory=args.bank_memory)
+                         mesh=mesh, bank_memory=args.bank_memory, weight_check=args.weight_check)
     except ValueError as e:
         message = api.argument_message(e, "cache")  # the message without load()'s "cache= / <every flag>: "
         if message is None:

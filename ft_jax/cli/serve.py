@@ -96,7 +96,8 @@ def _load(args, path: str, cfg, state, note, on_failure) -> None:
     try:
         model = api.load(path, dtype=args.dtype or "auto", policy=args.policy, cache=_cache(args, cfg, note),
                          profile=args.profile, measure=not args.no_measure, on_message=note, on_compile=on_compile,
-                         quantize=args.quantize, bank_memory=args.bank_memory)
+                         quantize=args.quantize, bank_memory=args.bank_memory,
+                         weight_check=args.weight_check)
         _device_memory_note(args, cfg, model.engine.expert_bytes, note)
         model.engine.prefill_chunk = args.prefill_chunk
         try:
