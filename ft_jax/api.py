@@ -34,6 +34,7 @@ from ft_jax.checked_weights import CheckedWeights
 from ft_jax import kernels
 from ft_jax.config import load_config
 from ft_jax.config.quantization import expert_format
+from ft_jax.engine import step_cache
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
 from ft_jax.memory import budget_slots, check_host_memory, planned_expert_bytes
@@ -114,7 +115,8 @@ def budget_note(given: str, fits: int, experts: int) -> str:
 
 def enable_compile_cache(path: str) -> str | None:
     """Turn on JAX's persistent compilation cache in ``path`` for every executable (even ones that compile in under a
-    second); call before the first compilation of the process. Returns None, or a one-line note when the folder
+    second), and ft_jax's cache of whole prefill and decode steps in its ft_jax_steps/ (ft_jax.engine.step_cache:
+    loaded without tracing or lowering); call before the first compilation of the process. Returns None, or a one-line note when the folder
     cannot be created or written: the cache then stays off (and JAX never warns about failed cache writes)."""
     problem = folder_problem(path)
     if problem is not None:
@@ -122,6 +124,7 @@ def enable_compile_cache(path: str) -> str | None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    step_cache.enable(os.path.join(path, step_cache.FOLDER))
 
 
 def default_compile_cache_dir() -> str:

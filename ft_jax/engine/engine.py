@@ -12,6 +12,7 @@ compilation and the statistics reads: docs/DESIGN.md sec. 11, "Engine, API and C
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -24,6 +25,7 @@ from flax import nnx
 from ft_jax.checkpoint import LoadedCheckpoint
 from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
 from ft_jax.engine import stats as stats_lib
+from ft_jax.engine import step_cache
 from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, check_finite, row_key_data
 from ft_jax.engine.steps import bound_step, decode_n_tokens, decode_one_token, prefill
 from ft_jax.kernels.host_bank import use_huge_pages
@@ -200,6 +202,8 @@ class Engine:
         # A zero KV cache as one XLA program per (batch, length), not two eager ones per cache array.
         self._zero_kv_cache = jax.jit(nnx.merge(self.graphdef, self.params).init_kv_cache, static_argnums=(0, 1))
         self._executables: dict[tuple, object] = {}
+        # Steps from earlier launches, loaded without tracing (one device only: a mesh's steps are traced each time)
+        self._step_cache = step_cache.default_step_cache() if mesh is None else None
         self._lock = threading.Lock()
         stats_lib.CompileCounter.install()
 
@@ -218,15 +222,28 @@ class Engine:
         exe = self._executables.get(key)
         if exe is not None:
             return exe
-        step = self._prefill if kind == "prefill" else self._decode
+        step, backend = ((self._prefill, self.prefill_backend) if kind == "prefill"
+                         else (self._decode, self.decode_backend))
         if self.on_compile is not None:
             self.on_compile(f"building {what} ...", False)
         compiles_before, hits_before = stats_lib.CompileCounter.snapshot()
         t0 = time.perf_counter()
         extra = {} if kind == "prefill" else {"record_routing": record_routing}
-        exe = step.lower(*args, greedy=greedy, **extra).compile(compiler_options=step_compiler_options())
+        options = step_compiler_options()
+        cache_key = None if self._step_cache is None else step_cache.step_key(
+            kind, {"greedy": greedy, **extra}, args, (self.graphdef, backend), options)
+        exe, found = (None, False) if cache_key is None else self._step_cache.load(cache_key)
+        if exe is not None:  # no tracing, no lowering
+            compiles, hits = 0, 1
+        else:
+            store = cache_key is not None and not found  # compiled here, so XLA can serialize it (step_cache)
+            with step_cache.jax_cache_bypassed() if store else contextlib.nullcontext():
+                exe = step.lower(*args, greedy=greedy, **extra).compile(compiler_options=options)
+            compiles, hits = (a - b for a, b in zip(stats_lib.CompileCounter.snapshot(),
+                                                    (compiles_before, hits_before)))
+            if store:
+                self._step_cache.store(cache_key, exe)
         seconds = time.perf_counter() - t0
-        compiles, hits = (a - b for a, b in zip(stats_lib.CompileCounter.snapshot(), (compiles_before, hits_before)))
         tally["compile_s"] += seconds
         tally["xla_compiles"] += compiles
         tally["cache_hits"] += hits
