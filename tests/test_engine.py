@@ -322,3 +322,15 @@ def test_bf16_models_decode_alike_under_every_policy_and_cache_size(tmp_path, ar
     slots = (1, None) if architecture == "MixtralForCausalLM" else (1,)
     tokens = testing.assert_policies_agree(path, [3, 1, 4, 1, 5, 9], cache_slots=slots, max_new_tokens=6)
     assert len(tokens) == 6
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_row_key_data_is_jax_random_fold_in_of_the_seed(impl):
+    """row_key_data computes threefry's fold_in itself (no XLA program at launch); other PRNGs run JAX's."""
+    with jax.default_prng_impl(impl):
+        for seed in [0, 1, 7, 2**31 - 1, 2**31, 2**32 - 1, 2**32 + 5, -3]:
+            for row in [0, 1, 2, 63, 255, 2**31 - 1]:
+                key = jax.random.fold_in(jax.random.key(np.uint32(seed % 2**32)), np.int32(row))
+                want = np.asarray(jax.random.key_data(key))
+                got = row_key_data(seed, row)
+                assert got.dtype == np.uint32 and np.array_equal(got, want), (impl, seed, row)

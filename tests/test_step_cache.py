@@ -18,6 +18,7 @@ from ft_jax.engine import step_cache
 from ft_jax.engine.engine import Engine
 from ft_jax.engine.sampling import Sampling
 from ft_jax.engine.step_cache import Uncacheable, describe
+from ft_jax.offload.cost_model import auto_costs
 from ft_jax.offload.policy import Policy
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny")
@@ -182,3 +183,33 @@ def test_bf16_host_weights_steps_are_loaded_and_decode_alike(cache_folder):
     again = Engine(ckpt, policy=Policy("host-all"), num_slots=1).generate(prompt, max_new_tokens=12)
     assert first.stats["xla_compiles"] == 2 and again.stats["cache_hits"] == 2
     assert first.tokens == again.tokens
+
+
+def test_the_least_recently_used_entries_go(tmp_path, monkeypatch):
+    monkeypatch.setattr(step_cache, "MAX_ENTRIES", 3)
+    cache = step_cache.StepCache(tmp_path)
+    ckpt = load_checkpoint(os.path.join(FIXTURES, "mixtral"), dtype=jnp.float32)
+    engine = Engine(ckpt, policy=Policy("host-all"), num_slots=1)
+    engine._step_cache = cache
+    engine.generate([[1, 2, 3]], max_new_tokens=3)  # the prefill and the decode step
+    first = sorted(tmp_path.glob("*.bin"), key=lambda p: p.stat().st_mtime_ns)
+    os.utime(first[0], ns=(1, 1))
+    os.utime(first[1], ns=(2, 2))
+    loaded, found = cache.load(first[0].stem)  # used now: the newest
+    assert loaded is not None and found
+    engine.generate([[1, 2, 3]], max_new_tokens=3, sampling=Sampling(0.5))  # two more steps
+    kept = {p.name for p in tmp_path.glob("*.bin")}
+    assert len(kept) == 3 and first[0].name in kept and first[1].name not in kept
+
+
+@pytest.mark.parametrize("policy", ["auto", Policy("fetch-all"), Policy("host-all"), Policy("resident"),
+                                    Policy("fixed-cap", cap=1)], ids=str)
+def test_every_policy_is_cached_and_decodes_the_reference(cache_folder, policy):
+    info = _info("mixtral")
+    ckpt = load_checkpoint(os.path.join(FIXTURES, "mixtral"), dtype=jnp.float32)
+    if policy == "auto":
+        policy = Policy("auto", costs=auto_costs(ckpt.banks.gate_up.row_bytes + ckpt.banks.down.row_bytes, 10.0, 10.0))
+    prompt, n = [info["prompt_ids"]], len(info["greedy_continuation"])
+    for hits in (0, 2):
+        result = Engine(ckpt, policy=policy, num_slots=5).generate(prompt, max_new_tokens=n)
+        assert result.stats["cache_hits"] == hits and result.tokens[0] == info["greedy_continuation"]

@@ -199,8 +199,7 @@ class Engine:
                                 static_argnames=("greedy",), donate_argnums=(3, 4))
         self._decode = jax.jit(bound_step(decode_one_token, self.graphdef, self.decode_backend),
                                static_argnames=("greedy", "record_routing"), donate_argnums=(3, 4))
-        # A zero KV cache as one XLA program per (batch, length), not two eager ones per cache array.
-        self._zero_kv_cache = jax.jit(nnx.merge(self.graphdef, self.params).init_kv_cache, static_argnums=(0, 1))
+        self._kv_cache_model = nnx.merge(self.graphdef, self.params)  # its init_kv_cache gives the cache's shapes
         self._executables: dict[tuple, object] = {}
         # Steps from earlier launches, loaded without tracing (one device only: a mesh's steps are traced each time)
         self._step_cache = step_cache.default_step_cache() if mesh is None else None
@@ -209,10 +208,12 @@ class Engine:
 
     def init_kv_cache(self, batch_size: int, max_len: int):
         """Zero KV cache for batch_size sequences of up to max_len tokens (ft_jax.models.decoder.KVCache); with a mesh,
-        a copy of its own on every device."""
+        a copy of its own on every device. Without one, numpy zeros put on the device: no XLA program, which as the
+        first of a launch paid XLA's set-up (0.02-0.03 s; docs/DESIGN.md sec. 20.30)."""
+        shapes = jax.eval_shape(lambda: self._kv_cache_model.init_kv_cache(batch_size, max_len))
         if self.mesh is None:
-            return self._zero_kv_cache(batch_size, max_len)
-        shapes = jax.eval_shape(self._zero_kv_cache, batch_size, max_len)
+            return jax.tree_util.tree_map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), may_alias=False),
+                                          shapes)
         return expert_parallel.replicated_zeros(shapes, self.mesh)
 
     def _executable(self, kind: str, args: tuple, greedy: bool, what: str, tally: dict, record_routing: bool = False):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,15 +76,43 @@ class Sampling:
 def row_key_data(seed: int, row: int) -> np.ndarray:
     """The PRNG key of one sequence, as its raw data u32[2] (an operand of the compiled steps): jax.random.key(seed)
     folded with the row index. A row's draws depend only on (seed, row, the positions it samples at), never on the
-    other rows of its batch (Model.generate gives prompt b row b; the server gives every request row 0)."""
-    return np.asarray(_row_key_data(np.uint32(seed % 2**32), np.int32(row)))
+    other rows of its batch (Model.generate gives prompt b row b; the server gives every request row 0).
+
+    With JAX's default PRNG (threefry2x32) it is computed here (threefry_fold_in), not by an XLA program: that program
+    was the first of a launch and paid XLA's set-up, 0.03-0.05 s (docs/DESIGN.md sec. 20.30); the bits are the same.
+    Other PRNG implementations (jax_default_prng_impl) run JAX's own."""
+    impl = jax.config.jax_default_prng_impl
+    if impl != "threefry2x32":
+        return np.asarray(_row_key_data(np.uint32(seed % 2**32), np.int32(row), impl))
+    # jax.random.key(s) of a 32-bit seed is the key data [0, s]; fold_in(key, row) hashes the count [0, row] with it
+    return np.array(threefry2x32((0, seed % 2**32), (0, row % 2**32)), np.uint32)
 
 
-@jax.jit
-def _row_key_data(seed: jax.Array, row: jax.Array) -> jax.Array:
-    """row_key_data as one XLA program (u32[] seed, i32[] row -> u32[2]): the eager key, fold_in and key_data were
-    four programs to compile or look up at every launch (docs/DESIGN.md sec. 20.18); the bits are the same."""
-    return jax.random.key_data(jax.random.fold_in(jax.random.key(seed), row))
+@functools.partial(jax.jit, static_argnums=2)
+def _row_key_data(seed: jax.Array, row: jax.Array, impl: str) -> jax.Array:
+    """row_key_data as one XLA program (u32[] seed, i32[] row -> the key data of PRNG implementation ``impl``, one of
+    jax_default_prng_impl's names), for implementations other than threefry2x32."""
+    return jax.random.key_data(jax.random.fold_in(jax.random.key(seed, impl=impl), row))
+
+
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_MASK32 = 0xFFFFFFFF
+
+
+def threefry2x32(key: tuple[int, int], count: tuple[int, int]) -> tuple[int, int]:
+    """Threefry-2x32 with 20 rounds (Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3", SC 2011; the
+    rounds, rotations and key schedule of jax._src.random.threefry2x32._threefry2x32_lowering) of one count pair:
+    key and count are two unsigned 32-bit ints each; returns the two output words."""
+    k0, k1 = key
+    ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
+    x0, x1 = (count[0] + ks[0]) & _MASK32, (count[1] + ks[1]) & _MASK32
+    for i in range(5):
+        for r in _THREEFRY_ROTATIONS[i % 2]:
+            x0 = (x0 + x1) & _MASK32
+            x1 = (((x1 << r) | (x1 >> (32 - r))) & _MASK32) ^ x0
+        x0 = (x0 + ks[(i + 1) % 3]) & _MASK32
+        x1 = (x1 + ks[(i + 2) % 3] + i + 1) & _MASK32
+    return x0, x1
 
 
 def first_argmax(logits: jax.Array) -> jax.Array:

@@ -55,6 +55,7 @@ from ft_jax.kernels.host_bank import HostBank
 
 FORMAT = 1  # of the key and the entries
 FOLDER = "ft_jax_steps"  # inside JAX's compilation cache folder
+MAX_ENTRIES = 256  # files of 0.2-0.3 MB on the bench model, more for deeper models
 _MAX_ARRAY_BYTES = 1 << 20
 _CACHE_SETTINGS = ("jax_compilation_cache", "jax_enable_compilation_cache", "jax_persistent_cache",
                    "jax_raise_persistent_cache_errors")  # a closed-over numpy array up to this size is described by its bytes
@@ -76,10 +77,10 @@ def describe(obj, depth: int = 0) -> str:
     if depth > 64:
         raise Uncacheable("nested deeper than 64")
     d = depth + 1
+    if isinstance(obj, enum.Enum):  # before str and int: a str or int enum is its member
+        return f"{_name(type(obj))}.{obj.name}"
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         return f"{type(obj).__name__}:{obj!r}"
-    if isinstance(obj, enum.Enum):
-        return f"{_name(type(obj))}.{obj.name}"
     if isinstance(obj, type):
         return f"type:{_name(obj)}"
     if isinstance(obj, np.dtype):
@@ -227,7 +228,10 @@ class StepCache:
         try:
             with open(path, "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree), True
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            with contextlib.suppress(OSError):
+                os.utime(path)  # used now: the last to go (store)
+            return compiled, True
         except FileNotFoundError:
             return None, False
         except Exception:  # noqa: BLE001 - any failure to read or load is a miss
@@ -236,14 +240,18 @@ class StepCache:
             return None, True
 
     def store(self, key: str, compiled) -> None:
-        """Store ``compiled`` (a jax.stages.Compiled that XLA compiled in this process) under ``key``; an OSError or
-        an executable that cannot be serialized leaves the cache as it was."""
+        """Store ``compiled`` (a jax.stages.Compiled that XLA compiled in this process) under ``key``, then remove the
+        least recently used entries beyond MAX_ENTRIES; an OSError or an executable that cannot be serialized leaves
+        the cache as it was."""
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
             self.folder.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("wb", dir=self.folder, prefix=".step", delete=False) as f:
                 pickle.dump((payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
             os.replace(f.name, self.folder / f"{key}.bin")
+            entries = sorted(self.folder.glob("*.bin"), key=lambda p: p.stat().st_mtime_ns)
+            for old in entries[:max(len(entries) - MAX_ENTRIES, 0)]:  # the least recently used
+                old.unlink()
         except (OSError, ValueError, NotImplementedError, pickle.PicklingError):
             return
 
