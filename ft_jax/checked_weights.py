@@ -29,6 +29,8 @@ from pathlib import Path
 
 import platformdirs
 
+from ft_jax.interrupts import deferred_exit
+
 SCHEMA_VERSION = 1
 MAX_FILES = 256
 SETTLE_NS = 2_000_000_000  # a file's times must be this much older than the record (the kernel's clock is coarse)
@@ -110,10 +112,11 @@ class CheckedWeights:
                     files[file] = {"version": list(version), "ranges": ranges, "used_ns": now}
                 kept = dict(sorted(files.items(), key=lambda kv: kv[1].get("used_ns", 0))[-MAX_FILES:])
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                with tempfile.NamedTemporaryFile("w", dir=self.path.parent, prefix=".checked_weights",
-                                                 delete=False) as f:
-                    json.dump({"schema_version": SCHEMA_VERSION, "files": kept}, f)
-                os.replace(f.name, self.path)
+                with deferred_exit():  # a signal meanwhile leaves no temporary file behind
+                    with tempfile.NamedTemporaryFile("w", dir=self.path.parent, prefix=".checked_weights",
+                                                     delete=False) as f:
+                        json.dump({"schema_version": SCHEMA_VERSION, "files": kept}, f)
+                    os.replace(f.name, self.path)
             except OSError:
                 pass
 

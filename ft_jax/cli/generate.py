@@ -34,9 +34,10 @@ EXAMPLES = """examples:
   ft-jax generate --model DIR --coordinator localhost:5000 --num-processes 2 --process-id 1 &
   ft-jax generate --model DIR --coordinator localhost:5000 --num-processes 2 --process-id 0
 
-Supported architectures: {architectures}. Compiled steps are kept in JAX's persistent compilation cache under the
-user cache directory (see --no-compile-cache); the qstar policy uses the bandwidth profile stored there (see
-`ft-jax profile`)."""
+Supported architectures: {architectures}. Compiled steps are kept in the compilation cache under the user cache
+directory and loaded without tracing by the next run of the same configuration (see --no-compile-cache); the weights'
+NaN/Inf check runs once per version of a checkpoint file (see --weight-check); the qstar policy uses the bandwidth
+profile stored there (see `ft-jax profile`)."""
 
 
 def add_arguments(sub) -> None:
@@ -122,9 +123,10 @@ def add_load_arguments(parser, bank_memory: str) -> None:
                              "prefilled in chunks appended to the KV cache, bounding its memory, with one compiled "
                              "step for every prompt length")
     parser.add_argument("--no-compile-cache", action="store_true",
-                        help="do not use JAX's persistent compilation cache (default: compiled steps are kept in "
-                             "compile/ under the user cache directory, e.g. ~/.cache/ft_jax, so the next run with "
-                             "the same model and shapes loads them instead of compiling)")
+                        help="do not use the compilation cache (default: compiled steps are kept in compile/ under "
+                             "the user cache directory, e.g. ~/.cache/ft_jax: JAX's persistent cache, and whole steps "
+                             "in compile/ft_jax_steps/, so the next run with the same model, flags and shapes loads "
+                             "them instead of tracing and compiling)")
 
 
 def flag_conflicts(args: argparse.Namespace) -> str | None:

@@ -51,6 +51,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 import ft_jax
 from ft_jax import _ffi
+from ft_jax.interrupts import deferred_exit
 from ft_jax.kernels.host_bank import HostBank
 
 FORMAT = 1  # of the key and the entries
@@ -246,9 +247,10 @@ class StepCache:
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
             self.folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("wb", dir=self.folder, prefix=".step", delete=False) as f:
-                pickle.dump((payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(f.name, self.folder / f"{key}.bin")
+            with deferred_exit():  # a signal meanwhile leaves no temporary file behind
+                with tempfile.NamedTemporaryFile("wb", dir=self.folder, prefix=".step", delete=False) as f:
+                    pickle.dump((payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
+                os.replace(f.name, self.folder / f"{key}.bin")
             entries = sorted(self.folder.glob("*.bin"), key=lambda p: p.stat().st_mtime_ns)
             for old in entries[:max(len(entries) - MAX_ENTRIES, 0)]:  # the least recently used
                 old.unlink()
