@@ -9,6 +9,7 @@ import subprocess
 import sys
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -213,3 +214,15 @@ def test_every_policy_is_cached_and_decodes_the_reference(cache_folder, policy):
     for hits in (0, 2):
         result = Engine(ckpt, policy=policy, num_slots=5).generate(prompt, max_new_tokens=n)
         assert result.stats["cache_hits"] == hits and result.tokens[0] == info["greedy_continuation"]
+
+
+class _Opaque:
+    """A pytree node whose static data prints with its address (as a plain object's repr does)."""
+
+
+jax.tree_util.register_pytree_node(_Opaque, lambda o: ((), object()), lambda aux, children: _Opaque())
+
+
+def test_a_key_with_an_address_in_it_is_none():
+    """Such a key would differ at every launch: the step is compiled as without the cache, not at every launch."""
+    assert step_cache.step_key("decode", {}, (_Opaque(), np.zeros(2, np.int32)), (), {}) is None

@@ -173,8 +173,9 @@ def _cpu_flags() -> str:
 def step_key(kind: str, static: dict, args: tuple, closure: tuple, compiler_options: dict) -> str | None:
     """The cache key (hex SHA-256) of a step: ``kind`` ("prefill" / "decode"), its static arguments, its arguments
     (only their tree structure and each leaf's shape, dtype, weak type and sharding count), what its function closes
-    over (the GraphDef and the expert backend) and the compiler options. None when describe cannot describe a part
-    (the step is then compiled as without a cache)."""
+    over (the GraphDef and the expert backend) and the compiler options. None when describe cannot describe a part,
+    or when the text holds an object's address (the step is then compiled as without a cache: a key that differs at
+    every launch would compile it at every launch)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     try:
         parts = [environment_digest(), _trace_context(), kind, describe(static), describe(compiler_options),
@@ -183,7 +184,10 @@ def step_key(kind: str, static: dict, args: tuple, closure: tuple, compiler_opti
             parts.append(_leaf(leaf))
     except Uncacheable:
         return None
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    text = "\n".join(parts)
+    if " at 0x" in text:  # an object's address (a repr inside a pytree's static data): a key no other process gets
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _trace_context() -> str:
