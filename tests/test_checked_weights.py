@@ -207,3 +207,26 @@ def test_load_records_by_default_and_weight_check_always_records_nothing(tmp_pat
 def test_load_refuses_other_weight_checks(value, error):
     with pytest.raises(error, match=r"weight_check= / --weight-check: expected one of once, always, got"):
         ft_jax.load(weight_check=value)
+
+
+def test_the_command_line_records_by_default_and_refuses_other_values(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    folder = tmp_path / "ckpt"
+    _mixtral_copy(str(folder))
+    time.sleep(checked_weights.SETTLE_NS / 1e9 + 0.1)  # the copy settles: the record may hold it
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    base = [sys.executable, "-m", "ft_jax", "generate", "--model", str(folder), "--prompt-ids", "1,2,3",
+            "--max-new-tokens", "2", "--json", "--no-compile-cache"]
+    record = tmp_path / "cache" / "ft_jax" / "checked_weights.json"
+    out = subprocess.run(base + ["--weight-check", "always"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert not record.exists()
+    out = subprocess.run(base, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    files = json.loads(record.read_text())["files"]
+    assert list(files) == [str(folder / "model.safetensors")]
+    out = subprocess.run(base + ["--weight-check", "never"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2 and "--weight-check: invalid choice: 'never'" in out.stderr
