@@ -126,7 +126,9 @@ _environment_lock = threading.Lock()
 
 def environment_digest() -> str:
     """The SHA-256 (hex) of what every step's executable depends on besides the step itself (module docstring),
-    computed once per process (about 5 ms: ft_jax's modules and extension are read)."""
+    computed once per process (about 5 ms: ft_jax's modules and extension are read).
+
+    Raises Uncacheable: ft_jax installed without its .py sources (e.g. bytecode only)."""
     global _environment
     with _environment_lock:
         if _environment is None:
@@ -145,7 +147,10 @@ def _environment_parts():
     yield f"python {sys.version}; {platform.machine()}"
     yield f"jax {jax.__version__}; jaxlib {jaxlib.__version__}; flax {flax.__version__}; numpy {np.__version__}"
     package = Path(ft_jax.__file__).parent
-    for path in sorted(package.rglob("*.py")):
+    sources = sorted(package.rglob("*.py"))
+    if Path(__file__) not in sources:  # installed without its sources: a change of the code could not be seen
+        raise Uncacheable(f"ft_jax's sources are not in {package}")
+    for path in sources:
         yield str(path.relative_to(package))
         yield path.read_bytes()
     yield Path(_ffi.__file__).read_bytes()
