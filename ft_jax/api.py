@@ -579,8 +579,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             copies, ``ft-jax generate`` maps (--bank-memory).
         weight_check: "once" (default): every float weight read is checked for NaN/Inf the first time a version of
             its file is loaded, and the checked byte ranges are recorded in the user cache directory
-            (ft_jax.checked_weights: a file that changes is checked again); "always": checked at every load, nothing
-            recorded (--weight-check).
+            (ft_jax.checked_weights: a file that changes is checked again, except through a writable memory mapping,
+            which can leave its times as they were); "always": checked at every load, nothing recorded
+            (--weight-check).
     Returns:
         Model.
     Raises:

@@ -6,9 +6,12 @@ check was 0.25-0.3 s of a 2.1 s ``ft-jax generate`` (docs/DESIGN.md sec. 20.30).
 byte range the record does not cover is checked as it is read, and a NaN/Inf found is reported as before.
 
 A file version is (device, inode, size, modification and status-change times in ns: os.stat), the identity git's
-index and make rely on. Writing to a file changes its times, replacing it changes its inode or times, so a changed
-file is checked again. As git does for "racily clean" files, a file whose times are less than SETTLE_NS before the
-record is written is not recorded: a second write in the same clock tick would leave its times as they were.
+index and make rely on. Writing to a file with write() changes its times, replacing it changes its inode or times,
+so a changed file is checked again. As git does for "racily clean" files, a file whose times are less than SETTLE_NS
+before the record is written is not recorded: a second write in the same clock tick would leave its times as they
+were. Not seen: writes through a shared writable memory mapping of the file after the first write to a page (Linux
+updates the times at that first write and again only when the page is written back; on tmpfs never): after such a
+change, load with weight_check="always" (--weight-check always).
 
 Store: JSON at ``platformdirs.user_cache_path("ft_jax") / "checked_weights.json"`` (Linux: $XDG_CACHE_HOME/ft_jax,
 else ~/.cache/ft_jax), {"schema_version": 1, "files": {absolute path: {"version": [dev, ino, size, mtime_ns,
@@ -122,14 +125,18 @@ class CheckedWeights:
 
 
 def _read(path: Path) -> dict:
-    """The "files" of the record at ``path``; {} when it is missing, unreadable or not a record of this schema."""
+    """The "files" of the record at ``path``; {} when it is missing, not a regular file (a FIFO would block the
+    read), unreadable or not a record of this schema (any value that does not parse: a float of 1e999 where an int
+    belongs, nesting too deep for the JSON parser, ...)."""
     try:
+        if not path.is_file():
+            return {}
         data = json.loads(path.read_text(encoding="utf-8"))
         files = data["files"] if data.get("schema_version") == SCHEMA_VERSION else {}
         return {file: {"version": [int(v) for v in e["version"]], "ranges": _merged(e["ranges"]),
                        "used_ns": int(e.get("used_ns", 0))}
                 for file, e in files.items() if len(e["version"]) == 5}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except Exception:  # noqa: BLE001 - a record that does not parse is an empty one (it only saves time)
         return {}
 
 

@@ -117,7 +117,10 @@ def add_load_arguments(parser, bank_memory: str) -> None:
     parser.add_argument("--weight-check", choices=WEIGHT_CHECK, default="once",
                         help="once (default): check every float weight for NaN/Inf the first time a version of its "
                              "file is loaded, and record the checked bytes in the user cache directory "
-                             "(checked_weights.json: a file that changes is checked again); always: at every load")
+                             "(checked_weights.json, by device, inode, size and times: a file that changes is checked "
+                             "again; one written less than 2 s before a load is not recorded); always: at every load "
+                             "(after a change through a writable memory mapping, which can leave the times as they "
+                             "were)")
     parser.add_argument("--prefill-chunk", type=arg_types.positive_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
                         help=f"prompt tokens per prefill call (default {DEFAULT_PREFILL_CHUNK}): a longer prompt is "
                              "prefilled in chunks appended to the KV cache, bounding its memory, with one compiled "
