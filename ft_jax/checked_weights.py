@@ -118,7 +118,12 @@ class CheckedWeights:
                 with deferred_exit():  # a signal meanwhile leaves no temporary file behind
                     with tempfile.NamedTemporaryFile("w", dir=self.path.parent, prefix=".checked_weights",
                                                      delete=False) as f:
-                        json.dump({"schema_version": SCHEMA_VERSION, "files": kept}, f)
+                        try:
+                            json.dump({"schema_version": SCHEMA_VERSION, "files": kept}, f)
+                        except BaseException:  # e.g. a full disk: no partial file left
+                            f.close()
+                            os.unlink(f.name)
+                            raise
                     os.replace(f.name, self.path)
             except OSError:
                 pass

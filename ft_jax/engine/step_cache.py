@@ -8,23 +8,28 @@ every step before it can look one up: 0.13-0.15 s per step on the bench model of
 The key (step_key) is a SHA-256 over:
   - the environment (environment_digest, once per process): the versions of Python, jax, jaxlib, flax and numpy; the
     bytes of every ft_jax module and of the ft_jax._ffi extension; the backend, its devices and the CPU's feature
-    flags (XLA:CPU compiles for the host's ISA); XLA_FLAGS and the FT_JAX_* variables; every jax.config value;
+    flags (XLA:CPU compiles for the host's ISA); XLA_FLAGS and the FT_JAX_* variables; every jax.config value but
+    where executables are cached;
+  - the thread's trace context (jax._src.config.trace_context, as jax.jit's own caches key on it);
   - the step: its kind, its static arguments, the compiler options;
   - its arguments' tree structure (nnx State paths, HostWeights' bank ids) and each leaf's shape, dtype, weak type
     and sharding;
   - what the step function closes over: the model's nnx GraphDef (every static attribute: the config) and the expert
     backend (policy, banks: id, rows, row shape and dtype of each), described field by field (describe). A value of
-    a type describe does not know makes the step uncacheable (traced as before), never a partial key.
+    a type describe does not know, or an object's address in the text, makes the step uncacheable (traced and
+    compiled as before), never a partial key.
 An executable references its host banks by id; the key holds the ids, and a process that gets the same key has built
-the same banks under the same ids (the loader allocates them in a fixed order: ft_jax.checkpoint).
+the same banks under the same ids (the loader allocates them in a fixed order: ft_jax.checkpoint). The handlers'
+instantiation refuses a bank that was released, so an entry naming one fails to load rather than run.
 
 Only executables XLA compiled in this process can be stored: XLA:CPU cannot serialize again an executable it loaded
 from JAX's persistent cache (the copy fails at its first run: "Function wrapped_iota not found"). So a step missing
 here is compiled with JAX's cache bypassed (jax_cache_bypassed), once per key: after an upgrade of ft_jax, the first
 launch of each configuration compiles its steps (0.6-0.8 s each on the bench model) where JAX's cache could have
-loaded them (0.13-0.15 s). Entries are written atomically (a temporary
-file renamed); an entry that cannot be read or loaded counts as a miss. Executables are loaded with jax's
-serialize_executable, which, like JAX's persistent cache, trusts the files of the user's own cache folder.
+loaded them (0.13-0.15 s). Entries are written atomically (a temporary file renamed); an entry that cannot be read or
+loaded is removed and its step compiled as without this cache. At most MAX_ENTRIES entries, the least recently used
+go first. Executables are loaded with jax's serialize_executable, which, like JAX's persistent cache, trusts the files
+of the user's own cache folder. On the CPU backend only (where it is tested), for an Engine of one device.
 """
 
 from __future__ import annotations
@@ -57,9 +62,9 @@ from ft_jax.kernels.host_bank import HostBank
 FORMAT = 1  # of the key and the entries
 FOLDER = "ft_jax_steps"  # inside JAX's compilation cache folder
 MAX_ENTRIES = 256  # files of 0.2-0.3 MB on the bench model, more for deeper models
-_MAX_ARRAY_BYTES = 1 << 20
+_MAX_ARRAY_BYTES = 1 << 20  # a closed-over numpy array up to this size is described by its bytes
 _CACHE_SETTINGS = ("jax_compilation_cache", "jax_enable_compilation_cache", "jax_persistent_cache",
-                   "jax_raise_persistent_cache_errors")  # a closed-over numpy array up to this size is described by its bytes
+                   "jax_raise_persistent_cache_errors")  # jax.config names of where executables are cached
 
 
 class Uncacheable(Exception):
@@ -177,7 +182,7 @@ def _cpu_flags() -> str:
 
 def step_key(kind: str, static: dict, args: tuple, closure: tuple, compiler_options: dict) -> str | None:
     """The cache key (hex SHA-256) of a step: ``kind`` ("prefill" / "decode"), its static arguments, its arguments
-    (only their tree structure and each leaf's shape, dtype, weak type and sharding count), what its function closes
+    (only their tree structure and each leaf's shape, dtype, weak type and sharding matter), what its function closes
     over (the GraphDef and the expert backend) and the compiler options. None when describe cannot describe a part,
     or when the text holds an object's address (the step is then compiled as without a cache: a key that differs at
     every launch would compile it at every launch)."""
@@ -258,7 +263,12 @@ class StepCache:
             self.folder.mkdir(parents=True, exist_ok=True)
             with deferred_exit():  # a signal meanwhile leaves no temporary file behind
                 with tempfile.NamedTemporaryFile("wb", dir=self.folder, prefix=".step", delete=False) as f:
-                    pickle.dump((payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
+                    try:
+                        pickle.dump((payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
+                    except BaseException:  # e.g. a full disk: no partial file left
+                        f.close()
+                        os.unlink(f.name)
+                        raise
                 os.replace(f.name, self.folder / f"{key}.bin")
             entries = sorted(self.folder.glob("*.bin"), key=lambda p: p.stat().st_mtime_ns)
             for old in entries[:max(len(entries) - MAX_ENTRIES, 0)]:  # the least recently used
