@@ -110,9 +110,29 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
+    for flag, values in (("--layers", args.layers), ("--devices", args.devices), ("--rounds", [args.rounds]),
+                         ("--kv-len", [args.kv_len]), ("--hidden", [args.hidden]),
+                         ("--intermediate", [args.intermediate]), ("--experts", [args.experts]),
+                         ("--top-k", [args.top_k]), ("--heads", [args.heads]), ("--kv-heads", [args.kv_heads]),
+                         ("--head-dim", [args.head_dim]), ("--vocab", [args.vocab])):
+        if min(values) < 1:
+            p.error(f"{flag} must be >= 1, got {min(values)}")
+    if not 0 < args.cache_fraction <= 1:
+        p.error(f"--cache-fraction must be in (0, 1], got {args.cache_fraction}")
+    if args.top_k > args.experts:
+        p.error(f"--top-k {args.top_k} is more than the {args.experts} experts")
+    if any(args.experts % n for n in args.devices):
+        p.error(f"--devices: each must divide the {args.experts} experts, got {args.devices}")
     import jax
 
     jax.config.update("jax_num_cpu_devices", max(args.devices))  # before ft_jax starts the backend
+    from ft_jax.offload.policy import parse_policy
+
+    for policy in args.policies:
+        try:
+            parse_policy(policy)
+        except ValueError as e:
+            p.error(f"--policies: {e}")
 
     jax.config.update("jax_compilation_cache_dir", None)  # nothing reused between variants
     times: dict[tuple[str, int, int], list[float]] = {}
