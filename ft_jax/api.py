@@ -46,8 +46,8 @@ from ft_jax.tokenizer import TokenizerNotFoundError, load_tokenizer
 from ft_jax import units
 from ft_jax.units import model_dtype
 
-from ft_jax.defaults import (BANK_MEMORY, WEIGHT_CHECK, BUNDLED_MODEL, DEFAULT_CACHE_FRACTION, DEFAULT_NEW_TOKENS,  # noqa: F401
-                             DEFAULT_POLICY, DEFAULT_TEMPERATURE, bundled_model_path, default_policy)
+from ft_jax.defaults import (BANK_MEMORY, BUNDLED_MODEL, DEFAULT_CACHE_FRACTION, DEFAULT_NEW_TOKENS,  # noqa: F401
+                             DEFAULT_POLICY, DEFAULT_TEMPERATURE, WEIGHT_CHECK, bundled_model_path, default_policy)
 from ft_jax.offload.policy import PolicyKind
 
 
@@ -116,8 +116,9 @@ def budget_note(given: str, fits: int, experts: int) -> str:
 def enable_compile_cache(path: str) -> str | None:
     """Turn on JAX's persistent compilation cache in ``path`` for every executable (even ones that compile in under a
     second), and ft_jax's cache of whole prefill and decode steps in its ft_jax_steps/ (ft_jax.engine.step_cache:
-    loaded without tracing or lowering); call before the first compilation of the process. Returns None, or a one-line note when the folder
-    cannot be created or written: the cache then stays off (and JAX never warns about failed cache writes)."""
+    loaded without tracing or lowering); call before the first compilation of the process. Returns None, or a
+    one-line note when the folder cannot be created or written: the caches then stay off (and JAX never warns about
+    failed cache writes)."""
     problem = folder_problem(path)
     if problem is not None:
         return f"the compilation cache is off: {path} cannot be created or written ({problem})"
@@ -588,8 +589,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
         ConfigError, CheckpointError, NotImplementedError: the folder cannot be used (the message names the file);
             quantize given for an FP8 / MXFP4 checkpoint, or for one with a tensor whose rows do not fit the blocks
             (the message names the file and the tensor).
-        ValueError: a bad dtype, policy, quantize, bank_memory, weight_check or cache budget; a profile path that is a folder or
-            in a folder that does not exist; a mesh whose expert axis does not divide the experts or that does not
+        ValueError: a bad dtype, policy, quantize, bank_memory, weight_check or cache budget; a profile path that is a
+            folder or in a folder that does not exist; a mesh whose expert axis does not divide the experts or that does not
             match the processes (ExpertPartition.from_mesh).
         TypeError: path neither a str nor an os.PathLike; quantize neither a str nor None; bank_memory or
             weight_check not a str; measure not a bool; cache of another type than those above (a bool, a list, ...).
