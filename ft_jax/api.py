@@ -590,8 +590,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
             quantize given for an FP8 / MXFP4 checkpoint, or for one with a tensor whose rows do not fit the blocks
             (the message names the file and the tensor).
         ValueError: a bad dtype, policy, quantize, bank_memory, weight_check or cache budget; a profile path that is a
-            folder or in a folder that does not exist; a mesh whose expert axis does not divide the experts or that does not
-            match the processes (ExpertPartition.from_mesh).
+            folder or in a folder that does not exist; a mesh whose expert axis does not divide the experts or that
+            does not match the processes (ExpertPartition.from_mesh).
         TypeError: path neither a str nor an os.PathLike; quantize neither a str nor None; bank_memory or
             weight_check not a str; measure not a bool; cache of another type than those above (a bool, a list, ...).
         ft_jax.memory.InsufficientMemoryError: the banks, slots and dense weights need more host memory than is
