@@ -1,5 +1,6 @@
 """Where ft_jax writes: can a user cache folder (compile/ and profiles.json under $XDG_CACHE_HOME/ft_jax) be created
-and written, and can a file the user named (--record-trace, --profile) be written?
+and written, and can a file the user named (--record-trace, --profile) be written? And how its cache files are
+written: whole or not at all (replace_file).
 
 A cache folder that cannot (read-only file system, no permission, a regular file where a folder should be) turns its
 cache off with one note instead of stopping the run (ft_jax.api.enable_compile_cache, the bandwidth profile store); a
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import IO, Callable
 
 from ft_jax.config import os_error_cause
+from ft_jax.interrupts import deferred_exit
 
 
 def folder_problem(path: str | os.PathLike) -> str | None:
@@ -49,3 +52,21 @@ def output_file_problem(path: str | os.PathLike) -> str | None:
     except OSError:
         return f"folder {folder} does not exist or is not writable"
     return None
+
+
+def replace_file(path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False) -> None:
+    """Write ``path`` whole or not at all: ``write(f)`` fills a temporary file in the same folder (text in UTF-8, or
+    bytes with ``binary``), which then replaces ``path`` (os.replace: a reader sees the old file or the new one), all
+    inside interrupts.deferred_exit (a signal waits for the write). On any error the temporary file is removed and the
+    error raised (OSError, or write's own)."""
+    path = os.fspath(path)
+    with deferred_exit():
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                   dir=os.path.dirname(os.path.abspath(path)))
+        try:
+            with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")) as f:
+                write(f)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise

@@ -25,14 +25,13 @@ from __future__ import annotations
 import bisect
 import json
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import platformdirs
 
-from ft_jax.interrupts import deferred_exit
+from ft_jax.cache_dirs import replace_file
 
 SCHEMA_VERSION = 1
 MAX_FILES = 256
@@ -115,16 +114,7 @@ class CheckedWeights:
                     files[file] = {"version": list(version), "ranges": ranges, "used_ns": now}
                 kept = dict(sorted(files.items(), key=lambda kv: kv[1].get("used_ns", 0))[-MAX_FILES:])
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                with deferred_exit():  # a signal meanwhile leaves no temporary file behind
-                    with tempfile.NamedTemporaryFile("w", dir=self.path.parent, prefix=".checked_weights",
-                                                     delete=False) as f:
-                        try:
-                            json.dump({"schema_version": SCHEMA_VERSION, "files": kept}, f)
-                        except BaseException:  # e.g. a full disk: no partial file left
-                            f.close()
-                            os.unlink(f.name)
-                            raise
-                    os.replace(f.name, self.path)
+                replace_file(self.path, lambda f: json.dump({"schema_version": SCHEMA_VERSION, "files": kept}, f))
             except OSError:
                 pass
 

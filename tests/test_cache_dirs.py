@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ft_jax import api
-from ft_jax.cache_dirs import folder_problem, output_file_problem
+from ft_jax.cache_dirs import folder_problem, output_file_problem, replace_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,3 +97,20 @@ def test_an_output_file_is_probed_not_trusted_to_permission_bits(tmp_path):
     (tmp_path / "old.json").write_text("keep")
     assert output_file_problem(str(tmp_path / "old.json")) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"] and (tmp_path / "old.json").read_text() == "keep"
+
+
+def test_replace_file_writes_whole_or_leaves_the_old_file(tmp_path):
+    path = tmp_path / "record.json"
+    path.write_text("old")
+    replace_file(path, lambda f: f.write("new"))
+    assert path.read_text() == "new"
+
+    def half_then_fail(f):
+        f.write("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        replace_file(path, half_then_fail)
+    assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]
+    replace_file(tmp_path / "b.bin", lambda f: f.write(b"\x00\x01"), binary=True)
+    assert (tmp_path / "b.bin").read_bytes() == b"\x00\x01"

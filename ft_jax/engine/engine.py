@@ -199,10 +199,8 @@ class Engine:
                                 static_argnames=("greedy",), donate_argnums=(3, 4))
         self._decode = jax.jit(bound_step(decode_one_token, self.graphdef, self.decode_backend),
                                static_argnames=("greedy", "record_routing"), donate_argnums=(3, 4))
-        kv_cache_model = nnx.merge(self.graphdef, self.params)
-        self._kv_cache_shapes = lambda B, S: jax.eval_shape(lambda: kv_cache_model.init_kv_cache(B, S))
-        # On an accelerator a zero KV cache is one XLA program per (batch, length) (numpy zeros would cross PCIe)
-        self._zero_kv_cache = jax.jit(kv_cache_model.init_kv_cache, static_argnums=(0, 1))
+        # A zero KV cache as one XLA program per (batch, length) on an accelerator; on a CPU only its shapes are used
+        self._zero_kv_cache = jax.jit(nnx.merge(self.graphdef, self.params).init_kv_cache, static_argnums=(0, 1))
         self._executables: dict[tuple, object] = {}
         # Steps from earlier launches, loaded without tracing (one device only: a mesh's steps are traced each time)
         self._step_cache = step_cache.default_step_cache() if mesh is None else None
@@ -213,12 +211,12 @@ class Engine:
         """Zero KV cache for batch_size sequences of up to max_len tokens (ft_jax.models.decoder.KVCache); with a mesh,
         a copy of its own on every device. On one CPU device, numpy zeros put on the device: no XLA program, which as
         the first of a launch paid XLA's set-up (0.02-0.03 s; docs/DESIGN.md sec. 20.30)."""
+        if self.mesh is None and jax.default_backend() != "cpu":
+            return self._zero_kv_cache(batch_size, max_len)  # numpy zeros would cross PCIe
+        shapes = self._zero_kv_cache.eval_shape(batch_size, max_len)  # traced once per shape
         if self.mesh is not None:
-            return expert_parallel.replicated_zeros(self._kv_cache_shapes(batch_size, max_len), self.mesh)
-        if jax.default_backend() != "cpu":
-            return self._zero_kv_cache(batch_size, max_len)
-        return jax.tree_util.tree_map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), may_alias=False),
-                                      self._kv_cache_shapes(batch_size, max_len))
+            return expert_parallel.replicated_zeros(shapes, self.mesh)
+        return jax.tree_util.tree_map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), may_alias=False), shapes)
 
     def _executable(self, kind: str, args: tuple, greedy: bool, what: str, tally: dict, record_routing: bool = False):
         """The compiled step for these argument shapes, compiling it (and announcing it) the first time."""

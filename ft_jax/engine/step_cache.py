@@ -42,7 +42,6 @@ import os
 import pickle
 import platform
 import sys
-import tempfile
 import threading
 import types
 from collections.abc import Mapping
@@ -56,8 +55,9 @@ from jax.experimental.compilation_cache import compilation_cache
 
 import ft_jax
 from ft_jax import _ffi
-from ft_jax.interrupts import deferred_exit
+from ft_jax.cache_dirs import replace_file
 from ft_jax.kernels.host_bank import HostBank
+from ft_jax.offload.profile import cpuinfo
 
 FORMAT = 1  # of the key and the entries
 FOLDER = "ft_jax_steps"  # inside JAX's compilation cache folder
@@ -170,14 +170,9 @@ def _environment_parts():
 
 
 def _cpu_flags() -> str:
-    """The first processor's model name and feature flags (/proc/cpuinfo), or the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            lines = [line for line in f.read().split("\n\n")[0].splitlines()
-                     if line.startswith(("model name", "flags", "Features"))]
-        return "\n".join(lines)
-    except OSError:
-        return platform.processor()
+    """The processor's model name and feature flags (/proc/cpuinfo), or the platform's processor string."""
+    fields = cpuinfo("model name", "flags", "Features")
+    return str(fields) if fields else platform.processor()
 
 
 def step_key(kind: str, static: dict, args: tuple, closure: tuple, compiler_options: dict) -> str | None:
@@ -261,15 +256,9 @@ class StepCache:
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
             self.folder.mkdir(parents=True, exist_ok=True)
-            with deferred_exit():  # a signal meanwhile leaves no temporary file behind
-                with tempfile.NamedTemporaryFile("wb", dir=self.folder, prefix=".step", delete=False) as f:
-                    try:
-                        pickle.dump((payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
-                    except BaseException:  # e.g. a full disk: no partial file left
-                        f.close()
-                        os.unlink(f.name)
-                        raise
-                os.replace(f.name, self.folder / f"{key}.bin")
+            replace_file(self.folder / f"{key}.bin",
+                         lambda f: pickle.dump((payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL),
+                         binary=True)
             entries = sorted(self.folder.glob("*.bin"), key=lambda p: p.stat().st_mtime_ns)
             for old in entries[:max(len(entries) - MAX_ENTRIES, 0)]:  # the least recently used
                 old.unlink()

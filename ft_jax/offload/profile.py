@@ -33,7 +33,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -52,8 +51,7 @@ from ft_jax.kernels.host_bank import HostBank
 from ft_jax.offload.banks import ExpertBanks
 from ft_jax.offload.cost_model import PRESETS, CostModel, fraction_from_bandwidth, parse_bandwidth
 from ft_jax.offload.policy import Policy, PolicyKind, parse_policy
-from ft_jax.cache_dirs import folder_problem, output_file_problem
-from ft_jax.interrupts import deferred_exit
+from ft_jax.cache_dirs import folder_problem, output_file_problem, replace_file
 from ft_jax.weight_formats import WeightFormat
 
 GB = 1e9  # bandwidths are GB/s = 1e9 bytes/s
@@ -100,20 +98,27 @@ def expert_nbytes(hidden_size: int, intermediate_size: int, dtype: Any, fmt: Wei
     return sum(math.prod(shape) * np.dtype(dt).itemsize for shape, dt in rows.values())
 
 
-def machine_key(dtype: Any, expert_bytes: int, fmt: WeightFormat | None = None) -> dict[str, Any]:
-    """Store key of this process: the first jax device's platform and device_kind, the host CPU model (first "model
-    name" of /proc/cpuinfo, else platform.processor()), os.cpu_count(), the expert weight format (format_key: the
-    float dtype name or the quantized format's name) and the stored bytes per expert."""
-    cpu = ""
+def cpuinfo(*names: str) -> list[tuple[str, str]]:
+    """The first non-empty value in /proc/cpuinfo of each field in ``names`` (the first processor's, or a field of its
+    own block such as ARM boards' "Model"), as (name, value) in the file's order; [] where there is no such file."""
+    found: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 name, _, value = line.partition(":")
-                if name.strip() in ("model name", "Model", "cpu model") and value.strip():
-                    cpu = value.strip()
-                    break
+                name, value = name.strip(), value.strip()
+                if name in names and value and name not in found:
+                    found[name] = value
     except OSError:
-        pass
+        return []
+    return list(found.items())
+
+
+def machine_key(dtype: Any, expert_bytes: int, fmt: WeightFormat | None = None) -> dict[str, Any]:
+    """Store key of this process: the first jax device's platform and device_kind, the host CPU model (first "model
+    name" of /proc/cpuinfo, else platform.processor()), os.cpu_count(), the expert weight format (format_key: the
+    float dtype name or the quantized format's name) and the stored bytes per expert."""
+    cpu = next((value for _, value in cpuinfo("model name", "Model", "cpu model")), "")
     device = jax.devices()[0]
     return {"platform": str(device.platform), "device_kind": str(device.device_kind),
             "cpu_model": cpu or platform.processor() or platform.machine() or "unknown",
@@ -535,15 +540,7 @@ def save_profile(profile: Profile, path: str | os.PathLike | None = None) -> tup
             note = f" (moved the damaged store to {aside})"
             warnings.warn(f"{damaged}: moved it to {aside}", stacklevel=2)
         entries = [dataclasses.asdict(p) for p in profiles if p.key != profile.key] + [dataclasses.asdict(profile)]
-        with deferred_exit():  # a signal never cuts the write nor leaves the temporary file (ft_jax/interrupts.py)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump({"schema_version": 1, "profiles": entries}, f, indent=1)
-                os.replace(tmp, path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+        replace_file(path, lambda f: json.dump({"schema_version": 1, "profiles": entries}, f, indent=1))
     return path, note
 
 
