@@ -74,12 +74,15 @@ def lower_decode_step(engine, kv_len: int):
     import jax
     import jax.numpy as jnp
 
+    from ft_jax.engine.engine import DECODE_CHUNK_STEPS
     from ft_jax.engine.sampling import Sampling
+    from ft_jax.engine.steps import eos_operand
 
     kv_cache = jax.eval_shape(lambda: engine.init_kv_cache(1, kv_len))
     ids = jax.ShapeDtypeStruct((1,), jnp.int32)
     return engine._decode.lower(engine.params, ids, ids, kv_cache, engine.expert_state, np.zeros((1, 2), np.uint32),
-                                *Sampling().operands(1), greedy=True)
+                                *Sampling().operands(1), eos_operand(()), np.asarray(1, np.int32), greedy=True,
+                                max_steps=DECODE_CHUNK_STEPS)
 
 
 def compile_seconds(cfg, policy: str, cache_fraction: float, kv_len: int, devices: int = 1) -> float:

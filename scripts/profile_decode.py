@@ -7,8 +7,9 @@
 
 What it does: loads the checkpoint (bf16 model dtype, or quantized while loading) into an Engine with the given
 policy, runs ``Engine.generate(prompt, max_new_tokens=N + 1)`` twice untimed (compilation, warm caches) and
---untraced times more for the decode tokens/s, then once under ``jax.profiler.trace``. The decode steps are the
-executions inside the Python tracer's ``decode_n_tokens`` event (one dispatch per token: ft_jax/engine/steps.py);
+--untraced times more for the decode tokens/s (as generate runs: up to Engine.decode_chunk_s of steps per executable
+run, and again at one step per run), then once under ``jax.profiler.trace`` at one step per run (decode_chunk_s 0).
+The decode steps are the executions inside the Python tracer's ``decode_n_tokens`` event (ft_jax/engine/steps.py);
 each XLA:CPU trace event carries the ``run_id`` of its execution, so every step is measured on its own:
 
   step period     from one step's first op to the next step's first op (the steps are back to back: the host loop
@@ -21,7 +22,8 @@ each XLA:CPU trace event carries the ``run_id`` of its execution, so every step 
                   sample_next)
   executor gaps   span - ops: the thunk executor between ops (scheduling, waking a thread for each op)
   between steps   period - span: the host's share of a step: the token's device-to-host read, the Python loop of
-                  decode_n_tokens, the dispatch of the next step and the wake-up of the thread that runs it
+                  decode_n_tokens, the dispatch of the next step and the wake-up of the thread that runs it (what
+                  generate pays once per run of steps: the two untraced rates differ by about this)
 
 Weight bytes per token (the dense weights read by a step and the top-k experts of every MoE layer, as stored) over
 the FFI calls' time give the kernels' read rate; compare it with the numpy read of scripts/bench_peer.py (--programs
@@ -156,8 +158,9 @@ def format_table(result: dict) -> str:
              f"{result['threads']} FFI threads; load average before {result['load_average']['before']}, "
              f"after {result['load_average']['after']}",
              f"decode {result['tokens_per_s_untraced']:.2f} tok/s untraced ({1e3 / result['tokens_per_s_untraced']:.2f}"
-             f" ms/token), {result['tokens_per_s_traced']:.2f} traced; {s['steps']} traced steps, per step in ms, "
-             f"median (min):",
+             f" ms/token; {result['tokens_per_s_untraced_one_step_runs']:.2f} at one step per run), "
+             f"{result['tokens_per_s_traced']:.2f} traced (one step per run); {s['steps']} traced steps, per step in "
+             f"ms, median (min):",
              f"  step period {f(s['period'])} = execution span {f(s['span'])} + between steps "
              f"{f(s['between_steps'])} (token read, Python loop, dispatch)",
              f"  execution span = ops {f(s['ops'])} (FFI {f(s['ffi'])}, XLA {f(s['xla_ops'])}; "
@@ -197,6 +200,8 @@ def main(argv=None) -> int:
     for _ in range(2):
         run()
     untraced = [run()["decode_tokens_per_s"] for _ in range(args.untraced)]
+    engine.decode_chunk_s = 0  # one step per executable run: each run_id is one step
+    untraced_one = [run()["decode_tokens_per_s"] for _ in range(args.untraced)]
     with tempfile.TemporaryDirectory() as tmp:
         jax.profiler.start_trace(tmp)
         stats = run()
@@ -213,6 +218,7 @@ def main(argv=None) -> int:
               "load_average": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
               "batch": args.batch,
               "tokens_per_s_untraced": statistics.median(untraced), "tokens_per_s_untraced_runs": untraced,
+              "tokens_per_s_untraced_one_step_runs": statistics.median(untraced_one),
               "tokens_per_s_traced": stats["decode_tokens_per_s"],
               "weight_bytes_per_step": int(engine.dense_bytes + expert_bytes), "summary": summary}
     write_result(args, result, format_table(result))

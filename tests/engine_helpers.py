@@ -2,9 +2,11 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ft_jax.engine.engine import Engine
+from ft_jax.engine.engine import DECODE_CHUNK_STEPS, Engine
 from ft_jax.engine.sampling import Sampling
+from ft_jax.engine.steps import eos_operand
 
 
 def decode_cache_size(engine: Engine) -> int:
@@ -14,7 +16,8 @@ def decode_cache_size(engine: Engine) -> int:
 
 def lower_decode_step(engine: Engine, batch_size: int, kv_len: int,
                       sampling: Sampling = Sampling()) -> jax.stages.Lowered:
-    """The Engine's decode step for a batch and KV-cache length, lowered (not compiled): ``.compile().as_text()``
+    """The Engine's decode step (the loop of steps.decode_tokens, as generate runs it) for a batch and KV-cache length,
+    lowered (not compiled): ``.compile().as_text()``
     gives the optimized HLO XLA runs, e.g. to check that the slot pools and the KV cache are updated in place.
 
     Args:
@@ -24,4 +27,5 @@ def lower_decode_step(engine: Engine, batch_size: int, kv_len: int,
     ids = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
     key_data = jax.ShapeDtypeStruct((batch_size, 2), jnp.uint32)
     return engine._decode.lower(engine.params, ids, ids, kv_cache, engine.expert_state, key_data,
-                                *sampling.operands(batch_size), greedy=sampling.greedy)
+                                *sampling.operands(batch_size), eos_operand(()), np.asarray(1, np.int32),
+                                greedy=sampling.greedy, max_steps=DECODE_CHUNK_STEPS)

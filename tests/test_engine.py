@@ -14,6 +14,7 @@ from ft_jax.checkpoint import load_checkpoint
 from engine_helpers import decode_cache_size, lower_decode_step
 from ft_jax.engine.engine import Engine, kv_bucket, prefill_bucket
 from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, first_argmax, row_key_data, sample_next
+from ft_jax.engine.steps import FINISHED, DecodePace, eos_operand
 from ft_jax.offload.cost_model import auto_costs
 from ft_jax.offload.policy import Policy, PolicyKind
 
@@ -334,3 +335,74 @@ def test_row_key_data_is_jax_random_fold_in_of_the_seed(impl):
                 want = np.asarray(jax.random.key_data(key))
                 got = row_key_data(seed, row)
                 assert got.dtype == np.uint32 and np.array_equal(got, want), (impl, seed, row)
+
+
+def _run_generate(engine, prompts, stop_row_at=None, **kw):
+    """generate with an on_tokens that logs every call and ends row stop_row_at[0] at step stop_row_at[1]."""
+    calls = []
+
+    def on_tokens(step, new):
+        calls.append((step, list(new)))
+        if stop_row_at is not None and step == stop_row_at[1]:
+            return [b == stop_row_at[0] for b in range(len(new))]
+        return None
+
+    return engine.generate(prompts, on_tokens=on_tokens, **kw), calls
+
+
+def test_runs_of_many_decode_steps_equal_one_step_runs(mixtral):
+    """generate's decode loop (steps.decode_tokens) runs up to DECODE_CHUNK_STEPS steps per executable run; a row that
+    ends inside a run (an EOS id, a stop from on_tokens) takes no later token, and the tokens, the on_tokens calls,
+    the recorded routing and the step count equal one step per run (decode_chunk_s=0)."""
+    info = _info("mixtral")
+    prompts = [info["prompt_ids"], [9, 8, 7, 6], [5]]
+    eos = info["greedy_continuation"][6]
+    kw = dict(max_new_tokens=40, sampling=Sampling(0.9, top_k=20), seed=11, eos_token_ids=[eos], record_routing=True)
+    one = Engine(mixtral, policy=Policy("qstar", frac=0.5), num_slots=5, decode_chunk_s=0)
+    many = Engine(mixtral, policy=Policy("qstar", frac=0.5), num_slots=5, decode_chunk_s=1e9)
+    a, calls_a = _run_generate(one, prompts, stop_row_at=(1, 9), **kw)
+    b, calls_b = _run_generate(many, prompts, stop_row_at=(1, 9), **kw)
+    assert a.tokens == b.tokens and calls_a == calls_b
+    assert len(a.tokens[1]) == 10  # the first token and steps 1..9
+    assert a.stats["decode_steps"] == b.stats["decode_steps"] == 39
+    for x, y in zip(a.routing, b.routing):
+        np.testing.assert_array_equal(x, y)
+    greedy = many.generate([info["prompt_ids"]], max_new_tokens=16, eos_token_ids=[eos]).tokens[0]
+    assert greedy == info["greedy_continuation"][: info["greedy_continuation"].index(eos) + 1]
+
+
+def test_non_finite_logits_inside_a_run_of_steps_name_their_step(mixtral):
+    """NaN in the embedding row of the 5th generated token: decode step 5 feeds it, and generate names step 5 whether
+    the steps run one per dispatch or many."""
+    info = _info("mixtral")
+    cont = info["greedy_continuation"]
+    token = cont[4]
+    assert token not in cont[:4] and token not in info["prompt_ids"]
+    for chunk_s in (0, 1e9):
+        engine = Engine(mixtral, policy=Policy("host-all"), num_slots=1, decode_chunk_s=chunk_s)
+        table = engine.params["embed_tokens"][...]
+        engine.params["embed_tokens"] = engine.params["embed_tokens"].replace(table.at[token].set(jnp.nan))
+        with pytest.raises(NonFiniteLogitsError, match=r"non-finite .* logits at step 5 for row\(s\) \[0\]"):
+            engine.generate([info["prompt_ids"]], max_new_tokens=12)
+
+
+def test_decode_pace_and_eos_operand():
+    """Steps per run: as many as fill the time at the last run's rate, 1..max_steps (hand-worked); the EOS operand is
+    padded to a power of two with FINISHED."""
+    pace = DecodePace(0.1, 32)
+    assert pace.steps == 1
+    pace.measured(1, 0.02)  # 20 ms a step: 5 steps fill 0.1 s
+    assert pace.steps == 5
+    pace.measured(5, 0.001)
+    assert pace.steps == 32
+    pace.measured(2, 1.0)
+    assert pace.steps == 1
+    off = DecodePace(0.0, 32)
+    off.measured(3, 0.001)
+    assert off.steps == 1
+    assert eos_operand(()).tolist() == [FINISHED]
+    assert eos_operand({7}).tolist() == [7]
+    assert eos_operand((3, 1, 2)).tolist() == [1, 2, 3, FINISHED]
+    with pytest.raises(ValueError, match="decode_chunk_s must be >= 0"):
+        Engine(load_checkpoint(os.path.join(FIXTURES, "mixtral")), policy=Policy("host-all"), num_slots=1,
+               decode_chunk_s=-1)

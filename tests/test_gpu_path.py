@@ -427,7 +427,8 @@ def test_decode_step_lowered_for_cuda_uses_only_the_cuda_forms(family, quantize,
     import os
 
     from ft_jax.checkpoint import load_checkpoint
-    from ft_jax.engine.engine import Engine, Sampling
+    from ft_jax.engine.engine import DECODE_CHUNK_STEPS, Engine, Sampling
+    from ft_jax.engine.steps import eos_operand
 
     monkeypatch.setattr(ft_jax, "CUDA_ENABLED", True)
     path = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny", family)
@@ -442,7 +443,9 @@ def test_decode_step_lowered_for_cuda_uses_only_the_cuda_forms(family, quantize,
         kv = jax.eval_shape(lambda: engine.init_kv_cache(1, 64))
         ids = jax.ShapeDtypeStruct((1,), jnp.int32)
         traced = engine._decode.trace(engine.params, ids, ids, kv, engine.expert_state,
-                                      jax.ShapeDtypeStruct((1, 2), jnp.uint32), *Sampling().operands(1), greedy=True)
+                                      jax.ShapeDtypeStruct((1, 2), jnp.uint32), *Sampling().operands(1),
+                                      eos_operand(()), np.asarray(1, np.int32), greedy=True,
+                                      max_steps=DECODE_CHUNK_STEPS)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert set(re.findall(r"custom_call @([\w$.]+)", text)) == targets, kind
         assert ("optimization_barrier" in text) == (kind == "qstar"), kind

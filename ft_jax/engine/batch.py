@@ -214,8 +214,8 @@ class DecodeBatch:
     def _decode_step(self, args: tuple, greedy: bool):
         what = "greedy" if greedy else "sampling"
         rows = len(args[1])
-        return self.engine._executable("decode", args, greedy, f"the {what} decode step ({rows} of {self.batch_size} "
-                                       f"rows, KV cache {self.kv_len})", self.tally)
+        return self.engine._executable("decode_rows", args, greedy, f"the {what} decode step ({rows} of "
+                                       f"{self.batch_size} rows, KV cache {self.kv_len})", self.tally)
 
     def compile_decode(self) -> None:
         """Build the decode executables (greedy and sampling, each row bucket) now, ahead of the first request."""

@@ -27,7 +27,8 @@ from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
 from ft_jax.engine import stats as stats_lib
 from ft_jax.engine import step_cache
 from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, check_finite, row_key_data
-from ft_jax.engine.steps import bound_step, decode_n_tokens, decode_one_token, prefill
+from ft_jax.engine.steps import (DecodePace, bound_step, decode_n_tokens, decode_one_token, decode_tokens,
+                                 eos_operand, prefill)
 from ft_jax.kernels.host_bank import use_huge_pages
 from ft_jax.models.layers import HostWeights
 from ft_jax.offload import expert_parallel
@@ -39,6 +40,8 @@ __all__ = ["Engine", "GenerationResult", "NonFiniteLogitsError", "Sampling", "kv
 
 MIN_PREFILL_BUCKET = 16
 MIN_KV_BUCKET = 64
+DECODE_CHUNK_STEPS = 32  # the most decode steps of one executable run (steps.decode_tokens' max_steps)
+DECODE_CHUNK_S = 0.1  # the wall time a run of decode steps aims at (steps.DecodePace; docs/DESIGN.md sec. 20.31)
 
 
 def step_compiler_options() -> dict[str, str]:
@@ -145,17 +148,25 @@ class Engine:
             its own and the policy; the checkpoint's banks must hold this process's experts
             (load_checkpoint(experts=ExpertPartition.from_mesh(mesh, E).process_experts)); the dense weights and the
             KV cache are replicated on every device.
+        decode_chunk_s: seconds of decode steps per executable run (the attribute may be changed between calls):
+            generate runs the decode steps in chunks of one compiled while loop (steps.decode_tokens), as many steps
+            as fill this time at the last run's rate (1 to DECODE_CHUNK_STEPS), and streams the tokens after each
+            run; 0 runs one step per dispatch. With a mesh every run takes one step (all processes must run the same
+            chunks). The tokens do not depend on it.
     Raises:
-        ValueError: num_slots < 1 for an offloading policy, prefill_chunk < 1, or a mesh that does not fit the
+        ValueError: num_slots < 1 for an offloading policy, prefill_chunk < 1, decode_chunk_s < 0, or a mesh that does not fit the
             model or the processes (ExpertPartition.from_mesh), or banks that do not hold this process's experts.
     """
 
     def __init__(self, checkpoint: LoadedCheckpoint, *, policy: Policy, num_slots: int,
                  on_compile: Callable[[str, bool], None] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  on_prefill: Callable[[int, int, float], None] | None = None,
-                 prefill_fetch_min_tokens: int | None = None, mesh=None):
+                 prefill_fetch_min_tokens: int | None = None, mesh=None, decode_chunk_s: float = DECODE_CHUNK_S):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if not decode_chunk_s >= 0:
+            raise ValueError(f"decode_chunk_s must be >= 0 seconds, got {decode_chunk_s}")
+        self.decode_chunk_s = decode_chunk_s
         cfg = checkpoint.config
         self.config = cfg
         self.policy = policy
@@ -197,8 +208,10 @@ class Engine:
         # key_data, temperature, top_k, top_p); see steps.bound_step.
         self._prefill = jax.jit(bound_step(prefill, self.graphdef, self.prefill_backend),
                                 static_argnames=("greedy",), donate_argnums=(3, 4))
-        self._decode = jax.jit(bound_step(decode_one_token, self.graphdef, self.decode_backend),
-                               static_argnames=("greedy", "record_routing"), donate_argnums=(3, 4))
+        self._decode = jax.jit(bound_step(decode_tokens, self.graphdef, self.decode_backend),
+                               static_argnames=("greedy", "record_routing", "max_steps"), donate_argnums=(3, 4))
+        self._decode_rows = jax.jit(bound_step(decode_one_token, self.graphdef, self.decode_backend),
+                                    static_argnames=("greedy", "record_routing"), donate_argnums=(3, 4))
         # A zero KV cache as one XLA program per (batch, length) on an accelerator; on a CPU only its shapes are used
         self._zero_kv_cache = jax.jit(nnx.merge(self.graphdef, self.params).init_kv_cache, static_argnums=(0, 1))
         self._executables: dict[tuple, object] = {}
@@ -219,19 +232,24 @@ class Engine:
         return jax.tree_util.tree_map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), may_alias=False), shapes)
 
     def _executable(self, kind: str, args: tuple, greedy: bool, what: str, tally: dict, record_routing: bool = False):
-        """The compiled step for these argument shapes, compiling it (and announcing it) the first time."""
+        """The compiled step of ``kind`` ("prefill"; "decode": decode_tokens, generate's; "decode_rows":
+        decode_one_token, a DecodeBatch's) for these argument shapes, compiling it (and announcing it) the first
+        time."""
         shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree_util.tree_leaves(args[3:5]))
-        key = (kind, greedy, record_routing, len(args), tuple(a.shape for a in args[1:3]), shapes)
+        rest = tuple(np.shape(a) for a in args[9:])  # decode's EOS ids and limit, or decode_rows' rows
+        key = (kind, greedy, record_routing, len(args), tuple(a.shape for a in args[1:3]), shapes, rest)
         exe = self._executables.get(key)
         if exe is not None:
             return exe
-        step, backend = ((self._prefill, self.prefill_backend) if kind == "prefill"
-                         else (self._decode, self.decode_backend))
+        step, backend = {"prefill": (self._prefill, self.prefill_backend), "decode": (self._decode, self.decode_backend),
+                         "decode_rows": (self._decode_rows, self.decode_backend)}[kind]
         if self.on_compile is not None:
             self.on_compile(f"building {what} ...", False)
         compiles_before, hits_before = stats_lib.CompileCounter.snapshot()
         t0 = time.perf_counter()
         extra = {} if kind == "prefill" else {"record_routing": record_routing}
+        if kind == "decode":
+            extra["max_steps"] = DECODE_CHUNK_STEPS
         options = step_compiler_options()
         cache_key = None if self._step_cache is None else step_cache.step_key(
             kind, {"greedy": greedy, **extra}, args, (self.graphdef, backend), options)
@@ -250,7 +268,7 @@ class Engine:
         tally["compile_s"] += seconds
         tally["xla_compiles"] += compiles
         tally["cache_hits"] += hits
-        tally[f"{kind}_compiles"] += 1
+        tally["prefill_compiles" if kind == "prefill" else "decode_compiles"] += 1
         if self.on_compile is not None:
             how = "loaded from the compilation cache" if hits and not compiles else "compiled"
             self.on_compile(f" {how} in {seconds:.1f} s", True)
@@ -271,9 +289,10 @@ class Engine:
             sampling: Sampling rule. seed: PRNG seed for sampling (any int; reduced modulo 2^32); prompt b samples
                 with sampling.row_key_data(seed, b), whatever the other prompts.
             eos_token_ids: a row stops after producing any of them (empty: never stop early).
-            on_tokens: called after every step with (step index, the new token of each row or None if the row had
+            on_tokens: called once per step with (step index, the new token of each row or None if the row had
                 already finished): used to stream text. It may return one bool per row: True ends that row there
-                (stop strings).
+                (stop strings). The calls of a run of decode steps come together after it (decode_chunk_s apart
+                at most).
             record_routing: also return the routing of every decode step (GenerationResult.routing; a decode step
                 of its own, compiled once).
         Returns:
@@ -297,7 +316,7 @@ class Engine:
                 prefill_args = (self.params, tokens[:, :chunk], positions[:, :chunk], kv_cache, self.expert_state,
                                 *ops)
                 prefill_step, decode_step = self._compile_steps(prefill_args, kv_len, max_new_tokens > 1, sampling,
-                                                                record_routing, tally)
+                                                                eos, record_routing, tally)
                 t0 = time.perf_counter()
                 first, kv_cache = self._prefill_chunks(prefill_step, prefill_args, tokens, positions, chunk)
                 first = expert_parallel.host_value(first)  # i32[B]
@@ -309,9 +328,10 @@ class Engine:
                 if on_tokens is not None:
                     done |= np.asarray(on_tokens(0, [int(t) for t in first]) or False, bool)
                 routing: list | None = [] if record_routing else None
+                pace = DecodePace(self.decode_chunk_s if self.mesh is None else 0.0, DECODE_CHUNK_STEPS)
                 steps, kv_cache, self.expert_state = decode_n_tokens(
                     decode_step, self.params, kv_cache, self.expert_state, ops, first, lengths, done,
-                    max_new_tokens - 1, eos, out, on_tokens, routing)
+                    max_new_tokens - 1, eos, out, on_tokens, routing, pace)
                 per_device = self._read_stats() - stats_after_prefill  # [N, L, 6]
             except BaseException:
                 if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.expert_state)):
@@ -343,17 +363,18 @@ class Engine:
                 self.on_prefill(done, int((positions.max(axis=1) + 1).sum()), time.perf_counter() - t0)
         return first, kv_cache
 
-    def _compile_steps(self, prefill_args: tuple, kv_len: int, decodes: bool, sampling: Sampling,
+    def _compile_steps(self, prefill_args: tuple, kv_len: int, decodes: bool, sampling: Sampling, eos: frozenset,
                        record_routing: bool, tally: dict):
-        """(prefill executable, decode executable or None): both before the first token, so the stream is never
-        held up by a compile."""
+        """(prefill executable, decode_tokens executable or None): both before the first token, so the stream is
+        never held up by a compile."""
         B, bucket = prefill_args[1].shape
         shape = f"batch {B}, KV cache {kv_len}"
         prefill_step = self._executable("prefill", prefill_args, sampling.greedy,
                                         f"the prefill step ({shape}, prompt bucket {bucket})", tally)
         if not decodes:
             return prefill_step, None
-        step_args = (self.params, prefill_args[1][:, 0], prefill_args[2][:, 0], *prefill_args[3:])
+        step_args = (self.params, prefill_args[1][:, 0], prefill_args[2][:, 0], *prefill_args[3:], eos_operand(eos),
+                     np.asarray(1, np.int32))
         return prefill_step, self._executable("decode", step_args, sampling.greedy, f"the decode step ({shape})",
                                               tally, record_routing)
 

@@ -1,11 +1,16 @@
-"""The three steps of generation, in the shape of gpt-fast's generate.py: ``prefill`` (the prompt batch, jitted),
-``decode_one_token`` (one token per row, jitted) and ``decode_n_tokens`` (the host loop over the compiled decode
-step: one dispatch and one device-to-host read of the new tokens per step). Why the shapes never depend on the
-routing, and why prefill uses fetch-all: docs/DESIGN.md sec. 11, "Engine, API and CLI"."""
+"""The steps of generation, in the shape of gpt-fast's generate.py: ``prefill`` (the prompt batch, jitted),
+``decode_one_token`` (one token per row, jitted), ``decode_tokens`` (up to max_steps of decode_one_token in one
+jitted while loop: one executable run per chunk of steps) and ``decode_n_tokens`` (the host loop over the chunks: one
+dispatch and one device-to-host read of the new tokens per chunk, the chunk sized by DecodePace). Why the shapes
+never depend on the routing, and why prefill uses fetch-all: docs/DESIGN.md sec. 11, "Engine, API and CLI"; why
+the decode steps run in chunks: sec. 20.31."""
 
 from __future__ import annotations
 
+import time
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -52,53 +57,142 @@ def decode_one_token(graphdef, backend, params, tokens, positions, kv_cache, exp
     return nxt, kv_cache, expert_state, (out[3].topk_ids[:, :, 0], out[3].topk_weights[:, :, 0])
 
 
-def decode_n_tokens(decode_step, params, kv_cache, expert_state, ops, last, pos, done, n, eos, out, on_tokens,
-                    routing):
-    """Up to n decode steps of the compiled decode_one_token, until every row is done.
+FINISHED = -2  # decode_tokens' mark for a row that took no step (never a token: sample_next's ids are >= -1)
+
+
+def eos_operand(eos) -> np.ndarray:
+    """The EOS ids as decode_tokens' operand: i32[n], n the next power of two >= len(eos) (at least 1), padded with
+    FINISHED, so that models with 1-2, 3-4, ... EOS ids share one executable."""
+    ids = sorted(eos)
+    n = 1
+    while n < len(ids):
+        n *= 2
+    return np.asarray(ids + [FINISHED] * (n - len(ids)), np.int32)
+
+
+def decode_tokens(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key_data, temperature, top_k,
+                  top_p, eos_ids, limit, *, greedy: bool, max_steps: int, record_routing: bool = False):
+    """Up to ``limit`` decode steps (decode_one_token) in one executable: a jax.lax.while_loop that feeds each step's
+    tokens to the next, so the host's share of a step (the token's device-to-host read, the Python loop, the dispatch
+    and the wake-up of the thread that runs it: about 1 ms on a 2-vCPU VM, docs/DESIGN.md sec. 20.31) is paid once per
+    chunk. Every step is decode_one_token's, so the tokens equal one-step-per-dispatch decoding.
 
     Args:
-        decode_step: the compiled decode step (Engine._executable). params, kv_cache, expert_state: its state
-            (the last two donated and replaced every step). ops: (key_data u32[B, 2], Sampling.operands(B)...).
+        tokens, positions: i32[B] the first step's tokens and positions (position -1 = finished row: fed token 0 at
+            position -1, as decode_n_tokens feeds it). key_data, temperature, top_k, top_p: decode_one_token's.
+        eos_ids: i32[n] the ids that end a row (eos_operand; FINISHED pads). limit: i32[] steps to run, 1..max_steps.
+        max_steps: (static) the chunk's capacity, the first axis of the outputs.
+    Returns:
+        (tokens i32[max_steps, B]: step j's token of each row (-1: non-finite logits, FINISHED: the row had finished
+        or the loop had stopped), steps run i32[], kv_cache, expert_state) and, with record_routing, each step's
+        routing (topk ids i32[max_steps, L_moe, B, k], weights f32[max_steps, L_moe, B, k]; zeros after the last step).
+        The loop stops after ``limit`` steps, when every row has finished (an EOS id), or after a step with
+        non-finite logits in a live row (the host then raises, naming that step).
+    """
+    B = tokens.shape[0]
+
+    def cond(carry):
+        i, _, pos, _, _, bad, _ = carry
+        return (i < limit) & jnp.any(pos >= 0) & ~bad
+
+    def body(carry):
+        i, tok, pos, kv, state, _, outs = carry
+        res = decode_one_token(graphdef, backend, params, tok, pos, kv, state, key_data, temperature, top_k, top_p,
+                               greedy=greedy, record_routing=record_routing)
+        nxt, kv, state = res[:3]  # i32[B]
+        live = pos >= 0
+        step_out = (jnp.where(live, nxt, FINISHED),) + (tuple(res[3]) if record_routing else ())
+        outs = tuple(jax.lax.dynamic_update_index_in_dim(o, x, i, 0) for o, x in zip(outs, step_out))
+        ended = jnp.any(nxt[:, None] == eos_ids[None, :], axis=1)  # bool[B]
+        bad = jnp.any(live & (nxt < 0))
+        pos = jnp.where(live & ~ended, pos + 1, -1)
+        return i + 1, jnp.where(pos >= 0, nxt, 0), pos, kv, state, bad, outs
+
+    outs = (jnp.full((max_steps, B), FINISHED, jnp.int32),)
+    if record_routing:
+        ids, weights = jax.eval_shape(
+            lambda: decode_one_token(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key_data,
+                                     temperature, top_k, top_p, greedy=greedy, record_routing=True)[3])
+        outs += tuple(jnp.zeros((max_steps,) + a.shape, a.dtype) for a in (ids, weights))
+    carry = (jnp.int32(0), tokens, positions, kv_cache, expert_state, jnp.bool_(False), outs)
+    steps, _, _, kv_cache, expert_state, _, outs = jax.lax.while_loop(cond, body, carry)
+    if not record_routing:
+        return outs[0], steps, kv_cache, expert_state
+    return outs[0], steps, kv_cache, expert_state, outs[1:]
+
+
+class DecodePace:
+    """How many steps the next decode_tokens run takes: as many as fill ``seconds`` at the last run's time per step
+    (at least 1, at most max_steps); the first run takes 1. The host streams the tokens once per run, so ``seconds``
+    is the longest a streamed token waits (0.1 s: ten updates a second), and an interrupt is seen within it."""
+
+    def __init__(self, seconds: float, max_steps: int):
+        self.seconds, self.max_steps, self.steps = seconds, max_steps, 1
+
+    def measured(self, steps: int, elapsed_s: float) -> None:
+        """Record that a run of ``steps`` steps took ``elapsed_s`` seconds (wall, host read included)."""
+        per_step = elapsed_s / max(steps, 1)
+        self.steps = max(1, min(self.max_steps, int(self.seconds / per_step) if per_step > 0 else self.max_steps))
+
+
+def decode_n_tokens(decode_chunk, params, kv_cache, expert_state, ops, last, pos, done, n, eos, out, on_tokens,
+                    routing, pace: DecodePace):
+    """Up to n decode steps, in runs of the compiled decode_tokens, until every row is done.
+
+    Args:
+        decode_chunk: the compiled decode_tokens (Engine._executable "decode"). params, kv_cache,
+            expert_state: its state (the last two donated and replaced every run). ops: (key_data u32[B, 2],
+            Sampling.operands(B)...).
         last: i32[B] the tokens to feed; pos: i32[B] their positions; done: bool[B] finished rows (updated).
-        eos: ids that end a row. out: per row, the generated ids (appended to). on_tokens: see Engine.generate.
-        routing: a list that receives each step's recorded routing, or None.
+        eos: ids that end a row. out: per row, the generated ids (appended to). on_tokens: see Engine.generate
+            (called once per step, in order, after the run that made it; a row it ends takes no later token of that
+            run). routing: a list that receives each step's recorded routing, or None. pace: DecodePace (steps per
+            run; fixed at 1 step where every process must run the same chunks: a mesh).
     Returns:
         (steps run, kv_cache, expert_state).
     Raises:
         NonFiniteLogitsError: a row's logits were not finite (naming the step and rows).
     """
-    steps = 0
-    for i in range(1, n + 1):
-        if done.all():
-            break
+    steps, eos_ids = 0, eos_operand(eos)
+    while steps < n and not done.all():
+        limit = min(pace.steps, n - steps)
         feed_tokens = np.where(done, 0, last).astype(np.int32)
         feed_pos = np.where(done, -1, pos).astype(np.int32)
-        nxt, kv_cache, expert_state, *recorded = decode_step(params, feed_tokens, feed_pos, kv_cache, expert_state,
-                                                             *ops)
-        nxt = host_value(nxt)  # the one host sync per step: the tokens to stream
+        t0 = time.perf_counter()
+        toks, ran, kv_cache, expert_state, *recorded = decode_chunk(params, feed_tokens, feed_pos, kv_cache,
+                                                                    expert_state, *ops, eos_ids,
+                                                                    np.asarray(limit, np.int32))
+        toks, ran = host_value(toks), int(host_value(ran))  # the one host sync per run: the tokens to stream
+        pace.measured(ran, time.perf_counter() - t0)
         if routing is not None:
-            routing.append(tuple(host_value(a) for a in recorded[0]))
-        steps += 1
-        check_finite(np.where(done, 0, nxt), i)
-        new: list[int | None] = [None if done[b] else int(nxt[b]) for b in range(len(out))]
-        for b, token in enumerate(new):
-            if token is not None:
-                out[b].append(token)
-                done[b] = token in eos
-        pos, last = pos + 1, nxt
-        if on_tokens is not None:
-            done |= np.asarray(on_tokens(i, new) or False, bool)
+            ids, weights = (host_value(a) for a in recorded[0])  # [max_steps, L_moe, B, k]
+        for j in range(ran):
+            nxt = toks[j]
+            check_finite(np.where(done, 0, nxt), steps + j + 1)
+            if routing is not None:  # a row on_tokens ended inside the run was still run: its routing as padding's
+                gone = done[None, :, None]
+                routing.append((np.where(gone, -1, ids[j]), np.where(gone, 0, weights[j])))
+            new: list[int | None] = [None if done[b] else int(nxt[b]) for b in range(len(out))]
+            for b, token in enumerate(new):
+                if token is not None:
+                    out[b].append(token)
+                    done[b] = token in eos
+            if on_tokens is not None:
+                done |= np.asarray(on_tokens(steps + j + 1, new) or False, bool)
+        pos, last = pos + ran, toks[ran - 1]
+        steps += ran
     return steps, kv_cache, expert_state
 
 
 def bound_step(step, graphdef, backend):
-    """step (prefill or decode_one_token) with its graphdef and backend bound, f(params, tokens, positions, kv_cache,
-    expert_state, key_data, temperature, top_k, top_p, *rows, **static) (rows: decode_one_token's optional operand): a
+    """step (prefill, decode_one_token or decode_tokens) with its graphdef and backend bound, f(params, tokens,
+    positions, kv_cache, expert_state, key_data, temperature, top_k, top_p, *rest, **static) (rest: decode_one_token's
+    optional rows, decode_tokens' eos_ids and limit): a
     function object of one Engine's own for its jax.jit, so that JAX's caches (keyed weakly on the function, holding
     static arguments strongly) never keep a dropped Engine's executables and host banks alive (docs/DESIGN.md sec. 11,
     "Engine, API and CLI")."""
-    def call(params, tokens, positions, kv_cache, expert_state, key_data, temperature, top_k, top_p, *rows, **static):
+    def call(params, tokens, positions, kv_cache, expert_state, key_data, temperature, top_k, top_p, *rest, **static):
         return step(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key_data, temperature, top_k,
-                    top_p, *rows, **static)
+                    top_p, *rest, **static)
 
     return call
