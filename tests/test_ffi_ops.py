@@ -391,9 +391,10 @@ np.save(out, np.concatenate([np.asarray(y).ravel(), np.asarray(lin).ravel()]))
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "swiglu_oai"])
 def test_large_experts_multithreaded_bf16_x_and_every_activation(activation, tmp_path):
     """Experts and a dense projection above the threading threshold (1 MiB per call), bf16 activations, many routes
-    per expert (swiglu_oai with bias banks): within tolerance of float64 and bit-identical on XLA's thread pool
-    (this process) and on one thread (a subprocess with FT_JAX_NUM_THREADS=1); the portable loops (a subprocess with
-    FT_JAX_KERNEL=generic) within tolerance too."""
+    per expert (swiglu_oai with bias banks): within tolerance of float64 and bit-identical with the kernel helpers
+    (this process), on one thread (a subprocess with FT_JAX_NUM_THREADS=1) and with helpers that sleep after each
+    call (FT_JAX_HELPER_SPIN_US=0); the portable loops (a subprocess with FT_JAX_KERNEL=generic) within tolerance
+    too."""
     rng = np.random.default_rng(6)
     x, ids, weights, gate_up, down = _expert_case(rng, 5, 2, num_experts=4, hidden=256, inter=600)
     ids[:, 0] = 0  # five routes to expert 0 (4-token inner loop + remainder); may repeat an id within a token
@@ -423,8 +424,9 @@ def test_large_experts_multithreaded_bf16_x_and_every_activation(activation, tmp
         got = np.load(paths["out"])
         return got[:y.size].reshape(y.shape), got[y.size:].reshape(lin.shape)
 
-    np.testing.assert_array_equal(np.concatenate([a.ravel() for a in in_subprocess(FT_JAX_NUM_THREADS="1")]),
-                                  np.concatenate([y.ravel(), lin.ravel()]))
+    for env in (dict(FT_JAX_NUM_THREADS="1"), dict(FT_JAX_HELPER_SPIN_US="0")):  # one thread; helpers that sleep
+        np.testing.assert_array_equal(np.concatenate([a.ravel() for a in in_subprocess(**env)]),
+                                      np.concatenate([y.ravel(), lin.ravel()]))
     y_generic, lin_generic = in_subprocess(FT_JAX_KERNEL="generic")
     assert _rel_err(y_generic, expected) < 1e-4 and _rel_err(lin_generic, expected_lin) < 1e-5
     for bank in (gu_bank, dn_bank, *biases.values()):
@@ -720,3 +722,34 @@ def test_calls_above_the_scratch_bound_stay_exact():
     np.testing.assert_array_equal(np.asarray(run(x_bf16, ids, weights)), large)
     gu_bank.release()
     dn_bank.release()
+
+
+def test_concurrent_kernel_calls_from_several_threads_equal_one_call():
+    """Four Python threads call a multithreaded dense projection and expert call at once, 25 times each: the kernel
+    helpers take one offered job at a time and a later offer replaces one not yet taken (xla_ffi/kernel_helpers.h),
+    so a caller may run its tasks alone; every result must still equal the single call's, bit for bit."""
+    import threading
+
+    rng = np.random.default_rng(12)
+    x, ids, weights, gate_up, down = _expert_case(rng, 2, 2, num_experts=4, hidden=256, inter=600)
+    gu_bank, dn_bank = HostBank.from_numpy(gate_up), HostBank.from_numpy(down)
+    experts = jax.jit(lambda x, i, w: ffi_ops.host_experts(x, i, w, gu_bank, dn_bank))
+    linear = jax.jit(lambda x, w: ffi_ops.linear(x, w, 1))
+    w = jnp.asarray(gate_up)  # 4.9 MB: above the one-thread threshold
+    want = (np.asarray(experts(x, ids, weights)), np.asarray(linear(x, w)))
+    failures = []
+
+    def hammer():
+        for _ in range(25):
+            got = (np.asarray(experts(x, ids, weights)), np.asarray(linear(x, w)))
+            if not all(np.array_equal(a, b) for a, b in zip(got, want)):
+                failures.append(got)
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gu_bank.release()
+    dn_bank.release()
+    assert not failures

@@ -1,9 +1,10 @@
-// ParallelFor over the caller's XLA thread pool (the FFI's Ctx<ThreadPool>) or over a WorkerPool (worker_pool.h).
-// With it, how the kernels split a call into tasks: kParallelMinBytes, TaskBytes and RowsPerTask.
-// Pool is any type with num_threads() and Schedule(callable), as both have.
+// ParallelFor: a kernel's tasks on its calling thread and the KernelHelpers threads (kernel_helpers.h), as many
+// threads in all as the pool it is given allows: the caller's XLA thread pool (the FFI's Ctx<ThreadPool>) or a
+// WorkerPool (worker_pool.h); Pool is any type with num_threads(). With it, how the kernels split a call into tasks:
+// kParallelMinBytes, TaskBytes and RowsPerTask.
 //
 // ParallelFor(pool, n, fn) runs fn(0), ..., fn(n-1) and returns when every task has returned. The calling thread
-// claims tasks too, so the loop finishes even when every pool thread is busy elsewhere; helpers are an offer, never
+// claims tasks too, so the loop finishes even when every helper is busy elsewhere; helpers are an offer, never
 // waited for, and touch only the reference-counted shared state. Tasks are handed out dynamically: callers make every
 // task write disjoint outputs with a fixed order of arithmetic, so results do not depend on the threads.
 //
@@ -25,6 +26,7 @@
 #include <mutex>
 
 #include "xla_ffi/common.h"
+#include "xla_ffi/kernel_helpers.h"
 
 namespace ft_jax {
 
@@ -123,14 +125,14 @@ void ParallelFor(Pool& pool, int64_t n, const Fn& fn) {
     return;
   }
   auto shared = std::make_shared<internal::ParallelShared<Fn>>(n, &fn);
-  for (int64_t t = 1; t < threads; ++t) {
-    pool.Schedule([shared] {
-      if (shared->Work()) {
-        std::lock_guard<std::mutex> lock(shared->mu);
-        shared->cv.notify_all();
-      }
-    });
-  }
+  KernelHelpers::Shared().Offer(
+      [shared] {
+        if (shared->Work()) {
+          std::lock_guard<std::mutex> lock(shared->mu);
+          shared->cv.notify_all();
+        }
+      },
+      threads - 1);
   shared->Work();
   // The helper is finishing its last task (tens of microseconds in a decode call): wait for it awake first, as a
   // sleep on the condition variable costs a wake-up of the caller per call (~33 calls per decode step). Measured on

@@ -1,7 +1,8 @@
 // WorkerPool: a fixed set of CPU threads for work handed over from outside XLA's own thread pools (the CUDA
 // host_experts path: a cudaLaunchHostFunc node schedules the host expert GEMV here and returns at once). Sized from
 // the process's CPU affinity (what taskset / cgroup cpusets allow), capped by FT_JAX_NUM_THREADS; idle workers sleep
-// on a condition variable. Schedule() and num_threads() match xla::ffi::ThreadPool's, so ParallelFor runs on either.
+// on a condition variable. num_threads() matches xla::ffi::ThreadPool's, so ParallelFor takes either for its thread
+// count.
 #ifndef FT_JAX_XLA_FFI_WORKER_POOL_H_
 #define FT_JAX_XLA_FFI_WORKER_POOL_H_
 

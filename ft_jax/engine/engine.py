@@ -241,7 +241,8 @@ class Engine:
         exe = self._executables.get(key)
         if exe is not None:
             return exe
-        step, backend = {"prefill": (self._prefill, self.prefill_backend), "decode": (self._decode, self.decode_backend),
+        step, backend = {"prefill": (self._prefill, self.prefill_backend),
+                         "decode": (self._decode, self.decode_backend),
                          "decode_rows": (self._decode_rows, self.decode_backend)}[kind]
         if self.on_compile is not None:
             self.on_compile(f"building {what} ...", False)

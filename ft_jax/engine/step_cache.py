@@ -178,9 +178,9 @@ def _cpu_flags() -> str:
 def step_key(kind: str, static: dict, args: tuple, closure: tuple, compiler_options: dict) -> str | None:
     """The cache key (hex SHA-256) of a step: ``kind`` ("prefill", "decode", "decode_rows"), its static arguments,
     its arguments (only their tree structure and each leaf's shape, dtype, weak type and sharding matter), what its
-    function closes over (the GraphDef and the expert backend) and the compiler options. None when describe cannot describe a part,
-    or when the text holds an object's address (the step is then compiled as without a cache: a key that differs at
-    every launch would compile it at every launch)."""
+    function closes over (the GraphDef and the expert backend) and the compiler options. None when describe cannot
+    describe a part, or when the text holds an object's address (the step is then compiled as without a cache: a key
+    that differs at every launch would compile it at every launch)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     try:
         parts = [environment_digest(), _trace_context(), kind, describe(static), describe(compiler_options),

@@ -34,14 +34,18 @@ KERNEL_CAPS = ("generic", "avx2")  # FT_JAX_KERNEL values (xla_ffi/isa.cc); unse
 
 def environment_problem() -> str | None:
     """A one-line description of a malformed knob of the kernels, or None: FT_JAX_KERNEL must be one of KERNEL_CAPS
-    (the C++ side ignores anything else) and FT_JAX_NUM_THREADS an integer >= 1 (the C++ side ignores anything
-    else: xla_ffi/common.h). Both are read once per process."""
+    (the C++ side ignores anything else), FT_JAX_NUM_THREADS an integer >= 1 (the C++ side ignores anything else:
+    xla_ffi/common.h) and FT_JAX_HELPER_SPIN_US an integer >= 0 (microseconds; xla_ffi/kernel_helpers.h). Each is
+    read once per process."""
     cap = os.environ.get("FT_JAX_KERNEL")
     if cap is not None and cap not in KERNEL_CAPS:
         return f"FT_JAX_KERNEL={cap!r} is not one of {', '.join(KERNEL_CAPS)} (unset it to use the best the CPU has)"
     threads = os.environ.get("FT_JAX_NUM_THREADS")
     if threads is not None and not (threads.strip().isdigit() and int(threads) >= 1):
         return f"FT_JAX_NUM_THREADS={threads!r} is not an integer >= 1 (unset it to use XLA's CPU thread pool)"
+    spin = os.environ.get("FT_JAX_HELPER_SPIN_US")
+    if spin is not None and not spin.strip().isdigit():
+        return f"FT_JAX_HELPER_SPIN_US={spin!r} is not an integer >= 0 microseconds (unset it for the default)"
     return None
 
 

@@ -1,0 +1,81 @@
+#include "xla_ffi/kernel_helpers.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <utility>
+
+#include "xla_ffi/common.h"
+#include "xla_ffi/worker_pool.h"
+
+namespace ft_jax {
+namespace {
+
+inline void CpuPause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+int64_t SpinMicros() {
+  const char* env = std::getenv("FT_JAX_HELPER_SPIN_US");
+  if (!env || !*env) return kHelperSpinMicros;
+  const long v = std::strtol(env, nullptr, 10);
+  return v > 0 ? static_cast<int64_t>(v) : 0;
+}
+
+}  // namespace
+
+KernelHelpers& KernelHelpers::Shared() {
+  // Leaked on purpose, as WorkerPool::Shared.
+  static KernelHelpers* helpers = [] {
+    int64_t cpus = AffinityCpuCount();
+    if (NumThreadsCap()) cpus = std::min(cpus, NumThreadsCap());
+    return new KernelHelpers(cpus - 1, SpinMicros());
+  }();
+  return *helpers;
+}
+
+KernelHelpers::KernelHelpers(int64_t helpers, int64_t spin_micros) : spin_micros_(spin_micros) {
+  for (int64_t i = 0; i < helpers; ++i) threads_.emplace_back([this, i] { Loop(i); });
+}
+
+void KernelHelpers::Offer(std::function<void()> job, int64_t helpers) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = std::move(job);
+    job_helpers_ = helpers;
+    offers_.fetch_add(1, std::memory_order_release);
+  }
+  // A helper that is about to sleep counts itself under mu_ before it checks offers_, so none is missed.
+  if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
+}
+
+void KernelHelpers::Loop(int64_t index) {
+  const auto spin = std::chrono::microseconds(spin_micros_);
+  uint64_t seen = 0;
+  auto idle_since = std::chrono::steady_clock::now();
+  for (;;) {
+    if (offers_.load(std::memory_order_acquire) != seen) {
+      std::function<void()> job;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        seen = offers_.load(std::memory_order_relaxed);
+        if (index < job_helpers_) job = job_;
+      }
+      if (job) job();
+      idle_since = std::chrono::steady_clock::now();
+      continue;
+    }
+    for (int i = 0; i < 64 && offers_.load(std::memory_order_relaxed) == seen; ++i) CpuPause();
+    if (offers_.load(std::memory_order_relaxed) != seen || std::chrono::steady_clock::now() - idle_since < spin) {
+      continue;
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    sleepers_.fetch_add(1, std::memory_order_acq_rel);
+    cv_.wait(lock, [&] { return offers_.load(std::memory_order_acquire) != seen; });
+    sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+}
+
+}  // namespace ft_jax
