@@ -347,7 +347,9 @@ def test_closed_stdout_is_one_line():
 
 @pytest.mark.parametrize("name, value", [("FT_JAX_KERNEL", "bogus"), ("FT_JAX_KERNEL", "AVX2"),
                                          ("FT_JAX_NUM_THREADS", "abc"), ("FT_JAX_NUM_THREADS", "0"),
-                                         ("FT_JAX_HELPER_SPIN_US", "-5"), ("FT_JAX_HELPER_SPIN_US", "1e3")])
+                                         ("FT_JAX_NUM_THREADS", "\u00b2"), ("FT_JAX_HELPER_SPIN_US", "-5"),
+                                         ("FT_JAX_HELPER_SPIN_US", "1e3"), ("FT_JAX_HELPER_SPIN_US", "\u0663"),
+                                         ("FT_JAX_HELPER_SPIN_US", "100001")])
 def test_malformed_kernel_knobs_are_refused(name, value):
     proc = subprocess.run([sys.executable, "-m", "ft_jax", "generate", "--model", FIXTURE, *REQUEST],
                           capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, name: value})

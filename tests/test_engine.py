@@ -367,6 +367,13 @@ def test_runs_of_many_decode_steps_equal_one_step_runs(mixtral):
     assert a.stats["decode_steps"] == b.stats["decode_steps"] == 39
     for x, y in zip(a.routing, b.routing):
         np.testing.assert_array_equal(x, y)
+    # on_tokens ends the only row at step 3, inside the second run (steps 2..19): no later on_tokens call, token or
+    # routing step; the 16 steps the device ran past it count as run
+    a, calls_a = _run_generate(one, prompts[:1], stop_row_at=(0, 3), **kw)
+    b, calls_b = _run_generate(many, prompts[:1], stop_row_at=(0, 3), **dict(kw, max_new_tokens=20))
+    assert a.tokens == b.tokens and calls_a == calls_b and len(calls_a) == 4 and len(a.tokens[0]) == 4
+    assert a.routing[0].shape[0] == b.routing[0].shape[0] == 3
+    assert a.stats["decode_steps"] == 3 and b.stats["decode_steps"] == 19
     greedy = many.generate([info["prompt_ids"]], max_new_tokens=16, eos_token_ids=[eos]).tokens[0]
     assert greedy == info["greedy_continuation"][: info["greedy_continuation"].index(eos) + 1]
 
@@ -403,6 +410,11 @@ def test_decode_pace_and_eos_operand():
     assert eos_operand(()).tolist() == [FINISHED]
     assert eos_operand({7}).tolist() == [7]
     assert eos_operand((3, 1, 2)).tolist() == [1, 2, 3, FINISHED]
-    with pytest.raises(ValueError, match="decode_chunk_s must be >= 0"):
+    engine = Engine(load_checkpoint(os.path.join(FIXTURES, "mixtral")), policy=Policy("host-all"), num_slots=1)
+    for bad in (-1, float("inf"), float("nan"), None, True, "0.1"):
+        with pytest.raises(ValueError, match="decode_chunk_s must be a finite number of seconds >= 0"):
+            engine.decode_chunk_s = bad
+    with pytest.raises(ValueError, match="decode_chunk_s must be"):
         Engine(load_checkpoint(os.path.join(FIXTURES, "mixtral")), policy=Policy("host-all"), num_slots=1,
-               decode_chunk_s=-1)
+               decode_chunk_s=float("inf"))
+    assert engine.decode_chunk_s == 0.1

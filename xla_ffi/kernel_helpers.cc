@@ -17,11 +17,12 @@ inline void CpuPause() {
 #endif
 }
 
+// FT_JAX_HELPER_SPIN_US (checked at launch by ft_jax.kernels.environment_problem), at most kMaxHelperSpinMicros.
 int64_t SpinMicros() {
   const char* env = std::getenv("FT_JAX_HELPER_SPIN_US");
   if (!env || !*env) return kHelperSpinMicros;
   const long v = std::strtol(env, nullptr, 10);
-  return v > 0 ? static_cast<int64_t>(v) : 0;
+  return std::clamp<int64_t>(v, 0, kMaxHelperSpinMicros);
 }
 
 }  // namespace

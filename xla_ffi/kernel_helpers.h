@@ -24,6 +24,8 @@ namespace ft_jax {
 
 // How long a helper polls for its next job after its last one before it sleeps (microseconds).
 constexpr int64_t kHelperSpinMicros = 50;
+// FT_JAX_HELPER_SPIN_US's largest value (0.1 s; ft_jax/kernels MAX_HELPER_SPIN_US).
+constexpr int64_t kMaxHelperSpinMicros = 100000;
 
 class KernelHelpers {
  public:

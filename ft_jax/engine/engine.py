@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import numbers
 import threading
 import time
 from typing import Callable, Iterable, Sequence
@@ -154,8 +156,9 @@ class Engine:
             run; 0 runs one step per dispatch. With a mesh every run takes one step (all processes must run the same
             chunks). The tokens do not depend on it.
     Raises:
-        ValueError: num_slots < 1 for an offloading policy, prefill_chunk < 1, decode_chunk_s < 0, or a mesh that does not fit the
-            model or the processes (ExpertPartition.from_mesh), or banks that do not hold this process's experts.
+        ValueError: num_slots < 1 for an offloading policy, prefill_chunk < 1, decode_chunk_s not a finite number
+            >= 0, or a mesh that does not fit the model or the processes (ExpertPartition.from_mesh), or banks that
+            do not hold this process's experts.
     """
 
     def __init__(self, checkpoint: LoadedCheckpoint, *, policy: Policy, num_slots: int,
@@ -164,8 +167,6 @@ class Engine:
                  prefill_fetch_min_tokens: int | None = None, mesh=None, decode_chunk_s: float = DECODE_CHUNK_S):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        if not decode_chunk_s >= 0:
-            raise ValueError(f"decode_chunk_s must be >= 0 seconds, got {decode_chunk_s}")
         self.decode_chunk_s = decode_chunk_s
         cfg = checkpoint.config
         self.config = cfg
@@ -219,6 +220,18 @@ class Engine:
         self._step_cache = step_cache.default_step_cache() if mesh is None else None
         self._lock = threading.Lock()
         stats_lib.CompileCounter.install()
+
+    @property
+    def decode_chunk_s(self) -> float:
+        """Seconds of decode steps per executable run (see the class docstring)."""
+        return self._decode_chunk_s
+
+    @decode_chunk_s.setter
+    def decode_chunk_s(self, seconds: float) -> None:
+        """Raises ValueError: not a finite number >= 0 (a bool neither)."""
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 <= seconds < math.inf:
+            raise ValueError(f"decode_chunk_s must be a finite number of seconds >= 0, got {seconds!r}")
+        self._decode_chunk_s = float(seconds)
 
     def init_kv_cache(self, batch_size: int, max_len: int):
         """Zero KV cache for batch_size sequences of up to max_len tokens (ft_jax.models.decoder.KVCache); with a mesh,

@@ -149,7 +149,8 @@ def decode_n_tokens(decode_chunk, params, kv_cache, expert_state, ops, last, pos
             run). routing: a list that receives each step's recorded routing, or None. pace: DecodePace (steps per
             run; fixed at 1 step where every process must run the same chunks: a mesh).
     Returns:
-        (steps run, kv_cache, expert_state).
+        (steps run on the device, kv_cache, expert_state): when on_tokens ends the last live rows inside a run, the
+        steps after it were run (and counted in the cache statistics) but give no token, on_tokens call or routing.
     Raises:
         NonFiniteLogitsError: a row's logits were not finite (naming the step and rows).
     """
@@ -179,6 +180,8 @@ def decode_n_tokens(decode_chunk, params, kv_cache, expert_state, ops, last, pos
                     done[b] = token in eos
             if on_tokens is not None:
                 done |= np.asarray(on_tokens(steps + j + 1, new) or False, bool)
+            if done.all():  # on_tokens ended the last live row inside the run: its later steps are not reported
+                break
         pos, last = pos + ran, toks[ran - 1]
         steps += ran
     return steps, kv_cache, expert_state

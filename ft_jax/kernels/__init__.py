@@ -8,6 +8,7 @@ when the extension was built with CUDA and jax has a CUDA backend, the CUDA hand
 """
 
 import os
+import re
 
 import jax
 
@@ -30,6 +31,8 @@ for _name, _handler in _ffi.registrations().items():
 
 
 KERNEL_CAPS = ("generic", "avx2")  # FT_JAX_KERNEL values (xla_ffi/isa.cc); unset = the best the CPU has
+MAX_HELPER_SPIN_US = 100_000  # FT_JAX_HELPER_SPIN_US's largest value (xla_ffi/kernel_helpers.cc clamps to it)
+_DECIMAL = re.compile(r"\s*[0-9]+\s*", re.ASCII)  # what the C++ side's strtol reads whole (ASCII digits)
 
 
 def environment_problem() -> str | None:
@@ -41,11 +44,12 @@ def environment_problem() -> str | None:
     if cap is not None and cap not in KERNEL_CAPS:
         return f"FT_JAX_KERNEL={cap!r} is not one of {', '.join(KERNEL_CAPS)} (unset it to use the best the CPU has)"
     threads = os.environ.get("FT_JAX_NUM_THREADS")
-    if threads is not None and not (threads.strip().isdigit() and int(threads) >= 1):
+    if threads is not None and not (_DECIMAL.fullmatch(threads) and int(threads) >= 1):
         return f"FT_JAX_NUM_THREADS={threads!r} is not an integer >= 1 (unset it to use XLA's CPU thread pool)"
     spin = os.environ.get("FT_JAX_HELPER_SPIN_US")
-    if spin is not None and not spin.strip().isdigit():
-        return f"FT_JAX_HELPER_SPIN_US={spin!r} is not an integer >= 0 microseconds (unset it for the default)"
+    if spin is not None and not (_DECIMAL.fullmatch(spin) and int(spin) <= MAX_HELPER_SPIN_US):
+        return (f"FT_JAX_HELPER_SPIN_US={spin!r} is not an integer from 0 to {MAX_HELPER_SPIN_US} microseconds (unset "
+                f"it for the default)")
     return None
 
 
