@@ -404,6 +404,8 @@ def test_decode_pace_and_eos_operand():
     assert pace.steps == 32
     pace.measured(2, 1.0)
     assert pace.steps == 1
+    pace.measured(1, 0.054)  # 54 ms a step: 1.85 steps fill 0.1 s, rounded to 2
+    assert pace.steps == 2
     off = DecodePace(0.0, 32)
     off.measured(3, 0.001)
     assert off.steps == 1

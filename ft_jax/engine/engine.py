@@ -151,9 +151,9 @@ class Engine:
             (load_checkpoint(experts=ExpertPartition.from_mesh(mesh, E).process_experts)); the dense weights and the
             KV cache are replicated on every device.
         decode_chunk_s: seconds of decode steps per executable run (the attribute may be changed between calls):
-            generate runs the decode steps in chunks of one compiled while loop (steps.decode_tokens), as many steps
-            as fill this time at the last run's rate (1 to DECODE_CHUNK_STEPS), and streams the tokens after each
-            run; 0 runs one step per dispatch. With a mesh every run takes one step (all processes must run the same
+            generate runs the decode steps in chunks of one compiled while loop (steps.decode_tokens), the whole
+            number of steps nearest to this time at the last run's rate (1 to DECODE_CHUNK_STEPS), and streams the
+            tokens after each run; 0 runs one step per dispatch. With a mesh every run takes one step (all processes must run the same
             chunks). The tokens do not depend on it.
     Raises:
         ValueError: num_slots < 1 for an offloading policy, prefill_chunk < 1, decode_chunk_s not a finite number

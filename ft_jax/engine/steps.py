@@ -122,8 +122,8 @@ def decode_tokens(graphdef, backend, params, tokens, positions, kv_cache, expert
 
 
 class DecodePace:
-    """How many steps the next decode_tokens run takes: as many as fill ``seconds`` at the last run's time per step
-    (at least 1, at most max_steps); the first run takes 1. The host streams the tokens once per run, so ``seconds``
+    """How many steps the next decode_tokens run takes: the whole number of steps nearest to ``seconds`` at the last
+    run's time per step (at least 1, at most max_steps); the first run takes 1. The host streams the tokens once per run, so ``seconds``
     is the longest a streamed token waits (0.1 s: ten updates a second), and an interrupt is seen within it."""
 
     def __init__(self, seconds: float, max_steps: int):
@@ -132,7 +132,7 @@ class DecodePace:
     def measured(self, steps: int, elapsed_s: float) -> None:
         """Record that a run of ``steps`` steps took ``elapsed_s`` seconds (wall, host read included)."""
         per_step = elapsed_s / max(steps, 1)
-        self.steps = max(1, min(self.max_steps, int(self.seconds / per_step) if per_step > 0 else self.max_steps))
+        self.steps = max(1, min(self.max_steps, round(self.seconds / per_step) if per_step > 0 else self.max_steps))
 
 
 def decode_n_tokens(decode_chunk, params, kv_cache, expert_state, ops, last, pos, done, n, eos, out, on_tokens,
