@@ -153,8 +153,8 @@ class Engine:
         decode_chunk_s: seconds of decode steps per executable run (the attribute may be changed between calls):
             generate runs the decode steps in chunks of one compiled while loop (steps.decode_tokens), the whole
             number of steps nearest to this time at the last run's rate (1 to DECODE_CHUNK_STEPS), and streams the
-            tokens after each run; 0 runs one step per dispatch. With a mesh every run takes one step (all processes must run the same
-            chunks). The tokens do not depend on it.
+            tokens after each run; 0 runs one step per dispatch. With a mesh every run takes one step (all
+            processes must run the same chunks). The tokens do not depend on it.
     Raises:
         ValueError: num_slots < 1 for an offloading policy, prefill_chunk < 1, decode_chunk_s not a finite number
             >= 0, or a mesh that does not fit the model or the processes (ExpertPartition.from_mesh), or banks that
@@ -305,8 +305,8 @@ class Engine:
             eos_token_ids: a row stops after producing any of them (empty: never stop early).
             on_tokens: called once per step with (step index, the new token of each row or None if the row had
                 already finished): used to stream text. It may return one bool per row: True ends that row there
-                (stop strings). The calls of a run of decode steps come together after it (decode_chunk_s apart
-                at most).
+                (stop strings). The calls of a run of decode steps come together after it (about
+                decode_chunk_s apart).
             record_routing: also return the routing of every decode step (GenerationResult.routing; a decode step
                 of its own, compiled once).
         Returns:

@@ -123,8 +123,9 @@ def decode_tokens(graphdef, backend, params, tokens, positions, kv_cache, expert
 
 class DecodePace:
     """How many steps the next decode_tokens run takes: the whole number of steps nearest to ``seconds`` at the last
-    run's time per step (at least 1, at most max_steps); the first run takes 1. The host streams the tokens once per run, so ``seconds``
-    is the longest a streamed token waits (0.1 s: ten updates a second), and an interrupt is seen within it."""
+    run's time per step (at least 1, at most max_steps); the first run takes 1. The host streams the tokens once per
+    run, so a streamed token waits about ``seconds`` at most (0.1 s: ten updates a second), and an interrupt is seen
+    within it."""
 
     def __init__(self, seconds: float, max_steps: int):
         self.seconds, self.max_steps, self.steps = seconds, max_steps, 1
@@ -190,10 +191,9 @@ def decode_n_tokens(decode_chunk, params, kv_cache, expert_state, ops, last, pos
 def bound_step(step, graphdef, backend):
     """step (prefill, decode_one_token or decode_tokens) with its graphdef and backend bound, f(params, tokens,
     positions, kv_cache, expert_state, key_data, temperature, top_k, top_p, *rest, **static) (rest: decode_one_token's
-    optional rows, decode_tokens' eos_ids and limit): a
-    function object of one Engine's own for its jax.jit, so that JAX's caches (keyed weakly on the function, holding
-    static arguments strongly) never keep a dropped Engine's executables and host banks alive (docs/DESIGN.md sec. 11,
-    "Engine, API and CLI")."""
+    optional rows, decode_tokens' eos_ids and limit): a function object of one Engine's own for its jax.jit, so that
+    JAX's caches (keyed weakly on the function, holding static arguments strongly) never keep a dropped Engine's
+    executables and host banks alive (docs/DESIGN.md sec. 11, "Engine, API and CLI")."""
     def call(params, tokens, positions, kv_cache, expert_state, key_data, temperature, top_k, top_p, *rest, **static):
         return step(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key_data, temperature, top_k,
                     top_p, *rest, **static)
