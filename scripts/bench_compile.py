@@ -74,9 +74,8 @@ def lower_decode_step(engine, kv_len: int):
     import jax
     import jax.numpy as jnp
 
-    from ft_jax.engine.engine import DECODE_CHUNK_STEPS
+    from ft_jax.engine.engine import DECODE_CHUNK_STEPS, eos_operand
     from ft_jax.engine.sampling import Sampling
-    from ft_jax.engine.steps import eos_operand
 
     kv_cache = jax.eval_shape(lambda: engine.init_kv_cache(1, kv_len))
     ids = jax.ShapeDtypeStruct((1,), jnp.int32)

@@ -4,9 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ft_jax.engine.engine import DECODE_CHUNK_STEPS, Engine
+from ft_jax.engine.engine import DECODE_CHUNK_STEPS, Engine, eos_operand
 from ft_jax.engine.sampling import Sampling
-from ft_jax.engine.steps import eos_operand
 
 
 def decode_cache_size(engine: Engine) -> int:

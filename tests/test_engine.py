@@ -12,9 +12,9 @@ import pytest
 
 from ft_jax.checkpoint import load_checkpoint
 from engine_helpers import decode_cache_size, lower_decode_step
-from ft_jax.engine.engine import Engine, kv_bucket, prefill_bucket
+from ft_jax.engine.engine import Engine, eos_operand, kv_bucket, prefill_bucket
 from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, first_argmax, row_key_data, sample_next
-from ft_jax.engine.steps import FINISHED, DecodePace, eos_operand
+from ft_jax.engine.steps import FINISHED, DecodePace
 from ft_jax.offload.cost_model import auto_costs
 from ft_jax.offload.policy import Policy, PolicyKind
 

@@ -427,8 +427,7 @@ def test_decode_step_lowered_for_cuda_uses_only_the_cuda_forms(family, quantize,
     import os
 
     from ft_jax.checkpoint import load_checkpoint
-    from ft_jax.engine.engine import DECODE_CHUNK_STEPS, Engine, Sampling
-    from ft_jax.engine.steps import eos_operand
+    from ft_jax.engine.engine import DECODE_CHUNK_STEPS, Engine, Sampling, eos_operand
 
     monkeypatch.setattr(ft_jax, "CUDA_ENABLED", True)
     path = os.path.join(os.path.dirname(__file__), "fixtures", "hf_tiny", family)

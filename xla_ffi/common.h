@@ -49,6 +49,14 @@ inline xla::ffi::Error InvalidArgument(const char* op, const std::string& messag
   return xla::ffi::Error::InvalidArgument(std::string(op) + ": " + message);
 }
 
+// A spin-wait loop's pause (x86 PAUSE: the core yields to its sibling and leaves the loop without a memory-order
+// flush); a no-op elsewhere. ParallelFor's caller and the kernel helpers poll with it.
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
 // Runs a handler body; an exception (a task of ParallelFor included, parallel.h) becomes an FFI error naming the op
 // instead of unwinding into XLA.
 template <typename Body>

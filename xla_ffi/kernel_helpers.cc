@@ -11,12 +11,6 @@
 namespace ft_jax {
 namespace {
 
-inline void CpuPause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 // FT_JAX_HELPER_SPIN_US (checked at launch by ft_jax.kernels.environment_problem), at most kMaxHelperSpinMicros.
 int64_t SpinMicros() {
   const char* env = std::getenv("FT_JAX_HELPER_SPIN_US");
@@ -29,11 +23,7 @@ int64_t SpinMicros() {
 
 KernelHelpers& KernelHelpers::Shared() {
   // Leaked on purpose, as WorkerPool::Shared.
-  static KernelHelpers* helpers = [] {
-    int64_t cpus = AffinityCpuCount();
-    if (NumThreadsCap()) cpus = std::min(cpus, NumThreadsCap());
-    return new KernelHelpers(cpus - 1, SpinMicros());
-  }();
+  static KernelHelpers* helpers = new KernelHelpers(ProcessThreadCount() - 1, SpinMicros());
   return *helpers;
 }
 
@@ -68,7 +58,7 @@ void KernelHelpers::Loop(int64_t index) {
       idle_since = std::chrono::steady_clock::now();
       continue;
     }
-    for (int i = 0; i < 64 && offers_.load(std::memory_order_relaxed) == seen; ++i) CpuPause();
+    for (int i = 0; i < 64 && offers_.load(std::memory_order_relaxed) == seen; ++i) CpuRelax();
     if (offers_.load(std::memory_order_relaxed) != seen || std::chrono::steady_clock::now() - idle_since < spin) {
       continue;
     }

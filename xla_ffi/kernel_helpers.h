@@ -32,7 +32,6 @@ class KernelHelpers {
   // The process's helpers.
   static KernelHelpers& Shared();
 
-  int64_t num_helpers() const { return static_cast<int64_t>(threads_.size()); }
   // Helpers 0 .. helpers - 1 each run job once, at once if awake. An offer, not a promise: a later Offer replaces a
   // job that a helper has not taken yet, so the caller must be able to finish the work alone (ParallelFor's caller
   // claims tasks too).

@@ -111,12 +111,6 @@ struct ParallelShared {
 // How long ParallelFor's caller waits awake for its helpers before it sleeps (microseconds).
 constexpr int64_t kSpinWaitMicros = 200;
 
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#endif
-}
-
 template <typename Pool, typename Fn>
 void ParallelFor(Pool& pool, int64_t n, const Fn& fn) {
   const int64_t threads = std::min(LoopThreads(pool), n);

@@ -11,13 +11,14 @@
 
 namespace ft_jax {
 
-int64_t AffinityCpuCount() {
+int64_t ProcessThreadCount() {
+  int64_t cpus = 1;
 #if defined(__linux__)
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(CPU_COUNT(&set), 1);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = std::max(CPU_COUNT(&set), 1);
 #endif
-  return 1;
+  return NumThreadsCap() ? std::min(cpus, NumThreadsCap()) : cpus;
 }
 
 WorkerPool::WorkerPool(int64_t num_threads) {
@@ -36,10 +37,7 @@ WorkerPool::~WorkerPool() {
 
 WorkerPool& WorkerPool::Shared() {
   // Leaked on purpose: host-function nodes of executables that outlive static destruction may still schedule.
-  static WorkerPool* pool = [] {
-    const int64_t n = AffinityCpuCount();
-    return new WorkerPool(NumThreadsCap() ? std::min(n, NumThreadsCap()) : n);
-  }();
+  static WorkerPool* pool = new WorkerPool(ProcessThreadCount());
   return *pool;
 }
 

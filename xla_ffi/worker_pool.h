@@ -16,8 +16,9 @@
 
 namespace ft_jax {
 
-// CPUs this process may run on (sched_getaffinity; 1 if the call fails or on other systems).
-int64_t AffinityCpuCount();
+// Threads the process's CPU work uses: the CPUs it may run on (sched_getaffinity; 1 if the call fails or on other
+// systems), capped by FT_JAX_NUM_THREADS. The size of WorkerPool::Shared, and the caller plus the kernel helpers.
+int64_t ProcessThreadCount();
 
 class WorkerPool {
  public:
@@ -26,7 +27,7 @@ class WorkerPool {
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
-  // The process-wide pool: AffinityCpuCount() threads (capped by FT_JAX_NUM_THREADS), started on first use.
+  // The process-wide pool: ProcessThreadCount() threads, started on first use.
   static WorkerPool& Shared();
 
   int64_t num_threads() const { return static_cast<int64_t>(threads_.size()); }

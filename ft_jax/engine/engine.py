@@ -29,8 +29,8 @@ from ft_jax.defaults import DEFAULT_PREFILL_CHUNK
 from ft_jax.engine import stats as stats_lib
 from ft_jax.engine import step_cache
 from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, check_finite, row_key_data
-from ft_jax.engine.steps import (DecodePace, bound_step, decode_n_tokens, decode_one_token, decode_tokens,
-                                 eos_operand, prefill)
+from ft_jax.engine.steps import (FINISHED, DecodePace, bound_step, decode_n_tokens, decode_one_token, decode_tokens,
+                                 prefill)
 from ft_jax.kernels.host_bank import use_huge_pages
 from ft_jax.models.layers import HostWeights
 from ft_jax.offload import expert_parallel
@@ -63,6 +63,13 @@ def _pow2_at_least(n: int, low: int) -> int:
     while b < n:
         b *= 2
     return b
+
+
+def eos_operand(eos: Iterable[int]) -> np.ndarray:
+    """The EOS ids as steps.decode_tokens' operand: i32[n], n the next power of two >= len(eos) (at least 1), padded
+    with steps.FINISHED, so that models with 1-2, 3-4, ... EOS ids share one executable."""
+    ids = sorted(eos)
+    return np.asarray(ids + [FINISHED] * (_pow2_at_least(len(ids), 1) - len(ids)), np.int32)
 
 
 def prefill_bucket(length: int, chunk: int | None = None) -> int:
@@ -317,6 +324,7 @@ class Engine:
             propagates, so the Engine stays usable.
         """
         eos, B = frozenset(eos_token_ids), len(prompts)
+        eos_ids = eos_operand(eos)
         lengths = np.asarray([len(p) for p in prompts], np.int32)
         kv_len = kv_bucket(int(lengths.max()) + max_new_tokens, self.config.max_position_embeddings)
         tally = stats_lib.new_tally()
@@ -330,7 +338,7 @@ class Engine:
                 prefill_args = (self.params, tokens[:, :chunk], positions[:, :chunk], kv_cache, self.expert_state,
                                 *ops)
                 prefill_step, decode_step = self._compile_steps(prefill_args, kv_len, max_new_tokens > 1, sampling,
-                                                                eos, record_routing, tally)
+                                                                eos_ids, record_routing, tally)
                 t0 = time.perf_counter()
                 first, kv_cache = self._prefill_chunks(prefill_step, prefill_args, tokens, positions, chunk)
                 first = expert_parallel.host_value(first)  # i32[B]
@@ -345,7 +353,7 @@ class Engine:
                 pace = DecodePace(self.decode_chunk_s if self.mesh is None else 0.0, DECODE_CHUNK_STEPS)
                 steps, kv_cache, self.expert_state = decode_n_tokens(
                     decode_step, self.params, kv_cache, self.expert_state, ops, first, lengths, done,
-                    max_new_tokens - 1, eos, out, on_tokens, routing, pace)
+                    max_new_tokens - 1, eos_ids, out, on_tokens, routing, pace)
                 per_device = self._read_stats() - stats_after_prefill  # [N, L, 6]
             except BaseException:
                 if any(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(self.expert_state)):
@@ -377,7 +385,7 @@ class Engine:
                 self.on_prefill(done, int((positions.max(axis=1) + 1).sum()), time.perf_counter() - t0)
         return first, kv_cache
 
-    def _compile_steps(self, prefill_args: tuple, kv_len: int, decodes: bool, sampling: Sampling, eos: frozenset,
+    def _compile_steps(self, prefill_args: tuple, kv_len: int, decodes: bool, sampling: Sampling, eos_ids: np.ndarray,
                        record_routing: bool, tally: dict):
         """(prefill executable, decode_tokens executable or None): both before the first token, so the stream is
         never held up by a compile."""
@@ -387,7 +395,7 @@ class Engine:
                                         f"the prefill step ({shape}, prompt bucket {bucket})", tally)
         if not decodes:
             return prefill_step, None
-        step_args = (self.params, prefill_args[1][:, 0], prefill_args[2][:, 0], *prefill_args[3:], eos_operand(eos),
+        step_args = (self.params, prefill_args[1][:, 0], prefill_args[2][:, 0], *prefill_args[3:], eos_ids,
                      np.asarray(1, np.int32))
         return prefill_step, self._executable("decode", step_args, sampling.greedy, f"the decode step ({shape})",
                                               tally, record_routing)

@@ -60,16 +60,6 @@ def decode_one_token(graphdef, backend, params, tokens, positions, kv_cache, exp
 FINISHED = -2  # decode_tokens' mark for a row that took no step (never a token: sample_next's ids are >= -1)
 
 
-def eos_operand(eos) -> np.ndarray:
-    """The EOS ids as decode_tokens' operand: i32[n], n the next power of two >= len(eos) (at least 1), padded with
-    FINISHED, so that models with 1-2, 3-4, ... EOS ids share one executable."""
-    ids = sorted(eos)
-    n = 1
-    while n < len(ids):
-        n *= 2
-    return np.asarray(ids + [FINISHED] * (n - len(ids)), np.int32)
-
-
 def decode_tokens(graphdef, backend, params, tokens, positions, kv_cache, expert_state, key_data, temperature, top_k,
                   top_p, eos_ids, limit, *, greedy: bool, max_steps: int, record_routing: bool = False):
     """Up to ``limit`` decode steps (decode_one_token) in one executable: a jax.lax.while_loop that feeds each step's
@@ -80,7 +70,8 @@ def decode_tokens(graphdef, backend, params, tokens, positions, kv_cache, expert
     Args:
         tokens, positions: i32[B] the first step's tokens and positions (position -1 = finished row: fed token 0 at
             position -1, as decode_n_tokens feeds it). key_data, temperature, top_k, top_p: decode_one_token's.
-        eos_ids: i32[n] the ids that end a row (eos_operand; FINISHED pads). limit: i32[] steps to run, 1..max_steps.
+        eos_ids: i32[n] the ids that end a row (engine.eos_operand; FINISHED pads). limit: i32[] steps to run,
+            1..max_steps.
         max_steps: (static) the chunk's capacity, the first axis of the outputs.
     Returns:
         (tokens i32[max_steps, B]: step j's token of each row (-1: non-finite logits, FINISHED: the row had finished
@@ -136,7 +127,7 @@ class DecodePace:
         self.steps = max(1, min(self.max_steps, round(self.seconds / per_step) if per_step > 0 else self.max_steps))
 
 
-def decode_n_tokens(decode_chunk, params, kv_cache, expert_state, ops, last, pos, done, n, eos, out, on_tokens,
+def decode_n_tokens(decode_chunk, params, kv_cache, expert_state, ops, last, pos, done, n, eos_ids, out, on_tokens,
                     routing, pace: DecodePace):
     """Up to n decode steps, in runs of the compiled decode_tokens, until every row is done.
 
@@ -145,7 +136,8 @@ def decode_n_tokens(decode_chunk, params, kv_cache, expert_state, ops, last, pos
             expert_state: its state (the last two donated and replaced every run). ops: (key_data u32[B, 2],
             Sampling.operands(B)...).
         last: i32[B] the tokens to feed; pos: i32[B] their positions; done: bool[B] finished rows (updated).
-        eos: ids that end a row. out: per row, the generated ids (appended to). on_tokens: see Engine.generate
+        eos_ids: i32[n] the ids that end a row, decode_tokens' operand (FINISHED pads it, never a token). out: per
+            row, the generated ids (appended to). on_tokens: see Engine.generate
             (called once per step, in order, after the run that made it; a row it ends takes no later token of that
             run). routing: a list that receives each step's recorded routing, or None. pace: DecodePace (steps per
             run; fixed at 1 step where every process must run the same chunks: a mesh).
@@ -155,7 +147,7 @@ def decode_n_tokens(decode_chunk, params, kv_cache, expert_state, ops, last, pos
     Raises:
         NonFiniteLogitsError: a row's logits were not finite (naming the step and rows).
     """
-    steps, eos_ids = 0, eos_operand(eos)
+    steps, eos = 0, frozenset(eos_ids.tolist())
     while steps < n and not done.all():
         limit = min(pace.steps, n - steps)
         feed_tokens = np.where(done, 0, last).astype(np.int32)
