@@ -406,6 +406,9 @@ def test_decode_pace_and_eos_operand():
     assert pace.steps == 1
     pace.measured(1, 0.054)  # 54 ms a step: 1.85 steps fill 0.1 s, rounded to 2
     assert pace.steps == 2
+    huge = DecodePace(1e308, 32)  # seconds / per step overflows to inf: capped first
+    huge.measured(1, 1e-3)
+    assert huge.steps == 32
     off = DecodePace(0.0, 32)
     off.measured(3, 0.001)
     assert off.steps == 1
@@ -413,7 +416,7 @@ def test_decode_pace_and_eos_operand():
     assert eos_operand({7}).tolist() == [7]
     assert eos_operand((3, 1, 2)).tolist() == [1, 2, 3, FINISHED]
     engine = Engine(load_checkpoint(os.path.join(FIXTURES, "mixtral")), policy=Policy("host-all"), num_slots=1)
-    for bad in (-1, float("inf"), float("nan"), None, True, "0.1"):
+    for bad in (-1, float("inf"), float("nan"), None, True, "0.1", 10**400):
         with pytest.raises(ValueError, match="decode_chunk_s must be a finite number of seconds >= 0"):
             engine.decode_chunk_s = bad
     with pytest.raises(ValueError, match="decode_chunk_s must be"):

@@ -72,13 +72,26 @@ xla::ffi::Error Guarded(const char* op, const Body& body) {
   }
 }
 
+// The environment variable `name` as an integer in [lo, hi]: ASCII decimal digits, spaces around them allowed (the
+// rule ft_jax.kernels.environment_problem checks at launch and warns about); `fallback` when it is unset or anything
+// else (a sign, an exponent, other text, out of range).
+inline int64_t EnvInteger(const char* name, int64_t lo, int64_t hi, int64_t fallback) {
+  const char* s = std::getenv(name);
+  if (s == nullptr) return fallback;
+  while (*s == ' ' || (*s >= '\t' && *s <= '\r')) ++s;
+  int64_t v = 0;
+  const char* digits = s;
+  for (; *s >= '0' && *s <= '9'; ++s) {
+    if (v > hi) return fallback;  // stops before it can overflow: hi is far below INT64_MAX / 10
+    v = 10 * v + (*s - '0');
+  }
+  while (*s == ' ' || (*s >= '\t' && *s <= '\r')) ++s;
+  return s == digits || *s != '\0' || v < lo || v > hi ? fallback : v;
+}
+
 // FT_JAX_NUM_THREADS (read once per process): the most threads a loop or the worker pool uses; 0 when unset/invalid.
 inline int64_t NumThreadsCap() {
-  static const int64_t cap = [] {
-    const char* env = std::getenv("FT_JAX_NUM_THREADS");
-    const long v = env ? std::strtol(env, nullptr, 10) : 0;
-    return v >= 1 ? static_cast<int64_t>(v) : int64_t{0};
-  }();
+  static const int64_t cap = EnvInteger("FT_JAX_NUM_THREADS", 1, int64_t{1} << 20, 0);
   return cap;
 }
 

@@ -11,13 +11,8 @@
 namespace ft_jax {
 namespace {
 
-// FT_JAX_HELPER_SPIN_US (checked at launch by ft_jax.kernels.environment_problem), at most kMaxHelperSpinMicros.
-int64_t SpinMicros() {
-  const char* env = std::getenv("FT_JAX_HELPER_SPIN_US");
-  if (!env || !*env) return kHelperSpinMicros;
-  const long v = std::strtol(env, nullptr, 10);
-  return std::clamp<int64_t>(v, 0, kMaxHelperSpinMicros);
-}
+// FT_JAX_HELPER_SPIN_US (checked at launch by ft_jax.kernels.environment_problem); the default when malformed.
+int64_t SpinMicros() { return EnvInteger("FT_JAX_HELPER_SPIN_US", 0, kMaxHelperSpinMicros, kHelperSpinMicros); }
 
 }  // namespace
 

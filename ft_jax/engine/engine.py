@@ -236,9 +236,13 @@ class Engine:
     @decode_chunk_s.setter
     def decode_chunk_s(self, seconds: float) -> None:
         """Raises ValueError: not a finite number >= 0 (a bool neither)."""
-        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 <= seconds < math.inf:
+        try:
+            value = None if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) else float(seconds)
+        except OverflowError:  # an int or Fraction beyond float's range
+            value = None
+        if value is None or not 0 <= value < math.inf:
             raise ValueError(f"decode_chunk_s must be a finite number of seconds >= 0, got {seconds!r}")
-        self._decode_chunk_s = float(seconds)
+        self._decode_chunk_s = value
 
     def init_kv_cache(self, batch_size: int, max_len: int):
         """Zero KV cache for batch_size sequences of up to max_len tokens (ft_jax.models.decoder.KVCache); with a mesh,

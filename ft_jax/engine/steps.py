@@ -7,6 +7,7 @@ the decode steps run in chunks: sec. 20.31."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -124,7 +125,8 @@ class DecodePace:
     def measured(self, steps: int, elapsed_s: float) -> None:
         """Record that a run of ``steps`` steps took ``elapsed_s`` seconds (wall, host read included)."""
         per_step = elapsed_s / max(steps, 1)
-        self.steps = max(1, min(self.max_steps, round(self.seconds / per_step) if per_step > 0 else self.max_steps))
+        fill = self.seconds / per_step if per_step > 0 else math.inf
+        self.steps = max(1, round(min(fill, self.max_steps)))
 
 
 def decode_n_tokens(decode_chunk, params, kv_cache, expert_state, ops, last, pos, done, n, eos_ids, out, on_tokens,
