@@ -378,10 +378,7 @@ void RunAttention(Problem pb, ffi::ThreadPool& pool) {
   // the group it is in).
   pb.parts = pb.B >= threads ? 1 : std::min<int64_t>(pb.KVH, (threads + pb.B - 1) / pb.B);
   const int64_t tasks = pb.B * pb.parts;
-  if (threads <= 1) {
-    for (int64_t t = 0; t < tasks; ++t) task(pb, t);
-    return;
-  }
+  if (threads <= 1) return RunOnCaller(tasks, [&](int64_t t) { task(pb, t); });
   ParallelFor(pool, tasks, [&](int64_t t) { task(pb, t); });
 }
 

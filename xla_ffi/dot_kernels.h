@@ -92,14 +92,25 @@ FT_JAX_AVX2 float DotRowAvx2(const W* row, const float* x, int64_t len) {
 #endif
 
 #if FT_JAX_HAVE_AVX2_PATH
-// Bytes ahead of its loads that a decode dot (one or two tokens, memory-bound) prefetches into L1, a line for every
-// 64 bytes it reads: bf16 rows here, q8_0 / q4_0 rows, q4_0x16 groups, fp8 and mxfp4 rows (quant_dot.cc). The
-// hardware prefetchers alone left host_experts of one token on 2 threads of an Intel Xeon VM (AMX, AVX-512 BF16) at
-// 22-24 GB/s for bf16 (21-22 where rows do not start at a page boundary, as a mapped checkpoint's rows), q4_0x16 21,
-// fp8 14, mxfp4 7, the AVX2 level's q4_0 rows 11-12, with numpy reading 33; 1-2 KiB ahead: bf16 29, q8_0 28, q4_0x16
-// 28, fp8 26, mxfp4 16, AVX2 q4_0 21-22 GB/s (docs/DESIGN.md sec. 20.26; an AMD EPYC VM measured no gain from a q4_0
-// row prefetch, sec. 20.23). A prefetch does not fault: past a row's end it fetches the next row, read next.
-constexpr int64_t kDecodePrefetchBytes = 2048;
+// Bytes ahead of its loads that a decode dot (one or two tokens, memory-bound) prefetches, a line for every 64 bytes
+// it reads: bf16 rows here, q8_0 / q4_0 rows, q4_0x16 groups, fp8 and mxfp4 rows (quant_dot.cc). The hardware
+// prefetchers alone left host_experts of one token on 2 threads of an Intel Xeon VM (AVX-512 BF16) at 22-24 GB/s for
+// bf16, q4_0x16 21, fp8 14, mxfp4 7, with numpy reading 33; 2 KiB ahead into L1 gave bf16 29, q8_0 28, q4_0x16 28
+// (docs/DESIGN.md sec. 20.26). A 4 KiB page ahead into L2, each prefetch between the loads (PrefetchAhead), is faster
+// again (sec. 20.32). (An AMD EPYC VM measured no gain from a q4_0 row prefetch, sec. 20.23.) A prefetch does not
+// fault: past a row's end it fetches the next row, read next.
+constexpr int64_t kDecodePrefetchBytes = 4096;
+
+// The decode dots' software prefetch: the line kDecodePrefetchBytes past p into L2 (PREFETCHT2; on CPUs that do not
+// tell the levels apart, as a plain prefetch), kept in its place among the loads by an empty asm that clobbers memory
+// (without it the compiler gathered a step's prefetches ahead of its loads). In a standalone C++ harness of
+// host_experts' call pattern (q4_0x16, 2 threads, this VM): gathered 27-29 GB/s, interleaved 31.5-32.4 (2 KiB into
+// L1: 31.5, 4 KiB into L2: 32.2); the decode of the bench model (generate, 3 processes each, alternated): q4_0 14.6
+// against 16.3 ms per token, q8_0 26.0 against 28.6, bf16 57.4 against 60.5 (sec. 20.32).
+inline __attribute__((always_inline)) void PrefetchAhead(const void* p) {
+  __builtin_prefetch(static_cast<const char*>(p) + kDecodePrefetchBytes, 0, 1);
+  asm volatile("" ::: "memory");
+}
 
 // Accumulators per token of the AVX2 dot of a bf16 weight row with float32 tokens. Two chains of 8 lanes read 32
 // bytes of weights per FMA latency, above one core's share of DRAM; with 2 per token, 4 tokens fit the 16 ymm
@@ -124,8 +135,8 @@ FT_JAX_AVX2 inline void DotRowBf16Avx2Tokens(const uint16_t* row, const float* x
     for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 * A <= len; i += 8 * A) {
-    if constexpr (NT <= 2) {  // memory-bound: a line kDecodePrefetchBytes ahead every 64 bytes
-      if ((i & 31) == 0) __builtin_prefetch(row + i + kDecodePrefetchBytes / 2, 0, 3);
+    if constexpr (NT <= 2) {  // memory-bound: a line kDecodePrefetchBytes ahead every 64 bytes (PrefetchAhead)
+      if ((i & 31) == 0) PrefetchAhead(row + i);
     }
     __m256 wv[A];
 #pragma GCC unroll 2
@@ -189,11 +200,11 @@ FT_JAX_AVX512BF16 inline void DotRowBf16Tokens(const uint16_t* row, const uint16
     for (int a = 0; a < A; ++a) acc[t][a] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 32 * A <= len; i += 32 * A) {
-    if constexpr (NT <= 2) {  // memory-bound: both lines of the step, kDecodePrefetchBytes ahead
-      for (int a = 0; a < A; ++a) __builtin_prefetch(row + i + 32 * a + kDecodePrefetchBytes / 2, 0, 3);
-    }
     __m512i wv[A];
-    for (int a = 0; a < A; ++a) wv[a] = _mm512_loadu_si512(row + i + 32 * a);
+    for (int a = 0; a < A; ++a) {
+      if constexpr (NT <= 2) PrefetchAhead(row + i + 32 * a);  // memory-bound: each line kDecodePrefetchBytes ahead
+      wv[a] = _mm512_loadu_si512(row + i + 32 * a);
+    }
 #pragma GCC unroll 16
     for (int t = 0; t < NT; ++t)
 #pragma GCC unroll 4

@@ -92,7 +92,7 @@ void RunGrouped(const ExpertWeights& m, const float* x, const uint16_t* x_bf16, 
     if (threads > 1) {
       ParallelFor(pool, n, fn);
     } else {
-      for (int64_t i = 0; i < n; ++i) fn(i);
+      RunOnCaller(n, fn);
     }
   };
 

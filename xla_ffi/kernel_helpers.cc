@@ -11,6 +11,10 @@
 namespace ft_jax {
 namespace {
 
+int64_t SteadyNanos(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
 // FT_JAX_HELPER_SPIN_US (checked at launch by ft_jax.kernels.environment_problem); the default when malformed.
 int64_t SpinMicros() { return EnvInteger("FT_JAX_HELPER_SPIN_US", 0, kMaxHelperSpinMicros, kHelperSpinMicros); }
 
@@ -37,6 +41,11 @@ void KernelHelpers::Offer(std::function<void()> job, int64_t helpers) {
   if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
 }
 
+void KernelHelpers::KeepAwake() {
+  awake_until_ns_.store(SteadyNanos(std::chrono::steady_clock::now()) + spin_micros_ * 1000,
+                        std::memory_order_relaxed);
+}
+
 void KernelHelpers::Loop(int64_t index) {
   const auto spin = std::chrono::microseconds(spin_micros_);
   uint64_t seen = 0;
@@ -54,7 +63,9 @@ void KernelHelpers::Loop(int64_t index) {
       continue;
     }
     for (int i = 0; i < 64 && offers_.load(std::memory_order_relaxed) == seen; ++i) CpuRelax();
-    if (offers_.load(std::memory_order_relaxed) != seen || std::chrono::steady_clock::now() - idle_since < spin) {
+    const auto now = std::chrono::steady_clock::now();
+    if (offers_.load(std::memory_order_relaxed) != seen || now - idle_since < spin ||
+        SteadyNanos(now) < awake_until_ns_.load(std::memory_order_relaxed)) {
       continue;
     }
     std::unique_lock<std::mutex> lock(mu_);

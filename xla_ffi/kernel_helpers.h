@@ -37,6 +37,13 @@ class KernelHelpers {
   // claims tasks too).
   void Offer(std::function<void()> job, int64_t helpers);
 
+  // Helpers that are polling go on polling for kHelperSpinMicros from now; sleeping ones sleep on. A kernel call
+  // that runs on its caller alone calls it (RunOnCaller, parallel.h): the step's next calls follow within tens of
+  // microseconds. Without it the o projection after the decode attention found its helper asleep: the q/k/v call's
+  // end to the o call's start is ~57 us (RoPE, the KV cache update, attention), past the poll, and the helper then
+  // joined the o call 41 us late (docs/DESIGN.md sec. 20.32).
+  void KeepAwake();
+
  private:
   KernelHelpers(int64_t helpers, int64_t spin_micros);
   void Loop(int64_t index);
@@ -45,6 +52,7 @@ class KernelHelpers {
   std::condition_variable cv_;
   std::atomic<uint64_t> offers_{0};  // bumped by every Offer (under mu_)
   std::atomic<int64_t> sleepers_{0};
+  std::atomic<int64_t> awake_until_ns_{0};  // KeepAwake's deadline (steady clock, nanoseconds since its epoch)
   std::function<void()> job_;
   int64_t job_helpers_ = 0;
   const int64_t spin_micros_;

@@ -64,7 +64,7 @@ void RunLinear(const MatrixView& w, const float* x, const uint16_t* xb, int64_t 
       DotRowsView(isa, w, r0, r1, nullptr, xb + t0 * xs, xs, std::min(token_block, N - t0), y + t0 * O, O, nullptr);
     }
   };
-  if (threads <= 1) return rows_times_tokens(0, O, nullptr);
+  if (threads <= 1) return RunOnCaller(1, [&](int64_t) { rows_times_tokens(0, O, nullptr); });
   // integer dots (q8_0 / q4_0; mxfp4 with bf16 x at the AVX2 level): x quantized once for every task
   // (quant_dot.h QuantizedActs)
   thread_local std::vector<uint8_t> qx_storage;

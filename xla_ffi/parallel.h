@@ -111,13 +111,18 @@ struct ParallelShared {
 // How long ParallelFor's caller waits awake for its helpers before it sleeps (microseconds).
 constexpr int64_t kSpinWaitMicros = 200;
 
+// fn(0), ..., fn(n-1) on the calling thread alone (a call too small to share), keeping the kernel helpers that are
+// polling awake for the step's next call (KernelHelpers::KeepAwake).
+template <typename Fn>
+void RunOnCaller(int64_t n, const Fn& fn) {
+  KernelHelpers::Shared().KeepAwake();
+  for (int64_t i = 0; i < n; ++i) fn(i);
+}
+
 template <typename Pool, typename Fn>
 void ParallelFor(Pool& pool, int64_t n, const Fn& fn) {
   const int64_t threads = std::min(LoopThreads(pool), n);
-  if (threads <= 1) {
-    for (int64_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
+  if (threads <= 1) return RunOnCaller(n, fn);
   auto shared = std::make_shared<internal::ParallelShared<Fn>>(n, &fn);
   KernelHelpers::Shared().Offer(
       [shared] {

@@ -259,10 +259,10 @@ FT_JAX_AVX2_F16C float DotInt8Avx2(const uint8_t* row, const float* sdx, int64_t
   int64_t b = 0;
   constexpr int64_t kStepBytes = F == WFormat::kQ8_0 ? 128 : 64;  // 4 blocks
   for (; b + 4 <= nb; b += 4) {
-    for (int64_t at = 0; at < kStepBytes; at += 64)
-      __builtin_prefetch(row + b / 4 * kStepBytes + at + kDecodePrefetchBytes, 0, 3);
+    PrefetchAhead(row + b / 4 * kStepBytes);
     a0 = Int8BlockFma<F>(row, sdx, q, b, a0);
     a1 = Int8BlockFma<F>(row, sdx, q, b + 1, a1);
+    if constexpr (kStepBytes > 64) PrefetchAhead(row + b / 4 * kStepBytes + 64);
     a2 = Int8BlockFma<F>(row, sdx, q, b + 2, a2);
     a3 = Int8BlockFma<F>(row, sdx, q, b + 3, a3);
   }
@@ -934,7 +934,7 @@ FT_JAX_VNNI void DotInt8(const uint8_t* row, int64_t nb, const Int8Token* tok, f
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     // pair p of blocks into accumulator a = p % 4 of every token
     auto pair = [&](int64_t p, int a) FT_JAX_VNNI_LAMBDA {
-      if constexpr (NT <= 2) __builtin_prefetch(row + 64 * p + kDecodePrefetchBytes, 0, 3);  // memory-bound decode
+      if constexpr (NT <= 2) PrefetchAhead(row + 64 * p);  // memory-bound decode
       const __m512i wu = _mm512_xor_si512(_mm512_loadu_si512(row + 64 * p), flip);
       for (int t = 0; t < NT; ++t) {
         const __m512i isum = _mm512_dpbusd_epi32(_mm512_loadu_si512(tok[t].corr + 16 * p), wu,
@@ -1042,13 +1042,13 @@ FT_JAX_VNNI void DotQ4x16Group(const uint8_t* gd, const uint16_t* gs, int64_t nb
   __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = gd + 256 * b;
-    for (int c = 0; c < 4; ++c) __builtin_prefetch(blk + kDecodePrefetchBytes + 64 * c, 0, 3);
     const int8_t* qb = q + 32 * b;
     __m512i s0 = _mm512_set1_epi32(corr[16 * (b / 2) + 8 * (b % 2)] / 16), s1 = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
       int32_t lo_q, hi_q;  // activations 4c .. 4c + 3 and 16 + 4c .. 16 + 4c + 3 of the block
       std::memcpy(&lo_q, qb + 4 * c, 4);
       std::memcpy(&hi_q, qb + 16 + 4 * c, 4);
+      PrefetchAhead(blk + 64 * c);
       const __m512i w = _mm512_loadu_si512(blk + 64 * c);
       s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(w, m4), _mm512_set1_epi32(lo_q));
       s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(w, 4), m4), _mm512_set1_epi32(hi_q));
@@ -1159,7 +1159,7 @@ FT_JAX_BF16DOT void DotFp8Bf16(const MatrixView& w, int64_t r0, int64_t r1, cons
       __m512 tmp[NT][2];
       for (int t = 0; t < NT; ++t) tmp[t][0] = tmp[t][1] = _mm512_setzero_ps();
       for (int64_t c = c0; c < end; c += 64) {
-        if constexpr (NT <= 2) __builtin_prefetch(row + c + kDecodePrefetchBytes, 0, 3);  // memory-bound decode
+        if constexpr (NT <= 2) PrefetchAhead(row + c);  // memory-bound decode
         const __mmask64 m = end - c >= 64 ? ~0ull : (1ull << (end - c)) - 1;
         const __m512i b = _mm512_maskz_loadu_epi8(m, row + c);
         const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, b, hi1), b, sign, 0xF8);
@@ -1202,7 +1202,7 @@ FT_JAX_BF16DOT void DotMxfp4Bf16(const MatrixView& w, int64_t r0, int64_t r1, co
     __m512 acc[NT][2];
     for (int t = 0; t < NT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
     for (int64_t g = 0; 4 * g < nb; ++g) {
-      if constexpr (NT <= 2) __builtin_prefetch(row + 64 * g + kDecodePrefetchBytes, 0, 3);  // memory-bound decode
+      if constexpr (NT <= 2) PrefetchAhead(row + 64 * g);  // memory-bound decode
       const int64_t n = std::min<int64_t>(64, bytes - 64 * g);
       const __m512i c = _mm512_maskz_loadu_epi8(n >= 64 ? ~0ull : (1ull << n) - 1, row + 64 * g);
       const __m512i v0 = _mm512_permutexvar_epi16(c, lut), v1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(c, 4), lut);
