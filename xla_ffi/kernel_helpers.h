@@ -6,7 +6,8 @@
 // ops between them. A pool thread sleeps between the calls, and on a VM a sleeping vCPU wakes 30-160 us after it is
 // scheduled (a halted vCPU needs the host to run it again), so the helper joined a small projection's call late and
 // the caller read most of its rows alone. A helper here stays awake for kHelperSpinMicros after its last task
-// (polling with PAUSE) before it sleeps, which spans the gap between the calls of a step, and sleeps between steps.
+// (polling with PAUSE) before it sleeps, or for as long after a call that ran on its caller alone (KeepAwake), which
+// spans the gaps between the calls of a step, and sleeps between steps.
 // Measured on the bench model, q4_0, 2 vCPUs: 15.6-16.1 ms per token against 16.6-17.8 (docs/DESIGN.md sec. 20.31).
 // FT_JAX_HELPER_SPIN_US sets the time (0: sleep at once).
 #ifndef FT_JAX_XLA_FFI_KERNEL_HELPERS_H_
@@ -37,7 +38,8 @@ class KernelHelpers {
   // claims tasks too).
   void Offer(std::function<void()> job, int64_t helpers);
 
-  // Helpers that are polling go on polling for kHelperSpinMicros from now; sleeping ones sleep on. A kernel call
+  // Helpers that are polling go on polling for their poll time (kHelperSpinMicros, FT_JAX_HELPER_SPIN_US) from now;
+  // sleeping ones sleep on. A kernel call
   // that runs on its caller alone calls it (RunOnCaller, parallel.h): the step's next calls follow within tens of
   // microseconds. Without it the o projection after the decode attention found its helper asleep: the q/k/v call's
   // end to the o call's start is ~57 us (RoPE, the KV cache update, attention), past the poll, and the helper then
