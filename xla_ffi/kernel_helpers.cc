@@ -65,7 +65,8 @@ void KernelHelpers::Loop(int64_t index) {
     for (int i = 0; i < 64 && offers_.load(std::memory_order_relaxed) == seen; ++i) CpuRelax();
     const auto now = std::chrono::steady_clock::now();
     if (offers_.load(std::memory_order_relaxed) != seen || now - idle_since < spin ||
-        SteadyNanos(now) < awake_until_ns_.load(std::memory_order_relaxed)) {
+        (SteadyNanos(now) < awake_until_ns_.load(std::memory_order_relaxed) &&
+         now - idle_since < kKeepAwakePolls * spin)) {
       continue;
     }
     std::unique_lock<std::mutex> lock(mu_);

@@ -25,6 +25,8 @@ namespace ft_jax {
 
 // How long a helper polls for its next job after its last one before it sleeps (microseconds).
 constexpr int64_t kHelperSpinMicros = 50;
+// The longest a helper polls after its last job when KeepAwake calls extend its poll, in poll times.
+constexpr int64_t kKeepAwakePolls = 4;
 // FT_JAX_HELPER_SPIN_US's largest value (0.1 s; ft_jax/kernels MAX_HELPER_SPIN_US).
 constexpr int64_t kMaxHelperSpinMicros = 100000;
 
@@ -43,7 +45,8 @@ class KernelHelpers {
   // that runs on its caller alone calls it (RunOnCaller, parallel.h): the step's next calls follow within tens of
   // microseconds. Without it the o projection after the decode attention found its helper asleep: the q/k/v call's
   // end to the o call's start is ~57 us (RoPE, the KV cache update, attention), past the poll, and the helper then
-  // joined the o call 41 us late (docs/DESIGN.md sec. 20.32).
+  // joined the o call 41 us late (docs/DESIGN.md sec. 20.32). A helper polls at most kKeepAwakePolls poll times
+  // after its last job, so a long run of small calls (a small model's step) does not keep it polling throughout.
   void KeepAwake();
 
  private:
