@@ -13,7 +13,8 @@ import pytest
 from ft_jax.checkpoint import load_checkpoint
 from engine_helpers import decode_cache_size, lower_decode_step
 from ft_jax.engine.engine import Engine, eos_operand, kv_bucket, prefill_bucket
-from ft_jax.engine.sampling import NonFiniteLogitsError, Sampling, first_argmax, row_key_data, sample_next
+from ft_jax.engine.sampling import (NonFiniteLogitsError, Sampling, first_argmax, greedy_pick, row_key_data,
+                                   sample_next)
 from ft_jax.engine.steps import FINISHED, DecodePace
 from ft_jax.offload.cost_model import auto_costs
 from ft_jax.offload.policy import Policy, PolicyKind
@@ -254,17 +255,31 @@ def test_sampling_rules():
         Sampling(float("inf"))
 
 
-def test_first_argmax_is_numpys_argmax_ties_first():
-    """The greedy pick: numpy's argmax (the first index of the maximum) on random rows, on rows with ties (equal
-    values, -0.0 against 0.0, a tie at the last index) and on a row of one value; a NaN row gives V."""
+def test_greedy_pick_is_numpys_argmax_ties_first():
+    """The greedy pick, both forms (first_argmax: XLA's ops; greedy_pick: the CPU's FFI call): numpy's argmax (the
+    first index of the maximum) on random rows, on rows with ties (equal values, -0.0 against 0.0, a tie at the last
+    index), on a row of one value and on a row of 201088 logits (gpt-oss's vocabulary) whose maximum is last; a row
+    holding a NaN or an infinity anywhere gives -1 from greedy_pick (first_argmax of a NaN row gives V)."""
     rng = np.random.default_rng(3)
     rows = [rng.normal(size=50), np.round(rng.normal(size=50)), np.r_[np.zeros(49), 3.0],
             np.r_[[-0.0, 0.0], -np.ones(48)], np.r_[[0.0, -0.0], -np.ones(48)], np.r_[np.ones(49) * 2, 5.0 - 3.0],
             np.full(50, -7.5)]
     logits = np.asarray(rows, np.float32)
     np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(logits))), np.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy_pick)(jnp.asarray(logits))), np.argmax(logits, axis=-1))
     nan_row = np.r_[[1.0, np.nan], np.zeros(48)].astype(np.float32)[None]
     assert int(first_argmax(jnp.asarray(nan_row))[0]) == 50
+    wide = rng.normal(size=(3, 201088)).astype(np.float32)
+    wide[0, -1] = 10.0
+    wide[2, [7, 90000]] = 10.0
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy_pick)(wide)), [201087, np.argmax(wide[1]), 7])
+    bad = np.repeat(logits[:1], 7, axis=0)
+    for row, (at, value) in enumerate([(0, np.nan), (17, np.nan), (49, np.nan), (3, np.inf), (49, -np.inf),
+                                       (0, -np.inf), (25, np.inf)]):
+        bad[row, at] = value
+    clean = rng.normal(size=(1, 50)).astype(np.float32)
+    mixed = np.concatenate([bad, clean])
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy_pick)(mixed)), [-1] * 7 + [np.argmax(clean[0])])
 
 
 def test_recorded_routing_is_the_reference_decode_routing(mixtral):

@@ -753,3 +753,13 @@ def test_concurrent_kernel_calls_from_several_threads_equal_one_call():
     gu_bank.release()
     dn_bank.release()
     assert not failures
+
+
+def test_greedy_pick_rejects_other_dtypes_and_ranks_naming_them():
+    """greedy_pick checks its operand at trace time: float32 [B, V] with V >= 1 (the values: test_engine.py)."""
+    with pytest.raises(TypeError, match=r"greedy_pick: logits \[B, V\] must be float32, got bfloat16"):
+        ffi_ops.greedy_pick(jnp.zeros((1, 8), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"greedy_pick: logits must be \[B, V\] \(rank 2\), got shape \(8,\)"):
+        ffi_ops.greedy_pick(jnp.zeros(8, jnp.float32))
+    with pytest.raises(ValueError, match=r"greedy_pick: logits \[B, V\] need V >= 1, got shape \(2, 0\)"):
+        ffi_ops.greedy_pick(jnp.zeros((2, 0), jnp.float32))

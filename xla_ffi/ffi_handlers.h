@@ -21,6 +21,8 @@
 //   FtJaxDecodeAttention  decode_attention.cc  q f32|bf16 [B, NH, D], k/v caches [n, Bc, S, KVH, D], layer i32[],
 //                                          rows i32[B], positions i32[B], window i32[] (+ sinks f32[NH]);
 //                                          attr scale (f32) -> out [B, NH, D] of q's dtype
+//   FtJaxGreedyPick       greedy_pick.cc   logits f32[B, V] -> ids i32[B] (first index of the maximum; -1: a row
+//                                          holding a NaN or an infinity)
 // Weight formats and layouts: quant_dot.h.
 #ifndef FT_JAX_XLA_FFI_FFI_HANDLERS_H_
 #define FT_JAX_XLA_FFI_FFI_HANDLERS_H_
@@ -39,5 +41,6 @@ FT_JAX_DECLARE_HANDLER(FtJaxBankLinearInstantiate);
 FT_JAX_DECLARE_HANDLER(FtJaxBankTake);
 FT_JAX_DECLARE_HANDLER(FtJaxBankTakeInstantiate);
 FT_JAX_DECLARE_HANDLER(FtJaxDecodeAttention);
+FT_JAX_DECLARE_HANDLER(FtJaxGreedyPick);
 
 #endif  // FT_JAX_XLA_FFI_FFI_HANDLERS_H_

@@ -167,6 +167,7 @@ NB_MODULE(_ffi, m) {
         d["ft_jax_bank_linear"] = Staged(FtJaxBankLinearInstantiate, FtJaxBankLinear);
         d["ft_jax_bank_take"] = Staged(FtJaxBankTakeInstantiate, FtJaxBankTake);
         d["ft_jax_decode_attention"] = Capsule(FtJaxDecodeAttention);
+        d["ft_jax_greedy_pick"] = Capsule(FtJaxGreedyPick);
         return d;
       },
       "dict target name -> PyCapsule of the XLA FFI handler, or a dict stage -> PyCapsule (CPU platform).");

@@ -43,22 +43,27 @@ constexpr size_t kParallelMinBytes = size_t{1} << 20;
 // threads when tasks differ in tokens, large enough to amortise the hand-out.
 constexpr size_t kTaskBytes = size_t{256} << 10;
 // A memory-bound call (decode: fewer than kStreamMaxTokens tokens per matrix on average) takes tasks as long as the
-// balance allows (RowsPerTask's 4 per thread): each thread then reads its rows as a few long sequential streams, which
-// the hardware prefetchers follow. Measured (profile_decode.py, bench model, bf16 host-all, 2 threads, the builds
+// balance allows (kTasksPerThread): each thread then reads its rows as a few long sequential streams, which the
+// hardware prefetchers follow. Measured (profile_decode.py, bench model, bf16 host-all, 2 threads, the builds
 // alternated over 3 rounds; docs/DESIGN.md sec. 16): decode +10-15 % tok/s at batch 1, +4 % at batch 8. Prefill keeps
 // kTaskBytes (long tasks cost q8_0 experts at 64 tokens 15-25 %).
 constexpr size_t kStreamTaskBytes = size_t{16} << 20;
 constexpr int64_t kStreamMaxTokens = 8;
+// The fewest tasks per thread a call is split into (RowsPerTask), for balance. 3 rather than 4 (sec. 16's choice):
+// with each prefetch kept among its loads (dot_kernels.h PrefetchAhead), fewer, longer tasks read faster. Measured
+// in-process on the bench model, 2 threads, decode alternated over 6-10 rounds (docs/DESIGN.md sec. 20.33): q4_0
+// 1.018-1.023x the tok/s of 4 per thread (2 per thread: 1.018-1.028x, 8: 0.967x, 16: 0.94x), q8_0 1.009x, bf16 1.005x.
+constexpr int64_t kTasksPerThread = 3;
 
 // Target weight bytes per task of a call that applies `matrices` weight matrices to `tokens` token rows in all.
 inline size_t TaskBytes(int64_t tokens, int64_t matrices) {
   return tokens < kStreamMaxTokens * matrices ? kStreamTaskBytes : kTaskBytes;
 }
 
-// Rows per task: task_bytes of rows of row_bytes, at least 4 tasks per thread for balance, rounded up to `multiple`.
+// Rows per task: task_bytes of rows of row_bytes, at least kTasksPerThread tasks per thread, rounded up to `multiple`.
 inline int64_t RowsPerTask(size_t row_bytes, int64_t rows, int64_t multiple, int64_t threads, size_t task_bytes) {
   int64_t r = static_cast<int64_t>(task_bytes / std::max<size_t>(row_bytes, 1));
-  const int64_t cap = (rows + 4 * threads - 1) / (4 * threads);
+  const int64_t cap = (rows + kTasksPerThread * threads - 1) / (kTasksPerThread * threads);
   r = std::max<int64_t>(1, std::min(r, cap));
   return (r + multiple - 1) / multiple * multiple;
 }

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ft_jax.kernels import ffi_ops
+
 
 # Temperatures the f32 sampler can use: 1 / t and logits / t stay finite for any logit below 3e28.
 TEMPERATURE_MIN, TEMPERATURE_MAX = 1e-10, 1e10
@@ -114,6 +116,17 @@ def threefry2x32(key: tuple[int, int], count: tuple[int, int]) -> tuple[int, int
     return x0, x1
 
 
+def greedy_pick(logits: jax.Array) -> jax.Array:
+    """i32[B]: each row's greedy token of f32[B, V] (first_argmax), or -1 for a row that is not all finite. On the CPU
+    one FFI call (ffi_ops.greedy_pick: one pass over the row, where XLA's reductions cost about 70 us of a decode
+    step over 32000 logits, docs/DESIGN.md sec. 20.33); elsewhere XLA's ops, with the same result."""
+
+    def xla_pick(logits):
+        return jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), first_argmax(logits), -1).astype(jnp.int32)
+
+    return jax.lax.platform_dependent(logits, cpu=ffi_ops.greedy_pick, default=xla_pick)
+
+
 def first_argmax(logits: jax.Array) -> jax.Array:
     """i32[B]: the first index of each row's maximum of f32[B, V], as jnp.argmax for a row of finite values (a row
     with a NaN gives V). Two plain reductions (the maximum, then the lowest index holding it) instead of argmax's
@@ -139,10 +152,10 @@ def sample_next(logits: jax.Array, key_data: jax.Array, counters: jax.Array, tem
     Returns:
         i32[B] token ids, -1 where a logit of the row is NaN or infinite.
     """
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)  # bool[B]
-    best = first_argmax(logits)  # i32[B]
+    best = greedy_pick(logits)  # i32[B]; -1: a row that is not all finite
     if greedy:
-        return jnp.where(finite, best, -1).astype(jnp.int32)
+        return best
+    finite = best >= 0  # bool[B]
     row_greedy = temperature == 0.0  # bool[B]
     scaled = logits / jnp.where(row_greedy, 1.0, temperature)[:, None]  # f32[B, V]
     V = logits.shape[-1]

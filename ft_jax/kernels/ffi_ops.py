@@ -355,6 +355,26 @@ def decode_attention(q, k_cache, v_cache, layer, rows, positions, window, *, sca
                 *operands, scale=np.float32(scale))
 
 
+def greedy_pick(logits):
+    """The greedy token of each row, checked finite (the CPU handler, xla_ffi/greedy_pick.cc): ids[b] = the first
+    index of the maximum of logits[b], as jnp.argmax, or -1 when the row holds a NaN or an infinity. One pass over
+    the row where XLA:CPU runs a tree of reduce-window loops (docs/DESIGN.md sec. 20.33).
+
+    Args:
+      logits: f32[B, V], V >= 1.
+
+    Returns:
+      i32[B].
+
+    Raises:
+      TypeError / ValueError at trace time for another dtype or rank.
+    """
+    (B, V), _ = _expect("greedy_pick", "logits", logits, 2, (np.dtype(np.float32),), "[B, V]")
+    if V < 1:
+        raise ValueError(f"greedy_pick: logits [B, V] need V >= 1, got shape {(B, V)}")
+    return jax.ffi.ffi_call("ft_jax_greedy_pick", jax.ShapeDtypeStruct((B,), jnp.int32))(logits)
+
+
 def _check_expert_inputs(op: str, x, ids, weights, ids_name: str) -> tuple[int, int, int]:
     (T, H), _ = _expect(op, "x", x, 2, _WEIGHT_DTYPES, "[T, H]")
     (Ti, k), _ = _expect(op, ids_name, ids, 2, (np.dtype(np.int32),), "[T, k]")
