@@ -763,3 +763,77 @@ def test_greedy_pick_rejects_other_dtypes_and_ranks_naming_them():
         ffi_ops.greedy_pick(jnp.zeros(8, jnp.float32))
     with pytest.raises(ValueError, match=r"greedy_pick: logits \[B, V\] need V >= 1, got shape \(2, 0\)"):
         ffi_ops.greedy_pick(jnp.zeros((2, 0), jnp.float32))
+
+
+def _rope_reference(x, cos, sin):
+    """numpy's RoPE of bf16 heads with transformers' bf16 roundings: out = bf16(bf16(x c) + bf16(rot(x) s)), c, s
+    the tables rounded to bf16, rot(x) = (-x2, x1); each product and the sum in float32 (ml_dtypes rounds to nearest
+    even). x: bf16[B, T, H, D]; cos, sin: f32[B, T, D]."""
+    r = lambda a: a.astype(BF16).astype(np.float32)  # noqa: E731
+    xf = x.astype(np.float32)
+    c, s = r(cos)[:, :, None, :], r(sin)[:, :, None, :]
+    half = x.shape[-1] // 2
+    rot = np.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (r(xf * c) + r(rot * s)).astype(BF16)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "generic"])
+def test_rope_is_the_bf16_formula_bit_for_bit(kernel, tmp_path):
+    """ffi_ops.rope (the CPU handler, vector and portable loops: FT_JAX_KERNEL in a subprocess) against numpy's bf16
+    formula, and layers.apply_rope (which calls it for bf16 heads on the CPU) against its XLA form: bit-identical at
+    decode (T = 1, the bench model's 16 heads of 128), prefill (T = 37) and MLA's shapes (one key head of 64), with
+    YaRN-scaled tables, values from 1e-3 to 1e4 and a NaN that stays a NaN."""
+    from ft_jax.models.layers import _apply_rope_xla, apply_rope, rope_cos_sin
+    rng = np.random.default_rng(5)
+    cases = []
+    for B, T, H, D, theta, scale in [(1, 1, 16, 128, 1e6, 1.0), (2, 37, 4, 64, 1e4, 1.0), (1, 5, 1, 64, 1e4, 1.3),
+                                     (3, 2, 3, 2, 5e5, 0.7)]:
+        x = (rng.standard_normal((B, T, H, D)) * 10.0 ** rng.uniform(-3, 4, (B, T, H, 1))).astype(BF16)
+        pos = rng.integers(0, 200_000, (B, T)).astype(np.int32)
+        cos, sin = (np.asarray(t) * scale for t in rope_cos_sin(jnp.asarray(pos), D, theta))
+        cases.append((x, cos.astype(np.float32), sin.astype(np.float32)))
+    cases[1][0][1, 3, 2, 5] = np.nan
+    for i, (x, cos, sin) in enumerate(cases):
+        np.save(tmp_path / f"x{i}.npy", x.view(np.uint16))
+        np.save(tmp_path / f"cos{i}.npy", cos)
+        np.save(tmp_path / f"sin{i}.npy", sin)
+    script = """
+import sys, numpy as np, jax.numpy as jnp, ml_dtypes
+from ft_jax import _ffi
+from ft_jax.kernels import ffi_ops
+d, n = sys.argv[1], int(sys.argv[2])
+for i in range(n):
+    x = jnp.asarray(np.load(f"{d}/x{i}.npy").view(ml_dtypes.bfloat16))
+    y = ffi_ops.rope(x, jnp.asarray(np.load(f"{d}/cos{i}.npy")), jnp.asarray(np.load(f"{d}/sin{i}.npy")))
+    np.save(f"{d}/y{i}.npy", np.asarray(y).view(np.uint16))
+print(_ffi.kernel_isa())
+"""
+    env = dict(os.environ, **({} if kernel == "auto" else {"FT_JAX_KERNEL": kernel}))
+    isa = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(len(cases))], check=True, env=env,
+                         capture_output=True, text=True).stdout.strip()
+    assert isa == (_ffi.kernel_isa() if kernel == "auto" else "generic")
+    for i, (x, cos, sin) in enumerate(cases):
+        got = np.load(tmp_path / f"y{i}.npy")
+        want = _rope_reference(x, cos, sin).view(np.uint16)
+        nan = np.isnan(want.view(BF16))
+        assert nan.sum() == (2 if i == 1 else 0)  # the NaN input: its own output and its partner's in the other half
+        np.testing.assert_array_equal(np.isnan(got.view(BF16)), nan)
+        np.testing.assert_array_equal(got[~nan], want[~nan])
+        if kernel == "auto":
+            args = (jnp.asarray(x), jnp.asarray(cos), jnp.asarray(sin))
+            np.testing.assert_array_equal(np.asarray(jax.jit(apply_rope)(*args)).view(np.uint16)[~nan], want[~nan])
+            np.testing.assert_array_equal(np.asarray(jax.jit(_apply_rope_xla)(*args)).view(np.uint16)[~nan],
+                                          want[~nan])
+
+
+def test_rope_rejects_bad_operands_naming_them():
+    """rope checks its operands at trace time: bf16 x [B, T, H, D] with D even, float32 cos / sin [B, T, D]."""
+    x, table = jnp.zeros((1, 2, 4, 8), jnp.bfloat16), jnp.zeros((1, 2, 8), jnp.float32)
+    with pytest.raises(TypeError, match=r"rope: x \[B, T, H, D\] must be bfloat16, got float32"):
+        ffi_ops.rope(x.astype(jnp.float32), table, table)
+    with pytest.raises(ValueError, match=r"rope: sin must be \[B, T, D\] = \[1, 2, 8\] for x \[1, 2, 4, 8\], got \[1, 1, 8\]"):
+        ffi_ops.rope(x, table, table[:, :1])
+    with pytest.raises(TypeError, match=r"rope: cos \[B, T, D\] must be float32, got bfloat16"):
+        ffi_ops.rope(x, table.astype(jnp.bfloat16), table)
+    with pytest.raises(ValueError, match=r"rope: x \[B, T, H, D\] needs an even D \(two halves\), got \[1, 2, 4, 7\]"):
+        ffi_ops.rope(x[..., :7], table[..., :7], table[..., :7])

@@ -23,6 +23,8 @@
 //                                          attr scale (f32) -> out [B, NH, D] of q's dtype
 //   FtJaxGreedyPick       greedy_pick.cc   logits f32[B, V] -> ids i32[B] (first index of the maximum; -1: a row
 //                                          holding a NaN or an infinity)
+//   FtJaxRope             rope.cc          x bf16 [B, T, H, D], cos f32 [B, T, D], sin f32 [B, T, D] -> bf16
+//                                          [B, T, H, D] (RoPE, rotate-half layout, transformers' bf16 roundings)
 // Weight formats and layouts: quant_dot.h.
 #ifndef FT_JAX_XLA_FFI_FFI_HANDLERS_H_
 #define FT_JAX_XLA_FFI_FFI_HANDLERS_H_
@@ -42,5 +44,6 @@ FT_JAX_DECLARE_HANDLER(FtJaxBankTake);
 FT_JAX_DECLARE_HANDLER(FtJaxBankTakeInstantiate);
 FT_JAX_DECLARE_HANDLER(FtJaxDecodeAttention);
 FT_JAX_DECLARE_HANDLER(FtJaxGreedyPick);
+FT_JAX_DECLARE_HANDLER(FtJaxRope);
 
 #endif  // FT_JAX_XLA_FFI_FFI_HANDLERS_H_

@@ -168,6 +168,7 @@ NB_MODULE(_ffi, m) {
         d["ft_jax_bank_take"] = Staged(FtJaxBankTakeInstantiate, FtJaxBankTake);
         d["ft_jax_decode_attention"] = Capsule(FtJaxDecodeAttention);
         d["ft_jax_greedy_pick"] = Capsule(FtJaxGreedyPick);
+        d["ft_jax_rope"] = Capsule(FtJaxRope);
         return d;
       },
       "dict target name -> PyCapsule of the XLA FFI handler, or a dict stage -> PyCapsule (CPU platform).");

@@ -375,6 +375,33 @@ def greedy_pick(logits):
     return jax.ffi.ffi_call("ft_jax_greedy_pick", jax.ShapeDtypeStruct((B,), jnp.int32))(logits)
 
 
+def rope(x, cos, sin):
+    """RoPE (Su et al. 2021) of bf16 heads in the rotate-half layout, with transformers' bf16 roundings (the CPU
+    handler, xla_ffi/rope.cc): out = bf16(bf16(x * bf16(cos)) + bf16(rotate_half(x) * bf16(sin))), rotate_half(x) =
+    (-x2, x1) for the halves (x1, x2) of a head; bit-identical to ft_jax.models.layers.apply_rope's XLA ops, in one
+    vectorized loop where XLA:CPU's fusion takes 5 ns a value (docs/DESIGN.md sec. 20.33).
+
+    Args:
+      x: bf16[B, T, H, D], D even.
+      cos, sin: f32[B, T, D] (layers.rope_cos_sin), one row per token for all H heads.
+
+    Returns:
+      bf16[B, T, H, D].
+
+    Raises:
+      TypeError / ValueError at trace time for other dtypes, ranks or shapes.
+    """
+    op = "rope"
+    (B, T, H, D), _ = _expect(op, "x", x, 4, (np.dtype(jnp.bfloat16),), "[B, T, H, D]")
+    for name, table in (("cos", cos), ("sin", sin)):
+        shape, _ = _expect(op, name, table, 3, (np.dtype(np.float32),), "[B, T, D]")
+        if shape != (B, T, D):
+            raise ValueError(f"{op}: {name} must be [B, T, D] = {[B, T, D]} for x {[B, T, H, D]}, got {list(shape)}")
+    if D % 2:
+        raise ValueError(f"{op}: x [B, T, H, D] needs an even D (two halves), got {[B, T, H, D]}")
+    return jax.ffi.ffi_call("ft_jax_rope", jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16))(x, cos, sin)
+
+
 def _check_expert_inputs(op: str, x, ids, weights, ids_name: str) -> tuple[int, int, int]:
     (T, H), _ = _expect(op, "x", x, 2, _WEIGHT_DTYPES, "[T, H]")
     (Ti, k), _ = _expect(op, ids_name, ids, 2, (np.dtype(np.int32),), "[T, k]")

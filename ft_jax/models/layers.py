@@ -634,7 +634,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
     rotate_half is the two halves reversed along an axis of 2 and the first negated (exact): XLA fuses a reverse into
     the loop that uses it, where a concatenate stays an op of its own with its own inputs' ops (docs/DESIGN.md
-    sec. 20); the values are the formula's."""
+    sec. 20); the values are the formula's. bf16 heads on the CPU: one FFI call with the same roundings and values
+    (ffi_ops.rope), as XLA:CPU does not vectorize that loop (sec. 20.33)."""
+    if x.dtype == jnp.bfloat16:
+        return jax.lax.platform_dependent(x, cos, sin, cpu=ffi_ops.rope, default=_apply_rope_xla)
+    return _apply_rope_xla(x, cos, sin)
+
+
+def _apply_rope_xla(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """apply_rope in XLA's ops."""
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
     halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)  # [..., 2, D/2]: (x1, x2)
