@@ -603,8 +603,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "auto", policy=N
         path = os.path.expanduser(os.fspath(path))
     else:
         raise TypeError(f"path: expected a model folder (str or os.PathLike), got {type(path).__name__}")
-    if kernels.environment_problem():  # the CLI refuses it; the library says it once
-        warnings.warn(f"ft_jax: {kernels.environment_problem()}; it is ignored", stacklevel=2)
+    problem = kernels.environment_problem()
+    if problem:  # the CLI refuses it; the library says it once
+        warnings.warn(f"ft_jax: the kernels ignore a malformed setting: {problem}", stacklevel=2)
     cfg = load_config(path)
     defaulted = policy is None
     if defaulted:

@@ -357,6 +357,24 @@ def test_malformed_kernel_knobs_are_refused(name, value):
     assert proc.returncode == 2 and len(lines) == 1 and f"{name}={value!r}" in lines[0], proc.stderr
 
 
+def test_every_malformed_kernel_knob_is_named():
+    """Two bad knobs at once: the CLI's one line and the library's warning name both, not only the first."""
+    env = {**os.environ, "FT_JAX_KERNEL": "bogus", "FT_JAX_HELPER_SPIN_US": "-5"}
+    proc = subprocess.run([sys.executable, "-m", "ft_jax", "generate", "--model", FIXTURE, *REQUEST],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "FT_JAX_KERNEL='bogus'" in lines[0] and "FT_JAX_HELPER_SPIN_US='-5'" in lines[0], lines[0]
+    script = ("import warnings, ft_jax\n"
+              "with warnings.catch_warnings(record=True) as w:\n"
+              "    warnings.simplefilter('always')\n"
+              f"    ft_jax.load({FIXTURE!r})\n"
+              "print([str(x.message) for x in w if 'FT_JAX_' in str(x.message)])")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT_S,
+                         env=env, check=True).stdout
+    assert "FT_JAX_KERNEL='bogus'" in out and "FT_JAX_HELPER_SPIN_US='-5'" in out, out
+
+
 def test_empty_list_items_are_refused():
     line = _error_line("--model", FIXTURE, "--prompt-ids", "1,,2", "--max-new-tokens", "2")
     assert "--prompt-ids" in line and "'1,,2'" in line, line

@@ -280,6 +280,9 @@ def test_greedy_pick_is_numpys_argmax_ties_first():
     clean = rng.normal(size=(1, 50)).astype(np.float32)
     mixed = np.concatenate([bad, clean])
     np.testing.assert_array_equal(np.asarray(jax.jit(greedy_pick)(mixed)), [-1] * 7 + [np.argmax(clean[0])])
+    stacked = np.stack([logits, logits[::-1]])  # [2, B, V] under jax.vmap: one call per element
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(greedy_pick))(stacked)),
+                                  np.argmax(stacked, axis=-1))
 
 
 def test_recorded_routing_is_the_reference_decode_routing(mixtral):

@@ -782,7 +782,8 @@ def test_rope_is_the_bf16_formula_bit_for_bit(kernel, tmp_path):
     """ffi_ops.rope (the CPU handler, vector and portable loops: FT_JAX_KERNEL in a subprocess) against numpy's bf16
     formula, and layers.apply_rope (which calls it for bf16 heads on the CPU) against its XLA form: bit-identical at
     decode (T = 1, the bench model's 16 heads of 128), prefill (T = 37) and MLA's shapes (one key head of 64), with
-    YaRN-scaled tables, values from 1e-3 to 1e4 and a NaN that stays a NaN."""
+    YaRN-scaled tables, values from 1e-3 to 1e4 (normal numbers: XLA:CPU's flush-to-zero mode, under which both
+    forms run, makes subnormals zeros where numpy keeps them) and a NaN that stays a NaN."""
     from ft_jax.models.layers import _apply_rope_xla, apply_rope, rope_cos_sin
     rng = np.random.default_rng(5)
     cases = []
@@ -824,6 +825,25 @@ print(_ffi.kernel_isa())
             np.testing.assert_array_equal(np.asarray(jax.jit(apply_rope)(*args)).view(np.uint16)[~nan], want[~nan])
             np.testing.assert_array_equal(np.asarray(jax.jit(_apply_rope_xla)(*args)).view(np.uint16)[~nan],
                                           want[~nan])
+
+
+def test_apply_rope_keeps_xlas_form_for_tables_it_cannot_pass_to_the_call():
+    """layers.apply_rope takes the FFI call only for float32 tables of the heads' own [B, T, D]; a table that
+    broadcasts over the batch, or a bf16 one, takes XLA's form (as before the call existed), with the same values as
+    the full float32 table. Under jax.vmap the call runs once per element."""
+    from ft_jax.models.layers import _apply_rope_xla, apply_rope, rope_cos_sin
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((3, 2, 4, 16)), jnp.bfloat16)
+    cos, sin = rope_cos_sin(jnp.asarray([[5, 6]], jnp.int32), 16, 1e4)  # [1, 2, 16]: broadcasts over B = 3
+    full = [jnp.broadcast_to(t, (3, 2, 16)) for t in (cos, sin)]
+    want = np.asarray(_apply_rope_xla(x, *full)).view(np.uint16)
+    np.testing.assert_array_equal(np.asarray(jax.jit(apply_rope)(x, cos, sin)).view(np.uint16), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(apply_rope)(x, *full)).view(np.uint16), want)
+    half = [t.astype(jnp.bfloat16) for t in full]  # bf16 tables: rounded the same way inside either form
+    np.testing.assert_array_equal(np.asarray(jax.jit(apply_rope)(x, *half)).view(np.uint16), want)
+    stacked = jnp.stack([x, x[::-1]])
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(lambda a: ffi_ops.rope(a, *full)))(stacked)),
+                                  np.stack([np.asarray(_apply_rope_xla(a, *full)) for a in (x, x[::-1])]))
 
 
 def test_rope_rejects_bad_operands_naming_them():

@@ -36,21 +36,24 @@ _DECIMAL = re.compile(r"\s*[0-9]+\s*", re.ASCII)  # what the C++ side's strtol r
 
 
 def environment_problem() -> str | None:
-    """A one-line description of a malformed knob of the kernels, or None: FT_JAX_KERNEL must be one of KERNEL_CAPS
-    (the C++ side ignores anything else), FT_JAX_NUM_THREADS an integer >= 1 (the C++ side ignores anything else:
-    xla_ffi/common.h) and FT_JAX_HELPER_SPIN_US an integer >= 0 (microseconds; xla_ffi/kernel_helpers.h). Each is
-    read once per process."""
+    """A one-line description of the malformed knobs of the kernels (every one, joined by "; "), or None:
+    FT_JAX_KERNEL must be one of KERNEL_CAPS (the C++ side ignores anything else), FT_JAX_NUM_THREADS an integer
+    >= 1 (the C++ side ignores anything else: xla_ffi/common.h) and FT_JAX_HELPER_SPIN_US an integer >= 0
+    (microseconds; xla_ffi/kernel_helpers.h). Each is read once per process."""
+    problems = []
     cap = os.environ.get("FT_JAX_KERNEL")
     if cap is not None and cap not in KERNEL_CAPS:
-        return f"FT_JAX_KERNEL={cap!r} is not one of {', '.join(KERNEL_CAPS)} (unset it to use the best the CPU has)"
+        problems.append(f"FT_JAX_KERNEL={cap!r} is not one of {', '.join(KERNEL_CAPS)} (unset it to use the best the "
+                        f"CPU has)")
     threads = os.environ.get("FT_JAX_NUM_THREADS")
     if threads is not None and not (_DECIMAL.fullmatch(threads) and int(threads) >= 1):
-        return f"FT_JAX_NUM_THREADS={threads!r} is not an integer >= 1 (unset it to use XLA's CPU thread pool)"
+        problems.append(f"FT_JAX_NUM_THREADS={threads!r} is not an integer >= 1 (unset it to use XLA's CPU thread "
+                        f"pool)")
     spin = os.environ.get("FT_JAX_HELPER_SPIN_US")
     if spin is not None and not (_DECIMAL.fullmatch(spin) and int(spin) <= MAX_HELPER_SPIN_US):
-        return (f"FT_JAX_HELPER_SPIN_US={spin!r} is not an integer from 0 to {MAX_HELPER_SPIN_US} microseconds (unset "
-                f"it for the default)")
-    return None
+        problems.append(f"FT_JAX_HELPER_SPIN_US={spin!r} is not an integer from 0 to {MAX_HELPER_SPIN_US} "
+                        f"microseconds (unset it for the default)")
+    return "; ".join(problems) or None
 
 
 def _has_cuda_backend() -> bool:

@@ -358,13 +358,14 @@ def decode_attention(q, k_cache, v_cache, layer, rows, positions, window, *, sca
 def greedy_pick(logits):
     """The greedy token of each row, checked finite (the CPU handler, xla_ffi/greedy_pick.cc): ids[b] = the first
     index of the maximum of logits[b], as jnp.argmax, or -1 when the row holds a NaN or an infinity. One pass over
-    the row where XLA:CPU runs a tree of reduce-window loops (docs/DESIGN.md sec. 20.33).
+    the row where XLA:CPU runs a tree of reduce-window loops (docs/DESIGN.md sec. 20.33). Like XLA's ops it runs
+    under XLA:CPU's flush-to-zero mode: subnormal logits count as zeros.
 
     Args:
       logits: f32[B, V], V >= 1.
 
     Returns:
-      i32[B].
+      i32[B]. Under jax.vmap, one call per mapped element.
 
     Raises:
       TypeError / ValueError at trace time for another dtype or rank.
@@ -372,21 +373,23 @@ def greedy_pick(logits):
     (B, V), _ = _expect("greedy_pick", "logits", logits, 2, (np.dtype(np.float32),), "[B, V]")
     if V < 1:
         raise ValueError(f"greedy_pick: logits [B, V] need V >= 1, got shape {(B, V)}")
-    return jax.ffi.ffi_call("ft_jax_greedy_pick", jax.ShapeDtypeStruct((B,), jnp.int32))(logits)
+    return jax.ffi.ffi_call("ft_jax_greedy_pick", jax.ShapeDtypeStruct((B,), jnp.int32),
+                            vmap_method="sequential")(logits)
 
 
 def rope(x, cos, sin):
     """RoPE (Su et al. 2021) of bf16 heads in the rotate-half layout, with transformers' bf16 roundings (the CPU
     handler, xla_ffi/rope.cc): out = bf16(bf16(x * bf16(cos)) + bf16(rotate_half(x) * bf16(sin))), rotate_half(x) =
-    (-x2, x1) for the halves (x1, x2) of a head; bit-identical to ft_jax.models.layers.apply_rope's XLA ops, in one
-    vectorized loop where XLA:CPU's fusion takes 5 ns a value (docs/DESIGN.md sec. 20.33).
+    (-x2, x1) for the halves (x1, x2) of a head; bit-identical to ft_jax.models.layers.apply_rope's XLA ops (under
+    the same flush-to-zero mode: subnormals are zeros; a NaN's payload may differ), in one vectorized loop where
+    XLA:CPU's fusion takes 5 ns a value (docs/DESIGN.md sec. 20.33).
 
     Args:
       x: bf16[B, T, H, D], D even.
       cos, sin: f32[B, T, D] (layers.rope_cos_sin), one row per token for all H heads.
 
     Returns:
-      bf16[B, T, H, D].
+      bf16[B, T, H, D]. Under jax.vmap, one call per mapped element.
 
     Raises:
       TypeError / ValueError at trace time for other dtypes, ranks or shapes.
@@ -399,7 +402,8 @@ def rope(x, cos, sin):
             raise ValueError(f"{op}: {name} must be [B, T, D] = {[B, T, D]} for x {[B, T, H, D]}, got {list(shape)}")
     if D % 2:
         raise ValueError(f"{op}: x [B, T, H, D] needs an even D (two halves), got {[B, T, H, D]}")
-    return jax.ffi.ffi_call("ft_jax_rope", jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16))(x, cos, sin)
+    return jax.ffi.ffi_call("ft_jax_rope", jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16),
+                            vmap_method="sequential")(x, cos, sin)
 
 
 def _check_expert_inputs(op: str, x, ids, weights, ids_name: str) -> tuple[int, int, int]:

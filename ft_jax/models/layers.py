@@ -634,9 +634,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
     rotate_half is the two halves reversed along an axis of 2 and the first negated (exact): XLA fuses a reverse into
     the loop that uses it, where a concatenate stays an op of its own with its own inputs' ops (docs/DESIGN.md
-    sec. 20); the values are the formula's. bf16 heads on the CPU: one FFI call with the same roundings and values
-    (ffi_ops.rope), as XLA:CPU does not vectorize that loop (sec. 20.33)."""
-    if x.dtype == jnp.bfloat16:
+    sec. 20); the values are the formula's. bf16 heads with float32 tables of their own [B, T, D] on the CPU: one FFI
+    call with the same roundings and values (ffi_ops.rope), as XLA:CPU does not vectorize that loop (sec. 20.33);
+    tables that broadcast, or bf16 ones, take XLA's ops."""
+    B, T, _, D = x.shape
+    if x.dtype == jnp.bfloat16 and all(t.dtype == jnp.float32 and t.shape == (B, T, D) for t in (cos, sin)):
         return jax.lax.platform_dependent(x, cos, sin, cpu=ffi_ops.rope, default=_apply_rope_xla)
     return _apply_rope_xla(x, cos, sin)
 
