@@ -3,8 +3,8 @@
 // result:   ids s32[B]: the first index of the row's maximum, or -1 for a row holding a NaN or an infinity
 // Why a handler: the same pick in XLA's ops (a maximum, the lowest index holding it, an is-finite reduction over the
 // row) runs as XLA:CPU's tree of reduce-window loops, one element at a time, about 10 ops and 70 us of a decode step
-// over a 32000-entry vocabulary; this is one pass that the compiler vectorizes and one that stops at the first index
-// holding the maximum (docs/DESIGN.md sec. 20.33).
+// over a 32000-entry vocabulary; here one SSE2 pass finds the maximum and checks the row, and one stops at the first
+// index holding the maximum: 5.7 us (docs/DESIGN.md sec. 20.33).
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -14,7 +14,6 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
-#include "xla_ffi/common.h"
 #include "xla_ffi/ffi_handlers.h"
 
 namespace ffi = xla::ffi;
