@@ -278,12 +278,12 @@ inline void DotRows(Isa isa, const W* w, int64_t len, int64_t r0, int64_t r1, co
 }
 
 // float32 -> bfloat16 bits, round to nearest even (NaN stays a quiet NaN), as a bf16 torch tensor stores a result.
+// Written as a select, not a branch, so loops over it vectorize (rope.cc).
 inline uint16_t ToBf16(float v) {
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
+  const uint32_t rounded = bits + 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(((bits & 0x7fffffffu) > 0x7f800000u ? bits | 0x00400000u : rounded) >> 16);
 }
 
 }  // namespace ft_jax

@@ -41,9 +41,8 @@ class KernelHelpers {
   void Offer(std::function<void()> job, int64_t helpers);
 
   // Helpers that are polling go on polling for their poll time (kHelperSpinMicros, FT_JAX_HELPER_SPIN_US) from now;
-  // sleeping ones sleep on. A kernel call
-  // that runs on its caller alone calls it (RunOnCaller, parallel.h): the step's next calls follow within tens of
-  // microseconds. Without it the o projection after the decode attention found its helper asleep: the q/k/v call's
+  // sleeping ones sleep on. A kernel call that runs on its caller alone calls it (RunOnCaller, parallel.h): the
+  // step's next calls follow within tens of microseconds. Without it the o projection after the decode attention found its helper asleep: the q/k/v call's
   // end to the o call's start is ~57 us (RoPE, the KV cache update, attention), past the poll, and the helper then
   // joined the o call 41 us late (docs/DESIGN.md sec. 20.32). A helper polls at most kKeepAwakePolls poll times
   // after its last job, so a long run of small calls (a small model's step) does not keep it polling throughout.

@@ -6,10 +6,9 @@
 // result:   bf16 [B, T, H, D]
 // Why a handler: XLA:CPU runs the same formula as a loop fusion that it does not vectorize (the halves' reverse in
 // its index arithmetic): 11 us per layer for the 16 query heads of 128 of the bench model, 5 ns a value; this loop
-// takes about 1.5 us (docs/DESIGN.md sec. 20.33). It runs under XLA:CPU's flush-to-zero mode, as XLA's form does:
+// takes about 1.5-2 us (docs/DESIGN.md sec. 20.33). It runs under XLA:CPU's flush-to-zero mode, as XLA's form does:
 // subnormal inputs and products are zeros.
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -27,21 +26,8 @@ using RopeTable = ffi::Buffer<ffi::DataType::F32, 3>;
 
 namespace {
 
-// dot_kernels.h ToBf16 (round to nearest even, a NaN stays a quiet NaN) without its branch, so the loops below
-// vectorize: the rounded float32 value, or its bf16 bits.
-inline uint32_t RoundedBits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  return (bits & 0x7fffffffu) > 0x7f800000u ? (bits | 0x00400000u) & 0xffff0000u : rounded;
-}
-inline float RoundBf16(float v) {
-  const uint32_t bits = RoundedBits(v);
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline uint16_t Bf16Bits(float v) { return static_cast<uint16_t>(RoundedBits(v) >> 16); }
+// A float32 value rounded to bfloat16 (dot_kernels.h ToBf16), as a float32.
+inline float RoundBf16(float v) { return ToF32(ToBf16(v)); }
 
 // The heads of B * T tokens: x, y [BT, H, D] as bf16 bits, cos, sin [BT, D].
 inline __attribute__((always_inline)) void RopeHeads(const uint16_t* x, const float* cos, const float* sin,
@@ -58,8 +44,8 @@ inline __attribute__((always_inline)) void RopeHeads(const uint16_t* x, const fl
       uint16_t* yh = y + (bt * H + h) * D;
       for (int64_t d = 0; d < half; ++d) {
         const float x1 = ToF32(xh[d]), x2 = ToF32(xh[half + d]);
-        yh[d] = Bf16Bits(RoundBf16(x1 * c[d]) + RoundBf16(-x2 * s[d]));
-        yh[half + d] = Bf16Bits(RoundBf16(x2 * c[half + d]) + RoundBf16(x1 * s[half + d]));
+        yh[d] = ToBf16(RoundBf16(x1 * c[d]) + RoundBf16(-x2 * s[d]));
+        yh[half + d] = ToBf16(RoundBf16(x2 * c[half + d]) + RoundBf16(x1 * s[half + d]));
       }
     }
   }
